@@ -1,0 +1,32 @@
+"""Assertions shared by the test modules."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from tensordict import TensorDict
+
+from tiered import TieredStore
+
+
+def assert_td_equal(a: TensorDict, b: TensorDict) -> None:
+    ka = set(a.keys(include_nested=True, leaves_only=True))
+    kb = set(b.keys(include_nested=True, leaves_only=True))
+    assert ka == kb, (ka ^ kb)
+    for k in ka:
+        x, y = a.get(k), b.get(k)
+        assert x.dtype == y.dtype and x.shape == y.shape, (k, x.dtype, y.dtype, x.shape, y.shape)
+        assert torch.equal(x, y), f"field {k} differs"
+
+
+def check_refcounts(store: TieredStore) -> None:
+    idx = store._index
+    refs = [t.blob[store._written].reshape(-1) for t in store._tables.values()]
+    refs += [f.tail_blob for f in store._families]
+    refs = np.concatenate(refs) if refs else np.empty(0, np.int64)
+    refs = refs[refs >= 0]
+    counts = np.bincount(refs, minlength=idx.size)[: idx.size]
+    live = idx.state[: idx.size] != 0
+    assert np.array_equal(counts[live], idx.refcount[: idx.size][live])
+    assert (counts[~live] == 0).all(), "a row references a freed blob"
+    assert (counts[live] > 0).all(), "a live blob is referenced by nothing (leak)"

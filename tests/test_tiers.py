@@ -1,0 +1,698 @@
+"""Conformance suite of the Tier contract (tiered/tiers/base.py): every tier passes it.
+
+Tiers under test: HostTier, DeviceTier on the CPU (standing in for CUDA), MemmapTier and
+HDF5Tier on real files in ``tmp_path``, and DeviceTier on CUDA when a GPU is present. Plus
+unit tests of the extent allocator, byte-size parsing and the batched copy.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import h5py
+import numpy as np
+import pytest
+import torch
+
+from tiered.errors import CorruptionError, ReadOnlyStoreError, StorageFullError
+from tiered.tiers import (
+    ALIGNMENT,
+    DeviceTier,
+    ExtentAllocator,
+    HDF5Tier,
+    HostTier,
+    MemmapTier,
+    Tier,
+    align,
+    copy_blobs,
+    default_budgets,
+    parse_bytes,
+)
+from tiered.tiers import arena as arena_mod
+from tiered.tiers.arena import inject_oom
+
+# The conftest skips `cuda` tests without a GPU; the skipif keeps that true without it.
+needs_cuda = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+# Small segments so that batches cross segment boundaries.
+SEG = 64 << 10
+KINDS = [
+    "host",
+    "device-cpu",
+    "memmap",
+    "hdf5",
+    pytest.param("device-cuda", marks=needs_cuda),
+]
+COLD = ("memmap", "hdf5")
+
+
+def make(kind: str, path, budget: int | None = None) -> Tier:
+    if kind == "host":
+        return HostTier(budget if budget is not None else 64 << 20)
+    if kind == "device-cpu":
+        return DeviceTier(budget if budget is not None else 64 << 20, device="cpu")
+    if kind == "device-cuda":
+        return DeviceTier(budget if budget is not None else 64 << 20, device="cuda")
+    cls = MemmapTier if kind == "memmap" else HDF5Tier
+    return cls(os.path.join(path, "cold"), segment_bytes=SEG, threads=4, budget=budget)
+
+
+@pytest.fixture(params=KINDS)
+def kind(request) -> str:
+    return request.param
+
+
+@pytest.fixture
+def tier(kind, tmp_path):
+    t = make(kind, str(tmp_path))
+    yield t
+    t.close()
+
+
+def batch(rng, n: int, lo: int = 0, hi: int = 3000):
+    """A codec-style batch: random blobs packed back to back in one buffer."""
+    sizes = rng.integers(lo, hi, n).astype(np.int64)
+    data = rng.integers(0, 256, int(sizes.sum()), dtype=np.uint8)
+    return data, np.cumsum(sizes) - sizes, sizes
+
+
+def blobs_of(data, offsets, sizes) -> list[bytes]:
+    return [data[o:o + s].tobytes() for o, s in zip(offsets, sizes, strict=True)]
+
+
+def read_back(t: Tier, offsets, sizes, out_kind: str = "numpy", order=None) -> list[bytes]:
+    """Read blobs into a packed output (optionally in another order); return their bytes."""
+    offsets, sizes = np.asarray(offsets), np.asarray(sizes)
+    order = np.arange(len(sizes)) if order is None else order
+    o, s = offsets[order], sizes[order]
+    out_off = np.cumsum(s) - s
+    if out_kind == "numpy":
+        out = np.full(int(s.sum()), 0xAB, dtype=np.uint8)
+    else:
+        out = torch.full((int(s.sum()),), 0xAB, dtype=torch.uint8,
+                         device="cuda" if out_kind == "cuda" else "cpu")
+    t.read(o, s, out, out_off)
+    host = out if isinstance(out, np.ndarray) else out.cpu().numpy()
+    got = blobs_of(host, out_off, s)
+    res: list[bytes] = [b""] * len(sizes)
+    for k, i in enumerate(order):
+        res[i] = got[k]
+    return res
+
+
+def settle(t: Tier) -> None:
+    """Make freed space reusable: immediate for memory tiers, after a durable commit for cold."""
+    if isinstance(t, MemmapTier):
+        t.flush()
+        t.release_deferred()
+
+
+# --------------------------------------------------------------------------- conformance
+
+
+def test_is_a_tier(tier):
+    assert isinstance(tier, Tier)
+    assert tier.name in ("hot", "warm", "cold")
+    assert isinstance(tier.device, torch.device)
+    st = tier.stats()
+    assert {"bytes_used", "budget", "fragmentation"} <= set(st)
+
+
+@pytest.mark.parametrize("out_kind", ["numpy", "torch"])
+def test_round_trip_bit_exact(tier, out_kind):
+    rng = np.random.default_rng(0)
+    written = []
+    for n in (1, 7, 64, 256):
+        data, src_off, sizes = batch(rng, n)
+        offsets = tier.allocate(sizes)
+        assert offsets.dtype == np.int64 and offsets.shape == (n,)
+        tier.write(offsets, data, src_off, sizes)
+        written.append((offsets, sizes, blobs_of(data, src_off, sizes)))
+    tier.flush()
+    for offsets, sizes, expect in written:
+        assert read_back(tier, offsets, sizes, out_kind) == expect
+        order = rng.permutation(len(sizes))
+        assert read_back(tier, offsets, sizes, out_kind, order) == expect
+
+
+def test_write_from_torch_and_scattered_source(tier):
+    rng = np.random.default_rng(1)
+    data, src_off, sizes = batch(rng, 50)
+    # the source blobs in reverse order with 7-byte gaps: nothing is contiguous
+    rev = sizes[::-1] + 7
+    src_off2 = (np.cumsum(rev) - rev)[::-1] + 5
+    src = torch.zeros(int(rev.sum()) + 10, dtype=torch.uint8)
+    for a, b, n in zip(src_off, src_off2, sizes, strict=True):
+        src[b:b + n] = torch.from_numpy(data[a:a + n])
+    offsets = tier.allocate(sizes)
+    tier.write(offsets, src, src_off2, sizes)
+    assert read_back(tier, offsets, sizes) == blobs_of(data, src_off, sizes)
+
+
+def test_zero_size_and_empty_batches(tier):
+    off = tier.allocate(np.array([], dtype=np.int64))
+    assert off.shape == (0,)
+    tier.write(off, np.zeros(0, np.uint8), off, off)
+    tier.read(off, off, np.zeros(0, np.uint8), off)
+    data = np.arange(20, dtype=np.uint8)
+    sizes = np.array([0, 20, 0])
+    off = tier.allocate(sizes)
+    tier.write(off, data, np.array([0, 0, 20]), sizes)
+    assert read_back(tier, off, sizes) == [b"", data.tobytes(), b""]
+
+
+def test_offsets_aligned(tier):
+    rng = np.random.default_rng(2)
+    for _ in range(5):
+        sizes = rng.integers(1, 5000, 40)
+        off = tier.allocate(sizes)
+        assert (off % ALIGNMENT == 0).all()
+        # live ranges never overlap
+        o = np.sort(off)
+        s = align(sizes)[np.argsort(off)]
+        assert (o[1:] >= o[:-1] + s[:-1]).all()
+
+
+def test_bytes_used_counts_aligned_sizes(tier):
+    sizes = np.array([1, 16, 17, 100])
+    off = tier.allocate(sizes)
+    assert tier.bytes_used == int(align(sizes).sum()) == 16 + 16 + 32 + 112
+    tier.free(off[:2], sizes[:2])
+    assert tier.bytes_used == 32 + 112
+
+
+def test_free_then_reuse(tier, kind):
+    rng = np.random.default_rng(3)
+    data, src_off, sizes = batch(rng, 30, 100, 2000)
+    a = tier.allocate(sizes)
+    tier.write(a, data, src_off, sizes)
+    keep = tier.allocate(np.array([64]))  # something after `a`, so `a` stays a hole
+    tier.free(a, sizes)
+    if kind in COLD:
+        # deferred: the space of `a` is not reused before the freeing commit is durable
+        b = tier.allocate(sizes)
+        assert not np.isin(b, a).any()
+        assert read_back(tier, a, sizes) == blobs_of(data, src_off, sizes)  # still intact
+        tier.free(b, sizes, defer=False)
+        settle(tier)
+    c = tier.allocate(sizes)
+    assert int(c.min()) == int(a.min())  # the hole is reused
+    assert tier.bytes_used == int(align(sizes).sum()) + 64
+    del keep
+
+
+def test_storage_full_is_all_or_nothing(kind, tmp_path):
+    budget = 8192
+    t = make(kind, str(tmp_path), budget=budget)
+    rng = np.random.default_rng(4)
+    data, src_off, sizes = batch(rng, 4, 1000, 1500)
+    off = t.allocate(sizes)
+    t.write(off, data, src_off, sizes)
+    used, stats = t.bytes_used, t.stats()
+    big = np.array([1000, 1000, 1000, 1000])
+    with pytest.raises(StorageFullError) as e:
+        t.allocate(big)
+    msg = str(e.value)
+    assert str(int(align(big).sum())) in msg and str(budget) in msg and str(used) in msg
+    assert t.bytes_used == used and t.stats() == stats
+    assert read_back(t, off, sizes) == blobs_of(data, src_off, sizes)
+    # what does fit still goes in, where the failed batch would have gone
+    more = t.allocate(np.array([budget - used]))
+    assert t.bytes_used == budget
+    with pytest.raises(StorageFullError):
+        t.allocate(np.array([1]))
+    t.free(more, np.array([budget - used]), **({"defer": False} if kind in COLD else {}))
+    t.close()
+
+
+def test_blob_larger_than_budget_is_a_value_error(kind, tmp_path):
+    t = make(kind, str(tmp_path), budget=4096)
+    with pytest.raises(ValueError, match="4112 bytes.*4096") as e:
+        t.allocate(np.array([10, 4100]))
+    assert not isinstance(e.value, StorageFullError)
+    assert t.bytes_used == 0
+    t.allocate(np.array([4096]))  # exactly the budget fits
+    t.close()
+
+
+def test_fragmentation_in_unit_interval(tier):
+    rng = np.random.default_rng(5)
+    assert tier.stats()["fragmentation"] == 0.0
+    sizes = rng.integers(16, 400, 200)
+    off = tier.allocate(sizes)
+    sel = rng.random(200) < 0.5
+    sel[-1] = False
+    tier.free(off[sel], sizes[sel])
+    settle(tier)
+    f = tier.stats()["fragmentation"]
+    assert 0.0 < f < 1.0
+    tier.free(off[~sel], sizes[~sel])
+    settle(tier)
+    assert tier.stats()["fragmentation"] == 0.0
+    assert tier.bytes_used == 0
+
+
+def test_random_operations_match_a_model(tier, kind):
+    """2000 random allocate/write/free/read operations checked against a dict."""
+    rng = np.random.default_rng(6)
+    model: dict[int, bytes] = {}  # offset -> bytes
+    cold = kind in COLD
+    for step in range(2000):
+        op = rng.random()
+        if op < 0.4 or not model:
+            data, src_off, sizes = batch(rng, int(rng.integers(1, 9)), 0, 1500)
+            try:
+                off = tier.allocate(sizes)
+            except StorageFullError:
+                continue
+            tier.write(off, data, src_off, sizes)
+            for o, b in zip(off.tolist(), blobs_of(data, src_off, sizes), strict=True):
+                if b:
+                    assert o not in model
+                    model[o] = b
+        elif op < 0.7:
+            keys = list(model)
+            pick = rng.choice(len(keys), size=min(len(keys), int(rng.integers(1, 9))), replace=False)
+            off = np.array([keys[i] for i in pick], dtype=np.int64)
+            tier.free(off, np.array([len(model[o]) for o in off.tolist()]))
+            for o in off.tolist():
+                del model[o]
+        else:
+            keys = list(model)
+            pick = rng.choice(len(keys), size=min(len(keys), int(rng.integers(1, 33))), replace=False)
+            off = np.array([keys[i] for i in pick], dtype=np.int64)
+            sizes = np.array([len(model[o]) for o in off.tolist()])
+            out_kind = "torch" if step % 2 else "numpy"
+            assert read_back(tier, off, sizes, out_kind) == [model[o] for o in off.tolist()]
+        if cold and step % 50 == 0:
+            settle(tier)
+        # live blobs never overlap
+        if step % 100 == 0 and model:
+            o = np.array(sorted(model))
+            s = align(np.array([len(model[k]) for k in o.tolist()]))
+            assert (o[1:] >= o[:-1] + s[:-1]).all()
+    assert tier.bytes_used == sum(int(align(np.array([len(b)]))[0]) for b in model.values())
+    off = np.array(list(model), dtype=np.int64)
+    assert read_back(tier, off, np.array([len(model[o]) for o in model])) == list(model.values())
+
+
+# --------------------------------------------------------------------------- cold tiers
+
+@pytest.fixture(params=COLD)
+def cold_cls(request):
+    return MemmapTier if request.param == "memmap" else HDF5Tier
+
+
+def _filled(cold_cls, directory, n=300, seed=7):
+    t = cold_cls(directory, segment_bytes=SEG, threads=4)
+    rng = np.random.default_rng(seed)
+    data, src_off, sizes = batch(rng, n, 0, 3000)
+    off = t.allocate(sizes)
+    t.write(off, data, src_off, sizes)
+    t.flush()
+    return t, off, sizes, blobs_of(data, src_off, sizes)
+
+
+def test_cold_blobs_never_straddle_segments(cold_cls, tmp_path):
+    t, off, sizes, _ = _filled(cold_cls, str(tmp_path / "c"))
+    end = off + np.maximum(sizes, 1) - 1
+    assert (off // SEG == end // SEG).all()
+    assert len(t.segments) > 3
+    t.close()
+
+
+def test_cold_reopen_bit_exact(cold_cls, tmp_path):
+    d = str(tmp_path / "c")
+    t, off, sizes, expect = _filled(cold_cls, d)
+    state = t.state()
+    t.close()
+    for mode in ("r", "r+"):
+        r = cold_cls.open(d, state, mode)
+        assert r.bytes_used == int(align(sizes).sum())
+        assert read_back(r, off, sizes) == expect
+        assert read_back(r, off, sizes, "torch", np.random.default_rng(0).permutation(len(sizes))) == expect
+        if mode == "r":
+            with pytest.raises(ReadOnlyStoreError):
+                r.allocate(np.array([10]))
+        else:
+            data, src_off, s2 = batch(np.random.default_rng(9), 40)
+            o2 = r.allocate(s2)
+            assert not np.isin(o2, off).any()
+            r.write(o2, data, src_off, s2)
+            r.flush()
+            state2 = r.state()
+        r.close()
+    r = cold_cls.open(d, state2, "r")
+    assert read_back(r, off, sizes) == expect
+    assert read_back(r, o2, s2) == blobs_of(data, src_off, s2)
+    r.close()
+
+
+def test_cold_state_is_flat_json_and_arrays(cold_cls, tmp_path):
+    import json
+
+    t, *_ = _filled(cold_cls, str(tmp_path / "c"), n=20)
+    st = t.state()
+    plain = {k: v for k, v in st.items() if not isinstance(v, np.ndarray)}
+    json.dumps(plain)
+    assert all(v.dtype == np.int64 for v in st.values() if isinstance(v, np.ndarray))
+    t.close()
+
+
+def test_cold_reopen_releases_deferred_frees(cold_cls, tmp_path):
+    d = str(tmp_path / "c")
+    t, off, sizes, _ = _filled(cold_cls, d, n=50)
+    t.free(off[:10], sizes[:10])
+    t.flush()
+    state = t.state()
+    t.close()
+    r = cold_cls.open(d, state, "r+")
+    again = r.allocate(sizes[:10])
+    assert np.isin(again, off[:10]).any()
+    r.close()
+
+
+def test_cold_missing_or_truncated_segment(cold_cls, tmp_path):
+    d = str(tmp_path / "c")
+    t, off, sizes, _ = _filled(cold_cls, d)
+    state = t.state()
+    t.close()
+    seg1 = t.segment_path(1)
+    with open(seg1, "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(CorruptionError, match=r"seg-000001.*truncated.*expected at least \d+ bytes"):
+        cold_cls.open(d, state, "r")
+    os.remove(seg1)
+    with pytest.raises(CorruptionError, match=r"seg-000001.*missing"):
+        cold_cls.open(d, state, "r")
+
+
+def test_cold_refuses_a_directory_with_segments(cold_cls, tmp_path):
+    d = str(tmp_path / "c")
+    t, *_ = _filled(cold_cls, d, n=5)
+    t.close()
+    with pytest.raises(FileExistsError, match="open"):
+        cold_cls(d, segment_bytes=SEG)
+
+
+def test_cold_pickle_read_only(cold_cls, tmp_path):
+    d = str(tmp_path / "c")
+    t, off, sizes, expect = _filled(cold_cls, d)
+    with pytest.raises(TypeError, match="read-only|mode='r'"):
+        pickle.dumps(t)
+    state = t.state()
+    t.close()
+    r = cold_cls.open(d, state, "r")
+    assert read_back(r, off[:5], sizes[:5]) == expect[:5]  # opens fds and a pool, then pickle
+    r2 = pickle.loads(pickle.dumps(r))
+    assert read_back(r2, off, sizes) == expect
+    r.close()
+    r2.close()
+
+
+def test_cold_read_after_fork(cold_cls, tmp_path):
+    """A read-only tier used before fork still reads in the child (fresh fds and threads)."""
+    d = str(tmp_path / "c")
+    t, off, sizes, expect = _filled(cold_cls, d, n=400)
+    state = t.state()
+    t.close()
+    r = cold_cls.open(d, state, "r")
+    assert read_back(r, off, sizes) == expect  # starts the thread pool in the parent
+    pid = os.fork()
+    if pid == 0:  # child: exit status says whether the read was bit-exact
+        try:
+            ok = read_back(r, off, sizes) == expect
+        except BaseException:
+            ok = False
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+    r.close()
+
+
+def test_cold_large_threaded_read(cold_cls, tmp_path):
+    d = str(tmp_path / "c")
+    t = cold_cls(d, segment_bytes=4 << 20, threads=4)
+    rng = np.random.default_rng(10)
+    data, src_off, sizes = batch(rng, 600, 1000, 20000)  # ~6 MB: the threaded path
+    off = t.allocate(sizes)
+    t.write(off, data, src_off, sizes)
+    t.flush()
+    order = rng.permutation(600)
+    assert read_back(t, off, sizes, "numpy", order) == blobs_of(data, src_off, sizes)
+    sub = order[:300]  # sparse: single-blob runs read straight into out
+    assert read_back(t, off[sub], sizes[sub]) == [blobs_of(data, src_off, sizes)[i] for i in sub]
+    t.drop_cache()
+    assert read_back(t, off, sizes, "torch") == blobs_of(data, src_off, sizes)
+    t.close()
+
+
+def test_hdf5_segments_are_plain_hdf5(tmp_path):
+    d = str(tmp_path / "c")
+    t, off, sizes, expect = _filled(HDF5Tier, d)
+    for o, s, b in zip(off.tolist(), sizes.tolist(), expect, strict=True):
+        seg, inner = divmod(o, SEG)
+        with h5py.File(t.segment_path(seg), "r") as f:
+            ds = f["blobs"]
+            assert ds.shape == (SEG,) and ds.dtype == np.uint8 and ds.chunks is None
+            assert ds.compression is None
+            assert bytes(ds[inner:inner + s]) == b
+    t.close()
+
+
+def test_hdf5_wrong_file_is_corruption(tmp_path):
+    d = str(tmp_path / "c")
+    t, off, sizes, _ = _filled(HDF5Tier, d, n=5)
+    state = t.state()
+    t.close()
+    with open(t.segment_path(0), "r+b") as f:  # clobber the HDF5 superblock
+        f.write(b"\0" * 512)
+    r = HDF5Tier.open(d, state, "r")
+    with pytest.raises(CorruptionError, match="seg-000000.h5"):
+        read_back(r, off, sizes)
+    r.close()
+
+
+def test_memmap_files_grow_in_steps_without_holes(tmp_path):
+    d = str(tmp_path / "c")
+    t = MemmapTier(d, segment_bytes=64 << 20)
+    off = t.allocate(np.array([1000]))
+    t.write(off, np.zeros(1000, np.uint8), np.array([0]), np.array([1000]))
+    st = os.stat(t.segment_path(0))
+    assert st.st_size == 16 << 20  # one growth step, not the whole segment
+    assert st.st_blocks * 512 >= st.st_size  # reserved on disk (posix_fallocate), not sparse
+    t.close()
+
+
+# --------------------------------------------------------------------------- memory tiers
+
+
+def test_arena_grows_geometrically_and_lazily():
+    t = HostTier(1 << 30)
+    assert t.capacity == 0
+    t.allocate(np.array([100]))
+    assert 0 < t.capacity <= 1 << 16
+    caps = []
+    for _ in range(6):
+        t.allocate(np.array([50_000]))
+        caps.append(t.capacity)
+    assert caps[-1] < 1 << 20  # never the whole budget up front
+    assert all(b == a or b >= 2 * a for a, b in zip(caps, caps[1:], strict=False))  # x2 growth
+    small = HostTier(100_000)
+    small.allocate(np.array([40_000]))
+    assert small.capacity == 1 << 16
+    small.allocate(np.array([40_000]))
+    assert small.capacity == 100_000  # x2 would pass the budget: capped at it
+
+
+def test_arena_out_of_memory_is_storage_full_and_unchanged():
+    t = HostTier(1 << 30)
+    data = np.arange(200, dtype=np.uint8)
+    off = t.allocate(np.array([200]))
+    t.write(off, data, np.array([0]), np.array([200]))
+    used, cap = t.bytes_used, t.capacity
+    with inject_oom(), pytest.raises(StorageFullError, match="could not grow"):
+        t.allocate(np.array([1 << 20]))
+    assert t.bytes_used == used and t.capacity == cap
+    assert read_back(t, off, np.array([200])) == [data.tobytes()]
+    t.allocate(np.array([1 << 20]))
+
+
+def test_host_tier_is_pinned_only_with_cuda():
+    t = HostTier(1 << 20)
+    t.allocate(np.array([10]))
+    assert t.buffer.is_pinned() == torch.cuda.is_available()
+    assert t.name == "warm" and t.device == torch.device("cpu")
+
+
+def test_device_tier_defaults_to_cuda():
+    assert DeviceTier(1 << 20).device.type == "cuda"
+    assert DeviceTier(1 << 20, device="cpu").name == "hot"
+
+
+def test_zero_budget_holds_nothing():
+    t = DeviceTier(0, device="cpu")
+    with pytest.raises(ValueError, match="budget of 0 bytes"):
+        t.allocate(np.array([1]))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_arena_to_cpu_and_back():
+    rng = np.random.default_rng(11)
+    t = DeviceTier(1 << 24, device="cuda")
+    data, src_off, sizes = batch(rng, 256, 500, 8000)
+    off = t.allocate(sizes)
+    t.write(off, torch.from_numpy(data).cuda(), src_off, sizes)
+    expect = blobs_of(data, src_off, sizes)
+    assert read_back(t, off, sizes, "numpy") == expect
+    assert read_back(t, off, sizes, "cuda", rng.permutation(256)) == expect
+
+
+# --------------------------------------------------------------------------- building blocks
+
+
+def test_copy_blobs_paths_agree():
+    rng = np.random.default_rng(12)
+    for trial in range(60):
+        n = int(rng.integers(1, 300))
+        sizes = rng.integers(0, 5000, n)
+        src = rng.integers(0, 256, int(sizes.sum()) * 2 + 64, dtype=np.uint8)
+        perm = rng.permutation(n)
+        s_off = (np.cumsum(sizes[perm]) - sizes[perm])[np.argsort(perm)] + (trial % 3) * 8
+        d_sizes = align(sizes) if trial % 2 else sizes
+        d_off = np.cumsum(d_sizes) - d_sizes
+        dst_len = int(d_off[-1] + sizes[-1]) + 8
+        ref = np.zeros(dst_len, np.uint8)
+        for a, b, k in zip(s_off, d_off, sizes, strict=True):
+            ref[b:b + k] = src[a:a + k]
+        out = np.zeros(dst_len, np.uint8)
+        copy_blobs(src, s_off, out, d_off, sizes)
+        assert (out == ref).all()
+        # the torch (GPU) path, run on CPU tensors
+        out_t = torch.zeros(dst_len, dtype=torch.uint8)
+        arena_mod._copy_torch(torch.from_numpy(src), s_off.astype(np.int64), out_t,
+                              d_off.astype(np.int64), sizes.astype(np.int64))
+        assert (out_t.numpy() == ref).all()
+
+
+@pytest.mark.parametrize("hi", [2, 20, 300])
+def test_copy_blobs_small_buffers(hi):
+    rng = np.random.default_rng(hi)
+    sizes = rng.integers(0, hi, 12)
+    src = rng.integers(0, 256, int(sizes.sum()), dtype=np.uint8)
+    s_off = np.cumsum(sizes) - sizes
+    perm = rng.permutation(12)
+    d_off = (np.cumsum(sizes[perm]) - sizes[perm])[np.argsort(perm)]
+    dst = np.zeros(int(sizes.sum()), np.uint8)
+    copy_blobs(src, s_off, dst, d_off, sizes)
+    assert [dst[o:o + n].tobytes() for o, n in zip(d_off, sizes, strict=True)] == \
+        [src[o:o + n].tobytes() for o, n in zip(s_off, sizes, strict=True)]
+
+
+def test_copy_blobs_checks_bounds_and_types():
+    src = np.zeros(10, np.uint8)
+    with pytest.raises(ValueError, match="outside"):
+        copy_blobs(src, np.array([5]), np.zeros(10, np.uint8), np.array([0]), np.array([6]))
+    with pytest.raises(TypeError, match="uint8"):
+        copy_blobs(np.zeros(10, np.float32), np.array([0]), src, np.array([0]), np.array([1]))
+
+
+def test_allocator_strategies():
+    a = ExtentAllocator(1 << 20)
+    off = a.allocate(np.full(10, 100))  # 112 aligned each
+    assert (np.diff(off) == 112).all()
+    a.free(off[2:5], np.full(3, 100))  # a hole of 336 bytes
+    a.free(off[7:8], np.full(1, 100))  # a hole of 112 bytes
+    assert a.fragmentation == pytest.approx(1 - 336 / 448)
+    # 1. first fit in address order: a single blob takes the start of the first hole
+    b = a.allocate(np.array([100]))
+    assert b.tolist() == [off[2]]
+    # 2. spread over the holes in address order, then bump: two blobs fill the rest of the first
+    #    hole, one the 112-byte hole, the 4th goes to the end
+    c = a.allocate(np.full(4, 100))
+    assert c[:3].tolist() == [off[3], off[4], off[7]] and c[3] == off[-1] + 112
+    assert a.free_bytes == 0 and a.fragmentation == 0.0
+    # 3. a blob that would straddle two holes is bumped, and both holes stay free
+    a.free(np.array([off[0], off[2]]), np.full(2, 100))
+    d = a.allocate(np.array([200]))
+    assert d[0] == off[-1] + 224 and a.free_bytes == 224
+
+
+def test_allocator_shrinks_end_and_coalesces():
+    a = ExtentAllocator(None)
+    off = a.allocate(np.full(100, 32))
+    a.free(off[::2], np.full(50, 32))
+    assert a.free_bytes == 50 * 32
+    a.free(off[1::2], np.full(50, 32))
+    assert a.high_water == 0 and a.free_bytes == 0 and a.bytes_used == 0
+
+
+def test_allocator_double_free_and_bad_ranges():
+    a = ExtentAllocator(4096)
+    off = a.allocate(np.array([64, 64, 64]))
+    a.free(off[:1], np.array([64]))
+    before = a.state()
+    with pytest.raises(ValueError, match="double free"):
+        a.free(off[:2], np.array([64, 64]))
+    with pytest.raises(ValueError, match="outside"):
+        a.free(np.array([4000]), np.array([64]))
+    after = a.state()
+    assert all(np.array_equal(before[k], after[k]) for k in before)
+
+
+def test_allocator_boundary_and_state_round_trip():
+    rng = np.random.default_rng(13)
+    a = ExtentAllocator(None, boundary=1024)
+    live = []
+    for _ in range(300):
+        sizes = rng.integers(1, 700, int(rng.integers(1, 6)))
+        off = a.allocate(sizes)
+        assert (off // 1024 == (off + align(sizes) - 1) // 1024).all()
+        live += list(zip(off.tolist(), sizes.tolist(), strict=True))
+        if rng.random() < 0.5 and live:
+            k = int(rng.integers(0, len(live)))
+            o, s = live.pop(k)
+            a.free(np.array([o]), np.array([s]), defer=bool(rng.random() < 0.5))
+        if rng.random() < 0.1:
+            a.release_deferred()
+    b = ExtentAllocator.from_state(a.state())
+    assert b.state().keys() == a.state().keys()
+    for k, v in a.state().items():
+        assert np.array_equal(v, b.state()[k])
+    x, y = a.allocate(np.array([300, 5])), b.allocate(np.array([300, 5]))
+    assert x.tolist() == y.tolist()
+
+
+def test_allocator_deferred():
+    a = ExtentAllocator(1024)
+    off = a.allocate(np.array([512, 512]))
+    a.free(off[:1], np.array([512]), defer=True)
+    assert a.bytes_used == 512 and a.bytes_pending == 512
+    with pytest.raises(StorageFullError):
+        a.allocate(np.array([16]))
+    assert a.release_deferred() == 512
+    assert a.allocate(np.array([512])).tolist() == [0]
+
+
+@pytest.mark.parametrize("text,value", [
+    ("2GiB", 2 << 30), ("512MB", 512_000_000), ("1.5 GiB", 3 << 29), ("1024", 1024), (4096, 4096),
+    ("16k", 16384), ("3 mib", 3 << 20), ("10B", 10), (np.int64(7), 7),
+])
+def test_parse_bytes(text, value):
+    assert parse_bytes(text) == value
+
+
+@pytest.mark.parametrize("bad", ["", "lots", "2 GiBs", "-1GB", -5, True, 1.5, "1e9"])
+def test_parse_bytes_rejects(bad):
+    with pytest.raises(ValueError, match="byte count"):
+        parse_bytes(bad)
+
+
+def test_default_budgets():
+    b = default_budgets()
+    assert b["warm"] > 0
+    assert (b["hot"] > 0) == torch.cuda.is_available()
+

@@ -1,0 +1,341 @@
+"""Frame deduplication and time chunking for one frame family (private to the store).
+
+A *family* is the set of blob fields whose frames have one dtype and shape (e.g.
+``observation`` and ``("next", "observation")`` split into 84x84 frames). For each batch
+written, :meth:`FrameFamily.plan` decides, without mutating anything, which incoming frames
+are new and where every frame lives:
+
+1. **Dedup, exact.** The incoming frames, preceded by a small *tail* of raw frames kept from
+   the previous write (so sharing works across two ``extend`` calls), are hashed with a 64-bit
+   multiply-add hash over their 8-byte words (numpy ``uint64`` arithmetic wraps by definition).
+   Each frame's representative is the first frame with the same hash; every match is then
+   confirmed byte for byte (``torch.eq`` over the batch). A hash collision is therefore only a
+   missed dedup, never wrong data.
+2. **Time chunks.** New unique frames are grouped per trajectory, in write order, into blobs
+   of ``chunk_frames`` (K) frames. The last, partial chunk of a trajectory stays *open* (raw, in
+   a per-family buffer) until it fills, the trajectory ends (a done flag), or ``flush()``.
+   Closed chunks are returned for one batched encode.
+
+Everything is vectorized over frames: the Python call count does not grow with the batch.
+:meth:`commit` applies a plan once the store has placed the encoded blobs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .index import OPEN, BlobIndex, isin
+
+__all__ = ["FrameFamily", "FramePlan"]
+
+_HASH_SEED = 0x9E3779B97F4A7C15
+
+
+def _hash_coeffs(n_words: int) -> np.ndarray:
+    rng = np.random.default_rng(12345)
+    return rng.integers(1, 2**63, size=n_words, dtype=np.uint64) | np.uint64(1)
+
+
+def frame_hashes(frames: np.ndarray, coeffs: np.ndarray) -> np.ndarray:
+    """64-bit hash of each row of a ``[n, nbytes]`` uint8 array (used only to find candidates).
+
+    ``sum(word[i] * coeff[i])`` over the row's 8-byte words with odd random coefficients, in
+    uint64 arithmetic (wraps by definition): a change in any single word changes the hash.
+    """
+    n, nbytes = frames.shape
+    n_words = nbytes // 8
+    h = np.zeros(n, dtype=np.uint64)
+    if n_words:
+        h = frames[:, : n_words * 8].view(np.uint64) @ coeffs[:n_words]
+    rest = nbytes - n_words * 8
+    if rest:
+        tail = frames[:, n_words * 8:].astype(np.uint64)
+        h = h * np.uint64(_HASH_SEED) + tail @ coeffs[n_words: n_words + rest]
+    return h
+
+
+@dataclass
+class FramePlan:
+    """Where every incoming frame goes, and which chunks are ready to encode."""
+
+    blob: np.ndarray            # [M] blob id of each incoming frame (new ids already allocated)
+    slot: np.ndarray            # [M] slot of the frame inside its blob
+    new_ids: np.ndarray         # blob ids allocated by this plan (closed and open)
+    closed_ids: np.ndarray      # blob ids to encode now
+    closed_raw: np.ndarray      # [sum frames, nbytes] raw frames of the closed chunks, chunk-major
+    closed_nframes: np.ndarray  # frames per closed chunk
+    # open-chunk bookkeeping applied by commit()
+    open_traj: np.ndarray
+    open_blob: np.ndarray
+    open_fill: np.ndarray
+    pend_writes_blob: np.ndarray   # blob id of each frame written into an open chunk's buffer
+    pend_writes_slot: np.ndarray
+    pend_writes_frame: np.ndarray
+    reopened_closed: np.ndarray    # previously open blobs that this plan closes
+    tail_frames: np.ndarray
+    tail_hash: np.ndarray
+    tail_blob: np.ndarray
+    tail_slot: np.ndarray
+    unique_new: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+class FrameFamily:
+    """Dedup and chunking state of one frame family. See the module docstring."""
+
+    def __init__(self, family_id: int, frame_nbytes: int, chunk_frames: int, tail_rows: int = 64,
+                 dedup: bool = True):
+        if chunk_frames < 1:
+            raise ValueError(f"chunk_frames must be >= 1, got {chunk_frames}")
+        self.family_id = family_id
+        self.nbytes = int(frame_nbytes)
+        self.K = int(chunk_frames)
+        self.tail_rows = int(tail_rows)
+        self.dedup = dedup
+        self._coeffs = _hash_coeffs(self.nbytes // 8 + 8)
+        # Open chunks, sorted by trajectory id.
+        self.open_traj = np.empty(0, dtype=np.int64)
+        self.open_blob = np.empty(0, dtype=np.int64)
+        self.open_fill = np.empty(0, dtype=np.int64)
+        # Raw frames of open chunks: pend[slot] holds K frames; index.aux[blob] = slot.
+        # one open chunk per live trajectory; 64 covers typical vectorized envs without growth
+        self.pend = np.empty((64 if self.K > 1 else 0, self.K, self.nbytes), dtype=np.uint8)
+        self._pend_free = np.arange(self.pend.shape[0], dtype=np.int64)
+        # Raw frames of the previous write's last rows (pins their blobs in the index).
+        self.tail_frames = np.empty((0, self.nbytes), dtype=np.uint8)
+        self.tail_hash = np.empty(0, dtype=np.uint64)
+        self._scratch: dict[str, np.ndarray] = {}
+        self.tail_blob = np.empty(0, dtype=np.int64)
+        self.tail_slot = np.empty(0, dtype=np.int64)
+
+    # ------------------------------------------------------------------------------------
+    def plan(self, frames: np.ndarray, frame_traj: np.ndarray, ended_traj: np.ndarray,
+             tail_mask: np.ndarray, index: BlobIndex, close_all: bool = False) -> FramePlan:
+        """Plan the storage of ``frames`` (``[M, nbytes]`` uint8, in write order).
+
+        Args:
+            frames: incoming frames, row-major in time order.
+            frame_traj: trajectory id of each frame.
+            ended_traj: sorted trajectory ids that end in this batch (their chunks close).
+            tail_mask: frames to keep raw as the tail for the next write.
+            index: the blob index (ids for new chunks are allocated here; the caller releases
+                ``plan.new_ids`` if placement fails).
+            close_all: close every chunk, open ones included (used by ``flush``).
+        """
+        M = frames.shape[0]
+        T = self.tail_frames.shape[0]
+        nb = self.nbytes
+        frame_h = frame_hashes(frames, self._coeffs)
+        if self.dedup and M:
+            # candidates: the tail (previous write's last rows) followed by the incoming frames
+            h = np.concatenate([self.tail_hash, frame_h])
+            _, first, inv = np.unique(h, return_index=True, return_inverse=True)
+            rep = first[inv.reshape(-1)]
+            dup = np.flatnonzero(rep != np.arange(T + M))
+            # confirm every match byte for byte (compared as 8-byte words when the size allows)
+            a, b = self._take(frames, dup, "cmp_a"), self._take(frames, rep[dup], "cmp_b")
+            if nb % 8 == 0:
+                a, b = a.view(np.uint64), b.view(np.uint64)
+            eq = np.equal(a, b, out=self.scratch("cmp_eq", a.shape, bool))
+            bad = dup[~eq.all(1)]
+            rep[bad] = bad  # a hash collision: keep the frame as its own, never share wrongly
+            rep_new = rep[T:]
+        else:
+            rep_new = np.arange(T, T + M)
+        own = rep_new == np.arange(T, T + M)
+        u_idx = np.flatnonzero(own)                    # incoming positions of new unique frames
+        U = u_idx.size
+
+        # -- chunk assignment of the new unique frames, per trajectory, in write order --------
+        u_traj = frame_traj[u_idx]
+        order = np.argsort(u_traj, kind="stable")
+        st = u_traj[order]
+        g_traj, g_start, g_count = np.unique(st, return_index=True, return_counts=True)
+        rank = np.arange(U) - np.repeat(g_start, g_count)
+        # existing open chunk per group
+        if self.open_traj.size and g_traj.size:
+            pos_in_open_c = np.minimum(np.searchsorted(self.open_traj, g_traj), self.open_traj.size - 1)
+            has_open = self.open_traj[pos_in_open_c] == g_traj
+            fill0 = np.where(has_open, self.open_fill[pos_in_open_c], 0)
+            blob0 = np.where(has_open, self.open_blob[pos_in_open_c], -1)
+        else:
+            pos_in_open_c = np.zeros(g_traj.size, dtype=np.int64)
+            has_open = np.zeros(g_traj.size, dtype=bool)
+            fill0 = np.zeros(g_traj.size, dtype=np.int64)
+            blob0 = np.full(g_traj.size, -1, dtype=np.int64)
+        g_of = np.repeat(np.arange(g_traj.size), g_count)
+        p = fill0[g_of] + rank
+        chunk_no = p // self.K
+        slot_sorted = p % self.K
+        # chunks: (group, chunk_no); chunk 0 of a group with an open chunk reuses its blob
+        n_chunks_g = (fill0 + g_count + self.K - 1) // self.K if g_traj.size else np.zeros(0, np.int64)
+        chunk_base = np.concatenate([[0], np.cumsum(n_chunks_g)[:-1]]).astype(np.int64) if g_traj.size else \
+            np.zeros(0, np.int64)
+        total_chunks = int(n_chunks_g.sum()) if g_traj.size else 0
+        chunk_group = np.repeat(np.arange(g_traj.size), n_chunks_g)
+        chunk_local = np.arange(total_chunks) - np.repeat(chunk_base, n_chunks_g)
+        reuse = (chunk_local == 0) & has_open[chunk_group] if total_chunks else np.zeros(0, bool)
+        new_ids = index.allocate(int((~reuse).sum()))
+        chunk_blob = np.empty(total_chunks, dtype=np.int64)
+        chunk_blob[reuse] = blob0[chunk_group[reuse]]
+        chunk_blob[~reuse] = new_ids
+        chunk_fill = np.minimum(self.K, fill0[chunk_group] + g_count[chunk_group] - chunk_local * self.K) \
+            if total_chunks else np.zeros(0, np.int64)
+        chunk_first_new = np.where(chunk_local == 0, fill0[chunk_group], 0) if total_chunks else \
+            np.zeros(0, np.int64)
+        # a chunk closes when full, when its trajectory ended, when it is not the group's last one,
+        # or on flush
+        last_of_group = chunk_local == (n_chunks_g[chunk_group] - 1) if total_chunks else np.zeros(0, bool)
+        ended = isin(g_traj, ended_traj)
+        closes = (chunk_fill == self.K) | ~last_of_group | ended[chunk_group] | close_all if total_chunks \
+            else np.zeros(0, bool)
+
+        # blob/slot of each new unique frame (in u order)
+        u_chunk = np.empty(U, dtype=np.int64)
+        u_chunk[order] = chunk_base[g_of] + chunk_no
+        u_slot = np.empty(U, dtype=np.int64)
+        u_slot[order] = slot_sorted
+
+        # -- resolve every incoming frame ------------------------------------------------------
+        blob = np.empty(M, dtype=np.int64)
+        slot = np.empty(M, dtype=np.int64)
+        # map incoming position -> its unique ordinal
+        ord_of_pos = np.full(M, -1, dtype=np.int64)
+        ord_of_pos[u_idx] = np.arange(U)
+        from_tail = rep_new < T
+        blob[from_tail] = self.tail_blob[rep_new[from_tail]]
+        slot[from_tail] = self.tail_slot[rep_new[from_tail]]
+        inb = ~from_tail
+        ords = ord_of_pos[rep_new[inb] - T]
+        blob[inb] = chunk_blob[u_chunk[ords]]
+        slot[inb] = u_slot[ords]
+
+        # -- raw frames of closed chunks, chunk-major -----------------------------------------
+        closed = np.flatnonzero(closes)
+        closed_ids = chunk_blob[closed]
+        closed_nframes = chunk_fill[closed]
+        # frames from the open buffer (slots < fill0 of reused chunks) ...
+        reo = closed[reuse[closed]]
+        reopened_closed = chunk_blob[reo]
+        old_fill = fill0[chunk_group[reo]]
+        pend_slot = index.aux[chunk_blob[reo]]
+        pend_rows = np.repeat(pend_slot * self.K, old_fill) + (
+            np.arange(int(old_fill.sum())) - np.repeat(np.cumsum(old_fill) - old_fill, old_fill))
+        pend_keys = np.repeat(np.searchsorted(closed, reo), old_fill) * self.K + (
+            np.arange(int(old_fill.sum())) - np.repeat(np.cumsum(old_fill) - old_fill, old_fill))
+        # ... and new frames
+        u_closed = isin(u_chunk, closed)
+        u_sel = np.flatnonzero(u_closed)
+        new_keys = np.searchsorted(closed, u_chunk[u_sel]) * self.K + u_slot[u_sel]
+        keys = np.concatenate([pend_keys, new_keys])
+        src = np.concatenate([self.pend.reshape(-1, nb)[pend_rows.astype(np.int64)], frames[u_idx[u_sel]]])
+        closed_raw = src[np.argsort(keys, kind="stable")]
+        del chunk_first_new
+
+        # -- open chunks after this plan -------------------------------------------------------
+        still_open = np.flatnonzero(~closes)
+        keep_old = np.ones(self.open_traj.size, dtype=bool)
+        touched = pos_in_open_c[has_open]
+        keep_old[touched] = False  # re-listed below if still open
+        o_traj = np.concatenate([self.open_traj[keep_old], g_traj[chunk_group[still_open]]])
+        o_blob = np.concatenate([self.open_blob[keep_old], chunk_blob[still_open]])
+        o_fill = np.concatenate([self.open_fill[keep_old], chunk_fill[still_open]])
+        if close_all:
+            # every other open chunk closes too: add their raw frames
+            extra_ids = self.open_blob[keep_old]
+            extra_fill = self.open_fill[keep_old]
+            if extra_ids.size:
+                rows = np.repeat(index.aux[extra_ids] * self.K, extra_fill) + (
+                    np.arange(int(extra_fill.sum())) - np.repeat(np.cumsum(extra_fill) - extra_fill, extra_fill))
+                closed_raw = np.concatenate([closed_raw, self.pend.reshape(-1, nb)[rows]])
+                closed_ids = np.concatenate([closed_ids, extra_ids])
+                closed_nframes = np.concatenate([closed_nframes, extra_fill])
+                reopened_closed = np.concatenate([reopened_closed, extra_ids])
+            o_traj, o_blob, o_fill = (np.empty(0, np.int64),) * 3
+        srt = np.argsort(o_traj, kind="stable")
+        # frames that go into open buffers
+        u_open = np.flatnonzero(~u_closed)
+        # -- tail for the next write: raw frames + their blob refs --------------------------
+        tmask = np.asarray(tail_mask, dtype=bool)
+        tpos = np.flatnonzero(tmask)
+        return FramePlan(
+            blob=blob, slot=slot, new_ids=new_ids, closed_ids=closed_ids, closed_raw=closed_raw,
+            closed_nframes=closed_nframes.astype(np.int64),
+            open_traj=o_traj[srt], open_blob=o_blob[srt], open_fill=o_fill[srt].astype(np.int64),
+            pend_writes_blob=chunk_blob[u_chunk[u_open]], pend_writes_slot=u_slot[u_open],
+            pend_writes_frame=frames[u_idx[u_open]],
+            reopened_closed=reopened_closed,
+            tail_frames=frames[tpos], tail_hash=frame_h[tpos],
+            tail_blob=blob[tpos], tail_slot=slot[tpos], unique_new=U,
+        )
+
+    def scratch(self, name: str, shape: tuple[int, ...], dtype) -> np.ndarray:
+        """A reused buffer: fresh multi-MB temporaries cost page faults on every write."""
+        n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        buf = self._scratch.get(name)
+        if buf is None or buf.size < n:
+            buf = np.empty(max(n, int(buf.size * 1.5) if buf is not None else 0), dtype=np.uint8)
+            self._scratch[name] = buf
+        return buf[:n].view(dtype).reshape(shape)
+
+    def _take(self, frames: np.ndarray, idx: np.ndarray, name: str) -> np.ndarray:
+        """Rows ``idx`` of the virtual concatenation ``[tail; frames]`` without building it."""
+        T = self.tail_frames.shape[0]
+        out = self.scratch(name, (idx.size, self.nbytes), np.uint8)
+        if frames.shape[0]:
+            np.take(frames, np.maximum(idx - T, 0), axis=0, out=out, mode="clip")
+        m = idx < T
+        out[m] = self.tail_frames[idx[m]]
+        return out
+
+    def commit(self, plan: FramePlan, index: BlobIndex) -> np.ndarray:
+        """Apply a plan after its closed chunks were placed; return blob ids to delete (tail unpins)."""
+        # free open-buffer slots of chunks that closed
+        slots = index.aux[plan.reopened_closed]
+        self._pend_free = np.concatenate([self._pend_free, slots])
+        index.aux[plan.reopened_closed] = -1
+        # open chunks: newly opened blobs need a buffer slot
+        new_open = plan.open_blob[index.state[plan.open_blob] != OPEN] if plan.open_blob.size else plan.open_blob
+        if new_open.size:
+            need = new_open.size - self._pend_free.size
+            if need > 0:
+                old = self.pend.shape[0]
+                grow = max(need, old)
+                self.pend = np.concatenate([self.pend, np.empty((grow, self.K, self.nbytes), dtype=np.uint8)])
+                self._pend_free = np.concatenate([self._pend_free, np.arange(old, old + grow)])
+            index.aux[new_open] = self._pend_free[: new_open.size]
+            self._pend_free = self._pend_free[new_open.size:]
+            index.state[new_open] = OPEN
+        if plan.pend_writes_blob.size:
+            rows = index.aux[plan.pend_writes_blob] * self.K + plan.pend_writes_slot
+            self.pend.reshape(-1, self.nbytes)[rows] = plan.pend_writes_frame
+        self.open_traj, self.open_blob, self.open_fill = plan.open_traj, plan.open_blob, plan.open_fill
+        index.raw_nbytes[plan.open_blob] = plan.open_fill * self.nbytes
+        # tail: pin new, unpin old
+        index.incref(plan.tail_blob)
+        dead = index.decref(self.tail_blob)
+        self.tail_frames, self.tail_blob, self.tail_slot = plan.tail_frames, plan.tail_blob, plan.tail_slot
+        self.tail_hash = plan.tail_hash
+        return dead
+
+    def drop_open(self, ids: np.ndarray, index: BlobIndex) -> None:
+        """Forget open chunks whose blobs were deleted (no row references them any more)."""
+        ids = ids[index.state[ids] == OPEN]
+        self._pend_free = np.concatenate([self._pend_free, index.aux[ids]])
+        keep = ~isin(self.open_blob, ids)
+        self.open_traj, self.open_blob, self.open_fill = (
+            self.open_traj[keep], self.open_blob[keep], self.open_fill[keep])
+
+    def open_raw(self, ids: np.ndarray, index: BlobIndex) -> np.ndarray:
+        """Raw frames ``[len(ids), K, nbytes]`` of open blobs."""
+        return self.pend[index.aux[ids]]
+
+    def release_tail(self, index: BlobIndex) -> np.ndarray:
+        dead = index.decref(self.tail_blob)
+        self.tail_frames = self.tail_frames[:0]
+        self.tail_hash = self.tail_hash[:0]
+        self.tail_blob = self.tail_blob[:0]
+        self.tail_slot = self.tail_slot[:0]
+        return dead

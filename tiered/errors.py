@@ -1,0 +1,105 @@
+"""Every exception raised by :mod:`tiered`.
+
+All of them derive from :class:`TieredError`, and most also derive from the built-in
+exception a caller would naturally catch (``TypeError`` for a schema mismatch,
+``IndexError`` for a bad index, ``OSError`` for a full disk, ``ImportError`` for a
+missing optional package), so existing ``except`` clauses keep working.
+
+Messages follow one rule: say what was expected, what was given, and what to do.
+
+Example:
+    >>> import tiered
+    >>> try:
+    ...     raise tiered.errors.IndexOutOfRangeError("index 7 is out of range for a store of length 3")
+    ... except IndexError as e:
+    ...     print(type(e).__name__)
+    IndexOutOfRangeError
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "TieredError",
+    "SchemaMismatchError",
+    "IndexOutOfRangeError",
+    "CorruptionError",
+    "ChecksumError",
+    "FormatVersionError",
+    "NotATieredStoreError",
+    "StorageFullError",
+    "CodecUnavailableError",
+    "UnknownCodecError",
+    "StoreLockedError",
+    "StoreClosedError",
+    "ReadOnlyStoreError",
+    "InvalidPriorityError",
+    "UnsupportedFormatError",
+    "StoreExistsError",
+]
+
+
+class TieredError(Exception):
+    """Base class of every error raised by tiered."""
+
+
+class SchemaMismatchError(TieredError, TypeError):
+    """Data does not match the store's schema (keys, dtype or per-row shape).
+
+    Raised before anything is written: the store is unchanged.
+    """
+
+
+class IndexOutOfRangeError(TieredError, IndexError):
+    """A row index is outside ``[-len, len)`` or names a row that was never written."""
+
+
+class CorruptionError(TieredError):
+    """A file of the store is damaged, truncated or inconsistent."""
+
+
+class ChecksumError(CorruptionError):
+    """The checksum of a blob's compressed bytes does not match the one recorded at write time."""
+
+
+class FormatVersionError(CorruptionError):
+    """The store was written in a format version this version of tiered cannot read."""
+
+
+class NotATieredStoreError(CorruptionError, FileNotFoundError):
+    """The path does not hold a tiered store (no manifest, or a manifest of something else)."""
+
+
+class StorageFullError(TieredError, OSError):
+    """No tier (or the disk) has room for the data; nothing referenced by a row was dropped."""
+
+
+class CodecUnavailableError(TieredError, ImportError):
+    """A codec's package is not installed (the message names the install command)."""
+
+
+class UnknownCodecError(TieredError, ValueError):
+    """A codec string does not name a known codec (the message lists the known ones)."""
+
+
+class StoreLockedError(TieredError, OSError):
+    """Another writer holds the store's lock file."""
+
+
+class StoreClosedError(TieredError, ValueError):
+    """The store was closed; reopen it with :func:`tiered.open`."""
+
+
+class ReadOnlyStoreError(TieredError, PermissionError):
+    """A write was attempted on a store opened with ``mode="r"``."""
+
+
+class InvalidPriorityError(TieredError, ValueError):
+    """A priority is NaN, infinite or negative."""
+
+
+class UnsupportedFormatError(TieredError, ValueError):
+    """An import/export format name or file layout is not supported."""
+
+
+class StoreExistsError(TieredError, FileExistsError):
+    """A new store was asked for at a path that already holds one (open it with :func:`tiered.open`)."""

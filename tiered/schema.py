@@ -1,0 +1,313 @@
+"""Fields, dtypes and per-row shapes of a store; validation before any side effect.
+
+The schema is fixed by the first write. Each leaf of the row TensorDict becomes a
+:class:`Field`. A field is either
+
+* **dense**: small (action, reward, done flags), kept uncompressed in one column tensor; or
+* **blob**: large (images), each cell split into *frames* that are compressed into blobs.
+
+By default a field whose per-row cell holds ``blob_min_bytes`` (1 KiB) or more is a blob
+field. ``blob_keys``/``dense_keys`` override that per key. ``frames={"observation": 0}``
+says that dimension 0 of a cell is a stack of frames, stored frame by frame so that
+consecutive stacks share frames. ``("next", X)`` inherits the frame dimension of ``X``.
+
+Blob fields whose frames have the same dtype and shape form one *family*: their frames are
+deduplicated against each other (``observation`` and ``("next", "observation")`` share).
+
+Example:
+    >>> import torch
+    >>> from tensordict import TensorDict
+    >>> from tiered.schema import Schema
+    >>> td = TensorDict({"observation": torch.zeros(2, 4, 84, 84, dtype=torch.uint8),
+    ...                  "action": torch.zeros(2, dtype=torch.int64)}, batch_size=[2])
+    >>> schema = Schema.infer(td, frames={"observation": 0})
+    >>> schema["observation"].kind, schema["observation"].frames_per_row
+    ('blob', 4)
+    >>> schema["action"].kind
+    'dense'
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from tensordict import TensorDictBase
+
+from .errors import SchemaMismatchError
+
+__all__ = ["Field", "Schema", "Key", "normalize_key", "key_to_str", "str_to_key"]
+
+Key = tuple[str, ...]
+
+_DTYPES: dict[str, torch.dtype] = {
+    str(d).replace("torch.", ""): d
+    for d in (
+        torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.bool,
+        torch.float16, torch.bfloat16, torch.float32, torch.float64,
+        torch.complex64, torch.complex128,
+    )
+}
+
+
+def normalize_key(key: str | Iterable[str]) -> Key:
+    """``"obs"`` -> ``("obs",)``; ``("next", "obs")`` stays; ``"next.obs"`` is *not* split."""
+    if isinstance(key, str):
+        return (key,)
+    key = tuple(key)
+    if not key or not all(isinstance(k, str) for k in key):
+        raise SchemaMismatchError(f"a key must be a string or a tuple of strings, got {key!r}")
+    return key
+
+
+def key_to_str(key: Key) -> str:
+    """Human/JSON form of a key: ``("next", "observation")`` -> ``"next/observation"``."""
+    return "/".join(key)
+
+
+def str_to_key(s: str) -> Key:
+    """Inverse of :func:`key_to_str`."""
+    return tuple(s.split("/"))
+
+
+def dtype_from_str(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise SchemaMismatchError(f"unknown dtype {name!r}; known: {sorted(_DTYPES)}") from None
+
+
+def dtype_to_str(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+@dataclass(frozen=True)
+class Field:
+    """One leaf of the row TensorDict.
+
+    Attributes:
+        key: the nested key as a tuple of strings.
+        dtype: torch dtype of the values.
+        shape: per-row shape (without the batch dimension).
+        kind: ``"dense"`` or ``"blob"``.
+        frame_dim: for blob fields, the dimension of ``shape`` holding a stack of frames,
+            or ``None`` when the whole cell is one frame.
+    """
+
+    key: Key
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    kind: Literal["dense", "blob"]
+    frame_dim: int | None = None
+
+    @property
+    def frames_per_row(self) -> int:
+        return 1 if self.frame_dim is None else self.shape[self.frame_dim]
+
+    @property
+    def frame_shape(self) -> tuple[int, ...]:
+        if self.frame_dim is None:
+            return self.shape
+        return self.shape[: self.frame_dim] + self.shape[self.frame_dim + 1:]
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def cell_nbytes(self) -> int:
+        return math.prod(self.shape) * self.itemsize
+
+    @property
+    def frame_nbytes(self) -> int:
+        return math.prod(self.frame_shape) * self.itemsize
+
+    @property
+    def family(self) -> str:
+        """Blob fields with equal family share frames (and dedup against each other)."""
+        return f"{dtype_to_str(self.dtype)}[{','.join(map(str, self.frame_shape))}]"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "key": list(self.key),
+            "dtype": dtype_to_str(self.dtype),
+            "shape": list(self.shape),
+            "kind": self.kind,
+            "frame_dim": self.frame_dim,
+        }
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> Field:
+        return cls(
+            key=tuple(d["key"]),
+            dtype=dtype_from_str(d["dtype"]),
+            shape=tuple(int(s) for s in d["shape"]),
+            kind=d["kind"],
+            frame_dim=d.get("frame_dim"),
+        )
+
+    def describe(self) -> str:
+        return f"{dtype_to_str(self.dtype)}{list(self.shape)}"
+
+
+class Schema(Mapping[Key, Field]):
+    """The ordered set of fields of a store. Immutable once created."""
+
+    def __init__(self, fields: Iterable[Field]):
+        self._fields: dict[Key, Field] = {f.key: f for f in fields}
+
+    # Mapping interface -------------------------------------------------------------------
+    def __getitem__(self, key: str | Key) -> Field:
+        return self._fields[normalize_key(key)]
+
+    def __iter__(self):
+        return iter(self._fields)
+
+    def __len__(self) -> int:
+        return len(self._fields)
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{key_to_str(k)}: {f.kind} {f.describe()}" for k, f in self._fields.items())
+        return f"Schema({inner})"
+
+    @property
+    def dense_fields(self) -> list[Field]:
+        return [f for f in self._fields.values() if f.kind == "dense"]
+
+    @property
+    def blob_fields(self) -> list[Field]:
+        return [f for f in self._fields.values() if f.kind == "blob"]
+
+    def families(self) -> dict[str, list[Field]]:
+        out: dict[str, list[Field]] = {}
+        for f in self.blob_fields:
+            out.setdefault(f.family, []).append(f)
+        return out
+
+    # Construction ------------------------------------------------------------------------
+    @classmethod
+    def infer(
+        cls,
+        td: TensorDictBase,
+        *,
+        blob_min_bytes: int = 1024,
+        blob_keys: Iterable[str | Key] | None = None,
+        dense_keys: Iterable[str | Key] | None = None,
+        frames: Mapping[str | Key, int] | None = None,
+        batched: bool = True,
+    ) -> Schema:
+        """Build a schema from the first batch written.
+
+        Args:
+            td: the data; ``batch_size`` is ``[n]`` when ``batched`` else ``[]``.
+            blob_min_bytes: cells of at least this many bytes become blob fields.
+            blob_keys: keys forced to be blob fields.
+            dense_keys: keys forced to be dense fields.
+            frames: per key, the cell dimension that is a stack of frames.
+            batched: whether ``td`` has a leading batch dimension.
+        """
+        blob_set = {normalize_key(k) for k in (blob_keys or ())}
+        dense_set = {normalize_key(k) for k in (dense_keys or ())}
+        both = blob_set & dense_set
+        if both:
+            raise ValueError(f"keys listed both as blob and dense: {sorted(map(key_to_str, both))}")
+        frame_map = {normalize_key(k): int(d) for k, d in (frames or {}).items()}
+        nb = 1 if batched else 0
+        if batched and len(td.batch_size) < 1:
+            raise SchemaMismatchError(
+                f"expected a TensorDict with a batch dimension [n], got batch_size={list(td.batch_size)}"
+            )
+        fields = []
+        for key in td.keys(include_nested=True, leaves_only=True):
+            k = normalize_key(key)
+            value = td.get(key)
+            if not isinstance(value, torch.Tensor):
+                raise SchemaMismatchError(
+                    f"field {key_to_str(k)!r} is a {type(value).__name__}; only tensor leaves can be "
+                    "stored (convert non-tensor data to tensors first)"
+                )
+            shape = tuple(value.shape[nb:])
+            nbytes = math.prod(shape) * value.element_size()
+            if k in dense_set:
+                kind = "dense"
+            elif k in blob_set:
+                kind = "blob"
+            else:
+                kind = "blob" if nbytes >= blob_min_bytes else "dense"
+            frame_dim = None
+            if kind == "blob":
+                fd = frame_map.get(k)
+                if fd is None and len(k) > 1 and k[0] == "next":
+                    fd = frame_map.get(k[1:])
+                if fd is not None:
+                    if not -len(shape) <= fd < len(shape):
+                        raise ValueError(
+                            f"frames[{key_to_str(k)!r}] = {fd} is not a dimension of the per-row shape {list(shape)}"
+                        )
+                    frame_dim = fd % len(shape)
+            fields.append(Field(k, value.dtype, shape, kind, frame_dim))
+        unknown = (set(frame_map) | blob_set | dense_set) - {f.key for f in fields}
+        if unknown:
+            raise SchemaMismatchError(
+                f"options name keys that are not in the data: {sorted(map(key_to_str, unknown))}; "
+                f"data keys: {sorted(key_to_str(f.key) for f in fields)}"
+            )
+        return cls(fields)
+
+    def validate(self, td: TensorDictBase, *, batched: bool = True) -> int:
+        """Check ``td`` against the schema; return its number of rows.
+
+        Raises:
+            SchemaMismatchError: listing, per key, what was expected and what was given.
+        """
+        nb = 1 if batched else 0
+        if batched and len(td.batch_size) != 1:
+            raise SchemaMismatchError(
+                f"expected a TensorDict with batch_size [n], got batch_size={list(td.batch_size)}"
+            )
+        if not batched and len(td.batch_size) != 0:
+            raise SchemaMismatchError(
+                f"expected a single row (batch_size []), got batch_size={list(td.batch_size)}"
+            )
+        given = {normalize_key(k): td.get(k) for k in td.keys(include_nested=True, leaves_only=True)}
+        problems = []
+        for key, f in self._fields.items():
+            v = given.get(key)
+            if v is None:
+                problems.append(f"  {key_to_str(key)!r}: expected {f.describe()}, missing")
+                continue
+            if not isinstance(v, torch.Tensor):
+                problems.append(f"  {key_to_str(key)!r}: expected {f.describe()}, got {type(v).__name__}")
+                continue
+            if v.dtype != f.dtype or tuple(v.shape[nb:]) != f.shape:
+                problems.append(
+                    f"  {key_to_str(key)!r}: expected {f.describe()}, "
+                    f"got {dtype_to_str(v.dtype)}{list(v.shape[nb:])}"
+                )
+        for key in given.keys() - self._fields.keys():
+            v = given[key]
+            desc = f"{dtype_to_str(v.dtype)}{list(v.shape[nb:])}" if isinstance(v, torch.Tensor) else type(v).__name__
+            problems.append(f"  {key_to_str(key)!r}: not in the schema, got {desc}")
+        if problems:
+            raise SchemaMismatchError(
+                "data does not match the store's schema (fixed by the first write); nothing was written:\n"
+                + "\n".join(sorted(problems))
+                + "\nWrite the same keys, dtypes and per-row shapes as the first batch, or create a new store."
+            )
+        return int(td.batch_size[0]) if batched else 1
+
+    # Serialization -----------------------------------------------------------------------
+    def to_json(self) -> list[dict[str, Any]]:
+        return [f.to_json() for f in self._fields.values()]
+
+    @classmethod
+    def from_json(cls, data: Iterable[Mapping[str, Any]]) -> Schema:
+        return cls(Field.from_json(d) for d in data)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Schema) and list(self._fields.values()) == list(other._fields.values())
+
+    __hash__ = None  # type: ignore[assignment]

@@ -1,0 +1,1129 @@
+"""TieredStore: the tiering manager and the only module that drives all the layers below.
+
+A store is a fixed-capacity ring of rows. Dense fields live in one uncompressed column
+tensor each; blob fields are split into frames, deduplicated, grouped into time chunks,
+compressed in one batched call and placed into the fastest tier with room (DESIGN.md 4-5).
+
+Example:
+    >>> import torch
+    >>> from tensordict import TensorDict
+    >>> from tiered import TieredStore
+    >>> store = TieredStore(100, frames={"observation": 0})
+    >>> td = TensorDict({
+    ...     "observation": torch.randint(0, 4, (8, 4, 84, 84), dtype=torch.uint8),
+    ...     "action": torch.arange(8),
+    ... }, batch_size=[8])
+    >>> store.extend(td).tolist()
+    [0, 1, 2, 3, 4, 5, 6, 7]
+    >>> batch = store.get([1, 5])
+    >>> bool((batch["observation"] == td["observation"][[1, 5]]).all())
+    True
+    >>> len(store), store.capacity
+    (8, 100)
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+from tensordict import TensorDict, TensorDictBase
+
+from . import codecs as _codecs
+from ._frames import FrameFamily
+from .errors import (
+    ChecksumError,
+    IndexOutOfRangeError,
+    ReadOnlyStoreError,
+    SchemaMismatchError,
+    StorageFullError,
+    StoreClosedError,
+)
+from .index import COLD, HOT, OPEN, STORED, WARM, BlobIndex, RowTable, isin
+from .policy import PriorityPolicy, get_policy
+from .schema import Field, Key, Schema, key_to_str, normalize_key
+from .tiers import DeviceTier, HostTier, default_budgets, parse_bytes
+from .tiers.base import Tier, align
+
+__all__ = ["TieredStore", "IndexLike"]
+
+IndexLike = int | slice | range | list | tuple | np.ndarray | torch.Tensor
+
+_TIER_NAMES = ("hot", "warm", "cold")
+_DONE_KEYS: tuple[Key, ...] = (
+    ("next", "done"), ("next", "terminated"), ("next", "truncated"), ("done",),
+)
+
+
+class TieredStore:
+    """A fixed-capacity ring of rows with compressed, tiered blob fields.
+
+    Args:
+        capacity: number of rows; writing past it overwrites the oldest rows.
+        path: a directory for the cold tier and the durable format. ``None`` keeps everything
+            in memory (hot and warm tiers only).
+        codec: codec spec for blob fields (``"zstd"``, ``"zstd:9"``, ``"lz4"``, ``"raw"``).
+        blob_min_bytes: cells at least this large become blob fields.
+        blob_keys: keys forced to blob fields. dense_keys: keys forced to dense fields.
+        frames: per key, the cell dimension that is a stack of frames (e.g.
+            ``{"observation": 0}`` for ``[4, 84, 84]`` stacks); ``("next", X)`` follows ``X``.
+        chunk_frames: frames of one trajectory compressed together per blob (K). 1 keeps single
+            frames (least decode work per sample); larger compresses better.
+        dedup: share equal frames between rows (exact, byte-confirmed).
+        traj_key: key holding trajectory ids (default ``("collector", "traj_ids")`` when present;
+            otherwise trajectories are cut at done/terminated/truncated flags).
+        hot_bytes: budget of the hot tier (GPU memory; ``0`` disables it).
+        warm_bytes: budget of the warm tier (pinned host memory).
+        hot_device: device of the hot arena (CUDA by default when available; ``"cpu"`` stands
+            in for it on CPU-only machines).
+        device: where :meth:`get` returns data (default CPU).
+        policy: ``"lru"``, ``"fifo"`` or ``"priority"``.
+        verify: check blob checksums on every read (always on before a GPU decode).
+        threads: decode/encode threads (default: all cores).
+        backend: cold-tier backend with a path: ``"memmap"`` or ``"hdf5"``.
+    """
+
+    def __init__(
+        self,
+        capacity: int,
+        path: str | os.PathLike | None = None,
+        *,
+        codec: str = "zstd",
+        blob_min_bytes: int = 1024,
+        blob_keys: Iterable[str | Key] | None = None,
+        dense_keys: Iterable[str | Key] | None = None,
+        frames: Mapping[str | Key, int] | None = None,
+        chunk_frames: int = 4,
+        dedup: bool = True,
+        traj_key: str | Key | None = None,
+        hot_bytes: int | str | None = None,
+        warm_bytes: int | str | None = None,
+        hot_device: str | torch.device | None = None,
+        device: str | torch.device | None = None,
+        policy: str = "lru",
+        verify: bool = True,
+        threads: int | None = None,
+        backend: str = "memmap",
+        promote: bool = True,
+    ):
+        if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or capacity <= 0:
+            raise ValueError(f"capacity must be a positive int, got {capacity!r}")
+        if chunk_frames < 1:
+            raise ValueError(f"chunk_frames must be >= 1, got {chunk_frames}")
+        self._capacity = int(capacity)
+        self._codec = _codecs.get_codec(codec)
+        if threads is not None and hasattr(self._codec, "threads"):
+            self._codec.threads = int(threads)
+        self._options = dict(
+            blob_min_bytes=int(blob_min_bytes),
+            blob_keys=[list(normalize_key(k)) for k in (blob_keys or ())],
+            dense_keys=[list(normalize_key(k)) for k in (dense_keys or ())],
+            frames={key_to_str(normalize_key(k)): int(v) for k, v in (frames or {}).items()},
+            chunk_frames=int(chunk_frames),
+            dedup=bool(dedup),
+            traj_key=list(normalize_key(traj_key)) if traj_key is not None else None,
+        )
+        self._policy = get_policy(policy)
+        self._verify = bool(verify)
+        self._promote = bool(promote)
+        self._device = torch.device(device) if device is not None else torch.device("cpu")
+        self._lock = threading.RLock()
+        self._local = threading.local()
+        self._closed = False
+        self._readonly = False
+        self.path = os.fspath(path) if path is not None else None
+        self._backend = backend
+
+        defaults = default_budgets()
+        hot_b = parse_bytes(hot_bytes) if hot_bytes is not None else None
+        if hot_device is None:
+            hot_device = "cuda" if torch.cuda.is_available() else None
+        self._hot_device = torch.device(hot_device) if hot_device is not None else None
+        if self._hot_device is not None and hot_b is None:
+            hot_b = defaults["hot"] if self._hot_device.type == "cuda" else defaults["warm"]
+        warm_b = parse_bytes(warm_bytes) if warm_bytes is not None else defaults["warm"]
+        self._tiers: list[Tier | None] = [None, None, None]
+        if self._hot_device is not None and hot_b:
+            self._tiers[HOT] = DeviceTier(hot_b, self._hot_device)
+        self._tiers[WARM] = HostTier(warm_b) if warm_b else None
+        self._stats = {name: {"hits": 0, "promotions": 0, "demotions": 0} for name in _TIER_NAMES}
+        self._counters = {"blobs_decoded": 0, "gets": 0, "extends": 0}
+
+        self._schema: Schema | None = None
+        self._dense: dict[Key, torch.Tensor] = {}
+        self._tables: dict[Key, RowTable] = {}
+        self._families: list[FrameFamily] = []
+        self._family_of: dict[Key, int] = {}
+        self._field_stats: dict[Key, dict[str, int]] = {}
+        self._written = np.zeros(self._capacity, dtype=bool)
+        self._index = BlobIndex()
+        self._len = 0
+        self._cursor = 0
+        self._traj_base = 0
+        self._generation = 0
+        self._cold_init()
+
+    # ------------------------------------------------------------------------------------
+    # Properties
+    # ------------------------------------------------------------------------------------
+    @property
+    def capacity(self) -> int:
+        """Number of rows the ring holds."""
+        return self._capacity
+
+    @property
+    def schema(self) -> Schema | None:
+        """The schema, fixed by the first write (``None`` before it)."""
+        return self._schema
+
+    @property
+    def codec(self) -> _codecs.Codec:
+        return self._codec
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def cursor(self) -> int:
+        """Row index the next :meth:`extend` writes first."""
+        return self._cursor
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __repr__(self) -> str:
+        return (f"TieredStore(rows={self._len}, capacity={self._capacity}, codec={self._codec.name!r}, "
+                f"path={self.path!r})")
+
+    def __enter__(self) -> TieredStore:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------------------------
+    # Writing
+    # ------------------------------------------------------------------------------------
+    def extend(self, data: TensorDictBase) -> torch.Tensor:
+        """Append rows at the cursor (wrapping around and overwriting the oldest rows).
+
+        Args:
+            data: a TensorDict with batch size ``[n]`` matching the schema.
+
+        Returns:
+            The row indices written, as an int64 tensor of length ``n``.
+
+        Raises:
+            SchemaMismatchError: wrong keys, dtypes or shapes (nothing is written).
+            StorageFullError: no tier can take the new blobs (nothing is written).
+        """
+        with self._lock:
+            self._check_writable()
+            n = self._prepare_schema(data)
+            rows = (self._cursor + np.arange(n, dtype=np.int64)) % self._capacity
+            if n > self._capacity:  # only the last `capacity` rows survive a write this large
+                data = data[n - self._capacity:]
+                rows = rows[n - self._capacity:]
+            self._write_rows(rows, data)
+            self._cursor = int((self._cursor + n) % self._capacity)
+            self._len = min(self._capacity, self._len + n)
+            self._counters["extends"] += 1
+            return torch.from_numpy(rows)
+
+    def set(self, index: IndexLike, data: TensorDictBase) -> None:
+        """Overwrite rows at ``index`` (ints, slices, lists, arrays or tensors; duplicates: last wins).
+
+        Rows beyond the current length extend it. The cursor does not move.
+        """
+        with self._lock:
+            self._check_writable()
+            scalar = isinstance(index, (int, np.integer)) or (
+                isinstance(index, torch.Tensor) and index.ndim == 0)
+            if scalar and len(data.batch_size) == 0:
+                data = data.unsqueeze(0)
+            n = self._prepare_schema(data)
+            rows = self._resolve_write_index(index, n)
+            # duplicates: keep the last occurrence only (as a sequential write would)
+            rev_unique, rev_first = np.unique(rows[::-1], return_index=True)
+            if rev_unique.size != rows.size:
+                keep = np.sort(rows.size - 1 - rev_first)
+                rows = rows[keep]
+                data = data[torch.from_numpy(keep)]
+            self._write_rows(rows, data)
+            self._len = max(self._len, int(rows.max()) + 1) if rows.size else self._len
+
+    def _check_writable(self) -> None:
+        if self._closed:
+            raise StoreClosedError("the store is closed; reopen it with tiered.open(path, mode='r+')")
+        if self._readonly:
+            raise ReadOnlyStoreError(
+                f"store {self.path!r} was opened read-only (mode='r'); reopen with mode='r+' to write")
+
+    def _prepare_schema(self, data: TensorDictBase) -> int:
+        if not isinstance(data, TensorDictBase):
+            raise SchemaMismatchError(f"expected a TensorDict with batch_size [n], got {type(data).__name__}")
+        if self._schema is None:
+            o = self._options
+            schema = Schema.infer(
+                data, blob_min_bytes=o["blob_min_bytes"], blob_keys=[tuple(k) for k in o["blob_keys"]],
+                dense_keys=[tuple(k) for k in o["dense_keys"]],
+                frames={tuple(k.split("/")): v for k, v in o["frames"].items()},
+            )
+            n = schema.validate(data)
+            self._init_schema(schema)
+            return n
+        return self._schema.validate(data)
+
+    def _init_schema(self, schema: Schema) -> None:
+        self._schema = schema
+        for f in schema.dense_fields:
+            self._dense[f.key] = torch.zeros((self._capacity, *f.shape), dtype=f.dtype)
+        fams: dict[str, int] = {}
+        for f in schema.blob_fields:
+            fid = fams.setdefault(f.family, len(fams))
+            if fid == len(self._families):
+                self._families.append(FrameFamily(fid, f.frame_nbytes, self._options["chunk_frames"],
+                                                  dedup=self._options["dedup"]))
+            self._family_of[f.key] = fid
+            self._tables[f.key] = RowTable(self._capacity, f.frames_per_row)
+            self._field_stats[f.key] = {"unique_frames": 0}
+
+    def _traj_ids(self, data: TensorDictBase, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """Trajectory id per row and the sorted ids of trajectories that end in this batch."""
+        done = np.zeros(n, dtype=bool)
+        for k in _DONE_KEYS:
+            if k in self._schema:
+                done |= data.get(k).reshape(n, -1).any(-1).numpy()
+        tk = self._options["traj_key"]
+        tk = tuple(tk) if tk is not None else ("collector", "traj_ids")
+        if tk in self._schema:
+            traj = data.get(tk).reshape(n, -1)[:, 0].to(torch.int64).numpy()
+        else:
+            before = (np.cumsum(done) - done).astype(np.int64)
+            traj = self._traj_base + before
+            self._traj_base_next = self._traj_base + int(done.sum())
+        ended = np.unique(traj[done])
+        return traj, ended
+
+    def _cell_frames(self, f: Field, value: torch.Tensor, n: int) -> np.ndarray:
+        """``[n, F, frame_nbytes]`` uint8 view/copy of a blob field's cells (numpy: its row
+        gathers and concatenations run at memcpy speed, several times torch's uint8 kernels)."""
+        v = value
+        if f.frame_dim is not None and f.frame_dim != 0:
+            v = v.movedim(f.frame_dim + 1, 1)
+        v = v.contiguous()
+        if v.dtype != torch.uint8:
+            v = v.view(torch.uint8) if v.dim() else v.reshape(1).view(torch.uint8)
+        return v.numpy().reshape(n, f.frames_per_row, f.frame_nbytes)
+
+    def _write_rows(self, rows: np.ndarray, data: TensorDictBase) -> None:
+        schema = self._schema
+        n = rows.size
+        if n == 0:
+            return
+        data = data.to("cpu") if data.device not in (None, torch.device("cpu")) else data
+        self._traj_base_next = self._traj_base
+        traj, ended = self._traj_ids(data, n)
+        rows_t = torch.from_numpy(rows)
+
+        plans = []
+        fam_fields: dict[int, list[Field]] = {}
+        for f in schema.blob_fields:
+            fam_fields.setdefault(self._family_of[f.key], []).append(f)
+        try:
+            for fid, fields in fam_fields.items():
+                fam = self._families[fid]
+                # frames row-major (row, field, frame) so a trajectory's frames come in time order
+                per_row = sum(f.frames_per_row for f in fields)
+                cells = np.concatenate([self._cell_frames(f, data.get(f.key), n) for f in fields], axis=1,
+                                       out=fam.scratch("cells", (n, per_row, fam.nbytes), np.uint8))
+                frames = cells.reshape(n * per_row, fam.nbytes)
+                frame_traj = np.repeat(traj, per_row)
+                tail_mask = np.zeros(n * per_row, dtype=bool)
+                tail_mask[max(0, n - fam.tail_rows) * per_row:] = True
+                plan = fam.plan(frames, frame_traj, ended, tail_mask, self._index)
+                plans.append((fid, fields, per_row, plan))
+                self._store_chunks(fam, plan.closed_ids, plan.closed_raw, plan.closed_nframes)
+        except BaseException:
+            for _, _, _, plan in plans:
+                self._abort_plan(plan)
+            if len(plans) < len(fam_fields):
+                pass
+            raise
+
+        # --- commit: nothing below can fail on bad input ---------------------------------
+        dead_all = []
+        for fid, fields, per_row, plan in plans:
+            fam = self._families[fid]
+            dead_all.append(fam.commit(plan, self._index))
+            blob = plan.blob.reshape(n, per_row)
+            slot = plan.slot.reshape(n, per_row)
+            col = 0
+            old_refs = []
+            for f in fields:
+                F = f.frames_per_row
+                table = self._tables[f.key]
+                old = table.blob[rows]
+                old_refs.append(old[self._written[rows]])
+                table.blob[rows] = blob[:, col:col + F]
+                table.slot[rows] = slot[:, col:col + F]
+                col += F
+            self._index.incref(blob)
+            for old in old_refs:
+                dead_all.append(self._index.decref(old))
+            self._field_stats[fields[0].key]["unique_frames"] += plan.unique_new
+            self._policy.on_insert(plan.closed_ids)
+        for f in schema.dense_fields:
+            self._dense[f.key].index_copy_(0, rows_t, data.get(f.key).reshape(n, *f.shape))
+        self._written[rows] = True
+        self._traj_base = self._traj_base_next
+        self._delete_blobs(np.unique(np.concatenate(dead_all)) if dead_all else np.empty(0, np.int64))
+
+    def _abort_plan(self, plan) -> None:
+        ids = plan.new_ids
+        placed = self._index.loc[ids]
+        for t in range(3):
+            sel = placed[:, t] >= 0
+            if sel.any() and self._tiers[t] is not None:
+                self._tiers[t].free(placed[sel, t], align(self._index.nbytes[ids[sel]]))
+        self._index.release(ids)
+
+    # ------------------------------------------------------------------------------------
+    # Encoding and placement
+    # ------------------------------------------------------------------------------------
+    def _store_chunks(self, fam: FrameFamily, ids: np.ndarray, raw: np.ndarray, nframes: np.ndarray) -> None:
+        if ids.size == 0:
+            return
+        raw_sizes = nframes * fam.nbytes
+        raw_offsets = (np.cumsum(raw_sizes) - raw_sizes).astype(np.int64)
+        enc = self._codec.encode(raw.reshape(-1), raw_offsets, raw_sizes)
+        idx = self._index
+        idx.nbytes[ids] = enc.sizes
+        idx.raw_nbytes[ids] = raw_sizes
+        idx.checksum[ids] = enc.checksums
+        idx.codec[ids] = self._codec.format_id
+        idx.family[ids] = fam.family_id
+        self._place(ids, enc.data, enc.offsets, enc.sizes)
+        idx.state[ids] = STORED
+
+    def _place(self, ids: np.ndarray, data: np.ndarray, offsets: np.ndarray, sizes: np.ndarray) -> None:
+        """Put encoded blobs into tiers (DESIGN.md 5). All-or-nothing for the new blobs."""
+        idx = self._index
+        cold = self._tiers[COLD]
+        if cold is not None:
+            loc = cold.allocate(sizes)
+            try:
+                cold.write(loc, data, offsets, sizes)
+            except BaseException:
+                cold.free(loc, align(sizes), defer=False)  # never committed: reusable at once
+                raise
+            idx.loc[ids, COLD] = loc
+            # best effort: cache new blobs in the fastest memory tier with room
+            for t in (HOT, WARM):
+                if self._tiers[t] is not None and self._cache_into(t, ids, data, offsets, sizes):
+                    break
+            return
+        errors = []
+        for t in (HOT, WARM):
+            tier = self._tiers[t]
+            if tier is None:
+                continue
+            try:
+                self._make_room(t, int(align(sizes).sum()))
+                loc = tier.allocate(sizes)
+            except (StorageFullError, ValueError) as e:
+                errors.append(f"{tier.name}: {e}")
+                continue
+            tier.write(loc, data, offsets, sizes)
+            idx.loc[ids, t] = loc
+            return
+        budgets = ", ".join(
+            f"{_TIER_NAMES[t]}={self._tiers[t].budget}" for t in (HOT, WARM) if self._tiers[t] is not None)
+        raise StorageFullError(
+            f"no tier can take {ids.size} new blobs ({int(sizes.sum())} bytes); budgets: {budgets or 'none'}. "
+            "Nothing was written. Raise warm_bytes/hot_bytes, give the store a path (a cold tier on disk), "
+            "or use a smaller capacity. Details: " + "; ".join(errors))
+
+    def _tier_ids(self, t: int) -> np.ndarray:
+        return np.flatnonzero(self._index.loc[: self._index.size, t] >= 0)
+
+    def _make_room(self, t: int, need: int, protect: np.ndarray | None = None) -> None:
+        """Move victims of tier ``t`` down (no path) until ``need`` more bytes fit under its budget."""
+        tier = self._tiers[t]
+        if tier.budget is None:
+            return
+        short = tier.bytes_used + need - tier.budget
+        if short <= 0:
+            return
+        if need > tier.budget:
+            raise StorageFullError(f"batch of {need} bytes exceeds the {tier.name} budget of {tier.budget}")
+        ids = self._tier_ids(t)
+        if protect is not None and protect.size:
+            ids = ids[~isin(ids, protect)]
+        victims = self._policy.victims(ids, align(self._index.nbytes[ids]), short)
+        if victims.size == 0:
+            raise StorageFullError(f"{tier.name} tier is full and holds no evictable blob")
+        self._demote(t, victims)
+
+    def _demote(self, t: int, ids: np.ndarray) -> None:
+        idx = self._index
+        tier = self._tiers[t]
+        sizes = idx.nbytes[ids]
+        lower = [u for u in range(t + 1, 3) if self._tiers[u] is not None]
+        if self._tiers[COLD] is not None:
+            # cold holds every blob: dropping a cached copy is free
+            tier.free(idx.loc[ids, t], align(sizes))
+            idx.loc[ids, t] = -1
+            self._stats[_TIER_NAMES[t]]["demotions"] += int(ids.size)
+            return
+        if not lower:
+            raise StorageFullError(f"the {tier.name} tier is full and there is no lower tier to move blobs to")
+        buf_off = (np.cumsum(sizes) - sizes).astype(np.int64)
+        buf = np.empty(int(sizes.sum()), dtype=np.uint8)
+        tier.read(idx.loc[ids, t], sizes, buf, buf_off)
+        u = lower[0]
+        self._make_room(u, int(align(sizes).sum()))
+        loc = self._tiers[u].allocate(sizes)  # copy, switch the index, then free
+        self._tiers[u].write(loc, buf, buf_off, sizes)
+        idx.loc[ids, u] = loc
+        tier.free(idx.loc[ids, t], align(sizes))
+        idx.loc[ids, t] = -1
+        self._stats[_TIER_NAMES[t]]["demotions"] += int(ids.size)
+
+    def _cache_into(self, t: int, ids, data, offsets, sizes) -> bool:
+        """Copy blobs into cache tier ``t`` (stores with a path), evicting by policy. Best effort."""
+        tier = self._tiers[t]
+        try:
+            self._make_room(t, int(align(sizes).sum()))
+            loc = tier.allocate(sizes)
+        except (StorageFullError, ValueError):
+            return False
+        except torch.cuda.OutOfMemoryError:
+            self._counters["oom_skipped_promotions"] = self._counters.get("oom_skipped_promotions", 0) + 1
+            return False
+        tier.write(loc, data, offsets, sizes)
+        self._index.loc[ids, t] = loc
+        return True
+
+    def _delete_blobs(self, ids: np.ndarray) -> None:
+        """Free blobs no row references any more."""
+        # No early exits on empty groups: the call count must not depend on the batch.
+        idx = self._index
+        ids = ids[idx.refcount[ids] == 0]
+        opened = ids[idx.state[ids] == OPEN]
+        for fam in self._families:
+            fam.drop_open(opened[idx.family[opened] == fam.family_id], idx)
+        stored = ids[idx.state[ids] == STORED]
+        for t in range(3):
+            tier = self._tiers[t]
+            if tier is None:
+                continue
+            sel = stored[idx.loc[stored, t] >= 0]
+            if t == COLD:
+                tier.free(idx.loc[sel, t], align(idx.nbytes[sel]), defer=True)
+            else:
+                tier.free(idx.loc[sel, t], align(idx.nbytes[sel]))
+        self._policy.on_release(ids)
+        idx.release(ids)
+
+    # ------------------------------------------------------------------------------------
+    # Reading
+    # ------------------------------------------------------------------------------------
+    def get(self, index: IndexLike, keys: Iterable[str | Key] | None = None) -> TensorDictBase:
+        """Read rows.
+
+        Args:
+            index: an int (no batch dimension in the result), a list, numpy array, 1-D tensor,
+                range or slice. Negative ints count from the end of the written rows; slices
+                clip to ``len``.
+            keys: only these fields (nested keys as tuples); the others are not decoded.
+
+        Returns:
+            A TensorDict of batch size ``[n]`` (or ``[]`` for an int index) on ``device``.
+
+        Raises:
+            IndexOutOfRangeError: an index outside ``[-len, len)`` or a row never written.
+            ChecksumError: a blob's stored bytes do not match their checksum.
+        """
+        with self._lock:
+            if self._closed:
+                raise StoreClosedError("the store is closed; reopen it with tiered.open(path)")
+            rows, scalar = self._resolve_read_index(index)
+            if self._schema is None:
+                out = TensorDict({}, batch_size=[rows.size])
+                return out[0] if scalar else out
+            fields = self._select_fields(keys)
+            n = rows.size
+            rows_t = torch.from_numpy(rows)
+            out: dict[Key, torch.Tensor] = {}
+            for f in fields:
+                if f.kind == "dense":
+                    out[f.key] = self._dense[f.key].index_select(0, rows_t)
+            by_fam: dict[int, list[Field]] = {}
+            for f in fields:
+                if f.kind == "blob":
+                    by_fam.setdefault(self._family_of[f.key], []).append(f)
+            for fid, fs in by_fam.items():
+                self._get_family(fid, fs, rows, out)
+            self._counters["gets"] += 1
+            td = TensorDict({}, batch_size=[n])
+            for k, v in out.items():
+                td.set(k, v)
+            if self._device.type != "cpu":
+                td = td.to(self._device, non_blocking=True)
+            return td[0] if scalar else td
+
+    def _select_fields(self, keys) -> list[Field]:
+        if keys is None:
+            return list(self._schema.values())
+        want = []
+        for k in keys:
+            k = normalize_key(k)
+            sub = [f for f in self._schema.values() if f.key[: len(k)] == k]
+            if not sub:
+                raise SchemaMismatchError(
+                    f"key {key_to_str(k)!r} is not in the store; keys: "
+                    f"{sorted(key_to_str(f.key) for f in self._schema.values())}")
+            want.extend(x for x in sub if x not in want)
+        return want
+
+    def _get_family(self, fid: int, fields: list[Field], rows: np.ndarray, out: dict) -> None:
+        fam = self._families[fid]
+        n = rows.size
+        blobs = np.concatenate([self._tables[f.key].blob[rows] for f in fields], axis=1)
+        slots = np.concatenate([self._tables[f.key].slot[rows] for f in fields], axis=1)
+        uniq, inv = np.unique(blobs, return_inverse=True)
+        frame_idx = inv.reshape(blobs.shape) * fam.K + slots
+        flat = self._materialize(fam, uniq).reshape(-1, fam.nbytes)  # decoded frames, reused buffer
+        col = 0
+        for f in fields:  # a loop over fields, not rows
+            F = f.frames_per_row
+            # numpy row gathers run at memcpy speed (torch's uint8 index_select is ~8x slower here)
+            part = torch.from_numpy(flat[frame_idx[:, col:col + F].reshape(-1)])
+            col += F
+            if f.dtype != torch.uint8:
+                part = part.view(f.dtype)
+            if f.frame_dim is None:
+                val = part.reshape(n, *f.shape)
+            else:
+                val = part.reshape(n, f.shape[f.frame_dim], *f.frame_shape)
+                if f.frame_dim != 0:
+                    val = val.movedim(1, f.frame_dim + 1)
+            out[f.key] = val
+
+    def _scratch(self, name: str, nbytes: int) -> np.ndarray:
+        """A per-thread reusable buffer (fresh allocations cost page faults on every sample)."""
+        bufs = self._local.__dict__.setdefault("bufs", {})
+        buf = bufs.get(name)
+        if buf is None or buf.size < nbytes:
+            # at least 4 MiB, then doubling: small batches never regrow it
+            buf = np.empty(max(nbytes, 2 * buf.size if buf is not None else 4 << 20), dtype=np.uint8)
+            bufs[name] = buf
+        return buf[:nbytes]
+
+    def _materialize(self, fam: FrameFamily, uniq: np.ndarray) -> np.ndarray:
+        """Raw frames ``[len(uniq), K, nbytes]`` of the given blobs, in a reused buffer."""
+        idx = self._index
+        K, nb = fam.K, fam.nbytes
+        row_bytes = K * nb
+        dst = self._scratch(f"raw{fam.family_id}", uniq.size * row_bytes)
+        dst_t = dst.reshape(uniq.size, K, nb)
+        state = idx.state[uniq]
+        if (state == 0).any():
+            raise AssertionError("a row references a freed blob: index is inconsistent")
+        is_open = state == OPEN
+        # no early exits on empty groups: the call count of get must not depend on the batch
+        pos = np.flatnonzero(is_open)
+        dst_t[pos] = fam.open_raw(uniq[pos], idx)
+        pos = np.flatnonzero(~is_open)
+        ids = uniq[pos]
+        sizes = idx.nbytes[ids]
+        src_off = (np.cumsum(sizes) - sizes).astype(np.int64)
+        comp = self._scratch("comp", int(sizes.sum()))
+        loc = idx.loc[ids]
+        remaining = np.ones(ids.size, dtype=bool)
+        from_tier = np.full(ids.size, -1, dtype=np.int8)
+        for t in (HOT, WARM, COLD):
+            tier = self._tiers[t]
+            if tier is None:
+                continue
+            sel = remaining & (loc[:, t] >= 0)
+            if sel.any():
+                tier.read(loc[sel, t], sizes[sel], comp, src_off[sel])
+                remaining &= ~sel
+                from_tier[sel] = t
+                self._stats[_TIER_NAMES[t]]["hits"] += int(sel.sum())
+        if remaining.any():
+            raise AssertionError(f"{int(remaining.sum())} blobs have no location: index is inconsistent")
+        if self._verify:
+            sums = _codecs.segment_checksums(comp, src_off, sizes)
+            bad = np.flatnonzero(sums != idx.checksum[ids])
+            if bad.size:
+                raise ChecksumError(self._describe_bad_blobs(ids[bad]))
+        self._codec_for(idx.codec[ids]).decode(
+            comp, src_off, sizes, dst, pos.astype(np.int64) * row_bytes, idx.raw_nbytes[ids])
+        self._counters["blobs_decoded"] += int(ids.size)
+        self._policy.on_access(ids)
+        if self._promote:
+            self._promote_blobs(ids, from_tier, comp, src_off, sizes)
+        return dst_t
+
+    def _codec_for(self, format_ids: np.ndarray) -> _codecs.Codec:
+        fmt = int(format_ids[0]) if format_ids.size else self._codec.format_id
+        if fmt == self._codec.format_id and (format_ids == fmt).all():
+            return self._codec
+        if not (format_ids == fmt).all():
+            raise NotImplementedError("blobs of several codecs in one batch are not supported yet")
+        return _codecs.codec_for_format_id(fmt)
+
+    def _promote_blobs(self, ids, from_tier, comp, src_off, sizes) -> None:
+        """Copy sampled blobs up into faster tiers with room (copy up, then switch)."""
+        for t in (HOT, WARM):
+            tier = self._tiers[t]
+            if tier is None:
+                continue
+            sel = from_tier > t
+            if not sel.any():
+                continue
+            if self._tiers[COLD] is None:
+                # Exclusive tiers: copy up, switch the index, then free below. Victims of the
+                # faster tier move down first (policy order); a quarter of the budget at most per
+                # call, so one sample cannot flush the whole hot set. Any failure (lower tier
+                # full, GPU out of memory) just skips the promotion: the data is already correct.
+                cand = np.flatnonzero(sel)
+                cand = cand[np.cumsum(align(sizes[cand])) <= (tier.budget or 0) // 4]
+                if cand.size == 0:
+                    continue
+                moved = ids[cand]
+                old_t = from_tier[cand]
+                try:
+                    self._make_room(t, int(align(sizes[cand]).sum()), protect=moved)
+                    loc = tier.allocate(sizes[cand])
+                except (StorageFullError, ValueError):
+                    continue
+                except torch.cuda.OutOfMemoryError:
+                    self._counters["oom_skipped_promotions"] = self._counters.get("oom_skipped_promotions", 0) + 1
+                    continue
+                tier.write(loc, comp, src_off[cand], sizes[cand])
+                for u in range(t + 1, 3):
+                    m = old_t == u
+                    if m.any() and self._tiers[u] is not None:
+                        self._tiers[u].free(self._index.loc[moved[m], u], align(sizes[cand][m]))
+                        self._index.loc[moved[m], u] = -1
+                self._index.loc[moved, t] = loc
+                from_tier[cand] = t
+                self._stats[_TIER_NAMES[t]]["promotions"] += int(cand.size)
+            else:
+                cand = np.flatnonzero(sel)
+                if self._cache_into(t, ids[cand], comp, src_off[cand], sizes[cand]):
+                    from_tier[cand] = t
+                    self._stats[_TIER_NAMES[t]]["promotions"] += int(cand.size)
+
+    def _describe_bad_blobs(self, bad_ids: np.ndarray) -> str:
+        idx = self._index
+        lines = []
+        for b in bad_ids[:5]:
+            refs = []
+            for key, table in self._tables.items():
+                r = np.flatnonzero((table.blob == b).any(1))
+                if r.size:
+                    refs.append(f"{key_to_str(key)!r} rows {r[:5].tolist()}")
+            where = ", ".join(f"{_TIER_NAMES[t]} offset {int(idx.loc[b, t])}" for t in range(3) if idx.loc[b, t] >= 0)
+            lines.append(f"  blob {int(b)} ({where}; used by {'; '.join(refs) or 'no row'})")
+        return (f"{bad_ids.size} blob(s) failed their checksum (stored bytes are damaged):\n" + "\n".join(lines)
+                + "\nOther rows are still readable. Run `tiered verify` on the store to list all damage.")
+
+    # ------------------------------------------------------------------------------------
+    # Index resolution
+    # ------------------------------------------------------------------------------------
+    def _as_array(self, index: IndexLike) -> tuple[np.ndarray, bool]:
+        if isinstance(index, tuple):
+            if len(index) != 1:
+                raise IndexOutOfRangeError(f"expected a 1-D index, got a tuple of {len(index)} indices")
+            index = index[0]
+        if isinstance(index, (bool, np.bool_)):
+            raise IndexOutOfRangeError(f"a bool is not a row index (got {index!r})")
+        if isinstance(index, (int, np.integer)):
+            return np.array([int(index)], dtype=np.int64), True
+        if isinstance(index, torch.Tensor):
+            if index.dtype == torch.bool:
+                return np.flatnonzero(index.cpu().numpy()), False
+            if index.is_floating_point():
+                raise IndexOutOfRangeError(f"row indices must be integers, got a {index.dtype} tensor")
+            scalar = index.ndim == 0
+            return index.detach().cpu().reshape(-1).to(torch.int64).numpy(), scalar
+        if isinstance(index, range):
+            return np.arange(index.start, index.stop, index.step, dtype=np.int64), False
+        arr = np.asarray(index)
+        if arr.dtype == bool:
+            return np.flatnonzero(arr), False
+        if arr.size and not np.issubdtype(arr.dtype, np.integer):
+            raise IndexOutOfRangeError(f"row indices must be integers, got dtype {arr.dtype}")
+        return arr.astype(np.int64).reshape(-1), arr.ndim == 0
+
+    def _resolve_read_index(self, index: IndexLike) -> tuple[np.ndarray, bool]:
+        n = self._len
+        if isinstance(index, slice):
+            return np.arange(*index.indices(n), dtype=np.int64), False
+        rows, scalar = self._as_array(index)
+        bad = (rows < -n) | (rows >= n)
+        if bad.any():
+            raise IndexOutOfRangeError(
+                f"index {int(rows[bad][0])} is out of range for a store of length {n} "
+                f"(valid: -{n} <= i < {n})" if n else
+                f"index {int(rows[bad][0])} is out of range: the store is empty (length 0)")
+        rows = np.where(rows < 0, rows + n, rows)
+        unwritten = ~self._written[rows]
+        if unwritten.any():
+            raise IndexOutOfRangeError(
+                f"row {int(rows[unwritten][0])} was never written (length {n}); write it first or sample "
+                "written rows only")
+        return rows, scalar
+
+    def _resolve_write_index(self, index: IndexLike, n: int) -> np.ndarray:
+        cap = self._capacity
+        if isinstance(index, slice):
+            rows = np.arange(*index.indices(cap), dtype=np.int64)
+        else:
+            rows, _ = self._as_array(index)
+        bad = (rows < -cap) | (rows >= cap)
+        if bad.any():
+            raise IndexOutOfRangeError(
+                f"index {int(rows[bad][0])} is out of range for a store of capacity {cap} (length {self._len})")
+        rows = np.where(rows < 0, rows + cap, rows)
+        if rows.size != n:
+            raise SchemaMismatchError(f"index names {rows.size} rows but the data has {n} rows")
+        return rows
+
+    # ------------------------------------------------------------------------------------
+    # Priorities, stats, lifecycle
+    # ------------------------------------------------------------------------------------
+    def set_priority(self, index: IndexLike, priority: torch.Tensor | np.ndarray | float) -> None:
+        """Set per-row priorities used by the ``priority`` policy (a blob gets its rows' max)."""
+        with self._lock:
+            rows, _ = self._resolve_read_index(index)
+            prio = np.broadcast_to(np.asarray(
+                priority.detach().cpu().numpy() if isinstance(priority, torch.Tensor) else priority,
+                dtype=np.float64).reshape(-1), rows.shape)
+            if not isinstance(self._policy, PriorityPolicy):
+                if not np.isfinite(prio).all():
+                    from .errors import InvalidPriorityError
+                    raise InvalidPriorityError(f"priorities must be finite, got {prio[~np.isfinite(prio)][:5]}")
+                return
+            ids, pr = [], []
+            for table in self._tables.values():
+                b = table.blob[rows]
+                ids.append(b.reshape(-1))
+                pr.append(np.repeat(prio, b.shape[1]))
+            if ids:
+                ids_a, pr_a = np.concatenate(ids), np.concatenate(pr)
+                keep = ids_a >= 0
+                self._policy.set_priority(ids_a[keep], pr_a[keep])
+
+    def stats(self) -> dict[str, Any]:
+        """Memory and traffic figures (DESIGN.md section 5).
+
+        Returns:
+            ``{"rows", "capacity", "fields": {name: {...}}, "tiers": {name: {...}}, ...}``.
+        """
+        with self._lock:
+            idx = self._index
+            live = idx.live_ids()
+            fields: dict[str, dict[str, Any]] = {}
+            if self._schema is not None:
+                for f in self._schema.values():
+                    name = key_to_str(f.key)
+                    logical = f.cell_nbytes * self._len
+                    if f.kind == "dense":
+                        fields[name] = {"kind": "dense", "logical_bytes": logical,
+                                        "stored_bytes": f.cell_nbytes * self._capacity, "ratio": 1.0}
+                fam_stored: dict[int, int] = {}
+                fam_frames: dict[int, int] = {}
+                fam_raw: dict[int, int] = {}
+                for fam in self._families:
+                    sel = live[idx.family[live] == fam.family_id]
+                    fam_stored[fam.family_id] = int(idx.nbytes[sel[idx.state[sel] == STORED]].sum()) + \
+                        int(idx.raw_nbytes[sel[idx.state[sel] == OPEN]].sum())
+                    fam_raw[fam.family_id] = int(idx.raw_nbytes[sel].sum())
+                    fam_frames[fam.family_id] = int(idx.raw_nbytes[sel].sum()) // fam.nbytes
+                fam_logical: dict[int, int] = {}
+                for f in self._schema.blob_fields:
+                    fid = self._family_of[f.key]
+                    fam_logical[fid] = fam_logical.get(fid, 0) + f.cell_nbytes * self._len
+                for f in self._schema.blob_fields:
+                    fid = self._family_of[f.key]
+                    logical = f.cell_nbytes * self._len
+                    share = logical / fam_logical[fid] if fam_logical[fid] else 0.0
+                    stored = fam_stored[fid] * share
+                    uniq_bytes = fam_raw[fid]
+                    fields[key_to_str(f.key)] = {
+                        "kind": "blob",
+                        "family": f.family,
+                        "logical_bytes": logical,
+                        "stored_bytes": int(stored),
+                        "ratio": logical / stored if stored else float("inf") if logical else 1.0,
+                        "unique_frames": fam_frames[fid],
+                        "dedup_factor": fam_logical[fid] / uniq_bytes if uniq_bytes else 1.0,
+                        "compression_factor": uniq_bytes / fam_stored[fid] if fam_stored[fid] else 1.0,
+                    }
+            tiers = {}
+            for t, name in enumerate(_TIER_NAMES):
+                tier = self._tiers[t]
+                if tier is None:
+                    continue
+                st = tier.stats()
+                tiers[name] = {
+                    "bytes_used": int(st.get("bytes_used", tier.bytes_used)),
+                    "budget": tier.budget,
+                    "blobs": int((idx.loc[: idx.size, t] >= 0).sum()),
+                    "fragmentation": float(st.get("fragmentation", 0.0)),
+                    **self._stats[name],
+                }
+            open_bytes = sum(int(f.pend.nbytes) for f in self._families)
+            tail_bytes = sum(int(f.tail_frames.nbytes) for f in self._families)
+            index_bytes = sum(getattr(idx, c).nbytes for c in ("state", "refcount", "nbytes", "raw_nbytes",
+                                                             "checksum", "codec", "family", "loc", "aux", "birth"))
+            table_bytes = sum(t.blob.nbytes + t.slot.nbytes for t in self._tables.values())
+            dense_bytes = sum(v.numel() * v.element_size() for v in self._dense.values())
+            return {
+                "rows": self._len,
+                "capacity": self._capacity,
+                "codec": self._codec.name,
+                "blobs": int(live.size),
+                "fields": fields,
+                "tiers": tiers,
+                "memory": {"open_chunks": open_bytes, "tail": tail_bytes, "index": index_bytes,
+                           "row_tables": table_bytes, "dense": dense_bytes},
+                "counters": dict(self._counters),
+            }
+
+    def flush(self) -> None:
+        """Close open time chunks (compress and place them); with a path, commit durably."""
+        with self._lock:
+            self._check_writable()
+            self._close_open_chunks()
+            self._commit()
+
+    def _close_open_chunks(self) -> None:
+        for fam in self._families:
+            if fam.open_blob.size == 0:
+                continue
+            empty = np.empty((0, fam.nbytes), dtype=np.uint8)
+            e = np.empty(0, dtype=np.int64)
+            plan = fam.plan(empty, e, e, np.zeros(0, bool), self._index, close_all=True)
+            # keep the tail as it is
+            plan.tail_frames, plan.tail_blob, plan.tail_slot = fam.tail_frames, fam.tail_blob, fam.tail_slot
+            plan.tail_hash = fam.tail_hash
+            self._store_chunks(fam, plan.closed_ids, plan.closed_raw, plan.closed_nframes)
+            self._index.incref(plan.tail_blob)  # commit() unpins the old tail: pin it once more
+            dead = fam.commit(plan, self._index)
+            self._policy.on_insert(plan.closed_ids)
+            if dead.size:
+                self._delete_blobs(dead)
+
+    def close(self) -> None:
+        """Flush (stores with a path) and release memory, files and handles. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            try:
+                if self.path is not None and not self._readonly:
+                    self.flush()
+            finally:
+                for tier in self._tiers:
+                    if tier is not None:
+                        tier.close()
+                self._closed = True
+
+    # ------------------------------------------------------------------------------------
+    # The cold tier and the durable format (DESIGN.md section 6; docs/format.md)
+    # ------------------------------------------------------------------------------------
+    def _make_cold_tier(self, mode: str = "w", state: dict | None = None) -> Tier:
+        from .tiers import HDF5Tier, MemmapTier
+
+        cls = {"memmap": MemmapTier, "hdf5": HDF5Tier}.get(self._backend)
+        if cls is None:
+            raise ValueError(f"unknown backend {self._backend!r}; known: memmap, hdf5")
+        directory = os.path.join(self.path, "cold")
+        if state is None:
+            return cls(directory)
+        return cls.open(directory, state, mode)
+
+    def _cold_init(self) -> None:
+        if self.path is None or getattr(self, "_opening", False):
+            return
+        from ._persist import MANIFEST
+        from .errors import StoreExistsError
+
+        if os.path.exists(os.path.join(self.path, MANIFEST)):
+            raise StoreExistsError(
+                f"{self.path!r} already holds a tiered store; open it with tiered.open(path, mode='r+'), "
+                "or choose another path")
+        os.makedirs(self.path, exist_ok=True)
+        self._tiers[COLD] = self._make_cold_tier()
+        self._commit()
+
+    def _snapshot_arrays(self) -> dict[str, np.ndarray]:
+        arrays = {f"index.{k}": v for k, v in self._index.state_arrays().items()}
+        arrays["written"] = self._written
+        if self._schema is not None:
+            for i, f in enumerate(self._schema.values()):
+                if f.kind == "dense":
+                    arrays[f"dense.{i}"] = self._dense[f.key].numpy()
+                else:
+                    arrays[f"rows.{i}.blob"] = self._tables[f.key].blob
+                    arrays[f"rows.{i}.slot"] = self._tables[f.key].slot
+        cold_state = self._tiers[COLD].state()
+        for k, v in cold_state.items():
+            if isinstance(v, np.ndarray):
+                arrays[f"cold.{k}"] = v
+        return arrays
+
+    def _commit(self) -> None:
+        """Durably publish the current state (no-op without a path)."""
+        if self.path is None or self._readonly:
+            return
+        from . import _io
+        from ._persist import gen_dir_name, save_npy, write_manifest
+
+        cold = self._tiers[COLD]
+        cold.flush()
+        g = self._generation + 1
+        gdir = os.path.join(self.path, gen_dir_name(g))
+        if os.path.isdir(gdir):  # left over by a crash before its manifest was published
+            for name in os.listdir(gdir):
+                _io.remove(os.path.join(gdir, name))
+        os.makedirs(gdir, exist_ok=True)
+        files = {}
+        for name, arr in self._snapshot_arrays().items():
+            files[name] = save_npy(os.path.join(gdir, name + ".npy"), arr)
+        _io.fsync_dir(gdir)
+        _io.fsync_dir(self.path)
+        cold_state = {k: v for k, v in cold.state().items() if not isinstance(v, np.ndarray)}
+        body = {
+            "generation": g,
+            "capacity": self._capacity,
+            "len": self._len,
+            "cursor": self._cursor,
+            "traj_base": self._traj_base,
+            "codec": self._codec.name,
+            "backend": self._backend,
+            "options": self._options,
+            "policy": self._policy.name,
+            "schema": self._schema.to_json() if self._schema is not None else None,
+            "families": [{"frame_nbytes": f.nbytes, "chunk_frames": f.K} for f in self._families],
+            "cold": cold_state,
+            "files": files,
+        }
+        write_manifest(self.path, body)
+        old = os.path.join(self.path, gen_dir_name(self._generation))
+        self._generation = g
+        if self._generation > 1 and os.path.isdir(old):
+            for name in os.listdir(old):
+                _io.remove(os.path.join(old, name))
+            os.rmdir(old)
+        # space freed by overwritten rows is reusable only now that the commit is durable
+        cold.release_deferred()
+
+    @classmethod
+    def open(cls, path: str | os.PathLike, mode: str = "r", **options: Any) -> TieredStore:
+        """Open an existing store (see :func:`tiered.open`)."""
+        from ._persist import gen_dir_name, load_npy, read_manifest
+
+        if mode not in ("r", "r+"):
+            raise ValueError(f"mode must be 'r' or 'r+', got {mode!r}")
+        path = os.fspath(path)
+        body = read_manifest(path)
+        o = body["options"]
+        allowed = {"warm_bytes", "hot_bytes", "hot_device", "device", "policy", "verify", "threads", "promote"}
+        unknown = set(options) - allowed
+        if unknown:
+            raise TypeError(f"options {sorted(unknown)} cannot change on open; allowed: {sorted(allowed)}")
+        self = cls.__new__(cls)
+        self._opening = True
+        try:
+            cls.__init__(
+                self, body["capacity"], path, codec=body["codec"], blob_min_bytes=o["blob_min_bytes"],
+                blob_keys=[tuple(k) for k in o["blob_keys"]], dense_keys=[tuple(k) for k in o["dense_keys"]],
+                frames={tuple(k.split("/")): v for k, v in o["frames"].items()},
+                chunk_frames=o["chunk_frames"], dedup=o["dedup"],
+                traj_key=tuple(o["traj_key"]) if o.get("traj_key") else None,
+                backend=body.get("backend", "memmap"), **{"policy": body.get("policy", "lru"), **options},
+            )
+        finally:
+            self._opening = False
+        gdir = os.path.join(path, gen_dir_name(body["generation"]))
+        files = body["files"]
+
+        def load(name: str) -> np.ndarray:
+            if name not in files:
+                from .errors import CorruptionError
+                raise CorruptionError(f"{path}: the manifest lists no {name!r} array; the store is damaged")
+            return load_npy(os.path.join(gdir, name + ".npy"), files[name])
+
+        self._generation = body["generation"]
+        self._len, self._cursor, self._traj_base = body["len"], body["cursor"], body["traj_base"]
+        index_arrays = {k.split(".", 1)[1]: load(k) for k in files if k.startswith("index.")}
+        self._index = BlobIndex.from_arrays(index_arrays)
+        self._index.loc[:, HOT] = -1
+        self._index.loc[:, WARM] = -1
+        self._written = np.array(load("written"))
+        if body["schema"] is not None:
+            self._init_schema(Schema.from_json(body["schema"]))
+            for i, f in enumerate(self._schema.values()):
+                if f.kind == "dense":
+                    self._dense[f.key] = torch.from_numpy(load(f"dense.{i}"))
+                else:
+                    self._tables[f.key] = RowTable.from_arrays(load(f"rows.{i}.blob"), load(f"rows.{i}.slot"))
+            # reference counts are recomputed from the row tables (the tail pins do not survive)
+            refs = np.concatenate([t.blob[self._written].reshape(-1) for t in self._tables.values()]) \
+                if self._tables else np.empty(0, np.int64)
+            refs = refs[refs >= 0]
+            self._index.refcount[: self._index.size] = np.bincount(refs, minlength=self._index.size)[
+                : self._index.size].astype(np.int32)
+            self._policy.on_insert(self._index.live_ids())
+            # blobs only the previous writer's tail pinned are unreferenced now
+            live = self._index.live_ids()
+            dead = live[self._index.refcount[live] == 0]
+            if dead.size and mode == "r+":
+                self._tiers[COLD] = self._make_cold_tier(mode, self._cold_state_from(body, files, load))
+                self._delete_blobs(dead)
+                self._readonly = False
+                return self
+            self._index.release(dead)
+        self._tiers[COLD] = self._make_cold_tier(mode, self._cold_state_from(body, files, load))
+        self._readonly = mode == "r"
+        return self
+
+    @staticmethod
+    def _cold_state_from(body, files, load) -> dict:
+        cold_state = dict(body["cold"])
+        for k in files:
+            if k.startswith("cold."):
+                cold_state[k.split(".", 1)[1]] = load(k)
+        return cold_state
+
+    # Pickling: a store with a path travels as "reopen this path read-only" -----------------
+    def __getstate__(self) -> dict[str, Any]:
+        if self.path is not None:
+            if not self._readonly and not self._closed:
+                self.flush()
+            return {"__reopen__": self.path, "options": {"verify": self._verify}}
+        state = self.__dict__.copy()
+        state.pop("_lock", None)
+        state.pop("_local", None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        if "__reopen__" in state:
+            other = TieredStore.open(state["__reopen__"], mode="r", **state["options"])
+            self.__dict__.update(other.__dict__)
+            return
+        self.__dict__.update(state)
+        self._lock = threading.RLock()
+        self._local = threading.local()

@@ -1,0 +1,36 @@
+"""Tiers: byte arenas under budgets (``hot`` GPU memory, ``warm`` host memory, ``cold`` files).
+
+Every tier implements :class:`Tier` (see :mod:`tiered.tiers.base`) and passes the
+conformance suite in ``tests/test_tiers.py``.
+
+Example:
+    >>> import numpy as np
+    >>> from tiered.tiers import HostTier, parse_bytes
+    >>> t = HostTier(parse_bytes("1MiB"))
+    >>> t.allocate(np.array([100, 3]))
+    array([  0, 112])
+"""
+
+from __future__ import annotations
+
+from tiered.tiers.arena import ArenaTier, DeviceTier, HostTier, copy_blobs, default_budgets
+from tiered.tiers.base import ALIGNMENT, Tier, align
+from tiered.tiers.extents import ExtentAllocator, format_bytes, parse_bytes
+from tiered.tiers.hdf5 import HDF5Tier
+from tiered.tiers.memmap import MemmapTier
+
+__all__ = [
+    "Tier",
+    "ALIGNMENT",
+    "align",
+    "ArenaTier",
+    "HostTier",
+    "DeviceTier",
+    "MemmapTier",
+    "HDF5Tier",
+    "ExtentAllocator",
+    "parse_bytes",
+    "format_bytes",
+    "default_budgets",
+    "copy_blobs",
+]

@@ -1,0 +1,613 @@
+"""The cold tier on plain files: append-only segment files read with coalesced ``pread``.
+
+Blobs live in segment files ``seg-000000.bin``, ``seg-000001.bin``, ... of ``segment_bytes``
+each at most; a blob never straddles two segments. Offsets are global:
+``segment index * segment_bytes + offset in the segment``.
+
+Writes: files grow by ``posix_fallocate`` in steps (16 MiB or the batch, whichever is larger)
+at :meth:`allocate`, so a full disk raises :class:`~tiered.errors.StorageFullError` there and
+never ``SIGBUS`` later; bytes go in with ``pwrite`` (one call per contiguous run), never
+through a memory map. Every write goes through :mod:`tiered._io`.
+
+Reads: the requested blobs are sorted by offset, ranges closer than 4 KiB are coalesced, and
+explicit ``preadv`` calls (from a thread pool when there are many) land single-blob runs
+straight in the output buffer and multi-blob runs in a staging buffer, from which one batched
+copy scatters them (:func:`read_blobs`, shared with :class:`~tiered.tiers.hdf5.HDF5Tier`).
+
+Durability: :meth:`MemmapTier.flush` fsyncs the segments written since the last flush (and
+the directory when a segment was created). Frees are deferred by default: space freed by
+overwritten rows is reused only after :meth:`MemmapTier.release_deferred`, which the store
+calls once the commit that freed it is durable.
+
+Read-only opens are cheap to pickle (no fds, no threads travel) and open their files lazily,
+so DataLoader workers under fork or spawn each get their own descriptors.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import torch
+
+from tiered import _io
+from tiered.errors import CorruptionError, ReadOnlyStoreError
+from tiered.tiers.arena import _check_buffer, _host_view, _i64, copy_blobs
+from tiered.tiers.base import Tier, align
+from tiered.tiers.extents import ExtentAllocator, format_bytes, parse_bytes
+
+__all__ = ["MemmapTier", "read_blobs"]
+
+#: Default size of one segment file.
+SEGMENT_BYTES = 256 << 20
+#: Files grow by at least this much at a time.
+GROW_STEP = 16 << 20
+#: Blobs closer than this in a file are read with one call (the gap is read and dropped).
+COALESCE_GAP = 4096
+# Below this many bytes or runs a read is done on the calling thread (a thread hop costs more).
+_THREADED_MIN_BYTES = 1 << 20
+_THREADED_MIN_RUNS = 64
+
+
+class _Staging(threading.local):
+    """A per-thread, reused host buffer (fresh allocations cost page faults)."""
+
+    buf: np.ndarray | None = None
+
+    def get(self, nbytes: int) -> np.ndarray:
+        if self.buf is None or self.buf.size < nbytes:
+            size = max(nbytes, 2 * (0 if self.buf is None else self.buf.size), 1 << 16)
+            if torch.cuda.is_available():  # pinned: the H2D copy of a CUDA `out` is then async-capable
+                self.buf = torch.empty(size, dtype=torch.uint8, pin_memory=True).numpy()
+            else:
+                self.buf = np.empty(size, dtype=np.uint8)
+        return self.buf
+
+
+def _preadv_all(fd: int, view: memoryview, offset: int, path: Callable[[], str]) -> None:
+    done = 0
+    n = view.nbytes
+    while done < n:
+        k = os.preadv(fd, [view[done:]], offset + done)
+        if k == 0:
+            raise CorruptionError(
+                f"{path()} is truncated: reading {n} bytes at offset {offset} hit the end of the "
+                f"file after {done} bytes (file size {os.fstat(fd).st_size}); the store's segment "
+                f"files are damaged, restore them from a backup"
+            )
+        done += k
+
+
+def read_blobs(
+    fd_of: Callable[[int], int],
+    path_of: Callable[[int], str],
+    data_offsets: np.ndarray,
+    segment_bytes: int,
+    offsets: np.ndarray,
+    sizes: np.ndarray,
+    out: np.ndarray | torch.Tensor,
+    out_offsets: np.ndarray,
+    pool: Callable[[], ThreadPoolExecutor | None],
+    workers: int,
+    staging: _Staging,
+    gap: int = COALESCE_GAP,
+) -> None:
+    """Read blobs from segment files into ``out``, coalescing nearby ranges.
+
+    Args:
+        fd_of: segment index -> readable fd.
+        path_of: segment index -> file path (for error messages).
+        data_offsets: per segment, the file offset where the segment's bytes start
+            (0 for plain files, the dataset's offset in an HDF5 file).
+        segment_bytes: size of a segment's byte space.
+        offsets, sizes: the blobs (global offsets).
+        out, out_offsets: destination buffer (host or device) and where each blob goes.
+        pool: returns a thread pool for large reads (or ``None``).
+        workers: the pool's number of threads.
+        staging: the reused per-thread staging buffer.
+        gap: ranges closer than this are read with one call.
+    """
+    o, n, oo = _i64(offsets), _i64(sizes), _i64(out_offsets)
+    if not (o.size == n.size == oo.size):
+        raise ValueError(f"offsets and sizes differ in length: {o.size}, {n.size}, {oo.size}")
+    _check_buffer(out, "out")
+    keep = n > 0
+    if not keep.all():
+        o, n, oo = o[keep], n[keep], oo[keep]
+    if o.size == 0:
+        return
+    if int(oo.min()) < 0 or int((oo + n).max()) > int(out.shape[0]):
+        raise ValueError(f"out ranges reach byte {int((oo + n).max())}, past its {int(out.shape[0])} bytes")
+    order = np.argsort(o, kind="stable")
+    o, n, oo = o[order], n[order], oo[order]
+    seg = o // segment_bytes
+    end = o + n
+    if bool(((end - 1) // segment_bytes != seg).any()):
+        raise ValueError("a blob range straddles a segment boundary; offsets or sizes are wrong")
+    reach = np.maximum.accumulate(end)
+    brk = np.empty(o.size, dtype=bool)
+    brk[0] = True
+    brk[1:] = (seg[1:] != seg[:-1]) | (o[1:] > reach[:-1] + gap)
+    first = np.flatnonzero(brk)
+    r_start = o[first]
+    r_len = np.maximum.reduceat(end, first) - r_start
+    r_seg = seg[first]
+    r_count = np.diff(np.append(first, o.size))
+    r_file = np.asarray(data_offsets, dtype=np.int64)[r_seg] + (r_start - r_seg * segment_bytes)
+    run_of = np.repeat(np.arange(first.size), r_count)
+
+    host = _host_view(out)
+    direct = r_count == 1 if host is not None else np.zeros(first.size, dtype=bool)
+    stage_len = np.where(direct, 0, r_len)
+    stage_base = np.cumsum(stage_len) - stage_len
+    buf = staging.get(int(stage_len.sum())) if not direct.all() else None
+
+    # One (fd, file offset, target view) per run: a syscall per run is the unit of work here.
+    fds = {sg: fd_of(sg) for sg in np.unique(r_seg).tolist()}
+    mv_host = memoryview(host) if host is not None else None
+    mv_buf = memoryview(buf) if buf is not None else None
+    tgt = np.where(direct, oo[first], stage_base)
+    tasks = [
+        (fds[sg], fo, (mv_host if dr else mv_buf)[b:b + ln])  # type: ignore[index]
+        for sg, fo, ln, dr, b in zip(r_seg.tolist(), r_file.tolist(), r_len.tolist(), direct.tolist(),
+                                     tgt.tolist(), strict=True)
+    ]
+
+    def work(chunk: list[tuple[int, int, memoryview]]) -> None:
+        for fd, fo, view in chunk:
+            if os.preadv(fd, [view], fo) != view.nbytes:  # short read: retry, or name the file
+                seg_of_fd = {v: k for k, v in fds.items()}[fd]
+                _preadv_all(fd, view, fo, lambda s=seg_of_fd: path_of(s))
+
+    total = int(r_len.sum())
+    ex = pool() if (len(tasks) >= _THREADED_MIN_RUNS or total >= _THREADED_MIN_BYTES) and len(tasks) > 1 \
+        else None
+    if ex is None:
+        work(tasks)
+    else:
+        # split runs into contiguous chunks of about equal bytes, one per worker
+        cuts = np.searchsorted(np.cumsum(r_len), np.arange(1, workers) * (total / workers))
+        bounds = [0, *sorted(set(int(c) for c in cuts)), len(tasks)]
+        futures = [ex.submit(work, tasks[a:b]) for a, b in zip(bounds[:-1], bounds[1:], strict=True) if b > a]
+        for f in futures:
+            f.result()
+
+    if buf is not None:
+        staged = ~direct[run_of]
+        src = stage_base[run_of[staged]] + (o[staged] - r_start[run_of[staged]])
+        copy_blobs(buf, src, out, oo[staged], n[staged])
+
+
+class MemmapTier(Tier):
+    """The ``cold`` tier: blobs appended to segment files, read with coalesced ``pread``.
+
+    Args:
+        directory: where the segment files live (created if missing; must hold no segments).
+        segment_bytes: size of one segment file (a blob must fit in one).
+        threads: threads for large reads (0 or 1: read on the calling thread).
+        budget: optional cap on the bytes of live blobs (``None``: as much as the disk holds).
+
+    Example:
+        >>> import tempfile
+        >>> import numpy as np
+        >>> t = MemmapTier(tempfile.mkdtemp(), segment_bytes=1 << 20)
+        >>> data = np.frombuffer(b"hello world!", dtype=np.uint8)
+        >>> off = t.allocate(np.array([5, 7]))
+        >>> t.write(off, data, np.array([0, 5]), np.array([5, 7])); t.flush()
+        >>> out = np.zeros(12, dtype=np.uint8)
+        >>> t.read(off, np.array([5, 7]), out, np.array([0, 5])); out.tobytes()
+        b'hello world!'
+        >>> state = t.state(); t.close()
+        >>> r = MemmapTier.open(t.directory, state, mode="r")
+        >>> r.read(off[:1], np.array([5]), out, np.array([0])); out[:5].tobytes()
+        b'hello'
+    """
+
+    name = "cold"
+    suffix = ".bin"
+    format = "memmap"
+
+    def __init__(self, directory: str | os.PathLike[str], segment_bytes: int | str = SEGMENT_BYTES,
+                 threads: int = 8, *, budget: int | str | None = None) -> None:
+        seg = parse_bytes(segment_bytes)
+        if seg <= 0 or seg % 16:
+            raise ValueError(f"segment_bytes must be a positive multiple of 16, got {seg}")
+        directory = os.path.abspath(os.fspath(directory))
+        _io.makedirs(directory)
+        first = os.path.join(directory, self._file_name(0))
+        if os.path.exists(first):
+            raise FileExistsError(
+                f"{directory} already holds cold segments ({first}); reopen them with "
+                f"{type(self).__name__}.open(directory, state, mode) or choose an empty directory"
+            )
+        self._setup(directory, seg, threads, None if budget is None else parse_bytes(budget), "r+")
+        self._alloc = ExtentAllocator(self.budget, boundary=seg)
+
+    def _setup(self, directory: str, segment_bytes: int, threads: int, budget: int | None, mode: str) -> None:
+        self.directory = directory
+        self.segment_bytes = segment_bytes
+        self.threads = int(threads)
+        self.budget = budget
+        self.device = torch.device("cpu")
+        self.mode = mode
+        self._sizes: list[int] = []  # bytes reserved (fallocated) per segment
+        self._data_offsets: list[int] = []  # file offset of each segment's byte space
+        self._init_runtime()
+
+    def _init_runtime(self) -> None:
+        self._fds: dict[int, int] = {}
+        self._pid = os.getpid()
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+        self._staging = _Staging()
+        self._dirty: set[int] = set()
+        self._dir_dirty = False
+        self._checked: set[int] = set()
+
+    # ------------------------------------------------------------------ files
+
+    @classmethod
+    def _file_name(cls, i: int) -> str:
+        return f"seg-{i:06d}{cls.suffix}"
+
+    def segment_path(self, i: int) -> str:
+        """Path of segment ``i``."""
+        return os.path.join(self.directory, self._file_name(i))
+
+    @property
+    def segments(self) -> list[str]:
+        """Paths of the segment files in use."""
+        return [self.segment_path(i) for i in range(len(self._sizes))]
+
+    def _fd(self, i: int) -> int:
+        if self._pid != os.getpid():
+            self._after_fork()
+        fd = self._fds.get(i)
+        if fd is not None:
+            return fd
+        with self._lock:
+            fd = self._fds.get(i)
+            if fd is None:
+                self._check_segment(i)
+                path = self.segment_path(i)
+                fd = _io.open_for_write(path) if self.mode != "r" else _io.open_for_read(path)
+                self._fds[i] = fd
+        return fd
+
+    def _check_segment(self, i: int) -> None:
+        """Hook: validate a segment's format on first use in this process (HDF5)."""
+
+    def _after_fork(self) -> None:
+        # Inherited fds would work for pread, but the parent's thread pool is dead here and a
+        # forked writer must not write: start over with fresh handles.
+        for fd in self._fds.values():
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._init_runtime()
+
+    def _get_pool(self) -> ThreadPoolExecutor | None:
+        if self.threads <= 1:
+            return None
+        if self._pool is None:
+            with self._lock:
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="tiered-cold")
+        return self._pool
+
+    def _create_segment(self, i: int) -> tuple[int, int]:
+        """Create segment ``i``; return (fd, data offset)."""
+        fd = _io.open_for_write(self.segment_path(i), exclusive=False)
+        if os.fstat(fd).st_size:  # left over by a crash after the last commit: start clean
+            _io.truncate(fd, 0)
+        return fd, 0
+
+    def _writable(self) -> None:
+        if self.mode == "r":
+            raise ReadOnlyStoreError(
+                f"the cold tier in {self.directory} was opened read-only; reopen it with mode='r+' to write"
+            )
+
+    def _reserve(self, offsets: np.ndarray, sizes: np.ndarray) -> None:
+        """Grow the segment files so that every new blob's bytes are allocated on disk."""
+        keep = sizes > 0
+        offsets, sizes = offsets[keep], sizes[keep]
+        if offsets.size == 0:
+            return
+        seg = offsets // self.segment_bytes
+        ends = offsets + sizes - seg * self.segment_bytes
+        order = np.argsort(seg, kind="stable")
+        seg, ends = seg[order], ends[order]
+        first = np.flatnonzero(np.r_[True, seg[1:] != seg[:-1]])
+        for s, need in zip(seg[first].tolist(), np.maximum.reduceat(ends, first).tolist(), strict=True):
+            while len(self._sizes) <= s:
+                i = len(self._sizes)
+                fd, data_off = self._create_segment(i)
+                self._fds[i] = fd
+                self._sizes.append(0)
+                self._data_offsets.append(data_off)
+                self._dirty.add(i)
+                self._dir_dirty = True
+            have = self._sizes[s]
+            if need <= have:
+                continue
+            new = min(self.segment_bytes, max(need, have + GROW_STEP))
+            _io.fallocate(self._fd(s), self._data_offsets[s] + have, new - have)
+            self._sizes[s] = new
+            self._dirty.add(s)
+
+    # ------------------------------------------------------------------ Tier API
+
+    @property
+    def bytes_used(self) -> int:
+        return self._alloc.bytes_used
+
+    @property
+    def fragmentation(self) -> float:
+        return self._alloc.fragmentation
+
+    @property
+    def allocator(self) -> ExtentAllocator:
+        """The tier's extent allocator (read it, do not change it)."""
+        return self._alloc
+
+    def allocate(self, sizes: np.ndarray) -> np.ndarray:
+        """Reserve space, growing segment files on disk. See :meth:`Tier.allocate`.
+
+        Raises:
+            ValueError: a blob larger than a segment (or than the budget).
+            StorageFullError: over the budget, or the disk is full; nothing changes.
+            ReadOnlyStoreError: the tier was opened with ``mode="r"``.
+        """
+        self._writable()
+        sizes = _i64(sizes)
+        snapshot = self._alloc.snapshot()
+        reserved = list(self._sizes)
+        offsets = self._alloc.allocate(sizes)
+        try:
+            self._reserve(offsets, align(sizes))
+        except BaseException:
+            # all or nothing: forget the allocation and the segments made for it; blocks
+            # already reserved in older segments stay reserved on disk, which is harmless
+            self._alloc.restore(snapshot)
+            for i in range(len(reserved), len(self._sizes)):
+                fd = self._fds.pop(i, None)
+                if fd is not None:
+                    _io.close(fd)
+                _io.remove(self.segment_path(i))
+                self._dirty.discard(i)
+            self._sizes = reserved
+            del self._data_offsets[len(reserved):]
+            raise
+        return offsets
+
+    def write(self, offsets: np.ndarray, data: np.ndarray | torch.Tensor, src_offsets: np.ndarray,
+              sizes: np.ndarray) -> None:
+        self._writable()
+        o, so, n = _i64(offsets), _i64(src_offsets), _i64(sizes)
+        _check_buffer(data, "data")
+        keep = n > 0
+        if not keep.all():
+            o, so, n = o[keep], so[keep], n[keep]
+        if o.size == 0:
+            return
+        host = _host_view(data)
+        if host is None:  # device data: gather the blobs there, one copy to the host
+            packed = torch.empty(int(n.sum()), dtype=torch.uint8, device=data.device)
+            excl = np.cumsum(n) - n
+            copy_blobs(data, so, packed, excl, n)
+            host, so = packed.cpu().numpy(), excl
+        order = np.argsort(o, kind="stable")
+        o, so, n = o[order], so[order], n[order]
+        seg = o // self.segment_bytes
+        if int((o + n).max()) > self._alloc.high_water or bool((o - seg * self.segment_bytes + n >
+                                                                  np.asarray(self._sizes)[seg]).any()):
+            raise ValueError("blob ranges fall outside the space allocated in the cold tier")
+        # Runs: blobs packed back to back (aligned) in one segment go out in one pwrite.
+        brk = np.r_[True, (o[1:] != o[:-1] + align(n[:-1])) | (seg[1:] != seg[:-1])]
+        first = np.flatnonzero(brk)
+        r_start = o[first]
+        last = np.append(first[1:], o.size) - 1
+        r_len = o[last] + n[last] - r_start
+        if first.size == 1 and bool(np.array_equal(so - so[0], o - o[0])):
+            # the source already has the file's layout (alignment padding included)
+            stage, s_base = host, np.array([so[0]])
+        else:
+            s_base = np.cumsum(r_len) - r_len
+            run_of = np.repeat(np.arange(first.size), np.diff(np.append(first, o.size)))
+            stage = np.zeros(int(r_len.sum()), dtype=np.uint8)  # zeroed: padding never leaks memory
+            copy_blobs(host, so, stage, s_base[run_of] + (o - r_start[run_of]), n)
+        mv = memoryview(stage)
+        for start, ln, sb in zip(r_start.tolist(), r_len.tolist(), s_base.tolist(), strict=True):
+            s = start // self.segment_bytes
+            _io.pwrite(self._fd(s), mv[sb:sb + ln], self._data_offsets[s] + start - s * self.segment_bytes)
+            self._dirty.add(s)
+
+    def read(self, offsets: np.ndarray, sizes: np.ndarray, out: np.ndarray | torch.Tensor,
+             out_offsets: np.ndarray) -> None:
+        o, n = _i64(offsets), _i64(sizes)
+        if o.size and int((o + n).max()) > self._alloc.high_water:
+            raise ValueError(
+                f"blob ranges reach byte {int((o + n).max())}, past the cold tier's allocated "
+                f"region ({self._alloc.high_water} bytes)"
+            )
+        read_blobs(self._fd, self.segment_path, np.asarray(self._data_offsets, dtype=np.int64),
+                   self.segment_bytes, o, n, out, out_offsets, self._get_pool, self.threads, self._staging)
+
+    def free(self, offsets: np.ndarray, sizes: np.ndarray, *, defer: bool = True) -> None:
+        """Release blobs. By default the space is reused only after :meth:`release_deferred`.
+
+        Args:
+            offsets, sizes: the blobs.
+            defer: ``False`` only for space that no durable commit references (e.g. a batch
+                whose write failed).
+        """
+        self._writable()
+        self._alloc.free(offsets, sizes, defer=defer)
+
+    def release_deferred(self) -> int:
+        """Make space freed since the last durable commit reusable; return its bytes."""
+        return self._alloc.release_deferred()
+
+    def flush(self) -> None:
+        """fsync every segment written since the last flush, and the directory if it changed."""
+        if self.mode == "r":
+            return
+        for i in sorted(self._dirty):
+            _io.fsync(self._fd(i))
+        self._dirty.clear()
+        if self._dir_dirty:
+            _io.fsync_dir(self.directory)
+            self._dir_dirty = False
+
+    def close(self) -> None:
+        if self._pid != os.getpid():  # a forked copy: the fds and threads are the parent's
+            self._fds, self._pool = {}, None
+            return
+        for fd in self._fds.values():
+            _io.close(fd)
+        self._fds = {}
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "bytes_used": self.bytes_used,
+            "budget": self.budget,
+            "fragmentation": self.fragmentation,
+            "segments": len(self._sizes),
+            "bytes_reserved": int(sum(self._sizes)),
+            "bytes_pending_free": self._alloc.bytes_pending,
+        }
+
+    def drop_cache(self) -> None:
+        """Ask the kernel to drop this tier's pages from the page cache (benchmarks).
+
+        Dirty pages are not dropped: call :meth:`flush` first.
+        """
+        for i in range(len(self._sizes)):
+            fd = os.open(self.segment_path(i), os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+    # ------------------------------------------------------------------ persistence
+
+    def state(self) -> dict[str, Any]:
+        """The tier's durable state: JSON-able values and int64 numpy arrays (flat dict).
+
+        Call it after :meth:`flush`; give it back to :meth:`open`.
+        """
+        a = self._alloc.state()
+        return {
+            "format": self.format,
+            "segment_bytes": self.segment_bytes,
+            "budget": self.budget,
+            "segment_sizes": list(self._sizes),
+            "data_offsets": list(self._data_offsets),
+            "high_water": a["high_water"],
+            "bytes_used": a["bytes_used"],
+            "free_offsets": a["free_offsets"],
+            "free_sizes": a["free_sizes"],
+            "pending_offsets": a["pending_offsets"],
+            "pending_sizes": a["pending_sizes"],
+        }
+
+    @classmethod
+    def open(cls, directory: str | os.PathLike[str], state: dict[str, Any], mode: str = "r",
+             threads: int = 8) -> MemmapTier:
+        """Reopen a tier saved by :meth:`state` read-only (``"r"``) or read-write (``"r+"``).
+
+        The state is that of a durable commit, so its deferred frees are released.
+
+        Raises:
+            CorruptionError: a segment file is missing or shorter than the state says.
+        """
+        if mode not in ("r", "r+"):
+            raise ValueError(f"mode must be 'r' or 'r+', got {mode!r}")
+        if state.get("format", cls.format) != cls.format:
+            raise CorruptionError(
+                f"the cold tier in {directory} was written by the {state.get('format')!r} backend, "
+                f"not {cls.format!r}; open the store with backend={state.get('format')!r}"
+            )
+        self = cls.__new__(cls)
+        budget = state.get("budget")
+        self._setup(os.path.abspath(os.fspath(directory)), int(state["segment_bytes"]), threads,
+                    None if budget is None else int(budget), mode)
+        self._sizes = [int(x) for x in state["segment_sizes"]]
+        self._data_offsets = [int(x) for x in state.get("data_offsets", [0] * len(self._sizes))]
+        self._alloc = ExtentAllocator.from_state({
+            "capacity": self.budget,
+            "boundary": self.segment_bytes,
+            "high_water": state["high_water"],
+            "bytes_used": state["bytes_used"],
+            "free_offsets": state["free_offsets"],
+            "free_sizes": state["free_sizes"],
+            "pending_offsets": state.get("pending_offsets", np.empty(0, np.int64)),
+            "pending_sizes": state.get("pending_sizes", np.empty(0, np.int64)),
+        })
+        self._alloc.release_deferred()
+        need = -(-self._alloc.high_water // self.segment_bytes)
+        if need > len(self._sizes):
+            raise CorruptionError(
+                f"inconsistent cold-tier state in {directory}: blobs reach byte "
+                f"{self._alloc.high_water}, which needs {need} segments, but {len(self._sizes)} are listed"
+            )
+        for i, size in enumerate(self._sizes):
+            path = self.segment_path(i)
+            expected = self._data_offsets[i] + size
+            try:
+                actual = os.stat(path).st_size
+            except FileNotFoundError:
+                raise CorruptionError(
+                    f"cold segment {path} is missing; the store expects it to hold at least "
+                    f"{expected} bytes. Restore it from a backup"
+                ) from None
+            if actual < expected:
+                raise CorruptionError(
+                    f"cold segment {path} is truncated: expected at least {expected} bytes, found "
+                    f"{actual}. Restore it from a backup"
+                )
+        return self
+
+    def __getstate__(self) -> dict[str, Any]:
+        if self.mode != "r":
+            raise TypeError(
+                f"a writable {type(self).__name__} cannot be pickled (a copy would be a second "
+                f"writer); pickle one opened with {type(self).__name__}.open(directory, state, mode='r')"
+            )
+        return {
+            "directory": self.directory,
+            "segment_bytes": self.segment_bytes,
+            "threads": self.threads,
+            "budget": self.budget,
+            "sizes": self._sizes,
+            "data_offsets": self._data_offsets,
+            "alloc": self._alloc.state(),
+        }
+
+    def __setstate__(self, st: dict[str, Any]) -> None:
+        self._setup(st["directory"], st["segment_bytes"], st["threads"], st["budget"], "r")
+        self._sizes = list(st["sizes"])
+        self._data_offsets = list(st["data_offsets"])
+        self._alloc = ExtentAllocator.from_state(st["alloc"])
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}({self.directory!r}, segments={len(self._sizes)}, "
+            f"segment_bytes={format_bytes(self.segment_bytes)}, used={format_bytes(self.bytes_used)}, "
+            f"mode={self.mode!r})"
+        )
