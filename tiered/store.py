@@ -193,6 +193,58 @@ class TieredStore:
         """Row index the next :meth:`extend` writes first."""
         return self._cursor
 
+    @cursor.setter
+    def cursor(self, value: int) -> None:
+        value = int(value)
+        if not 0 <= value < self._capacity:
+            raise IndexOutOfRangeError(f"cursor {value} is out of range for capacity {self._capacity}")
+        with self._lock:
+            self._cursor = value
+
+    @property
+    def read_only(self) -> bool:
+        """True for a store opened with ``mode="r"``."""
+        return self._readonly
+
+    @property
+    def options(self) -> dict[str, Any]:
+        """The constructor options that fix the layout (pass them to a new store to copy it).
+
+        Example:
+            >>> s = TieredStore(10, frames={"observation": 0})
+            >>> TieredStore(20, **s.options).options["frames"]
+            {('observation',): 0}
+        """
+        o = self._options
+        return {
+            "codec": self._codec.name,
+            "blob_min_bytes": o["blob_min_bytes"],
+            "blob_keys": [tuple(k) for k in o["blob_keys"]],
+            "dense_keys": [tuple(k) for k in o["dense_keys"]],
+            "frames": {tuple(k.split("/")): v for k, v in o["frames"].items()},
+            "chunk_frames": o["chunk_frames"],
+            "dedup": o["dedup"],
+            "traj_key": tuple(o["traj_key"]) if o.get("traj_key") else None,
+            "backend": self._backend,
+        }
+
+    def clear(self) -> None:
+        """Forget every row and release every blob (length and cursor go back to 0)."""
+        with self._lock:
+            self._check_writable()
+            if self._schema is None:
+                self._len = self._cursor = 0
+                return
+            written = np.flatnonzero(self._written)
+            dead = [self._index.decref(t.blob[written]) for t in self._tables.values()]
+            for t in self._tables.values():
+                t.blob[written] = -1
+            for fam in self._families:
+                dead.append(fam.release_tail(self._index))
+            self._written[:] = False
+            self._len = self._cursor = 0
+            self._delete_blobs(np.unique(np.concatenate(dead)) if dead else np.empty(0, np.int64))
+
     def __len__(self) -> int:
         return self._len
 
@@ -235,10 +287,15 @@ class TieredStore:
             self._counters["extends"] += 1
             return torch.from_numpy(rows)
 
-    def set(self, index: IndexLike, data: TensorDictBase) -> None:
+    def set(self, index: IndexLike, data: TensorDictBase, *, length: int | None = None) -> None:
         """Overwrite rows at ``index`` (ints, slices, lists, arrays or tensors; duplicates: last wins).
 
-        Rows beyond the current length extend it. The cursor does not move.
+        Args:
+            index: the rows to write.
+            data: a TensorDict of matching batch size (or a single row for an int index).
+            length: the store's length after the write. By default rows beyond the current
+                length extend it; pass the current ``len(store)`` to leave it unchanged (TorchRL's
+                ``set_cursor=False``). The cursor does not move.
         """
         with self._lock:
             self._check_writable()
@@ -255,7 +312,10 @@ class TieredStore:
                 rows = rows[keep]
                 data = data[torch.from_numpy(keep)]
             self._write_rows(rows, data)
-            self._len = max(self._len, int(rows.max()) + 1) if rows.size else self._len
+            if length is not None:
+                self._len = max(0, min(int(length), self._capacity))
+            elif rows.size:
+                self._len = max(self._len, int(rows.max()) + 1)
 
     def _check_writable(self) -> None:
         if self._closed:
@@ -561,9 +621,15 @@ class TieredStore:
             n = rows.size
             rows_t = torch.from_numpy(rows)
             out: dict[Key, torch.Tensor] = {}
+            # A slice with step 1 reads dense columns as views, as TensorStorage does (TorchRL's
+            # SliceSampler reads `storage[:]` on every sample): no copy that grows with the buffer.
+            span = None
+            if isinstance(index, slice) and n and rows[-1] - rows[0] == n - 1:
+                span = (int(rows[0]), n)
             for f in fields:
                 if f.kind == "dense":
-                    out[f.key] = self._dense[f.key].index_select(0, rows_t)
+                    col = self._dense[f.key]
+                    out[f.key] = col.narrow(0, *span) if span else col.index_select(0, rows_t)
             by_fam: dict[int, list[Field]] = {}
             for f in fields:
                 if f.kind == "blob":

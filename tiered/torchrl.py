@@ -446,27 +446,18 @@ class TieredStorage(TensorStorage):
         rows = _wrap_negative(rows, self.max_size, "max_size")
         td = self._to_rows(data, scalar, rows.size)
         store = self._store
-        # TODO(store): `store.set(rows, td, length=...)` (or a `grow=False` flag) would make this
-        # one call; meanwhile the store's lock keeps readers from seeing the length store.set
-        # leaves behind before TorchRL's rule below replaces it.
-        with store._lock:
-            old_len = store._len
-            store.set(rows, td)
-            if set_cursor:
-                # TorchRL's TensorStorage._get_new_len: the length grows by the rows written
-                store._len = min(old_len + (1 if scalar else rows.size), self.max_size)
-                if rows.size:
-                    store._cursor = int((rows[-1] + 1) % self.max_size)
-            else:
-                store._len = old_len
+        with store._lock:  # readers never see the length between the write and TorchRL's rule
+            # TorchRL's TensorStorage._get_new_len: with set_cursor the length grows by the rows
+            # written; without it (rb[i] = ..., write_at) it does not change
+            old_len = len(store)
+            new_len = min(old_len + (1 if scalar else rows.size), self.max_size) if set_cursor else old_len
+            store.set(rows, td, length=new_len)
+            if set_cursor and rows.size:
+                store.cursor = int((rows[-1] + 1) % self.max_size)
         self._bump_mutation_revision()
 
     def _empty(self) -> None:
-        # TODO(store): `store.clear()` to release the blobs of every row; until then rows past the
-        # length stay stored (unreachable) until overwritten.
-        with self._store._lock:
-            self._store._len = 0
-            self._store._cursor = 0
+        self._store.clear()
         self._set_last_cursor(None)
         self._bump_mutation_revision()
 
@@ -522,9 +513,8 @@ class TieredStorage(TensorStorage):
         if self._tensor_mode:
             return store.get(rows).get(_TENSOR_KEY)
         schema = store.schema
-        # TODO(store): for a full slice, views of the dense columns (e.g. `get(slice, keys=...,
-        # copy=False)`) would spare this per-sample copy on very large buffers.
-        dense = store.get(rows, keys=[f.key for f in schema.dense_fields])
+        # a slice reads dense columns as views (no per-sample copy that grows with the buffer)
+        dense = store.get(index if isinstance(index, slice) else rows, keys=[f.key for f in schema.dense_fields])
         columns: dict[Key | str, torch.Tensor] = {}
         blob = schema.blob_fields
         loader = _BlobLoader(store, rows, [f.key for f in blob]) if blob else None
@@ -651,20 +641,7 @@ TieredStorage._default_checkpointer = TieredStorageCheckpointer
 
 def _store_options(store: TieredStore) -> dict[str, Any]:
     """Constructor options that recreate ``store``'s layout (not its budgets)."""
-    # TODO(store): a public `store.options` (the constructor kwargs that fix the layout) would
-    # replace reading `_options`/`_backend` here.
-    o = store._options
-    return {
-        "codec": store.codec.name,
-        "blob_min_bytes": o["blob_min_bytes"],
-        "blob_keys": [tuple(k) for k in o["blob_keys"]],
-        "dense_keys": [tuple(k) for k in o["dense_keys"]],
-        "frames": {tuple(k.split("/")): v for k, v in o["frames"].items()},
-        "chunk_frames": o["chunk_frames"],
-        "dedup": o["dedup"],
-        "traj_key": tuple(o["traj_key"]) if o.get("traj_key") else None,
-        "backend": getattr(store, "_backend", "memmap"),
-    }
+    return store.options
 
 
 def _row_nbytes(schema) -> int:
@@ -717,8 +694,7 @@ def _write_checkpoint(storage: TieredStorage, path: Path, source: TensorDictBase
                     _copy_rows(lambda lo, hi: source[lo:hi], dst, n, _row_nbytes(store.schema))
                 else:
                     _copy_rows(lambda lo, hi: store.get(range(lo, hi)), dst, n, _row_nbytes(store.schema))
-                # TODO(store): a public cursor setter (or `extend` continuing at a given row)
-                dst._cursor = store.cursor
+                dst.cursor = store.cursor
                 dst.flush()
             finally:
                 dst.close()
