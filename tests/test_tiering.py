@@ -242,3 +242,25 @@ def test_peak_memory_bounded_by_warm_budget(tmp_path):
     # not growing with the data: the last third adds as many rows as the first
     assert peaks[-1] - peaks[0] < 64 * 2**20, peaks
     assert res["cold"] > 32 * 2**20 or res["cold"] > 0
+
+
+def test_promotion_keeps_working_when_the_warm_cache_is_fragmented(tmp_path, atari_mixed):
+    """A full, fragmented warm cache still takes promoted blobs (victims leave until holes merge)."""
+    data = atari_mixed
+    probe = TieredStore(4000, frames={"observation": 0})
+    probe.extend(data)
+    compressed = probe.stats()["tiers"]["warm"]["bytes_used"]
+    store = TieredStore(4000, tmp_path / "s", frames={"observation": 0}, hot_bytes=0,
+                       warm_bytes=compressed // 4, policy="lru", promote=True)
+    store.extend(data)
+    store.flush()
+    rng = np.random.default_rng(3)
+    promotions = []
+    for _ in range(30):
+        idx = torch.as_tensor(rng.integers(0, 4000, size=256))
+        assert_td_equal(store.get(idx), data[idx])
+        promotions.append(store.stats()["tiers"]["warm"]["promotions"])
+    st = store.stats()["tiers"]["warm"]
+    assert st["bytes_used"] <= st["budget"]
+    assert promotions[-1] > promotions[10] > 0, promotions  # still promoting late in the run
+    assert st["hits"] > 0

@@ -28,7 +28,7 @@ import numpy as np
 
 from .index import OPEN, BlobIndex, isin
 
-__all__ = ["FrameFamily", "FramePlan"]
+__all__ = ["FrameFamily", "FramePlan", "FrameColumns", "layout_rules"]
 
 _HASH_SEED = 0x9E3779B97F4A7C15
 
@@ -54,6 +54,73 @@ def frame_hashes(frames: np.ndarray, coeffs: np.ndarray) -> np.ndarray:
         tail = frames[:, n_words * 8:].astype(np.uint64)
         h = h * np.uint64(_HASH_SEED) + tail @ coeffs[n_words: n_words + rest]
     return h
+
+
+def layout_rules(columns: list[tuple[tuple[str, ...], int, bool]]) -> np.ndarray | None:
+    """Neighbour rules of a family's frame layout (see :meth:`FrameFamily.plan`).
+
+    Args:
+        columns: per field of the family, in layout order: (key, frames per row, stacked).
+
+    Returns:
+        ``[P, 2]`` rules, or ``None`` when the layout has no neighbours to compare.
+
+    Example:
+        >>> layout_rules([(("observation",), 2, True), (("next", "observation"), 2, True)]).tolist()
+        [[1, 1], [1, 3], [0, 1], [-1, 0]]
+    """
+    offsets, total = {}, 0
+    for key, F, _ in columns:
+        offsets[key] = total
+        total += F
+    rules = np.full((total, 2), -1, dtype=np.int64)
+    rules[:, 1] = 0
+    for key, F, stacked in columns:
+        o = offsets[key]
+        is_next = len(key) > 1 and key[0] == "next"
+        partner = key[1:] if is_next else ("next",) + key
+        po = offsets.get(partner)
+        if is_next and po is not None:
+            if stacked:  # next[t][j] == obs[t][j + 1]
+                rules[o:o + F - 1] = np.stack([np.zeros(F - 1, np.int64), po + np.arange(1, F)], 1)
+            continue
+        if stacked:  # obs[t][j] == obs[t - 1][j + 1]
+            rules[o:o + F - 1] = np.stack([np.ones(F - 1, np.int64), o + np.arange(1, F)], 1)
+        if po is not None:  # newest frame: obs[t][-1] == next[t - 1][-1]
+            rules[o + F - 1] = (1, po + F - 1)
+    return rules if (rules[:, 0] >= 0).any() else None
+
+
+class FrameColumns:
+    """The incoming frames of one family as ``n`` rows of ``P`` columns, without copying them.
+
+    Each field contributes ``[n, F, nbytes]`` (a view of the caller's tensor); frame position
+    ``q = row * P + column`` addresses the virtual row-major concatenation. Only the frames that
+    are actually needed (new unique frames, the tail) are ever gathered.
+    """
+
+    def __init__(self, cells: list[np.ndarray]):
+        self.cells = cells
+        self.n = int(cells[0].shape[0])
+        self.nbytes = int(cells[0].shape[2])
+        widths = [int(c.shape[1]) for c in cells]
+        self.P = sum(widths)
+        self.offsets = np.cumsum([0] + widths)
+        self.M = self.n * self.P
+
+    def col(self, p: int) -> np.ndarray:
+        """Column ``p`` as an ``[n, nbytes]`` view."""
+        f = int(np.searchsorted(self.offsets, p, side="right")) - 1
+        return self.cells[f][:, p - self.offsets[f]]
+
+    def take(self, q: np.ndarray) -> np.ndarray:
+        """Frames at positions ``q`` (a copy, ``[len(q), nbytes]``); one gather per field."""
+        out = np.empty((q.size, self.nbytes), dtype=np.uint8)
+        row, colp = np.divmod(q, self.P)
+        for f, c in enumerate(self.cells):  # a loop over the family's fields, not over frames
+            sel = np.flatnonzero((colp >= self.offsets[f]) & (colp < self.offsets[f + 1]))
+            out[sel] = c[row[sel], colp[sel] - self.offsets[f]]
+        return out
 
 
 @dataclass
@@ -85,7 +152,7 @@ class FramePlan:
 class FrameFamily:
     """Dedup and chunking state of one frame family. See the module docstring."""
 
-    def __init__(self, family_id: int, frame_nbytes: int, chunk_frames: int, tail_rows: int = 64,
+    def __init__(self, family_id: int, frame_nbytes: int, chunk_frames: int, tail_rows: int = 16,
                  dedup: bool = True):
         if chunk_frames < 1:
             raise ValueError(f"chunk_frames must be >= 1, got {chunk_frames}")
@@ -111,39 +178,28 @@ class FrameFamily:
         self.tail_slot = np.empty(0, dtype=np.int64)
 
     # ------------------------------------------------------------------------------------
-    def plan(self, frames: np.ndarray, frame_traj: np.ndarray, ended_traj: np.ndarray,
-             tail_mask: np.ndarray, index: BlobIndex, close_all: bool = False) -> FramePlan:
-        """Plan the storage of ``frames`` (``[M, nbytes]`` uint8, in write order).
+    def plan(self, frames: FrameColumns, frame_traj: np.ndarray, ended_traj: np.ndarray,
+             tail_mask: np.ndarray, index: BlobIndex, close_all: bool = False,
+             rules: np.ndarray | None = None) -> FramePlan:
+        """Plan the storage of ``frames`` (``n`` rows of ``P`` frames, in write order).
 
         Args:
-            frames: incoming frames, row-major in time order.
+            frames: incoming frames, row-major in time order (``n`` rows of ``P`` frames).
             frame_traj: trajectory id of each frame.
             ended_traj: sorted trajectory ids that end in this batch (their chunks close).
             tail_mask: frames to keep raw as the tail for the next write.
             index: the blob index (ids for new chunks are allocated here; the caller releases
                 ``plan.new_ids`` if placement fails).
             close_all: close every chunk, open ones included (used by ``flush``).
+            rules: ``[P, 2]`` int array: frame column ``p`` of a row is expected to equal column
+                ``rules[p, 1]`` of the previous row of its trajectory (``rules[p, 0] == 1``) or of
+                its own row (``0``); ``-1``: no expectation. See :func:`layout_rules`.
         """
-        M = frames.shape[0]
+        M = frames.M
         T = self.tail_frames.shape[0]
         nb = self.nbytes
-        frame_h = frame_hashes(frames, self._coeffs)
-        if self.dedup and M:
-            # candidates: the tail (previous write's last rows) followed by the incoming frames
-            h = np.concatenate([self.tail_hash, frame_h])
-            _, first, inv = np.unique(h, return_index=True, return_inverse=True)
-            rep = first[inv.reshape(-1)]
-            dup = np.flatnonzero(rep != np.arange(T + M))
-            # confirm every match byte for byte (compared as 8-byte words when the size allows)
-            a, b = self._take(frames, dup, "cmp_a"), self._take(frames, rep[dup], "cmp_b")
-            if nb % 8 == 0:
-                a, b = a.view(np.uint64), b.view(np.uint64)
-            eq = np.equal(a, b, out=self.scratch("cmp_eq", a.shape, bool))
-            bad = dup[~eq.all(1)]
-            rep[bad] = bad  # a hash collision: keep the frame as its own, never share wrongly
-            rep_new = rep[T:]
-        else:
-            rep_new = np.arange(T, T + M)
+        rep, roots, root_frames = self._dedup(frames, frame_traj, rules if self.dedup else None)
+        rep_new = rep[T:]
         own = rep_new == np.arange(T, T + M)
         u_idx = np.flatnonzero(own)                    # incoming positions of new unique frames
         U = u_idx.size
@@ -230,7 +286,9 @@ class FrameFamily:
         u_sel = np.flatnonzero(u_closed)
         new_keys = np.searchsorted(closed, u_chunk[u_sel]) * self.K + u_slot[u_sel]
         keys = np.concatenate([pend_keys, new_keys])
-        src = np.concatenate([self.pend.reshape(-1, nb)[pend_rows.astype(np.int64)], frames[u_idx[u_sel]]])
+        # new unique frames are all dedup roots: fetch them from the gathered roots
+        u_root = np.searchsorted(roots, u_idx)
+        src = np.concatenate([self.pend.reshape(-1, nb)[pend_rows.astype(np.int64)], root_frames[u_root[u_sel]]])
         closed_raw = src[np.argsort(keys, kind="stable")]
         del chunk_first_new
 
@@ -260,16 +318,77 @@ class FrameFamily:
         # -- tail for the next write: raw frames + their blob refs --------------------------
         tmask = np.asarray(tail_mask, dtype=bool)
         tpos = np.flatnonzero(tmask)
+        tail_frames = frames.take(tpos)
         return FramePlan(
             blob=blob, slot=slot, new_ids=new_ids, closed_ids=closed_ids, closed_raw=closed_raw,
             closed_nframes=closed_nframes.astype(np.int64),
             open_traj=o_traj[srt], open_blob=o_blob[srt], open_fill=o_fill[srt].astype(np.int64),
             pend_writes_blob=chunk_blob[u_chunk[u_open]], pend_writes_slot=u_slot[u_open],
-            pend_writes_frame=frames[u_idx[u_open]],
+            pend_writes_frame=root_frames[u_root[u_open]],
             reopened_closed=reopened_closed,
-            tail_frames=frames[tpos], tail_hash=frame_h[tpos],
+            tail_frames=tail_frames, tail_hash=frame_hashes(tail_frames, self._coeffs),
             tail_blob=blob[tpos], tail_slot=slot[tpos], unique_new=U,
         )
+
+    def _dedup(self, frames: FrameColumns, frame_traj: np.ndarray,
+               rules: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Representatives in the space ``[tail; frames]`` (equal bytes, exact), the dedup roots
+        (positions of frames equal to nothing earlier) and the roots' bytes."""
+        T, M, nb = self.tail_frames.shape[0], frames.M, self.nbytes
+        rep = np.arange(T + M)
+        if not self.dedup:
+            roots = np.arange(M)
+            return rep, roots, frames.take(roots)
+        if rules is not None and M:
+            # 1. The layout's own neighbours, compared in place as strided views (no gathers):
+            #    a stacked frame equals the next frame of the previous row's stack, and a next
+            #    observation's frames equal the observation's. A loop over the P frame columns of
+            #    the layout, never over rows.
+            P, n = frames.P, frames.n
+            row_traj = frame_traj[::P]
+            same_prev = np.zeros(n, dtype=bool)
+            same_prev[1:] = row_traj[1:] == row_traj[:-1]
+            base = T + np.arange(n, dtype=np.int64) * P
+            words = nb // 8 if nb % 8 == 0 else nb
+            eq = self.scratch("rule_eq", (n, words), bool)
+
+            def col(p: int) -> np.ndarray:
+                c = frames.col(p)
+                return c.view(np.uint64) if nb % 8 == 0 else c
+
+            for p in range(P):
+                dr, c = int(rules[p, 0]), int(rules[p, 1])
+                if dr == 0:
+                    hit = np.equal(col(p), col(c), out=eq).all(-1)
+                    rep[base[hit] + p] = base[hit] + c
+                elif dr == 1:
+                    hit = np.zeros(n, dtype=bool)
+                    hit[1:] = np.equal(col(p)[1:], col(c)[:-1], out=eq[1:]).all(-1)
+                    hit &= same_prev
+                    rep[base[hit] + p] = base[hit] - P + c
+            # chains (a frame -> its neighbour -> ...) are at most P long: pointer jumping
+            for _ in range(int(np.ceil(np.log2(P + 1))) + 1):
+                rep = rep[rep]
+        roots = np.flatnonzero(rep[T:] == np.arange(T, T + M))
+        root_frames = frames.take(roots)
+        # 2. Everything still unmatched (new frames, the first row of each trajectory, static
+        #    screens, interleaved environments) against each other and the tail: a 64-bit hash
+        #    finds candidates; every match is then confirmed byte for byte, so a collision only
+        #    misses a dedup, never shares wrong data.
+        R = roots.size
+        h = np.concatenate([self.tail_hash, frame_hashes(root_frames, self._coeffs)])
+        _, first, inv = np.unique(h, return_index=True, return_inverse=True)
+        rrep = first[inv.reshape(-1)]
+        dup = np.flatnonzero(rrep != np.arange(T + R))
+        a, b = self._take(root_frames, dup, "cmp_a"), self._take(root_frames, rrep[dup], "cmp_b")
+        if nb % 8 == 0:
+            a, b = a.view(np.uint64), b.view(np.uint64)
+        ok = np.equal(a, b, out=self.scratch("cmp_eq", a.shape, bool)).all(1)
+        bad = dup[~ok]
+        rrep[bad] = bad
+        glob = np.concatenate([np.arange(T, dtype=np.int64), T + roots])
+        rep[T + roots] = glob[rrep[T:]]
+        return rep[rep], roots, root_frames
 
     def scratch(self, name: str, shape: tuple[int, ...], dtype) -> np.ndarray:
         """A reused buffer: fresh multi-MB temporaries cost page faults on every write."""
@@ -308,9 +427,8 @@ class FrameFamily:
             index.aux[new_open] = self._pend_free[: new_open.size]
             self._pend_free = self._pend_free[new_open.size:]
             index.state[new_open] = OPEN
-        if plan.pend_writes_blob.size:
-            rows = index.aux[plan.pend_writes_blob] * self.K + plan.pend_writes_slot
-            self.pend.reshape(-1, self.nbytes)[rows] = plan.pend_writes_frame
+        rows = index.aux[plan.pend_writes_blob] * self.K + plan.pend_writes_slot
+        self.pend.reshape(-1, self.nbytes)[rows] = plan.pend_writes_frame
         self.open_traj, self.open_blob, self.open_fill = plan.open_traj, plan.open_blob, plan.open_fill
         index.raw_nbytes[plan.open_blob] = plan.open_fill * self.nbytes
         # tail: pin new, unpin old

@@ -34,7 +34,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from . import codecs as _codecs
-from ._frames import FrameFamily
+from ._frames import FrameColumns, FrameFamily, layout_rules
 from .errors import (
     ChecksumError,
     IndexOutOfRangeError,
@@ -154,6 +154,7 @@ class TieredStore:
         self._counters = {"blobs_decoded": 0, "gets": 0, "extends": 0}
 
         self._schema: Schema | None = None
+        self._rules: list = []
         self._dense: dict[Key, torch.Tensor] = {}
         self._tables: dict[Key, RowTable] = {}
         self._families: list[FrameFamily] = []
@@ -352,6 +353,11 @@ class TieredStore:
             self._family_of[f.key] = fid
             self._tables[f.key] = RowTable(self._capacity, f.frames_per_row)
             self._field_stats[f.key] = {"unique_frames": 0}
+        self._rules = [
+            layout_rules([(f.key, f.frames_per_row, f.frame_dim is not None)
+                          for f in schema.blob_fields if self._family_of[f.key] == fam.family_id])
+            for fam in self._families
+        ]
 
     def _traj_ids(self, data: TensorDictBase, n: int) -> tuple[np.ndarray, np.ndarray]:
         """Trajectory id per row and the sorted ids of trajectories that end in this batch."""
@@ -399,14 +405,12 @@ class TieredStore:
             for fid, fields in fam_fields.items():
                 fam = self._families[fid]
                 # frames row-major (row, field, frame) so a trajectory's frames come in time order
-                per_row = sum(f.frames_per_row for f in fields)
-                cells = np.concatenate([self._cell_frames(f, data.get(f.key), n) for f in fields], axis=1,
-                                       out=fam.scratch("cells", (n, per_row, fam.nbytes), np.uint8))
-                frames = cells.reshape(n * per_row, fam.nbytes)
+                frames = FrameColumns([self._cell_frames(f, data.get(f.key), n) for f in fields])
+                per_row = frames.P
                 frame_traj = np.repeat(traj, per_row)
                 tail_mask = np.zeros(n * per_row, dtype=bool)
                 tail_mask[max(0, n - fam.tail_rows) * per_row:] = True
-                plan = fam.plan(frames, frame_traj, ended, tail_mask, self._index)
+                plan = fam.plan(frames, frame_traj, ended, tail_mask, self._index, rules=self._rules[fid])
                 plans.append((fid, fields, per_row, plan))
                 self._store_chunks(fam, plan.closed_ids, plan.closed_raw, plan.closed_nframes)
         except BaseException:
@@ -494,8 +498,7 @@ class TieredStore:
             if tier is None:
                 continue
             try:
-                self._make_room(t, int(align(sizes).sum()))
-                loc = tier.allocate(sizes)
+                loc = self._allocate_in(t, sizes)
             except (StorageFullError, ValueError) as e:
                 errors.append(f"{tier.name}: {e}")
                 continue
@@ -508,6 +511,28 @@ class TieredStore:
             f"no tier can take {ids.size} new blobs ({int(sizes.sum())} bytes); budgets: {budgets or 'none'}. "
             "Nothing was written. Raise warm_bytes/hot_bytes, give the store a path (a cold tier on disk), "
             "or use a smaller capacity. Details: " + "; ".join(errors))
+
+    def _allocate_in(self, t: int, sizes: np.ndarray, protect: np.ndarray | None = None) -> np.ndarray:
+        """Allocate in tier ``t``, moving policy victims out first.
+
+        Enough free *bytes* may still not hold a batch when the free space is in small holes;
+        then more victims leave (twice the batch, four times, ... up to the whole budget) until
+        the holes coalesce. A bounded number of rounds, never a loop over blobs.
+        """
+        tier = self._tiers[t]
+        need = int(align(sizes).sum())
+        rounds = 4
+        for attempt in range(rounds):
+            room = need if attempt == 0 or tier.budget is None else min(tier.budget, need << (2 * attempt))
+            if attempt == rounds - 1 and tier.budget is not None:
+                room = tier.budget
+            self._make_room(t, room, protect)
+            try:
+                return tier.allocate(sizes)
+            except StorageFullError:
+                if attempt == rounds - 1:
+                    raise
+        raise AssertionError("unreachable")
 
     def _tier_ids(self, t: int) -> np.ndarray:
         return np.flatnonzero(self._index.loc[: self._index.size, t] >= 0)
@@ -547,8 +572,7 @@ class TieredStore:
         buf = np.empty(int(sizes.sum()), dtype=np.uint8)
         tier.read(idx.loc[ids, t], sizes, buf, buf_off)
         u = lower[0]
-        self._make_room(u, int(align(sizes).sum()))
-        loc = self._tiers[u].allocate(sizes)  # copy, switch the index, then free
+        loc = self._allocate_in(u, sizes)  # copy, switch the index, then free
         self._tiers[u].write(loc, buf, buf_off, sizes)
         idx.loc[ids, u] = loc
         tier.free(idx.loc[ids, t], align(sizes))
@@ -559,8 +583,7 @@ class TieredStore:
         """Copy blobs into cache tier ``t`` (stores with a path), evicting by policy. Best effort."""
         tier = self._tiers[t]
         try:
-            self._make_room(t, int(align(sizes).sum()))
-            loc = tier.allocate(sizes)
+            loc = self._allocate_in(t, sizes)
         except (StorageFullError, ValueError):
             return False
         except torch.cuda.OutOfMemoryError:
@@ -768,8 +791,7 @@ class TieredStore:
                 moved = ids[cand]
                 old_t = from_tier[cand]
                 try:
-                    self._make_room(t, int(align(sizes[cand]).sum()), protect=moved)
-                    loc = tier.allocate(sizes[cand])
+                    loc = self._allocate_in(t, sizes[cand], protect=moved)
                 except (StorageFullError, ValueError):
                     continue
                 except torch.cuda.OutOfMemoryError:
@@ -785,8 +807,11 @@ class TieredStore:
                 from_tier[cand] = t
                 self._stats[_TIER_NAMES[t]]["promotions"] += int(cand.size)
             else:
+                # at most half the cache per call: a batch larger than the cache still promotes
+                # part of itself instead of nothing
                 cand = np.flatnonzero(sel)
-                if self._cache_into(t, ids[cand], comp, src_off[cand], sizes[cand]):
+                cand = cand[np.cumsum(align(sizes[cand])) <= (tier.budget or 0) // 2]
+                if cand.size and self._cache_into(t, ids[cand], comp, src_off[cand], sizes[cand]):
                     from_tier[cand] = t
                     self._stats[_TIER_NAMES[t]]["promotions"] += int(cand.size)
 
@@ -979,7 +1004,7 @@ class TieredStore:
         for fam in self._families:
             if fam.open_blob.size == 0:
                 continue
-            empty = np.empty((0, fam.nbytes), dtype=np.uint8)
+            empty = FrameColumns([np.empty((0, 1, fam.nbytes), dtype=np.uint8)])
             e = np.empty(0, dtype=np.int64)
             plan = fam.plan(empty, e, e, np.zeros(0, bool), self._index, close_all=True)
             # keep the tail as it is

@@ -50,13 +50,13 @@ if TYPE_CHECKING:
 __all__ = ["segment_checksums", "segment_checksums_torch", "verify", "checksum_reference"]
 
 _MASK32 = 0xFFFFFFFF
-# Bytes per pass. numpy: 256 KiB keeps the uint32 temporaries (1 MiB) in cache; measured about
-# 2.5 ns/byte here, vs 4 ns/byte for a full-length cumsum. torch: keeps its int64 prefix sums
-# below 2**63 (255 * n**2 / 2 < 2**63 for n = 2**26). The loops over chunks run once per
-# chunk of data, never once per blob.
-# One pass covers any realistic batch of compressed blobs (a few MiB); the chunking only bounds
-# the temporaries (4 bytes per data byte) for huge inputs such as a whole-store verify.
-_NP_CHUNK = 1 << 24
+# Bytes per pass. numpy: 4 MiB, so one pass covers any realistic sampled batch of compressed blobs
+# and the number of Python calls of a `get` does not depend on its size; the chunking only bounds
+# the uint32 temporaries (4 bytes per data byte; the shared weights cost 16 MiB once) for huge
+# inputs such as a whole-store verify. torch: keeps its int64 prefix sums below 2**63
+# (255 * n**2 / 2 < 2**63 for n = 2**26). The loops over chunks run once per chunk of data,
+# never once per blob.
+_NP_CHUNK = 1 << 22
 _TORCH_CHUNK = 1 << 26
 
 
@@ -205,7 +205,7 @@ _ARANGE32: np.ndarray | None = None
 
 
 def _arange32() -> np.ndarray:
-    # Shared read-only weights 0.._NP_CHUNK-1 (1 MiB), made once; a blob longer than a chunk
+    # Shared read-only weights 0.._NP_CHUNK-1 (16 MiB), made once; a blob longer than a chunk
     # gets its own weights.
     global _ARANGE32
     if _ARANGE32 is None or _ARANGE32.size < _NP_CHUNK:
