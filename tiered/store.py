@@ -134,6 +134,7 @@ class TieredStore:
         self._lock = threading.RLock()
         self._local = threading.local()
         self._closed = False
+        self._writer_lock = None
         self._readonly = False
         self.path = os.fspath(path) if path is not None else None
         self._backend = backend
@@ -1030,6 +1031,10 @@ class TieredStore:
                     if tier is not None:
                         tier.close()
                 self._closed = True
+                from ._lock import release
+
+                release(self._writer_lock)
+                self._writer_lock = None
 
     # ------------------------------------------------------------------------------------
     # The cold tier and the durable format (DESIGN.md section 6; docs/format.md)
@@ -1056,8 +1061,16 @@ class TieredStore:
                 f"{self.path!r} already holds a tiered store; open it with tiered.open(path, mode='r+'), "
                 "or choose another path")
         os.makedirs(self.path, exist_ok=True)
-        self._tiers[COLD] = self._make_cold_tier()
-        self._commit()
+        from ._lock import acquire_writer_lock, release
+
+        self._writer_lock = acquire_writer_lock(self.path)  # one writer at a time
+        try:
+            self._tiers[COLD] = self._make_cold_tier()
+            self._commit()
+        except BaseException:
+            release(self._writer_lock)
+            self._writer_lock = None
+            raise
 
     def _snapshot_arrays(self) -> dict[str, np.ndarray]:
         arrays = {f"index.{k}": v for k, v in self._index.state_arrays().items()}
@@ -1112,9 +1125,11 @@ class TieredStore:
             "files": files,
         }
         write_manifest(self.path, body)
-        old = os.path.join(self.path, gen_dir_name(self._generation))
+        # Keep the previous generation one commit longer: a reader (or `tiered verify`) that read
+        # the old manifest an instant ago can still load its arrays.
+        old = os.path.join(self.path, gen_dir_name(self._generation - 1))
         self._generation = g
-        if self._generation > 1 and os.path.isdir(old):
+        if os.path.isdir(old):
             for name in os.listdir(old):
                 _io.remove(os.path.join(old, name))
             os.rmdir(old)
@@ -1123,18 +1138,92 @@ class TieredStore:
 
     @classmethod
     def open(cls, path: str | os.PathLike, mode: str = "r", **options: Any) -> TieredStore:
-        """Open an existing store (see :func:`tiered.open`)."""
-        from ._persist import gen_dir_name, load_npy, read_manifest
+        """Open an existing store (see :func:`tiered.open`).
+
+        ``mode="r+"`` takes the store's writer lock (:class:`~tiered.errors.StoreLockedError` if
+        another writer holds it); ``"r"`` takes none, so any number of readers can open it.
+        A manifest or array that is damaged or inconsistent raises
+        :class:`~tiered.errors.CorruptionError` naming the store, never a raw ``KeyError``.
+        """
+        from ._lock import acquire_writer_lock, release
+        from ._persist import read_manifest
+        from .errors import CorruptionError, TieredError
 
         if mode not in ("r", "r+"):
             raise ValueError(f"mode must be 'r' or 'r+', got {mode!r}")
-        path = os.fspath(path)
-        body = read_manifest(path)
-        o = body["options"]
         allowed = {"warm_bytes", "hot_bytes", "hot_device", "device", "policy", "verify", "threads", "promote"}
         unknown = set(options) - allowed
         if unknown:
             raise TypeError(f"options {sorted(unknown)} cannot change on open; allowed: {sorted(allowed)}")
+        path = os.fspath(path)
+        read_manifest(path)  # "not a store" before touching the directory (no lock file)
+        lock = acquire_writer_lock(path) if mode == "r+" else None
+        try:
+            body = read_manifest(path)  # under the lock: the last complete commit
+            try:
+                for attempt in range(3):
+                    try:
+                        self = cls._open_body(path, mode, options, body)
+                        break
+                    except CorruptionError:
+                        # a writer may have committed twice since we read the manifest (its old
+                        # generation is gone): read the new one; a real damage persists
+                        newer = read_manifest(path)
+                        if attempt == 2 or newer["generation"] == body["generation"]:
+                            raise
+                        body = newer
+                self._check_consistency()
+            except TieredError:
+                raise
+            except (KeyError, ValueError, TypeError, IndexError, AttributeError, RuntimeError,
+                    OverflowError) as e:
+                raise CorruptionError(
+                    f"{path}: the manifest and its arrays are inconsistent ({type(e).__name__}: {e}); "
+                    f"the store is damaged. Run `tiered verify {path}` for details.") from e
+            self._writer_lock = lock
+            return self
+        except BaseException:
+            release(lock)
+            raise
+
+    def _check_consistency(self) -> None:
+        """Cheap, vectorized checks that the loaded arrays agree with the manifest."""
+        from .errors import CorruptionError
+
+        cap, idx = self._capacity, self._index
+        problems = []
+        if self._written.shape != (cap,):
+            problems.append(f"written has shape {self._written.shape}, expected ({cap},)")
+        if not (0 <= self._len <= cap and 0 <= self._cursor < cap):
+            problems.append(f"len {self._len} / cursor {self._cursor} do not fit capacity {cap}")
+        for key, t in self._tables.items():
+            if t.blob.shape != (cap, self._schema[key].frames_per_row) or t.slot.shape != t.blob.shape:
+                problems.append(f"row table of {key_to_str(key)!r} has shape {t.blob.shape}")
+            elif t.blob.size and int(t.blob.max()) >= idx.size:
+                problems.append(f"row table of {key_to_str(key)!r} names blob {int(t.blob.max())} "
+                                f"of an index of {idx.size}")
+        for key, col in self._dense.items():
+            if tuple(col.shape) != (cap, *self._schema[key].shape):
+                problems.append(f"dense column {key_to_str(key)!r} has shape {tuple(col.shape)}")
+        live = idx.live_ids()
+        cold = self._tiers[COLD]
+        if live.size and cold is not None:
+            loc = idx.loc[live, COLD]
+            end = loc + idx.nbytes[live]
+            high = getattr(getattr(cold, "allocator", None), "high_water", None)
+            if (loc < 0).any() or (high is not None and int(end.max()) > high):
+                problems.append("blob locations fall outside the cold segments")
+            if (idx.raw_nbytes[live] < 0).any() or (idx.raw_nbytes[live] > (1 << 34)).any():
+                problems.append("blob sizes are impossible")
+        if problems:
+            raise CorruptionError(f"{self.path}: the store is damaged: " + "; ".join(problems[:5])
+                                  + f". Run `tiered verify {self.path}` for details.")
+
+    @classmethod
+    def _open_body(cls, path: str, mode: str, options: dict[str, Any], body: dict[str, Any]) -> TieredStore:
+        from ._persist import gen_dir_name, load_npy
+
+        o = body["options"]
         self = cls.__new__(cls)
         self._opening = True
         try:

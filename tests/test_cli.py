@@ -1,0 +1,173 @@
+"""The ``tiered`` command line: help, info, verify, exit codes, one-line errors, the console script."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+from tiered import errors as E
+from tiered._lock import acquire_writer_lock, release
+from tiered.cli import exit_code_for, main
+from tiered.formats import import_dataset
+
+COMMANDS = ["info", "verify", "import", "export", "demo"]
+
+
+@pytest.fixture(scope="module")
+def pong_store(atari_pong, tmp_path_factory):
+    d = tmp_path_factory.mktemp("cli")
+    atari_pong.memmap(d / "td")
+    import_dataset("torchrl", d / "td", d / "pong.tiered", frames={"observation": 0})
+    return d / "pong.tiered"
+
+
+def _script() -> list[str]:
+    exe = Path(sys.executable).with_name("tiered")
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "tiered.cli"]
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_command_has_help_with_examples(command, capsys):
+    assert main([command, "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "examples:" in out and f"tiered {command}" in out
+
+
+def test_top_level_help_and_version(capsys):
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert all(c in out for c in COMMANDS) and "exit codes" in out
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.startswith("tiered ")
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [],
+        ["frobnicate"],
+        ["info"],
+        ["import", "hdf9", "a", "b"],
+        ["export", "s", "d"],
+        ["import", "d4rl", "a", "b", "--frames", "observation"],
+    ],
+)
+def test_usage_errors_exit_2(argv, capsys, tmp_path):
+    if argv[-1:] == ["observation"]:
+        argv = [
+            "import",
+            "d4rl",
+            str(tmp_path / "missing.h5"),
+            str(tmp_path / "s"),
+            "--frames",
+            "observation",
+        ]
+    assert main(argv) == 2
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_info_shows_schema_ratios_tiers_and_format(pong_store, capsys):
+    assert main(["info", str(pong_store)]) == 0
+    out = capsys.readouterr().out
+    for text in (
+        "tiered v1",
+        "generation",
+        "zstd:3",
+        "2,000 of capacity 2,000",
+        "observation",
+        "uint8",
+        "[4, 84, 84]",
+        "blob",
+        "cold",
+        "imported from torchrl",
+    ):
+        assert text in out, (text, out)
+    assert main(["info", str(pong_store), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["format_version"] == 1 and doc["rows"] == doc["capacity"] == 2000
+    assert doc["codec"] == "zstd:3" and doc["generation"] >= 1
+    assert doc["fields"]["observation"]["ratio"] > 20
+    assert doc["tiers"]["cold"]["bytes_used"] > 0
+    assert {f["key"] for f in doc["schema"]} >= {"observation", "next/observation", "action"}
+
+
+def test_verify_ok_and_json(pong_store, capsys):
+    assert main(["verify", str(pong_store), "-q"]) == 0
+    assert "OK" in capsys.readouterr().out
+    assert main(["verify", str(pong_store), "-q", "--json", "--decode"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["ok"] and doc["blobs_checked"] > 0 and doc["problems"] == []
+
+
+def test_console_script_exit_codes_and_one_line_errors(pong_store, tmp_path):
+    damaged = tmp_path / "damaged"
+    shutil.copytree(pong_store, damaged)
+    seg = damaged / "cold" / "seg-000000.bin"
+    data = bytearray(seg.read_bytes())
+    data[100:110] = bytes(10)  # the first blobs
+    seg.write_bytes(bytes(data))
+    # the installed console script (each run pays the import of torch: two runs only)
+    bad = subprocess.run([*_script(), "verify", str(damaged), "-q"], capture_output=True, text=True)
+    assert bad.returncode == 3 and "checksum" in bad.stdout and "observation" in bad.stdout, bad.stdout
+    missing = subprocess.run([*_script(), "info", str(tmp_path / "nope")], capture_output=True, text=True)
+    assert missing.returncode == 2
+    assert missing.stderr.startswith("tiered: error:") and len(missing.stderr.strip().splitlines()) == 1
+
+
+def test_debug_shows_the_traceback(tmp_path, capsys):
+    assert main(["info", str(tmp_path / "nope")]) == 2
+    assert "Traceback" not in capsys.readouterr().err
+    assert main(["--debug", "info", str(tmp_path / "nope")]) == 2
+    assert "Traceback" in capsys.readouterr().err
+
+
+def test_import_force_over_a_locked_store_exits_5(pong_store, tmp_path, capsys):
+    target = tmp_path / "t"
+    shutil.copytree(pong_store, target)
+    with h5py.File(tmp_path / "d.hdf5", "w") as f:
+        f["observations"] = np.zeros((10, 3), np.float32)
+        f["actions"] = np.zeros(10, np.int64)
+        f["rewards"] = np.zeros(10, np.float32)
+        f["terminals"] = np.zeros(10, bool)
+    h = acquire_writer_lock(target)
+    try:
+        assert main(["import", "d4rl", str(tmp_path / "d.hdf5"), str(target), "--force", "-q"]) == 5
+        assert f"pid {os.getpid()}" in capsys.readouterr().err
+    finally:
+        release(h)
+    assert main(["import", "d4rl", str(tmp_path / "d.hdf5"), str(target), "--force", "-q"]) == 0
+    assert main(["info", str(target), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["rows"] == 10
+
+
+@pytest.mark.parametrize(
+    "exc, code",
+    [
+        (E.ChecksumError("x"), 3),
+        (E.CorruptionError("x"), 3),
+        (E.FormatVersionError("x"), 6),
+        (E.NotATieredStoreError("x"), 2),
+        (E.StorageFullError(28, "x"), 4),
+        (E.StoreLockedError("x"), 5),
+        (E.UnsupportedFormatError("x"), 2),
+        (FileNotFoundError("x"), 2),
+        (RuntimeError("x"), 1),
+    ],
+)
+def test_exit_code_mapping(exc, code):
+    assert exit_code_for(exc) == code
+
+
+def test_demo_runs(capsys):
+    pytest.importorskip("torchrl")
+    assert main(["demo", "--steps", "600", "--batch", "32", "--rounds", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "bit-identical samples: True" in out and "TieredStorage" in out

@@ -1,0 +1,202 @@
+"""The writer lock of a store directory: one writer at a time, any number of readers.
+
+A store opened for writing holds an exclusive ``flock`` on the file ``lock`` in its directory
+for as long as it is open. A second writer (another process, or a second ``mode="r+"`` open in
+the same process) fails at once with :class:`~tiered.errors.StoreLockedError` naming the
+holder's pid, host, start time and command, which the holder wrote into the lock file.
+Read-only opens never touch the lock.
+
+Why ``flock`` on a held file descriptor (and not a pid file, nor ``fcntl`` record locks):
+
+* the kernel drops a ``flock`` when the last descriptor of its open file description is
+  closed, which includes the death of the process (SIGKILL, OOM kill, power loss), so a crashed
+  writer never blocks the next one and no "stale lock" cleanup exists (the file itself stays,
+  holding the dead writer's details until the next writer overwrites them);
+* unlike POSIX ``fcntl`` locks, a ``flock`` is not released when the process closes *another*
+  descriptor of the same file, and it conflicts between two descriptions in one process, so a
+  second writer in the same process is refused too (SQLite's and LMDB's ``fcntl`` caveats);
+* the descriptor is opened ``O_CLOEXEC``: a program the writer ``exec``s does not inherit the
+  lock. A child that is only ``fork``ed shares the description, so the lock lives until both
+  have closed it (DataLoader workers forked from a writer keep it until they exit).
+
+``flock`` is advisory and does not work across NFS on every kernel; keep stores on a local
+file system (as for HDF5 and LMDB).
+
+Writes to the lock file go through :mod:`tiered._io` like every other write of the package.
+
+Example:
+    >>> import tempfile
+    >>> from tiered._lock import acquire_writer_lock, release
+    >>> d = tempfile.mkdtemp()
+    >>> h = acquire_writer_lock(d)
+    >>> try:
+    ...     acquire_writer_lock(d)
+    ... except Exception as e:
+    ...     print(type(e).__name__)
+    StoreLockedError
+    >>> release(h)
+    >>> release(acquire_writer_lock(d))  # free again
+"""
+
+from __future__ import annotations
+
+import datetime
+import errno
+import fcntl
+import json
+import os
+import socket
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import _io
+from .errors import StoreLockedError, TieredError
+
+__all__ = ["LOCK_FILE", "WriterLock", "acquire_writer_lock", "release", "read_holder"]
+
+#: Name of the lock file inside a store directory.
+LOCK_FILE = "lock"
+
+# The holder's details are at most this long; longer commands are cut (the file stays small).
+_MAX_INFO = 4096
+
+
+@dataclass
+class WriterLock:
+    """A held writer lock (returned by :func:`acquire_writer_lock`).
+
+    Attributes:
+        path: the lock file.
+        fd: the descriptor holding the ``flock`` (-1 once released).
+        pid: the process that took it (a forked child does not own it).
+        info: the holder details written into the file.
+    """
+
+    path: str
+    fd: int
+    pid: int
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def held(self) -> bool:
+        """Whether this handle still holds the lock."""
+        return self.fd >= 0 and self.pid == os.getpid()
+
+    def __enter__(self) -> WriterLock:
+        return self
+
+    def __del__(self) -> None:
+        # a writer dropped without close() must not keep the store locked for the process's life
+        try:
+            release(self)
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+    def __exit__(self, *exc: object) -> None:
+        release(self)
+
+
+def _holder_info() -> dict[str, Any]:
+    cmd = " ".join(sys.argv) if sys.argv and sys.argv[0] else sys.executable
+    return {
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": cmd[:512],
+    }
+
+
+def read_holder(directory: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The details the current (or last) writer wrote into ``directory/lock``, or ``None``.
+
+    The file may name a writer that died: only a failed ``flock`` tells that it is alive.
+    """
+    path = os.path.join(os.fspath(directory), LOCK_FILE)
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(_MAX_INFO)
+        info = json.loads(raw)
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+    return info if isinstance(info, dict) else None
+
+
+def _describe(info: dict[str, Any] | None) -> str:
+    if not info:
+        # a writer that has just taken the lock and not yet written its details
+        return "another process (its details are not written yet)"
+    parts = [f"pid {info.get('pid', '?')} on host {info.get('host', '?')}"]
+    if info.get("time"):
+        parts.append(f"since {info['time']}")
+    if info.get("command"):
+        parts.append(f"(command: {info['command']})")
+    return " ".join(parts)
+
+
+def acquire_writer_lock(directory: str | os.PathLike[str]) -> WriterLock:
+    """Take the writer lock of a store directory, or fail at once if another writer holds it.
+
+    Args:
+        directory: the store directory (it must exist).
+
+    Returns:
+        A :class:`WriterLock`; give it back with :func:`release` (closing the store does).
+
+    Raises:
+        StoreLockedError: another writer (another process, or another open of this process)
+            holds the lock; the message names it.
+
+    Example:
+        >>> import tempfile
+        >>> d = tempfile.mkdtemp()
+        >>> with acquire_writer_lock(d) as h:
+        ...     h.held
+        True
+    """
+    directory = os.path.abspath(os.fspath(directory))
+    path = os.path.join(directory, LOCK_FILE)
+    fd = _io.open_for_write(path)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        _io.close(fd)
+        if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            raise
+        raise StoreLockedError(
+            f"{directory} is locked for writing by {_describe(read_holder(directory))}. Only one "
+            "writer may open a store: close the other writer first, or open this one read-only "
+            "with tiered.open(path, mode='r')"
+        ) from None
+    info = _holder_info()
+    try:
+        data = json.dumps(info).encode()[:_MAX_INFO]
+        _io.truncate(fd, 0)
+        _io.pwrite(fd, data, 0)
+    except (OSError, TieredError):
+        # The details are informative only: a full disk must not stop a writer that holds the
+        # lock (its own writes will report the full disk where it matters).
+        pass
+    return WriterLock(path=path, fd=fd, pid=os.getpid(), info=info)
+
+
+def release(handle: WriterLock | None) -> None:
+    """Give the lock back (idempotent; a no-op in a forked child that does not own it).
+
+    The lock file stays, holding the last writer's details; the next writer overwrites them.
+    """
+    if handle is None or handle.fd < 0:
+        return
+    fd, handle.fd = handle.fd, -1
+    if handle.pid != os.getpid():
+        # A forked copy: closing our descriptor is enough; unlocking would drop the parent's lock
+        # (flock is shared by the open file description).
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        _io.close(fd)

@@ -1,0 +1,541 @@
+"""The ``tiered`` command: inspect, check, import and export stores.
+
+Commands (``tiered COMMAND --help`` shows each one's options and examples)::
+
+    tiered info STORE [--json]                 schema, rows, ratios, tier bytes, format version
+    tiered verify STORE [--json] [--decode]    check every file and every blob checksum
+    tiered import FORMAT SRC DST [...]         d4rl | minari | torchrl | npz -> a new store
+    tiered export STORE DST --format FORMAT    a store -> d4rl | minari | torchrl | npz
+    tiered demo                                Atari frames in a TorchRL replay buffer
+
+Exit codes:
+
+====  ==========================================================================
+0     success (``verify``: no problem found)
+1     an unexpected error (a bug: rerun with ``--debug`` and report the traceback)
+2     usage: bad arguments, a path that is not a store or not a dataset of that format
+3     corruption: ``verify`` found damage, or a store file is damaged or truncated
+4     out of space (:class:`~tiered.errors.StorageFullError`)
+5     the store is locked by another writer (:class:`~tiered.errors.StoreLockedError`)
+6     the store's format version is not supported (:class:`~tiered.errors.FormatVersionError`)
+====  ==========================================================================
+
+Errors are printed as one message, without a traceback (``--debug`` shows it).
+
+Example:
+    >>> from tiered.cli import main
+    >>> main(["--version"])  # doctest: +SKIP
+    tiered 0.1.0
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import textwrap
+from collections.abc import Sequence
+from typing import Any
+
+from . import errors as E
+
+__all__ = [
+    "main",
+    "build_parser",
+    "exit_code_for",
+    "EXIT_OK",
+    "EXIT_ERROR",
+    "EXIT_USAGE",
+    "EXIT_CORRUPT",
+    "EXIT_FULL",
+    "EXIT_LOCKED",
+    "EXIT_VERSION",
+]
+
+EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_CORRUPT, EXIT_FULL, EXIT_LOCKED, EXIT_VERSION = 0, 1, 2, 3, 4, 5, 6
+FORMATS = ("d4rl", "minari", "torchrl", "npz")  # = tiered.formats.FORMATS (not imported: keeps --help light)
+
+
+def exit_code_for(exc: BaseException) -> int:
+    """The exit code of an exception (see the module docstring)."""
+    if isinstance(exc, E.FormatVersionError):
+        return EXIT_VERSION
+    if isinstance(exc, E.NotATieredStoreError):
+        return EXIT_USAGE
+    if isinstance(exc, E.CorruptionError):
+        return EXIT_CORRUPT
+    if isinstance(exc, E.StorageFullError):
+        return EXIT_FULL
+    if isinstance(exc, E.StoreLockedError):
+        return EXIT_LOCKED
+    if isinstance(
+        exc,
+        (
+            E.UnsupportedFormatError,
+            E.UnknownCodecError,
+            E.StoreExistsError,
+            FileNotFoundError,
+            FileExistsError,
+            NotADirectoryError,
+            IsADirectoryError,
+            E.SchemaMismatchError,
+            E.CodecUnavailableError,
+            ValueError,
+        ),
+    ):
+        return EXIT_USAGE
+    return EXIT_ERROR
+
+
+def _fmt_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _progress(args: argparse.Namespace) -> bool | None:
+    # None: tqdm shows the bar only when stderr is a terminal
+    return False if getattr(args, "quiet", False) else None
+
+
+# ----------------------------------------------------------------------------------------------- info
+
+
+def _info(args: argparse.Namespace) -> int:
+    import tiered
+    from tiered._persist import read_manifest
+
+    body = read_manifest(os.fspath(args.store))
+    with tiered.open(args.store, mode="r", warm_bytes=0, hot_bytes=0) as store:
+        st = store.stats()
+        schema = (
+            [dict(f.to_json(), key="/".join(f.key)) for f in store.schema.values()] if store.schema else []
+        )
+    from tiered.formats._common import read_source
+
+    source = read_source(args.store)
+    doc: dict[str, Any] = {
+        "path": os.path.abspath(args.store),
+        "format_version": body.get("format_version"),
+        "generation": body.get("generation"),
+        "codec": body.get("codec"),
+        "backend": body.get("backend"),
+        "rows": st["rows"],
+        "capacity": st["capacity"],
+        "cursor": body.get("cursor"),
+        "options": body.get("options"),
+        "schema": schema,
+        "fields": st["fields"],
+        "tiers": st["tiers"],
+        "blobs": st.get("blobs"),
+        "imported_from": (
+            {k: source.get(k) for k in ("format", "origin", "rows", "derived")} if source else None
+        ),
+    }
+    if args.json:
+        print(json.dumps(doc, indent=1, default=str))
+        return EXIT_OK
+    p = print
+    p(f"store         {doc['path']}")
+    p(
+        f"format        tiered v{doc['format_version']}, generation {doc['generation']}, "
+        f"backend {doc['backend']}"
+    )
+    p(f"codec         {doc['codec']}")
+    p(f"rows          {doc['rows']:,} of capacity {doc['capacity']:,} (next write at row {doc['cursor']})")
+    if source:
+        derived = ", ".join("/".join(k) for k in source.get("derived", [])) or "none"
+        p(f"imported from {source.get('format')} {source.get('origin')} (derived fields: {derived})")
+    if schema:
+        p("")
+        p(f"{'field':32} {'dtype':9} {'shape':16} {'kind':5} {'logical':>12} {'stored':>12} {'ratio':>8}")
+        for f in schema:
+            fs = st["fields"].get(f["key"], {})
+            ratio = fs.get("ratio")
+            p(
+                f"{f['key']:32} {f['dtype']:9} {str(f['shape']):16} {f['kind']:5} "
+                f"{_fmt_bytes(fs.get('logical_bytes')):>12} {_fmt_bytes(fs.get('stored_bytes')):>12} "
+                f"{(f'{ratio:.1f}x' if isinstance(ratio, float) and ratio != float('inf') else '-'):>8}"
+            )
+    p("")
+    p(f"{'tier':6} {'bytes used':>12} {'budget':>12} {'blobs':>10} {'fragmentation':>14}")
+    for name, t in st["tiers"].items():
+        p(
+            f"{name:6} {_fmt_bytes(t['bytes_used']):>12} {_fmt_bytes(t['budget']):>12} {t['blobs']:>10,} "
+            f"{t['fragmentation']:>14.1%}"
+        )
+    return EXIT_OK
+
+
+# --------------------------------------------------------------------------------------------- verify
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from tiered.verify import verify_store
+
+    report = verify_store(args.store, progress=_progress(args), decode=args.decode)
+    if args.json:
+        print(json.dumps(report.to_json(), indent=1))
+    else:
+        print(report.summary())
+    return EXIT_OK if report.ok else EXIT_CORRUPT
+
+
+# --------------------------------------------------------------------------------------- import/export
+
+
+def _parse_frames(items: Sequence[str] | None) -> dict[tuple[str, ...], int] | None:
+    if not items:
+        return None
+    out = {}
+    for item in items:
+        key, sep, dim = item.partition("=")
+        if not sep or not key or not dim.lstrip("-").isdigit():
+            raise E.UnsupportedFormatError(
+                f"--frames takes KEY=DIM (e.g. observation=0 or next/pixels=0), got {item!r}"
+            )
+        out[tuple(key.strip("/").split("/"))] = int(dim)
+    return out
+
+
+def _import(args: argparse.Namespace) -> int:
+    from tiered.formats import import_dataset
+
+    rep = import_dataset(
+        args.format,
+        args.src,
+        args.dst,
+        codec=args.codec,
+        frames=_parse_frames(args.frames),
+        chunk_frames=args.chunk_frames,
+        capacity=args.capacity,
+        backend=args.backend,
+        chunk_rows=args.chunk_rows,
+        progress=_progress(args),
+        force=args.force,
+    )
+    if not args.quiet:
+        ratio = rep.source_bytes / rep.store_bytes if rep.store_bytes else float("nan")
+        print(
+            f"imported {rep.rows:,} rows from {args.format} {args.src} into {args.dst} "
+            f"in {rep.seconds:.1f} s "
+            f"({rep.rows_per_s:,.0f} rows/s)"
+        )
+        print(
+            f"  source {_fmt_bytes(rep.source_bytes)} -> store {_fmt_bytes(rep.store_bytes)} ({ratio:.1f}x)"
+        )
+        print(f"  fields: {', '.join(rep.fields)}")
+        if rep.derived:
+            print(f"  derived (dropped again on export to {args.format}): {', '.join(rep.derived)}")
+        if rep.dropped:
+            print(f"  not imported: {', '.join(rep.dropped)}")
+    return EXIT_OK
+
+
+def _export(args: argparse.Namespace) -> int:
+    from tiered.formats import export_dataset
+
+    rep = export_dataset(
+        args.store,
+        args.dst,
+        args.format,
+        chunk_rows=args.chunk_rows,
+        progress=_progress(args),
+        force=args.force,
+        layout=args.layout,
+        dataset_id=args.dataset_id,
+    )
+    if not args.quiet:
+        print(
+            f"exported {rep.rows:,} rows of {args.store} as {args.format} to {args.dst} "
+            f"in {rep.seconds:.1f} s "
+            f"({_fmt_bytes(rep.output_bytes)})"
+        )
+        dropped = rep.details.get("dropped")
+        if dropped:
+            print(f"  not representable in {args.format}, left out: {', '.join(dropped)}")
+    return EXIT_OK
+
+
+# ----------------------------------------------------------------------------------------------- demo
+
+
+def _demo(args: argparse.Namespace) -> int:
+    import time
+
+    import torch
+
+    try:
+        from torchrl.data import LazyTensorStorage, RandomSampler, TensorDictReplayBuffer
+
+        from tiered.atari import cached_rollout
+        from tiered.torchrl import TieredStorage
+    except ImportError as e:
+        raise E.CodecUnavailableError(
+            f"the demo needs TorchRL and ale-py: pip install 'tiered[torchrl,atari]' ({e})"
+        ) from None
+    print(f"playing {args.steps} steps of ALE Pong (cached after the first run)...", flush=True)
+    data = cached_rollout("Pong", steps=args.steps, seed=0)
+    results = {}
+    for name, storage in (
+        ("TieredStorage", TieredStorage(args.steps, frames={"observation": 0})),
+        ("LazyTensorStorage", LazyTensorStorage(args.steps)),
+    ):
+        rb = TensorDictReplayBuffer(
+            storage=storage,
+            sampler=RandomSampler(),
+            batch_size=args.batch,
+            generator=torch.Generator().manual_seed(0),
+        )
+        t = time.perf_counter()
+        for i in range(0, args.steps, 256):
+            rb.extend(data[i : i + 256])
+        if isinstance(storage, TieredStorage):
+            storage.flush()
+        ext = args.steps / (time.perf_counter() - t)
+        rb.sample()
+        t = time.perf_counter()
+        for _ in range(args.rounds):
+            rb.sample()
+        smp = args.rounds * args.batch / (time.perf_counter() - t)
+        if isinstance(storage, TieredStorage):
+            st = storage.stats()
+            held = sum(t["bytes_used"] for t in st["tiers"].values()) + sum(st["memory"].values())
+        else:
+            held = sum(v.numel() * v.element_size() for v in storage._storage.values(True, True))
+        results[name] = (rb, held, ext, smp)
+    a, b = results["TieredStorage"][0].sample(), results["LazyTensorStorage"][0].sample()
+    same = all(torch.equal(a.get(k), b.get(k)) for k in b.keys(True, True))
+    print(f"bit-identical samples: {same}")
+    print(f"{'storage':18} {'bytes held':>12} {'extend/s':>10} {'sample/s':>10}")
+    for name, (_rb, held, ext, smp) in results.items():
+        print(f"{name:18} {_fmt_bytes(held):>12} {ext:>10,.0f} {smp:>10,.0f}")
+    return EXIT_OK if same else EXIT_ERROR
+
+
+# --------------------------------------------------------------------------------------------- parser
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    pass
+
+
+def _epilog(text: str) -> str:
+    return textwrap.dedent(text).strip("\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``tiered`` (exposed for docs and tests)."""
+    from tiered import __version__
+
+    p = argparse.ArgumentParser(
+        prog="tiered",
+        formatter_class=_Formatter,
+        description="Inspect, check, import and export tiered stores "
+        "(compressed RL replay buffers and datasets).",
+        epilog=_epilog("""
+            exit codes: 0 ok, 1 unexpected error, 2 usage, 3 corruption, 4 out of space,
+                        5 locked by another writer, 6 unsupported format version
+
+            examples:
+              tiered import d4rl hopper-medium-v2.hdf5 hopper.tiered
+              tiered info hopper.tiered
+              tiered verify hopper.tiered
+              tiered export hopper.tiered hopper.hdf5 --format d4rl
+            """),
+    )
+    p.add_argument("--version", action="version", version=f"tiered {__version__}")
+    p.add_argument("--debug", action="store_true", help="show the traceback of an error")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    s = sub.add_parser(
+        "info",
+        formatter_class=_Formatter,
+        help="show a store's schema, size, ratios and tiers",
+        description="Show a store's schema, rows, per-field compression ratios, per-tier bytes, "
+        "format version, generation and codec. Opens the store read-only.",
+        epilog=_epilog("""
+                           examples:
+                             tiered info pong.tiered
+                             tiered info pong.tiered --json | jq .fields
+                           """),
+    )
+    s.add_argument("store", help="the store directory")
+    s.add_argument("--json", action="store_true", help="print one JSON document")
+    s.set_defaults(func=_info)
+
+    s = sub.add_parser(
+        "verify",
+        formatter_class=_Formatter,
+        help="check every file and blob checksum",
+        description="Check every file the manifest names (presence, size, header) and the "
+        "checksum of every stored blob. Opens the store read-only. Exit code 0: "
+        "no problem; 3: damage found (each damaged blob is named with its field, "
+        "rows, file and byte offset).",
+        epilog=_epilog("""
+                           examples:
+                             tiered verify pong.tiered
+                             tiered verify pong.tiered --decode      # also decompress every blob
+                             tiered verify pong.tiered --json -q > report.json
+                           """),
+    )
+    s.add_argument("store", help="the store directory")
+    s.add_argument("--json", action="store_true", help="print the report as JSON")
+    s.add_argument("--decode", action="store_true", help="also decompress every blob (slower)")
+    s.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    s.set_defaults(func=_verify)
+
+    s = sub.add_parser(
+        "import",
+        formatter_class=_Formatter,
+        help="import a dataset into a new store",
+        description="Import a dataset into a new store. The dataset is read in slices of rows, "
+        "so datasets larger than RAM import with bounded memory. The store appears "
+        "under DST only once complete. Keys are mapped to TorchRL's layout "
+        "(docs/cli.md); export to the same format gives back the source's arrays.",
+        epilog=_epilog("""
+                           formats:
+                             d4rl     one HDF5 file: observations, actions, rewards, terminals, timeouts, ...
+                             minari   a minari dataset directory (data/main_data.hdf5 + data/metadata.json)
+                             torchrl  a TensorDict memmap directory (TensorDict.memmap / TorchRL caches)
+                             npz      a .npz archive (D4RL names, or '/'-joined TorchRL keys)
+
+                           examples:
+                             tiered import d4rl hopper-medium-v2.hdf5 hopper.tiered
+                             tiered import minari ~/.minari/datasets/D4RL/door/human-v2 door.tiered
+                             tiered import torchrl ~/.cache/torchrl/atari/Pong pong.tiered \\
+                                 --frames observation=0 --chunk-frames 8
+                             tiered import npz rollouts.npz rollouts.tiered --codec zstd:9
+                           """),
+    )
+    s.add_argument("format", choices=FORMATS, help="the dataset's format")
+    s.add_argument("src", help="the dataset (file or directory)")
+    s.add_argument("dst", help="the new store directory (must not exist)")
+    s.add_argument(
+        "--codec",
+        default="zstd",
+        help="codec of large fields: zstd, zstd:LEVEL, lz4, raw (default: %(default)s)",
+    )
+    s.add_argument(
+        "--frames",
+        action="append",
+        metavar="KEY=DIM",
+        help="KEY holds a stack of frames along DIM (e.g. observation=0 for [4, 84, 84] stacks): "
+        "each frame is stored once. Repeatable; nested keys as next/pixels",
+    )
+    s.add_argument(
+        "--chunk-frames",
+        type=int,
+        default=4,
+        metavar="K",
+        help="frames of one episode compressed together (default: %(default)s)",
+    )
+    s.add_argument(
+        "--capacity", type=int, metavar="N", help="rows of the store (default: the dataset's rows)"
+    )
+    s.add_argument(
+        "--backend",
+        choices=("memmap", "hdf5"),
+        default="memmap",
+        help="cold-tier files (default: %(default)s)",
+    )
+    s.add_argument(
+        "--chunk-rows",
+        type=int,
+        metavar="N",
+        help="rows per slice read (default: 4096, fewer for large rows: at most 64 MiB)",
+    )
+    s.add_argument("--force", action="store_true", help="replace DST if it exists")
+    s.add_argument("-q", "--quiet", action="store_true", help="no progress bar, no summary")
+    s.set_defaults(func=_import)
+
+    s = sub.add_parser(
+        "export",
+        formatter_class=_Formatter,
+        help="export a store as a dataset",
+        description="Export a store (opened read-only) as a dataset, oldest rows first, written "
+        "in slices of rows. The output appears under DST only once complete. For "
+        "a store imported from the same format, the output holds exactly the "
+        "source's arrays.",
+        epilog=_epilog("""
+                           examples:
+                             tiered export hopper.tiered hopper.hdf5 --format d4rl
+                             tiered export door.tiered door-minari --format minari \\
+                                 --dataset-id D4RL/door/human-v2
+                             tiered export pong.tiered pong-td --format torchrl
+                                 # then: TensorDict.load_memmap("pong-td")
+                             tiered export pong.tiered pong.npz --format npz --layout d4rl
+                           """),
+    )
+    s.add_argument("store", help="the store directory")
+    s.add_argument("dst", help="the output (file for d4rl/npz, directory for minari/torchrl; must not exist)")
+    s.add_argument("--format", required=True, choices=FORMATS, help="the output format")
+    s.add_argument(
+        "--layout",
+        choices=("ted", "d4rl"),
+        help="npz only: array names ('/'-joined TorchRL keys, or D4RL names); default: as imported, else ted",
+    )
+    s.add_argument("--dataset-id", help="minari only: dataset_id written into metadata.json")
+    s.add_argument("--chunk-rows", type=int, metavar="N", help="rows per slice written")
+    s.add_argument("--force", action="store_true", help="replace DST (once the new output is complete)")
+    s.add_argument("-q", "--quiet", action="store_true", help="no progress bar, no summary")
+    s.set_defaults(func=_export)
+
+    s = sub.add_parser(
+        "demo",
+        formatter_class=_Formatter,
+        help="Atari frames in a TorchRL replay buffer",
+        description="Play ALE Pong with a random policy, fill a TorchRL replay buffer on "
+        "TieredStorage and one on LazyTensorStorage, check that their samples are "
+        "bit-identical, and compare bytes held and speed "
+        "(needs tiered[torchrl,atari]).",
+        epilog=_epilog("""
+                           examples:
+                             tiered demo
+                             tiered demo --steps 20000 --batch 256
+                           """),
+    )
+    s.add_argument("--steps", type=int, default=5000, help="transitions (default: %(default)s)")
+    s.add_argument("--batch", type=int, default=256, help="sample batch size (default: %(default)s)")
+    s.add_argument("--rounds", type=int, default=50, help="sample calls timed (default: %(default)s)")
+    s.set_defaults(func=_demo)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``tiered`` command; return its exit code (the console script exits with it)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # argparse: --help/--version (0) or a usage error (2)
+        return int(e.code) if isinstance(e.code, int) else EXIT_USAGE
+    try:
+        return int(args.func(args))
+    except KeyboardInterrupt:
+        print("tiered: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # `tiered info --json | head`
+        return EXIT_OK
+    except Exception as e:  # noqa: BLE001 - every error becomes one message and an exit code
+        if args.debug:
+            import traceback
+
+            traceback.print_exc()
+        code = exit_code_for(e)
+        msg = str(e) or type(e).__name__
+        if code == EXIT_ERROR:
+            msg = (
+                f"unexpected {type(e).__name__}: {msg} (rerun with --debug for the traceback, and report it)"
+            )
+        print(f"tiered: error: {msg}", file=sys.stderr)
+        return code
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

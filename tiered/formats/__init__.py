@@ -1,0 +1,319 @@
+"""Import datasets into stores and export stores as datasets (used by ``tiered import/export``).
+
+Formats:
+
+=========  =====================================================================================
+name       what
+=========  =====================================================================================
+d4rl       one flat HDF5 file (observations, actions, rewards, terminals, timeouts, ...)
+minari     a dataset directory as the ``minari`` package writes it (``data/main_data.hdf5``)
+torchrl    a TensorDict memmap directory (``TensorDict.load_memmap``; TorchRL dataset caches)
+npz        a NumPy ``.npz`` archive (D4RL names or ``/``-joined TorchRL keys)
+=========  =====================================================================================
+
+Both directions stream: a source is read, and an export written, in slices of rows (4096, or
+fewer so that a slice stays under 64 MiB), so datasets larger than RAM convert with bounded
+memory. Outputs appear under their final name only once complete (written under a temporary
+name, then renamed). The key mapping is in :mod:`tiered.formats.keymap`.
+
+Example:
+    >>> import tiered.formats as tf
+    >>> tf.import_dataset("d4rl", "hopper-medium-v2.hdf5", "hopper.tiered")  # doctest: +SKIP
+    ImportReport(rows=1000000, ...)
+    >>> tf.export_dataset("hopper.tiered", "hopper-again.hdf5", "d4rl")  # doctest: +SKIP
+    ExportReport(rows=1000000, ...)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import UnsupportedFormatError
+from ._common import (
+    atomic_output,
+    check_new_output,
+    chronological_rows,
+    progress_bar,
+    read_source,
+    write_source,
+)
+
+__all__ = ["FORMATS", "ImportReport", "ExportReport", "open_source", "import_dataset", "export_dataset"]
+
+FORMATS = ("d4rl", "minari", "torchrl", "npz")
+
+#: Flush the store being imported every this many rows: closes the time chunks still open
+#: (their frames are held in memory until then) and spaces commits out, since each one writes
+#: the index and row tables (O(capacity) bytes).
+FLUSH_EVERY_ROWS = 1 << 18
+
+
+@dataclass
+class ImportReport:
+    """What :func:`import_dataset` did."""
+
+    rows: int
+    seconds: float
+    source_bytes: int
+    store_bytes: int
+    fields: list[str] = field(default_factory=list)
+    derived: list[str] = field(default_factory=list)
+    dropped: list[str] = field(default_factory=list)
+
+    @property
+    def rows_per_s(self) -> float:
+        return self.rows / self.seconds if self.seconds else float("inf")
+
+
+@dataclass
+class ExportReport:
+    """What :func:`export_dataset` did."""
+
+    rows: int
+    seconds: float
+    output_bytes: int
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+def _du(path: str) -> int:
+    if os.path.isfile(path):
+        return os.stat(path).st_blocks * 512
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for f in files:
+            with contextlib.suppress(OSError):
+                total += os.stat(os.path.join(root, f)).st_blocks * 512
+    return total
+
+
+def _check_format(fmt: str) -> str:
+    if fmt not in FORMATS:
+        raise UnsupportedFormatError(f"unknown format {fmt!r}; known: {', '.join(FORMATS)}")
+    return fmt
+
+
+def open_source(fmt: str, src: str | os.PathLike[str]) -> Any:
+    """A reader of ``src`` in format ``fmt`` (``.num_rows``, ``.chunks()``, ``.attrs()``, ``.close()``)."""
+    fmt = _check_format(fmt)
+    if fmt == "d4rl":
+        from .d4rl import D4RLSource
+
+        return D4RLSource(src)
+    if fmt == "minari":
+        from .minari import MinariSource
+
+        return MinariSource(src)
+    if fmt == "torchrl":
+        from .torchrl_memmap import TorchRLSource
+
+        return TorchRLSource(src)
+    from .npz import NpzSource
+
+    return NpzSource(src)
+
+
+def import_dataset(
+    fmt: str,
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    codec: str = "zstd",
+    frames: dict[str | tuple[str, ...], int] | None = None,
+    chunk_frames: int = 4,
+    capacity: int | None = None,
+    backend: str = "memmap",
+    chunk_rows: int | None = None,
+    progress: bool | None = False,
+    force: bool = False,
+) -> ImportReport:
+    """Import a dataset into a new store at ``dst``.
+
+    Args:
+        fmt: ``"d4rl"``, ``"minari"``, ``"torchrl"`` or ``"npz"``.
+        src: the dataset (file or directory, per format).
+        dst: the new store's directory (must not exist unless ``force``).
+        codec: codec of the blob fields (``"zstd"``, ``"zstd:9"``, ``"lz4"``, ``"raw"``).
+        frames: per key, the frame-stack dimension (``{"observation": 0}`` for ``[4, 84, 84]``).
+        chunk_frames: frames of one episode compressed together.
+        capacity: rows of the store (default: the dataset's rows; fewer keeps the last ones).
+        backend: cold tier files, ``"memmap"`` or ``"hdf5"``.
+        chunk_rows: rows per slice (default: 4096, fewer if a slice would pass 64 MiB).
+        progress: show a progress bar (``None``: only on a terminal).
+        force: replace an existing ``dst``.
+
+    Returns:
+        An :class:`ImportReport`.
+
+    Raises:
+        UnsupportedFormatError: ``src`` is not a dataset of that format.
+        StorageFullError: the disk filled up (nothing is left under ``dst``).
+        StoreLockedError: ``force`` and ``dst`` is a store that a writer has open.
+    """
+    dst = check_new_output(dst, force=force)
+    lock = None
+    if force and os.path.isfile(os.path.join(dst, "manifest.json")):
+        # replacing a store: not while a writer has it open
+        from .._lock import acquire_writer_lock
+
+        lock = acquire_writer_lock(dst)
+    try:
+        return _import(
+            fmt,
+            src,
+            dst,
+            codec=codec,
+            frames=frames,
+            chunk_frames=chunk_frames,
+            capacity=capacity,
+            backend=backend,
+            chunk_rows=chunk_rows,
+            progress=progress,
+            force=force,
+        )
+    finally:
+        if lock is not None:
+            from .._lock import release
+
+            release(lock)
+
+
+def _import(
+    fmt: str,
+    src: str | os.PathLike[str],
+    dst: str,
+    *,
+    codec: str,
+    frames: Any,
+    chunk_frames: int,
+    capacity: int | None,
+    backend: str,
+    chunk_rows: int | None,
+    progress: bool | None,
+    force: bool,
+) -> ImportReport:
+    from ..store import TieredStore
+
+    t0 = time.perf_counter()
+    source = open_source(fmt, src)
+    try:
+        n = source.num_rows
+        if n == 0:
+            raise UnsupportedFormatError(f"{src}: the dataset has no rows")
+        cap = n if capacity is None else int(capacity)
+        attrs = source.attrs()
+        fields: list[str] = []
+        with atomic_output(dst, force=force) as tmp:
+            # warm_bytes=0 / hot_bytes=0: blobs go straight to the cold tier (files), so the
+            # importer's memory does not grow with the dataset
+            store = TieredStore(
+                cap,
+                tmp,
+                codec=codec,
+                frames=frames,
+                chunk_frames=chunk_frames,
+                backend=backend,
+                warm_bytes=0,
+                hot_bytes=0,
+            )
+            try:
+                write_source(tmp, attrs)
+                bar = progress_bar(n, f"import {fmt}", enabled=progress)
+                since_flush = 0
+                try:
+                    for td in source.chunks(chunk_rows):
+                        store.extend(td)
+                        since_flush += td.shape[0]
+                        if since_flush >= FLUSH_EVERY_ROWS:
+                            store.flush()
+                            since_flush = 0
+                        bar.update(td.shape[0])
+                finally:
+                    bar.close()
+                store.flush()
+                fields = ["/".join(f.key) for f in store.schema.values()] if store.schema else []
+            finally:
+                with contextlib.suppress(Exception):
+                    store.close()
+        src_path = os.fspath(src)
+        return ImportReport(
+            rows=n,
+            seconds=time.perf_counter() - t0,
+            source_bytes=_du(src_path) if os.path.exists(src_path) else 0,
+            store_bytes=_du(dst),
+            fields=fields,
+            derived=["/".join(k) for k in attrs.get("derived", [])],
+            dropped=list(attrs.get("dropped", [])),
+        )
+    finally:
+        source.close()
+
+
+def export_dataset(
+    store_path: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    fmt: str,
+    *,
+    chunk_rows: int | None = None,
+    progress: bool | None = False,
+    force: bool = False,
+    layout: str | None = None,
+    dataset_id: str | None = None,
+) -> ExportReport:
+    """Export a store (read-only) as a dataset in format ``fmt`` at ``dst``.
+
+    Rows are written oldest first. For a store made by :func:`import_dataset` from the same
+    format, the output holds exactly the source's arrays (names, dtypes, shapes; derived fields
+    dropped).
+
+    Args:
+        store_path: the store directory.
+        dst: the output file (d4rl, npz) or directory (minari, torchrl).
+        fmt: ``"d4rl"``, ``"minari"``, ``"torchrl"`` or ``"npz"``.
+        chunk_rows: rows per slice.
+        progress: show a progress bar (``None``: only on a terminal).
+        force: replace an existing ``dst`` (only once the new output is complete).
+        layout: npz only: ``"ted"`` or ``"d4rl"`` array names.
+        dataset_id: minari only: the ``dataset_id`` written into the metadata.
+
+    Returns:
+        An :class:`ExportReport`.
+    """
+    import tiered
+
+    fmt = _check_format(fmt)
+    dst = check_new_output(dst, force=force)
+    t0 = time.perf_counter()
+    source = read_source(store_path)
+    store = tiered.open(store_path, mode="r", warm_bytes=0, hot_bytes=0)
+    try:
+        rows = chronological_rows(store)
+        bar = progress_bar(int(rows.size), f"export {fmt}", enabled=progress)
+        try:
+            with atomic_output(dst, force=force) as tmp:
+                if fmt == "d4rl":
+                    from .d4rl import write_d4rl
+
+                    details = write_d4rl(store, rows, tmp, source, chunk_rows, bar)
+                elif fmt == "minari":
+                    from .minari import write_minari
+
+                    details = write_minari(store, rows, tmp, source, chunk_rows, bar, dataset_id=dataset_id)
+                elif fmt == "torchrl":
+                    from .torchrl_memmap import write_torchrl
+
+                    details = write_torchrl(store, rows, tmp, source, chunk_rows, bar)
+                else:
+                    from .npz import write_npz
+
+                    details = write_npz(store, rows, tmp, source, chunk_rows, bar, layout=layout)
+        finally:
+            bar.close()
+    finally:
+        store.close()
+    return ExportReport(
+        rows=int(rows.size), seconds=time.perf_counter() - t0, output_bytes=_du(dst), details=details
+    )

@@ -1,0 +1,201 @@
+"""Helpers shared by the format readers and writers: the source sidecar, atomic outputs,
+chunk sizes, progress bars and chronological row order.
+
+Nothing here knows a format; :mod:`tiered.formats.keymap` holds the key mapping.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from tensordict import TensorDictBase
+
+from .. import _io
+
+__all__ = [
+    "SOURCE_FILE",
+    "read_source",
+    "write_source",
+    "atomic_output",
+    "check_new_output",
+    "chunk_rows_for",
+    "progress_bar",
+    "chronological_rows",
+    "iter_store",
+    "row_nbytes",
+    "json_safe",
+    "DEFAULT_CHUNK_BYTES",
+    "DEFAULT_CHUNK_ROWS",
+]
+
+#: Name of the sidecar a store made by ``tiered import`` keeps next to its manifest: where the
+#: data came from (format, original names, dtypes, shapes, file metadata) and which fields the
+#: import derived, so that ``tiered export`` to the same format is the exact inverse.
+SOURCE_FILE = "source.json"
+#: Rows per slice read from a source or from a store, whichever of the two limits is smaller.
+#: The importer's peak memory is a small multiple of one slice (the store's extend makes a few
+#: working copies of a batch), so the byte limit is what bounds it.
+DEFAULT_CHUNK_ROWS = 4096
+DEFAULT_CHUNK_BYTES = 32 << 20
+
+
+def read_source(store_path: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The import sidecar of a store, or ``None`` (store not made by ``tiered import``).
+
+    Raises:
+        CorruptionError: the sidecar exists but is not valid JSON.
+    """
+    path = os.path.join(os.fspath(store_path), SOURCE_FILE)
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        return None
+    try:
+        doc = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        from ..errors import CorruptionError
+
+        raise CorruptionError(
+            f"{path}: the import sidecar is not valid JSON; delete it to export with the default key mapping"
+        ) from None
+    return doc if isinstance(doc, dict) else None
+
+
+def write_source(store_path: str | os.PathLike[str], info: dict[str, Any]) -> None:
+    """Atomically write the import sidecar (through :mod:`tiered._io`)."""
+    data = json.dumps(json_safe(info), indent=1, allow_nan=True).encode()
+    _io.write_file_atomic(os.path.join(os.fspath(store_path), SOURCE_FILE), data)
+
+
+def json_safe(x: Any) -> Any:
+    """Turn numpy/h5py scalars, arrays and bytes into JSON values (recursively)."""
+    if isinstance(x, dict):
+        return {str(k): json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [json_safe(v) for v in x]
+    if isinstance(x, np.ndarray):
+        if x.dtype.kind in "SO":
+            return [json_safe(v) for v in x.tolist()]
+        return x.tolist()
+    if isinstance(x, np.generic):
+        return x.item()
+    if isinstance(x, bytes):
+        return x.decode("utf-8", "replace")
+    return x
+
+
+def check_new_output(dst: str | os.PathLike[str], *, force: bool = False) -> str:
+    """Refuse to overwrite ``dst`` unless ``force``; return its absolute path.
+
+    Raises:
+        FileExistsError: ``dst`` exists and ``force`` is false.
+        FileNotFoundError: the parent directory of ``dst`` does not exist.
+    """
+    dst = os.path.abspath(os.fspath(dst))
+    if os.path.lexists(dst) and not force:
+        raise FileExistsError(f"{dst} already exists; choose another destination or pass --force")
+    parent = os.path.dirname(dst)
+    if not os.path.isdir(parent):
+        raise FileNotFoundError(f"the directory {parent} does not exist; create it first")
+    return dst
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
+
+
+@contextlib.contextmanager
+def atomic_output(dst: str, *, force: bool = False) -> Iterator[str]:
+    """Write an output under a temporary name beside ``dst``; publish it by rename on success.
+
+    A crash or an error leaves no partial output under the final name (a hidden
+    ``.NAME.partial-*`` may remain after a SIGKILL; it is never read by anything).
+
+    Yields:
+        the temporary path to write (file or directory; it does not exist yet).
+    """
+    dst = check_new_output(dst, force=force)
+    parent, name = os.path.split(dst)
+    tmp = os.path.join(parent, f".{name}.partial-{uuid.uuid4().hex[:8]}")
+    try:
+        yield tmp
+    except BaseException:
+        _remove(tmp)
+        raise
+    if os.path.lexists(dst):  # --force: replace the old output only once the new one is complete
+        old = os.path.join(parent, f".{name}.old-{uuid.uuid4().hex[:8]}")
+        os.rename(dst, old)
+        os.rename(tmp, dst)
+        _remove(old)
+    else:
+        os.rename(tmp, dst)
+    _io.fsync_dir(parent)
+
+
+def chunk_rows_for(
+    row_bytes: int, chunk_rows: int | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES
+) -> int:
+    """Rows per slice: ``chunk_rows`` (default 4096, fewer if a slice would pass ``chunk_bytes``)."""
+    rows = DEFAULT_CHUNK_ROWS if chunk_rows is None else int(chunk_rows)
+    if rows < 1:
+        raise ValueError(f"chunk_rows must be >= 1, got {rows}")
+    if chunk_rows is None and row_bytes > 0:
+        rows = min(rows, max(1, chunk_bytes // row_bytes))
+    return rows
+
+
+def progress_bar(total: int, desc: str, unit: str = "rows", enabled: bool | None = True) -> Any:
+    """A tqdm bar on stderr (``enabled=None``: only on a terminal; ``False``: none)."""
+    from tqdm.auto import tqdm
+
+    disable = None if enabled is None else not enabled
+    return tqdm(
+        total=total, desc=desc, unit=unit, unit_scale=True, dynamic_ncols=True, disable=disable, leave=False
+    )
+
+
+def row_nbytes(shapes: dict[Any, tuple[tuple[int, ...], Any]]) -> int:
+    """Bytes per row of columns given as ``{name: (cell shape, numpy or torch dtype)}``."""
+    total = 0
+    for shape, dtype in shapes.values():
+        item = (
+            torch.empty((), dtype=dtype).element_size()
+            if isinstance(dtype, torch.dtype)
+            else np.dtype(dtype).itemsize
+        )
+        total += math.prod(shape) * item
+    return total
+
+
+def chronological_rows(store: Any) -> np.ndarray:
+    """Row indices of a store, oldest first (a full ring starts at its cursor)."""
+    n, cap = len(store), store.capacity
+    if n < cap:
+        return np.arange(n, dtype=np.int64)
+    return (store.cursor + np.arange(cap, dtype=np.int64)) % cap
+
+
+def iter_store(
+    store: Any, rows: np.ndarray, chunk_rows: int, keys: list[tuple[str, ...]] | None = None
+) -> Iterator[tuple[int, int, TensorDictBase]]:
+    """``(lo, hi, rows[lo:hi] as a TensorDict)`` slices of a store, in the order of ``rows``."""
+    for lo in range(0, rows.size, chunk_rows):
+        hi = min(rows.size, lo + chunk_rows)
+        sel = rows[lo:hi]
+        # contiguous ranges go as slices (the store reads them without an index array copy)
+        index: Any = slice(int(sel[0]), int(sel[-1]) + 1) if sel[-1] - sel[0] == hi - lo - 1 else sel
+        yield lo, hi, store.get(index, keys=keys)

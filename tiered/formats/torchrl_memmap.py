@@ -1,0 +1,218 @@
+"""TorchRL: a TensorDict memory-mapped directory (what ``TensorDict.memmap_`` writes).
+
+This is the layout every TorchRL offline dataset caches (``TensorStorage(TensorDict.load_memmap
+(path))``) and what ``LazyMemmapStorage`` holds::
+
+    DIR/meta.json                     batch size, and per leaf: shape, dtype, device
+    DIR/<key>.memmap                  raw C-order bytes of one leaf, all rows
+    DIR/<sub>/meta.json, ...          nested keys are sub-directories
+
+Import also accepts a replay-buffer checkpoint directory (``rb.dumps(DIR)`` of a
+``LazyMemmapStorage`` / ``LazyTensorStorage``): its ``storage/`` is read, only the first
+``len`` rows (``storage/storage_metadata.json``), without TorchRL's ``index`` bookkeeping column.
+
+Keys are kept exactly (the store's layout *is* TorchRL's). Leaves are read with ``pread`` in
+slices of rows (not through the memory map, so the importer's resident memory does not grow with
+the file) and written with ``pwrite`` through :mod:`tiered._io` (a full disk is an error, never
+a ``SIGBUS``).
+
+Example:
+    >>> import torch, tempfile, os
+    >>> from tensordict import TensorDict
+    >>> from tiered.formats.torchrl_memmap import TorchRLSource
+    >>> d = os.path.join(tempfile.mkdtemp(), "td")
+    >>> _ = TensorDict({"observation": torch.arange(6.).reshape(3, 2)}, [3]).memmap(d)
+    >>> src = TorchRLSource(d)
+    >>> next(src.chunks())["observation"].tolist()
+    [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]]
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from tensordict import TensorDict
+
+from .. import _io
+from ..errors import UnsupportedFormatError
+from ._common import chunk_rows_for, iter_store
+from .keymap import Key, key_str
+
+__all__ = ["TorchRLSource", "write_torchrl"]
+
+_INDEX_KEY = ("index",)
+
+
+def _load(path: str) -> TensorDict:
+    try:
+        return TensorDict.load_memmap(path)
+    except Exception as e:  # noqa: BLE001 - tensordict raises many kinds for a bad directory
+        raise UnsupportedFormatError(
+            f"{path} is not a TensorDict memmap directory ({type(e).__name__}: {e})"
+        ) from None
+
+
+class TorchRLSource:
+    """A TensorDict memmap directory (or a replay-buffer checkpoint) as a source of rows.
+
+    Args:
+        path: the directory holding ``meta.json`` (or ``storage/meta.json``).
+    """
+
+    fmt = "torchrl"
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        path = os.path.abspath(os.path.expanduser(os.fspath(path)))
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"{path}: no such directory")
+        self.origin = path
+        self.layout = "memmap"
+        length = None
+        drop: set[Key] = set()
+        td_dir = path
+        if not os.path.isfile(os.path.join(path, "meta.json")) and os.path.isfile(
+            os.path.join(path, "storage", "meta.json")
+        ):
+            td_dir = os.path.join(path, "storage")
+            self.layout = "replay_buffer"
+            drop.add(_INDEX_KEY)
+            meta_file = os.path.join(td_dir, "storage_metadata.json")
+            if os.path.isfile(meta_file):
+                with open(meta_file) as f:
+                    length = json.load(f).get("len")
+        if not os.path.isfile(os.path.join(td_dir, "meta.json")):
+            raise UnsupportedFormatError(
+                f"{path} is not a TensorDict memmap directory (no meta.json); expected what "
+                "TensorDict.memmap(path) or a TorchRL dataset cache writes"
+            )
+        td = _load(td_dir)
+        if td.batch_dims != 1:
+            raise UnsupportedFormatError(
+                f"{path}: batch size {list(td.batch_size)}; a store holds rows, so the TensorDict must have "
+                "one batch dimension (flatten split trajectories first: td.reshape(-1))"
+            )
+        self.num_rows = int(td.batch_size[0]) if length is None else int(length)
+        self.leaves: dict[Key, Any] = {}
+        self.dropped: list[str] = []
+        for key in td.keys(include_nested=True, leaves_only=True):
+            key = (key,) if isinstance(key, str) else tuple(key)
+            if key in drop:
+                continue
+            v = td.get(key)
+            if not isinstance(v, torch.Tensor):
+                self.dropped.append(key_str(key))  # non-tensor data has no rows to store
+                continue
+            self.leaves[key] = v
+        if not self.leaves:
+            raise UnsupportedFormatError(f"{path}: no tensor leaves to import")
+        self._td = td
+
+    @property
+    def row_bytes(self) -> int:
+        return sum(math.prod(v.shape[1:]) * v.element_size() for v in self.leaves.values())
+
+    def attrs(self) -> dict[str, Any]:
+        return {
+            "format": "torchrl",
+            "origin": self.origin,
+            "layout": self.layout,
+            "rows": self.num_rows,
+            "dropped": self.dropped,
+            "derived": [],
+        }
+
+    def _read(self, t: Any, lo: int, hi: int) -> torch.Tensor:
+        filename = getattr(t, "filename", None)
+        row = math.prod(t.shape[1:]) * t.element_size()
+        if filename and os.path.isfile(filename) and t.is_contiguous():
+            buf = np.empty((hi - lo) * row, dtype=np.uint8)
+            with open(filename, "rb", buffering=0) as f:
+                view = memoryview(buf)
+                done = 0
+                while done < buf.size:
+                    k = os.preadv(f.fileno(), [view[done:]], lo * row + done)
+                    if k == 0:
+                        raise UnsupportedFormatError(
+                            f"{filename} is shorter than its meta.json says ({lo * row + done} bytes)"
+                        )
+                    done += k
+            return torch.from_numpy(buf).view(t.dtype).reshape(hi - lo, *t.shape[1:])
+        return torch.as_tensor(t[lo:hi]).clone()
+
+    def chunks(self, chunk_rows: int | None = None) -> Iterator[TensorDict]:
+        """Yield rows as TensorDicts (keys unchanged), ``chunk_rows`` at a time."""
+        step = chunk_rows_for(self.row_bytes, chunk_rows)
+        for lo in range(0, self.num_rows, step):
+            hi = min(self.num_rows, lo + step)
+            td = TensorDict({}, batch_size=[hi - lo])
+            for key, t in self.leaves.items():
+                td.set(key, self._read(t, lo, hi))
+            yield td
+
+    def close(self) -> None:
+        self._td = None
+        self.leaves = {}
+
+
+def write_torchrl(
+    store: Any,
+    rows: np.ndarray,
+    tmp: str,
+    source: dict[str, Any] | None,
+    chunk_rows: int | None = None,
+    progress: Any = None,
+) -> dict[str, Any]:
+    """Write a store's rows as a TensorDict memmap directory at ``tmp``.
+
+    ``TensorDict.load_memmap(dst)`` reads it back; ``TensorStorage(TensorDict.load_memmap(dst))``
+    serves it in a TorchRL replay buffer. tensordict writes ``meta.json`` (and creates empty
+    files), the rows go in with ``pwrite`` through :mod:`tiered._io`.
+
+    Returns:
+        ``{"keys": [...], "rows": n}``.
+    """
+    schema = store.schema
+    fields = list(schema.values()) if schema is not None else []
+    n = int(rows.size)
+    # a TensorDict of zero-strided views: tensordict lays out the directory and meta.json
+    # without allocating the rows
+    template = TensorDict({}, batch_size=[n])
+    for f in fields:
+        template.set(f.key, torch.zeros((1, *f.shape), dtype=f.dtype).expand(n, *f.shape))
+    mm = template.memmap_like(tmp)
+    files = {f.key: mm.get(f.key).filename for f in fields}
+    row_bytes = {f.key: f.cell_nbytes for f in fields}
+    del mm, template
+    fds = {k: _io.open_for_write(p) for k, p in files.items()}
+    try:
+        for k, fd in fds.items():
+            _io.fallocate(fd, 0, n * row_bytes[k])
+        step = chunk_rows_for(sum(row_bytes.values()), chunk_rows)
+        for lo, hi, td in iter_store(store, rows, step):
+            for f in fields:
+                v = td.get(f.key).contiguous()
+                data = v.view(torch.uint8) if v.dtype != torch.uint8 and v.dim() else v
+                _io.pwrite(fds[f.key], memoryview(data.numpy()).cast("B"), lo * row_bytes[f.key])
+            if progress is not None:
+                progress.update(hi - lo)
+        for fd in fds.values():
+            _io.fsync(fd)
+    finally:
+        for fd in fds.values():
+            _io.close(fd)
+    for root, _dirs, _files in os.walk(tmp):
+        for name in _files:
+            if name == "meta.json":  # written by tensordict, outside the seam: make it durable too
+                fd = os.open(os.path.join(root, name), os.O_RDONLY)
+                try:
+                    _io.fsync(fd)
+                finally:
+                    os.close(fd)
+        _io.fsync_dir(root)
+    return {"keys": [key_str(f.key) for f in fields], "rows": n}

@@ -1,0 +1,579 @@
+"""Check a store on disk: every file the manifest names, and every blob's checksum.
+
+:func:`verify_store` reads the store the way docs/format.md describes it, independently of the
+code that wrote it (the verifier must not share the writer's bugs):
+
+1. ``manifest.json``: present, valid JSON, its SHA-256, its format name and version;
+2. every ``.npy`` file of the current generation: present, the size the manifest records, a
+   valid ``.npy`` header with the shape the schema implies;
+3. every cold segment: present and at least as long as the manifest says (HDF5 segments: an
+   HDF5 file whose ``blobs`` dataset sits at the recorded offset);
+4. every live blob: its compressed bytes are read from the cold tier in large sequential reads
+   (about 64 MiB at a time) and their checksums computed in one vectorized call per read and
+   compared with the index; with ``decode=True`` they are also decompressed;
+5. the row tables: every written row points at live blobs;
+6. finally the store is opened read-only through :func:`tiered.open`, as a user would.
+
+A damaged blob is reported with the field and rows that use it, the segment file and the byte
+offset of the blob in that file.
+
+Example:
+    >>> import tempfile, torch
+    >>> from tensordict import TensorDict
+    >>> from tiered import TieredStore
+    >>> from tiered.verify import verify_store
+    >>> d = tempfile.mkdtemp() + "/s"
+    >>> with TieredStore(10, d) as s:
+    ...     _ = s.extend(TensorDict({"x": torch.zeros(4, 64, 64)}, [4]))
+    >>> report = verify_store(d, progress=False)
+    >>> report.ok, report.blobs_checked
+    (True, 4)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from ._persist import MANIFEST, gen_dir_name, read_manifest
+from .errors import CorruptionError, FormatVersionError, NotATieredStoreError, TieredError
+
+__all__ = ["Problem", "Report", "verify_store"]
+
+_STORED = 2  # index.state of a blob whose bytes are in the cold tier (docs/format.md)
+_COLD = 2  # column of index.loc holding the cold offset
+_BATCH_BYTES = 64 << 20
+_MAX_ROWS_LISTED = 20
+
+
+@dataclass
+class Problem:
+    """One thing wrong with a store.
+
+    Attributes:
+        kind: ``"manifest"``, ``"missing"``, ``"truncated"``, ``"file"``, ``"index"``,
+            ``"checksum"``, ``"decode"`` or ``"open"``.
+        message: what is wrong, in words.
+        file: the file concerned.
+        offset: byte offset in ``file`` (damaged blobs).
+        field: the field whose data is affected.
+        rows: the first affected rows (at most 20); ``n_rows`` counts all of them.
+        blob: the blob id.
+    """
+
+    kind: str
+    message: str
+    file: str | None = None
+    offset: int | None = None
+    field: str | None = None
+    rows: list[int] = dataclasses.field(default_factory=list)
+    n_rows: int = 0
+    blob: int | None = None
+
+    def __str__(self) -> str:
+        parts = [self.message]
+        if self.file is not None:
+            parts.append(f"file {self.file}" + (f" at byte {self.offset}" if self.offset is not None else ""))
+        if self.field is not None:
+            more = f" (+{self.n_rows - len(self.rows)} more)" if self.n_rows > len(self.rows) else ""
+            parts.append(f"field {self.field!r} rows {self.rows}{more}")
+        return "; ".join(parts)
+
+
+@dataclass
+class Report:
+    """Result of :func:`verify_store`. ``ok`` is true when no problem was found."""
+
+    path: str
+    format_version: int | None = None
+    generation: int | None = None
+    rows: int | None = None
+    capacity: int | None = None
+    codec: str | None = None
+    files_checked: int = 0
+    blobs_checked: int = 0
+    bytes_checked: int = 0
+    seconds: float = 0.0
+    problems: list[Problem] = dataclasses.field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def add(self, kind: str, message: str, **kw: Any) -> None:
+        self.problems.append(Problem(kind, message, **kw))
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["ok"] = self.ok
+        return d
+
+    def summary(self) -> str:
+        """A few human lines: what was checked, then one line per problem."""
+        head = (
+            f"{self.path}: {'OK' if self.ok else f'{len(self.problems)} problem(s)'}; checked "
+            f"{self.files_checked} files, {self.blobs_checked} blobs ({self.bytes_checked:,} bytes) "
+            f"in {self.seconds:.2f} s"
+        )
+        return "\n".join([head, *(f"  {p.kind}: {p}" for p in self.problems)])
+
+
+def _segment_name(backend: str, i: int) -> str:
+    return f"seg-{i:06d}{'.h5' if backend == 'hdf5' else '.bin'}"
+
+
+def _check_hdf5_segment(path: str, data_offset: int, segment_bytes: int) -> str | None:
+    import h5py
+
+    try:
+        with h5py.File(path, "r", locking=False) as h:
+            if "blobs" not in h:
+                return "holds no 'blobs' dataset"
+            d = h["blobs"]
+            if d.shape != (segment_bytes,) or d.dtype != np.uint8:
+                return f"'blobs' has shape {d.shape} dtype {d.dtype}, expected ({segment_bytes},) uint8"
+            off = d.id.get_offset()
+            if off != data_offset:
+                return f"'blobs' data starts at byte {off}, the manifest says {data_offset}"
+    except OSError as e:
+        return f"is not a readable HDF5 file ({e})"
+    return None
+
+
+def verify_store(
+    path: str | os.PathLike[str],
+    progress: bool | None = True,
+    *,
+    decode: bool = False,
+    batch_bytes: int = _BATCH_BYTES,
+) -> Report:
+    """Check every file and every blob checksum of a store (read-only; see the module docstring).
+
+    Args:
+        path: the store directory.
+        progress: show a progress bar over the blob bytes (``None``: only on a terminal).
+        decode: also decompress every blob (slower; checks the codec's framing too).
+        batch_bytes: bytes read per call from a segment file.
+
+    Returns:
+        A :class:`Report`; ``report.ok`` is true when nothing is wrong.
+
+    Raises:
+        NotATieredStoreError: ``path`` is not a store at all (no manifest and no store files).
+        FormatVersionError: the store was written in a format this tiered cannot read.
+    """
+    t0 = time.perf_counter()
+    path = os.path.abspath(os.fspath(path))
+    for _attempt in range(3):
+        report = Report(path)
+        try:
+            _verify(path, report, progress, decode, batch_bytes)
+        finally:
+            report.seconds = time.perf_counter() - t0
+        # A writer may commit while we read (it then removes the old generation and reuses space
+        # the new one freed): problems seen under a generation that is no longer current are
+        # checked again against the new one.
+        if report.ok or report.generation is None or _current_generation(path) == report.generation:
+            break
+    return report
+
+
+def _current_generation(path: str) -> int | None:
+    try:
+        return int(read_manifest(path)["generation"])
+    except (TieredError, KeyError, TypeError, ValueError):
+        return None
+
+
+def _verify(path: str, report: Report, progress: bool | None, decode: bool, batch_bytes: int) -> None:
+    # 1. manifest ---------------------------------------------------------------------------
+    try:
+        body = read_manifest(path)
+    except FormatVersionError:
+        raise
+    except NotATieredStoreError:
+        looks_like_store = os.path.isdir(path) and any(
+            n == "cold" or n.startswith("gen-") for n in os.listdir(path)
+        )
+        if not looks_like_store:
+            raise
+        report.add(
+            "manifest",
+            f"{MANIFEST} is missing but the directory holds store files (gen-*, cold/): "
+            "the store's commit record is lost",
+            file=os.path.join(path, MANIFEST),
+        )
+        return
+    except CorruptionError as e:
+        report.add("manifest", str(e), file=os.path.join(path, MANIFEST))
+        return
+    report.files_checked += 1
+    try:
+        report.format_version = int(body["format_version"])
+        report.generation = int(body["generation"])
+        report.capacity = int(body["capacity"])
+        report.rows = int(body["len"])
+        report.codec = str(body.get("codec"))
+        files = dict(body["files"])
+        cold = dict(body["cold"])
+        schema = body.get("schema") or []
+    except (KeyError, TypeError, ValueError) as e:
+        report.add(
+            "manifest",
+            f"the manifest body lacks or garbles a required entry ({type(e).__name__}: {e})",
+            file=os.path.join(path, MANIFEST),
+        )
+        return
+
+    if not (0 <= report.rows <= report.capacity) or not 0 <= int(body.get("cursor", 0)) < max(
+        report.capacity, 1
+    ):
+        report.add(
+            "manifest",
+            f"the manifest says len {report.rows}, cursor {body.get('cursor')} for capacity "
+            f"{report.capacity}",
+            file=os.path.join(path, MANIFEST),
+        )
+
+    # 2. generation files ---------------------------------------------------------------------
+    gdir = os.path.join(path, gen_dir_name(report.generation))
+    arrays: dict[str, np.ndarray] = {}
+    for name, size in sorted(files.items()):
+        f = os.path.join(gdir, name + ".npy")
+        try:
+            actual = os.path.getsize(f)
+        except FileNotFoundError:
+            report.add("missing", f"array {name!r} named by the manifest is missing", file=f)
+            continue
+        report.files_checked += 1
+        if actual != size:
+            report.add("truncated", f"array {name!r} is {actual} bytes, the manifest says {size}", file=f)
+            continue
+        try:
+            arrays[name] = np.load(f, mmap_mode="r", allow_pickle=False) if size else np.empty(0)
+        except (ValueError, OSError, EOFError) as e:
+            report.add("file", f"array {name!r} is not a valid .npy file ({e})", file=f)
+    need = ["index.state", "index.nbytes", "index.checksum", "index.loc", "written"]
+    if any(n not in arrays for n in need):
+        missing = [
+            n
+            for n in need
+            if n not in arrays and not any(p.file and p.file.endswith(n + ".npy") for p in report.problems)
+        ]
+        if missing:
+            report.add(
+                "manifest", f"the manifest lists no {missing} arrays", file=os.path.join(path, MANIFEST)
+            )
+        return
+
+    # 3. cold segments ---------------------------------------------------------------------------
+    backend = str(cold.get("format", body.get("backend", "memmap")))
+    seg_bytes = int(cold.get("segment_bytes", 0))
+    seg_sizes = [int(x) for x in cold.get("segment_sizes", [])]
+    data_offsets = [int(x) for x in cold.get("data_offsets", [0] * len(seg_sizes))]
+    cold_dir = os.path.join(path, "cold")
+    seg_ok: list[bool] = []
+    for i, size in enumerate(seg_sizes):
+        f = os.path.join(cold_dir, _segment_name(backend, i))
+        expected = data_offsets[i] + size
+        try:
+            actual = os.path.getsize(f)
+        except FileNotFoundError:
+            report.add("missing", f"cold segment {i} is missing (it should hold {expected} bytes)", file=f)
+            seg_ok.append(False)
+            continue
+        report.files_checked += 1
+        if actual < expected:
+            report.add(
+                "truncated",
+                f"cold segment {i} is {actual} bytes, the manifest says at least {expected}",
+                file=f,
+            )
+            seg_ok.append(False)
+            continue
+        if backend == "hdf5":
+            why = _check_hdf5_segment(f, data_offsets[i], seg_bytes)
+            if why:
+                report.add("file", f"cold segment {i} {why}", file=f)
+                seg_ok.append(False)
+                continue
+        seg_ok.append(True)
+
+    # 4. blobs ------------------------------------------------------------------------------------
+    state = np.asarray(arrays["index.state"])
+    live = np.flatnonzero(state == _STORED)
+    nbytes = np.asarray(arrays["index.nbytes"])
+    sums = np.asarray(arrays["index.checksum"])
+    loc = np.asarray(arrays["index.loc"])
+    if (
+        loc.ndim != 2
+        or loc.shape[0] != state.shape[0]
+        or nbytes.shape != state.shape
+        or sums.shape != state.shape
+    ):
+        report.add(
+            "index",
+            f"index columns disagree in shape: state {state.shape}, nbytes {nbytes.shape}, "
+            f"checksum {sums.shape}, loc {loc.shape}",
+            file=gdir,
+        )
+        return
+    off = loc[live, _COLD].astype(np.int64)
+    size = nbytes[live].astype(np.int64)
+    bad_ids: dict[int, tuple[str, str, int | None]] = {}  # blob -> (kind, file, offset)
+    if seg_bytes <= 0 and live.size:
+        report.add("manifest", f"cold segment_bytes is {seg_bytes}", file=os.path.join(path, MANIFEST))
+        return
+    seg = off // max(seg_bytes, 1)
+    in_seg = off - seg * max(seg_bytes, 1)
+    sizes_arr = np.asarray(seg_sizes + [0], dtype=np.int64)
+    outside = (
+        (off < 0)
+        | (size < 0)
+        | (seg >= len(seg_sizes))
+        | (in_seg + size > sizes_arr[np.minimum(seg, len(seg_sizes))])
+    )
+    for b, o in zip(live[outside].tolist()[:1000], off[outside].tolist()[:1000], strict=True):
+        bad_ids[b] = ("index", "the index places the blob outside the cold segments", None)
+        report.add(
+            "index",
+            f"blob {b} has cold offset {o}, outside the {len(seg_sizes)} segments of the manifest",
+            blob=b,
+        )
+    codecs_col = np.asarray(arrays["index.codec"]) if "index.codec" in arrays else np.ones_like(state)
+    raw_col = np.asarray(arrays["index.raw_nbytes"]) if "index.raw_nbytes" in arrays else None
+    keep = ~outside
+    blobs, off, size, seg, in_seg = live[keep], off[keep], size[keep], seg[keep], in_seg[keep]
+    order = np.lexsort((in_seg, seg))
+    blobs, off, size, seg, in_seg = blobs[order], off[order], size[order], seg[order], in_seg[order]
+    from .codecs import segment_checksums
+
+    bar = None
+    if progress is not False:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(
+            total=int(size.sum()),
+            unit="B",
+            unit_scale=True,
+            desc="verify",
+            leave=False,
+            disable=None if progress is None else False,
+            dynamic_ncols=True,
+        )
+    try:
+        i = 0
+        n = blobs.size
+        while i < n:
+            s = int(seg[i])
+            # one sequential read per batch: consecutive blobs of one segment spanning <= batch_bytes
+            start = int(in_seg[i])
+            j = i + 1
+            while j < n and seg[j] == s and int(in_seg[j] + size[j]) - start <= batch_bytes:
+                j += 1
+            f = os.path.join(cold_dir, _segment_name(backend, s))
+            if not seg_ok[s]:
+                for b in blobs[i:j].tolist():
+                    bad_ids[b] = ("file", f, None)
+                i = j
+                continue
+            end = int((in_seg[i:j] + size[i:j]).max())
+            with open(f, "rb", buffering=0) as fh:
+                buf = np.frombuffer(
+                    os.pread(fh.fileno(), end - start, data_offsets[s] + start), dtype=np.uint8
+                )
+            rel = (in_seg[i:j] - start).astype(np.int64)
+            if buf.size < end - start:  # the file shrank under us
+                report.add("truncated", f"cold segment {s} ends before byte {data_offsets[s] + end}", file=f)
+                i = j
+                continue
+            got = segment_checksums(buf, rel, size[i:j])
+            bad = np.flatnonzero(got != sums[blobs[i:j]])
+            for k in bad.tolist():
+                bad_ids[int(blobs[i + k])] = ("checksum", f, data_offsets[s] + int(in_seg[i + k]))
+            if decode and raw_col is not None:
+                _decode_batch(
+                    buf,
+                    rel,
+                    size[i:j],
+                    blobs[i:j],
+                    codecs_col,
+                    raw_col,
+                    set(bad.tolist()),
+                    bad_ids,
+                    f,
+                    data_offsets[s] + in_seg[i:j],
+                )
+            report.blobs_checked += j - i
+            report.bytes_checked += int(size[i:j].sum())
+            if bar is not None:
+                bar.update(int(size[i:j].sum()))
+            i = j
+    finally:
+        if bar is not None:
+            bar.close()
+
+    # sizes: a blob holds 1..chunk_frames whole frames of its family (a size lie would make a
+    # decoder allocate or write past its output)
+    fams = body.get("families") or []
+    if "index.family" in arrays and raw_col is not None and fams:
+        fam = np.asarray(arrays["index.family"])[live].astype(np.int64)
+        known = (fam >= 0) & (fam < len(fams))
+        fnb = np.array([int(f.get("frame_nbytes", 0)) for f in fams] + [0], dtype=np.int64)[
+            np.where(known, fam, -1)
+        ]
+        kmax = np.array([int(f.get("chunk_frames", 1)) for f in fams] + [0], dtype=np.int64)[
+            np.where(known, fam, -1)
+        ]
+        raw = raw_col[live].astype(np.int64)
+        wrong = ~known | (fnb <= 0) | (raw <= 0) | (raw > kmax * fnb) | (raw % np.maximum(fnb, 1) != 0)
+        for b in live[wrong].tolist()[:1000]:
+            bad_ids.setdefault(b, ("index", "", None))
+        if wrong.any():
+            report.add(
+                "index",
+                f"{int(wrong.sum())} blobs record an impossible raw size or frame family "
+                f"(first: blob {int(live[wrong][0])}, raw size {int(raw[wrong][0])})",
+                file=os.path.join(gdir, "index.raw_nbytes.npy"),
+            )
+
+    # 5. rows -> blobs -------------------------------------------------------------------------------
+    written = np.asarray(arrays["written"]).astype(bool)
+    if written.shape != (report.capacity,):
+        report.add(
+            "index",
+            f"'written' has shape {written.shape}, expected ({report.capacity},)",
+            file=os.path.join(gdir, "written.npy"),
+        )
+        return
+    listed: set[int] = set()
+    for fi, spec in enumerate(schema):
+        name = f"rows.{fi}.blob"
+        if spec.get("kind") != "blob" or name not in arrays:
+            continue
+        fname = "/".join(spec.get("key", [f"field{fi}"]))
+        table = np.asarray(arrays[name])
+        if table.ndim != 2 or table.shape[0] != written.shape[0]:
+            report.add(
+                "index",
+                f"row table of {fname!r} has shape {table.shape}, expected [{written.shape[0]}, F]",
+                file=os.path.join(gdir, name + ".npy"),
+            )
+            continue
+        t = table[written]
+        rows_w = np.flatnonzero(written)
+        valid = (t >= 0) & (t < state.shape[0])
+        dangling = (
+            ~valid | (state[np.clip(t, 0, max(state.shape[0] - 1, 0))] != _STORED) if state.size else ~valid
+        )
+        dangling &= t >= 0
+        unset = t < 0
+        if dangling.any() or unset.any():
+            r = rows_w[(dangling | unset).any(1)]
+            report.add(
+                "index",
+                f"{r.size} written rows of {fname!r} point at no stored blob",
+                field=fname,
+                rows=r[:_MAX_ROWS_LISTED].tolist(),
+                n_rows=int(r.size),
+                file=os.path.join(gdir, name + ".npy"),
+            )
+        if bad_ids:
+            bad = np.fromiter(bad_ids, dtype=np.int64)
+            hit = np.isin(t, bad)
+            r_idx, c_idx = np.nonzero(hit)
+            if r_idx.size:
+                blob_of = t[r_idx, c_idx]
+                order = np.argsort(blob_of, kind="stable")
+                blob_of, r_idx = blob_of[order], r_idx[order]
+                cuts = np.flatnonzero(np.r_[True, blob_of[1:] != blob_of[:-1]])
+                for a, b in zip(cuts.tolist(), [*cuts[1:].tolist(), blob_of.size], strict=True):
+                    bid = int(blob_of[a])
+                    rows = np.unique(rows_w[r_idx[a:b]])
+                    kind, file, offset = bad_ids[bid]
+                    what = {
+                        "checksum": "checksum mismatch (the stored bytes are damaged)",
+                        "decode": "the blob does not decompress to its recorded size",
+                        "file": "its segment file is missing or damaged",
+                        "index": "its index entry is inconsistent (see the index problems)",
+                    }[kind]
+                    report.add(
+                        kind if kind != "file" else "checksum",
+                        f"blob {bid}: {what}",
+                        file=file,
+                        offset=offset,
+                        field=fname,
+                        rows=rows[:_MAX_ROWS_LISTED].tolist(),
+                        n_rows=int(rows.size),
+                        blob=bid,
+                    )
+                    listed.add(bid)
+    for bid, (kind, file, offset) in bad_ids.items():
+        if bid not in listed and kind != "index":
+            report.add(
+                kind if kind != "file" else "checksum",
+                f"blob {bid} is damaged (no written row uses it)",
+                file=file,
+                offset=offset,
+                blob=bid,
+            )
+
+    # 6. the store opens as a user opens it --------------------------------------------------------------
+    if report.ok:
+        import tiered
+
+        try:
+            store = tiered.open(path, mode="r", warm_bytes=0, hot_bytes=0)
+            store.close()
+        except TieredError as e:
+            report.add("open", f"tiered.open(mode='r') fails: {type(e).__name__}: {e}")
+        except Exception as e:  # noqa: BLE001 - a raw error here is a bug of the store, report it as such
+            report.add(
+                "open",
+                f"tiered.open(mode='r') fails with a raw {type(e).__name__} (a tiered bug; "
+                f"please report it): {e}",
+            )
+
+
+def _decode_batch(
+    buf: np.ndarray,
+    rel: np.ndarray,
+    size: np.ndarray,
+    blobs: np.ndarray,
+    codecs_col: np.ndarray,
+    raw_col: np.ndarray,
+    skip: set[int],
+    bad_ids: dict,
+    file: str,
+    file_off: np.ndarray,
+) -> None:
+    """Decompress a batch (one call per codec); on failure find the failing blobs one by one."""
+    from .codecs import codec_for_format_id
+
+    ok_mask = np.ones(blobs.size, bool)
+    ok_mask[list(skip)] = False
+    for fmt in np.unique(codecs_col[blobs]).tolist():
+        sel = np.flatnonzero(ok_mask & (codecs_col[blobs] == fmt))
+        if sel.size == 0:
+            continue
+        codec = codec_for_format_id(int(fmt))
+        raw = raw_col[blobs[sel]].astype(np.int64)
+        out = np.empty(int(raw.sum()), dtype=np.uint8)
+        out_off = np.concatenate([[0], np.cumsum(raw)[:-1]]).astype(np.int64)
+        try:
+            codec.decode(buf, rel[sel], size[sel], out, out_off, raw)
+            continue
+        except Exception:  # noqa: BLE001 - find which blob fails, below
+            pass
+        for k in sel.tolist():
+            r = int(raw_col[blobs[k]])
+            one = np.empty(r, dtype=np.uint8)
+            try:
+                codec.decode(buf, rel[k : k + 1], size[k : k + 1], one, np.zeros(1, np.int64), np.array([r]))
+            except Exception:  # noqa: BLE001
+                bad_ids[int(blobs[k])] = ("decode", file, int(file_off[k]))
