@@ -152,7 +152,7 @@ class FramePlan:
 class FrameFamily:
     """Dedup and chunking state of one frame family. See the module docstring."""
 
-    def __init__(self, family_id: int, frame_nbytes: int, chunk_frames: int, tail_rows: int = 16,
+    def __init__(self, family_id: int, frame_nbytes: int, chunk_frames: int, tail_rows: int = 8,
                  dedup: bool = True):
         if chunk_frames < 1:
             raise ValueError(f"chunk_frames must be >= 1, got {chunk_frames}")
@@ -167,8 +167,8 @@ class FrameFamily:
         self.open_blob = np.empty(0, dtype=np.int64)
         self.open_fill = np.empty(0, dtype=np.int64)
         # Raw frames of open chunks: pend[slot] holds K frames; index.aux[blob] = slot.
-        # one open chunk per live trajectory; 64 covers typical vectorized envs without growth
-        self.pend = np.empty((64 if self.K > 1 else 0, self.K, self.nbytes), dtype=np.uint8)
+        # one open chunk per live trajectory; grows (doubling) with the number of environments
+        self.pend = np.empty((8 if self.K > 1 else 0, self.K, self.nbytes), dtype=np.uint8)
         self._pend_free = np.arange(self.pend.shape[0], dtype=np.int64)
         # Raw frames of the previous write's last rows (pins their blobs in the index).
         self.tail_frames = np.empty((0, self.nbytes), dtype=np.uint8)
@@ -380,10 +380,11 @@ class FrameFamily:
         _, first, inv = np.unique(h, return_index=True, return_inverse=True)
         rrep = first[inv.reshape(-1)]
         dup = np.flatnonzero(rrep != np.arange(T + R))
-        a, b = self._take(root_frames, dup, "cmp_a"), self._take(root_frames, rrep[dup], "cmp_b")
+        # fresh temporaries (not kept scratch): they are a few MB that a store should not hold
+        a, b = self._take(root_frames, dup), self._take(root_frames, rrep[dup])
         if nb % 8 == 0:
             a, b = a.view(np.uint64), b.view(np.uint64)
-        ok = np.equal(a, b, out=self.scratch("cmp_eq", a.shape, bool)).all(1)
+        ok = (a == b).all(1)
         bad = dup[~ok]
         rrep[bad] = bad
         glob = np.concatenate([np.arange(T, dtype=np.int64), T + roots])
@@ -399,10 +400,10 @@ class FrameFamily:
             self._scratch[name] = buf
         return buf[:n].view(dtype).reshape(shape)
 
-    def _take(self, frames: np.ndarray, idx: np.ndarray, name: str) -> np.ndarray:
+    def _take(self, frames: np.ndarray, idx: np.ndarray) -> np.ndarray:
         """Rows ``idx`` of the virtual concatenation ``[tail; frames]`` without building it."""
         T = self.tail_frames.shape[0]
-        out = self.scratch(name, (idx.size, self.nbytes), np.uint8)
+        out = np.empty((idx.size, self.nbytes), dtype=np.uint8)
         if frames.shape[0]:
             np.take(frames, np.maximum(idx - T, 0), axis=0, out=out, mode="clip")
         m = idx < T

@@ -133,7 +133,7 @@ def segment_checksums(data: np.ndarray, offsets: np.ndarray, sizes: np.ndarray) 
     seg1 = np.zeros(nseg, dtype=np.uint32)
     seg2 = np.zeros(nseg, dtype=np.uint32)
     first = np.append(np.searchsorted(points, cuts), nseg)
-    weights = _arange32()
+    weights = _arange32(min(_NP_CHUNK, hi - lo))
     buf = np.empty(min(_NP_CHUNK, hi - lo), dtype=np.uint32)
     with np.errstate(over="ignore"):
         for k, c0 in enumerate(cuts.tolist()):
@@ -179,7 +179,7 @@ def _packed_checksums(data: np.ndarray, offsets: np.ndarray, sizes: np.ndarray) 
     # the loop runs once per chunk of data, not per blob.
     cuts = np.unique(np.searchsorted(starts, np.arange(lo, hi, _NP_CHUNK), side="left"))
     bounds = np.append(cuts[cuts < starts.size], starts.size).tolist()
-    weights = _arange32()
+    weights = _arange32(min(_NP_CHUNK, hi - lo))
     with np.errstate(over="ignore"):
         for a, b in zip(bounds[:-1], bounds[1:], strict=True):
             g0 = int(starts[a])
@@ -204,12 +204,14 @@ def _packed_checksums(data: np.ndarray, offsets: np.ndarray, sizes: np.ndarray) 
 _ARANGE32: np.ndarray | None = None
 
 
-def _arange32() -> np.ndarray:
-    # Shared read-only weights 0.._NP_CHUNK-1 (16 MiB), made once; a blob longer than a chunk
-    # gets its own weights.
+def _arange32(n: int) -> np.ndarray:
+    # Shared read-only weights 0..n-1, grown (doubling) to the largest pass seen, at most
+    # _NP_CHUNK (16 MiB): a process that only checks small batches keeps a small table. A blob
+    # longer than the table gets its own weights.
     global _ARANGE32
-    if _ARANGE32 is None or _ARANGE32.size < _NP_CHUNK:
-        weights = np.arange(_NP_CHUNK, dtype=np.uint32)
+    if _ARANGE32 is None or _ARANGE32.size < n:
+        size = min(_NP_CHUNK, max(n, 2 * (_ARANGE32.size if _ARANGE32 is not None else 1 << 16)))
+        weights = np.arange(size, dtype=np.uint32)
         weights.flags.writeable = False
         _ARANGE32 = weights
     return _ARANGE32
