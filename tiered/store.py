@@ -43,6 +43,7 @@ from .errors import (
     StorageFullError,
     StoreClosedError,
 )
+from .gpu import maybe_gpu_decoder
 from .index import COLD, HOT, OPEN, STORED, WARM, BlobIndex, RowTable, isin
 from .policy import PriorityPolicy, get_policy
 from .schema import Field, Key, Schema, key_to_str, normalize_key
@@ -109,6 +110,7 @@ class TieredStore:
         threads: int | None = None,
         backend: str = "memmap",
         promote: bool = True,
+        gpu_decode: bool | None = None,
     ):
         if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or capacity <= 0:
             raise ValueError(f"capacity must be a positive int, got {capacity!r}")
@@ -167,6 +169,9 @@ class TieredStore:
         self._cursor = 0
         self._traj_base = 0
         self._generation = 0
+        # nvCOMP batch decode when `device` is CUDA (tiered/gpu.py); None keeps the CPU path
+        self._gpu_option = gpu_decode
+        self._gpu = maybe_gpu_decoder(self, gpu_decode)
         self._cold_init()
 
     # ------------------------------------------------------------------------------------
@@ -475,6 +480,8 @@ class TieredStore:
         idx.family[ids] = fam.family_id
         self._place(ids, enc.data, enc.offsets, enc.sizes)
         idx.state[ids] = STORED
+        if self._gpu is not None:  # a decode on another stream must see these arena writes
+            self._gpu.fence_writes()
 
     def _place(self, ids: np.ndarray, data: np.ndarray, offsets: np.ndarray, sizes: np.ndarray) -> None:
         """Put encoded blobs into tiers (DESIGN.md 5). All-or-nothing for the new blobs."""
@@ -683,6 +690,8 @@ class TieredStore:
         return want
 
     def _get_family(self, fid: int, fields: list[Field], rows: np.ndarray, out: dict) -> None:
+        if self._gpu is not None:
+            return self._gpu.get_family(self, fid, fields, rows, out)
         fam = self._families[fid]
         n = rows.size
         blobs = np.concatenate([self._tables[f.key].blob[rows] for f in fields], axis=1)
@@ -992,6 +1001,7 @@ class TieredStore:
                 "memory": {"open_chunks": open_bytes, "tail": tail_bytes, "index": index_bytes,
                            "row_tables": table_bytes, "dense": dense_bytes},
                 "counters": dict(self._counters),
+                "gpu": self._gpu.stats() if self._gpu is not None else None,
             }
 
     def flush(self) -> None:
@@ -1151,7 +1161,8 @@ class TieredStore:
 
         if mode not in ("r", "r+"):
             raise ValueError(f"mode must be 'r' or 'r+', got {mode!r}")
-        allowed = {"warm_bytes", "hot_bytes", "hot_device", "device", "policy", "verify", "threads", "promote"}
+        allowed = {"warm_bytes", "hot_bytes", "hot_device", "device", "policy", "verify", "threads", "promote",
+                   "gpu_decode"}
         unknown = set(options) - allowed
         if unknown:
             raise TypeError(f"options {sorted(unknown)} cannot change on open; allowed: {sorted(allowed)}")
@@ -1297,6 +1308,8 @@ class TieredStore:
         state = self.__dict__.copy()
         state.pop("_lock", None)
         state.pop("_local", None)
+        state.pop("_gpu", None)
+        state.pop("_writer_lock", None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -1307,3 +1320,5 @@ class TieredStore:
         self.__dict__.update(state)
         self._lock = threading.RLock()
         self._local = threading.local()
+        self._writer_lock = None
+        self._gpu = maybe_gpu_decoder(self, self.__dict__.get("_gpu_option"))

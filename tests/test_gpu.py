@@ -1,0 +1,564 @@
+"""The GPU path: nvCOMP codecs, the GPU decoder, its OOM handling, bit-exact CPU <-> GPU interop.
+
+Two groups:
+
+* unmarked tests run on CPU-only CI: nvCOMP missing or unusable gives CodecUnavailableError with
+  the install command (checked in a subprocess where ``nvidia.nvcomp`` cannot be imported); the
+  GPU decoder's whole pipeline (tier grouping, pinned staging, device gather, checksums, batch
+  padding, OOM split, CPU fallback, promotions, bookkeeping) runs with ``device="cpu"`` and the
+  CPU codecs standing in for nvCOMP; the fused checksum equals the reference one.
+* ``@pytest.mark.cuda`` tests (skipped without a GPU; run by benchmarks/gpu_check.py): nvCOMP
+  decodes CPU-written zstd/lz4 bit-exactly and zstandard/lz4 decode nvCOMP's output, and a store
+  with blobs in the hot CUDA arena, the pinned warm arena and a cold memmap file samples
+  bit-exactly on the GPU.
+
+Data: real Atari frames from benchmarks/data/atari_frames.npz (no ale-py needed).
+"""
+
+from __future__ import annotations
+
+import doctest
+import subprocess
+import sys
+import textwrap
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import zstandard
+from helpers import assert_td_equal, check_refcounts
+from tensordict import TensorDict
+
+import tiered.gpu as gpu_mod
+from tiered import TieredStore
+from tiered.atari import load_fixture
+from tiered.codecs import Lz4Codec, ZstdCodec, available_codecs, get_codec, segment_checksums
+from tiered.codecs.checksum import segment_checksums_torch
+from tiered.codecs.nvcomp import empty_frame, filler_frame
+from tiered.errors import ChecksumError, CodecUnavailableError, UnknownCodecError
+from tiered.gpu import GpuDecoder, fused_checksums, inject_device_oom, maybe_gpu_decoder
+from tiered.index import COLD, HOT, OPEN, WARM
+from tiered.tiers import align
+from tiered.tiers.arena import inject_oom
+
+REPO = Path(__file__).resolve().parents[1]
+FIXTURE = REPO / "benchmarks" / "data" / "atari_frames.npz"
+
+
+@pytest.fixture(scope="module")
+def frames() -> TensorDict:
+    """Breakout then MsPacman: 4000 real transitions with 4x84x84 stacks."""
+    return load_fixture(FIXTURE, games=["Breakout", "MsPacman"])
+
+
+def spread_over_tiers(store: TieredStore, seed: int = 0) -> None:
+    """Put a third of the stored blobs in the hot tier, a third in the warm tier, a third in the
+    cold file only, whatever the placement policy did (a store with a path: cold holds all)."""
+    idx = store._index
+    live = idx.live_ids()
+    stored = live[idx.state[live] != OPEN]
+    for t in (HOT, WARM):
+        held = stored[idx.loc[stored, t] >= 0]
+        store._tiers[t].free(idx.loc[held, t], align(idx.nbytes[held]))
+        idx.loc[held, t] = -1
+    order = np.random.default_rng(seed).permutation(stored)
+    for t, ids in zip((HOT, WARM), np.array_split(order, 3)[:2], strict=True):
+        sizes = idx.nbytes[ids]
+        offs = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+        buf = np.zeros(int(sizes.sum()), np.uint8)
+        store._tiers[COLD].read(idx.loc[ids, COLD], sizes, buf, offs)
+        loc = store._tiers[t].allocate(sizes)
+        store._tiers[t].write(loc, buf, offs, sizes)
+        idx.loc[ids, t] = loc
+
+
+def tiered_store(data: TensorDict, path: Path, *, hot_device: str, rows: int = 600, **kw) -> TieredStore:
+    """A store with blobs in the hot arena, the warm arena, the cold file only, and an open chunk."""
+    store = TieredStore(rows + 64, path, frames={"observation": 0}, hot_device=hot_device,
+                        hot_bytes="64MiB", warm_bytes="64MiB", promote=False, **kw)
+    for i in range(0, rows, 50):
+        store.extend(data[i:i + 50])
+    store.flush()
+    spread_over_tiers(store)
+    store.extend(data[rows:rows + 3])  # leaves an open (not yet compressed) chunk
+    return store
+
+
+def tier_counts(store: TieredStore) -> dict[str, int]:
+    idx = store._index
+    live = idx.live_ids()
+    stored = live[idx.state[live] != OPEN]
+    return {
+        "hot": int((idx.loc[stored, HOT] >= 0).sum()),
+        "warm": int(((idx.loc[stored, HOT] < 0) & (idx.loc[stored, WARM] >= 0)).sum()),
+        "cold_only": int(((idx.loc[stored, HOT] < 0) & (idx.loc[stored, WARM] < 0)).sum()),
+        "open": int((idx.state[live] == OPEN).sum()),
+    }
+
+
+def snapshot(store: TieredStore) -> TensorDict:
+    return store.get(np.arange(len(store))).clone()
+
+
+def check_gets(store: TieredStore, expected: TensorDict, sizes=(1, 7, 256, 1024), seed: int = 0) -> None:
+    rng = np.random.default_rng(seed)
+    for b in sizes:
+        ix = rng.integers(0, len(store), b)
+        assert_td_equal(store.get(ix).to("cpu"), expected[torch.from_numpy(ix)])
+
+
+# ---------------------------------------------------------------------------------------------
+# Without nvCOMP / without a GPU
+# ---------------------------------------------------------------------------------------------
+
+
+def test_missing_nvcomp_raises_with_install_command():
+    code = textwrap.dedent(
+        """
+        import sys
+        sys.modules["nvidia.nvcomp"] = None          # this interpreter cannot import nvCOMP
+        from tiered.codecs import available_codecs, get_codec
+        from tiered.codecs.nvcomp import NvcompCodec
+        from tiered.errors import CodecUnavailableError
+        for make in (lambda: NvcompCodec(), lambda: NvcompCodec("lz4"), lambda: get_codec("nvcomp:zstd")):
+            try:
+                make()
+            except CodecUnavailableError as e:
+                assert isinstance(e, ImportError)
+                msg = str(e)
+                assert "pip install 'tiered[gpu-cu12]'" in msg and "'tiered[gpu-cu13]'" in msg, msg
+            else:
+                raise SystemExit("no CodecUnavailableError")
+        assert "nvcomp" not in available_codecs()
+        import tiered.gpu
+        try:
+            tiered.gpu.GpuDecoder("cuda:0")
+        except CodecUnavailableError as e:
+            assert "tiered[gpu-cu12]" in str(e)
+        print("ok")
+        """
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "ok"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour")
+def test_nvcomp_codec_without_a_gpu_is_unavailable():
+    with pytest.raises(CodecUnavailableError) as info:
+        get_codec("nvcomp")
+    assert "CUDA" in str(info.value) or "tiered[gpu-cu12]" in str(info.value)
+    assert "nvcomp" not in available_codecs()
+
+
+def test_unknown_nvcomp_format_is_rejected_on_any_machine():
+    with pytest.raises(UnknownCodecError, match="nvcomp:lz4"):
+        get_codec("nvcomp:snappy")
+
+
+@pytest.mark.parametrize("fmt", ["zstd", "lz4", "deflate"])
+def test_filler_and_empty_frames_are_what_cpu_codecs_read(fmt):
+    filler, empty = filler_frame(fmt), empty_frame(fmt)
+    if fmt == "deflate":
+        assert zlib.decompress(filler, -15) == b"\x00" and zlib.decompress(empty, -15) == b""
+        return
+    codec = ZstdCodec(threads=1) if fmt == "zstd" else Lz4Codec(threads=1)
+    data = np.frombuffer(filler + empty, np.uint8)
+    out = np.full(1, 7, np.uint8)
+    codec.decode(data, np.array([0, len(filler)]), np.array([len(filler), len(empty)]), out,
+                 np.array([0, 1]), np.array([1, 0]))
+    assert out.tolist() == [0]
+    enc = codec.encode(np.zeros(0, np.uint8), np.array([0]), np.array([0]))
+    assert enc.data.tobytes() == empty
+
+
+def test_fused_checksums_equal_the_reference():
+    rng = np.random.default_rng(0)
+    data = rng.integers(0, 256, 300_000, dtype=np.uint8)
+    data[1000:50_000] = 255  # worst case for the sums
+    offsets = np.concatenate([[0], rng.integers(0, 290_000, 997), [299_990, 5]])
+    sizes = np.concatenate([[300_000], rng.integers(0, 10_000, 997), [10, 0]])
+    sizes = np.minimum(sizes, data.size - offsets)
+    want = segment_checksums(data, offsets, sizes)
+    t = torch.from_numpy(data)
+    got = fused_checksums(t, torch.from_numpy(offsets), torch.from_numpy(sizes))
+    assert np.array_equal(got.numpy(), want)
+    ref_torch = segment_checksums_torch(t, torch.from_numpy(offsets), torch.from_numpy(sizes))
+    assert np.array_equal(ref_torch.numpy(), want)
+
+
+def test_bucket_sizes_pad_little_and_repeat():
+    sizes = [gpu_mod._bucket_size(n) for n in range(1, 5000)]
+    assert all(b >= n for n, b in zip(range(1, 5000), sizes, strict=True))
+    assert all(b - n <= max(1, n // 8) for n, b in zip(range(1, 5000), sizes, strict=True))
+    assert len(set(sizes[255:4096])) < 40  # few distinct configs for batches of 256..4096
+
+
+# ---------------------------------------------------------------------------------------------
+# The GPU decoder's pipeline with the CPU stand-in
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("codec", ["zstd", "lz4", "raw"])
+@pytest.mark.parametrize("chunk_frames", [1, 4])
+def test_cpu_stand_in_every_tier_bit_exact(frames, tmp_path, codec, chunk_frames):
+    store = tiered_store(frames, tmp_path / "s", hot_device="cpu", codec=codec, chunk_frames=chunk_frames)
+    counts = tier_counts(store)
+    assert all(counts[k] > 0 for k in ("hot", "warm", "cold_only")), counts
+    assert (counts["open"] > 0) == (chunk_frames > 1), counts
+    expected = snapshot(store)
+    dec = GpuDecoder("cpu").attach(store)
+    check_gets(store, expected)
+    assert_td_equal(store.get(slice(None)), expected)
+    st = dec.stats()
+    assert st["hot"] > 0 and st["warm"] > 0 and st["cold"] > 0 and (st["open"] > 0) == (chunk_frames > 1)
+    assert st["hot_on_device"] == st["hot"]
+    assert st["cpu_fallbacks"] == 0 and st["oom_events"] == 0
+    if codec != "raw":
+        assert st["pads"] > 0  # the batch-size buckets were used
+    assert store.stats()["tiers"]["cold"]["hits"] > 0
+    # materialize agrees with the CPU path on every byte a row can reference
+    fam = store._families[0]
+    uniq = np.unique(np.concatenate([t.blob[: len(store)].reshape(-1) for t in store._tables.values()]))
+    got = dec.materialize(store, fam, uniq).numpy().reshape(uniq.size, -1).copy()
+    want = store._materialize(fam, uniq).reshape(uniq.size, -1)
+    idx = store._index
+    used = np.where(idx.state[uniq] == OPEN, fam.K * fam.nbytes, idx.raw_nbytes[uniq])
+    mask = np.arange(got.shape[1])[None, :] < used[:, None]
+    assert np.array_equal(got[mask], want[mask])
+
+
+def test_cpu_stand_in_exclusive_tiers_with_promotions(frames):
+    data = frames[1000:2600]
+    store = TieredStore(1200, frames={"observation": 0}, hot_device="cpu", hot_bytes="48KiB",
+                        warm_bytes="8MiB", policy="lru")
+    reference = TieredStore(1200, frames={"observation": 0})
+    GpuDecoder("cpu").attach(store)
+    rng = np.random.default_rng(1)
+    pos = 0
+    for _ in range(40):
+        if rng.random() < 0.4:
+            c = int(rng.integers(1, 90))
+            store.extend(data[pos:pos + c])
+            reference.extend(data[pos:pos + c])
+            pos = (pos + c) % 1400
+        elif len(store):
+            ix = rng.integers(0, len(store), int(rng.integers(1, 400)))
+            assert_td_equal(store.get(ix), reference.get(ix))
+    tiers = store.stats()["tiers"]
+    assert tiers["hot"]["promotions"] > 0 and tiers["hot"]["demotions"] > 0
+    assert tiers["hot"]["bytes_used"] <= tiers["hot"]["budget"]
+    check_refcounts(store)
+
+
+def test_cpu_stand_in_other_dtypes_and_frame_layouts():
+    g = torch.Generator().manual_seed(3)
+    n = 48
+    td = TensorDict({
+        "depth": (torch.randn(n, 4, 16, 16, generator=g) * 3).round(),  # float32 stacks
+        "pixels": torch.randint(0, 4, (n, 24, 24, 3), dtype=torch.uint8, generator=g),  # frames last
+        "action": torch.arange(n),
+    }, batch_size=[n])
+    store = TieredStore(64, frames={"depth": 0, "pixels": -1}, hot_device="cpu", hot_bytes="1MiB")
+    store.extend(td[:40])
+    store.extend(td[40:])
+    dec = GpuDecoder("cpu").attach(store)
+    assert_td_equal(store.get(slice(None)), td)
+    assert_td_equal(store.get([5, 5, 47, 0]), td[torch.tensor([5, 5, 47, 0])])
+    assert_td_equal(store.get(np.array([], dtype=np.int64)), td[:0])
+    assert set(store.get([1], keys=["depth"]).keys()) == {"depth"}
+    assert dec.stats()["batches"] >= 4
+
+
+def test_batch_oom_splits_and_stays_exact(frames, tmp_path):
+    store = tiered_store(frames, tmp_path / "s", hot_device="cpu")
+    expected = snapshot(store)
+    dec = GpuDecoder("cpu").attach(store)
+    whole = dec.stats()["h2d_bytes"]
+    store.get(np.arange(len(store)))
+    one_batch = dec.stats()["h2d_bytes"] - whole
+    with inject_device_oom(one_batch // 3, only=("batch", "scratch")):
+        got = store.get(np.arange(len(store)))
+    assert_td_equal(got, expected)
+    st = dec.stats()
+    assert st["oom_events"] >= 1 and st["splits"] >= 3 and st["cpu_fallbacks"] == 0
+
+
+@pytest.mark.parametrize("seam", ["decoder", "arena"])
+def test_oom_falls_back_to_the_cpu_path_with_exact_data(frames, tmp_path, seam):
+    store = tiered_store(frames, tmp_path / "s", hot_device="cpu")
+    expected = snapshot(store)
+    dec = GpuDecoder("cpu").attach(store)
+    ctx = inject_device_oom(0) if seam == "decoder" else inject_oom()
+    with ctx:
+        check_gets(store, expected, sizes=(3, 300))
+    st = dec.stats()
+    assert st["cpu_fallbacks"] == 2 and st["oom_events"] == 2
+    assert st["fallback_reasons"] == {"out of memory for the output": 2}
+    check_gets(store, expected, sizes=(5,))  # and back on the device path afterwards
+    assert dec.stats()["batches"] == 1
+
+
+def test_oom_below_min_split_falls_back(frames, tmp_path):
+    store = tiered_store(frames, tmp_path / "s", hot_device="cpu")
+    expected = snapshot(store)
+    dec = GpuDecoder("cpu", min_split=16).attach(store)
+    with inject_device_oom(1, only="batch"):
+        check_gets(store, expected, sizes=(200,))
+    st = dec.stats()
+    assert st["cpu_fallbacks"] == 1 and st["fallback_reasons"] == {"out of memory below min_split blobs": 1}
+
+
+@pytest.mark.parametrize("tier", [HOT, WARM, COLD])
+def test_corrupt_blob_raises_before_any_decode(frames, tmp_path, tier):
+    store = tiered_store(frames, tmp_path / "s", hot_device="cpu")
+    dec = GpuDecoder("cpu").attach(store)
+    idx = store._index
+    live = idx.live_ids()
+    stored = live[idx.state[live] != OPEN]
+    where = {HOT: idx.loc[stored, HOT] >= 0, WARM: (idx.loc[stored, HOT] < 0) & (idx.loc[stored, WARM] >= 0),
+             COLD: (idx.loc[stored, HOT] < 0) & (idx.loc[stored, WARM] < 0)}[tier]
+    victim = int(stored[where][0])
+    off = int(idx.loc[victim, tier]) + int(idx.nbytes[victim]) // 2
+    if tier == COLD:
+        buf = np.zeros(1, np.uint8)
+        store._tiers[COLD].read(np.array([off]), np.array([1]), buf, np.array([0]))
+        buf ^= 0x5A
+        store._tiers[COLD].write(np.array([off]), buf, np.array([0]), np.array([1]))
+    else:
+        store._tiers[tier].buffer[off] ^= 0x5A
+    rows = np.flatnonzero((store._tables[("observation",)].blob[: len(store)] == victim).any(1))
+    decoded_before = store.stats()["counters"]["blobs_decoded"]
+    with pytest.raises(ChecksumError, match=f"blob {victim} "):
+        store.get(rows[:3])
+    assert store.stats()["counters"]["blobs_decoded"] == decoded_before
+    assert dec.stats()["checksum_failures"] == 1
+
+
+def test_promotion_from_cold_after_reopen(frames, tmp_path):
+    built = tiered_store(frames, tmp_path / "s", hot_device="cpu", rows=400)
+    expected = snapshot(built)
+    built.close()
+    store = TieredStore.open(tmp_path / "s", mode="r", hot_device="cpu", hot_bytes="64KiB", warm_bytes=0)
+    assert tier_counts(store)["hot"] == 0  # caches start empty: every blob is cold
+    dec = GpuDecoder("cpu").attach(store)
+    check_gets(store, expected, sizes=(4, 4, 4, 4))
+    assert store.stats()["tiers"]["hot"]["promotions"] > 0 and tier_counts(store)["hot"] > 0
+    hits_before = store.stats()["tiers"]["hot"]["hits"]
+    check_gets(store, expected, sizes=(4, 4, 4, 4))  # the same rows again: now hot
+    assert store.stats()["tiers"]["hot"]["hits"] > hits_before
+    assert dec.stats()["cold"] > 0 and dec.stats()["hot"] > 0
+
+
+def test_attach_detach_and_maybe_gpu_decoder(frames):
+    store = TieredStore(64, frames={"observation": 0})
+    store.extend(frames[:40])
+    dec = GpuDecoder("cpu").attach(store)
+    store.get([1, 2])
+    assert dec.stats()["batches"] == 1
+    dec.detach(store)
+    store.get([1, 2])
+    assert dec.stats()["batches"] == 1
+    assert "_get_family" not in vars(store)
+    assert maybe_gpu_decoder(store) is None and maybe_gpu_decoder(store, False) is None
+    with pytest.raises(ValueError, match="device='cuda'"):
+        maybe_gpu_decoder(store, True)
+    with pytest.raises(ValueError, match="checksum"):
+        GpuDecoder("cpu", checksum="crc")
+
+
+def test_reference_checksum_option_agrees(frames, tmp_path):
+    store = tiered_store(frames, tmp_path / "s", hot_device="cpu")
+    expected = snapshot(store)
+    GpuDecoder("cpu", checksum="reference", bucket=False).attach(store)
+    check_gets(store, expected, sizes=(100,))
+
+
+def test_docstring_examples_run():
+    result = doctest.testmod(gpu_mod, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0
+
+
+def test_nvcomp_module_docstrings_run():
+    import tiered.codecs.nvcomp as nv_mod
+
+    result = doctest.testmod(nv_mod, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# On a CUDA GPU with nvCOMP (benchmarks/gpu_check.py runs these first)
+# ---------------------------------------------------------------------------------------------
+
+
+def _frames_batch(frames: TensorDict, n: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    obs = frames["observation"][:, -1].reshape(-1, 84 * 84).numpy()  # newest frame of each state
+    raw = np.ascontiguousarray(obs[: n * k]).reshape(-1)
+    sizes = np.full(n, k * 84 * 84, np.int64)
+    return raw, np.arange(n, dtype=np.int64) * k * 84 * 84, sizes
+
+
+def _to_device_aligned(data: np.ndarray, offsets: np.ndarray, sizes: np.ndarray):
+    a = (sizes + 15) // 16 * 16
+    off = np.concatenate([[0], np.cumsum(a)[:-1]]).astype(np.int64)
+    host = np.zeros(int(a.sum()), np.uint8)
+    for o, s, d in zip(offsets.tolist(), sizes.tolist(), off.tolist(), strict=True):
+        host[d:d + s] = data[o:o + s]
+    return torch.from_numpy(host).cuda(), off
+
+
+@pytest.fixture(scope="module")
+def nvcomp_codecs():
+    from tiered.codecs.nvcomp import NvcompCodec
+
+    return {f: NvcompCodec(f) for f in ("zstd", "lz4", "deflate")}
+
+
+@pytest.mark.cuda
+def test_nvcomp_probe_finds_a_bit_exact_mode(nvcomp_codecs):
+    for fmt in ("zstd", "lz4"):
+        probe = nvcomp_codecs[fmt].probe()
+        assert probe["exact"] in ("cc", "src"), probe
+    assert get_codec("nvcomp").format_id == ZstdCodec.format_id
+    assert get_codec("nvcomp:lz4").format_id == Lz4Codec.format_id
+    assert "nvcomp" in available_codecs()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("level", [1, 3, 19, -5])
+@pytest.mark.parametrize("k", [1, 4])
+def test_cpu_zstd_frames_decode_on_the_gpu(frames, nvcomp_codecs, level, k):
+    raw, offs, sizes = _frames_batch(frames, 500, k)
+    enc = ZstdCodec(level).encode(raw, offs, sizes)
+    dev, doff = _to_device_aligned(enc.data, enc.offsets, enc.sizes)
+    out = torch.zeros(int(sizes.sum()), dtype=torch.uint8, device="cuda")
+    nvcomp_codecs["zstd"].decode_device(dev, doff, enc.sizes, out, offs, sizes)
+    assert torch.equal(out.cpu(), torch.from_numpy(raw))
+    host_out = np.zeros_like(raw)
+    nvcomp_codecs["zstd"].decode(enc.data, enc.offsets, enc.sizes, host_out, offs, sizes)
+    assert np.array_equal(host_out, raw)
+
+
+@pytest.mark.cuda
+def test_gpu_zstd_frames_decode_on_the_cpu(frames, nvcomp_codecs):
+    raw, offs, sizes = _frames_batch(frames, 300, 4)
+    sizes = sizes.copy()
+    sizes[::7] = 0  # 0-byte cells become the CPU codec's empty frame
+    enc = nvcomp_codecs["zstd"].encode(raw, offs, sizes)
+    out = np.zeros_like(raw)
+    ZstdCodec().decode(enc.data, enc.offsets, enc.sizes, out, offs, sizes)
+    keep = np.repeat(sizes > 0, 4 * 84 * 84)
+    assert np.array_equal(out[keep], raw[keep])
+    frame = enc.data[enc.offsets[1]:enc.offsets[1] + enc.sizes[1]].tobytes()
+    one = zstandard.ZstdDecompressor().decompress(frame, max_output_size=int(sizes[1]))
+    assert one == raw[offs[1]:offs[1] + sizes[1]].tobytes()
+
+
+@pytest.mark.cuda
+def test_lz4_both_ways(frames, nvcomp_codecs):
+    raw, offs, sizes = _frames_batch(frames, 300, 4)
+    enc = Lz4Codec().encode(raw, offs, sizes)
+    out = np.zeros_like(raw)
+    nvcomp_codecs["lz4"].decode(enc.data, enc.offsets, enc.sizes, out, offs, sizes)
+    assert np.array_equal(out, raw)
+    enc2 = nvcomp_codecs["lz4"].encode(raw, offs, sizes)
+    out2 = np.zeros_like(raw)
+    Lz4Codec().decode(enc2.data, enc2.offsets, enc2.sizes, out2, offs, sizes)
+    assert np.array_equal(out2, raw)
+
+
+@pytest.mark.cuda
+def test_deflate_is_raw_rfc1951(frames, nvcomp_codecs):
+    raw, offs, sizes = _frames_batch(frames, 50, 1)
+    enc = nvcomp_codecs["deflate"].encode(raw, offs, sizes)
+    first = zlib.decompress(enc.data[: enc.sizes[0]].tobytes(), -15)
+    assert first == raw[: sizes[0]].tobytes()
+    out = np.zeros_like(raw)
+    nvcomp_codecs["deflate"].decode(enc.data, enc.offsets, enc.sizes, out, offs, sizes)
+    assert np.array_equal(out, raw)
+
+
+@pytest.mark.cuda
+def test_decode_device_rejects_bad_layouts(nvcomp_codecs):
+    enc = ZstdCodec().encode(np.zeros(64, np.uint8), np.array([0]), np.array([64]))
+    dev = torch.zeros(256, dtype=torch.uint8, device="cuda")
+    dev[3:3 + enc.sizes[0]] = torch.from_numpy(enc.data).cuda()
+    out = torch.zeros(64, dtype=torch.uint8, device="cuda")
+    with pytest.raises(ValueError, match="aligned"):
+        nvcomp_codecs["zstd"].decode_device(dev, np.array([3]), enc.sizes, out, np.array([0]), np.array([64]))
+    with pytest.raises(ValueError, match="outside"):
+        nvcomp_codecs["zstd"].decode_device(dev, np.array([0]), enc.sizes, out, np.array([16]),
+                                            np.array([64]))
+    with pytest.raises(TypeError):
+        nvcomp_codecs["zstd"].decode_device(dev.cpu(), np.array([0]), enc.sizes, out, np.array([0]),
+                                            np.array([64]))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("codec", ["zstd", "lz4"])
+def test_store_on_gpu_every_tier_bit_exact(frames, tmp_path, codec):
+    cpu = tiered_store(frames, tmp_path / "cpu", hot_device="cpu", codec=codec)
+    expected = snapshot(cpu)
+    store = tiered_store(frames, tmp_path / "gpu", hot_device="cuda", codec=codec, device="cuda")
+    assert store._tiers[HOT].device.type == "cuda" and store._tiers[WARM].pinned
+    assert all(v > 0 for v in tier_counts(store).values()), tier_counts(store)
+    dec = GpuDecoder("cuda").attach(store)
+    got = store.get(np.arange(len(store)))
+    assert got["observation"].is_cuda
+    assert_td_equal(got.to("cpu"), expected)
+    check_gets(store, expected, sizes=(1, 256, 4096))
+    st = dec.stats()
+    assert st["hot"] > 0 and st["warm"] > 0 and st["cold"] > 0 and st["open"] > 0
+    assert st["hot_on_device"] == st["hot"], st  # the arena's "cuda" is this decoder's "cuda:0"
+    assert st["cpu_fallbacks"] == 0, st
+
+
+@pytest.mark.cuda
+def test_gpu_checksum_error_on_a_damaged_hot_blob(frames, tmp_path):
+    store = tiered_store(frames, tmp_path / "s", hot_device="cuda", device="cuda")
+    GpuDecoder("cuda").attach(store)
+    idx = store._index
+    live = idx.live_ids()
+    victim = int(live[idx.loc[live, HOT] >= 0][0])
+    store._tiers[HOT].buffer[int(idx.loc[victim, HOT]) + 3] ^= 0x5A
+    rows = np.flatnonzero((store._tables[("observation",)].blob[: len(store)] == victim).any(1))
+    with pytest.raises(ChecksumError, match=f"blob {victim} "):
+        store.get(rows[:2])
+
+
+@pytest.mark.cuda
+def test_gpu_oom_split_and_fallback_stay_exact(frames, tmp_path):
+    store = tiered_store(frames, tmp_path / "s", hot_device="cuda", device="cuda")
+    expected = snapshot(store)
+    dec = GpuDecoder("cuda").attach(store)
+    with inject_device_oom(20_000, only=("batch", "scratch")):
+        got = store.get(np.arange(len(store)))
+    assert_td_equal(got.to("cpu"), expected)
+    assert dec.stats()["splits"] > 0 or dec.stats()["cpu_fallbacks"] > 0
+    with inject_device_oom(0):
+        got = store.get(np.arange(len(store)))
+    assert_td_equal(got.to("cpu"), expected)
+    assert dec.stats()["cpu_fallbacks"] >= 1
+
+
+@pytest.mark.cuda
+def test_gpu_decode_is_ordered_against_a_busy_consumer_stream(frames):
+    store = TieredStore(4100, frames={"observation": 0}, device="cuda", hot_bytes="256MiB")
+    store.extend(frames)
+    reference = TieredStore(4100, frames={"observation": 0})
+    reference.extend(frames)
+    GpuDecoder("cuda").attach(store)
+    rng = np.random.default_rng(5)
+    consumer = torch.cuda.Stream()
+    with torch.cuda.stream(consumer):
+        for _ in range(5):
+            a = torch.randn(4096, 4096, device="cuda")
+            for _ in range(3):
+                a = a @ a  # long kernels queued before the sample on the consumer stream
+            ix = rng.integers(0, len(store), 1024)
+            got = store.get(ix)
+            obs = got["observation"].float().sum()  # consumed on the consumer stream
+            assert torch.equal(got["observation"].cpu(), reference.get(ix)["observation"])
+            assert obs.item() == reference.get(ix)["observation"].float().sum().item()

@@ -1,0 +1,900 @@
+"""nvCOMP GPU codecs: batched decode (and encode) of the same bitstreams the CPU codecs write.
+
+``NvcompCodec("zstd")`` decodes the very bytes :class:`~tiered.codecs.zstd.ZstdCodec` writes (one
+standard zstd frame per blob, ``BitstreamKind.RAW``), ``NvcompCodec("lz4")`` the raw LZ4 blocks of
+:class:`~tiered.codecs.lz4.Lz4Codec`, so a store written on a CPU-only machine samples on a GPU and
+back. Both carry the format id of their CPU twin (1 and 2). ``"deflate"`` (raw RFC 1951, format id
+3) is GPU-only here: no CPU codec of tiered reads it yet, so never persist it.
+
+Two faces:
+
+* the :class:`~tiered.codecs.base.Codec` contract on host (numpy) buffers: one H2D copy, one
+  batched nvCOMP call, one D2H copy. Handy for interop checks; not the sample path.
+* the GPU-native methods :meth:`NvcompCodec.decode_device` / :meth:`NvcompCodec.encode_device`
+  on uint8 CUDA tensors laid out as ``(buffer, offsets, sizes)``, exactly like a tier arena.
+  ``decode_device`` builds two zero-copy ``nvcomp.as_arrays`` views (source blobs and output
+  slots) and makes one ``Codec.decode`` call with a cached, sync-free
+  ``decompression_config(compression_config(sizes))``: no Python object per blob, no host sync.
+
+nvCOMP facts this module relies on (``shared/notes/nvcomp.md``): the 6.0 batch type is
+``BatchArray`` (a Python list is not accepted); a config built from sizes never synchronizes,
+one built from the compressed buffers does; ``Codec`` objects and configs are thread-local and
+bound to one CUDA stream; stream ``0`` is ambiguous (nvCOMP reads it as "not given"), so a
+non-default stream is always passed; decoders have undefined behaviour on corrupt input, so
+callers verify checksums first (the store always does, on the GPU).
+
+Whether a sizes-built config also decodes CPU-written frames is not documented; the first
+decode on a device runs :meth:`NvcompCodec.probe` once (CPU-made frames, bit-exact compare) and
+picks the mode that works: ``"cc"`` (config from sizes, sync-free), else ``"src"`` (config from
+the buffers, one sync per call). The probe also tells whether a config built from a uniform
+*capacity* (larger than the real sizes) works, which lets callers reuse one config per batch
+size bucket.
+
+``nvidia.nvcomp`` is imported lazily; when it is missing, constructing a codec raises
+:class:`~tiered.errors.CodecUnavailableError` with the install command.
+
+Example:
+    >>> from tiered.codecs import get_codec
+    >>> try:
+    ...     codec = get_codec("nvcomp:zstd")   # needs nvidia-nvcomp and a CUDA GPU
+    ... except ImportError as e:                # CodecUnavailableError names the install command
+    ...     codec = None
+    >>> codec is None or (codec.name, codec.format_id) == ("nvcomp:zstd", 1)
+    True
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..errors import CodecUnavailableError, CorruptionError, UnknownCodecError
+from .base import Codec, EncodedBatch
+from .checksum import segment_checksums
+from .raw import as_batch, check_out, copy_segments, exclusive_cumsum
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "NvcompCodec",
+    "DeviceBatch",
+    "codec_factory",
+    "import_nvcomp",
+    "filler_frame",
+    "empty_frame",
+    "copy_segments_device",
+    "use_torch_allocator",
+    "INSTALL_HINT",
+    "ALIGN",
+]
+
+#: Install command named by every "nvCOMP missing" error.
+INSTALL_HINT = (
+    "pip install 'tiered[gpu-cu12]' (CUDA 12) or pip install 'tiered[gpu-cu13]' (CUDA 13), "
+    "which install nvidia-nvcomp-cu12/-cu13 >= 6.0"
+)
+#: Offsets of every buffer this module lays out (the largest alignment any nvCOMP format needs: ANS).
+ALIGN = 16
+_MIN_VERSION = (6, 0)
+# Configs kept per nvCOMP Codec object (per thread and stream). A batch-size bucket scheme needs
+# about 8 per octave of batch sizes; exact-size keys churn, so the cache is an LRU.
+_CONFIG_CACHE = 256
+
+
+@dataclass(frozen=True)
+class _Format:
+    algorithm: str  # nvCOMP's algorithm name
+    format_id: int  # shared with the CPU codec of the same bitstream
+    decode_align: int  # [verified: headers] required alignment of decode buffers
+    options: tuple[tuple[str, Any], ...] = ()
+
+
+_FORMATS: dict[str, _Format] = {
+    "zstd": _Format("Zstd", 1, 8),
+    "lz4": _Format("LZ4", 2, 4, (("data_type", "|u1"),)),
+    # Format id 3 is not in tiered.codecs' registry: deflate blobs are GPU-only (see module doc).
+    "deflate": _Format("Deflate", 3, 4),
+}
+
+
+def _align(x: np.ndarray | int) -> Any:
+    return (np.asarray(x, dtype=np.int64) + (ALIGN - 1)) // ALIGN * ALIGN
+
+
+# ---------------------------------------------------------------------------------------------
+# Import, version guard, allocator
+# ---------------------------------------------------------------------------------------------
+
+
+def import_nvcomp() -> ModuleType:
+    """Import ``nvidia.nvcomp`` (>= 6.0 with the ``BatchArray`` API) or explain how to install it.
+
+    Raises:
+        CodecUnavailableError: the package is missing, or too old (no ``as_arrays``, no
+            ``compression_config``); the message names the install command.
+
+    Example:
+        >>> try:
+        ...     nv = import_nvcomp()
+        ... except ImportError as e:
+        ...     assert "tiered[gpu-cu12]" in str(e)
+    """
+    try:
+        nv = importlib.import_module("nvidia.nvcomp")
+    except ImportError as e:
+        raise CodecUnavailableError(
+            f"nvCOMP GPU codecs need the nvidia-nvcomp package, which cannot be imported here ({e}); "
+            f"install it with: {INSTALL_HINT}. The CPU codecs ('zstd', 'lz4') read and write the same bytes."
+        ) from e
+    version = str(getattr(nv, "__version__", "0"))
+    try:
+        parsed = tuple(int(p) for p in version.split(".")[:2])
+    except ValueError:
+        parsed = (0, 0)
+    codec_cls = getattr(nv, "Codec", None)
+    if (
+        parsed < _MIN_VERSION
+        or not hasattr(nv, "as_arrays")
+        or codec_cls is None
+        or not hasattr(codec_cls, "compression_config")
+    ):
+        raise CodecUnavailableError(
+            f"nvidia-nvcomp {version} is too old: tiered needs >= 6.0 (BatchArray API: as_arrays, "
+            f"compression_config, decompression_config); upgrade with: {INSTALL_HINT}"
+        )
+    return nv
+
+
+def _require_cuda() -> Any:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise CodecUnavailableError(
+            "nvCOMP codecs need a CUDA GPU, and torch.cuda.is_available() is False on this machine; "
+            "use the CPU codec of the same format ('zstd' or 'lz4'), which reads the same bytes"
+        )
+    return torch
+
+
+_allocator_lock = threading.Lock()
+_allocator_installed: list[Callable | None] = [None]
+
+
+class _TorchBlock:
+    """A device block owned by torch's caching allocator, exposing ``ptr`` as nvCOMP expects."""
+
+    __slots__ = ("tensor", "ptr")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        self.ptr = tensor.data_ptr()
+
+
+def use_torch_allocator(allocate: Callable[[int, Any], torch.Tensor] | None = None) -> None:
+    """Route nvCOMP's device allocations (decode scratch) through PyTorch's caching allocator.
+
+    nvCOMP's Zstd scratch grows with the batch (NVIDIA/nvcomp#77); inside torch's pool it is
+    reused, counted by ``torch.cuda.memory_allocated`` and freed stream-ordered. The setting is
+    process-wide; the first call wins unless ``allocate`` differs.
+
+    Args:
+        allocate: ``allocate(nbytes, torch_stream) -> uint8 CUDA tensor``; default
+            ``torch.empty`` on that stream. The GPU decoder passes its own to add its
+            allocation-failure seam (tests).
+    """
+    import torch
+
+    nv = import_nvcomp()
+    from nvidia.nvcomp.external_memory import ExternalMemory  # type: ignore[import-not-found]
+
+    streams: dict[tuple[int, int], torch.cuda.Stream] = {}
+
+    def _default(nbytes: int, stream: Any) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=stream.device)
+
+    alloc = allocate or _default
+
+    def nvcomp_alloc(nbytes: int, stream: Any) -> Any:
+        dev = stream.device if stream.device >= 0 else torch.cuda.current_device()
+        if stream.ptr and not stream.is_special:
+            key = (dev, stream.ptr)
+            ts = streams.get(key)
+            if ts is None:
+                ts = streams.setdefault(key, torch.cuda.ExternalStream(stream.ptr, device=dev))
+        else:
+            ts = torch.cuda.current_stream(dev)
+        # Allocated while `ts` is current: the block is stream-ordered on the stream nvCOMP uses.
+        with torch.cuda.stream(ts):
+            t = alloc(max(int(nbytes), 1), ts)
+        # ExternalMemory keeps the nvCOMP stream alive until the block is released.
+        return ExternalMemory(_TorchBlock(t), stream)
+
+    with _allocator_lock:
+        if _allocator_installed[0] is allocate and allocate is not None:
+            return
+        nv.set_device_allocator(nvcomp_alloc)
+        _allocator_installed[0] = allocate
+
+
+# ---------------------------------------------------------------------------------------------
+# Small frames every format needs
+# ---------------------------------------------------------------------------------------------
+
+_frames_cache: dict[tuple[str, str], bytes] = {}
+
+
+def _cpu_compress(fmt: str, raw: bytes) -> bytes:
+    """The CPU encoder of each format, with the parameters tiered persists."""
+    if fmt == "zstd":
+        import zstandard
+
+        cctx = zstandard.ZstdCompressor(level=3, write_content_size=True, write_checksum=False,
+                                        write_dict_id=False)
+        return cctx.compress(raw)
+    if fmt == "lz4":
+        if raw == b"":
+            return b"\x00"
+        try:
+            import lz4.block
+        except ImportError:
+            if raw == b"\x00":
+                return b"\x10\x00"  # token: 1 literal, no match; the literal 0x00
+            raise
+        return lz4.block.compress(raw, store_size=False)
+    if fmt == "deflate":
+        import zlib
+
+        c = zlib.compressobj(6, zlib.DEFLATED, -15)
+        return c.compress(raw) + c.flush()
+    raise UnknownCodecError(f"unknown nvCOMP format {fmt!r}; known: {sorted(_FORMATS)}")
+
+
+def empty_frame(fmt: str) -> bytes:
+    """The blob a 0-byte cell is stored as, identical to the CPU codec's (zstd: a 9-byte frame).
+
+    Example:
+        >>> empty_frame("lz4"), len(empty_frame("zstd"))
+        (b'\\x00', 9)
+    """
+    key = ("empty", fmt)
+    if key not in _frames_cache:
+        _frames_cache[key] = _cpu_compress(fmt, b"")
+    return _frames_cache[key]
+
+
+def filler_frame(fmt: str) -> bytes:
+    """A tiny valid frame that decodes to one zero byte (pads a batch to a cached config size).
+
+    Example:
+        >>> filler_frame("lz4")
+        b'\\x10\\x00'
+    """
+    key = ("filler", fmt)
+    if key not in _frames_cache:
+        _frames_cache[key] = _cpu_compress(fmt, b"\x00")
+    return _frames_cache[key]
+
+
+# ---------------------------------------------------------------------------------------------
+# Device helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def copy_segments_device(
+    src: torch.Tensor, src_offsets: np.ndarray, dst: torch.Tensor, dst_offsets: np.ndarray, sizes: np.ndarray
+) -> None:
+    """Copy byte ranges between two uint8 tensors of one device with a few vectorized kernels.
+
+    Blob ``i`` goes from ``src[src_offsets[i]:+sizes[i]]`` to ``dst[dst_offsets[i]:]``; the
+    kernel count does not depend on the number of blobs. Runs on the current stream.
+
+    Example:
+        >>> import torch
+        >>> s = torch.arange(10, dtype=torch.uint8); d = torch.zeros(5, dtype=torch.uint8)
+        >>> copy_segments_device(s, np.array([7, 0]), d, np.array([0, 3]), np.array([3, 2]))
+        >>> d.tolist()
+        [7, 8, 9, 0, 1]
+    """
+    import torch
+
+    sizes = np.asarray(sizes, dtype=np.int64)
+    total = int(sizes.sum())
+    if total == 0:
+        return
+    dev = src.device
+    excl = exclusive_cumsum(sizes)
+    n_t = torch.from_numpy(sizes).to(dev)
+    ar = torch.arange(total, dtype=torch.int64, device=dev)
+    rs = torch.repeat_interleave(torch.from_numpy(np.asarray(src_offsets, np.int64) - excl).to(dev), n_t,
+                                 output_size=total)
+    rd = torch.repeat_interleave(torch.from_numpy(np.asarray(dst_offsets, np.int64) - excl).to(dev), n_t,
+                                 output_size=total)
+    dst.index_copy_(0, ar + rd, src.index_select(0, ar + rs))
+
+
+@dataclass
+class DeviceBatch:
+    """Compressed blobs in one uint8 CUDA tensor, at 16-aligned offsets (ready for decode_device).
+
+    Attributes:
+        data: uint8 CUDA tensor holding every blob.
+        offsets: int64 numpy array, start of each blob in ``data`` (multiples of 16).
+        sizes: int64 numpy array, compressed size of each blob.
+    """
+
+    data: torch.Tensor
+    offsets: np.ndarray
+    sizes: np.ndarray
+
+    def __len__(self) -> int:
+        return int(self.sizes.shape[0])
+
+    def to_host(self) -> EncodedBatch:
+        """Pack the blobs back to back on the host, with their checksums (the Codec contract)."""
+        host = self.data.cpu().numpy()
+        offsets = exclusive_cumsum(self.sizes)
+        packed = np.empty(int(self.sizes.sum()), dtype=np.uint8)
+        copy_segments(host, self.offsets, self.sizes, packed, offsets)
+        checksums = segment_checksums(packed, offsets, self.sizes)
+        return EncodedBatch(packed, offsets, self.sizes.copy(), checksums)
+
+
+class _Entry:
+    """One nvCOMP ``Codec`` bound to one thread and one CUDA stream, with its config cache."""
+
+    __slots__ = ("codec", "configs", "stream_ptr")
+
+    def __init__(self, codec: Any, stream_ptr: int) -> None:
+        self.codec = codec
+        self.configs: OrderedDict[Any, Any] = OrderedDict()
+        self.stream_ptr = stream_ptr
+
+
+# ---------------------------------------------------------------------------------------------
+# The codec
+# ---------------------------------------------------------------------------------------------
+
+
+class NvcompCodec(Codec):
+    """Batched GPU (de)compression of zstd frames, raw LZ4 blocks or raw deflate with nvCOMP 6.
+
+    Args:
+        format: ``"zstd"`` (default; reads :class:`~tiered.codecs.zstd.ZstdCodec` blobs),
+            ``"lz4"`` (reads :class:`~tiered.codecs.lz4.Lz4Codec` blobs) or ``"deflate"``
+            (GPU-only).
+        device: CUDA device (default: the current one).
+        execution_policy: ``"concurrency"`` (nvCOMP's default) or ``"latency"``.
+
+    Raises:
+        CodecUnavailableError: ``nvidia.nvcomp`` is missing or too old (the message names
+            ``pip install 'tiered[gpu-cu12]'`` / ``'tiered[gpu-cu13]'``), or there is no CUDA GPU.
+        UnknownCodecError: an unknown format.
+
+    Thread safety: nvCOMP ``Codec`` objects are thread-local, so this object keeps one per
+    thread and CUDA stream; share the ``NvcompCodec`` freely.
+
+    Example:
+        >>> import numpy as np, torch
+        >>> from tiered.codecs import ZstdCodec
+        >>> codec = NvcompCodec("zstd")                                   # doctest: +SKIP
+        >>> enc = ZstdCodec().encode(np.zeros(7056, np.uint8), np.array([0]), np.array([7056]))
+        >>> out = np.empty(7056, np.uint8)
+        >>> codec.decode(enc.data, enc.offsets, enc.sizes, out, [0], [7056])  # doctest: +SKIP
+        >>> bool((out == 0).all())                                        # doctest: +SKIP
+        True
+    """
+
+    # Probe results shared by every instance: {(format, device index): {...}}.
+    _probes: dict[tuple[str, int], dict[str, Any]] = {}
+    _probe_lock = threading.Lock()
+
+    def __init__(self, format: str = "zstd", device: str | int | torch.device | None = None, *,
+                 execution_policy: str = "concurrency") -> None:
+        fmt = str(format).strip().lower()
+        if fmt not in _FORMATS:
+            raise UnknownCodecError(f"unknown nvCOMP format {format!r}; known: {', '.join(_FORMATS)}")
+        if execution_policy not in ("concurrency", "latency"):
+            raise ValueError(f"execution_policy must be 'concurrency' or 'latency', got {execution_policy!r}")
+        self._nv = import_nvcomp()
+        torch = _require_cuda()
+        self._spec = _FORMATS[fmt]
+        self.format = fmt
+        self.format_id = self._spec.format_id
+        self.name = f"nvcomp:{fmt}"
+        dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+        if dev.type != "cuda":
+            raise ValueError(f"NvcompCodec runs on a CUDA device, got {dev}")
+        self.device = dev if dev.index is not None else torch.device("cuda", torch.cuda.current_device())
+        self.execution_policy = execution_policy
+        self._local = threading.local()
+        #: Which path the last encode_device took ("out" or "loop"); for gpu_check.
+        self.last_encode_path = ""
+        self._probe_result: dict[str, Any] | None = None
+
+    def __reduce__(self) -> tuple:
+        return (type(self), (self.format, str(self.device)), {"execution_policy": self.execution_policy})
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(self.format, self.device, **state)  # type: ignore[misc]
+
+    def __repr__(self) -> str:
+        return f"NvcompCodec({self.format!r}, device={str(self.device)!r})"
+
+    # -- per-thread nvCOMP objects ------------------------------------------------------------
+
+    @property
+    def required_alignment(self) -> int:
+        """Alignment (bytes) every blob and output offset passed to decode_device must have."""
+        return self._spec.decode_align
+
+    def _side_stream(self) -> torch.cuda.Stream:
+        import torch
+
+        s = getattr(self._local, "side", None)
+        if s is None:
+            s = self._local.side = torch.cuda.Stream(self.device)
+        return s
+
+    def _entry(self, stream: torch.cuda.Stream) -> _Entry:
+        entries = self._local.__dict__.setdefault("entries", {})
+        ptr = int(stream.cuda_stream)
+        e = entries.get(ptr)
+        if e is None:
+            nv = self._nv
+            policy = nv.ExecutionPolicy.LATENCY if self.execution_policy == "latency" else \
+                nv.ExecutionPolicy.CONCURRENCY
+            codec = nv.Codec(
+                algorithm=self._spec.algorithm,
+                device_id=int(self.device.index),
+                cuda_stream=ptr,
+                bitstream_kind=nv.BitstreamKind.RAW,
+                execution_policy=policy,
+                **dict(self._spec.options),
+            )
+            e = entries[ptr] = _Entry(codec, ptr)
+        return e
+
+    @contextmanager
+    def _on(self, stream: torch.cuda.Stream | None, *tensors: torch.Tensor) -> Iterator[_Entry]:
+        """Run nvCOMP work on ``stream``; with None (or the legacy default stream, ptr 0, which nvCOMP
+        reads as "no stream") on this thread's side stream, ordered after and before the current one."""
+        import torch
+
+        if stream is not None and int(stream.cuda_stream) != 0:
+            with torch.cuda.stream(stream):
+                yield self._entry(stream)
+            return
+        cur = torch.cuda.current_stream(self.device)
+        side = self._side_stream()
+        side.wait_stream(cur)
+        try:
+            with torch.cuda.stream(side):
+                yield self._entry(side)
+        finally:
+            cur.wait_stream(side)
+            for t in tensors:
+                t.record_stream(side)  # the caller may free them right away; side may still use them
+
+    def _config(self, entry: _Entry, key: Any, sizes: list[int]) -> Any:
+        cfg = entry.configs.get(key)
+        if cfg is None:
+            codec = entry.codec
+            cfg = codec.decompression_config(codec.compression_config(sizes))
+            entry.configs[key] = cfg
+            if len(entry.configs) > _CONFIG_CACHE:
+                entry.configs.popitem(last=False)
+            self._count("config_misses")
+        else:
+            entry.configs.move_to_end(key)
+            self._count("config_hits")
+        return cfg
+
+    def _count(self, name: str) -> None:
+        counters = self._local.__dict__.setdefault("counters", {})
+        counters[name] = counters.get(name, 0) + 1
+
+    def counters(self) -> dict[str, int]:
+        """This thread's config-cache hits/misses and probe/decode counts."""
+        return dict(self._local.__dict__.get("counters", {}))
+
+    # -- probe --------------------------------------------------------------------------------
+
+    def probe(self) -> dict[str, Any]:
+        """Find, once per device and format, which decode configs give bit-exact output.
+
+        Decodes CPU-written frames (the store's bytes) of several sizes and compares bytes:
+
+        * ``exact``: ``"cc"`` when a config built from the exact sizes works (sync-free),
+          else ``"src"`` (config parsed from the buffers: one stream sync per call), else None.
+        * ``capacity``: True when a config built from a uniform size *larger* than the real
+          ones also works (then one config serves a whole batch-size bucket).
+
+        Returns:
+            ``{"exact": ..., "capacity": bool, "errors": [str, ...]}``.
+        """
+        key = (self.format, int(self.device.index))
+        with self._probe_lock:
+            if key not in self._probes:
+                self._probes[key] = self._run_probe()
+            self._probe_result = self._probes[key]
+            return self._probe_result
+
+    def _run_probe(self) -> dict[str, Any]:
+        import torch
+
+        rng = np.random.default_rng(7)
+        sizes = np.array([7056, 28224, 1000, 4099, 100800, 1], dtype=np.int64)
+        cells = []
+        for s in sizes.tolist():
+            # Flat runs with sparse noise: compresses like a game frame, exercises real sequences.
+            base = np.repeat(rng.integers(0, 8, s // 64 + 1, dtype=np.uint8) * 30, 64)[:s]
+            noise = rng.random(s) < 0.02
+            base[noise] = rng.integers(0, 256, int(noise.sum()), dtype=np.uint8)
+            cells.append(base.tobytes())
+        frames = [_cpu_compress(self.format, c) for c in cells]
+        csz = np.array([len(f) for f in frames], dtype=np.int64)
+        coff = exclusive_cumsum(_align(csz))
+        host = np.zeros(int(_align(csz).sum()), dtype=np.uint8)
+        for f, o in zip(frames, coff.tolist(), strict=True):  # probe only: six frames
+            host[o:o + len(f)] = np.frombuffer(f, np.uint8)
+        want = np.frombuffer(b"".join(cells), np.uint8)
+        errors: list[str] = []
+        result: dict[str, Any] = {"exact": None, "capacity": False, "errors": errors}
+        side = self._side_stream()
+        with torch.cuda.stream(side):
+            src = torch.from_numpy(host).to(self.device)
+            want_t = torch.from_numpy(want).to(self.device)
+            ooff = exclusive_cumsum(_align(sizes))
+            out = torch.zeros(int(_align(sizes).sum()), dtype=torch.uint8, device=self.device)
+            for mode in ("cc", "src"):
+                try:
+                    out.zero_()
+                    self._decode(self._entry(side), src, coff, csz, out, ooff, sizes, mode=mode, cap=None)
+                    side.synchronize()
+                    got = torch.cat([out[o:o + s] for o, s in zip(ooff.tolist(), sizes.tolist(),
+                                                                   strict=True)])
+                    if bool(torch.equal(got, want_t)):
+                        result["exact"] = mode
+                        break
+                    errors.append(f"exact/{mode}: decoded bytes differ")
+                except Exception as e:  # a probe records why a mode fails, then tries the next
+                    errors.append(f"exact/{mode}: {type(e).__name__}: {e}")
+            try:
+                cap = int(_align(sizes.max() + 1))
+                out2 = torch.zeros(cap * sizes.size, dtype=torch.uint8, device=self.device)
+                o2 = np.arange(sizes.size, dtype=np.int64) * cap
+                self._decode(self._entry(side), src, coff, csz, out2, o2, sizes, mode="cc", cap=cap)
+                side.synchronize()
+                got = torch.cat([out2[o:o + s] for o, s in zip(o2.tolist(), sizes.tolist(), strict=True)])
+                result["capacity"] = bool(torch.equal(got, want_t))
+                if not result["capacity"]:
+                    errors.append("capacity: decoded bytes differ")
+            except Exception as e:
+                errors.append(f"capacity: {type(e).__name__}: {e}")
+        self._count("probes")
+        return result
+
+    # -- GPU-native API -------------------------------------------------------------------------
+
+    def _check_device_batch(self, data: torch.Tensor, offsets: np.ndarray, sizes: np.ndarray, what: str,
+                            span: np.ndarray | None = None) -> None:
+        import torch
+
+        if not isinstance(data, torch.Tensor) or data.dtype != torch.uint8 or data.dim() != 1 \
+                or not data.is_contiguous():
+            raise TypeError(f"{what} must be a contiguous 1-D uint8 CUDA tensor, got "
+                            f"{type(data).__name__} {getattr(data, 'dtype', '')} "
+                            f"{tuple(getattr(data, 'shape', ()))}")
+        if data.device != self.device:
+            raise ValueError(f"{what} is on {data.device}, this codec runs on {self.device}")
+        span = sizes if span is None else span
+        if offsets.size and (int(offsets.min()) < 0 or int((offsets + span).max()) > data.numel()):
+            raise ValueError(f"{what}: blob ranges fall outside its {data.numel()} bytes")
+        misaligned = (data.data_ptr() + offsets) % self._spec.decode_align
+        if offsets.size and misaligned.any():
+            i = int(np.flatnonzero(misaligned)[0])
+            raise ValueError(
+                f"{what}: entry {i} starts at offset {int(offsets[i])}, which is not aligned to the "
+                f"{self._spec.decode_align} bytes nvCOMP's {self._spec.algorithm} needs; lay blobs out at "
+                f"multiples of {ALIGN} (tier arenas already do)")
+
+    def decode_device(
+        self,
+        data: torch.Tensor,
+        offsets: np.ndarray,
+        sizes: np.ndarray,
+        out: torch.Tensor,
+        out_offsets: np.ndarray,
+        out_sizes: np.ndarray,
+        *,
+        stream: torch.cuda.Stream | None = None,
+        out_capacity: int | None = None,
+        check: bool = True,
+    ) -> None:
+        """Decode blobs of a CUDA buffer into a preallocated CUDA output, in one nvCOMP call.
+
+        Blob ``i`` is ``data[offsets[i]:+sizes[i]]`` and decodes to ``out_sizes[i]`` bytes at
+        ``out[out_offsets[i]:]``. No host synchronization in the ``"cc"`` mode (see
+        :meth:`probe`), no allocation but nvCOMP's scratch, no Python object per blob.
+
+        Args:
+            data, offsets, sizes: the compressed batch (offsets aligned to
+                :attr:`required_alignment`; 16 is always safe).
+            out, out_offsets, out_sizes: where each blob decodes, and its exact size. 0-byte
+                entries are skipped.
+            stream: run on this CUDA stream; the caller orders it (inputs ready before, outputs
+                read after). None: this thread's side stream, ordered after the current stream's
+                pending work and before its later work.
+            out_capacity: every output slot has at least this many bytes (>= each out size):
+                then the config is built from ``[out_capacity] * n`` and cached per ``n``, which
+                needs ``probe()["capacity"]``; the exact sizes are used otherwise.
+            check: validate devices, bounds and alignment (a few host operations). Callers
+                that laid the buffers out themselves (the GPU decoder) pass False.
+
+        Raises:
+            TypeError, ValueError: buffers not uint8 CUDA tensors of this device, ranges out of
+                bounds or misaligned.
+            CodecUnavailableError: no decode mode of this nvCOMP passed the probe.
+
+        nvCOMP's decoders have undefined behaviour on corrupt input: verify checksums first.
+        """
+        offsets, sizes = np.asarray(offsets, np.int64), np.asarray(sizes, np.int64)
+        out_offsets, out_sizes = np.asarray(out_offsets, np.int64), np.asarray(out_sizes, np.int64)
+        if check:
+            if not (offsets.shape == sizes.shape == out_offsets.shape == out_sizes.shape):
+                raise ValueError("offsets, sizes, out_offsets and out_sizes must have one entry per blob")
+            span = out_sizes if out_capacity is None else np.full_like(out_sizes, int(out_capacity))
+            if out_capacity is not None and out_sizes.size and int(out_sizes.max()) > out_capacity:
+                raise ValueError(f"out_capacity {out_capacity} < out size {int(out_sizes.max())}")
+            self._check_device_batch(data, offsets, sizes, "data")
+            self._check_device_batch(out, out_offsets, out_sizes, "out", span=span)
+            keep = out_sizes > 0
+            if not keep.all():
+                offsets, sizes = offsets[keep], sizes[keep]
+                out_offsets, out_sizes = out_offsets[keep], out_sizes[keep]
+        if out_sizes.size == 0:
+            return
+        probe = self._probe_result or self.probe()
+        if probe["exact"] is None:
+            raise CodecUnavailableError(
+                f"nvCOMP {getattr(self._nv, '__version__', '?')} failed to decode CPU-written {self.format} "
+                f"frames bit-exactly in every mode ({'; '.join(probe['errors'])}); use the CPU codec")
+        cap = out_capacity if (out_capacity is not None and probe["capacity"]) else None
+        mode = "cc" if cap is not None else probe["exact"]
+        with self._on(stream, data, out) as entry:
+            self._decode(entry, data, offsets, sizes, out, out_offsets, out_sizes, mode=mode, cap=cap)
+
+    def _decode(self, entry: _Entry, data: torch.Tensor, offsets: np.ndarray, sizes: np.ndarray,
+                out: torch.Tensor, out_offsets: np.ndarray, out_sizes: np.ndarray, *, mode: str,
+                cap: int | None, want_sizes: bool = False) -> list[int] | None:
+        nv = self._nv
+        n = int(sizes.size)
+        ptr = entry.stream_ptr
+        src = nv.as_arrays(data, offsets.tolist(), sizes.tolist(), cuda_stream=ptr)
+        if cap is None:
+            dst_sizes = out_sizes.tolist()
+        else:
+            dst_sizes = [int(cap)] * n
+        dst = nv.as_arrays(out, out_offsets.tolist(), dst_sizes, cuda_stream=ptr)
+        codec = entry.codec
+        if mode == "cc":
+            key = ("cap", n, int(cap)) if cap is not None else ("exact", out_sizes.tobytes())
+            cfg = self._config(entry, key, dst_sizes)
+            res = codec.decode(src, out=dst, decompression_config=cfg)
+        elif mode == "src":
+            res = codec.decode(src, out=dst, decompression_config=codec.decompression_config(src))
+        else:
+            res = codec.decode(src, out=dst)
+        self._count("decodes")
+        if want_sizes:
+            return list(res.buffer_sizes)  # waits for the decode
+        return None
+
+    def encode_device(self, data: torch.Tensor, offsets: np.ndarray, sizes: np.ndarray, *,
+                      stream: torch.cuda.Stream | None = None) -> DeviceBatch:
+        """Compress cells of a CUDA buffer; returns the blobs at 16-aligned offsets of a new tensor.
+
+        GPU-encoded zstd frames are valid standard frames (``zstandard`` reads them) but not the
+        same bytes ``zstandard`` writes. Waits for the encode (the compressed sizes are needed
+        on the host). Not a sample path: fine to call per batch of writes.
+
+        Args:
+            data, offsets, sizes: the raw cells (offsets aligned to :attr:`required_alignment`).
+            stream: as in :meth:`decode_device`.
+
+        Returns:
+            A :class:`DeviceBatch`; 0-byte cells get the CPU codec's empty frame.
+        """
+        import torch
+
+        offsets, sizes = np.asarray(offsets, np.int64), np.asarray(sizes, np.int64)
+        if offsets.shape != sizes.shape:
+            raise ValueError("offsets and sizes must have one entry per cell")
+        self._check_device_batch(data, offsets, sizes, "data")
+        n = int(sizes.size)
+        nz = np.flatnonzero(sizes > 0)
+        csz = np.zeros(n, dtype=np.int64)
+        empty = empty_frame(self.format)
+        csz[sizes == 0] = len(empty)
+        with self._on(stream, data) as entry:
+            tmp = None
+            tmp_off = np.zeros(0, np.int64)
+            if nz.size:
+                tmp, tmp_off, got = self._encode_nonzero(entry, data, offsets[nz], sizes[nz])
+                csz[nz] = got
+            out_off = exclusive_cumsum(_align(csz))
+            out = torch.zeros(int(_align(csz).sum()), dtype=torch.uint8, device=self.device)
+            if nz.size:
+                copy_segments_device(tmp, tmp_off, out, out_off[nz], csz[nz])
+            zero = np.flatnonzero(sizes == 0)
+            if zero.size:
+                e = torch.frombuffer(bytearray(empty), dtype=torch.uint8).to(self.device)
+                copy_segments_device(e, np.zeros(zero.size, np.int64), out, out_off[zero],
+                                     np.full(zero.size, len(empty), np.int64))
+        if stream is None or int(stream.cuda_stream) == 0:
+            # allocated on this thread's side stream, read by the caller on its current stream
+            out.record_stream(torch.cuda.current_stream(self.device))
+        return DeviceBatch(out, out_off, csz)
+
+    def _encode_nonzero(self, entry: _Entry, data: torch.Tensor, offsets: np.ndarray,
+                        sizes: np.ndarray) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
+        import torch
+
+        nv = self._nv
+        codec = entry.codec
+        ptr = entry.stream_ptr
+        bounds_by_size = self._local.__dict__.setdefault("bounds", {})
+        uniq, first = np.unique(sizes, return_index=True)
+        for s, i in zip(uniq.tolist(), first.tolist(), strict=True):  # one query per distinct size
+            if s not in bounds_by_size:
+                o = int(offsets[i])
+                bounds_by_size[s] = int(codec.get_max_comp_buffer_size(nv.as_array(data[o:o + s],
+                                                                                     cuda_stream=ptr)))
+        bounds = np.array([bounds_by_size[s] for s in uniq.tolist()], np.int64)[np.searchsorted(uniq, sizes)]
+        src = nv.as_arrays(data, offsets.tolist(), sizes.tolist(), cuda_stream=ptr)
+        cfg = codec.compression_config(sizes.tolist())
+        slot_off = exclusive_cumsum(_align(bounds))
+        tmp = torch.empty(int(_align(bounds).sum()), dtype=torch.uint8, device=self.device)
+        try:
+            dst = nv.as_arrays(tmp, slot_off.tolist(), bounds.tolist(), cuda_stream=ptr)
+            res = codec.encode(src, out=dst, compression_config=cfg)
+            got = np.asarray(res.buffer_sizes, dtype=np.int64)
+            # An API that reported capacities instead of compressed sizes would return the bounds.
+            plausible = got.shape == sizes.shape and (got > 0).all() and (got <= bounds).all()
+            if plausible and (got < bounds).any():
+                self.last_encode_path = "out"
+                return tmp, slot_off, got
+        except (TypeError, ValueError, RuntimeError):
+            pass
+        # Fallback: nvCOMP allocates each output; one copy per blob (encode is not a sample path).
+        res = codec.encode(src, compression_config=cfg)
+        got = np.asarray(res.buffer_sizes, dtype=np.int64)
+        slot_off = exclusive_cumsum(_align(got))
+        tmp = torch.empty(int(_align(got).sum()), dtype=torch.uint8, device=self.device)
+        for k in range(len(res)):  # BatchArray: len() and indexing (indexing waits for the encode)
+            part = torch.from_dlpack(res[k]).reshape(-1).view(torch.uint8)
+            tmp[int(slot_off[k]):int(slot_off[k]) + int(got[k])].copy_(part[: int(got[k])])
+        torch.cuda.current_stream(self.device).synchronize()  # `res` owns the sources of those copies
+        self.last_encode_path = "loop"
+        return tmp, slot_off, got
+
+    # -- Codec contract on host buffers ---------------------------------------------------------
+
+    def encode(self, data: np.ndarray, offsets: np.ndarray, sizes: np.ndarray) -> EncodedBatch:
+        """Compress host cells on the GPU (one H2D, one nvCOMP call, one D2H); see the Codec contract."""
+        import torch
+
+        data, offsets, sizes = as_batch(data, offsets, sizes)
+        if sizes.size == 0:
+            e = np.zeros(0, dtype=np.int64)
+            return EncodedBatch(np.zeros(0, dtype=np.uint8), e, e.copy(), e.copy())
+        a_off = exclusive_cumsum(_align(sizes))
+        host = np.zeros(max(int(_align(sizes).sum()), ALIGN), dtype=np.uint8)
+        copy_segments(data, offsets, sizes, host, a_off)
+        dev = torch.from_numpy(host).to(self.device)
+        batch = self.encode_device(dev, a_off, sizes)
+        return batch.to_host()
+
+    def decode(self, data: np.ndarray, offsets: np.ndarray, sizes: np.ndarray, out: np.ndarray,
+               out_offsets: np.ndarray, out_sizes: np.ndarray) -> None:
+        """Decompress host blobs on the GPU into ``out`` (one H2D, one nvCOMP call, one D2H).
+
+        Raises:
+            CorruptionError: a 0-byte entry is not the empty frame, a zstd frame declares
+                another size than expected, nvCOMP reports an error, or a blob decodes to
+                another size; the message names the blob.
+        """
+        import torch
+
+        data, offsets, sizes = as_batch(data, offsets, sizes)
+        out, out_offsets, out_sizes = check_out(out, out_offsets, out_sizes, sizes.size)
+        n = sizes.size
+        if n == 0:
+            return
+        self._check_headers(data, offsets, sizes, out_sizes)
+        nz = np.flatnonzero(out_sizes > 0)
+        if nz.size == 0:
+            return
+        offsets, sizes, out_offsets_nz, out_sizes_nz = offsets[nz], sizes[nz], out_offsets[nz], out_sizes[nz]
+        a_off = exclusive_cumsum(_align(sizes))
+        host = np.zeros(int(_align(sizes).sum()), dtype=np.uint8)
+        copy_segments(data, offsets, sizes, host, a_off)
+        o_off = exclusive_cumsum(_align(out_sizes_nz))
+        dev_in = torch.from_numpy(host).to(self.device)
+        dev_out = torch.empty(int(_align(out_sizes_nz).sum()), dtype=torch.uint8, device=self.device)
+        probe = self.probe()
+        if probe["exact"] is None:
+            raise CodecUnavailableError(f"nvCOMP cannot decode {self.format} frames here: {probe['errors']}")
+        try:
+            with self._on(None, dev_in, dev_out) as entry:
+                got = self._decode(entry, dev_in, a_off, sizes, dev_out, o_off, out_sizes_nz,
+                                   mode=probe["exact"], cap=None, want_sizes=True)
+        except (RuntimeError, ValueError) as e:
+            raise CorruptionError(
+                f"nvCOMP could not decode this batch of {nz.size} {self.format} blobs ({e}); their bytes or "
+                "the blob index are damaged: run `tiered verify`") from e
+        got_a = np.asarray(got, dtype=np.int64)
+        if got_a.shape != out_sizes_nz.shape:
+            raise CorruptionError(f"nvCOMP returned {got_a.size} sizes for {out_sizes_nz.size} blobs")
+        bad = np.flatnonzero(got_a != out_sizes_nz)
+        if bad.size:
+            i = int(nz[bad[0]])
+            raise CorruptionError(
+                f"{self.format} blob {i} of this batch decoded to {int(got_a[bad[0]])} bytes on the GPU, "
+                f"expected {int(out_sizes[i])}; its bytes or the blob index are damaged: run `tiered verify`")
+        host_out = dev_out.cpu().numpy()
+        copy_segments(host_out, o_off, out_sizes_nz, out, out_offsets_nz)
+
+    def _check_headers(self, data: np.ndarray, offsets: np.ndarray, sizes: np.ndarray,
+                       out_sizes: np.ndarray) -> None:
+        """Cheap host checks before bytes reach a GPU decoder (it has no defined behaviour on junk)."""
+        if self.format == "zstd":
+            from .zstd import declared_content_sizes
+
+            declared = declared_content_sizes(data, offsets, sizes)
+            bad = np.flatnonzero((declared == -2) | ((declared >= 0) & (declared != out_sizes)))
+            if bad.size:
+                i = int(bad[0])
+                raise CorruptionError(
+                    f"zstd blob {i} of this batch ({int(sizes[i])} bytes at offset {int(offsets[i])}) "
+                    + ("is not a valid zstd frame" if declared[i] == -2 else
+                       f"declares {int(declared[i])} decompressed bytes, expected {int(out_sizes[i])}")
+                    + "; its bytes or the blob index are damaged: run `tiered verify`")
+            return
+        zero = np.flatnonzero(out_sizes == 0)
+        if zero.size:
+            e = np.frombuffer(empty_frame(self.format), np.uint8)
+            ok = sizes[zero] == e.size
+            if ok.any():
+                take = data[offsets[zero[ok]][:, None] + np.arange(e.size)]
+                ok[ok] = (take == e).all(axis=1)
+            if not ok.all():
+                i = int(zero[np.flatnonzero(~ok)[0]])
+                raise CorruptionError(f"{self.format} blob {i} of this batch should be the empty block of a "
+                                      "0-byte cell; its bytes or the blob index are damaged")
+
+
+def codec_factory(arg: str | None) -> NvcompCodec:
+    """Registry factory: ``"nvcomp"`` -> zstd, ``"nvcomp:lz4"``, ``"nvcomp:deflate"``.
+
+    :func:`tiered.codecs.get_codec` finds it here when it first meets an ``"nvcomp..."`` spec
+    (the module does not register itself on import, so importing it changes no global state).
+    The argument is checked before nvCOMP is imported, so a typo gives UnknownCodecError on any
+    machine.
+    """
+    fmt = "zstd" if arg is None or not arg.strip() else arg.strip().lower()
+    if fmt not in _FORMATS:
+        raise UnknownCodecError(
+            f"unknown nvCOMP format {arg!r}; write 'nvcomp' (zstd), 'nvcomp:zstd', 'nvcomp:lz4' "
+            "or 'nvcomp:deflate'")
+    return NvcompCodec(fmt)
+
