@@ -482,15 +482,7 @@ class GpuDecoder:
                 part = torch.from_numpy(flat_np[extra[a:b]])
             else:
                 part = flat2.index_select(0, extra_t[a:b])
-            if f.dtype != torch.uint8:
-                part = part.view(f.dtype)
-            if f.frame_dim is None:
-                val = part.reshape(n, *f.shape)
-            else:
-                val = part.reshape(n, f.shape[f.frame_dim], *f.frame_shape)
-                if f.frame_dim != 0:
-                    val = val.movedim(1, f.frame_dim + 1)
-            out[f.key] = val
+            out[f.key] = f.cells_from_frames(part, n)
 
     # -- per-thread state -----------------------------------------------------------------
 

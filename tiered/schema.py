@@ -152,6 +152,15 @@ class Field:
     def describe(self) -> str:
         return f"{dtype_to_str(self.dtype)}{list(self.shape)}"
 
+    def cells_from_frames(self, frames: torch.Tensor, n: int) -> torch.Tensor:
+        """Rebuild ``n`` cells from their frames' bytes (``[n * frames_per_row, frame_nbytes]``
+        uint8, rows in order, frames in order): the inverse of splitting a cell into frames."""
+        part = frames if self.dtype == torch.uint8 else frames.view(self.dtype)
+        if self.frame_dim is None:
+            return part.reshape(n, *self.shape)
+        val = part.reshape(n, self.shape[self.frame_dim], *self.frame_shape)
+        return val.movedim(1, self.frame_dim + 1) if self.frame_dim != 0 else val
+
 
 class Schema(Mapping[Key, Field]):
     """The ordered set of fields of a store. Immutable once created."""

@@ -703,17 +703,8 @@ class TieredStore:
         for f in fields:  # a loop over fields, not rows
             F = f.frames_per_row
             # numpy row gathers run at memcpy speed (torch's uint8 index_select is ~8x slower here)
-            part = torch.from_numpy(flat[frame_idx[:, col:col + F].reshape(-1)])
+            out[f.key] = f.cells_from_frames(torch.from_numpy(flat[frame_idx[:, col:col + F].reshape(-1)]), n)
             col += F
-            if f.dtype != torch.uint8:
-                part = part.view(f.dtype)
-            if f.frame_dim is None:
-                val = part.reshape(n, *f.shape)
-            else:
-                val = part.reshape(n, f.shape[f.frame_dim], *f.frame_shape)
-                if f.frame_dim != 0:
-                    val = val.movedim(1, f.frame_dim + 1)
-            out[f.key] = val
 
     def _scratch(self, name: str, nbytes: int) -> np.ndarray:
         """A per-thread reusable buffer (fresh allocations cost page faults on every sample)."""
