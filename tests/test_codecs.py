@@ -599,15 +599,6 @@ def test_non_string_spec_is_rejected() -> None:
         get_codec(3)  # type: ignore[arg-type]
 
 
-def test_nvcomp_is_reserved_for_the_gpu_module() -> None:
-    if importlib.util.find_spec("tiered.codecs.nvcomp") is not None:
-        pytest.skip("tiered.codecs.nvcomp exists here; its own tests cover get_codec('nvcomp')")
-    with pytest.raises(UnknownCodecError, match="tiered.codecs.nvcomp") as info:
-        get_codec("nvcomp:zstd")
-    assert "known codecs: raw, lz4, zstd[:level]" in str(info.value)
-    assert "nvcomp" not in available_codecs()
-
-
 def test_register_codec_and_available_codecs(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(codecs, "_FACTORIES", dict(codecs._FACTORIES))
     seen = []
