@@ -199,3 +199,23 @@ def iter_store(
         # contiguous ranges go as slices (the store reads them without an index array copy)
         index: Any = slice(int(sel[0]), int(sel[-1]) + 1) if sel[-1] - sel[0] == hi - lo - 1 else sel
         yield lo, hi, store.get(index, keys=keys)
+
+
+@contextlib.contextmanager
+def writing(f: Any) -> Iterator[Any]:
+    """Fsync and close an :class:`tiered._io.WritableFile` after the block.
+
+    If the block fails, the file is closed and the I/O error the file recorded (a full disk hit
+    inside h5py or zipfile, which report it as something else) is raised in place of the error it
+    caused, so the caller sees ``StorageFullError`` rather than a library's generic error.
+    """
+    try:
+        yield f
+        f.fsync()
+    except BaseException as e:
+        err = f.error
+        f.close()
+        if err is not None and err is not e:
+            raise err from e
+        raise
+    f.close()

@@ -46,7 +46,7 @@ from tensordict import TensorDict
 
 from .. import _io
 from ..errors import UnsupportedFormatError
-from ._common import chunk_rows_for, json_safe, row_nbytes
+from ._common import chunk_rows_for, json_safe, row_nbytes, writing
 from .keymap import (
     DONE,
     FLAGS,
@@ -421,7 +421,7 @@ def write_d4rl(
     n = int(rows.size)
     step = chunk_rows_for(row_nbytes({p[0]: (p[3], p[2]) for p in plan}), chunk_rows)
     f = _io.WritableFile(tmp)
-    try:
+    with writing(f):
         with h5py.File(f, "w") as h:
             dsets = {}
             for name, _key, dtype, shape in plan:
@@ -440,12 +440,4 @@ def write_d4rl(
                         _write_extra(h, name, spec)
                 for k, v in (source.get("file_attrs") or {}).items():
                     h.attrs[k] = v
-        f.fsync()
-    except BaseException as e:
-        err = f.error
-        f.close()
-        if err is not None and err is not e:
-            raise err from e
-        raise
-    f.close()
     return {"columns": [p[0] for p in plan], "rows": n}

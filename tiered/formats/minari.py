@@ -47,7 +47,7 @@ from tensordict import TensorDict
 
 from .. import _io
 from ..errors import UnsupportedFormatError
-from ._common import chunk_rows_for, iter_store, json_safe, row_nbytes
+from ._common import chunk_rows_for, iter_store, json_safe, row_nbytes, writing
 from .d4rl import _np_to_torch, to_numpy
 from .keymap import (
     ACTION,
@@ -541,7 +541,7 @@ def write_minari(
     ep_attrs = (source or {}).get("episode_attrs") or {} if from_minari else {}
     if any(len(v) != ids.size for v in ep_attrs.values()):
         ep_attrs = {}  # not the source's episodes any more (e.g. a smaller capacity): recompute
-    try:
+    with writing(f):
         with h5py.File(f, "w", track_order=True) as h:
             groups = []
             for e in range(ids.size):
@@ -596,14 +596,6 @@ def write_minari(
                                 "rewards_sum": r.sum(),
                             }
                         )
-        f.fsync()
-    except BaseException as e:
-        err = f.error
-        f.close()
-        if err is not None and err is not e:
-            raise err from e
-        raise
-    f.close()
     meta = dict(source["metadata"]) if from_minari and isinstance(source.get("metadata"), dict) else {}
     if not meta:
         obs = [lf for lf in leaves if lf[0][0] == "observations"]

@@ -35,7 +35,7 @@ import numpy as np
 
 from .. import _io
 from ..errors import UnsupportedFormatError
-from ._common import chunk_rows_for, iter_store, row_nbytes
+from ._common import chunk_rows_for, iter_store, row_nbytes, writing
 from .d4rl import FlatSource, plan_flat_columns, to_numpy
 
 __all__ = ["NpzSource", "write_npz"]
@@ -209,7 +209,7 @@ def write_npz(
     )
     n = int(rows.size)
     out = _io.WritableFile(tmp)
-    try:
+    with writing(out):
         with zipfile.ZipFile(out, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
             total_bytes = row_nbytes({p[0]: (p[3], p[2]) for p in plan})
             for name, key, dtype, shape in plan:
@@ -233,12 +233,4 @@ def write_npz(
                         )
                         if progress is not None and total_bytes:
                             progress.update((hi - lo) * row_nbytes({name: (shape, dtype)}) / total_bytes)
-        out.fsync()
-    except BaseException as e:
-        err = out.error
-        out.close()
-        if err is not None and err is not e:
-            raise err from e
-        raise
-    out.close()
     return {"arrays": [p[0] for p in plan], "rows": n}
