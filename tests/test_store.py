@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import sys
 
 import numpy as np
@@ -268,11 +269,15 @@ def _count_calls(fn) -> int:
         if event in ("call", "c_call"):
             count += 1
 
+    # garbage collection (e.g. another test's finalizers) must not run inside the measurement
+    gc.collect()
+    gc.disable()
     sys.setprofile(prof)
     try:
         fn()
     finally:
         sys.setprofile(None)
+        gc.enable()
     return count
 
 
