@@ -11,7 +11,7 @@ every round):
   read from the segment files with ``preadv``, which the page cache answers;
 - ``cold, disk``: the same, with ``posix_fadvise(DONTNEED)`` on the store's files before each
   batch, so the reads go to the disk; once as tiered opens its files, and once with
-  ``POSIX_FADV_RANDOM`` on its segment fds (no read-ahead: tiered does not set it itself);
+  ``POSIX_FADV_RANDOM`` on its segment fds (no read-ahead; tiered sets it on its own fds too, and the benchmark sets it again here);
 - ``LRU mix``: a path, ``policy="lru"``, a warm budget of ~25% of the compressed bytes,
   ``promote=True``: the share of warm hits an LRU cache gives under uniform sampling;
 - TorchRL's ``LazyMemmapStorage`` with its files in the page cache, and cold (its mappings
@@ -621,8 +621,8 @@ def method_notes(args, dev, derived) -> list[str]:
         "around the faulting page up to that window, so LazyMemmapStorage's random rows pull whole "
         "megabytes each; `madvise(MADV_RANDOM)` turns that off. tiered's `preadv` runs are sorted by "
         "offset, which the kernel's read-ahead takes for a sequential stream; "
-        "`posix_fadvise(POSIX_FADV_RANDOM)` on the store's segment fds (the `FADV_RANDOM` row; tiered "
-        "does not set it itself) turns that off. The two `RANDOM` rows are the like-for-like bytes "
+        "`posix_fadvise(POSIX_FADV_RANDOM)` on the store's segment fds (the `FADV_RANDOM` row sets it "
+        "again; tiered sets it on the segment fds it opens) turns that off. The two `RANDOM` rows are the like-for-like bytes "
         "comparison. The default-advice rows are what each store gets out of the box, and the target "
         f"checks those. With {derived.get('n', 0):,} transitions the whole compressed store is "
         f"{H.fmt_bytes(derived.get('compressed'))}, so a tiered cold batch cannot read more than that; "

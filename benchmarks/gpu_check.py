@@ -422,51 +422,16 @@ def _attach(run: Run, store):
     return dec
 
 
-def _tier_counts(store) -> dict[str, int]:
-    from tiered.index import HOT, OPEN, WARM
-
-    idx = store._index
-    live = idx.live_ids()
-    stored = live[idx.state[live] != OPEN]
-    return {"hot": int((idx.loc[stored, HOT] >= 0).sum()),
-            "warm": int(((idx.loc[stored, HOT] < 0) & (idx.loc[stored, WARM] >= 0)).sum()),
-            "cold_only": int(((idx.loc[stored, HOT] < 0) & (idx.loc[stored, WARM] < 0)).sum()),
-            "open": int((idx.state[live] == OPEN).sum())}
-
-
-def _spread_over_tiers(store) -> None:
-    """A third of the stored blobs in the hot tier, a third in the warm tier, a third in the cold
-    file only, whatever the placement policy did (the store has a path: cold holds every blob)."""
-    from tiered.index import COLD, HOT, OPEN, WARM
-    from tiered.tiers import align
-
-    idx = store._index
-    live = idx.live_ids()
-    stored = live[idx.state[live] != OPEN]
-    for t in (HOT, WARM):
-        held = stored[idx.loc[stored, t] >= 0]
-        store._tiers[t].free(idx.loc[held, t], align(idx.nbytes[held]))
-        idx.loc[held, t] = -1
-    order = np.random.default_rng(0).permutation(stored)
-    for t, ids in zip((HOT, WARM), np.array_split(order, 3)[:2], strict=True):
-        sizes = idx.nbytes[ids]
-        offs = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
-        buf = np.zeros(int(sizes.sum()), np.uint8)
-        store._tiers[COLD].read(idx.loc[ids, COLD], sizes, buf, offs)
-        loc = store._tiers[t].allocate(sizes)
-        store._tiers[t].write(loc, buf, offs, sizes)
-        idx.loc[ids, t] = loc
-
-
 def _build_tier_store(path, data, device: str, hot_device: str, codec: str = "zstd"):
     from tiered import TieredStore
+    from tiered.testing import spread_over_tiers
 
     store = TieredStore(700, path, frames={"observation": 0}, hot_device=hot_device, hot_bytes="64MiB",
                         warm_bytes="64MiB", promote=False, device=device, codec=codec)
     for i in range(0, 600, 50):
         store.extend(data[i:i + 50])
     store.flush()
-    _spread_over_tiers(store)
+    spread_over_tiers(store)
     store.extend(data[600:603])  # an open chunk
     return store
 
@@ -477,6 +442,7 @@ def stage_store_tiers(run: Run) -> None:
     from tiered.atari import load_fixture
     from tiered.errors import ChecksumError
     from tiered.index import HOT, OPEN
+    from tiered.testing import tier_counts
 
     data = load_fixture(FIXTURE, games=["Breakout", "MsPacman"])
     dev = _dev(run)
@@ -485,7 +451,7 @@ def stage_store_tiers(run: Run) -> None:
         for codec in ("zstd", "lz4"):
             ref = _build_tier_store(Path(tmp) / f"cpu-{codec}", data, "cpu", "cpu", codec)
             store = _build_tier_store(Path(tmp) / f"dev-{codec}", data, str(dev), str(dev), codec)
-            counts = _tier_counts(store)
+            counts = tier_counts(store)
             dec = _attach(run, store)
             rng = np.random.default_rng(0)
             ok = True
@@ -621,6 +587,7 @@ def _throughput_tables(run: Run, tmp: str, path: Path, base: Any, written: int, 
     import torch
 
     import tiered
+    from tiered.testing import tier_counts
 
     dry = run.args.cpu_dry_run
     dev = _dev(run)
@@ -699,7 +666,7 @@ def _throughput_tables(run: Run, tmp: str, path: Path, base: Any, written: int, 
             if label != "cold":  # promote every blob into the tier under test (reads in row order)
                 for i in range(0, rows, 4096):
                     store.get(np.arange(i, min(i + 4096, rows)))
-            counts = _tier_counts(store)
+            counts = tier_counts(store)
             hot = store._tiers[0]
             # the hot arena's allocated bytes (VRAM on a GPU; host memory standing in for it in a dry run)
             vram = int(hot.capacity) if hot is not None else 0

@@ -40,7 +40,7 @@ from tiered.codecs.nvcomp import empty_frame, filler_frame
 from tiered.errors import ChecksumError, CodecUnavailableError, UnknownCodecError
 from tiered.gpu import GpuDecoder, fused_checksums, inject_device_oom, maybe_gpu_decoder
 from tiered.index import COLD, HOT, OPEN, WARM
-from tiered.tiers import align
+from tiered.testing import spread_over_tiers, tier_counts
 from tiered.tiers.arena import inject_oom
 
 REPO = Path(__file__).resolve().parents[1]
@@ -53,27 +53,6 @@ def frames() -> TensorDict:
     return load_fixture(FIXTURE, games=["Breakout", "MsPacman"])
 
 
-def spread_over_tiers(store: TieredStore, seed: int = 0) -> None:
-    """Put a third of the stored blobs in the hot tier, a third in the warm tier, a third in the
-    cold file only, whatever the placement policy did (a store with a path: cold holds all)."""
-    idx = store._index
-    live = idx.live_ids()
-    stored = live[idx.state[live] != OPEN]
-    for t in (HOT, WARM):
-        held = stored[idx.loc[stored, t] >= 0]
-        store._tiers[t].free(idx.loc[held, t], align(idx.nbytes[held]))
-        idx.loc[held, t] = -1
-    order = np.random.default_rng(seed).permutation(stored)
-    for t, ids in zip((HOT, WARM), np.array_split(order, 3)[:2], strict=True):
-        sizes = idx.nbytes[ids]
-        offs = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
-        buf = np.zeros(int(sizes.sum()), np.uint8)
-        store._tiers[COLD].read(idx.loc[ids, COLD], sizes, buf, offs)
-        loc = store._tiers[t].allocate(sizes)
-        store._tiers[t].write(loc, buf, offs, sizes)
-        idx.loc[ids, t] = loc
-
-
 def tiered_store(data: TensorDict, path: Path, *, hot_device: str, rows: int = 600, **kw) -> TieredStore:
     """A store with blobs in the hot arena, the warm arena, the cold file only, and an open chunk."""
     store = TieredStore(rows + 64, path, frames={"observation": 0}, hot_device=hot_device,
@@ -84,18 +63,6 @@ def tiered_store(data: TensorDict, path: Path, *, hot_device: str, rows: int = 6
     spread_over_tiers(store)
     store.extend(data[rows:rows + 3])  # leaves an open (not yet compressed) chunk
     return store
-
-
-def tier_counts(store: TieredStore) -> dict[str, int]:
-    idx = store._index
-    live = idx.live_ids()
-    stored = live[idx.state[live] != OPEN]
-    return {
-        "hot": int((idx.loc[stored, HOT] >= 0).sum()),
-        "warm": int(((idx.loc[stored, HOT] < 0) & (idx.loc[stored, WARM] >= 0)).sum()),
-        "cold_only": int(((idx.loc[stored, HOT] < 0) & (idx.loc[stored, WARM] < 0)).sum()),
-        "open": int((idx.state[live] == OPEN).sum()),
-    }
 
 
 def snapshot(store: TieredStore) -> TensorDict:

@@ -71,7 +71,7 @@ def test_storage_full_names_budgets_and_writes_nothing(atari_pong):
 
 
 def test_budget_too_small_for_one_blob_is_value_error(atari_raw):
-    store = TieredStore(100, warm_bytes=64, frames={"pixels": None} if False else None)
+    store = TieredStore(100, warm_bytes=64)
     with pytest.raises((ValueError, StorageFullError)):
         store.extend(atari_raw[:4])
     assert len(store) == 0

@@ -22,7 +22,7 @@ Everything is vectorized over frames: the Python call count does not grow with t
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -146,7 +146,6 @@ class FramePlan:
     tail_blob: np.ndarray
     tail_slot: np.ndarray
     unique_new: int = 0
-    extra: dict = field(default_factory=dict)
 
 
 class FrameFamily:
@@ -239,8 +238,6 @@ class FrameFamily:
         chunk_blob[~reuse] = new_ids
         chunk_fill = np.minimum(self.K, fill0[chunk_group] + g_count[chunk_group] - chunk_local * self.K) \
             if total_chunks else np.zeros(0, np.int64)
-        chunk_first_new = np.where(chunk_local == 0, fill0[chunk_group], 0) if total_chunks else \
-            np.zeros(0, np.int64)
         # a chunk closes when full, when its trajectory ended, when it is not the group's last one,
         # or on flush
         last_of_group = chunk_local == (n_chunks_g[chunk_group] - 1) if total_chunks else np.zeros(0, bool)
@@ -290,7 +287,6 @@ class FrameFamily:
         u_root = np.searchsorted(roots, u_idx)
         src = np.concatenate([self.pend.reshape(-1, nb)[pend_rows.astype(np.int64)], root_frames[u_root[u_sel]]])
         closed_raw = src[np.argsort(keys, kind="stable")]
-        del chunk_first_new
 
         # -- open chunks after this plan -------------------------------------------------------
         still_open = np.flatnonzero(~closes)

@@ -50,7 +50,7 @@ from .schema import Field, Key, Schema, key_to_str, normalize_key
 from .tiers import DeviceTier, HostTier, default_budgets, parse_bytes
 from .tiers.base import Tier, align
 
-__all__ = ["TieredStore", "IndexLike"]
+__all__ = ["TieredStore", "IndexLike", "as_row_array"]
 
 IndexLike = int | slice | range | list | tuple | np.ndarray | torch.Tensor
 
@@ -58,6 +58,41 @@ _TIER_NAMES = ("hot", "warm", "cold")
 _DONE_KEYS: tuple[Key, ...] = (
     ("next", "done"), ("next", "terminated"), ("next", "truncated"), ("done",),
 )
+
+
+def as_row_array(index: IndexLike) -> tuple[np.ndarray, bool]:
+    """Normalize a row index to a 1-D int64 array, and say whether it named a single row.
+
+    Accepts an int, a 1-tuple (TorchRL's SliceSampler), a list, a numpy array, a tensor (bool
+    masks and CUDA tensors included) or a range. Bounds are not checked here.
+
+    Example:
+        >>> as_row_array(torch.tensor([3, -1]))[0].tolist(), as_row_array(5)[1]
+        ([3, -1], True)
+    """
+    if isinstance(index, tuple):
+        if len(index) != 1:
+            raise IndexOutOfRangeError(f"expected a 1-D index, got a tuple of {len(index)} indices")
+        index = index[0]
+    if isinstance(index, (bool, np.bool_)):
+        raise IndexOutOfRangeError(f"a bool is not a row index (got {index!r})")
+    if isinstance(index, (int, np.integer)):
+        return np.array([int(index)], dtype=np.int64), True
+    if isinstance(index, torch.Tensor):
+        if index.dtype == torch.bool:
+            return np.flatnonzero(index.cpu().numpy()), False
+        if index.is_floating_point():
+            raise IndexOutOfRangeError(f"row indices must be integers, got a {index.dtype} tensor")
+        scalar = index.ndim == 0
+        return index.detach().cpu().reshape(-1).to(torch.int64).numpy(), scalar
+    if isinstance(index, range):
+        return np.arange(index.start, index.stop, index.step, dtype=np.int64), False
+    arr = np.asarray(index)
+    if arr.dtype == bool:
+        return np.flatnonzero(arr), False
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise IndexOutOfRangeError(f"row indices must be integers, got dtype {arr.dtype}")
+    return arr.astype(np.int64).reshape(-1), arr.ndim == 0
 
 
 class TieredStore:
@@ -422,8 +457,6 @@ class TieredStore:
         except BaseException:
             for _, _, _, plan in plans:
                 self._abort_plan(plan)
-            if len(plans) < len(fam_fields):
-                pass
             raise
 
         # --- commit: nothing below can fail on bad input ---------------------------------
@@ -455,13 +488,19 @@ class TieredStore:
         self._delete_blobs(np.unique(np.concatenate(dead_all)) if dead_all else np.empty(0, np.int64))
 
     def _abort_plan(self, plan) -> None:
-        ids = plan.new_ids
-        placed = self._index.loc[ids]
+        """Undo a plan whose write failed: new blobs go away, open chunks it closed stay open."""
+        idx = self._index
+        touched = np.concatenate([plan.new_ids, plan.reopened_closed])
+        placed = idx.loc[touched]
         for t in range(3):
             sel = placed[:, t] >= 0
             if sel.any() and self._tiers[t] is not None:
-                self._tiers[t].free(placed[sel, t], align(self._index.nbytes[ids[sel]]))
-        self._index.release(ids)
+                # never committed: reusable at once (cold tiers otherwise defer)
+                kw = {"defer": False} if t == COLD else {}
+                self._tiers[t].free(placed[sel, t], align(idx.nbytes[touched[sel]]), **kw)
+        idx.loc[plan.reopened_closed] = -1
+        idx.state[plan.reopened_closed] = OPEN
+        idx.release(plan.new_ids)
 
     # ------------------------------------------------------------------------------------
     # Encoding and placement
@@ -833,36 +872,11 @@ class TieredStore:
     # ------------------------------------------------------------------------------------
     # Index resolution
     # ------------------------------------------------------------------------------------
-    def _as_array(self, index: IndexLike) -> tuple[np.ndarray, bool]:
-        if isinstance(index, tuple):
-            if len(index) != 1:
-                raise IndexOutOfRangeError(f"expected a 1-D index, got a tuple of {len(index)} indices")
-            index = index[0]
-        if isinstance(index, (bool, np.bool_)):
-            raise IndexOutOfRangeError(f"a bool is not a row index (got {index!r})")
-        if isinstance(index, (int, np.integer)):
-            return np.array([int(index)], dtype=np.int64), True
-        if isinstance(index, torch.Tensor):
-            if index.dtype == torch.bool:
-                return np.flatnonzero(index.cpu().numpy()), False
-            if index.is_floating_point():
-                raise IndexOutOfRangeError(f"row indices must be integers, got a {index.dtype} tensor")
-            scalar = index.ndim == 0
-            return index.detach().cpu().reshape(-1).to(torch.int64).numpy(), scalar
-        if isinstance(index, range):
-            return np.arange(index.start, index.stop, index.step, dtype=np.int64), False
-        arr = np.asarray(index)
-        if arr.dtype == bool:
-            return np.flatnonzero(arr), False
-        if arr.size and not np.issubdtype(arr.dtype, np.integer):
-            raise IndexOutOfRangeError(f"row indices must be integers, got dtype {arr.dtype}")
-        return arr.astype(np.int64).reshape(-1), arr.ndim == 0
-
     def _resolve_read_index(self, index: IndexLike) -> tuple[np.ndarray, bool]:
         n = self._len
         if isinstance(index, slice):
             return np.arange(*index.indices(n), dtype=np.int64), False
-        rows, scalar = self._as_array(index)
+        rows, scalar = as_row_array(index)
         bad = (rows < -n) | (rows >= n)
         if bad.any():
             raise IndexOutOfRangeError(
@@ -882,7 +896,7 @@ class TieredStore:
         if isinstance(index, slice):
             rows = np.arange(*index.indices(cap), dtype=np.int64)
         else:
-            rows, _ = self._as_array(index)
+            rows, _ = as_row_array(index)
         bad = (rows < -cap) | (rows >= cap)
         if bad.any():
             raise IndexOutOfRangeError(

@@ -49,7 +49,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 from ._persist import MANIFEST
 from .errors import ReadOnlyStoreError
 from .schema import Key
-from .store import TieredStore
+from .store import TieredStore, as_row_array
 
 __all__ = ["TieredStorage", "TieredStorageCheckpointer"]
 
@@ -184,28 +184,6 @@ class _RowsView(TensorDict):
 # ----------------------------------------------------------------------------------------
 # Index helpers
 # ----------------------------------------------------------------------------------------
-def _index_array(index: Any) -> tuple[np.ndarray, bool]:
-    """A 1-D int64 array of the rows named by a TorchRL storage index, and whether it was scalar."""
-    if isinstance(index, tuple):
-        if len(index) != 1:
-            raise IndexError(f"TieredStorage is 1-D; got a {len(index)}-tuple index")
-        index = index[0]
-    if isinstance(index, (bool, np.bool_)):
-        raise IndexError(f"a bool is not a row index (got {index!r})")
-    if isinstance(index, (int, np.integer)):
-        return np.array([int(index)], dtype=np.int64), True
-    if isinstance(index, torch.Tensor):
-        if index.dtype == torch.bool:
-            return np.flatnonzero(index.detach().cpu().numpy()), False
-        return index.detach().cpu().reshape(-1).to(torch.int64).numpy(), index.ndim == 0
-    if isinstance(index, range):
-        return np.arange(index.start, index.stop, index.step, dtype=np.int64), False
-    arr = np.asarray(index)
-    if arr.dtype == bool:
-        return np.flatnonzero(arr), False
-    return arr.astype(np.int64).reshape(-1), arr.ndim == 0
-
-
 def _wrap_negative(rows: np.ndarray, n: int, what: str) -> np.ndarray:
     bad = (rows < -n) | (rows >= n)
     if bad.any():
@@ -442,7 +420,7 @@ class TieredStorage(TensorStorage):
         if isinstance(cursor, slice):
             rows, scalar = np.arange(*cursor.indices(self.max_size), dtype=np.int64), False
         else:
-            rows, scalar = _index_array(cursor)
+            rows, scalar = as_row_array(cursor)
         rows = _wrap_negative(rows, self.max_size, "max_size")
         td = self._to_rows(data, scalar, rows.size)
         store = self._store
@@ -483,7 +461,7 @@ class TieredStorage(TensorStorage):
         if self._tensor_mode:
             return out.get(_TENSOR_KEY)
         if self._has_index:
-            rows, scalar = _index_array(index)
+            rows, scalar = as_row_array(index)
             rows = torch.from_numpy(_wrap_negative(rows, len(self), "length")).to(self.device)
             out.set(_INDEX_KEY, rows[0] if scalar else rows)
         return out
@@ -507,7 +485,7 @@ class TieredStorage(TensorStorage):
         if isinstance(index, slice):
             rows = np.arange(*index.indices(n), dtype=np.int64)
         else:
-            rows, _ = _index_array(index)
+            rows, _ = as_row_array(index)
             rows = _wrap_negative(rows, n, "length")
         store = self._store
         if self._tensor_mode:
