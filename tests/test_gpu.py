@@ -56,7 +56,7 @@ def frames() -> TensorDict:
 def tiered_store(data: TensorDict, path: Path, *, hot_device: str, rows: int = 600, **kw) -> TieredStore:
     """A store with blobs in the hot arena, the warm arena, the cold file only, and an open chunk."""
     store = TieredStore(rows + 64, path, frames={"observation": 0}, hot_device=hot_device,
-                        hot_bytes="64MiB", warm_bytes="64MiB", promote=False, **kw)
+                        hot_bytes="64MiB", warm_bytes="64MiB", promote=False, stage_rows=0, **kw)
     for i in range(0, rows, 50):
         store.extend(data[i:i + 50])
     store.flush()

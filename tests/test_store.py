@@ -119,11 +119,33 @@ def test_refcounts_match_recount_after_overwrites(atari_mixed, config):
     assert not (store._index.state[: store._index.size] == OPEN).any()
 
 
-def test_frames_shared_across_extend_boundaries(atari_pong):
+def test_flush_with_open_chunks_leaks_no_blob(atari_pong):
+    # regression: closing open chunks on flush pinned the tail's blobs a second time, so they
+    # were never freed once their rows were overwritten
+    store = TieredStore(100, frames={"observation": 0}, chunk_frames=4)
+    store.extend(atari_pong[:30])
+    assert store._families[0].open_blob.size  # a chunk is still open
+    store.flush()
+    check_refcounts(store)
+    for lo in range(30, 260, 23):
+        store.extend(atari_pong[lo:lo + 23])
+        store.flush()
+        check_refcounts(store)
+    live = store._index.live_ids()
+    used = np.unique(np.concatenate([t.blob.reshape(-1) for t in store._tables.values()]))
+    tail = store._families[0].tail_blob
+    assert np.isin(live, np.concatenate([used, tail])).all()
+
+
+@pytest.mark.parametrize("stage_rows", [0, 64], ids=["write-through", "staged"])
+def test_frames_shared_across_extend_boundaries(atari_pong, stage_rows):
     data = atari_pong[:40]
-    store = TieredStore(100, frames={"observation": 0}, chunk_frames=1)
+    store = TieredStore(100, frames={"observation": 0}, chunk_frames=1, stage_rows=stage_rows)
     for i in range(40):
         store.extend(data[i:i + 1])
+    # the first write fixes the schema and goes through; the next 39 wait in the stage
+    assert store.stats()["staged_rows"] == (0 if stage_rows == 0 else 39)
+    store.flush()  # staged rows reach the row tables
     # row t's next observation and row t+1's observation are the very same blobs
     obs = store._tables[("observation",)].blob
     nxt = store._tables[("next", "observation")].blob

@@ -535,7 +535,8 @@ def test_prefetch_while_extending(pong):
     assert checked == 14
 
 
-def test_get_from_threads_while_writing(pong):
+@pytest.mark.parametrize("step", [20, 1], ids=["batches", "single-rows-staged"])
+def test_get_from_threads_while_writing(pong, step):
     """Reader threads call storage.get while the main thread writes; every read is whole and right."""
     data = pong[:300]
     storage = TieredStorage(300, **OPTS)
@@ -561,14 +562,33 @@ def test_get_from_threads_while_writing(pong):
         t.start()
     try:
         for rep in range(3):  # row r always receives transition r, so any read can be checked
-            for lo in range(20 if rep == 0 else 0, 300, 20):
-                storage.set(torch.arange(lo, lo + 20), data[lo:lo + 20])
+            for lo in range(20 if rep == 0 else 0, 300, step):
+                if step == 1:  # one row at an int cursor: the staged path
+                    storage.set(lo, data[lo])
+                else:
+                    storage.set(torch.arange(lo, lo + step), data[lo:lo + step])
     finally:
         stop.set()
         for t in threads:
             t.join()
     assert not errors, errors[:3]
     assert reads[0] > 0
+
+
+def test_online_loop_add_one_sample_every_step_matches_lazy_tensor_storage(pong):
+    """The online RL pattern: rb.add one transition per step, sample every step (staged rows
+    are read from the write stage), identical to LazyTensorStorage with the same seeds."""
+    tiered_rb = TensorDictReplayBuffer(storage=TieredStorage(150, **OPTS), batch_size=8)
+    oracle_rb = TensorDictReplayBuffer(storage=LazyTensorStorage(150), batch_size=8)
+    for t in range(400):  # wraps around the 150-row ring
+        assert tiered_rb.add(pong[t]) == oracle_rb.add(pong[t])
+        torch.manual_seed(t)
+        got = tiered_rb.sample()
+        torch.manual_seed(t)
+        want = oracle_rb.sample()
+        assert_same(got, want, f"step {t}")
+    assert tiered_rb.storage.stats()["staged_rows"] > 0
+    assert_same(tiered_rb[:], oracle_rb[:], "rb[:]")
 
 
 # ----------------------------------------------------------------------------------------

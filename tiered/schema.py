@@ -167,6 +167,13 @@ class Schema(Mapping[Key, Field]):
 
     def __init__(self, fields: Iterable[Field]):
         self._fields: dict[Key, Field] = {f.key: f for f in fields}
+        # names expected at each nesting level, for match(): comparing one small set per level
+        # is far cheaper than listing a TensorDict's nested leaves
+        levels: dict[Key, set[str]] = {}
+        for key in self._fields:
+            for depth in range(len(key)):
+                levels.setdefault(key[:depth], set()).add(key[depth])
+        self._levels = levels
 
     # Mapping interface -------------------------------------------------------------------
     def __getitem__(self, key: str | Key) -> Field:
@@ -265,6 +272,31 @@ class Schema(Mapping[Key, Field]):
                 f"data keys: {sorted(key_to_str(f.key) for f in fields)}"
             )
         return cls(fields)
+
+    def match(self, td: TensorDictBase, batch_dims: int) -> dict[Key, torch.Tensor] | None:
+        """The cells of ``td`` per key when it matches the schema exactly, else ``None``.
+
+        The fast check of small writes; on ``None`` call :meth:`validate`, which explains the
+        mismatch. Example:
+
+            >>> from tensordict import TensorDict
+            >>> s = Schema([Field(("x",), torch.float32, (2,), "dense")])
+            >>> sorted(s.match(TensorDict({"x": torch.zeros(3, 2)}, [3]), 1))
+            [('x',)]
+            >>> s.match(TensorDict({"x": torch.zeros(3, 2, dtype=torch.int64)}, [3]), 1) is None
+            True
+        """
+        for prefix, names in self._levels.items():
+            sub = td.get(prefix, None) if prefix else td
+            if not isinstance(sub, TensorDictBase) or set(sub.keys()) != names:
+                return None
+        cells = {}
+        for key, f in self._fields.items():
+            v = td.get(key)
+            if not isinstance(v, torch.Tensor) or v.dtype != f.dtype or tuple(v.shape[batch_dims:]) != f.shape:
+                return None
+            cells[key] = v
+        return cells
 
     def validate(self, td: TensorDictBase, *, batched: bool = True) -> int:
         """Check ``td`` against the schema; return its number of rows.

@@ -35,6 +35,7 @@ from tensordict import TensorDict, TensorDictBase
 
 from . import codecs as _codecs
 from ._frames import FrameColumns, FrameFamily, layout_rules
+from ._stage import WriteStage
 from .errors import (
     ChecksumError,
     IndexOutOfRangeError,
@@ -121,6 +122,11 @@ class TieredStore:
         verify: check blob checksums on every read (always on before a GPU decode).
         threads: decode/encode threads (default: all cores).
         backend: cold-tier backend with a path: ``"memmap"`` or ``"hdf5"``.
+        stage_rows: writes of at most ``stage_rows // 8`` rows (``ReplayBuffer.add``, a few
+            environments at a time) are staged raw and compressed together once ``stage_rows``
+            rows have gathered, or before any larger write, :meth:`flush` or pickling. Staged
+            rows are readable at once and every error is still raised by the write that causes
+            it (see ``tiered/_stage.py``). ``0`` writes every call through.
     """
 
     def __init__(
@@ -146,11 +152,14 @@ class TieredStore:
         backend: str = "memmap",
         promote: bool = True,
         gpu_decode: bool | None = None,
+        stage_rows: int = 64,
     ):
         if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or capacity <= 0:
             raise ValueError(f"capacity must be a positive int, got {capacity!r}")
         if chunk_frames < 1:
             raise ValueError(f"chunk_frames must be >= 1, got {chunk_frames}")
+        if isinstance(stage_rows, bool) or not isinstance(stage_rows, (int, np.integer)) or stage_rows < 0:
+            raise ValueError(f"stage_rows must be an int >= 0 (0 disables staging), got {stage_rows!r}")
         self._capacity = int(capacity)
         self._codec = _codecs.get_codec(codec)
         if threads is not None and hasattr(self._codec, "threads"):
@@ -204,6 +213,8 @@ class TieredStore:
         self._cursor = 0
         self._traj_base = 0
         self._generation = 0
+        self._stage_rows = int(stage_rows)
+        self._stage: WriteStage | None = None  # created by the first staged write
         # nvCOMP batch decode when `device` is CUDA (tiered/gpu.py); None keeps the CPU path
         self._gpu_option = gpu_decode
         self._gpu = maybe_gpu_decoder(self, gpu_decode)
@@ -277,6 +288,8 @@ class TieredStore:
             if self._schema is None:
                 self._len = self._cursor = 0
                 return
+            if self._stage is not None:
+                self._stage.reset()  # staged rows go with the rest
             written = np.flatnonzero(self._written)
             dead = [self._index.decref(t.blob[written]) for t in self._tables.values()]
             for t in self._tables.values():
@@ -318,12 +331,19 @@ class TieredStore:
         """
         with self._lock:
             self._check_writable()
-            n = self._prepare_schema(data)
-            rows = (self._cursor + np.arange(n, dtype=np.int64)) % self._capacity
-            if n > self._capacity:  # only the last `capacity` rows survive a write this large
-                data = data[n - self._capacity:]
-                rows = rows[n - self._capacity:]
-            self._write_rows(rows, data)
+            small = self._small_write(data, 1)
+            if small is not None:
+                n, cells = small
+                rows = (self._cursor + np.arange(n, dtype=np.int64)) % self._capacity
+                self._stage_write(rows, cells)
+            else:
+                n = self._prepare_schema(data)
+                self._flush_stage()  # after validation: a bad write must not do any work
+                rows = (self._cursor + np.arange(n, dtype=np.int64)) % self._capacity
+                if n > self._capacity:  # only the last `capacity` rows survive a write this large
+                    data = data[n - self._capacity:]
+                    rows = rows[n - self._capacity:]
+                self._write_rows(rows, data)
             self._cursor = int((self._cursor + n) % self._capacity)
             self._len = min(self._capacity, self._len + n)
             self._counters["extends"] += 1
@@ -343,10 +363,18 @@ class TieredStore:
             self._check_writable()
             scalar = isinstance(index, (int, np.integer)) or (
                 isinstance(index, torch.Tensor) and index.ndim == 0)
+            small = self._small_write(data, 0 if scalar else 1)
+            if small is not None:
+                rows = self._resolve_write_index(index, small[0])
+                if rows.size == 1 or np.unique(rows).size == rows.size:
+                    self._stage_write(rows, small[1])
+                    self._set_length_after(rows, length)
+                    return
             if scalar and len(data.batch_size) == 0:
                 data = data.unsqueeze(0)
             n = self._prepare_schema(data)
             rows = self._resolve_write_index(index, n)
+            self._flush_stage()  # after validation: a bad write must not do any work
             # duplicates: keep the last occurrence only (as a sequential write would)
             rev_unique, rev_first = np.unique(rows[::-1], return_index=True)
             if rev_unique.size != rows.size:
@@ -354,10 +382,57 @@ class TieredStore:
                 rows = rows[keep]
                 data = data[torch.from_numpy(keep)]
             self._write_rows(rows, data)
-            if length is not None:
-                self._len = max(0, min(int(length), self._capacity))
-            elif rows.size:
-                self._len = max(self._len, int(rows.max()) + 1)
+            self._set_length_after(rows, length)
+
+    def _set_length_after(self, rows: np.ndarray, length: int | None) -> None:
+        if length is not None:
+            self._len = max(0, min(int(length), self._capacity))
+        elif rows.size:
+            self._len = max(self._len, int(rows.max()) + 1)
+
+    # -- the write stage (tiered/_stage.py) ----------------------------------------------------
+    def _small_write(self, data: Any, batch_dims: int) -> tuple[int, dict[Key, torch.Tensor]] | None:
+        """``(n, cells)`` when ``data`` is a write small enough to stage and matches the schema
+        exactly; ``None`` sends it down the batched path (which also explains any mismatch)."""
+        if self._schema is None or not self._stage_rows or not isinstance(data, TensorDictBase):
+            return None
+        bs = data.batch_size
+        if len(bs) != batch_dims:
+            return None
+        n = int(bs[0]) if batch_dims else 1
+        if not 0 < n <= min(self._stage_rows // 8, self._capacity):
+            return None
+        cells = self._schema.match(data, batch_dims)
+        return None if cells is None else (n, cells)
+
+    def _stage_write(self, rows: np.ndarray, cells: dict[Key, torch.Tensor]) -> None:
+        """Stage a small write whose cells match the schema (nothing here can fail on input)."""
+        stage = self._stage
+        if stage is None:
+            stage = self._stage = WriteStage(self._schema, self._stage_rows, self._capacity)
+        if not stage.room_for(rows):
+            # the only step that can fail (tier space, disk): before this write touches anything
+            self._flush_stage()
+        n = rows.size
+        if n == 1:
+            r = int(rows[0])
+            for f in self._schema.dense_fields:
+                self._dense[f.key][r].copy_(cells[f.key].reshape(f.shape))
+        else:
+            rows_t = torch.from_numpy(rows)
+            for f in self._schema.dense_fields:
+                self._dense[f.key].index_copy_(0, rows_t, cells[f.key].reshape(n, *f.shape).cpu())
+        stage.put(rows, cells)
+
+    def _flush_stage(self) -> None:
+        """Compress the staged rows through the batched path (all or nothing; the stage keeps
+        its rows if it fails)."""
+        stage = self._stage
+        if stage is None or stage.count == 0:
+            return
+        rows, data = stage.batch(self._dense)
+        self._write_rows(rows, data)
+        stage.reset()
 
     def _check_writable(self) -> None:
         if self._closed:
@@ -704,8 +779,13 @@ class TieredStore:
             for f in fields:
                 if f.kind == "blob":
                     by_fam.setdefault(self._family_of[f.key], []).append(f)
-            for fid, fs in by_fam.items():
-                self._get_family(fid, fs, rows, out)
+            stage = self._stage
+            slots = stage.slot_of[rows] if stage is not None and stage.count else None
+            if slots is not None and (slots >= 0).any():
+                self._get_with_stage(by_fam, rows, slots, out)
+            else:
+                for fid, fs in by_fam.items():
+                    self._get_family(fid, fs, rows, out)
             self._counters["gets"] += 1
             td = TensorDict({}, batch_size=[n])
             for k, v in out.items():
@@ -713,6 +793,28 @@ class TieredStore:
             if self._device.type != "cpu":
                 td = td.to(self._device, non_blocking=True)
             return td[0] if scalar else td
+
+    def _get_with_stage(self, by_fam: dict[int, list[Field]], rows: np.ndarray, slots: np.ndarray,
+                        out: dict) -> None:
+        """Blob cells of ``rows`` when some are staged: the others decode as usual, staged
+        ones are copied from the stage."""
+        hit = slots >= 0
+        miss = np.flatnonzero(~hit)
+        part: dict[Key, torch.Tensor] = {}
+        if miss.size:
+            for fid, fs in by_fam.items():
+                self._get_family(fid, fs, rows[miss], part)
+        hit_pos = torch.from_numpy(np.flatnonzero(hit))
+        hit_slots = torch.from_numpy(slots[hit].astype(np.int64))
+        for fs in by_fam.values():
+            for f in fs:
+                decoded = part.get(f.key)
+                device = decoded.device if decoded is not None else torch.device("cpu")
+                cells = torch.empty((rows.size, *f.shape), dtype=f.dtype, device=device)
+                if decoded is not None:
+                    cells[torch.from_numpy(miss).to(device)] = decoded
+                cells[hit_pos.to(device)] = self._stage.cells[f.key][hit_slots].to(device)
+                out[f.key] = cells
 
     def _select_fields(self, keys) -> list[Field]:
         if keys is None:
@@ -885,6 +987,8 @@ class TieredStore:
                 f"index {int(rows[bad][0])} is out of range: the store is empty (length 0)")
         rows = np.where(rows < 0, rows + n, rows)
         unwritten = ~self._written[rows]
+        if unwritten.any() and self._stage is not None:
+            unwritten &= self._stage.slot_of[rows] < 0  # staged rows are written
         if unwritten.any():
             raise IndexOutOfRangeError(
                 f"row {int(rows[unwritten][0])} was never written (length {n}); write it first or sample "
@@ -991,6 +1095,8 @@ class TieredStore:
                     **self._stats[name],
                 }
             open_bytes = sum(int(f.pend.nbytes) for f in self._families)
+            staged = self._stage.count if self._stage is not None else 0
+            stage_bytes = self._stage.nbytes if self._stage is not None else 0
             tail_bytes = sum(int(f.tail_frames.nbytes) for f in self._families)
             index_bytes = sum(getattr(idx, c).nbytes for c in ("state", "refcount", "nbytes", "raw_nbytes",
                                                              "checksum", "codec", "family", "loc", "aux", "birth"))
@@ -1003,7 +1109,8 @@ class TieredStore:
                 "blobs": int(live.size),
                 "fields": fields,
                 "tiers": tiers,
-                "memory": {"open_chunks": open_bytes, "tail": tail_bytes, "index": index_bytes,
+                "staged_rows": staged,
+                "memory": {"staged": stage_bytes, "open_chunks": open_bytes, "tail": tail_bytes, "index": index_bytes,
                            "row_tables": table_bytes, "dense": dense_bytes},
                 "counters": dict(self._counters),
                 "gpu": self._gpu.stats() if self._gpu is not None else None,
@@ -1013,6 +1120,7 @@ class TieredStore:
         """Close open time chunks (compress and place them); with a path, commit durably."""
         with self._lock:
             self._check_writable()
+            self._flush_stage()
             self._close_open_chunks()
             self._commit()
 
@@ -1027,8 +1135,7 @@ class TieredStore:
             plan.tail_frames, plan.tail_blob, plan.tail_slot = fam.tail_frames, fam.tail_blob, fam.tail_slot
             plan.tail_hash = fam.tail_hash
             self._store_chunks(fam, plan.closed_ids, plan.closed_raw, plan.closed_nframes)
-            self._index.incref(plan.tail_blob)  # commit() unpins the old tail: pin it once more
-            dead = fam.commit(plan, self._index)
+            dead = fam.commit(plan, self._index)  # pins the (same) tail and unpins it: net zero
             self._policy.on_insert(plan.closed_ids)
             if dead.size:
                 self._delete_blobs(dead)

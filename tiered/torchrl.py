@@ -372,7 +372,8 @@ class TieredStorage(TensorStorage):
 
     # -- writing ---------------------------------------------------------------------------------
     def _to_rows(self, data: Any, scalar: bool, n_rows: int) -> TensorDictBase:
-        """Bring TorchRL's data forms to a TensorDict of batch ``[n_rows]``."""
+        """Bring TorchRL's data forms to a TensorDict of batch ``[n_rows]`` (``[]`` stays ``[]``
+        for one row at a scalar index: the store stages it without a copy of the whole row)."""
         if isinstance(data, list):
             # ReplayBuffer.extend(list) hands over one element per row
             data = torch.stack([d if isinstance(d, torch.Tensor) or is_tensor_collection(d)
@@ -398,7 +399,7 @@ class TieredStorage(TensorStorage):
             td = td.exclude(_INDEX_KEY)
             self._has_index = True
         if scalar and td.batch_dims == 0:
-            td = td.unsqueeze(0)
+            return td
         if td.batch_dims != 1:
             raise ValueError(f"expected data with batch_size [n] ([] for one row), got {list(td.batch_size)}")
         if td.batch_size[0] != n_rows:
@@ -429,7 +430,7 @@ class TieredStorage(TensorStorage):
             # written; without it (rb[i] = ..., write_at) it does not change
             old_len = len(store)
             new_len = min(old_len + (1 if scalar else rows.size), self.max_size) if set_cursor else old_len
-            store.set(rows, td, length=new_len)
+            store.set(int(rows[0]) if td.batch_dims == 0 else rows, td, length=new_len)
             if set_cursor and rows.size:
                 store.cursor = int((rows[-1] + 1) % self.max_size)
         self._bump_mutation_revision()
