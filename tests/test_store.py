@@ -325,3 +325,14 @@ def test_python_call_count_does_not_grow_with_batch(atari_mixed, config):
         counts[b] = (ext, g)
     assert counts[16][1] == counts[1024][1], counts
     assert counts[16][0] == counts[1024][0], counts
+
+
+def test_get_returns_resolved_row_positions_under_index_key(atari_pong):
+    store = TieredStore(50, frames={"observation": 0})
+    store.extend(atari_pong[:30])
+    out = store.get([-1, 3, 3], index_key="index")
+    assert out["index"].dtype == torch.int64 and out["index"].tolist() == [29, 3, 3]
+    assert_td_equal(out.exclude("index"), atari_pong[torch.tensor([29, 3, 3])])
+    one = store.get(-2, index_key="index")
+    assert one.batch_size == torch.Size([]) and int(one["index"]) == 28
+    assert "index" not in store.get([0]).keys()

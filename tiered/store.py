@@ -739,7 +739,8 @@ class TieredStore:
     # ------------------------------------------------------------------------------------
     # Reading
     # ------------------------------------------------------------------------------------
-    def get(self, index: IndexLike, keys: Iterable[str | Key] | None = None) -> TensorDictBase:
+    def get(self, index: IndexLike, keys: Iterable[str | Key] | None = None, *,
+            index_key: str | None = None) -> TensorDictBase:
         """Read rows.
 
         Args:
@@ -747,6 +748,8 @@ class TieredStore:
                 range or slice. Negative ints count from the end of the written rows; slices
                 clip to ``len``.
             keys: only these fields (nested keys as tuples); the others are not decoded.
+            index_key: also return each row's position (int64, negative indices resolved)
+                under this key, as TorchRL's storages return ``"index"``.
 
         Returns:
             A TensorDict of batch size ``[n]`` (or ``[]`` for an int index) on ``device``.
@@ -790,6 +793,8 @@ class TieredStore:
             td = TensorDict({}, batch_size=[n])
             for k, v in out.items():
                 td.set(k, v)
+            if index_key is not None:
+                td.set(index_key, rows_t)
             if self._device.type != "cpu":
                 td = td.to(self._device, non_blocking=True)
             return td[0] if scalar else td

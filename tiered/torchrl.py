@@ -352,7 +352,7 @@ class TieredStorage(TensorStorage):
     @property
     def _tensor_mode(self) -> bool:
         schema = self._store.schema
-        return schema is not None and [f.key for f in schema.values()] == [(_TENSOR_KEY,)]
+        return schema is not None and len(schema) == 1 and next(iter(schema)) == (_TENSOR_KEY,)
 
     @property
     def _total_shape(self) -> torch.Size | None:
@@ -458,14 +458,10 @@ class TieredStorage(TensorStorage):
         self._check_initialized()
         if isinstance(index, slice):
             return self._lazy_rows(index)
-        out = self._store.get(index)
         if self._tensor_mode:
-            return out.get(_TENSOR_KEY)
-        if self._has_index:
-            rows, scalar = as_row_array(index)
-            rows = torch.from_numpy(_wrap_negative(rows, len(self), "length")).to(self.device)
-            out.set(_INDEX_KEY, rows[0] if scalar else rows)
-        return out
+            return self._store.get(index).get(_TENSOR_KEY)
+        # the store adds the row positions it resolved: no second pass over the index here
+        return self._store.get(index, index_key=_INDEX_KEY if self._has_index else None)
 
     def __getitem__(self, index: Any) -> TensorDictBase | torch.Tensor:
         """Like :meth:`get`, but slices and 1-tuples (how TorchRL's samplers read) return lazy views.
