@@ -256,3 +256,19 @@ def test_stage_rows_must_be_a_non_negative_int():
         TieredStore(10, stage_rows=-1)
     with pytest.raises(ValueError, match="stage_rows"):
         TieredStore(10, stage_rows=2.5)
+
+
+@pytest.mark.parametrize("rows_per_write", [1, 50], ids=["staged", "batched"])
+def test_values_with_autograd_history_are_stored_detached(rows_per_write):
+    # policy outputs often carry autograd history: stored copies must not (nor fail on it)
+    torch.manual_seed(0)
+    logits = torch.randn(100, 6, requires_grad=True) * 2  # dense, with a grad_fn
+    features = torch.randn(100, 512, requires_grad=True) * 2  # 2 KiB per row: a blob field
+    data = TensorDict({"logits": logits, "features": features}, batch_size=[100])
+    store = TieredStore(100)
+    for lo in range(0, 100, rows_per_write):
+        store.extend(data[lo:lo + rows_per_write])
+    out = store.get(slice(None))
+    assert not out["logits"].requires_grad and not out["features"].requires_grad
+    assert torch.equal(out["logits"], logits.detach()) and torch.equal(out["features"], features.detach())
+    assert store.schema["features"].kind == "blob"

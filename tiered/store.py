@@ -414,15 +414,16 @@ class TieredStore:
             # the only step that can fail (tier space, disk): before this write touches anything
             self._flush_stage()
         n = rows.size
-        if n == 1:
-            r = int(rows[0])
-            for f in self._schema.dense_fields:
-                self._dense[f.key][r].copy_(cells[f.key].reshape(f.shape))
-        else:
-            rows_t = torch.from_numpy(rows)
-            for f in self._schema.dense_fields:
-                self._dense[f.key].index_copy_(0, rows_t, cells[f.key].reshape(n, *f.shape).cpu())
-        stage.put(rows, cells)
+        with torch.no_grad():  # stored values never carry autograd history
+            if n == 1:
+                r = int(rows[0])
+                for f in self._schema.dense_fields:
+                    self._dense[f.key][r].copy_(cells[f.key].reshape(f.shape))
+            else:
+                rows_t = torch.from_numpy(rows)
+                for f in self._schema.dense_fields:
+                    self._dense[f.key].index_copy_(0, rows_t, cells[f.key].reshape(n, *f.shape).cpu())
+            stage.put(rows, cells)
 
     def _flush_stage(self) -> None:
         """Compress the staged rows through the batched path (all or nothing; the stage keeps
@@ -495,7 +496,7 @@ class TieredStore:
     def _cell_frames(self, f: Field, value: torch.Tensor, n: int) -> np.ndarray:
         """``[n, F, frame_nbytes]`` uint8 view/copy of a blob field's cells (numpy: its row
         gathers and concatenations run at memcpy speed, several times torch's uint8 kernels)."""
-        v = value
+        v = value.detach()  # stored values never carry autograd history
         if f.frame_dim is not None and f.frame_dim != 0:
             v = v.movedim(f.frame_dim + 1, 1)
         v = v.contiguous()
@@ -557,7 +558,7 @@ class TieredStore:
             self._field_stats[fields[0].key]["unique_frames"] += plan.unique_new
             self._policy.on_insert(plan.closed_ids)
         for f in schema.dense_fields:
-            self._dense[f.key].index_copy_(0, rows_t, data.get(f.key).reshape(n, *f.shape))
+            self._dense[f.key].index_copy_(0, rows_t, data.get(f.key).detach().reshape(n, *f.shape))
         self._written[rows] = True
         self._traj_base = self._traj_base_next
         self._delete_blobs(np.unique(np.concatenate(dead_all)) if dead_all else np.empty(0, np.int64))
