@@ -302,12 +302,14 @@ def test_full_slice_is_physical_order_and_lazy(pong):
     assert torch.equal(rb[:]["next", "observation"], expected["next", "observation"])
 
 
-def test_slice_sampler_decodes_only_what_the_batch_needs(big_rb):
-    storage = big_rb.storage
+def _check_slice_sampler_decode_economy(rb) -> None:
+    """Each sample decodes exactly the blobs a direct get of its rows decodes: SliceSampler's
+    storage[:] / storage[index] lookups of trajectory ids and done flags decode no frame."""
+    storage = rb.storage
     total_blobs = storage.store.stats()["blobs"]
     for _ in range(3):
         before = decoded(storage)
-        sample, info = big_rb.sample(return_info=True)
+        sample, info = rb.sample(return_info=True)
         by_sample = decoded(storage) - before
         before = decoded(storage)
         direct = storage.store.get(info["index"])
@@ -317,6 +319,30 @@ def test_slice_sampler_decodes_only_what_the_batch_needs(big_rb):
         assert torch.equal(sample["observation"], direct["observation"])
         traj = sample["collector", "traj_ids"].view(8, 32)
         assert (traj == traj[:, :1]).all(), "a slice crossed a trajectory"
+
+
+def test_slice_sampler_decodes_only_what_the_batch_needs(big_rb):
+    _check_slice_sampler_decode_economy(big_rb)
+
+
+@pytest.mark.slow
+def test_slice_sampler_decodes_only_what_the_batch_needs_100k_rows(atari_mixed):
+    """The issue's size: 100,000 real Atari rows (the 4,000-row Pong + MsPacman rollout written
+    25 times, each copy with its own trajectory ids)."""
+    storage = TieredStorage(100_000, **OPTS)
+    rb = TensorDictReplayBuffer(storage=storage, sampler=SliceSampler(slice_len=32), batch_size=256)
+    n = atari_mixed.shape[0]
+    shift = int(atari_mixed["collector", "traj_ids"].max()) + 1
+    for copy in range(100_000 // n):
+        for lo in range(0, n, 2000):
+            chunk = atari_mixed[lo:lo + 2000]  # a new TensorDict of views: set() leaves the source
+            chunk.set(("collector", "traj_ids"), chunk.get(("collector", "traj_ids")) + copy * shift)
+            rb.extend(chunk)
+    assert len(rb) == 100_000
+    _check_slice_sampler_decode_economy(rb)
+    sample = rb.sample()
+    index = sample["index"].reshape(-1)
+    assert torch.equal(sample["observation"], atari_mixed["observation"][index % n])
 
 
 def test_slice_sampler_on_large_buffer_returns_the_right_frames(big_rb, big):
