@@ -81,6 +81,9 @@ DEFAULT_LEVEL = 3
 # it saves (about 20-50 us of synchronization against ~5 us to decode a 7 KB frame). Larger
 # batches get at least 4 blobs per slice.
 _MIN_BLOBS_FOR_THREADS = 8
+# A decode producing less than this stays on the calling thread: ~50 us of zstd work, less than
+# a thread handoff on a small VM (a one-row sample is 2-8 blobs, 30-60 KB of frames).
+_MIN_BYTES_FOR_THREADS = 64 << 10
 _MIN_BLOBS_PER_SLICE = 4
 _ZSTD_MAGIC = 0xFD2FB528
 _ITEM_RE = re.compile(r"item (\d+)")
@@ -207,12 +210,14 @@ class ZstdCodec(Codec):
             self._local.dctx = dctx
         return dctx
 
-    def _parts(self, n: int) -> int:
-        # As many slices as threads whenever there are 2+ blobs: the Python call count of a
-        # batch must not depend on its size (a slice may hold a single blob).
-        if self.native_threads:
-            return 1
-        return max(1, min(self.threads, n))
+    def _parts(self, n: int, out_bytes: int | None = None) -> int:
+        # As many slices as threads whenever there are 2+ blobs (and, for a decode, enough output
+        # to be worth a handoff): the Python call count of a batch must not depend on its size
+        # beyond that (a slice may hold a single blob).
+        parts = max(1, min(self.threads, n))
+        if self.native_threads or (out_bytes is not None and out_bytes < _MIN_BYTES_FOR_THREADS):
+            parts = 1
+        return parts
 
     def _native(self, n: int) -> int:
         # zstandard's threads argument: 1 runs on the calling thread (GIL released), N > 1 starts
@@ -315,7 +320,7 @@ class ZstdCodec(Codec):
                 out_offsets[keep],
                 out_sizes[keep],
             )
-        bounds = split_balanced(sizes, self._parts(keep.size)).tolist()
+        bounds = split_balanced(sizes, self._parts(keep.size, int(out_sizes.sum()))).tolist()
         out_mv = memoryview(out)
         tasks = [
             (data, offsets[a:b], sizes[a:b], out_mv, out_offsets[a:b], out_sizes[a:b], a)

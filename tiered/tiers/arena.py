@@ -47,9 +47,11 @@ Buffer = np.ndarray | torch.Tensor
 _I64 = np.int64
 # Smallest arena buffer: growing 64 KiB -> budget takes ~log2(budget / 64 KiB) copies.
 _MIN_ARENA = 1 << 16
-# Row sizes of the host copy: at most 16 rows per blob below 4 KiB (4 KiB rows measured
-# faster than 64 KiB ones for large blobs).
-_ROW_BYTES = np.array([1, 16, 256, 4096], dtype=_I64)
+# Row sizes of the host copy. Every class costs about a dozen numpy calls per copy, whatever
+# its size, and sampled blobs are small (compressed Atari chunks: median ~320 B), so two
+# classes: bytes for blobs under 128 B, 128-byte rows for the rest. Measured on sampled warm
+# reads (2, 60 and 500 blobs) against [1, 16, 256, 4096]: 30-40% less time at each size.
+_ROW_BYTES = np.array([1, 128], dtype=_I64)
 
 
 def default_budgets() -> dict[str, int]:
