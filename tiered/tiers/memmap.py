@@ -82,6 +82,14 @@ def _preadv_all(fd: int, view: memoryview, offset: int, path: Callable[[], str])
         done += k
 
 
+def _advise_random(fd: int) -> None:
+    """Sampling reads are random: without this the kernel's read-ahead reads megabytes around
+    each small blob (measured 2.8 MB per 0.5 MB batch without it, 1.1 MB with it). The advice
+    belongs to the open file description, so every descriptor the tier reads through needs it."""
+    if hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+
+
 def read_blobs(
     fd_of: Callable[[int], int],
     path_of: Callable[[int], str],
@@ -275,10 +283,7 @@ class MemmapTier(Tier):
                 self._check_segment(i)
                 path = self.segment_path(i)
                 fd = _io.open_for_write(path) if self.mode != "r" else _io.open_for_read(path)
-                # Sampling reads are random: the kernel's read-ahead would read megabytes around
-                # each small blob (measured 2.8 MB per 0.5 MB batch without this, 1.1 MB with it).
-                if hasattr(os, "posix_fadvise"):
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+                _advise_random(fd)
                 self._fds[i] = fd
         return fd
 
@@ -332,6 +337,7 @@ class MemmapTier(Tier):
             while len(self._sizes) <= s:
                 i = len(self._sizes)
                 fd, data_off = self._create_segment(i)
+                _advise_random(fd)  # the writer samples through this same descriptor
                 self._fds[i] = fd
                 self._sizes.append(0)
                 self._data_offsets.append(data_off)
