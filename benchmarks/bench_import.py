@@ -80,35 +80,31 @@ def tiled(base: dict[str, np.ndarray], lo: int, hi: int, key: str) -> np.ndarray
     return a
 
 
+# D4RL array name -> key of the base rollout, shared by the D4RL and npz sources
+D4RL_COLUMNS = {
+    "observations": "observation",
+    "actions": "action",
+    "rewards": "reward",
+    "terminals": "terminated",
+    "timeouts": "truncated",
+}
+
+
 def build_d4rl(base, rows: int, path: Path) -> None:
     with h5py.File(path, "w") as f:
-        cols = {
-            "observations": "observation",
-            "actions": "action",
-            "rewards": "reward",
-            "terminals": "terminated",
-            "timeouts": "truncated",
-        }
         ds = {
             name: f.create_dataset(name, shape=(rows, *base[k].shape[1:]), dtype=base[k].dtype)
-            for name, k in cols.items()
+            for name, k in D4RL_COLUMNS.items()
         }
         for lo in range(0, rows, SLICE):
             hi = min(rows, lo + SLICE)
-            for name, k in cols.items():
+            for name, k in D4RL_COLUMNS.items():
                 ds[name][lo:hi] = tiled(base, lo, hi, k)
 
 
 def build_npz(base, rows: int, path: Path) -> None:
-    cols = {
-        "observations": "observation",
-        "actions": "action",
-        "rewards": "reward",
-        "terminals": "terminated",
-        "timeouts": "truncated",
-    }
     with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
-        for name, k in cols.items():
+        for name, k in D4RL_COLUMNS.items():
             a = base[k]
             head = io.BytesIO()
             np.lib.format.write_array_header_2_0(
