@@ -21,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import datetime as _dt
 import gc
+import math
 import os
 import platform
 import re
@@ -36,6 +37,8 @@ import psutil
 REPO = Path(__file__).resolve().parents[1]
 OUT_DIR = REPO / "benchmarks" / "out"
 DOC_PATH = REPO / "docs" / "benchmarks.md"
+# ALE games of the benchmarks' default data, in order (a game's seed is its position)
+DEFAULT_GAMES = ["Pong", "Breakout", "SpaceInvaders", "MsPacman", "Seaquest"]
 
 
 def ensure_repo_on_path() -> None:
@@ -307,3 +310,27 @@ def write_doc_section(body: str, begin: str, end: str, path: Path = DOC_PATH) ->
         )
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
+
+
+# ------------------------------------------------------------------------------------------
+# Data
+# ------------------------------------------------------------------------------------------
+def load_atari(games: Sequence[str], n: int, per_game_rollout: int) -> Any:
+    """``n`` transitions: the first ``ceil(n / games)`` of each game's cached rollout of
+    ``per_game_rollout`` steps, concatenated (seeds are the game's position in ``games``, so the
+    default list matches the cached files)."""
+    from tiered.atari import cached_rollout, concat_rollouts
+
+    per_game = math.ceil(n / len(games))
+    parts = []
+    for seed, game in enumerate(games):
+        td = cached_rollout(game, per_game_rollout, seed)
+        parts.append(td[:per_game].clone())  # clone: free the rest of the rollout now
+        del td
+    data = concat_rollouts(parts)
+    return data[:n].clone() if data.batch_size[0] > n else data
+
+
+def row_bytes(data: Any) -> int:
+    """Logical (uncompressed) bytes of one transition of a TensorDict ``[n]``."""
+    return sum(v.numel() * v.element_size() for v in data.values(True, True)) // data.batch_size[0]

@@ -61,9 +61,8 @@ import _harness as H  # noqa: E402
 H.ensure_repo_on_path()
 
 import torch  # noqa: E402
-from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase  # noqa: E402
+from tensordict import LazyStackedTensorDict, TensorDictBase  # noqa: E402
 
-DEFAULT_GAMES = ["Pong", "Breakout", "SpaceInvaders", "MsPacman", "Seaquest"]
 BEGIN = "<!-- bench_storages:begin -->"
 END = "<!-- bench_storages:end -->"
 HEADING = "## CPU: storages side by side (bench_storages.py)"
@@ -91,30 +90,6 @@ MEASURES = [
 def rollout_steps(total: int, games: list[str], scale: int) -> int:
     """Transitions per game played (and cached): enough for the scaled memory measurement."""
     return math.ceil(scale * total / len(games))
-
-
-def load_data(games: list[str], n: int, per_game_rollout: int) -> TensorDict:
-    """``n`` transitions: the first ``ceil(n / games)`` of each game's rollout, concatenated.
-
-    Seeds are the game's position in ``games`` so the default list matches the cached files.
-    """
-    from tiered.atari import cached_rollout, concat_rollouts
-
-    per_game = math.ceil(n / len(games))
-    parts = []
-    for seed, game in enumerate(games):
-        td = cached_rollout(game, per_game_rollout, seed)
-        # Clone the slice so the rest of the rollout is freed now, not held by a view.
-        parts.append(td[:per_game].clone())
-        del td
-    data = concat_rollouts(parts)
-    return data[:n].clone() if data.batch_size[0] > n else data
-
-
-def row_bytes(data: TensorDictBase) -> int:
-    """Logical (uncompressed) bytes of one transition."""
-    n = data.batch_size[0]
-    return sum(v.numel() * v.element_size() for v in data.values(True, True)) // n
 
 
 # ------------------------------------------------------------------------------------------
@@ -417,7 +392,7 @@ def child_main(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     games = args.games
     n = args.child_n
-    data = load_data(games, n, rollout_steps(args.steps, games, args.scale))
+    data = H.load_atari(games, n, rollout_steps(args.steps, games, args.scale))
     specs, _ = build_specs([args.child])
     spec = specs[0]
     tmp = tempfile.mkdtemp(prefix="bench_storages_child_")
@@ -444,7 +419,7 @@ def child_main(args: argparse.Namespace) -> int:
             "anon_growth": after.get("RssAnon", 0) - before.get("RssAnon", 0),
             "file_rss_growth": after.get("RssFile", 0) - before.get("RssFile", 0),
             "shmem_growth": after.get("RssShmem", 0) - before.get("RssShmem", 0),
-            "row_bytes": row_bytes(data),
+            "row_bytes": H.row_bytes(data),
         }
         if spec.key == "lms":
             out["disk"] = H.dir_bytes(tmp)
@@ -803,7 +778,7 @@ def method_notes(args, rounds, ext1_steps, block, why_no_adapter) -> list[str]:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=None, help="total transitions (default 20000; quick 2000)")
-    p.add_argument("--games", nargs="+", default=DEFAULT_GAMES, help="ALE games, mixed in this order")
+    p.add_argument("--games", nargs="+", default=H.DEFAULT_GAMES, help="ALE games, mixed in this order")
     p.add_argument("--rounds", type=int, default=None, help="timed sample rounds per batch size (def. 200)")
     p.add_argument("--one-steps", type=int, default=None, help="transitions added one by one (default 2000)")
     p.add_argument("--quick", action="store_true", help="small run (~1-2 min) to check the script works")
@@ -852,8 +827,8 @@ def main(argv: list[str] | None = None) -> int:
 
     m = H.CpuMeter()
     n = args.steps
-    data = load_data(args.games, n, rollout_steps(n, args.games, args.scale))
-    rb_bytes = row_bytes(data)
+    data = H.load_atari(args.games, n, rollout_steps(n, args.games, args.scale))
+    rb_bytes = H.row_bytes(data)
     meters["load data"] = m.stop()
     print(f"data: {n:,} transitions of {', '.join(args.games)}, {rb_bytes:,} B each "
           f"({meters['load data']['wall_s']:.1f} s)")

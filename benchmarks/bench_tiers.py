@@ -69,7 +69,6 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from tensordict import TensorDictBase  # noqa: E402
 
-DEFAULT_GAMES = ["Pong", "Breakout", "SpaceInvaders", "MsPacman", "Seaquest"]
 BEGIN = "<!-- bench_tiers:begin -->"
 END = "<!-- bench_tiers:end -->"
 HEADING = "## Tiers (bench_tiers.py)"
@@ -99,30 +98,6 @@ LABEL = dict(CASES)
 # ------------------------------------------------------------------------------------------
 # Data
 # ------------------------------------------------------------------------------------------
-def load_data(games: list[str], n: int) -> TensorDictBase:
-    """``n`` transitions: the first ``ceil(n / games)`` of each game's cached rollout, concatenated.
-
-    Rollouts of 8000 steps per game (seeds = position in ``games``) are what
-    ``bench_storages.py`` caches for its default run, so the default here needs no emulator.
-    """
-    from tiered.atari import cached_rollout, concat_rollouts
-
-    per_game = math.ceil(n / len(games))
-    rollout = max(8000, per_game)
-    parts = []
-    for seed, game in enumerate(games):
-        td = cached_rollout(game, rollout, seed)
-        parts.append(td[:per_game].clone())  # clone: free the rest of the rollout now
-        del td
-    data = concat_rollouts(parts)
-    return data[:n].clone() if data.batch_size[0] > n else data
-
-
-def row_bytes(data: TensorDictBase) -> int:
-    """Logical (uncompressed) bytes of one transition."""
-    return sum(v.numel() * v.element_size() for v in data.values(True, True)) // data.batch_size[0]
-
-
 def rows_equal(out: TensorDictBase, want: TensorDictBase) -> bool:
     """Bit-exact comparison of the checked keys."""
     for k in CHECK_KEYS:
@@ -782,7 +757,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--reopen-rows", type=int, default=None, help="rows of the reopen store (default 100000)")
     p.add_argument("--reopen-repeats", type=int, default=None,
                    help="timed reopens per cache state (default 5)")
-    p.add_argument("--games", nargs="+", default=DEFAULT_GAMES, help="ALE games, mixed in this order")
+    p.add_argument("--games", nargs="+", default=H.DEFAULT_GAMES, help="ALE games, mixed in this order")
     p.add_argument("--dir", default=None, help="where the stores' files go (default: a temp dir)")
     p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads(N); 0 keeps torch's default")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampled indices")
@@ -814,9 +789,11 @@ def main(argv: list[str] | None = None) -> int:
     errors: dict[str, str] = {}
 
     m = H.CpuMeter()
-    data = load_data(args.games, args.steps)
+    # rollouts of 8000 steps per game are what bench_storages.py caches for its default run,
+    # so the default here needs no emulator
+    data = H.load_atari(args.games, args.steps, max(8000, math.ceil(args.steps / len(args.games))))
     n = data.batch_size[0]
-    rbytes = row_bytes(data)
+    rbytes = H.row_bytes(data)
     meters["load data"] = m.stop()
     print(f"data: {n:,} transitions, {rbytes:,} B each ({meters['load data']['wall_s']:.1f} s)")
 
@@ -932,7 +909,7 @@ def main(argv: list[str] | None = None) -> int:
     derived.pop("ratio_rows")
     out_path.write_text(json.dumps({
         "facts": facts, "disk": dev, "loads": loads, "cpu_other_processes": meters, "args": vars(args),
-        "transitions": n, "row_bytes": row_bytes(data), "compressed_bytes": compressed,
+        "transitions": n, "row_bytes": H.row_bytes(data), "compressed_bytes": compressed,
         "lru": side["lru"], "builds_s": builds,
         "cases": summ, "derived": derived, "large": large, "reopen": reopen,
         "checks": [dict(zip(["check", "target", "measured", "result"], r, strict=True)) for r in checks],
