@@ -5,12 +5,14 @@ A *family* is the set of blob fields whose frames have one dtype and shape (e.g.
 written, :meth:`FrameFamily.plan` decides, without mutating anything, which incoming frames
 are new and where every frame lives:
 
-1. **Dedup, exact.** The incoming frames, preceded by a small *tail* of raw frames kept from
-   the previous write (so sharing works across two ``extend`` calls), are hashed with a 64-bit
-   multiply-add hash over their 8-byte words (numpy ``uint64`` arithmetic wraps by definition).
-   Each frame's representative is the first frame with the same hash; every match is then
-   confirmed byte for byte (``torch.eq`` over the batch). A hash collision is therefore only a
-   missed dedup, never wrong data.
+1. **Dedup, exact.** Frames the layout predicts to repeat (a stacked frame and the previous
+   row's, a next observation and the next row's observation) are compared in place first.
+   The frames left, preceded by a small *tail* of raw frames kept from the previous write (so
+   sharing works across two ``extend`` calls), are hashed with a 64-bit multiply-add hash over
+   their 8-byte words (numpy ``uint64`` arithmetic wraps by definition). Each frame's
+   representative is the first frame with the same hash; every match is then confirmed byte
+   for byte (one numpy comparison over the batch). A hash collision is therefore only a missed
+   dedup, never wrong data.
 2. **Time chunks.** New unique frames are grouped per trajectory, in write order, into blobs
    of ``chunk_frames`` (K) frames. The last, partial chunk of a trajectory stays *open* (raw, in
    a per-family buffer) until it fills, the trajectory ends (a done flag), or ``flush()``.
@@ -26,11 +28,23 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .codecs.raw import exclusive_cumsum
 from .index import OPEN, BlobIndex, isin
 
 __all__ = ["FrameFamily", "FramePlan", "FrameColumns", "layout_rules"]
 
 _HASH_SEED = 0x9E3779B97F4A7C15
+
+
+def _ranges(base: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """``concatenate([base[i] + arange(counts[i]) for i])``, without the loop.
+
+    Example:
+        >>> _ranges(np.array([10, 20]), np.array([2, 3])).tolist()
+        [10, 11, 20, 21, 22]
+    """
+    counts = counts.astype(np.int64)
+    return np.repeat(base.astype(np.int64) - exclusive_cumsum(counts), counts) + np.arange(int(counts.sum()))
 
 
 def _hash_coeffs(n_words: int) -> np.ndarray:
@@ -197,7 +211,7 @@ class FrameFamily:
         M = frames.M
         T = self.tail_frames.shape[0]
         nb = self.nbytes
-        rep, roots, root_frames = self._dedup(frames, frame_traj, rules if self.dedup else None)
+        rep, roots, root_frames = self._dedup(frames, frame_traj, rules)
         rep_new = rep[T:]
         own = rep_new == np.arange(T, T + M)
         u_idx = np.flatnonzero(own)                    # incoming positions of new unique frames
@@ -274,19 +288,18 @@ class FrameFamily:
         reopened_closed = chunk_blob[reo]
         old_fill = fill0[chunk_group[reo]]
         pend_slot = index.aux[chunk_blob[reo]]
-        pend_rows = np.repeat(pend_slot * self.K, old_fill) + (
-            np.arange(int(old_fill.sum())) - np.repeat(np.cumsum(old_fill) - old_fill, old_fill))
-        pend_keys = np.repeat(np.searchsorted(closed, reo), old_fill) * self.K + (
-            np.arange(int(old_fill.sum())) - np.repeat(np.cumsum(old_fill) - old_fill, old_fill))
-        # ... and new frames
+        pend_rows = _ranges(pend_slot * self.K, old_fill)
+        # A closed chunk holds slots 0..fill-1 (its old open frames first, then new ones), so
+        # frame `slot` of closed chunk `c` goes to row start[c] + slot, chunk-major: one scatter
+        # per source into a preallocated output, no sort and no intermediate copy.
+        start = exclusive_cumsum(closed_nframes)
+        closed_raw = np.empty((int(closed_nframes.sum()), nb), dtype=np.uint8)
+        closed_raw[_ranges(start[np.searchsorted(closed, reo)], old_fill)] = self.pend.reshape(-1, nb)[pend_rows]
+        # ... and new frames (new unique frames are all dedup roots: take them from the roots)
         u_closed = isin(u_chunk, closed)
         u_sel = np.flatnonzero(u_closed)
-        new_keys = np.searchsorted(closed, u_chunk[u_sel]) * self.K + u_slot[u_sel]
-        keys = np.concatenate([pend_keys, new_keys])
-        # new unique frames are all dedup roots: fetch them from the gathered roots
         u_root = np.searchsorted(roots, u_idx)
-        src = np.concatenate([self.pend.reshape(-1, nb)[pend_rows.astype(np.int64)], root_frames[u_root[u_sel]]])
-        closed_raw = src[np.argsort(keys, kind="stable")]
+        closed_raw[start[np.searchsorted(closed, u_chunk[u_sel])] + u_slot[u_sel]] = root_frames[u_root[u_sel]]
 
         # -- open chunks after this plan -------------------------------------------------------
         still_open = np.flatnonzero(~closes)
@@ -301,8 +314,7 @@ class FrameFamily:
             extra_ids = self.open_blob[keep_old]
             extra_fill = self.open_fill[keep_old]
             if extra_ids.size:
-                rows = np.repeat(index.aux[extra_ids] * self.K, extra_fill) + (
-                    np.arange(int(extra_fill.sum())) - np.repeat(np.cumsum(extra_fill) - extra_fill, extra_fill))
+                rows = _ranges(index.aux[extra_ids] * self.K, extra_fill)
                 closed_raw = np.concatenate([closed_raw, self.pend.reshape(-1, nb)[rows]])
                 closed_ids = np.concatenate([closed_ids, extra_ids])
                 closed_nframes = np.concatenate([closed_nframes, extra_fill])
@@ -375,7 +387,9 @@ class FrameFamily:
         h = np.concatenate([self.tail_hash, frame_hashes(root_frames, self._coeffs)])
         _, first, inv = np.unique(h, return_index=True, return_inverse=True)
         rrep = first[inv.reshape(-1)]
-        dup = np.flatnonzero(rrep != np.arange(T + R))
+        # only incoming roots are resolved: duplicates inside the tail (its stacks overlap) were
+        # resolved by the write that kept them, and rrep[:T] is never read
+        dup = T + np.flatnonzero(rrep[T:] != np.arange(T, T + R))
         # fresh temporaries (not kept scratch): they are a few MB that a store should not hold
         a, b = self._take(root_frames, dup), self._take(root_frames, rrep[dup])
         if nb % 8 == 0:

@@ -4,7 +4,8 @@ Why: a write of one row (``ReplayBuffer.add`` on every environment step) would o
 whole batched write path (trajectory ids, frame dedup, encode, placement: about 2 ms of fixed
 numpy work) for a single row. The stage copies a small write's blob cells into preallocated raw
 tensors (dense cells go straight to their columns) and hands the staged rows to the batched path
-once ``size`` of them have gathered, or before any larger write, flush, commit or pickle.
+at the start of the first write that finds the stage full (``size`` rows) or holding one of its
+rows, or before any larger write, flush, commit or pickle.
 
 Promises kept (DESIGN.md 7):
 

@@ -8,7 +8,7 @@ batch of blobs is one vectorized numpy call:
 column     dtype   meaning
 ========== ======= ================================================================
 state      int8    FREE (id unused), OPEN (an open time chunk, raw in memory), STORED
-refcount   int32   number of row-table entries (plus cache pins) pointing at the blob
+refcount   int32   number of row-table entries (plus tail pins) pointing at the blob
 nbytes     int64   compressed size
 raw_nbytes int64   decompressed size (frames in the blob x frame bytes)
 checksum   int64   checksum of the compressed bytes (:mod:`tiered.codecs.checksum`)

@@ -36,6 +36,7 @@ from tensordict import TensorDict, TensorDictBase
 from . import codecs as _codecs
 from ._frames import FrameColumns, FrameFamily, layout_rules
 from ._stage import WriteStage
+from .codecs.raw import exclusive_cumsum
 from .errors import (
     ChecksumError,
     IndexOutOfRangeError,
@@ -123,8 +124,9 @@ class TieredStore:
         threads: decode/encode threads (default: all cores).
         backend: cold-tier backend with a path: ``"memmap"`` or ``"hdf5"``.
         stage_rows: writes of at most ``stage_rows // 8`` rows (``ReplayBuffer.add``, a few
-            environments at a time) are staged raw and compressed together once ``stage_rows``
-            rows have gathered, or before any larger write, :meth:`flush` or pickling. Staged
+            environments at a time) are staged raw and compressed together by the first write that
+            finds the stage full (``stage_rows`` rows) or holding one of its rows, or before any
+            larger write, :meth:`flush` or pickling. Staged
             rows are readable at once and every error is still raised by the write that causes
             it (see ``tiered/_stage.py``). ``0`` writes every call through.
     """
@@ -487,7 +489,7 @@ class TieredStore:
         if tk in self._schema:
             traj = data.get(tk).reshape(n, -1)[:, 0].to(torch.int64).numpy()
         else:
-            before = (np.cumsum(done) - done).astype(np.int64)
+            before = exclusive_cumsum(done.astype(np.int64))
             traj = self._traj_base + before
             self._traj_base_next = self._traj_base + int(done.sum())
         ended = np.unique(traj[done])
@@ -585,7 +587,7 @@ class TieredStore:
         if ids.size == 0:
             return
         raw_sizes = nframes * fam.nbytes
-        raw_offsets = (np.cumsum(raw_sizes) - raw_sizes).astype(np.int64)
+        raw_offsets = exclusive_cumsum(raw_sizes)
         enc = self._codec.encode(raw.reshape(-1), raw_offsets, raw_sizes)
         idx = self._index
         idx.nbytes[ids] = enc.sizes
@@ -639,7 +641,7 @@ class TieredStore:
         """Allocate in tier ``t``, moving policy victims out first.
 
         Enough free *bytes* may still not hold a batch when the free space is in small holes;
-        then more victims leave (twice the batch, four times, ... up to the whole budget) until
+        then more victims leave (four times the batch, then sixteen times, then the whole budget) until
         the holes coalesce. A bounded number of rounds, never a loop over blobs.
         """
         tier = self._tiers[t]
@@ -691,7 +693,7 @@ class TieredStore:
             return
         if not lower:
             raise StorageFullError(f"the {tier.name} tier is full and there is no lower tier to move blobs to")
-        buf_off = (np.cumsum(sizes) - sizes).astype(np.int64)
+        buf_off = exclusive_cumsum(sizes)
         buf = np.empty(int(sizes.sum()), dtype=np.uint8)
         tier.read(idx.loc[ids, t], sizes, buf, buf_off)
         u = lower[0]
@@ -784,7 +786,7 @@ class TieredStore:
                 if f.kind == "blob":
                     by_fam.setdefault(self._family_of[f.key], []).append(f)
             stage = self._stage
-            slots = stage.slot_of[rows] if stage is not None and stage.count else None
+            slots = stage.staged(rows) if stage is not None and stage.count else None
             if slots is not None and (slots >= 0).any():
                 self._get_with_stage(by_fam, rows, slots, out)
             else:
@@ -880,7 +882,7 @@ class TieredStore:
         pos = np.flatnonzero(~is_open)
         ids = uniq[pos]
         sizes = idx.nbytes[ids]
-        src_off = (np.cumsum(sizes) - sizes).astype(np.int64)
+        src_off = exclusive_cumsum(sizes)
         comp = self._scratch("comp", int(sizes.sum()))
         loc = idx.loc[ids]
         remaining = np.ones(ids.size, dtype=bool)
@@ -994,7 +996,7 @@ class TieredStore:
         rows = np.where(rows < 0, rows + n, rows)
         unwritten = ~self._written[rows]
         if unwritten.any() and self._stage is not None:
-            unwritten &= self._stage.slot_of[rows] < 0  # staged rows are written
+            unwritten &= self._stage.staged(rows) < 0  # staged rows are written
         if unwritten.any():
             raise IndexOutOfRangeError(
                 f"row {int(rows[unwritten][0])} was never written (length {n}); write it first or sample "

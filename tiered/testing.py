@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .codecs.raw import exclusive_cumsum
 from .index import COLD, HOT, OPEN, WARM
 from .store import TieredStore
 from .tiers.base import align
@@ -39,7 +40,7 @@ def spread_over_tiers(store: TieredStore, seed: int = 0) -> None:
     order = np.random.default_rng(seed).permutation(stored)
     for t, ids in zip((HOT, WARM), np.array_split(order, 3)[:2], strict=True):
         sizes = idx.nbytes[ids]
-        offs = np.cumsum(sizes) - sizes
+        offs = exclusive_cumsum(sizes)
         buf = np.zeros(int(sizes.sum()), np.uint8)
         store._tiers[COLD].read(idx.loc[ids, COLD], sizes, buf, offs)
         loc = store._tiers[t].allocate(sizes)

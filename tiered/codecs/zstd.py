@@ -14,31 +14,15 @@ blob. Their results are ``BufferWithSegmentsCollection`` objects whose sub-buffe
 backend does not expose; the segments are moved with C-level iteration instead
 (``bytearray().join(collection)`` on encode, a ``map`` of memoryview slice assignments straight
 into the caller's ``out`` on decode: one memcpy per blob, no Python frame per blob, ~0.3 us per
-blob against ~3-13 us to decode it). The number of Python-level calls is the same for 16 blobs
+blob against ~3-13 us to decode it). The number of Python-level calls is the same for 80 blobs
 and for 1024 (tests/test_codecs.py counts them).
 
 Threads: a batch is cut into ``threads`` slices of similar byte size; each slice runs
 ``multi_*_to_buffer(threads=1)`` (which releases the GIL) on a small persistent thread pool, the
 calling thread taking the last slice. zstandard's own ``threads=N`` (``native_threads = True``)
-starts and joins N native threads inside every call instead. Measured side by side on the 2-core
-VM (benchmarks/zstd_threads.py: synthetic Atari-like frames, level 3, batch of 256, threads=2,
-blobs/s, best of 30 interleaved rounds). A neighbour process kept the load average near 4, so two
-threads seldom ran at once and the threaded rows understate a quiet machine::
-
-                                          7 KB frames (25x)   28 KB stacks (37x)
-    decode  slices on tiered threads            172k                 50k
-    decode  zstandard threads=2                 103k                 37k
-    decode  threads=1                           172k                 35k
-    decode  per-blob Python loop (reference)    182k                 57k
-    encode  slices on tiered threads             93k                 21k
-    encode  zstandard threads=2                  91k                 17k
-    encode  threads=1                            98k                 24k
-
-The sliced pool is the default: it never starts threads per call and was faster than
-zstandard's threads in every decode comparison. The per-blob Python loop is about as fast at
-this batch size, but its Python work grows with the batch and holds the GIL between blobs; the
-batched path keeps both flat. ``threads=1`` starts no thread; batches under 8 blobs also stay
-on the calling thread.
+starts and joins N native threads inside every call instead; the sliced pool is the default
+(it never starts threads per call). ``threads=1`` starts no thread, and a decode of under
+64 KiB of output stays on the calling thread (a handoff costs more than that much zstd work).
 
 Example:
     >>> import numpy as np
@@ -77,14 +61,12 @@ MIN_LEVEL = -(1 << 17)
 MAX_LEVEL = int(zstandard.MAX_COMPRESSION_LEVEL)
 #: Level of the plain spec ``"zstd"``.
 DEFAULT_LEVEL = 3
-# Below this many blobs a batch stays on the calling thread: a thread handoff costs more than
-# it saves (about 20-50 us of synchronization against ~5 us to decode a 7 KB frame). Larger
-# batches get at least 4 blobs per slice.
+# With native_threads, zstandard's own threads start only from this many blobs: starting and
+# joining them costs more than a smaller batch saves.
 _MIN_BLOBS_FOR_THREADS = 8
 # A decode producing less than this stays on the calling thread: ~50 us of zstd work, less than
 # a thread handoff on a small VM (a one-row sample is 2-8 blobs, 30-60 KB of frames).
 _MIN_BYTES_FOR_THREADS = 64 << 10
-_MIN_BLOBS_PER_SLICE = 4
 _ZSTD_MAGIC = 0xFD2FB528
 _ITEM_RE = re.compile(r"item (\d+)")
 

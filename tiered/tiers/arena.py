@@ -12,13 +12,10 @@ number of blobs:
 
 * adjacent blobs (contiguous in both buffers) are merged into runs first; a single run is
   one slice copy;
-* otherwise, on the host, a blob of ``n`` bytes is copied as rows of ``c`` bytes, ``c`` the
-  largest of 1, 16, 256, 4096 that is <= ``n``, its last row shifted back so it ends at
-  byte ``n``; each row size is one numpy fancy-index copy between overlapping strided
-  windows (one ``memcpy`` per row, no per-byte index). Measured on a 2-core VM, 256 blobs:
-  ~700 B: 0.20 ms vs 0.15-0.50 ms for a Python loop of slice copies (noisy), ~7 KB:
-  1.2 ms vs 0.75 ms (the row copy goes through a temporary); a flat per-byte index
-  (``np.repeat``/``index_select``) took 0.75 ms and 8-16 ms;
+* otherwise, on the host, a blob of ``n`` bytes is copied as rows of ``c`` bytes (1-byte rows
+  under 128 B, else 128-byte rows), its last row shifted back so it ends at byte ``n``; each
+  row size is one numpy fancy-index copy between overlapping strided windows (one ``memcpy``
+  per row, no per-byte index, no Python loop over blobs);
 * on a GPU, one ``index_select``/``index_copy_`` over a flat index of 8-byte words (when
   every offset is 8-aligned) plus the byte tails: GPU gathers are bandwidth-bound;
 * across devices: pack on the source device, one transfer, unpack on the destination.
@@ -36,6 +33,7 @@ import psutil
 import torch
 from numpy.lib.stride_tricks import as_strided
 
+from tiered.codecs.raw import exclusive_cumsum
 from tiered.errors import StorageFullError
 from tiered.tiers.base import Tier
 from tiered.tiers.extents import ExtentAllocator, format_bytes, parse_bytes
@@ -166,7 +164,7 @@ def _gather_scatter(src: torch.Tensor, s: np.ndarray, dst: torch.Tensor, d: np.n
     if total == 0:
         return
     dev = src.device
-    excl = np.cumsum(n) - n
+    excl = exclusive_cumsum(n)
     n_t = torch.from_numpy(n).to(dev)
     base = torch.arange(total, device=dev, dtype=torch.int64)
     sidx = base + torch.repeat_interleave(torch.from_numpy(s - excl).to(dev), n_t, output_size=total)
@@ -237,7 +235,7 @@ def copy_blobs(src: Buffer, src_offsets: np.ndarray, dst: Buffer, dst_offsets: n
         _copy_torch(ts, s, td, d, n)
         return
     # Different devices: pack on the source device, one transfer, unpack at the destination.
-    excl = np.cumsum(n) - n
+    excl = exclusive_cumsum(n)
     total = int(n.sum())
     if _is_packed(s, n):
         packed = ts[int(s[0]):int(s[0]) + total]

@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from tiered.codecs.raw import exclusive_cumsum
 from tiered.errors import StorageFullError
 from tiered.tiers.base import ALIGNMENT, align
 
@@ -84,8 +85,6 @@ def format_bytes(n: int | None) -> str:
     return f"{n} B"
 
 
-def _exclusive_cumsum(sizes: np.ndarray) -> np.ndarray:
-    return np.cumsum(sizes) - sizes
 
 
 class ExtentAllocator:
@@ -203,7 +202,7 @@ class ExtentAllocator:
         ext_off, ext_len = self._free_off, self._free_len
         cap = np.cumsum(ext_len)
         cap0 = cap - ext_len
-        excl = _exclusive_cumsum(sizes)
+        excl = exclusive_cumsum(sizes)
         k = np.searchsorted(cap, excl, side="right")
         k_last = np.searchsorted(cap, excl + np.maximum(sizes, 1) - 1, side="right")
         inside = (k < ext_len.size) & (k == k_last)
@@ -243,7 +242,7 @@ class ExtentAllocator:
         """
         pos = self._end
         gaps: list[tuple[int, int]] = []
-        excl = _exclusive_cumsum(sizes)
+        excl = exclusive_cumsum(sizes)
         start = pos + excl
         while True:
             ends = start + sizes
@@ -299,8 +298,9 @@ class ExtentAllocator:
             defer: park the ranges until :meth:`release_deferred` (cold tiers).
 
         Raises:
-            ValueError: a range outside the allocated region, or one that overlaps free space
-                (a double free). Nothing changes.
+            ValueError: a range outside the allocated region, or (without ``defer``) one that
+                overlaps free space (a double free). Nothing changes. Deferred ranges are
+                checked for overlaps when :meth:`release_deferred` returns them.
         """
         offsets, sizes = self._check_ranges(offsets, sizes)
         if offsets.size == 0:

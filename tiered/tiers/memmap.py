@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from tiered import _io
+from tiered.codecs.raw import exclusive_cumsum
 from tiered.errors import CorruptionError, ReadOnlyStoreError
 from tiered.tiers.arena import _check_buffer, _host_view, _i64, copy_blobs
 from tiered.tiers.base import Tier, align
@@ -151,7 +152,7 @@ def read_blobs(
     host = _host_view(out)
     direct = r_count == 1 if host is not None else np.zeros(first.size, dtype=bool)
     stage_len = np.where(direct, 0, r_len)
-    stage_base = np.cumsum(stage_len) - stage_len
+    stage_base = exclusive_cumsum(stage_len)
     buf = staging.get(int(stage_len.sum())) if not direct.all() else None
 
     # One (fd, file offset, target view) per run: a syscall per run is the unit of work here.
@@ -409,7 +410,7 @@ class MemmapTier(Tier):
         host = _host_view(data)
         if host is None:  # device data: gather the blobs there, one copy to the host
             packed = torch.empty(int(n.sum()), dtype=torch.uint8, device=data.device)
-            excl = np.cumsum(n) - n
+            excl = exclusive_cumsum(n)
             copy_blobs(data, so, packed, excl, n)
             host, so = packed.cpu().numpy(), excl
         order = np.argsort(o, kind="stable")
@@ -428,7 +429,7 @@ class MemmapTier(Tier):
             # the source already has the file's layout (alignment padding included)
             stage, s_base = host, np.array([so[0]])
         else:
-            s_base = np.cumsum(r_len) - r_len
+            s_base = exclusive_cumsum(r_len)
             run_of = np.repeat(np.arange(first.size), np.diff(np.append(first, o.size)))
             stage = np.zeros(int(r_len.sum()), dtype=np.uint8)  # zeroed: padding never leaks memory
             copy_blobs(host, so, stage, s_base[run_of] + (o - r_start[run_of]), n)
