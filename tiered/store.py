@@ -204,6 +204,7 @@ class TieredStore:
 
         self._schema: Schema | None = None
         self._rules: list = []
+        self._fam_fields: list[list[Field]] = []  # blob fields per family, in family-id order
         self._dense: dict[Key, torch.Tensor] = {}
         self._tables: dict[Key, RowTable] = {}
         self._families: list[FrameFamily] = []
@@ -463,20 +464,17 @@ class TieredStore:
         self._schema = schema
         for f in schema.dense_fields:
             self._dense[f.key] = torch.zeros((self._capacity, *f.shape), dtype=f.dtype)
-        fams: dict[str, int] = {}
-        for f in schema.blob_fields:
-            fid = fams.setdefault(f.family, len(fams))
-            if fid == len(self._families):
-                self._families.append(FrameFamily(fid, f.frame_nbytes, self._options["chunk_frames"],
-                                                  dedup=self._options["dedup"]))
-            self._family_of[f.key] = fid
-            self._tables[f.key] = RowTable(self._capacity, f.frames_per_row)
-            self._field_stats[f.key] = {"unique_frames": 0}
-        self._rules = [
-            layout_rules([(f.key, f.frames_per_row, f.frame_dim is not None)
-                          for f in schema.blob_fields if self._family_of[f.key] == fam.family_id])
-            for fam in self._families
-        ]
+        # family ids in order of first appearance in the schema (Schema.families keeps it)
+        self._fam_fields = list(schema.families().values())
+        for fid, fields in enumerate(self._fam_fields):
+            self._families.append(FrameFamily(fid, fields[0].frame_nbytes, self._options["chunk_frames"],
+                                              dedup=self._options["dedup"]))
+            for f in fields:
+                self._family_of[f.key] = fid
+                self._tables[f.key] = RowTable(self._capacity, f.frames_per_row)
+                self._field_stats[f.key] = {"unique_frames": 0}
+        self._rules = [layout_rules([(f.key, f.frames_per_row, f.frame_dim is not None) for f in fields])
+                       for fields in self._fam_fields]
 
     def _traj_ids(self, data: TensorDictBase, n: int) -> tuple[np.ndarray, np.ndarray]:
         """Trajectory id per row and the sorted ids of trajectories that end in this batch."""
@@ -517,11 +515,8 @@ class TieredStore:
         rows_t = torch.from_numpy(rows)
 
         plans = []
-        fam_fields: dict[int, list[Field]] = {}
-        for f in schema.blob_fields:
-            fam_fields.setdefault(self._family_of[f.key], []).append(f)
         try:
-            for fid, fields in fam_fields.items():
+            for fid, fields in enumerate(self._fam_fields):
                 fam = self._families[fid]
                 # frames row-major (row, field, frame) so a trajectory's frames come in time order
                 frames = FrameColumns([self._cell_frames(f, data.get(f.key), n) for f in fields])
@@ -568,14 +563,8 @@ class TieredStore:
     def _abort_plan(self, plan) -> None:
         """Undo a plan whose write failed: new blobs go away, open chunks it closed stay open."""
         idx = self._index
-        touched = np.concatenate([plan.new_ids, plan.reopened_closed])
-        placed = idx.loc[touched]
-        for t in range(3):
-            sel = placed[:, t] >= 0
-            if sel.any() and self._tiers[t] is not None:
-                # never committed: reusable at once (cold tiers otherwise defer)
-                kw = {"defer": False} if t == COLD else {}
-                self._tiers[t].free(placed[sel, t], align(idx.nbytes[touched[sel]]), **kw)
+        # never committed: their space is reusable at once
+        self._free_in_tiers(np.concatenate([plan.new_ids, plan.reopened_closed]), defer=False)
         idx.loc[plan.reopened_closed] = -1
         idx.state[plan.reopened_closed] = OPEN
         idx.release(plan.new_ids)
@@ -726,18 +715,21 @@ class TieredStore:
         opened = ids[idx.state[ids] == OPEN]
         for fam in self._families:
             fam.drop_open(opened[idx.family[opened] == fam.family_id], idx)
-        stored = ids[idx.state[ids] == STORED]
+        # a cold tier reuses their space only after the next commit (a reader may still use it)
+        self._free_in_tiers(ids[idx.state[ids] == STORED], defer=True)
+        self._policy.on_release(ids)
+        idx.release(ids)
+
+    def _free_in_tiers(self, ids: np.ndarray, *, defer: bool) -> None:
+        """Free ``ids`` in every tier that holds them (``defer`` matters to cold tiers only).
+        No early exits on empty groups: the call count must not depend on the batch."""
+        idx = self._index
         for t in range(3):
             tier = self._tiers[t]
             if tier is None:
                 continue
-            sel = stored[idx.loc[stored, t] >= 0]
-            if t == COLD:
-                tier.free(idx.loc[sel, t], align(idx.nbytes[sel]), defer=True)
-            else:
-                tier.free(idx.loc[sel, t], align(idx.nbytes[sel]))
-        self._policy.on_release(ids)
-        idx.release(ids)
+            sel = ids[idx.loc[ids, t] >= 0]
+            tier.free(idx.loc[sel, t], align(idx.nbytes[sel]), defer=defer)
 
     # ------------------------------------------------------------------------------------
     # Reading

@@ -393,7 +393,8 @@ class ArenaTier(Tier):
         self._check_live(offsets, sizes)
         copy_blobs(self.buffer, offsets, out, out_offsets, sizes)
 
-    def free(self, offsets: np.ndarray, sizes: np.ndarray) -> None:
+    def free(self, offsets: np.ndarray, sizes: np.ndarray, *, defer: bool = False) -> None:
+        # memory does not outlive the process: nothing to defer
         self._alloc.free(offsets, sizes)
 
     def stats(self) -> dict[str, Any]:

@@ -62,8 +62,12 @@ class Tier(ABC):
         """Copy blob ``i`` (at ``offsets[i]``, ``sizes[i]`` bytes) into ``out[out_offsets[i]:]``."""
 
     @abstractmethod
-    def free(self, offsets: np.ndarray, sizes: np.ndarray) -> None:
-        """Release the space of these blobs so that later allocations can reuse it."""
+    def free(self, offsets: np.ndarray, sizes: np.ndarray, *, defer: bool = False) -> None:
+        """Release the space of these blobs so that later allocations can reuse it.
+
+        ``defer=True`` asks to reuse the space only after the next durable commit; tiers that
+        lose their contents with the process (memory arenas) ignore it.
+        """
 
     @property
     @abstractmethod

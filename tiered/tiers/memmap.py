@@ -431,7 +431,9 @@ class MemmapTier(Tier):
         else:
             s_base = exclusive_cumsum(r_len)
             run_of = np.repeat(np.arange(first.size), np.diff(np.append(first, o.size)))
-            stage = np.zeros(int(r_len.sum()), dtype=np.uint8)  # zeroed: padding never leaks memory
+            total = int(r_len.sum())
+            stage = self._staging.get(total)[:total]  # the per-thread buffer reads use too
+            stage.fill(0)  # zeroed: alignment padding never leaks old memory into the file
             copy_blobs(host, so, stage, s_base[run_of] + (o - r_start[run_of]), n)
         mv = memoryview(stage)
         for start, ln, sb in zip(r_start.tolist(), r_len.tolist(), s_base.tolist(), strict=True):
