@@ -91,11 +91,13 @@ def exit_code_for(exc: BaseException) -> int:
 def _fmt_bytes(n: float | None) -> str:
     if n is None:
         return "-"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+    if abs(n) < 1024:
+        return f"{n:.0f} B"
+    for unit in ("KiB", "MiB", "GiB"):
         n /= 1024
-    return str(n)
+        if abs(n) < 1024:
+            return f"{n:.2f} {unit}"
+    return f"{n / 1024:.2f} TiB"
 
 
 def _progress(args: argparse.Namespace) -> bool | None:
@@ -449,7 +451,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--chunk-rows",
         type=int,
         metavar="N",
-        help="rows per slice read (default: 4096, fewer for large rows: at most 64 MiB)",
+        help="rows per slice read (default: 4096, fewer for large rows: at most 32 MiB)",
     )
     s.add_argument("--force", action="store_true", help="replace DST if it exists")
     s.add_argument("-q", "--quiet", action="store_true", help="no progress bar, no summary")

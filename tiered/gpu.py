@@ -58,7 +58,6 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import functools
 import threading
 import warnings
 from collections.abc import Iterator
@@ -409,26 +408,15 @@ class GpuDecoder:
         return out
 
     def attach(self, store: TieredStore) -> GpuDecoder:
-        """Make ``store.get`` decode blob fields with this decoder; returns ``self``.
-
-        With the store hook (``TieredStore._gpu``) this only sets it. On a store class without
-        the hook, an instance attribute routes ``_get_family`` here (an interim measure: detach
-        before pickling such a store).
-        """
-        hooked = "_gpu" in vars(store)
+        """Make ``store.get`` decode blob fields with this decoder (it sets the store's
+        ``_gpu`` hook); returns ``self``."""
         store._gpu = self  # type: ignore[attr-defined]
-        if not hooked:
-            store._get_family = functools.partial(self.get_family, store)  # type: ignore[method-assign]
         return self
 
     def detach(self, store: TieredStore) -> None:
         """Undo :meth:`attach`."""
-        d = vars(store)
-        if d.get("_gpu") is self:
+        if vars(store).get("_gpu") is self:
             store._gpu = None  # type: ignore[attr-defined]
-        hook = d.get("_get_family")
-        if isinstance(hook, functools.partial) and getattr(hook.func, "__self__", None) is self:
-            del d["_get_family"]
 
     def fence_writes(self) -> None:
         """Record that the current stream wrote the hot tier: later decodes wait for it.

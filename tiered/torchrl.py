@@ -151,9 +151,10 @@ def _unwrap(x: Any) -> Any:
 class _RowsView(TensorDict):
     """What ``storage[:]`` returns: the rows in physical order, blob columns lazy.
 
-    Writes into it do not reach the storage (its columns are copies or lazy decodes), so the
-    in-place writers TorchRL routes through ``storage[:]`` (``rb.set_at_``, ``rb.set_``,
-    ``rb.update_``) raise instead of silently doing nothing. Copies made from it (``clone()``,
+    Its blob columns are lazy decodes (writes into them never reach the storage), while its
+    dense columns may be views of the store's columns; an in-place write through it would
+    change part of a row only, or nothing. So the in-place writers TorchRL routes through
+    ``storage[:]`` (``rb.set_at_``, ``rb.set_``, ``rb.update_``) raise instead. Copies made from it (``clone()``,
     indexing, ...) are ordinary TensorDicts in behaviour.
     """
 
@@ -555,7 +556,7 @@ class TieredStorageCheckpointer(StorageCheckpointerBase):
 
     ``dumps(storage, path)`` writes ``path/store/`` (a store any ``tiered.open`` reads) and
     ``path/tiered_storage.json`` (length, last cursor). A store with a path is flushed and its
-    directory copied; an in-memory store is written row by row into a new store directory.
+    directory copied; an in-memory store is copied into a new store directory in batches of rows.
     ``loads`` accepts such a directory, and also a ``LazyTensorStorage``/``LazyMemmapStorage``
     checkpoint (TorchRL's memmap format), so buffers can migrate.
 
@@ -614,11 +615,6 @@ class TieredStorageCheckpointer(StorageCheckpointerBase):
 TieredStorage._default_checkpointer = TieredStorageCheckpointer
 
 
-def _store_options(store: TieredStore) -> dict[str, Any]:
-    """Constructor options that recreate ``store``'s layout (not its budgets)."""
-    return store.options
-
-
 def _row_nbytes(schema) -> int:
     return sum(f.cell_nbytes for f in schema.values()) if schema is not None else 1
 
@@ -663,7 +659,7 @@ def _write_checkpoint(storage: TieredStorage, path: Path, source: TensorDictBase
             # TODO(store): `store.save(path)` writing the compressed blobs as they are would replace
             # this decode/re-encode of every row.
             # budgets 0: the copy goes straight to its cold tier, without caching blobs in memory
-            dst = TieredStore(store.capacity, dst_dir, warm_bytes=0, hot_bytes=0, **_store_options(store))
+            dst = TieredStore(store.capacity, dst_dir, warm_bytes=0, hot_bytes=0, **store.options)
             try:
                 if source is not None:
                     _copy_rows(lambda lo, hi: source[lo:hi], dst, n, _row_nbytes(store.schema))
@@ -720,8 +716,8 @@ def _read_checkpoint(storage: TieredStorage, path: Path, load_hooks: list | None
         finally:
             src.close()
     with dst._lock:
-        dst._len = n
-        dst._cursor = int(meta["cursor"]) % storage.max_size
+        storage._len = n  # the store's length counter
+        dst.cursor = int(meta["cursor"]) % storage.max_size
     storage._set_last_cursor(meta["last_cursor"])
     storage._has_index = bool(meta.get("has_index", False))
     if dst.path is not None and n:
@@ -751,8 +747,8 @@ def _read_torchrl_memmap(storage: TieredStorage, path: Path, load_hooks: list | 
     row_nbytes = sum(v[0].numel() * v.element_size() for v in td.values(True, True)) if td.numel() else 1
     _load_rows(storage, lambda lo, hi: td[lo:hi], n, row_nbytes, load_hooks)
     with storage._store._lock:
-        storage._store._len = n
-        storage._store._cursor = n % storage.max_size
+        storage._len = n  # the store's length counter
+        storage._store.cursor = n % storage.max_size
     # a full buffer's last write position is in the writer's checkpoint, not the storage's
     storage._set_last_cursor(n - 1 if 0 < n < storage.max_size else None)
     if storage._store.path is not None and n:

@@ -12,7 +12,7 @@ npz        a NumPy ``.npz`` archive (D4RL names or ``/``-joined TorchRL keys)
 =========  =====================================================================================
 
 Both directions stream: a source is read, and an export written, in slices of rows (4096, or
-fewer so that a slice stays under 64 MiB), so datasets larger than RAM convert with bounded
+fewer so that a slice stays under 32 MiB), so datasets larger than RAM convert with bounded
 memory. Outputs appear under their final name only once complete (written under a temporary
 name, then renamed). The key mapping is in :mod:`tiered.formats.keymap`.
 
@@ -32,6 +32,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._persist import MANIFEST
 from ..errors import UnsupportedFormatError
 from ._common import (
     atomic_output,
@@ -141,7 +142,7 @@ def import_dataset(
         chunk_frames: frames of one episode compressed together.
         capacity: rows of the store (default: the dataset's rows; fewer keeps the last ones).
         backend: cold tier files, ``"memmap"`` or ``"hdf5"``.
-        chunk_rows: rows per slice (default: 4096, fewer if a slice would pass 64 MiB).
+        chunk_rows: rows per slice (default: 4096, fewer if a slice would pass 32 MiB).
         progress: show a progress bar (``None``: only on a terminal).
         force: replace an existing ``dst``.
 
@@ -155,7 +156,7 @@ def import_dataset(
     """
     dst = check_new_output(dst, force=force)
     lock = None
-    if force and os.path.isfile(os.path.join(dst, "manifest.json")):
+    if force and os.path.isfile(os.path.join(dst, MANIFEST)):
         # replacing a store: not while a writer has it open
         from .._lock import acquire_writer_lock
 

@@ -20,6 +20,7 @@ import torch
 from tensordict import TensorDictBase
 
 from .. import _io
+from ..errors import UnsupportedFormatError
 
 __all__ = [
     "SOURCE_FILE",
@@ -181,6 +182,18 @@ def row_nbytes(shapes: dict[Any, tuple[tuple[int, ...], Any]]) -> int:
     return total
 
 
+def numpy_dtype(dtype: torch.dtype, key: str, fmt: str) -> np.dtype:
+    """The numpy dtype a field of ``dtype`` is written as; bfloat16 has none.
+
+    Raises:
+        UnsupportedFormatError: ``dtype`` is bfloat16 (numpy, HDF5 and npz cannot hold it).
+    """
+    if dtype == torch.bfloat16:
+        raise UnsupportedFormatError(
+            f"field {key!r} is bfloat16, which {fmt} cannot hold; cast it to float32 first")
+    return torch.empty((), dtype=dtype).numpy().dtype
+
+
 def chronological_rows(store: Any) -> np.ndarray:
     """Row indices of a store, oldest first (a full ring starts at its cursor)."""
     n, cap = len(store), store.capacity
@@ -197,7 +210,8 @@ def iter_store(
         hi = min(rows.size, lo + chunk_rows)
         sel = rows[lo:hi]
         # contiguous ranges go as slices (the store reads them without an index array copy)
-        index: Any = slice(int(sel[0]), int(sel[-1]) + 1) if sel[-1] - sel[0] == hi - lo - 1 else sel
+        ascending = sel[-1] - sel[0] == hi - lo - 1 and bool((np.diff(sel) == 1).all())
+        index: Any = slice(int(sel[0]), int(sel[-1]) + 1) if ascending else sel
         yield lo, hi, store.get(index, keys=keys)
 
 

@@ -46,7 +46,7 @@ from tensordict import TensorDict
 
 from .. import _io
 from ..errors import UnsupportedFormatError
-from ._common import chunk_rows_for, json_safe, row_nbytes, writing
+from ._common import chunk_rows_for, iter_store, json_safe, numpy_dtype, row_nbytes, writing
 from .keymap import (
     DONE,
     FLAGS,
@@ -376,11 +376,7 @@ def plan_flat_columns(
         if naming == "d4rl" and key == DONE:
             continue
         name = key_to_d4rl(key) if naming == "d4rl" else key_str(key)
-        np_dtype = torch.empty((), dtype=dtype).numpy().dtype if dtype != torch.bfloat16 else None
-        if np_dtype is None:
-            raise UnsupportedFormatError(
-                f"field {key_str(key)!r} is bfloat16, which HDF5 and npz cannot hold"
-            )
+        np_dtype = numpy_dtype(dtype, key_str(key), "HDF5 and npz")
         out_shape = tuple(shape)
         if naming == "d4rl" and key in STEP_SCALARS and out_shape == (1,):
             out_shape = ()
@@ -427,8 +423,6 @@ def write_d4rl(
             for name, _key, dtype, shape in plan:
                 dsets[name] = h.create_dataset(name, shape=(n, *shape), dtype=dtype, fill_time="never")
             src_keys = sorted({p[1] for p in plan})
-            from ._common import iter_store
-
             for lo, hi, td in iter_store(store, rows, step, keys=src_keys):
                 for name, key, dtype, shape in plan:
                     dsets[name][lo:hi] = to_numpy(td.get(key), dtype, shape)

@@ -42,12 +42,11 @@ from typing import Any
 
 import h5py
 import numpy as np
-import torch
 from tensordict import TensorDict
 
 from .. import _io
 from ..errors import UnsupportedFormatError
-from ._common import chunk_rows_for, iter_store, json_safe, row_nbytes, writing
+from ._common import chunk_rows_for, iter_store, json_safe, numpy_dtype, row_nbytes, writing
 from .d4rl import _np_to_torch, to_numpy
 from .keymap import (
     ACTION,
@@ -493,7 +492,7 @@ def write_minari(
             TRUNCATED: "truncations",
         }
         for key, f in fields.items():
-            np_dtype = torch.empty((), dtype=f.dtype).numpy().dtype
+            np_dtype = numpy_dtype(f.dtype, key_str(key), "minari (HDF5)")
             shape = tuple(f.shape)
             if key in STEP_SCALARS and shape == (1,):
                 shape = ()
@@ -609,7 +608,7 @@ def write_minari(
                 "subspaces": {"/".join(lf[0][1:]): _box_json(lf[3], lf[4]) for lf in group},
             }
 
-        name = dataset_id or "tiered/" + re.sub(r"[^A-Za-z0-9_-]", "-", "export") + "-v0"
+        name = dataset_id or "tiered/export-v0"
         meta = {
             "dataset_id": name,
             "minari_version": MINARI_VERSION,
