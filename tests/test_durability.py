@@ -193,7 +193,8 @@ def test_power_loss_at_random_write_events_keeps_every_flushed_row(pong, full_ru
 @pytest.mark.timeout(300)
 def test_sigkill_at_random_times_keeps_every_flushed_row(pong, full_run, tmp_path):
     outcomes = [_sigkill_case(seed, pong, full_run, tmp_path) for seed in range(CI_SIGKILL_SEEDS)]
-    assert outcomes
+    # some kills must land after a commit, or nothing flushed was put to the test
+    assert any(o.startswith("commit") and o != "commit 0" for o in outcomes), outcomes
 
 
 @pytest.mark.slow
@@ -222,7 +223,7 @@ def test_store_is_writable_after_a_crash(pong, full_run, tmp_path):
     store.close()
     store = tiered.open(path)
     assert torch.equal(store.get(rows)["observation"], pong["observation"][:B])
-    assert len(store) >= before
+    assert len(store) == min(before + B, CAP)
     store.close()
     assert verify_store(path, progress=False).ok
 
@@ -436,7 +437,7 @@ def test_inconsistent_manifest_content_gives_tiered_errors(damaged_base, case):
 
 
 def _store_takes_lock(tmp_path_factory) -> bool:
-    """Whether tiered.open(path, "r+") takes the writer lock itself (once wired into the store)."""
+    """Whether tiered.open(path, "r+") takes the writer lock itself."""
     p = tmp_path_factory.mktemp("probe") / "s"
     TieredStore(4, p).close()
     store = tiered.open(p, mode="r+")
@@ -452,19 +453,15 @@ def _store_takes_lock(tmp_path_factory) -> bool:
 
 @pytest.fixture(scope="module")
 def store_locks(tmp_path_factory) -> bool:
-    return _store_takes_lock(tmp_path_factory)
+    # the locking tests below rely on the store's own lock: no test takes it by hand
+    assert _store_takes_lock(tmp_path_factory), "tiered.open(path, 'r+') did not take the writer lock"
+    return True
 
 
 def _open_writer(path: Path, store_locks: bool):
-    """Open a writer the way the integrated store will: lock, then open r+ (lock first, always)."""
-    if store_locks:
-        return tiered.open(path, mode="r+"), None
-    h = acquire_writer_lock(path)
-    try:
-        return tiered.open(path, mode="r+"), h
-    except BaseException:
-        release(h)
-        raise
+    """Open a writer: ``tiered.open(path, "r+")`` takes the writer lock itself (no handle)."""
+    assert store_locks
+    return tiered.open(path, mode="r+"), None
 
 
 def _close_writer(store, handle) -> None:

@@ -104,6 +104,8 @@ def test_missing_nvcomp_raises_with_install_command():
             tiered.gpu.GpuDecoder("cuda:0")
         except CodecUnavailableError as e:
             assert "tiered[gpu-cu12]" in str(e)
+        else:
+            raise SystemExit("GpuDecoder without nvCOMP did not raise CodecUnavailableError")
         print("ok")
         """
     )

@@ -241,7 +241,7 @@ def test_clear_drops_staged_rows(atari_pong):
 
 def test_staged_rows_with_the_gpu_decoder_stand_in(atari_pong):
     store = TieredStore(200, frames={"observation": 0}, hot_device="cpu")
-    GpuDecoder("cpu").attach(store)
+    dec = GpuDecoder("cpu").attach(store)
     store.extend(atari_pong[:100])
     for i in range(100, 110):
         store.extend(atari_pong[i:i + 1])
@@ -249,6 +249,7 @@ def test_staged_rows_with_the_gpu_decoder_stand_in(atari_pong):
     ix = np.random.default_rng(0).integers(0, 110, 64)
     assert_td_equal(store.get(ix), atari_pong[torch.from_numpy(ix)])
     assert_td_equal(store.get(np.arange(100, 110)), atari_pong[100:110])
+    assert dec.stats()["batches"] > 0  # the unstaged rows went through the decoder
 
 
 def test_stage_rows_must_be_a_non_negative_int():

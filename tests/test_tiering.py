@@ -70,9 +70,9 @@ def test_storage_full_names_budgets_and_writes_nothing(atari_pong):
     check_refcounts(store)
 
 
-def test_budget_too_small_for_one_blob_is_value_error(atari_raw):
+def test_budget_too_small_for_one_blob_is_storage_full(atari_raw):
     store = TieredStore(100, warm_bytes=64)
-    with pytest.raises((ValueError, StorageFullError)):
+    with pytest.raises(StorageFullError, match="warm=64"):
         store.extend(atari_raw[:4])
     assert len(store) == 0
 
@@ -198,7 +198,7 @@ def test_full_disk_keeps_store_readable(tmp_path, atari_mspacman):
     # space is back: writing works again and everything reads back
     store.extend(data[1900:2000])
     store.flush()
-    assert len(store) >= n
+    assert len(store) == min(n + 100, 2000)
     store.close()
     ro = tiered.open(tmp_path / "s")
     assert_td_equal(ro.get(slice(0, 200)), before)
@@ -207,7 +207,8 @@ def test_full_disk_keeps_store_readable(tmp_path, atari_mspacman):
 
 
 def test_peak_memory_bounded_by_warm_budget(tmp_path):
-    """Resident memory growth stays within the warm budget + 300 MiB and does not grow with data."""
+    """Resident memory growth stays within the warm budget + 300 MiB and does not grow with data
+    (several times more compressed data than the 1 MiB warm budget)."""
     script = textwrap.dedent(f"""
         import gc, json, os, sys, psutil, torch, numpy as np
         from tiered import TieredStore
@@ -216,7 +217,7 @@ def test_peak_memory_bounded_by_warm_budget(tmp_path):
         proc = psutil.Process()
         def rss(): gc.collect(); return proc.memory_info().rss
         store = TieredStore(60_000, {str(tmp_path / 's')!r}, frames={{"observation": 0}},
-                            warm_bytes="16MiB", chunk_frames=4)
+                            warm_bytes="1MiB", chunk_frames=4)
         chunk = data.clone()  # reused working copy: its memory is not the store's
         store.extend(chunk[:250]); store.get(torch.arange(250))
         base = rss()
@@ -232,16 +233,20 @@ def test_peak_memory_bounded_by_warm_budget(tmp_path):
             if rep % 10 == 9:
                 store.flush()
                 peaks.append(rss() - base)
-        print(json.dumps({{"peaks": peaks, "cold": store.stats()["tiers"]["cold"]["bytes_used"]}}))
+        st = store.stats()["tiers"]
+        print(json.dumps({{"peaks": peaks, "cold": st["cold"]["bytes_used"],
+                          "warm_demotions": st["warm"]["demotions"]}}))
     """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(out.stdout.strip().splitlines()[-1])
     peaks = res["peaks"]
-    assert max(peaks) < 16 * 2**20 + 300 * 2**20, peaks
+    assert max(peaks) < 1 * 2**20 + 300 * 2**20, peaks
     # not growing with the data: the last third adds as many rows as the first
     assert peaks[-1] - peaks[0] < 64 * 2**20, peaks
-    assert res["cold"] > 32 * 2**20 or res["cold"] > 0
+    # the data outgrew the warm budget: the cold tier holds it and warm dropped cached copies
+    assert res["cold"] > 2 * 2**20, res
+    assert res["warm_demotions"] > 0, res
 
 
 def test_promotion_keeps_working_when_the_warm_cache_is_fragmented(tmp_path, atari_mixed):
