@@ -602,7 +602,7 @@ def method_notes(args, dev, derived) -> list[str]:
         "off (the `read-ahead on` row sets `POSIX_FADV_NORMAL` on the same fds, to show the difference). "
         "tiered's default row and LazyMemmapStorage's default row are what each store does out of the "
         "box, and the target checks those; `MADV_RANDOM` against tiered's default is the like-for-like "
-        "comparison with read-ahead off in both. With {derived.get('n', 0):,} transitions the whole compressed store is "
+        f"comparison with read-ahead off in both. With {derived.get('n', 0):,} transitions the whole compressed store is "
         f"{H.fmt_bytes(derived.get('compressed'))}, so a tiered cold batch cannot read more than that; "
         "on a larger store, without read-ahead, it reads about one page per coalesced run of blobs.",
         "LRU mix: `policy=\"lru\"`, warm budget 25% of the compressed bytes, `promote=True`; after a "
