@@ -816,6 +816,21 @@ class TieredStore:
                 cells[hit_pos.to(device)] = self._stage.cells[f.key][hit_slots].to(device)
                 out[f.key] = cells
 
+    def rows_of(self, index: IndexLike) -> np.ndarray:
+        """The row positions :meth:`get` reads for ``index`` (negative indices resolved).
+
+        Raises:
+            IndexOutOfRangeError: as :meth:`get` does.
+
+        Example:
+            >>> s = TieredStore(8)
+            >>> _ = s.extend(TensorDict({"x": torch.arange(5)}, batch_size=[5]))
+            >>> s.rows_of([-1, 0]).tolist(), s.rows_of(slice(3, None)).tolist()
+            ([4, 0], [3, 4])
+        """
+        with self._lock:
+            return self._resolve_read_index(index)[0]
+
     def _select_fields(self, keys) -> list[Field]:
         if keys is None:
             return list(self._schema.values())

@@ -479,18 +479,15 @@ class TieredStorage(TensorStorage):
         return self.get(index)
 
     def _lazy_rows(self, index: slice | tuple) -> TensorDictBase | torch.Tensor:
-        n = len(self)
-        if isinstance(index, slice):
-            rows = np.arange(*index.indices(n), dtype=np.int64)
-        else:
-            rows, _ = as_row_array(index)
-            rows = _wrap_negative(rows, n, "length")
         store = self._store
+        rows = store.rows_of(index)  # the store resolves and checks the index, as for get
         if self._tensor_mode:
             return store.get(rows).get(_TENSOR_KEY)
         schema = store.schema
-        # a slice reads dense columns as views (no per-sample copy that grows with the buffer)
-        dense = store.get(index if isinstance(index, slice) else rows, keys=[f.key for f in schema.dense_fields])
+        # a slice reads dense columns as views (no per-sample copy that grows with the buffer);
+        # the store adds TorchRL's "index" column from the same rows
+        dense = store.get(index if isinstance(index, slice) else rows, keys=[f.key for f in schema.dense_fields],
+                          index_key=_INDEX_KEY if self._has_index else None)
         columns: dict[Key | str, torch.Tensor] = {}
         blob = schema.blob_fields
         loader = _BlobLoader(store, rows, [f.key for f in blob]) if blob else None
@@ -501,7 +498,7 @@ class TieredStorage(TensorStorage):
                 columns[f.key] = _LazyColumn(loader, f.key, torch.Size([rows.size, *f.shape]), f.dtype,
                                              store.device)
         if self._has_index:
-            columns[_INDEX_KEY] = torch.from_numpy(rows).to(self.device)
+            columns[_INDEX_KEY] = dense.get(_INDEX_KEY)
         view = _RowsView(batch_size=[rows.size], device=dense.device)
         for key, value in columns.items():
             view.set(key, value)
