@@ -292,7 +292,8 @@ def filler_frame(fmt: str) -> bytes:
 def copy_segments_device(
     src: torch.Tensor, src_offsets: np.ndarray, dst: torch.Tensor, dst_offsets: np.ndarray, sizes: np.ndarray
 ) -> None:
-    """Copy byte ranges between two uint8 tensors of one device with a few vectorized kernels.
+    """Copy byte ranges between two uint8 tensors of one device with a few vectorized kernels
+    (:func:`tiered.tiers.arena.copy_blobs`).
 
     Blob ``i`` goes from ``src[src_offsets[i]:+sizes[i]]`` to ``dst[dst_offsets[i]:]``; the
     kernel count does not depend on the number of blobs. Runs on the current stream.
@@ -304,21 +305,10 @@ def copy_segments_device(
         >>> d.tolist()
         [7, 8, 9, 0, 1]
     """
-    import torch
+    # the tiers' batched copy: adjacent blobs merge into runs, 8-byte words where aligned
+    from ..tiers.arena import copy_blobs
 
-    sizes = np.asarray(sizes, dtype=np.int64)
-    total = int(sizes.sum())
-    if total == 0:
-        return
-    dev = src.device
-    excl = exclusive_cumsum(sizes)
-    n_t = torch.from_numpy(sizes).to(dev)
-    ar = torch.arange(total, dtype=torch.int64, device=dev)
-    rs = torch.repeat_interleave(torch.from_numpy(np.asarray(src_offsets, np.int64) - excl).to(dev), n_t,
-                                 output_size=total)
-    rd = torch.repeat_interleave(torch.from_numpy(np.asarray(dst_offsets, np.int64) - excl).to(dev), n_t,
-                                 output_size=total)
-    dst.index_copy_(0, ar + rd, src.index_select(0, ar + rs))
+    copy_blobs(src, src_offsets, dst, dst_offsets, sizes)
 
 
 @dataclass
