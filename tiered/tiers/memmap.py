@@ -28,14 +28,13 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 import torch
 
 from tiered import _io
-from tiered.codecs.raw import exclusive_cumsum
+from tiered.codecs.raw import exclusive_cumsum, run_parallel, split_balanced
 from tiered.errors import CorruptionError, ReadOnlyStoreError
 from tiered.tiers.arena import _check_buffer, _host_view, _i64, copy_blobs
 from tiered.tiers.base import Tier, align
@@ -100,7 +99,6 @@ def read_blobs(
     sizes: np.ndarray,
     out: np.ndarray | torch.Tensor,
     out_offsets: np.ndarray,
-    pool: Callable[[], ThreadPoolExecutor | None],
     workers: int,
     staging: _Staging,
     gap: int = COALESCE_GAP,
@@ -115,8 +113,7 @@ def read_blobs(
         segment_bytes: size of a segment's byte space.
         offsets, sizes: the blobs (global offsets).
         out, out_offsets: destination buffer (host or device) and where each blob goes.
-        pool: returns a thread pool for large reads (or ``None``).
-        workers: the pool's number of threads.
+        workers: threads for large reads (on the codecs' shared pool, ``run_parallel``).
         staging: the reused per-thread staging buffer.
         gap: ranges closer than this are read with one call.
     """
@@ -173,17 +170,12 @@ def read_blobs(
                 _preadv_all(fd, view, fo, lambda s=seg_of_fd: path_of(s))
 
     total = int(r_len.sum())
-    ex = pool() if (len(tasks) >= _THREADED_MIN_RUNS or total >= _THREADED_MIN_BYTES) and len(tasks) > 1 \
-        else None
-    if ex is None:
-        work(tasks)
+    if workers > 1 and len(tasks) > 1 and (len(tasks) >= _THREADED_MIN_RUNS or total >= _THREADED_MIN_BYTES):
+        # contiguous chunks of runs of about equal bytes, one per worker, on the shared pool
+        b = split_balanced(r_len, workers).tolist()
+        run_parallel(work, [(tasks[x:y],) for x, y in zip(b[:-1], b[1:], strict=True) if y > x], workers)
     else:
-        # split runs into contiguous chunks of about equal bytes, one per worker
-        cuts = np.searchsorted(np.cumsum(r_len), np.arange(1, workers) * (total / workers))
-        bounds = [0, *sorted(set(int(c) for c in cuts)), len(tasks)]
-        futures = [ex.submit(work, tasks[a:b]) for a, b in zip(bounds[:-1], bounds[1:], strict=True) if b > a]
-        for f in futures:
-            f.result()
+        work(tasks)
 
     if buf is not None:
         staged = ~direct[run_of]
@@ -250,7 +242,6 @@ class MemmapTier(Tier):
     def _init_runtime(self) -> None:
         self._fds: dict[int, int] = {}
         self._pid = os.getpid()
-        self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self._staging = _Staging()
         self._dirty: set[int] = set()
@@ -300,15 +291,6 @@ class MemmapTier(Tier):
             except OSError:
                 pass
         self._init_runtime()
-
-    def _get_pool(self) -> ThreadPoolExecutor | None:
-        if self.threads <= 1:
-            return None
-        if self._pool is None:
-            with self._lock:
-                if self._pool is None:
-                    self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="tiered-cold")
-        return self._pool
 
     def _create_segment(self, i: int) -> tuple[int, int]:
         """Create segment ``i``; return (fd, data offset)."""
@@ -450,7 +432,7 @@ class MemmapTier(Tier):
                 f"region ({self._alloc.high_water} bytes)"
             )
         read_blobs(self._fd, self.segment_path, np.asarray(self._data_offsets, dtype=np.int64),
-                   self.segment_bytes, o, n, out, out_offsets, self._get_pool, self.threads, self._staging)
+                   self.segment_bytes, o, n, out, out_offsets, self.threads, self._staging)
 
     def free(self, offsets: np.ndarray, sizes: np.ndarray, *, defer: bool = True) -> None:
         """Release blobs. By default the space is reused only after :meth:`release_deferred`.
@@ -479,15 +461,12 @@ class MemmapTier(Tier):
             self._dir_dirty = False
 
     def close(self) -> None:
-        if self._pid != os.getpid():  # a forked copy: the fds and threads are the parent's
-            self._fds, self._pool = {}, None
+        if self._pid != os.getpid():  # a forked copy: the fds are the parent's
+            self._fds = {}
             return
         for fd in self._fds.values():
             _io.close(fd)
         self._fds = {}
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
 
     def stats(self) -> dict[str, Any]:
         return {
