@@ -696,3 +696,36 @@ def test_default_budgets():
     assert b["warm"] > 0
     assert (b["hot"] > 0) == torch.cuda.is_available()
 
+
+
+def test_many_scattered_runs_are_read_on_several_threads(tmp_path):
+    # 200 blobs read back without coalescing: 200 runs, past the threaded-read threshold
+    from tiered.tiers import memmap as memmap_mod
+
+    tier = MemmapTier(str(tmp_path / "cold"), segment_bytes=1 << 20)
+    rng = np.random.default_rng(0)
+    sizes = rng.integers(100, 3000, 500)
+    data = rng.integers(0, 256, int(sizes.sum()), dtype=np.uint8)
+    src = np.cumsum(sizes) - sizes
+    loc = tier.allocate(sizes)
+    tier.write(loc, data, src, sizes)
+    tier.flush()
+    pick = rng.choice(500, 200, replace=False)
+    out = np.zeros(int(sizes[pick].sum()), np.uint8)
+    out_off = np.cumsum(sizes[pick]) - sizes[pick]
+    threads = []
+    real = memmap_mod.run_parallel
+
+    def counting(fn, tasks, workers):
+        threads.append(len(tasks))
+        return real(fn, tasks, workers)
+
+    memmap_mod.run_parallel = counting
+    try:
+        memmap_mod.read_blobs(tier._fd, tier.segment_path, np.asarray(tier._data_offsets), tier.segment_bytes,
+                              loc[pick], sizes[pick], out, out_off, 8, tier._staging, gap=0)
+    finally:
+        memmap_mod.run_parallel = real
+    assert threads and threads[0] > 1, threads
+    assert np.array_equal(out, np.concatenate([data[src[i]:src[i] + sizes[i]] for i in pick]))
+    tier.close()
