@@ -9,9 +9,6 @@ real zstandard, lz4, numpy and torch run on real bytes.
 
 from __future__ import annotations
 
-import doctest
-import importlib
-import importlib.util
 import multiprocessing
 import os
 import pickle
@@ -636,12 +633,3 @@ def test_codec_constructor_arguments() -> None:
     assert ZstdCodec(5) != ZstdCodec(6) and ZstdCodec(5, threads=1) == ZstdCodec(5, threads=2)
     # CodecUnavailableError is what a missing optional package raises (and an ImportError).
     assert issubclass(CodecUnavailableError, ImportError)
-
-
-@pytest.mark.parametrize("module", ["checksum", "raw", "zstd", "lz4", "__init__"])
-def test_docstring_examples_run(module: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(codecs, "_FACTORIES", dict(codecs._FACTORIES))
-    mod = codecs if module == "__init__" else importlib.import_module(f"tiered.codecs.{module}")
-    result = doctest.testmod(mod, optionflags=doctest.ELLIPSIS)
-    assert result.attempted > 0
-    assert result.failed == 0

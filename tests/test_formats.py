@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -419,32 +420,37 @@ def test_import_memory_is_bounded_and_flat(atari_pong, tmp_path):
                     d[r * 2000 : (r + 1) * 2000] = v ^ np.uint8(r) if v.dtype == np.uint8 else v
         return path
 
-    small, big = make(3), make(9)  # 170 MB and 510 MB of observations
-    script = textwrap.dedent(f"""
-        import json, threading, time
+    # One fresh process per size; each file and its store are deleted once measured, so the
+    # test holds at most one of them on disk (the big file is 510 MB of observations).
+    script = textwrap.dedent("""
+        import json, sys, threading, time
         from tiered.formats import import_dataset
         def anon():
             for line in open("/proc/self/status"):
                 if line.startswith("RssAnon:"):
                     return int(line.split()[1]) * 1024
-        out = {{}}
-        for name, path in (("small", {str(small)!r}), ("big", {str(big)!r})):
-            base = anon(); peak = [base]; stop = [False]
-            def watch():
-                while not stop[0]:
-                    peak[0] = max(peak[0], anon()); time.sleep(0.005)
-            t = threading.Thread(target=watch, daemon=True); t.start()
-            import_dataset("d4rl", path, {str(tmp_path)!r} + "/s-" + name, frames={{"observation": 0}})
-            stop[0] = True; t.join()
-            out[name] = peak[0] - base
-        print(json.dumps(out))
+        base = anon(); peak = [base]; stop = [False]
+        def watch():
+            while not stop[0]:
+                peak[0] = max(peak[0], anon()); time.sleep(0.005)
+        t = threading.Thread(target=watch, daemon=True); t.start()
+        import_dataset("d4rl", sys.argv[1], sys.argv[2], frames={"observation": 0})
+        stop[0] = True; t.join()
+        print(json.dumps(peak[0] - base))
     """)
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    res = json.loads(out.stdout.strip().splitlines()[-1])
+    res, file_bytes = {}, {}
+    for name, reps in (("small", 3), ("big", 9)):
+        path = make(reps)
+        file_bytes[name] = os.path.getsize(path)
+        out = subprocess.run([sys.executable, "-c", script, str(path), str(tmp_path / f"s-{name}")],
+                             capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-3000:]
+        res[name] = json.loads(out.stdout.strip().splitlines()[-1])
+        path.unlink()
+        shutil.rmtree(tmp_path / f"s-{name}")
     assert res["big"] < 400 << 20, res  # measured about 250 MB: a few copies of one 32 MiB slice
     assert res["big"] - res["small"] < 64 << 20, res
-    assert res["big"] < os.path.getsize(big) * 0.8, res
+    assert res["big"] < file_bytes["big"] * 0.8, res
 
 
 # ------------------------------------------------------------------------------------- TorchRL sampling

@@ -17,7 +17,6 @@ Data: real Atari frames from benchmarks/data/atari_frames.npz (no ale-py needed)
 
 from __future__ import annotations
 
-import doctest
 import subprocess
 import sys
 import textwrap
@@ -343,18 +342,6 @@ def test_reference_checksum_option_agrees(frames, tmp_path):
     expected = snapshot(store)
     GpuDecoder("cpu", checksum="reference", bucket=False).attach(store)
     check_gets(store, expected, sizes=(100,))
-
-
-def test_docstring_examples_run():
-    result = doctest.testmod(gpu_mod, optionflags=doctest.ELLIPSIS)
-    assert result.attempted > 0 and result.failed == 0
-
-
-def test_nvcomp_module_docstrings_run():
-    import tiered.codecs.nvcomp as nv_mod
-
-    result = doctest.testmod(nv_mod, optionflags=doctest.ELLIPSIS)
-    assert result.attempted > 0 and result.failed == 0
 
 
 # ---------------------------------------------------------------------------------------------

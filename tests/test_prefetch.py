@@ -6,7 +6,6 @@ stream/event ordering on a GPU machine.
 
 from __future__ import annotations
 
-import doctest
 import gc
 import threading
 import time
@@ -17,7 +16,6 @@ import pytest
 import torch
 from helpers import assert_td_equal
 
-import tiered.prefetch as prefetch_mod
 from tiered import TieredStore
 from tiered.atari import load_fixture
 from tiered.errors import IndexOutOfRangeError
@@ -186,11 +184,6 @@ def test_bad_arguments(store):
         Prefetcher(store, _sampler(0, 10), depth=0)
     with pytest.raises(TypeError, match="callable"):
         Prefetcher(store, 3)  # type: ignore[arg-type]
-
-
-def test_docstring_examples_run():
-    result = doctest.testmod(prefetch_mod, optionflags=doctest.ELLIPSIS)
-    assert result.attempted > 0 and result.failed == 0
 
 
 @pytest.mark.cuda

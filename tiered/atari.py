@@ -263,7 +263,7 @@ def rollout_frames(
         ImportError: ale-py or gymnasium is not installed.
 
     Example:
-        >>> fr = rollout_frames("Pong", steps=50, seed=0)  # doctest: +SKIP
+        >>> fr = rollout_frames("Pong", steps=50, seed=0)
         >>> fr.frames.shape  # one more frame than transitions per episode
         (51, 84, 84)
     """
@@ -357,7 +357,7 @@ def rollout(
         ImportError: ale-py or gymnasium is not installed.
 
     Example:
-        >>> td = rollout("Pong", steps=10, seed=0)  # doctest: +SKIP
+        >>> td = rollout("Pong", steps=10, seed=0)
         >>> td["observation"].shape
         torch.Size([10, 4, 84, 84])
     """
@@ -412,7 +412,7 @@ def cached_rollout(
         ImportError: the rollout is not cached and ale-py or gymnasium is not installed.
 
     Example:
-        >>> td = cached_rollout("MsPacman", steps=2000, seed=1)  # doctest: +SKIP
+        >>> td = cached_rollout("MsPacman", steps=2000, seed=1)  # played once, then read from the cache
         >>> bool(td["next", "terminated"].any())
         True
     """
@@ -510,7 +510,7 @@ def load_fixture(
 
     Example:
         >>> td = load_fixture("benchmarks/data/atari_frames.npz", games=["Pong"])  # doctest: +SKIP
-        >>> td["observation"].dtype
+        >>> td["observation"].dtype  # doctest: +SKIP
         torch.uint8
     """
     with np.load(path) as data:

@@ -20,8 +20,8 @@ Example:
     >>> p = os.path.join(tempfile.mkdtemp(), "a.npz")
     >>> np.savez(p, **{"observation": np.zeros((5, 3), np.float32), "next/reward": np.ones((5, 1))})
     >>> src = NpzSource(p)
-    >>> src.naming, sorted(next(src.chunks()).keys(True, True))
-    ('ted', ['observation', ('next', 'reward')])
+    >>> src.naming, sorted(next(src.chunks()).keys(True, True), key=str)
+    ('ted', [('next', 'reward'), 'observation'])
 """
 
 from __future__ import annotations
