@@ -26,6 +26,7 @@ def pong_store(atari_pong, tmp_path_factory):
     d = tmp_path_factory.mktemp("cli")
     atari_pong.memmap(d / "td")
     import_dataset("torchrl", d / "td", d / "pong.tiered", frames={"observation": 0})
+    shutil.rmtree(d / "td")  # 113 MB that no test reads again; the module keeps only the store
     return d / "pong.tiered"
 
 

@@ -19,6 +19,7 @@ import hashlib
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import struct
@@ -163,10 +164,13 @@ def _power_loss_case(seed: int, pong, full_run, tmp_path: Path) -> str:
     how, acks = _run_writer(path, pong, log=log, kill_on=kill_on)
     acked = max([a for a in acks if a >= 0], default=0)
     if how == ("exited", 0):
+        _discard(path, log)
         return "finished"
     assert how == ("killed", signal.SIGKILL), how
     _io.apply_power_loss(log)  # drop every write not made durable by an fsync
-    return _check_after_crash(path, pong, acked, f"seed {seed} (kill at event {kill_on}/{events})")
+    outcome = _check_after_crash(path, pong, acked, f"seed {seed} (kill at event {kill_on}/{events})")
+    _discard(path, log)
+    return outcome
 
 
 def _sigkill_case(seed: int, pong, full_run, tmp_path: Path) -> str:
@@ -181,7 +185,18 @@ def _sigkill_case(seed: int, pong, full_run, tmp_path: Path) -> str:
     acks = _read_acks(r)
     _wait(pid)
     acked = max([a for a in acks if a >= 0], default=0)
-    return _check_after_crash(path, pong, acked, f"sigkill seed {seed} after {delay:.2f} s")
+    outcome = _check_after_crash(path, pong, acked, f"sigkill seed {seed} after {delay:.2f} s")
+    _discard(path)
+    return outcome
+
+
+def _discard(*paths: Path | str) -> None:
+    """Delete a checked case's store and log (a failed case keeps them: the assert comes first)."""
+    for p in paths:
+        if os.path.isdir(p):
+            shutil.rmtree(p)
+        elif os.path.exists(p):
+            os.unlink(p)
 
 
 @pytest.mark.timeout(300)
