@@ -224,6 +224,24 @@ def test_minari_round_trip_is_exact(minari_cartpole, tmp_path):
     )
 
 
+def test_minari_export_of_a_cut_first_episode_recomputes_its_stats(minari_cartpole, tmp_path):
+    """A smaller capacity cuts the first episode short but keeps the episode count: the source's
+    per-episode attributes no longer describe it, so the export must recompute them."""
+    with h5py.File(minari_cartpole / "data" / "main_data.hdf5") as h:
+        lengths = [int(h[f"episode_{e}"]["rewards"].shape[0]) for e in range(len(h))]
+    capacity = sum(lengths) - lengths[0] // 2
+    import_dataset("minari", minari_cartpole, tmp_path / "s", capacity=capacity)
+    assert run("export", str(tmp_path / "s"), str(tmp_path / "out"), "--format", "minari") == 0
+    with h5py.File(tmp_path / "out" / "data" / "main_data.hdf5") as h:
+        assert len(h) == len(lengths)
+        for e in range(len(h)):
+            g = h[f"episode_{e}"]
+            r = g["rewards"][()]
+            assert g.attrs["total_steps"] == r.shape[0]
+            assert g.attrs["rewards_sum"] == pytest.approx(r.sum()), e
+        assert h["episode_0"]["rewards"].shape[0] == lengths[0] - lengths[0] // 2
+
+
 def test_minari_infos_with_t_plus_one_entries(minari_frozenlake, tmp_path):
     import_dataset("minari", minari_frozenlake, tmp_path / "s")
     with tiered.open(tmp_path / "s") as store:

@@ -532,14 +532,21 @@ def write_minari(
     starts, ids = _episodes(store, rows, step)
     ends = np.append(starts[1:], n)
     # traj ids imported from minari are its episode numbers; minari needs episode_0 .. episode_{n-1}
-    ep_ids = ids if np.array_equal(ids, np.arange(ids.size)) else np.arange(ids.size)
+    ep_ids = np.arange(ids.size)
     lengths = ends - starts
-    os.makedirs(os.path.join(tmp, "data"))
+    _io.makedirs(os.path.join(tmp, "data"))  # fsyncs the new directories, like every export
     main = os.path.join(tmp, "data", MAIN_FILE)
     f = _io.WritableFile(main)
     ep_attrs = (source or {}).get("episode_attrs") or {} if from_minari else {}
-    if any(len(v) != ids.size for v in ep_attrs.values()):
-        ep_attrs = {}  # not the source's episodes any more (e.g. a smaller capacity): recompute
+    src_steps = ep_attrs.get("total_steps")
+    if (
+        n != (source or {}).get("rows")
+        or any(len(v) != ids.size for v in ep_attrs.values())
+        or (src_steps is not None and src_steps != lengths.tolist())
+    ):
+        # not the source's episodes any more (e.g. a smaller capacity cut the first one short,
+        # leaving the same episode count): recompute the reward stats from the rows
+        ep_attrs = {}
     with writing(f):
         with h5py.File(f, "w", track_order=True) as h:
             groups = []
