@@ -369,13 +369,17 @@ def _verify(path: str, report: Report, progress: bool | None, decode: bool, batc
     try:
         i = 0
         n = blobs.size
+        ends = in_seg + size
+        seg_stop = np.searchsorted(seg, seg, side="right")  # per blob: end of its segment's run
         while i < n:
             s = int(seg[i])
-            # one sequential read per batch: consecutive blobs of one segment spanning <= batch_bytes
+            # one sequential read per batch: the blobs after blob i in its segment whose ends, and
+            # those of all blobs before them, stay within batch_bytes of its start (the running
+            # maximum keeps overlapping blobs in order), found by search instead of a per-blob loop
             start = int(in_seg[i])
-            j = i + 1
-            while j < n and seg[j] == s and int(in_seg[j] + size[j]) - start <= batch_bytes:
-                j += 1
+            limit = start + batch_bytes
+            w = i + int(np.searchsorted(in_seg[i : int(seg_stop[i])], limit, side="right"))
+            j = i + 1 + int(np.searchsorted(np.maximum.accumulate(ends[i + 1 : w]), limit, side="right"))
             f = os.path.join(cold_dir, _segment_name(backend, s))
             if not seg_ok[s]:
                 for b in blobs[i:j].tolist():
