@@ -69,9 +69,11 @@ import torch
 
 from .codecs import codec_for_format_id, segment_checksums_torch
 from .codecs.nvcomp import copy_segments_device, filler_frame, import_nvcomp, use_torch_allocator
+from .codecs.raw import exclusive_cumsum
 from .errors import ChecksumError, CodecUnavailableError
 from .index import COLD, HOT, OPEN, WARM
 from .tiers import arena as _arena
+from .tiers.base import align  # the arenas' alignment: the hot gather reads aligned extents
 
 if TYPE_CHECKING:
     from ._frames import FrameFamily
@@ -84,22 +86,10 @@ _OPEN_KIND = 3  # kinds 0, 1, 2 are the tier constants HOT, WARM, COLD
 _TIER_NAMES = ("hot", "warm", "cold")
 _FORMAT_NAMES = {1: "zstd", 2: "lz4", 3: "deflate"}
 _RAW_FORMAT = 0
-_ALIGN = 16
 _MASK32 = 0xFFFFFFFF
 # The fused checksum keeps int64 prefix sums exact below 2**26 bytes per batch (255 * T**2 / 2 <
 # 2**63); larger batches use the chunked reference implementation.
 _FUSED_MAX = 1 << 26
-
-
-def _a16(x: Any) -> Any:
-    return (np.asarray(x, dtype=np.int64) + (_ALIGN - 1)) // _ALIGN * _ALIGN
-
-
-def _excl(sizes: np.ndarray) -> np.ndarray:
-    out = np.zeros(sizes.size, dtype=np.int64)
-    if sizes.size > 1:
-        np.cumsum(sizes[:-1], out=out[1:])
-    return out
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:
@@ -557,7 +547,7 @@ class GpuDecoder:
         n = int(uniq.size)
         K, nb = fam.K, fam.nbytes
         row = K * nb
-        stride = int(_a16(row))
+        stride = int(align(row))
         kind = self._classify(store, uniq)
         stored = kind != _OPEN_KIND
         fmts = store._index.codec[uniq[stored]]
@@ -674,7 +664,7 @@ class GpuDecoder:
         s_ids = c.uniq[s_pos]
         s_kind = kinds[~is_open]
         csz = idx.nbytes[s_ids]
-        a = _a16(csz)
+        a = align(csz)
         m, k = int(s_ids.size), int(open_pos.size)
         hot_m = (s_kind == HOT) & (c.hot_words is not None)
         if hot_m.any():
@@ -686,16 +676,16 @@ class GpuDecoder:
         filler = filler_frame(_FORMAT_NAMES[c.fmt]) if c.pads else b""
         # comp region: staged blobs, the filler, then hot blobs; 16-aligned offsets relative to it
         rel = np.empty(m, dtype=np.int64)
-        rel[stg_m] = _excl(a[stg_m])
+        rel[stg_m] = exclusive_cumsum(a[stg_m])
         staged_bytes = int(a[stg_m].sum())
         fill_rel = staged_bytes
-        after_fill = staged_bytes + int(_a16(len(filler))) if filler else staged_bytes
+        after_fill = staged_bytes + int(align(len(filler))) if filler else staged_bytes
         hot_a = a[hot_m]
-        rel[hot_m] = after_fill + _excl(hot_a)
+        rel[hot_m] = after_fill + exclusive_cumsum(hot_a)
         comp_bytes = after_fill + int(hot_a.sum())
         e = 0 if extra is None else int(extra.size)
         n_tab = 2 * h + k + 5 * m + e
-        tb = int(_a16(8 * n_tab))
+        tb = int(align(8 * n_tab))
         raw_bytes = k * c.stride
         comp0 = tb + raw_bytes
         prefix = comp0 + after_fill
@@ -705,7 +695,7 @@ class GpuDecoder:
         p = 0
         if h:
             nw = hot_a // 8
-            tab[p:p + h] = idx.loc[s_ids[hot_m], HOT] // 8 - _excl(nw)
+            tab[p:p + h] = idx.loc[s_ids[hot_m], HOT] // 8 - exclusive_cumsum(nw)
             tab[p + h:p + 2 * h] = nw
             p += 2 * h
         p_open = p

@@ -175,9 +175,12 @@ def _packed_checksums(data: np.ndarray, offsets: np.ndarray, sizes: np.ndarray) 
         return None
     s1 = np.empty(starts.size, dtype=np.uint32)
     bg = np.empty(starts.size, dtype=np.uint32)
-    # Groups of whole blobs spanning about _NP_CHUNK bytes keep the uint32 temporary in cache;
-    # the loop runs once per chunk of data, not per blob.
-    cuts = np.unique(np.searchsorted(starts, np.arange(lo, hi, _NP_CHUNK), side="left"))
+    # Groups of whole blobs spanning at most _NP_CHUNK bytes keep the uint32 temporary in cache;
+    # the loop runs once per chunk of data, not per blob. The marks are closer than _NP_CHUNK by
+    # the largest blob, so a group fits the shared weight table (no fresh 16 MiB table for one
+    # that overran it).
+    step = max(_NP_CHUNK - int(lens.max()), _NP_CHUNK // 2)
+    cuts = np.unique(np.searchsorted(starts, np.arange(lo, hi, step), side="left"))
     bounds = np.append(cuts[cuts < starts.size], starts.size).tolist()
     weights = _arange32(min(_NP_CHUNK, hi - lo))
     with np.errstate(over="ignore"):

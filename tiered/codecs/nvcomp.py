@@ -647,10 +647,11 @@ class NvcompCodec(Codec):
                 raise ValueError(f"out_capacity {out_capacity} < out size {int(out_sizes.max())}")
             self._check_device_batch(data, offsets, sizes, "data")
             self._check_device_batch(out, out_offsets, out_sizes, "out", span=span)
-            keep = out_sizes > 0
-            if not keep.all():
-                offsets, sizes = offsets[keep], sizes[keep]
-                out_offsets, out_sizes = out_offsets[keep], out_sizes[keep]
+        # 0-byte outputs have nothing to write and nvCOMP must not see them, checked or not
+        keep = out_sizes > 0
+        if not keep.all():
+            offsets, sizes = offsets[keep], sizes[keep]
+            out_offsets, out_sizes = out_offsets[keep], out_sizes[keep]
         if out_sizes.size == 0:
             return
         probe = self._probe_result or self.probe()

@@ -145,7 +145,7 @@ def _copy_host(src: np.ndarray, s: np.ndarray, dst: np.ndarray, d: np.ndarray, n
         ss, dd, nn = s[sel], d[sel], n[sel]
         rows = -(-nn // c)
         total = int(rows.sum())
-        j = np.arange(total, dtype=_I64) - np.repeat(np.cumsum(rows) - rows, rows)
+        j = np.arange(total, dtype=_I64) - np.repeat(exclusive_cumsum(rows), rows)
         step = np.minimum(j * c, np.repeat(nn - c, rows))
         rs = np.repeat(ss, rows) + step
         rd = np.repeat(dd, rows) + step

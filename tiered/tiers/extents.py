@@ -85,8 +85,6 @@ def format_bytes(n: int | None) -> str:
     return f"{n} B"
 
 
-
-
 class ExtentAllocator:
     """Allocator of aligned byte ranges in ``[0, capacity)``.
 

@@ -54,13 +54,20 @@ _THREADED_MIN_RUNS = 64
 
 
 class _Staging(threading.local):
-    """A per-thread, reused host buffer (fresh allocations cost page faults)."""
+    """A per-thread, reused host buffer (fresh allocations cost page faults).
 
+    Requests above ``KEEP_MAX`` get a temporary instead: the buffer lives as long as the thread
+    (pinned on a CUDA host), and one large write or whole-store read must not hold that much.
+    """
+
+    KEEP_MAX = 16 << 20
     buf: np.ndarray | None = None
 
     def get(self, nbytes: int) -> np.ndarray:
+        if nbytes > self.KEEP_MAX:
+            return np.empty(nbytes, dtype=np.uint8)
         if self.buf is None or self.buf.size < nbytes:
-            size = max(nbytes, 2 * (0 if self.buf is None else self.buf.size), 1 << 16)
+            size = min(max(nbytes, 2 * (0 if self.buf is None else self.buf.size), 1 << 16), self.KEEP_MAX)
             if torch.cuda.is_available():  # pinned: the H2D copy of a CUDA `out` is then async-capable
                 self.buf = torch.empty(size, dtype=torch.uint8, pin_memory=True).numpy()
             else:
