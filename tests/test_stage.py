@@ -15,6 +15,7 @@ import torch
 from helpers import assert_td_equal, check_refcounts
 from tensordict import TensorDict
 
+import tiered
 from tiered import TieredStore, _io
 from tiered.errors import IndexOutOfRangeError, SchemaMismatchError, StorageFullError
 from tiered.gpu import GpuDecoder
@@ -257,6 +258,17 @@ def test_stage_rows_must_be_a_non_negative_int():
         TieredStore(10, stage_rows=-1)
     with pytest.raises(ValueError, match="stage_rows"):
         TieredStore(10, stage_rows=2.5)
+
+
+def test_stage_rows_can_be_set_on_open(tmp_path):
+    # a runtime setting like threads: not stored in the manifest, given again on open
+    TieredStore(10, tmp_path / "s", stage_rows=0).close()
+    with tiered.open(tmp_path / "s", mode="r+", stage_rows=0) as store:
+        store.extend(TensorDict({"x": torch.zeros(1, 3)}, [1]))
+        assert store.stats()["staged_rows"] == 0
+    with tiered.open(tmp_path / "s", mode="r+", stage_rows=16) as store:
+        store.extend(TensorDict({"x": torch.ones(1, 3)}, [1]))
+        assert store.stats()["staged_rows"] == 1
 
 
 @pytest.mark.parametrize("rows_per_write", [1, 50], ids=["staged", "batched"])

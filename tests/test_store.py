@@ -67,6 +67,17 @@ def test_defaults_bit_exact_pong(atari_pong):
     assert st["fields"]["observation"]["ratio"] > 25
 
 
+def test_a_slice_is_a_copy_unless_views_are_asked_for():
+    store = TieredStore(8)
+    store.extend(TensorDict({"r": torch.arange(8.0)}, [8]))
+    got = store.get(slice(0, 3))
+    got["r"] += 100  # the caller's batch is its own
+    assert store.get(slice(0, 3))["r"].tolist() == [0.0, 1.0, 2.0]
+    view = store.get(slice(0, 3), copy=False)  # what TorchRL's storage[:] gets: no copy
+    store.extend(TensorDict({"r": torch.full((8,), 7.0)}, [8]))
+    assert view["r"].tolist() == [7.0, 7.0, 7.0]
+
+
 def test_index_forms(atari_pong):
     data = atari_pong[:50]
     store = TieredStore(100)

@@ -240,8 +240,7 @@ class FrameFamily:
         slot_sorted = p % self.K
         # chunks: (group, chunk_no); chunk 0 of a group with an open chunk reuses its blob
         n_chunks_g = (fill0 + g_count + self.K - 1) // self.K if g_traj.size else np.zeros(0, np.int64)
-        chunk_base = np.concatenate([[0], np.cumsum(n_chunks_g)[:-1]]).astype(np.int64) if g_traj.size else \
-            np.zeros(0, np.int64)
+        chunk_base = exclusive_cumsum(n_chunks_g)
         total_chunks = int(n_chunks_g.sum()) if g_traj.size else 0
         chunk_group = np.repeat(np.arange(g_traj.size), n_chunks_g)
         chunk_local = np.arange(total_chunks) - np.repeat(chunk_base, n_chunks_g)

@@ -48,7 +48,7 @@ from .errors import (
 from .gpu import maybe_gpu_decoder
 from .index import COLD, HOT, OPEN, STORED, WARM, BlobIndex, RowTable, isin
 from .policy import PriorityPolicy, get_policy
-from .schema import Field, Key, Schema, key_to_str, normalize_key
+from .schema import Field, Key, Schema, key_to_str, normalize_key, str_to_key
 from .tiers import DeviceTier, HostTier, default_budgets, parse_bytes
 from .tiers.base import Tier, align
 
@@ -271,17 +271,21 @@ class TieredStore:
             >>> TieredStore(20, **s.options).options["frames"]
             {('observation',): 0}
         """
-        o = self._options
+        return self._layout_kwargs(self._options, self._codec.name, self._backend)
+
+    @staticmethod
+    def _layout_kwargs(o: dict[str, Any], codec: str, backend: str) -> dict[str, Any]:
+        """Constructor kwargs from the stored option dict (``self._options``, a manifest's "options")."""
         return {
-            "codec": self._codec.name,
+            "codec": codec,
             "blob_min_bytes": o["blob_min_bytes"],
             "blob_keys": [tuple(k) for k in o["blob_keys"]],
             "dense_keys": [tuple(k) for k in o["dense_keys"]],
-            "frames": {tuple(k.split("/")): v for k, v in o["frames"].items()},
+            "frames": {str_to_key(k): v for k, v in o["frames"].items()},
             "chunk_frames": o["chunk_frames"],
             "dedup": o["dedup"],
             "traj_key": tuple(o["traj_key"]) if o.get("traj_key") else None,
-            "backend": self._backend,
+            "backend": backend,
         }
 
     def clear(self) -> None:
@@ -735,7 +739,7 @@ class TieredStore:
     # Reading
     # ------------------------------------------------------------------------------------
     def get(self, index: IndexLike, keys: Iterable[str | Key] | None = None, *,
-            index_key: str | None = None) -> TensorDictBase:
+            index_key: str | None = None, copy: bool = True) -> TensorDictBase:
         """Read rows.
 
         Args:
@@ -745,6 +749,10 @@ class TieredStore:
             keys: only these fields (nested keys as tuples); the others are not decoded.
             index_key: also return each row's position (int64, negative indices resolved)
                 under this key, as TorchRL's storages return ``"index"``.
+            copy: with False, a step-1 slice returns the dense columns as views of the store's
+                own columns (as TorchRL's ``TensorStorage`` does for ``storage[:]``): no copy that
+                grows with the buffer, but writing to them writes to the store, and later writes
+                to the store show through. Blob fields are always fresh tensors.
 
         Returns:
             A TensorDict of batch size ``[n]`` (or ``[]`` for an int index) on ``device``.
@@ -764,10 +772,10 @@ class TieredStore:
             n = rows.size
             rows_t = torch.from_numpy(rows)
             out: dict[Key, torch.Tensor] = {}
-            # A slice with step 1 reads dense columns as views, as TensorStorage does (TorchRL's
-            # SliceSampler reads `storage[:]` on every sample): no copy that grows with the buffer.
+            # copy=False: a slice with step 1 reads dense columns as views, as TensorStorage does
+            # (TorchRL's SliceSampler reads `storage[:]` on every sample through the adapter).
             span = None
-            if isinstance(index, slice) and n and rows[-1] - rows[0] == n - 1:
+            if not copy and isinstance(index, slice) and n and rows[-1] - rows[0] == n - 1:
                 span = (int(rows[0]), n)
             for f in fields:
                 if f.kind == "dense":
@@ -800,21 +808,22 @@ class TieredStore:
         ones are copied from the stage."""
         hit = slots >= 0
         miss = np.flatnonzero(~hit)
-        part: dict[Key, torch.Tensor] = {}
         if miss.size:
+            # decode at full size with staged rows pointing at a stored row (its blobs are
+            # decoded anyway), then overwrite them: no second [n, ...] buffer and copy
+            read = np.where(hit, rows[miss[0]], rows)
             for fid, fs in by_fam.items():
-                self._get_family(fid, fs, rows[miss], part)
+                self._get_family(fid, fs, read, out)
         hit_pos = torch.from_numpy(np.flatnonzero(hit))
         hit_slots = torch.from_numpy(slots[hit].astype(np.int64))
         for fs in by_fam.values():
             for f in fs:
-                decoded = part.get(f.key)
-                device = decoded.device if decoded is not None else torch.device("cpu")
-                cells = torch.empty((rows.size, *f.shape), dtype=f.dtype, device=device)
-                if decoded is not None:
-                    cells[torch.from_numpy(miss).to(device)] = decoded
-                cells[hit_pos.to(device)] = self._stage.cells[f.key][hit_slots].to(device)
-                out[f.key] = cells
+                staged = self._stage.cells[f.key].index_select(0, hit_slots)
+                if miss.size:
+                    cells = out[f.key]
+                    cells[hit_pos.to(cells.device)] = staged.to(cells.device)
+                else:
+                    out[f.key] = staged
 
     def rows_of(self, index: IndexLike) -> np.ndarray:
         """The row positions :meth:`get` reads for ``index`` (negative indices resolved).
@@ -1289,7 +1298,7 @@ class TieredStore:
         if mode not in ("r", "r+"):
             raise ValueError(f"mode must be 'r' or 'r+', got {mode!r}")
         allowed = {"warm_bytes", "hot_bytes", "hot_device", "device", "policy", "verify", "threads", "promote",
-                   "gpu_decode"}
+                   "gpu_decode", "stage_rows"}
         unknown = set(options) - allowed
         if unknown:
             raise TypeError(f"options {sorted(unknown)} cannot change on open; allowed: {sorted(allowed)}")
@@ -1366,12 +1375,8 @@ class TieredStore:
         self._opening = True
         try:
             cls.__init__(
-                self, body["capacity"], path, codec=body["codec"], blob_min_bytes=o["blob_min_bytes"],
-                blob_keys=[tuple(k) for k in o["blob_keys"]], dense_keys=[tuple(k) for k in o["dense_keys"]],
-                frames={tuple(k.split("/")): v for k, v in o["frames"].items()},
-                chunk_frames=o["chunk_frames"], dedup=o["dedup"],
-                traj_key=tuple(o["traj_key"]) if o.get("traj_key") else None,
-                backend=body.get("backend", "memmap"), **{"policy": body.get("policy", "lru"), **options},
+                self, body["capacity"], path, **cls._layout_kwargs(o, body["codec"], body.get("backend", "memmap")),
+                **{"policy": body.get("policy", "lru"), **options},
             )
         finally:
             self._opening = False

@@ -487,7 +487,7 @@ class TieredStorage(TensorStorage):
         # a slice reads dense columns as views (no per-sample copy that grows with the buffer);
         # the store adds TorchRL's "index" column from the same rows
         dense = store.get(index if isinstance(index, slice) else rows, keys=[f.key for f in schema.dense_fields],
-                          index_key=_INDEX_KEY if self._has_index else None)
+                          index_key=_INDEX_KEY if self._has_index else None, copy=False)
         columns: dict[Key | str, torch.Tensor] = {}
         blob = schema.blob_fields
         loader = _BlobLoader(store, rows, [f.key for f in blob]) if blob else None
