@@ -51,28 +51,29 @@ def test_top_level_help_and_version(capsys):
 
 
 @pytest.mark.parametrize(
-    "argv",
+    ("argv", "says"),
     [
-        [],
-        ["frobnicate"],
-        ["info"],
-        ["import", "hdf9", "a", "b"],
-        ["export", "s", "d"],
-        ["import", "d4rl", "a", "b", "--frames", "observation"],
+        ([], "required: COMMAND"),
+        (["frobnicate"], "invalid choice: 'frobnicate'"),
+        (["info"], "required: store"),
+        (["import", "hdf9", "a", "b"], "invalid choice: 'hdf9'"),
+        (["export", "s", "d"], "required: --format"),
+        (["import", "d4rl", "SRC", "DST", "--frames", "observation"], "--frames takes KEY=DIM"),
     ],
 )
-def test_usage_errors_exit_2(argv, capsys, tmp_path):
-    if argv[-1:] == ["observation"]:
-        argv = [
-            "import",
-            "d4rl",
-            str(tmp_path / "missing.h5"),
-            str(tmp_path / "s"),
-            "--frames",
-            "observation",
-        ]
+def test_usage_errors_exit_2(argv, says, capsys, tmp_path):
+    if "SRC" in argv:  # a real source, so that only the malformed --frames is wrong
+        with h5py.File(tmp_path / "d.hdf5", "w") as f:
+            f["observations"] = np.zeros((10, 3), np.float32)
+            f["actions"] = np.zeros(10, np.int64)
+            f["rewards"] = np.zeros(10, np.float32)
+            f["terminals"] = np.zeros(10, bool)
+        argv = [str(tmp_path / "d.hdf5") if a == "SRC" else str(tmp_path / "s") if a == "DST" else a
+                for a in argv]
     assert main(argv) == 2
-    assert "Traceback" not in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err, err
+    assert not (tmp_path / "s").exists()
 
 
 def test_info_shows_schema_ratios_tiers_and_format(pong_store, capsys):

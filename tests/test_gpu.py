@@ -203,7 +203,7 @@ def test_cpu_stand_in_exclusive_tiers_with_promotions(frames):
     store = TieredStore(1200, frames={"observation": 0}, hot_device="cpu", hot_bytes="48KiB",
                         warm_bytes="8MiB", policy="lru")
     reference = TieredStore(1200, frames={"observation": 0})
-    GpuDecoder("cpu").attach(store)
+    dec = GpuDecoder("cpu").attach(store)
     rng = np.random.default_rng(1)
     pos = 0
     for _ in range(40):
@@ -218,6 +218,7 @@ def test_cpu_stand_in_exclusive_tiers_with_promotions(frames):
     tiers = store.stats()["tiers"]
     assert tiers["hot"]["promotions"] > 0 and tiers["hot"]["demotions"] > 0
     assert tiers["hot"]["bytes_used"] <= tiers["hot"]["budget"]
+    assert dec.stats()["batches"] > 0 and dec.stats()["hot"] > 0  # the decoder served the reads
     check_refcounts(store)
 
 
@@ -279,10 +280,11 @@ def test_oom_below_min_split_falls_back(frames, tmp_path):
     assert st["cpu_fallbacks"] == 1 and st["fallback_reasons"] == {"out of memory below min_split blobs": 1}
 
 
+@pytest.mark.parametrize("checksum", ["fused", "reference"])
 @pytest.mark.parametrize("tier", [HOT, WARM, COLD])
-def test_corrupt_blob_raises_before_any_decode(frames, tmp_path, tier):
+def test_corrupt_blob_raises_before_any_decode(frames, tmp_path, tier, checksum):
     store = tiered_store(frames, tmp_path / "s", hot_device="cpu")
-    dec = GpuDecoder("cpu").attach(store)
+    dec = GpuDecoder("cpu", checksum=checksum).attach(store)
     idx = store._index
     live = idx.live_ids()
     stored = live[idx.state[live] != OPEN]
@@ -340,8 +342,9 @@ def test_attach_detach_and_maybe_gpu_decoder(frames):
 def test_reference_checksum_option_agrees(frames, tmp_path):
     store = tiered_store(frames, tmp_path / "s", hot_device="cpu")
     expected = snapshot(store)
-    GpuDecoder("cpu", checksum="reference", bucket=False).attach(store)
+    dec = GpuDecoder("cpu", checksum="reference", bucket=False).attach(store)
     check_gets(store, expected, sizes=(100,))
+    assert dec.stats()["batches"] > 0
 
 
 # ---------------------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ class Model:
         self.rows = like[:1].expand(capacity).clone().zero_()
         self.capacity, self.len, self.cursor = capacity, 0, 0
         self.written = np.zeros(capacity, dtype=bool)  # set() may leave rows below len unwritten
+        self.max_staged = 0  # the most rows the store held staged after an op
 
     def extend(self, data: TensorDict) -> None:
         n = data.batch_size[0]
@@ -78,6 +79,7 @@ def random_ops(store: TieredStore, data: TensorDict, steps: int, seed: int) -> M
             model.set(rows, d)
         elif op < 0.85:
             store.flush()
+        model.max_staged = max(model.max_staged, store.stats()["staged_rows"])
         ix = rng.choice(np.flatnonzero(model.written), int(rng.integers(1, 40)))
         assert_td_equal(store.get(ix), model.rows[torch.from_numpy(ix)])
         assert len(store) == model.len and store.cursor == model.cursor
@@ -89,6 +91,7 @@ def random_ops(store: TieredStore, data: TensorDict, steps: int, seed: int) -> M
 def test_staged_rows_read_back_bit_exact(atari_mixed, stage_rows, chunk_frames):
     store = TieredStore(50, frames={"observation": 0}, chunk_frames=chunk_frames, stage_rows=stage_rows)
     model = random_ops(store, atari_mixed, steps=300, seed=stage_rows + chunk_frames)
+    assert model.max_staged > 1  # the reads above did meet staged rows
     every = np.flatnonzero(model.written)
     assert_td_equal(store.get(every), model.rows[torch.from_numpy(every)])
     store.flush()
@@ -207,11 +210,13 @@ def test_staged_rows_are_committed_by_flush_and_close(atari_pong, tmp_path):
     store.extend(atari_pong[:10])
     for i in range(10, 13):
         store.extend(atari_pong[i:i + 1])
+    assert store.stats()["staged_rows"] == 3
     store.flush()
     with TieredStore.open(tmp_path / "s") as reader:
         assert_td_equal(reader.get(slice(None)), atari_pong[:13])
     for i in range(13, 15):
         store.set(i, atari_pong[i])
+    assert store.stats()["staged_rows"] == 2
     store.close()
     with TieredStore.open(tmp_path / "s") as reader:
         assert_td_equal(reader.get(slice(None)), atari_pong[:15])
@@ -233,6 +238,7 @@ def test_clear_drops_staged_rows(atari_pong):
     store = TieredStore(100, frames={"observation": 0})
     store.extend(atari_pong[:10])
     store.extend(atari_pong[10:11])
+    assert store.stats()["staged_rows"] == 1
     store.clear()
     assert len(store) == 0 and store.stats()["staged_rows"] == 0
     check_refcounts(store)
@@ -281,6 +287,7 @@ def test_values_with_autograd_history_are_stored_detached(rows_per_write):
     store = TieredStore(100)
     for lo in range(0, 100, rows_per_write):
         store.extend(data[lo:lo + rows_per_write])
+    assert (store.stats()["staged_rows"] > 0) == (rows_per_write == 1)
     out = store.get(slice(None))
     assert not out["logits"].requires_grad and not out["features"].requires_grad
     assert torch.equal(out["logits"], logits.detach()) and torch.equal(out["features"], features.detach())

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import threading
 
 import h5py
 import numpy as np
@@ -731,12 +732,17 @@ def test_many_scattered_runs_are_read_on_several_threads(tmp_path):
     pick = rng.choice(500, 200, replace=False)
     out = np.zeros(int(sizes[pick].sum()), np.uint8)
     out_off = np.cumsum(sizes[pick]) - sizes[pick]
-    threads = []
+    threads, idents = [], set()
     real = memmap_mod.run_parallel
 
     def counting(fn, tasks, workers):
         threads.append(len(tasks))
-        return real(fn, tasks, workers)
+
+        def on_thread(*args):
+            idents.add(threading.get_ident())
+            return fn(*args)
+
+        return real(on_thread, tasks, workers)
 
     memmap_mod.run_parallel = counting
     try:
@@ -745,5 +751,6 @@ def test_many_scattered_runs_are_read_on_several_threads(tmp_path):
     finally:
         memmap_mod.run_parallel = real
     assert threads and threads[0] > 1, threads
+    assert len(idents) > 1, idents  # the tasks ran on more than the calling thread
     assert np.array_equal(out, np.concatenate([data[src[i]:src[i] + sizes[i]] for i in pick]))
     tier.close()

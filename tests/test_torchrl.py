@@ -456,6 +456,7 @@ def test_state_dict_copies_and_round_trips(pong, tmp_path):
     rb.extend(pong[:22])
     for i in range(22, 25):
         rb.add(pong[i])  # staged
+    assert rb.storage.store.stats()["staged_rows"] == 3
     rb.sample()
     snapshot = rb[:].clone()
     state = rb.state_dict()
@@ -486,6 +487,7 @@ def test_pickle_in_process(pong, tmp_path, where):
     rb.extend(pong[:36])
     for i in range(36, 40):
         rb.add(pong[i])  # staged: pickling sends them along (or flushes them, with a path)
+    assert rb.storage.store.stats()["staged_rows"] == 4
     blob = pickle.dumps(rb)
     if where == "path":
         assert len(blob) < 64 * 1024, "a store with a path should travel as 'reopen', not as bytes"
@@ -573,7 +575,7 @@ def test_get_from_threads_while_writing(pong, step):
     data = pong[:300]
     storage = TieredStorage(300, **OPTS)
     storage.set(torch.arange(20), data[:20])
-    errors, reads = [], [0]
+    errors, reads, max_staged = [], [0], 0
     stop = threading.Event()
 
     def reader(seed):
@@ -597,6 +599,7 @@ def test_get_from_threads_while_writing(pong, step):
             for lo in range(20 if rep == 0 else 0, 300, step):
                 if step == 1:  # one row at an int cursor: the staged path
                     storage.set(lo, data[lo])
+                    max_staged = max(max_staged, storage.store.stats()["staged_rows"])
                 else:
                     storage.set(torch.arange(lo, lo + step), data[lo:lo + step])
     finally:
@@ -605,6 +608,7 @@ def test_get_from_threads_while_writing(pong, step):
             t.join()
     assert not errors, errors[:3]
     assert reads[0] > 0
+    assert (max_staged > 0) == (step == 1)  # the readers met staged rows on the staged path
 
 
 def test_online_loop_add_one_sample_every_step_matches_lazy_tensor_storage(pong):
