@@ -129,6 +129,30 @@ def open_for_read(path: str | os.PathLike[str]) -> int:
     return os.open(os.fspath(path), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
 
 
+def read_into(fd: int, view: memoryview, offset: int) -> int:
+    """Fill ``view`` from ``fd`` at ``offset`` (``preadv`` may return less than asked); returns
+    the bytes read, fewer than ``view.nbytes`` only at the end of the file. Callers raise their
+    own error for a short read: what a truncated file means differs (damage, a bad source).
+
+    Example:
+        >>> import tempfile, numpy as np
+        >>> p = os.path.join(tempfile.mkdtemp(), "f")
+        >>> with open(p, "wb") as f:
+        ...     _ = f.write(b"abcdef")
+        >>> fd = open_for_read(p); buf = np.zeros(4, np.uint8)
+        >>> read_into(fd, memoryview(buf), 3), bytes(buf[:3])
+        (3, b'def')
+        >>> close(fd)
+    """
+    done, n = 0, view.nbytes
+    while done < n:
+        k = os.preadv(fd, [view[done:]], offset + done)
+        if k == 0:
+            break
+        done += k
+    return done
+
+
 def close(fd: int) -> None:
     """Close an fd opened by :func:`open_for_write` or :func:`open_for_read`."""
     with _paths_lock:

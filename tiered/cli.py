@@ -194,6 +194,8 @@ def _verify(args: argparse.Namespace) -> int:
 def _parse_frames(items: Sequence[str] | None) -> dict[tuple[str, ...], int] | None:
     if not items:
         return None
+    from .schema import str_to_key  # here, not at the top: `tiered --help` imports no torch
+
     out = {}
     for item in items:
         key, sep, dim = item.partition("=")
@@ -201,7 +203,7 @@ def _parse_frames(items: Sequence[str] | None) -> dict[tuple[str, ...], int] | N
             raise E.UnsupportedFormatError(
                 f"--frames takes KEY=DIM (e.g. observation=0 or next/pixels=0), got {item!r}"
             )
-        out[tuple(key.strip("/").split("/"))] = int(dim)
+        out[str_to_key(key.strip("/"))] = int(dim)
     return out
 
 

@@ -453,12 +453,9 @@ class TieredStore:
         if not isinstance(data, TensorDictBase):
             raise SchemaMismatchError(f"expected a TensorDict with batch_size [n], got {type(data).__name__}")
         if self._schema is None:
-            o = self._options
-            schema = Schema.infer(
-                data, blob_min_bytes=o["blob_min_bytes"], blob_keys=[tuple(k) for k in o["blob_keys"]],
-                dense_keys=[tuple(k) for k in o["dense_keys"]],
-                frames={tuple(k.split("/")): v for k, v in o["frames"].items()},
-            )
+            kw = self.options
+            schema = Schema.infer(data, blob_min_bytes=kw["blob_min_bytes"], blob_keys=kw["blob_keys"],
+                                  dense_keys=kw["dense_keys"], frames=kw["frames"])
             n = schema.validate(data)
             self._init_schema(schema)
             return n

@@ -34,6 +34,9 @@ __all__ = [
     "iter_store",
     "row_nbytes",
     "json_safe",
+    "numpy_dtype",
+    "np_to_torch",
+    "to_numpy",
     "DEFAULT_CHUNK_BYTES",
     "DEFAULT_CHUNK_ROWS",
 ]
@@ -192,6 +195,23 @@ def numpy_dtype(dtype: torch.dtype, key: str, fmt: str) -> np.dtype:
         raise UnsupportedFormatError(
             f"field {key!r} is bfloat16, which {fmt} cannot hold; cast it to float32 first")
     return torch.empty((), dtype=dtype).numpy().dtype
+
+
+def np_to_torch(a: np.ndarray) -> torch.Tensor:
+    """A source array as a tensor: contiguous and native byte order (torch has no big-endian)."""
+    a = np.ascontiguousarray(a)
+    if a.dtype.byteorder == ">":
+        a = a.astype(a.dtype.newbyteorder("="))
+    return torch.from_numpy(a)
+
+
+def to_numpy(t: torch.Tensor, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+    """A store column slice as the output's dtype and cell shape (exact for recorded casts)."""
+    a = t.detach().cpu().contiguous().numpy()
+    a = a.reshape(a.shape[0], *shape)
+    if a.dtype != dtype:
+        a = a.astype(dtype)
+    return a
 
 
 def chronological_rows(store: Any) -> np.ndarray:

@@ -46,7 +46,17 @@ from tensordict import TensorDict
 
 from .. import _io
 from ..errors import UnsupportedFormatError
-from ._common import chunk_rows_for, iter_store, json_safe, numpy_dtype, row_nbytes, writing
+from ..schema import str_to_key
+from ._common import (
+    chunk_rows_for,
+    iter_store,
+    json_safe,
+    np_to_torch,
+    numpy_dtype,
+    row_nbytes,
+    to_numpy,
+    writing,
+)
 from .keymap import (
     DONE,
     FLAGS,
@@ -74,13 +84,6 @@ class Column(Protocol):
     dtype: np.dtype
 
     def __getitem__(self, index: slice) -> np.ndarray: ...
-
-
-def _np_to_torch(a: np.ndarray) -> torch.Tensor:
-    a = np.ascontiguousarray(a)
-    if a.dtype.byteorder == ">":
-        a = a.astype(a.dtype.newbyteorder("="))
-    return torch.from_numpy(a)
 
 
 class FlatSource:
@@ -136,7 +139,7 @@ class FlatSource:
                 f"{origin}: columns must all have {self.num_rows} rows; these differ: {bad}"
             )
         self.keys: dict[str, Key] = {
-            n: (d4rl_to_key(n) if naming == "d4rl" else tuple(n.strip("/").split("/"))) for n in self.columns
+            n: (d4rl_to_key(n) if naming == "d4rl" else str_to_key(n.strip("/"))) for n in self.columns
         }
         dup = len(set(self.keys.values())) != len(self.keys)
         if dup:
@@ -209,7 +212,7 @@ class FlatSource:
                         a = to_flag(a, name)
                     if key in STEP_SCALARS and a.ndim == 1:
                         a = a.reshape(m, 1)
-                out[key] = _np_to_torch(a)
+                out[key] = np_to_torch(a)
             if self.naming == "d4rl":
                 zeros = torch.zeros(m, 1, dtype=torch.bool)
                 term = out.get(TERMINATED, zeros)
@@ -235,7 +238,7 @@ class FlatSource:
                     if k < m:
                         last[k:] = True
                     nxt[last] = obs_ext[:m][last]
-                    out[NEXT_OBS] = _np_to_torch(nxt)
+                    out[NEXT_OBS] = np_to_torch(nxt)
             td = TensorDict({}, batch_size=[m])
             for k, v in out.items():
                 td.set(k, v)
@@ -387,15 +390,6 @@ def plan_flat_columns(
             shape = schema_keys[DONE][0]
             plan.append(("terminals", DONE, np.dtype(bool), () if tuple(shape) == (1,) else tuple(shape)))
     return plan
-
-
-def to_numpy(t: torch.Tensor, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
-    """A store column slice as the output's dtype and cell shape (exact for recorded casts)."""
-    a = t.detach().cpu().contiguous().numpy()
-    a = a.reshape(a.shape[0], *shape)
-    if a.dtype != dtype:
-        a = a.astype(dtype)
-    return a
 
 
 def write_d4rl(

@@ -42,6 +42,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import UnsupportedFormatError
+from ..schema import Key
+from ..schema import key_to_str as key_str
 
 __all__ = [
     "Key",
@@ -63,8 +65,6 @@ __all__ = [
     "to_flag",
     "key_str",
 ]
-
-Key = tuple[str, ...]
 
 OBS: Key = ("observation",)
 NEXT_OBS: Key = ("next", "observation")
@@ -100,11 +100,6 @@ MINARI_NAMES: dict[str, Key] = {
 #: Keys stored with TorchRL's trailing dimension of 1 when the source has one value per step.
 STEP_SCALARS: frozenset[Key] = frozenset({REWARD, TERMINATED, TRUNCATED, DONE})
 FLAGS: frozenset[Key] = frozenset({TERMINATED, TRUNCATED, DONE})
-
-
-def key_str(key: Key) -> str:
-    """``("next", "reward")`` -> ``"next/reward"``."""
-    return "/".join(key)
 
 
 def d4rl_to_key(name: str) -> Key:

@@ -46,8 +46,16 @@ from tensordict import TensorDict
 
 from .. import _io
 from ..errors import UnsupportedFormatError
-from ._common import chunk_rows_for, iter_store, json_safe, numpy_dtype, row_nbytes, writing
-from .d4rl import _np_to_torch, to_numpy
+from ._common import (
+    chunk_rows_for,
+    iter_store,
+    json_safe,
+    np_to_torch,
+    numpy_dtype,
+    row_nbytes,
+    to_numpy,
+    writing,
+)
 from .keymap import (
     ACTION,
     DONE,
@@ -349,7 +357,7 @@ class MinariSource:
             nonlocal parts, have
             td = TensorDict({}, batch_size=[have])
             for k, v in parts.items():
-                td.set(k, _np_to_torch(np.concatenate(v) if len(v) > 1 else v[0]))
+                td.set(k, np_to_torch(np.concatenate(v) if len(v) > 1 else v[0]))
             parts, have = {}, 0
             return td
 

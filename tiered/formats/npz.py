@@ -35,8 +35,8 @@ import numpy as np
 
 from .. import _io
 from ..errors import UnsupportedFormatError
-from ._common import chunk_rows_for, iter_store, row_nbytes, writing
-from .d4rl import FlatSource, plan_flat_columns, to_numpy
+from ._common import chunk_rows_for, iter_store, row_nbytes, to_numpy, writing
+from .d4rl import FlatSource, plan_flat_columns
 
 __all__ = ["NpzSource", "write_npz"]
 
@@ -84,12 +84,8 @@ class _Member:
         if self._start is not None:
             n = (hi - lo) * self._row
             raw = np.empty(n, dtype=np.uint8)
-            view, got = memoryview(raw), 0
-            while got < n:
-                k = os.preadv(self._fd, [view[got:]], self._start + lo * self._row + got)
-                if k == 0:
-                    raise UnsupportedFormatError(f"{self._path}: {self._info.filename} is truncated")
-                got += k
+            if _io.read_into(self._fd, memoryview(raw), self._start + lo * self._row) < n:
+                raise UnsupportedFormatError(f"{self._path}: {self._info.filename} is truncated")
         else:
             if self._stream is None or lo < self._pos:
                 if self._stream is not None:

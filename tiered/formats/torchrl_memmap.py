@@ -133,15 +133,11 @@ class TorchRLSource:
         if filename and os.path.isfile(filename) and t.is_contiguous():
             buf = np.empty((hi - lo) * row, dtype=np.uint8)
             with open(filename, "rb", buffering=0) as f:
-                view = memoryview(buf)
-                done = 0
-                while done < buf.size:
-                    k = os.preadv(f.fileno(), [view[done:]], lo * row + done)
-                    if k == 0:
-                        raise UnsupportedFormatError(
-                            f"{filename} is shorter than its meta.json says ({lo * row + done} bytes)"
-                        )
-                    done += k
+                done = _io.read_into(f.fileno(), memoryview(buf), lo * row)
+            if done < buf.size:
+                raise UnsupportedFormatError(
+                    f"{filename} is shorter than its meta.json says ({lo * row + done} bytes)"
+                )
             return torch.from_numpy(buf).view(t.dtype).reshape(hi - lo, *t.shape[1:])
         return torch.as_tensor(t[lo:hi]).clone()
 

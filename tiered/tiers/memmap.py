@@ -76,17 +76,14 @@ class _Staging(threading.local):
 
 
 def _preadv_all(fd: int, view: memoryview, offset: int, path: Callable[[], str]) -> None:
-    done = 0
     n = view.nbytes
-    while done < n:
-        k = os.preadv(fd, [view[done:]], offset + done)
-        if k == 0:
-            raise CorruptionError(
-                f"{path()} is truncated: reading {n} bytes at offset {offset} hit the end of the "
-                f"file after {done} bytes (file size {os.fstat(fd).st_size}); the store's segment "
-                f"files are damaged, restore them from a backup"
-            )
-        done += k
+    done = _io.read_into(fd, view, offset)
+    if done < n:
+        raise CorruptionError(
+            f"{path()} is truncated: reading {n} bytes at offset {offset} hit the end of the "
+            f"file after {done} bytes (file size {os.fstat(fd).st_size}); the store's segment "
+            f"files are damaged, restore them from a backup"
+        )
 
 
 def _advise_random(fd: int) -> None:
