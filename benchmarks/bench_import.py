@@ -352,6 +352,9 @@ Written by `benchmarks/bench_import.py`; rerun it to refresh this section.
   4-frame chunks, slices of at most 32 MiB), one fresh process per format.
 - Memory: peak growth over the importer's baseline after `import tiered`, sampled every 10 ms; "anon" is
   `RssAnon` (heap), "RSS" also counts file pages mapped by the process.
+- Store: the store directory's disk usage (allocated blocks): compressed blobs, the cold segment's
+  reserved growth step (16 MiB), and the row tables of the last commit and of the one before it
+  (kept for readers that opened it), so the ratio is lower than the blobs' own compression.
 - Background load before: {describe_load(load_before)}
 - Background load after: {describe_load(load_after)}
 
