@@ -76,6 +76,7 @@ MEASURES = [
     ("extend256_rb", "extend 256 (rb)", "rb"),
     ("extend256_raw", "extend 256 (raw)", "raw"),
     ("add1_rb", "add 1 (rb)", "rb"),
+    ("online_rb", "add 1 + sample 256 (rb)", "rb"),
     ("extend1_raw", "extend 1 (raw)", "raw"),
     ("sample32_rb", "sample B=32 (rb)", "rb"),
     ("sample256_rb", "sample B=256 (rb)", "rb"),
@@ -314,6 +315,29 @@ def bench_add_one(specs, data, steps, block, res, tmp, capacity) -> None:
                     for i in range(lo, hi):
                         rb.rb.add(zero_d[i])
                 run_timed(res, spec.key, "add1_rb", fn)
+    del units
+
+
+def bench_online(specs, data, steps, block, res, tmp, capacity, prefill=2048, batch=256) -> None:
+    """The online RL loop: every step adds one transition and samples a batch, so a tiered
+    store's sample meets rows still in its write stage. Each store is prefilled with ``prefill``
+    transitions; timed in blocks of ``block`` steps, stores alternating per block."""
+    res.items["online_rb"] = block
+    units = make_units(specs, capacity, tmp, res, ("extend1_raw", "online_rb"))
+    rbs = [(spec, rb) for spec, _raw, rb in units if rb is not None]
+    for _spec, rb in rbs:
+        rb.rb.extend(data[:prefill])
+        rb.for_batch(batch)
+    zero_d = [data[prefill + i] for i in range(steps)]
+    for b in range(steps // block):
+        lo, hi = b * block, (b + 1) * block
+        for spec, rb in rotated(rbs, b):
+            def fn(rb=rb, lo=lo, hi=hi):
+                sampler = rb.for_batch(batch)
+                for i in range(lo, hi):
+                    rb.rb.add(zero_d[i])
+                    sampler.sample()
+            run_timed(res, spec.key, "online_rb", fn)
     del units
 
 
@@ -749,7 +773,10 @@ def method_notes(args, rounds, ext1_steps, block, why_no_adapter) -> list[str]:
         f"Sampling: {rounds} timed rounds per batch size. Extend 256: every store is filled with all "
         "transitions, one chunk of 256 per store per round (raw and rb paths fill separate stores). "
         f"One at a time: {ext1_steps} transitions, timed in blocks of {block}; rb path = `rb.add(td[i])`, "
-        "raw path = `TieredStore.extend(td[i:i+1])` / `Storage.set(cursor, td[i])`.",
+        "raw path = `TieredStore.extend(td[i:i+1])` / `Storage.set(cursor, td[i])`. "
+        f"Online: after a prefill of {args.online_prefill} transitions, {args.online_steps} steps of "
+        "`rb.add(td[i])` then `rb.sample()` at B=256, the online RL loop (a tiered sample then meets "
+        "rows in the write stage); the rate counts steps.",
         "raw = the storage's own API (`TieredStore.get/extend`, TorchRL `Storage.get/set`); rb = through "
         "`TensorDictReplayBuffer`. Times include making the result dense: CompressedListStorage returns "
         "a list / lazy stack, stacked here as a training step would.",
@@ -781,6 +808,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--games", nargs="+", default=H.DEFAULT_GAMES, help="ALE games, mixed in this order")
     p.add_argument("--rounds", type=int, default=None, help="timed sample rounds per batch size (def. 200)")
     p.add_argument("--one-steps", type=int, default=None, help="transitions added one by one (default 2000)")
+    p.add_argument("--online-steps", type=int, default=None,
+                   help="steps of add 1 + sample 256 after a prefill of min(2048, steps/2) rows (default 400; quick 100)")
     p.add_argument("--quick", action="store_true", help="small run (~1-2 min) to check the script works")
     p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads(N); 0 keeps torch's default")
     p.add_argument("--stores", nargs="+", default=None, help="subset: tiered tiered_k1 lts lms cls")
@@ -802,6 +831,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.one_steps is None:
         args.one_steps = 200 if args.quick else 2000
     args.one_steps = min(args.one_steps, args.steps)
+    if args.online_steps is None:
+        args.online_steps = 100 if args.quick else 400
+    args.online_prefill = min(2048, args.steps // 2)
+    args.online_steps = min(args.online_steps, args.steps - args.online_prefill)
     return args
 
 
@@ -845,6 +878,13 @@ def main(argv: list[str] | None = None) -> int:
         H.release_memory()
         meters["one at a time"] = m.stop()
         print(f"one at a time: done ({meters['one at a time']['wall_s']:.0f} s)")
+
+        m = H.CpuMeter()
+        bench_online(specs, data, args.online_steps, max(5, args.online_steps // 20), res, tmp, n,
+                     prefill=args.online_prefill)
+        H.release_memory()
+        meters["online"] = m.stop()
+        print(f"online: done ({meters['online']['wall_s']:.0f} s)")
 
         m = H.CpuMeter()
         units = bench_extend(specs, data, res, tmp, n)
