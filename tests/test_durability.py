@@ -577,6 +577,29 @@ def test_dataloader_workers_read_a_read_only_store(small_store, pong, start_meth
 
 
 @pytest.mark.timeout(300)
+def test_a_reader_two_commits_behind_is_told_to_reopen(pong, tmp_path):
+    """A read-only open keeps its commit until the writer's second commit after it; then reused
+    space fails the checksum, and the error says why (not damage) and what to do."""
+    path = tmp_path / "s"
+    writer = TieredStore(CAP, path, warm_bytes=0, hot_bytes=0, **OPTS)
+    writer.extend(pong[:CAP])
+    writer.flush()
+    reader = tiered.open(path)
+    rows = torch.arange(CAP)
+    for k in (1, 2):  # two commits of other frames over every row: the reader's blobs are reused
+        other = pong[:CAP].clone()
+        for key in ("observation", ("next", "observation")):
+            other.set(key, other.get(key) ^ k)
+        writer.extend(other)
+        writer.flush()
+    with pytest.raises(ChecksumError, match="reopen the store") as e:
+        reader.get(rows)
+    assert "opened read-only at commit" in str(e.value) and "damaged)" not in str(e.value)
+    writer.close()
+    assert torch.equal(tiered.open(path).get(rows)["observation"], pong["observation"][:CAP] ^ 2)
+    assert verify_store(path, progress=False).ok
+
+
 def test_verify_is_clean_while_a_writer_commits(pong, tmp_path):
     """verify reads the last commit without the lock; a commit under its feet is re-checked."""
     path = tmp_path / "s"

@@ -989,8 +989,30 @@ class TieredStore:
                     refs.append(f"{key_to_str(key)!r} rows {r[:5].tolist()}")
             where = ", ".join(f"{_TIER_NAMES[t]} offset {int(idx.loc[b, t])}" for t in range(3) if idx.loc[b, t] >= 0)
             lines.append(f"  blob {int(b)} ({where}; used by {'; '.join(refs) or 'no row'})")
+        stale = self._newer_generation()
+        if stale is not None:
+            # a read-only open outlived its commit: the writer reused the space of blobs only that
+            # commit still used, so the bytes are not damaged, they are someone else's
+            return (f"{bad_ids.size} blob(s) failed their checksum:\n" + "\n".join(lines)
+                    + f"\nThis store was opened read-only at commit {self._generation}; a writer has since "
+                    f"committed generation {stale} and reused the space of blobs that only older commits "
+                    "used. The files are most likely not damaged: reopen the store (tiered.open(path)) to "
+                    "read the latest commit, and run `tiered verify` if the error stays after that.")
         return (f"{bad_ids.size} blob(s) failed their checksum (stored bytes are damaged):\n" + "\n".join(lines)
                 + "\nOther rows are still readable. Run `tiered verify` on the store to list all damage.")
+
+    def _newer_generation(self) -> int | None:
+        """A read-only store's hint on a checksum failure: the generation a writer has committed
+        since this store opened, at least two after it (reused space), else None."""
+        if self.path is None or not self._readonly:
+            return None
+        from ._persist import read_manifest
+
+        try:
+            g = int(read_manifest(self.path)["generation"])
+        except Exception:  # noqa: BLE001 - only a hint; the checksum error is what is raised
+            return None
+        return g if g >= self._generation + 2 else None
 
     # ------------------------------------------------------------------------------------
     # Index resolution
