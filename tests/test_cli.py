@@ -148,6 +148,15 @@ def test_import_force_over_a_locked_store_exits_5(pong_store, tmp_path, capsys):
     assert main(["import", "d4rl", str(tmp_path / "d.hdf5"), str(target), "--force", "-q"]) == 0
     assert main(["info", str(target), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["rows"] == 10
+    # export --force over a store its writer has open is refused the same way, store untouched
+    h = acquire_writer_lock(target)
+    try:
+        assert main(["export", str(pong_store), str(target), "--format", "npz", "--force", "-q"]) == 5
+        assert f"pid {os.getpid()}" in capsys.readouterr().err
+    finally:
+        release(h)
+    assert main(["verify", str(target), "-q"]) == 0
+    assert not [p for p in os.listdir(tmp_path) if ".partial" in p]
 
 
 @pytest.mark.parametrize(

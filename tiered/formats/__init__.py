@@ -32,7 +32,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._persist import MANIFEST
 from ..errors import UnsupportedFormatError
 from ._common import (
     atomic_output,
@@ -155,31 +154,20 @@ def import_dataset(
         StoreLockedError: ``force`` and ``dst`` is a store that a writer has open.
     """
     dst = check_new_output(dst, force=force)
-    lock = None
-    if force and os.path.isfile(os.path.join(dst, MANIFEST)):
-        # replacing a store: not while a writer has it open
-        from .._lock import acquire_writer_lock
-
-        lock = acquire_writer_lock(dst)
-    try:
-        return _import(
-            fmt,
-            src,
-            dst,
-            codec=codec,
-            frames=frames,
-            chunk_frames=chunk_frames,
-            capacity=capacity,
-            backend=backend,
-            chunk_rows=chunk_rows,
-            progress=progress,
-            force=force,
-        )
-    finally:
-        if lock is not None:
-            from .._lock import release
-
-            release(lock)
+    # replacing a store takes its writer lock in atomic_output (StoreLockedError while open)
+    return _import(
+        fmt,
+        src,
+        dst,
+        codec=codec,
+        frames=frames,
+        chunk_frames=chunk_frames,
+        capacity=capacity,
+        backend=backend,
+        chunk_rows=chunk_rows,
+        progress=progress,
+        force=force,
+    )
 
 
 def _import(

@@ -131,23 +131,36 @@ def atomic_output(dst: str, *, force: bool = False) -> Iterator[str]:
 
     Yields:
         the temporary path to write (file or directory; it does not exist yet).
+
+    Raises:
+        StoreLockedError: ``force`` and ``dst`` is a tiered store that a writer has open (import
+            and export alike: a store is never replaced under its writer).
     """
+    from .._lock import acquire_writer_lock, release
+    from .._persist import MANIFEST
+
     dst = check_new_output(dst, force=force)
     parent, name = os.path.split(dst)
     tmp = os.path.join(parent, f".{name}.partial-{uuid.uuid4().hex[:8]}")
+    # replacing a store: hold its writer lock from the first byte written to the rename
+    lock = acquire_writer_lock(dst) if force and os.path.isfile(os.path.join(dst, MANIFEST)) else None
     try:
-        yield tmp
-    except BaseException:
-        _remove(tmp)
-        raise
-    if os.path.lexists(dst):  # --force: replace the old output only once the new one is complete
-        old = os.path.join(parent, f".{name}.old-{uuid.uuid4().hex[:8]}")
-        os.rename(dst, old)
-        os.rename(tmp, dst)
-        _remove(old)
-    else:
-        os.rename(tmp, dst)
-    _io.fsync_dir(parent)
+        try:
+            yield tmp
+        except BaseException:
+            _remove(tmp)
+            raise
+        if os.path.lexists(dst):  # --force: replace the old output only once the new one is complete
+            old = os.path.join(parent, f".{name}.old-{uuid.uuid4().hex[:8]}")
+            os.rename(dst, old)
+            os.rename(tmp, dst)
+            _remove(old)
+        else:
+            os.rename(tmp, dst)
+        _io.fsync_dir(parent)
+    finally:
+        if lock is not None:
+            release(lock)
 
 
 def chunk_rows_for(
