@@ -557,13 +557,16 @@ def write_minari(
         ep_attrs = {}
     with writing(f):
         with h5py.File(f, "w", track_order=True) as h:
-            groups = []
+            groups, dsets = [], []  # per episode: its group and its datasets (looked up once)
             for e in range(ids.size):
                 g = h.create_group(f"episode_{int(ep_ids[e])}", track_order=True)
                 T = int(lengths[e])
+                ds = {}
                 for path, _key, kind, dt, shape in leaves:
                     size = T + 1 if kind != "step" else T
-                    g.create_dataset("/".join(path), shape=(size, *shape), dtype=dt, fill_time="never")
+                    ds[path] = g.create_dataset("/".join(path), shape=(size, *shape), dtype=dt,
+                                                fill_time="never")
+                dsets.append(ds)
                 if "infos" not in g:
                     g.create_group("infos")
                 attrs = {k: v[e] for k, v in ep_attrs.items() if e < len(v) and v[e] is not None}
@@ -585,9 +588,9 @@ def write_minari(
                 for e in range(e0, e1 + 1):  # a loop over episodes of this slice, not rows
                     a, b = max(lo, int(starts[e])), min(hi, int(ends[e]))
                     off = a - int(starts[e])
-                    g = groups[e]
+                    ds = dsets[e]
                     for path, _key, kind, _dt, _shape in leaves:
-                        d = g["/".join(path)]
+                        d = ds[path]
                         d[off : off + b - a] = cols[path][a - lo : b - lo]
                         if kind != "step" and b == int(ends[e]):
                             d[off + b - a] = cols[("next",) + path][b - 1 - lo]
