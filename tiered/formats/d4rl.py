@@ -61,14 +61,16 @@ from .keymap import (
     DONE,
     FLAGS,
     NEXT_OBS,
-    STEP_SCALARS,
     TERMINATED,
     TRAJ,
     TRUNCATED,
     Key,
     d4rl_to_key,
+    flat_cell,
     key_str,
     key_to_d4rl,
+    step_column,
+    stored_cell,
     to_flag,
 )
 
@@ -158,8 +160,8 @@ class FlatSource:
         c = self.columns[name]
         shape = tuple(c.shape[1:])
         key = self.keys[name]
-        if self.naming == "d4rl" and key in STEP_SCALARS and shape == ():
-            shape = (1,)
+        if self.naming == "d4rl":
+            shape = stored_cell(key, shape)
         dtype = np.dtype(bool) if self.naming == "d4rl" and key in FLAGS else c.dtype
         return shape, dtype
 
@@ -210,8 +212,7 @@ class FlatSource:
                 if self.naming == "d4rl":
                     if key in FLAGS:
                         a = to_flag(a, name)
-                    if key in STEP_SCALARS and a.ndim == 1:
-                        a = a.reshape(m, 1)
+                    a = step_column(key, a)
                 out[key] = np_to_torch(a)
             if self.naming == "d4rl":
                 zeros = torch.zeros(m, 1, dtype=torch.bool)
@@ -381,14 +382,14 @@ def plan_flat_columns(
         name = key_to_d4rl(key) if naming == "d4rl" else key_str(key)
         np_dtype = numpy_dtype(dtype, key_str(key), "HDF5 and npz")
         out_shape = tuple(shape)
-        if naming == "d4rl" and key in STEP_SCALARS and out_shape == (1,):
-            out_shape = ()
+        if naming == "d4rl":
+            out_shape = flat_cell(key, out_shape)
         plan.append((name, key, np_dtype, out_shape))
     if naming == "d4rl":
         names = {p[0] for p in plan}
         if "terminals" not in names and DONE in schema_keys and TERMINATED not in schema_keys:
             shape = schema_keys[DONE][0]
-            plan.append(("terminals", DONE, np.dtype(bool), () if tuple(shape) == (1,) else tuple(shape)))
+            plan.append(("terminals", DONE, np.dtype(bool), flat_cell(DONE, tuple(shape))))
     return plan
 
 

@@ -63,6 +63,9 @@ __all__ = [
     "d4rl_to_key",
     "key_to_d4rl",
     "to_flag",
+    "stored_cell",
+    "flat_cell",
+    "step_column",
     "key_str",
 ]
 
@@ -121,6 +124,36 @@ def key_to_d4rl(key: Key) -> str:
     if key[:1] == INFO and len(key) > 1:
         return "infos/" + "/".join(key[1:])
     return "/".join(key)
+
+
+def stored_cell(key: Key, cell: tuple[int, ...]) -> tuple[int, ...]:
+    """The store's cell shape for a source cell: per-step scalars get TorchRL's trailing 1.
+
+    Example:
+        >>> stored_cell(REWARD, ()), stored_cell(OBS, ())
+        ((1,), ())
+    """
+    return (1,) if key in STEP_SCALARS and cell == () else cell
+
+
+def flat_cell(key: Key, cell: tuple[int, ...]) -> tuple[int, ...]:
+    """Inverse of :func:`stored_cell`: the trailing 1 of a per-step scalar goes on export.
+
+    Example:
+        >>> flat_cell(DONE, (1,)), flat_cell(OBS, (1,))
+        ((), (1,))
+    """
+    return () if key in STEP_SCALARS and cell == (1,) else cell
+
+
+def step_column(key: Key, a: np.ndarray) -> np.ndarray:
+    """A source column as the store holds it: a per-step scalar ``[m]`` becomes ``[m, 1]``.
+
+    Example:
+        >>> step_column(REWARD, np.zeros(3)).shape
+        (3, 1)
+    """
+    return a.reshape(-1, 1) if key in STEP_SCALARS and a.ndim == 1 else a
 
 
 def to_flag(values: np.ndarray, name: str) -> np.ndarray:

@@ -64,12 +64,13 @@ from .keymap import (
     NEXT_OBS,
     OBS,
     REWARD,
-    STEP_SCALARS,
     TERMINATED,
     TRAJ,
     TRUNCATED,
     Key,
+    flat_cell,
     key_str,
+    step_column,
     to_flag,
 )
 
@@ -372,8 +373,7 @@ class MinariSource:
                         a = self._read(g, lf, lo, hi)
                         if lf.key in (TERMINATED, TRUNCATED):
                             a = to_flag(a, "/".join(lf.path))
-                        if lf.key in STEP_SCALARS and a.ndim == 1:
-                            a = a.reshape(m, 1)
+                        a = step_column(lf.key, a)
                         if lf.key == TERMINATED:
                             term = a
                         elif lf.key == TRUNCATED:
@@ -485,8 +485,7 @@ def write_minari(
             kind = c["kind"]
             out_shape = tuple(c["shape"])
             dt = np.dtype(c["dtype"])
-            if key in STEP_SCALARS and out_shape == (1,):
-                out_shape = ()
+            out_shape = flat_cell(key, out_shape)
             leaves.append((tuple(c["path"]), key, kind, dt, out_shape))
             used.add(key)
             if kind != "step":
@@ -502,8 +501,7 @@ def write_minari(
         for key, f in fields.items():
             np_dtype = numpy_dtype(f.dtype, key_str(key), "minari (HDF5)")
             shape = tuple(f.shape)
-            if key in STEP_SCALARS and shape == (1,):
-                shape = ()
+            shape = flat_cell(key, shape)
             for prefix, top in tops.items():
                 if key[: len(prefix)] == prefix:
                     kind = "obs" if prefix == OBS and NEXT_OBS + key[1:] in fields else "step"
