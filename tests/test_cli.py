@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from tiered import errors as E
-from tiered._lock import acquire_writer_lock, release
 from tiered.cli import exit_code_for, main
+from tiered.engine.lock import acquire_writer_lock, release
 from tiered.formats import import_dataset
 
 COMMANDS = ["info", "verify", "import", "export", "demo"]

@@ -1,7 +1,7 @@
 """Crash safety, damage detection and locking of stores on disk (DESIGN.md section 6).
 
 * Crashes: a forked child extends and flushes real Atari rows in a loop and dies, either at the
-  N-th file-write event (``tiered._io``'s ``kill_on``, with an undo log from which the parent
+  N-th file-write event (``tiered.fileio``'s ``kill_on``, with an undo log from which the parent
   then simulates a power cut with ``apply_power_loss``) or by a plain SIGKILL from the parent at
   a random time. After every crash the store reopens, every flushed row is bit-exact, and
   ``verify`` is clean.
@@ -34,9 +34,9 @@ import torch
 from _store_dataset import StoreDataset
 
 import tiered
-from tiered import TieredStore, _io
-from tiered._lock import acquire_writer_lock, read_holder, release
+from tiered import TieredStore, fileio
 from tiered.cli import main
+from tiered.engine.lock import acquire_writer_lock, read_holder, release
 from tiered.errors import (
     ChecksumError,
     CorruptionError,
@@ -87,7 +87,7 @@ def _read_acks(fd: int) -> list[int]:
 
 def _writer(path: Path, data, ack_w: int, log: str | None = None, kill_on: int | None = None) -> None:
     """Child: create the store, extend B rows at a time, flush after each batch and tell the parent."""
-    ctx = _io.inject_faults(undo_log=log, kill_on=kill_on) if log else nullcontext()
+    ctx = fileio.inject_faults(undo_log=log, kill_on=kill_on) if log else nullcontext()
     with ctx as inj:
         store = TieredStore(CAP, path, **OPTS)
         for b in range(BATCHES):
@@ -166,7 +166,7 @@ def _power_loss_case(seed: int, pong, full_run, tmp_path: Path) -> str:
         _discard(path, log)
         return "finished"
     assert how == ("killed", signal.SIGKILL), how
-    _io.apply_power_loss(log)  # drop every write not made durable by an fsync
+    fileio.apply_power_loss(log)  # drop every write not made durable by an fsync
     outcome = _check_after_crash(path, pong, acked, f"seed {seed} (kill at event {kill_on}/{events})")
     _discard(path, log)
     return outcome
@@ -230,7 +230,7 @@ def test_store_is_writable_after_a_crash(pong, full_run, tmp_path):
     path, log = tmp_path / "s", str(tmp_path / "log")
     how, acks = _run_writer(path, pong, log=log, kill_on=events * 2 // 3)
     assert how == ("killed", signal.SIGKILL)
-    _io.apply_power_loss(log)
+    fileio.apply_power_loss(log)
     store = tiered.open(path, mode="r+")
     before = len(store)
     rows = store.extend(pong[:B])

@@ -404,11 +404,11 @@ def test_import_errors_exit_2_and_leave_nothing(d4rl_cartpole, tmp_path, capsys)
 
 
 def test_export_on_a_full_disk_exits_4_and_leaves_no_output(d4rl_cartpole, tmp_path, capsys):
-    from tiered import _io
+    from tiered import fileio
 
     import_dataset("d4rl", d4rl_cartpole, tmp_path / "s")
     for fmt, dst in (("d4rl", "o.hdf5"), ("torchrl", "o-td"), ("npz", "o.npz"), ("minari", "o-m")):
-        with _io.inject_faults(quota_bytes=20_000):
+        with fileio.inject_faults(quota_bytes=20_000):
             assert run("export", str(tmp_path / "s"), str(tmp_path / dst), "--format", fmt) == 4, fmt
         assert not (tmp_path / dst).exists()
     assert "no space left" in capsys.readouterr().err
@@ -416,9 +416,9 @@ def test_export_on_a_full_disk_exits_4_and_leaves_no_output(d4rl_cartpole, tmp_p
 
 
 def test_import_on_a_full_disk_raises_storage_full(d4rl_cartpole, tmp_path):
-    from tiered import _io
+    from tiered import fileio
 
-    with _io.inject_faults(quota_bytes=50_000), pytest.raises(StorageFullError):
+    with fileio.inject_faults(quota_bytes=50_000), pytest.raises(StorageFullError):
         import_dataset("d4rl", d4rl_cartpole, tmp_path / "s")
     assert os.listdir(tmp_path) == []
 

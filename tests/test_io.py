@@ -1,9 +1,9 @@
-"""The file-write seam (tiered/_io.py): full disks, I/O errors and simulated power loss.
+"""The file-write seam (tiered/fileio.py): full disks, I/O errors and simulated power loss.
 
-Faults are injected through :func:`tiered._io.inject_faults`, never by replacing a component:
+Faults are injected through :func:`tiered.fileio.inject_faults`, never by replacing a component:
 real files in ``tmp_path``, real tiers. Crash tests fork a child that writes with an undo log
 and is SIGKILLed (by itself, or at the N-th write event); the parent then applies the power
-loss with :func:`tiered._io.apply_power_loss` and checks what is left.
+loss with :func:`tiered.fileio.apply_power_loss` and checks what is left.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import traceback
 import numpy as np
 import pytest
 
-from tiered import _io
+from tiered import fileio
 from tiered.errors import StorageFullError
 from tiered.tiers import HDF5Tier, MemmapTier, align
 
@@ -79,7 +79,7 @@ def test_full_disk_at_allocate_leaves_tier_unchanged_and_readable(cold_cls, tmp_
     t, off, sizes, expect = _filled(cold_cls, str(tmp_path / "c"))
     before = t.state()
     data, src_off, s2 = _blobs(np.random.default_rng(1), 200)  # needs new segments
-    with _io.inject_faults(enospc_on=1), pytest.raises(StorageFullError) as e:
+    with fileio.inject_faults(enospc_on=1), pytest.raises(StorageFullError) as e:
         t.allocate(s2)
     assert e.value.errno == errno.ENOSPC and "seg-" in str(e.value)
     after = t.state()
@@ -97,7 +97,7 @@ def test_full_disk_at_allocate_leaves_tier_unchanged_and_readable(cold_cls, tmp_
 def test_full_disk_by_quota(cold_cls, tmp_path):
     t, off, sizes, expect = _filled(cold_cls, str(tmp_path / "c"))
     used = t.bytes_used
-    with _io.inject_faults(quota_bytes=1000) as inj, pytest.raises(StorageFullError, match="quota"):
+    with fileio.inject_faults(quota_bytes=1000) as inj, pytest.raises(StorageFullError, match="quota"):
         t.allocate(np.full(100, 2000))
     assert inj.ops >= 1
     assert t.bytes_used == used
@@ -109,7 +109,7 @@ def test_full_disk_at_write_keeps_tier_readable(cold_cls, tmp_path):
     t, off, sizes, expect = _filled(cold_cls, str(tmp_path / "c"))
     data, src_off, s2 = _blobs(np.random.default_rng(2), 30)
     o2 = t.allocate(s2)
-    with _io.inject_faults(enospc_on=1), pytest.raises(StorageFullError):
+    with fileio.inject_faults(enospc_on=1), pytest.raises(StorageFullError):
         t.write(o2, data, src_off, s2)
     assert _read(t, off, sizes) == expect
     t.free(o2, s2, defer=False)  # never committed: reusable at once
@@ -120,22 +120,22 @@ def test_full_disk_at_write_keeps_tier_readable(cold_cls, tmp_path):
 
 
 def test_io_error_on_nth_write(tmp_path):
-    fd = _io.open_for_write(tmp_path / "f")
-    with _io.inject_faults(eio_on=2) as inj:
-        _io.pwrite(fd, b"a", 0)
+    fd = fileio.open_for_write(tmp_path / "f")
+    with fileio.inject_faults(eio_on=2) as inj:
+        fileio.pwrite(fd, b"a", 0)
         with pytest.raises(OSError) as e:
-            _io.pwrite(fd, b"b", 1)
+            fileio.pwrite(fd, b"b", 1)
         assert e.value.errno == errno.EIO and not isinstance(e.value, StorageFullError)
-        _io.pwrite(fd, b"c", 1)  # only the N-th one fails
+        fileio.pwrite(fd, b"c", 1)  # only the N-th one fails
         assert inj.writes == 3
-    _io.close(fd)
+    fileio.close(fd)
     assert (tmp_path / "f").read_bytes() == b"ac"
 
 
 def test_hdf5_segment_creation_on_full_disk_leaves_no_file(tmp_path):
     t, off, sizes, expect = _filled(HDF5Tier, str(tmp_path / "c"))
     n_seg = len(t.segments)
-    with _io.inject_faults(enospc_on=2), pytest.raises(StorageFullError):
+    with fileio.inject_faults(enospc_on=2), pytest.raises(StorageFullError):
         t.allocate(np.full(60, 2000))  # the first new segment's HDF5 metadata write fails
     assert not os.path.exists(t.segment_path(n_seg))
     assert _read(t, off, sizes) == expect
@@ -144,15 +144,15 @@ def test_hdf5_segment_creation_on_full_disk_leaves_no_file(tmp_path):
 
 
 def test_fallocate_reserves_and_pwrite_loops(tmp_path):
-    fd = _io.open_for_write(tmp_path / "f")
-    _io.fallocate(fd, 0, 1 << 20)
+    fd = fileio.open_for_write(tmp_path / "f")
+    fileio.fallocate(fd, 0, 1 << 20)
     st = os.fstat(fd)
     assert st.st_size == 1 << 20 and st.st_blocks * 512 >= 1 << 20
     big = np.random.default_rng(0).integers(0, 256, 3 << 20, dtype=np.uint8)
-    _io.pwrite(fd, big, 100)
-    _io.fsync(fd)
-    _io.truncate(fd, 50)
-    _io.close(fd)
+    fileio.pwrite(fd, big, 100)
+    fileio.fsync(fd)
+    fileio.truncate(fd, 50)
+    fileio.close(fd)
     assert os.path.getsize(tmp_path / "f") == 50
 
 
@@ -167,25 +167,25 @@ def test_power_loss_drops_unsynced_writes(tmp_path):
     log = str(tmp_path / "undo.log")
 
     def child():
-        with _io.inject_faults(undo_log=log):
-            fa = _io.open_for_write(a)
-            _io.pwrite(fa, b"A" * 5000, 0)
-            _io.fsync(fa)
-            _io.fsync_dir(str(tmp_path))
-            _io.pwrite(fa, b"late", 0)  # after the fsync: lost
-            fb = _io.open_for_write(b)
-            _io.pwrite(fb, b"new-B and longer", 0)
-            fc = _io.open_for_write(c)  # created, never synced
-            _io.pwrite(fc, b"C", 0)
-            fd = _io.open_for_write(d)  # data synced, but its name never was
-            _io.pwrite(fd, b"D", 0)
-            _io.fsync(fd)
+        with fileio.inject_faults(undo_log=log):
+            fa = fileio.open_for_write(a)
+            fileio.pwrite(fa, b"A" * 5000, 0)
+            fileio.fsync(fa)
+            fileio.fsync_dir(str(tmp_path))
+            fileio.pwrite(fa, b"late", 0)  # after the fsync: lost
+            fb = fileio.open_for_write(b)
+            fileio.pwrite(fb, b"new-B and longer", 0)
+            fc = fileio.open_for_write(c)  # created, never synced
+            fileio.pwrite(fc, b"C", 0)
+            fd = fileio.open_for_write(d)  # data synced, but its name never was
+            fileio.pwrite(fd, b"D", 0)
+            fileio.fsync(fd)
             os.kill(os.getpid(), signal.SIGKILL)
 
     assert _in_child(child) == ("killed", signal.SIGKILL)
     # before the power loss the page cache still shows everything
     assert open(b, "rb").read() == b"new-B and longer"
-    assert _io.apply_power_loss(log) > 0
+    assert fileio.apply_power_loss(log) > 0
     assert open(a, "rb").read() == b"A" * 5000
     assert open(b, "rb").read() == b"old-B"
     assert not os.path.exists(c) and not os.path.exists(d)
@@ -206,12 +206,12 @@ def test_write_file_atomic_leaves_old_or_new_at_every_crash_point(tmp_path, old)
         log = str(tmp_path / f"undo-{k}.log")
 
         def child(k=k, log=log):
-            with _io.inject_faults(undo_log=log, kill_on=k):
-                _io.write_file_atomic(path, new)
+            with fileio.inject_faults(undo_log=log, kill_on=k):
+                fileio.write_file_atomic(path, new)
 
         how, _ = _in_child(child)
         assert how in ("killed", "exited")
-        _io.apply_power_loss(log)
+        fileio.apply_power_loss(log)
         content = open(path, "rb").read() if os.path.exists(path) else None
         assert content in (old, new), f"crash point {k}: torn manifest"
         assert sorted(os.listdir(tmp_path)) == sorted(
@@ -252,7 +252,7 @@ def test_cold_tier_flush_survives_power_loss_at_every_crash_point(cold_cls, tmp_
             os.remove(log)
 
         def child(state=state, blobs=blobs, log=log, k=k):
-            with _io.inject_faults(undo_log=log, kill_on=k):
+            with fileio.inject_faults(undo_log=log, kill_on=k):
                 w = cold_cls.open(d, state, "r+")
                 published = list(blobs)
                 for data, src_off, sizes in batches:
@@ -265,7 +265,7 @@ def test_cold_tier_flush_survives_power_loss_at_every_crash_point(cold_cls, tmp_
 
         how, code = _in_child(child)
         assert (how, code) in (("killed", signal.SIGKILL), ("exited", 0))
-        _io.apply_power_loss(log)
+        fileio.apply_power_loss(log)
         with open(state_file, "rb") as f:
             state_now, blobs_now = pickle.load(f)
         r = cold_cls.open(d, state_now, "r")

@@ -1,4 +1,4 @@
-"""The write stage (tiered/_stage.py): small writes wait raw and are compressed together.
+"""The write stage (tiered/engine/stage.py): small writes wait raw and are compressed together.
 
 Checked against a plain TensorDict model on real Atari rows: reads see staged rows at once and
 bit-exactly, every error is raised by the write that causes it and leaves the store as it was,
@@ -16,7 +16,7 @@ from helpers import assert_td_equal, check_refcounts
 from tensordict import TensorDict
 
 import tiered
-from tiered import TieredStore, _io
+from tiered import TieredStore, fileio
 from tiered.errors import IndexOutOfRangeError, SchemaMismatchError, StorageFullError
 from tiered.gpu import GpuDecoder
 
@@ -193,7 +193,7 @@ def test_full_disk_while_compressing_the_stage(atari_pong, tmp_path):
     store.extend(atari_pong[:1])
     for i in range(1, 17):
         store.extend(atari_pong[i:i + 1])
-    with _io.inject_faults(enospc_on=1), pytest.raises(StorageFullError):
+    with fileio.inject_faults(enospc_on=1), pytest.raises(StorageFullError):
         store.extend(atari_pong[17:18])  # the stage is full: compressing it needs the disk
     assert len(store) == 17 and store.stats()["staged_rows"] == 16
     assert_td_equal(store.get(slice(None)), atari_pong[:17])

@@ -14,8 +14,8 @@ from helpers import assert_td_equal, check_refcounts
 
 import tiered
 from tiered import TieredStore
-from tiered._io import inject_faults
 from tiered.errors import FormatVersionError, NotATieredStoreError, ReadOnlyStoreError, StorageFullError
+from tiered.fileio import inject_faults
 from tiered.index import COLD, HOT, WARM
 
 

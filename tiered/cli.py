@@ -110,7 +110,8 @@ def _progress(args: argparse.Namespace) -> bool | None:
 
 def _info(args: argparse.Namespace) -> int:
     import tiered
-    from tiered._persist import read_manifest
+
+    from .engine.manifest import read_manifest
 
     body = read_manifest(os.fspath(args.store))
     with tiered.open(args.store, mode="r", warm_bytes=0, hot_bytes=0) as store:
@@ -118,7 +119,7 @@ def _info(args: argparse.Namespace) -> int:
         schema = (
             [dict(f.to_json(), key="/".join(f.key)) for f in store.schema.values()] if store.schema else []
         )
-    from tiered.formats._common import read_source
+    from .formats.common import read_source
 
     source = read_source(args.store)
     doc: dict[str, Any] = {
@@ -178,7 +179,7 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from tiered.verify import verify_store
+    from .verify import verify_store
 
     report = verify_store(args.store, progress=_progress(args), decode=args.decode)
     if args.json:
@@ -208,7 +209,7 @@ def _parse_frames(items: Sequence[str] | None) -> dict[tuple[str, ...], int] | N
 
 
 def _import(args: argparse.Namespace) -> int:
-    from tiered.formats import import_dataset
+    from .formats import import_dataset
 
     rep = import_dataset(
         args.format,
@@ -242,7 +243,7 @@ def _import(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from tiered.formats import export_dataset
+    from .formats import export_dataset
 
     rep = export_dataset(
         args.store,
@@ -277,8 +278,8 @@ def _demo(args: argparse.Namespace) -> int:
     try:
         from torchrl.data import LazyTensorStorage, RandomSampler, TensorDictReplayBuffer
 
-        from tiered.atari import cached_rollout
-        from tiered.torchrl import TieredStorage
+        from .atari import cached_rollout
+        from .torchrl import TieredStorage
     except ImportError as e:
         raise E.CodecUnavailableError(
             f"the demo needs TorchRL and ale-py: pip install 'tiered[torchrl,atari]' ({e})"
@@ -335,7 +336,7 @@ def _epilog(text: str) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``tiered`` (exposed for docs and tests)."""
-    from tiered import __version__
+    from . import __version__
 
     p = argparse.ArgumentParser(
         prog="tiered",

@@ -69,14 +69,14 @@ import torch
 
 from .codecs import codec_for_format_id, segment_checksums_torch
 from .codecs.nvcomp import copy_segments_device, filler_frame, import_nvcomp, use_torch_allocator
-from .codecs.raw import exclusive_cumsum
 from .errors import ChecksumError, CodecUnavailableError
 from .index import COLD, HOT, OPEN, WARM
 from .tiers import arena as _arena
-from .tiers.base import align  # the arenas' alignment: the hot gather reads aligned extents
+from .util.batch import exclusive_cumsum
+from .util.units import align  # the arenas' alignment: the hot gather reads aligned extents
 
 if TYPE_CHECKING:
-    from ._frames import FrameFamily
+    from .engine.frames import FrameFamily
     from .schema import Field
     from .store import TieredStore
 

@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["BlobIndex", "RowTable", "isin", "FREE", "OPEN", "STORED", "HOT", "WARM", "COLD"]
+__all__ = ["BlobIndex", "RowTable", "FREE", "OPEN", "STORED", "HOT", "WARM", "COLD"]
 
 FREE, OPEN, STORED = 0, 1, 2
 HOT, WARM, COLD = 0, 1, 2
@@ -56,14 +56,6 @@ _COLUMNS: dict[str, tuple[Any, tuple[int, ...], int]] = {
     "aux": (np.int64, (), -1),
     "birth": (np.int64, (), 0),
 }
-
-
-def isin(values: np.ndarray, members: np.ndarray) -> np.ndarray:
-    """``np.isin`` for int64 ids with one code path (numpy's switches to a Python loop over
-    ``members`` when it is small, which makes the call count depend on the data)."""
-    sorted_members = np.append(np.sort(members), np.iinfo(np.int64).max)
-    pos = np.searchsorted(sorted_members, values)
-    return sorted_members[pos] == values
 
 
 class BlobIndex:

@@ -34,9 +34,8 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from . import codecs as _codecs
-from ._frames import FrameColumns, FrameFamily, layout_rules
-from ._stage import WriteStage
-from .codecs.raw import exclusive_cumsum
+from .engine.frames import FrameColumns, FrameFamily, layout_rules
+from .engine.stage import WriteStage
 from .errors import (
     ChecksumError,
     IndexOutOfRangeError,
@@ -46,11 +45,13 @@ from .errors import (
     StoreClosedError,
 )
 from .gpu import maybe_gpu_decoder
-from .index import COLD, HOT, OPEN, STORED, WARM, BlobIndex, RowTable, isin
+from .index import COLD, HOT, OPEN, STORED, WARM, BlobIndex, RowTable
 from .policy import PriorityPolicy, get_policy
 from .schema import Field, Key, Schema, key_to_str, normalize_key, str_to_key
 from .tiers import DeviceTier, HostTier, default_budgets, parse_bytes
-from .tiers.base import Tier, align
+from .tiers.base import Tier
+from .util.batch import exclusive_cumsum, isin
+from .util.units import align
 
 __all__ = ["TieredStore", "IndexLike", "as_row_array"]
 
@@ -128,7 +129,7 @@ class TieredStore:
             finds the stage full (``stage_rows`` rows) or holding one of its rows, or before any
             larger write, :meth:`flush` or pickling. Staged
             rows are readable at once and every error is still raised by the write that causes
-            it (see ``tiered/_stage.py``). ``0`` writes every call through.
+            it (see ``tiered/engine/stage.py``). ``0`` writes every call through.
     """
 
     def __init__(
@@ -397,7 +398,7 @@ class TieredStore:
         elif rows.size:
             self._len = max(self._len, int(rows.max()) + 1)
 
-    # -- the write stage (tiered/_stage.py) ----------------------------------------------------
+    # -- the write stage (tiered/engine/stage.py) ----------------------------------------------------
     def _small_write(self, data: Any, batch_dims: int) -> tuple[int, dict[Key, torch.Tensor]] | None:
         """``(n, cells)`` when ``data`` is a write small enough to stage and matches the schema
         exactly; ``None`` sends it down the batched path (which also explains any mismatch)."""
@@ -1006,7 +1007,7 @@ class TieredStore:
         since this store opened, at least two after it (reused space), else None."""
         if self.path is None or not self._readonly:
             return None
-        from ._persist import read_manifest
+        from .engine.manifest import read_manifest
 
         try:
             g = int(read_manifest(self.path)["generation"])
@@ -1196,7 +1197,7 @@ class TieredStore:
                     if tier is not None:
                         tier.close()
                 self._closed = True
-                from ._lock import release
+                from .engine.lock import release
 
                 release(self._writer_lock)
                 self._writer_lock = None
@@ -1218,7 +1219,7 @@ class TieredStore:
     def _cold_init(self) -> None:
         if self.path is None or getattr(self, "_opening", False):
             return
-        from ._persist import MANIFEST
+        from .engine.manifest import MANIFEST
         from .errors import StoreExistsError
 
         if os.path.exists(os.path.join(self.path, MANIFEST)):
@@ -1226,7 +1227,7 @@ class TieredStore:
                 f"{self.path!r} already holds a tiered store; open it with tiered.open(path, mode='r+'), "
                 "or choose another path")
         os.makedirs(self.path, exist_ok=True)
-        from ._lock import acquire_writer_lock, release
+        from .engine.lock import acquire_writer_lock, release
 
         self._writer_lock = acquire_writer_lock(self.path)  # one writer at a time
         try:
@@ -1257,8 +1258,8 @@ class TieredStore:
         """Durably publish the current state (no-op without a path)."""
         if self.path is None or self._readonly:
             return
-        from . import _io
-        from ._persist import gen_dir_name, save_npy, write_manifest
+        from . import fileio
+        from .engine.manifest import gen_dir_name, save_npy, write_manifest
 
         cold = self._tiers[COLD]
         cold.flush()
@@ -1266,13 +1267,13 @@ class TieredStore:
         gdir = os.path.join(self.path, gen_dir_name(g))
         if os.path.isdir(gdir):  # left over by a crash before its manifest was published
             for name in os.listdir(gdir):
-                _io.remove(os.path.join(gdir, name))
+                fileio.remove(os.path.join(gdir, name))
         os.makedirs(gdir, exist_ok=True)
         files = {}
         for name, arr in self._snapshot_arrays().items():
             files[name] = save_npy(os.path.join(gdir, name + ".npy"), arr)
-        _io.fsync_dir(gdir)
-        _io.fsync_dir(self.path)
+        fileio.fsync_dir(gdir)
+        fileio.fsync_dir(self.path)
         cold_state = {k: v for k, v in cold.state().items() if not isinstance(v, np.ndarray)}
         body = {
             "generation": g,
@@ -1296,7 +1297,7 @@ class TieredStore:
         self._generation = g
         if os.path.isdir(old):
             for name in os.listdir(old):
-                _io.remove(os.path.join(old, name))
+                fileio.remove(os.path.join(old, name))
             os.rmdir(old)
         # space freed by overwritten rows is reusable only now that the commit is durable
         cold.release_deferred()
@@ -1310,8 +1311,8 @@ class TieredStore:
         A manifest or array that is damaged or inconsistent raises
         :class:`~tiered.errors.CorruptionError` naming the store, never a raw ``KeyError``.
         """
-        from ._lock import acquire_writer_lock, release
-        from ._persist import read_manifest
+        from .engine.lock import acquire_writer_lock, release
+        from .engine.manifest import read_manifest
         from .errors import CorruptionError, TieredError
 
         if mode not in ("r", "r+"):
@@ -1387,7 +1388,7 @@ class TieredStore:
 
     @classmethod
     def _open_body(cls, path: str, mode: str, options: dict[str, Any], body: dict[str, Any]) -> TieredStore:
-        from ._persist import gen_dir_name, load_npy
+        from .engine.manifest import gen_dir_name, load_npy
 
         o = body["options"]
         self = cls.__new__(cls)

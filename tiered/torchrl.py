@@ -46,7 +46,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError(
         "tiered.torchrl needs TorchRL: pip install 'tiered[torchrl]' (torchrl>=0.9)") from e
 
-from ._persist import MANIFEST
+from .engine.manifest import MANIFEST
 from .errors import ReadOnlyStoreError
 from .schema import Key
 from .store import TieredStore, as_row_array

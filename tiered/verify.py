@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from ._persist import MANIFEST, gen_dir_name, read_manifest
+from .engine.manifest import MANIFEST, gen_dir_name, read_manifest
 from .errors import CorruptionError, FormatVersionError, NotATieredStoreError, TieredError
 
 __all__ = ["Problem", "Report", "verify_store"]

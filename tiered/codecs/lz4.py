@@ -36,9 +36,11 @@ from types import ModuleType
 import numpy as np
 
 from ..errors import CodecUnavailableError, CorruptionError
+from ..util.batch import exclusive_cumsum, split_balanced
+from ..util.pool import run_parallel
 from .base import Codec, EncodedBatch
 from .checksum import segment_checksums
-from .raw import as_batch, check_out, exclusive_cumsum, run_parallel, split_balanced
+from .raw import as_batch, check_out
 
 __all__ = ["Lz4Codec"]
 

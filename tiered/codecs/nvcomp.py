@@ -57,9 +57,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..errors import CodecUnavailableError, CorruptionError, UnknownCodecError
+from ..util.batch import exclusive_cumsum
 from .base import Codec, EncodedBatch
 from .checksum import segment_checksums
-from .raw import as_batch, check_out, copy_segments, exclusive_cumsum
+from .raw import as_batch, check_out, copy_segments
 
 if TYPE_CHECKING:
     import torch

@@ -30,16 +30,13 @@ Example:
 from __future__ import annotations
 
 import operator
-import os
-import queue
-import threading
 from collections import deque
-from collections.abc import Callable, Sequence
 from itertools import repeat
 
 import numpy as np
 
 from ..errors import CorruptionError
+from ..util.batch import exclusive_cumsum, is_packed
 from .base import Codec, EncodedBatch
 from .checksum import segment_checksums
 
@@ -48,11 +45,7 @@ __all__ = [
     "as_batch",
     "check_out",
     "copy_segments",
-    "exclusive_cumsum",
     "gather_segments",
-    "is_packed",
-    "run_parallel",
-    "split_balanced",
 ]
 
 # Average blob size below which byte-index gathers beat per-blob memcpy through map(): a slice
@@ -105,29 +98,6 @@ def as_batch(
             "the offsets/sizes do not describe this buffer"
         )
     return data, offsets, sizes
-
-
-def exclusive_cumsum(sizes: np.ndarray) -> np.ndarray:
-    """Offsets of blobs of ``sizes`` laid out back to back from 0.
-
-    Example:
-        >>> exclusive_cumsum(np.array([3, 0, 2])).tolist()
-        [0, 3, 3]
-    """
-    out = np.zeros(sizes.size, dtype=np.int64)
-    # no branch on the size: callers count on a call count that does not depend on the batch
-    np.cumsum(sizes[:-1], out=out[1:])
-    return out
-
-
-def is_packed(offsets: np.ndarray, sizes: np.ndarray) -> bool:
-    """True when every blob starts where the previous one ends (``offsets[i+1] == offsets[i] + sizes[i]``).
-
-    Example:
-        >>> is_packed(np.array([4, 7, 7]), np.array([3, 0, 5]))
-        True
-    """
-    return bool(np.array_equal(offsets[1:], offsets[:-1] + sizes[:-1]))
 
 
 def _uniform_stride(offsets: np.ndarray, sizes: np.ndarray) -> int | None:
@@ -236,116 +206,6 @@ def check_out(
     if out_sizes.size != n:
         raise ValueError(f"expected {n} out_offsets/out_sizes (one per blob), got {out_sizes.size}")
     return out_u8, out_offsets, out_sizes
-
-
-def split_balanced(weights: np.ndarray, parts: int) -> np.ndarray:
-    """Cut points splitting ``len(weights)`` items into ``parts`` contiguous slices of similar total weight.
-
-    Returns:
-        int64 array ``b`` of ``parts + 1`` non-decreasing bounds: slice ``j`` is ``b[j]:b[j+1]``.
-
-    Example:
-        >>> split_balanced(np.array([5, 1, 1, 1, 1, 1]), 2).tolist()
-        [0, 1, 6]
-    """
-    n = weights.size
-    cum = np.cumsum(weights, dtype=np.int64)
-    total = int(cum[-1]) if n else 0
-    if total == 0:
-        bounds = (np.arange(parts + 1, dtype=np.int64) * n) // parts
-    else:
-        # Slice j ends after the item where the running weight first reaches j/parts of the total.
-        targets = (np.arange(1, parts, dtype=np.int64) * total) // parts
-        bounds = np.concatenate([[0], np.searchsorted(cum, targets, side="left") + 1, [n]])
-    return np.maximum.accumulate(np.minimum(bounds, n)).astype(np.int64)
-
-
-class _WorkerPool:
-    """A few persistent daemon threads fed through a C-implemented queue.
-
-    Not a ``ThreadPoolExecutor``: its ``submit``/``result`` run Python code whose amount depends on
-    timing (idle-thread checks, condition waits), while here the calling thread only makes C calls
-    (``Lock.acquire``, ``SimpleQueue.put``), so the Python-level work per batch is fixed. Threads
-    start on first use and are re-created after ``fork`` (a child inherits no threads).
-    """
-
-    def __init__(self) -> None:
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._threads: list[threading.Thread] = []
-        self._lock = threading.Lock()
-
-    def ensure(self, count: int) -> None:
-        if len(self._threads) >= count:
-            return
-        with self._lock:
-            while len(self._threads) < count:
-                t = threading.Thread(
-                    target=self._work, name=f"tiered-codec-{len(self._threads)}", daemon=True
-                )
-                t.start()
-                self._threads.append(t)
-
-    def submit(self, task: tuple) -> None:
-        self._queue.put(task)
-
-    def _work(self) -> None:
-        get = self._queue.get
-        while True:
-            fn, args, done, errors = get()
-            try:
-                fn(*args)
-            except BaseException as e:  # noqa: BLE001 - re-raised in the calling thread
-                errors.append(e)
-            finally:
-                done.release()
-
-
-_POOL = _WorkerPool()
-
-
-def _reset_pool_after_fork() -> None:
-    global _POOL
-    _POOL = _WorkerPool()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_reset_pool_after_fork)
-
-
-def run_parallel(fn: Callable[..., None], tasks: Sequence[tuple], threads: int) -> None:
-    """Run ``fn(*args)`` for every ``args`` in ``tasks`` on up to ``threads`` threads, then return.
-
-    The calling thread runs the last task itself, so ``threads=1`` (or one task) starts no thread.
-    ``fn`` must release the GIL for its heavy work (zstandard, lz4 and numpy copies do). The first
-    exception raised by a task is re-raised here after every task has finished.
-
-    Example:
-        >>> out = np.zeros(4, np.int64)
-        >>> run_parallel(out.__setitem__, [(0, 1), (3, 7)], threads=2)
-        >>> out.tolist()
-        [1, 0, 0, 7]
-    """
-    if threads <= 1 or len(tasks) <= 1:
-        for args in tasks:
-            fn(*args)
-        return
-    pool = _POOL
-    pool.ensure(min(threads, len(tasks)) - 1)
-    errors: list[BaseException] = []
-    locks = []
-    for args in tasks[:-1]:
-        done = threading.Lock()
-        done.acquire()
-        pool.submit((fn, args, done, errors))
-        locks.append(done)
-    try:
-        fn(*tasks[-1])
-    finally:
-        # Wait for every task even if ours failed: they write into the caller's buffers.
-        for done in locks:
-            done.acquire()
-    if errors:
-        raise errors[0]
 
 
 class RawCodec(Codec):

@@ -49,9 +49,11 @@ import numpy as np
 import zstandard
 
 from ..errors import CorruptionError, UnknownCodecError
+from ..util.batch import exclusive_cumsum, split_balanced
+from ..util.pool import run_parallel
 from .base import Codec, EncodedBatch
 from .checksum import segment_checksums
-from .raw import as_batch, check_out, exclusive_cumsum, run_parallel, split_balanced
+from .raw import as_batch, check_out
 
 __all__ = ["ZstdCodec", "MIN_LEVEL", "MAX_LEVEL", "DEFAULT_LEVEL", "declared_content_sizes"]
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import UnsupportedFormatError
-from ._common import (
+from .common import (
     atomic_output,
     check_new_output,
     chronological_rows,

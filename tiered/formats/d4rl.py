@@ -44,10 +44,10 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from .. import _io
+from .. import fileio
 from ..errors import UnsupportedFormatError
 from ..schema import str_to_key
-from ._common import (
+from .common import (
     chunk_rows_for,
     iter_store,
     json_safe,
@@ -401,7 +401,7 @@ def write_d4rl(
     chunk_rows: int | None = None,
     progress: Any = None,
 ) -> dict[str, Any]:
-    """Write a store's rows as a D4RL HDF5 file at ``tmp`` (through :mod:`tiered._io`).
+    """Write a store's rows as a D4RL HDF5 file at ``tmp`` (through :mod:`tiered.fileio`).
 
     Returns:
         ``{"columns": [...names...], "rows": n}``.
@@ -411,7 +411,7 @@ def write_d4rl(
     plan = plan_flat_columns(keys, source, "d4rl")
     n = int(rows.size)
     step = chunk_rows_for(row_nbytes({p[0]: (p[3], p[2]) for p in plan}), chunk_rows)
-    f = _io.WritableFile(tmp)
+    f = fileio.WritableFile(tmp)
     with writing(f):
         with h5py.File(f, "w") as h:
             dsets = {}

@@ -44,9 +44,9 @@ import h5py
 import numpy as np
 from tensordict import TensorDict
 
-from .. import _io
+from .. import fileio
 from ..errors import UnsupportedFormatError
-from ._common import (
+from .common import (
     chunk_rows_for,
     iter_store,
     json_safe,
@@ -465,7 +465,7 @@ def write_minari(
     progress: Any = None,
     dataset_id: str | None = None,
 ) -> dict[str, Any]:
-    """Write a store's rows as a minari dataset directory at ``tmp`` (through :mod:`tiered._io`).
+    """Write a store's rows as a minari dataset directory at ``tmp`` (through :mod:`tiered.fileio`).
 
     Returns:
         ``{"episodes": n, "rows": n, "dropped": [keys not representable in minari]}``.
@@ -540,9 +540,9 @@ def write_minari(
     # traj ids imported from minari are its episode numbers; minari needs episode_0 .. episode_{n-1}
     ep_ids = np.arange(ids.size)
     lengths = ends - starts
-    _io.makedirs(os.path.join(tmp, "data"))  # fsyncs the new directories, like every export
+    fileio.makedirs(os.path.join(tmp, "data"))  # fsyncs the new directories, like every export
     main = os.path.join(tmp, "data", MAIN_FILE)
-    f = _io.WritableFile(main)
+    f = fileio.WritableFile(main)
     ep_attrs = (source or {}).get("episode_attrs") or {} if from_minari else {}
     src_steps = ep_attrs.get("total_steps")
     if (
@@ -649,5 +649,5 @@ def write_minari(
             "dataset_size": round(os.path.getsize(main) / 1e6, 1),
         }
     )
-    _io.write_file_atomic(os.path.join(tmp, "data", METADATA_FILE), json.dumps(json_safe(meta)).encode())
+    fileio.write_file_atomic(os.path.join(tmp, "data", METADATA_FILE), json.dumps(json_safe(meta)).encode())
     return {"episodes": int(ids.size), "rows": n, "dropped": dropped}

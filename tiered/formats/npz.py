@@ -33,9 +33,9 @@ from typing import Any
 
 import numpy as np
 
-from .. import _io
+from .. import fileio
 from ..errors import UnsupportedFormatError
-from ._common import chunk_rows_for, iter_store, row_nbytes, to_numpy, writing
+from .common import chunk_rows_for, iter_store, row_nbytes, to_numpy, writing
 from .d4rl import FlatSource, plan_flat_columns
 
 __all__ = ["NpzSource", "write_npz"]
@@ -84,7 +84,7 @@ class _Member:
         if self._start is not None:
             n = (hi - lo) * self._row
             raw = np.empty(n, dtype=np.uint8)
-            if _io.read_into(self._fd, memoryview(raw), self._start + lo * self._row) < n:
+            if fileio.read_into(self._fd, memoryview(raw), self._start + lo * self._row) < n:
                 raise UnsupportedFormatError(f"{self._path}: {self._info.filename} is truncated")
         else:
             if self._stream is None or lo < self._pos:
@@ -204,7 +204,7 @@ def write_npz(
         keys, source if source and source.get("format") in ("npz", "d4rl") else None, naming
     )
     n = int(rows.size)
-    out = _io.WritableFile(tmp)
+    out = fileio.WritableFile(tmp)
     with writing(out):
         with zipfile.ZipFile(out, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
             total_bytes = row_nbytes({p[0]: (p[3], p[2]) for p in plan})

@@ -13,7 +13,7 @@ Import also accepts a replay-buffer checkpoint directory (``rb.dumps(DIR)`` of a
 
 Keys are kept exactly (the store's layout *is* TorchRL's). Leaves are read with ``pread`` in
 slices of rows (not through the memory map, so the importer's resident memory does not grow with
-the file) and written with ``pwrite`` through :mod:`tiered._io` (a full disk is an error, never
+the file) and written with ``pwrite`` through :mod:`tiered.fileio` (a full disk is an error, never
 a ``SIGBUS``).
 
 Example:
@@ -39,9 +39,9 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from .. import _io
+from .. import fileio
 from ..errors import UnsupportedFormatError
-from ._common import chunk_rows_for, iter_store
+from .common import chunk_rows_for, iter_store
 from .keymap import Key, key_str
 
 __all__ = ["TorchRLSource", "write_torchrl"]
@@ -133,7 +133,7 @@ class TorchRLSource:
         if filename and os.path.isfile(filename) and t.is_contiguous():
             buf = np.empty((hi - lo) * row, dtype=np.uint8)
             with open(filename, "rb", buffering=0) as f:
-                done = _io.read_into(f.fileno(), memoryview(buf), lo * row)
+                done = fileio.read_into(f.fileno(), memoryview(buf), lo * row)
             if done < buf.size:
                 raise UnsupportedFormatError(
                     f"{filename} is shorter than its meta.json says ({lo * row + done} bytes)"
@@ -168,7 +168,7 @@ def write_torchrl(
 
     ``TensorDict.load_memmap(dst)`` reads it back; ``TensorStorage(TensorDict.load_memmap(dst))``
     serves it in a TorchRL replay buffer. tensordict writes ``meta.json`` (and creates empty
-    files), the rows go in with ``pwrite`` through :mod:`tiered._io`.
+    files), the rows go in with ``pwrite`` through :mod:`tiered.fileio`.
 
     Returns:
         ``{"keys": [...], "rows": n}``.
@@ -185,30 +185,30 @@ def write_torchrl(
     files = {f.key: mm.get(f.key).filename for f in fields}
     row_bytes = {f.key: f.cell_nbytes for f in fields}
     del mm, template
-    fds = {k: _io.open_for_write(p) for k, p in files.items()}
+    fds = {k: fileio.open_for_write(p) for k, p in files.items()}
     try:
         for k, fd in fds.items():
-            _io.fallocate(fd, 0, n * row_bytes[k])
+            fileio.fallocate(fd, 0, n * row_bytes[k])
         step = chunk_rows_for(sum(row_bytes.values()), chunk_rows)
         for lo, hi, td in iter_store(store, rows, step):
             for f in fields:
                 v = td.get(f.key).contiguous()
                 data = v.view(torch.uint8) if v.dtype != torch.uint8 and v.dim() else v
-                _io.pwrite(fds[f.key], memoryview(data.numpy()).cast("B"), lo * row_bytes[f.key])
+                fileio.pwrite(fds[f.key], memoryview(data.numpy()).cast("B"), lo * row_bytes[f.key])
             if progress is not None:
                 progress.update(hi - lo)
         for fd in fds.values():
-            _io.fsync(fd)
+            fileio.fsync(fd)
     finally:
         for fd in fds.values():
-            _io.close(fd)
+            fileio.close(fd)
     for root, _dirs, _files in os.walk(tmp):
         for name in _files:
             if name == "meta.json":  # written by tensordict, outside the seam: make it durable too
                 fd = os.open(os.path.join(root, name), os.O_RDONLY)
                 try:
-                    _io.fsync(fd)
+                    fileio.fsync(fd)
                 finally:
                     os.close(fd)
-        _io.fsync_dir(root)
+        fileio.fsync_dir(root)
     return {"keys": [key_str(f.key) for f in fields], "rows": n}

@@ -13,11 +13,12 @@ Example:
 
 from __future__ import annotations
 
-from tiered.tiers.arena import ArenaTier, DeviceTier, HostTier, copy_blobs, default_budgets
-from tiered.tiers.base import ALIGNMENT, Tier, align
-from tiered.tiers.extents import ExtentAllocator, format_bytes, parse_bytes
-from tiered.tiers.hdf5 import HDF5Tier
-from tiered.tiers.memmap import MemmapTier
+from ..util.units import ALIGNMENT, align, format_bytes, parse_bytes
+from .arena import ArenaTier, DeviceTier, HostTier, copy_blobs, default_budgets
+from .base import Tier
+from .extents import ExtentAllocator
+from .hdf5 import HDF5Tier
+from .memmap import MemmapTier
 
 __all__ = [
     "Tier",

@@ -33,10 +33,11 @@ import psutil
 import torch
 from numpy.lib.stride_tricks import as_strided
 
-from tiered.codecs.raw import exclusive_cumsum
-from tiered.errors import StorageFullError
-from tiered.tiers.base import Tier
-from tiered.tiers.extents import ExtentAllocator, format_bytes, parse_bytes
+from ..errors import StorageFullError
+from ..util.batch import exclusive_cumsum
+from ..util.units import format_bytes, parse_bytes
+from .base import Tier
+from .extents import ExtentAllocator
 
 __all__ = ["ArenaTier", "HostTier", "DeviceTier", "copy_blobs", "default_budgets", "inject_oom"]
 

@@ -19,15 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["Tier", "ALIGNMENT", "align"]
-
-#: Blob start offsets are multiples of this (nvCOMP's Zstd needs 8, ANS 16).
-ALIGNMENT = 16
-
-
-def align(sizes: np.ndarray) -> np.ndarray:
-    """Round sizes up to :data:`ALIGNMENT`."""
-    return (np.asarray(sizes, dtype=np.int64) + (ALIGNMENT - 1)) // ALIGNMENT * ALIGNMENT
+__all__ = ["Tier"]
 
 
 class Tier(ABC):

@@ -21,68 +21,18 @@ them is durable, so a crash never finds a committed blob overwritten.
 
 from __future__ import annotations
 
-import re
-from numbers import Integral
 from typing import Any
 
 import numpy as np
 
-from tiered.codecs.raw import exclusive_cumsum
-from tiered.errors import StorageFullError
-from tiered.tiers.base import ALIGNMENT, align
+from ..errors import StorageFullError
+from ..util.batch import exclusive_cumsum
+from ..util.units import ALIGNMENT, align
 
-__all__ = ["ExtentAllocator", "parse_bytes", "format_bytes"]
+__all__ = ["ExtentAllocator"]
 
 _I64 = np.int64
 _EMPTY = np.empty(0, dtype=_I64)
-
-_UNITS = {
-    "": 1, "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-}
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
-
-
-def parse_bytes(value: int | str) -> int:
-    """Parse a byte count: an int, or a string like ``"2GiB"``, ``"512MB"``, ``"1.5 GiB"``.
-
-    ``KB/MB/GB/TB`` are decimal (1000), ``KiB/MiB/GiB/TiB`` and the bare ``K/M/G/T`` binary
-    (1024). Units are case-insensitive.
-
-    Raises:
-        ValueError: a negative number, an unknown unit or an unparsable string.
-
-    Example:
-        >>> parse_bytes("1.5 GiB"), parse_bytes("512MB"), parse_bytes(4096)
-        (1610612736, 512000000, 4096)
-    """
-    if isinstance(value, bool):
-        raise ValueError(f"expected a byte count (int or string like '2GiB'), got {value!r}")
-    if isinstance(value, Integral):
-        if value < 0:
-            raise ValueError(f"a byte count must be >= 0, got {value}")
-        return int(value)
-    if isinstance(value, str):
-        m = _SIZE_RE.match(value)
-        if m is not None and m.group(2).lower() in _UNITS:
-            return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-        raise ValueError(
-            f"cannot parse {value!r} as a byte count; expected a number with an optional unit "
-            f"(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. '2GiB' or '512MB'"
-        )
-    raise ValueError(f"expected a byte count (int or string like '2GiB'), got {type(value).__name__}")
-
-
-def format_bytes(n: int | None) -> str:
-    """``format_bytes(3 * 2**20) == '3.0 MiB'``; ``None`` is ``'unbounded'``."""
-    if n is None:
-        return "unbounded"
-    for unit, k in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= k:
-            return f"{n / k:.1f} {unit}"
-    return f"{n} B"
 
 
 class ExtentAllocator:

@@ -9,11 +9,11 @@ filled, so unwritten space stays sparse on disk) and without timestamps
 How bytes move (and why):
 
 * The file and its metadata are created by h5py writing through
-  :class:`tiered._io.WritableFile` (h5py's ``fileobj`` driver), so even HDF5's own writes go
-  through :mod:`tiered._io`, the package's single write seam (DESIGN.md section 9) where tests
+  :class:`tiered.fileio.WritableFile` (h5py's ``fileobj`` driver), so even HDF5's own writes go
+  through :mod:`tiered.fileio`, the package's single write seam (DESIGN.md section 9) where tests
   inject full disks and power cuts. h5py then closes the file; it is never held open.
 * A contiguous, unfiltered dataset is a plain byte range of the file starting at
-  ``dset.id.get_offset()``. Blob bytes are written there with :func:`tiered._io.pwrite` and
+  ``dset.id.get_offset()``. Blob bytes are written there with :func:`tiered.fileio.pwrite` and
   read with the same coalesced, threaded ``pread`` code as
   :class:`~tiered.tiers.memmap.MemmapTier` (:func:`~tiered.tiers.memmap.read_blobs`),
   bypassing HDF5's pipeline (which would serialize every read behind h5py's global lock).
@@ -31,9 +31,9 @@ import os
 
 import h5py
 
-from tiered import _io
-from tiered.errors import CorruptionError
-from tiered.tiers.memmap import MemmapTier
+from .. import fileio
+from ..errors import CorruptionError
+from .memmap import MemmapTier
 
 __all__ = ["HDF5Tier"]
 
@@ -65,7 +65,7 @@ class HDF5Tier(MemmapTier):
 
     def _create_segment(self, i: int) -> tuple[int, int]:
         path = self.segment_path(i)
-        f = _io.WritableFile(path)
+        f = fileio.WritableFile(path)
         try:
             if os.fstat(f.fd).st_size:  # left over by a crash after the last commit
                 f.truncate(0)
@@ -86,7 +86,7 @@ class HDF5Tier(MemmapTier):
         except BaseException as e:
             error = f.error
             f.close()
-            _io.remove(path)
+            fileio.remove(path)
             if error is not None and error is not e:
                 raise error from e
             raise

@@ -7,7 +7,7 @@ each at most; a blob never straddles two segments. Offsets are global:
 Writes: files grow by ``posix_fallocate`` in steps (16 MiB or the batch, whichever is larger)
 at :meth:`allocate`, so a full disk raises :class:`~tiered.errors.StorageFullError` there and
 never ``SIGBUS`` later; bytes go in with ``pwrite`` (one call per contiguous run), never
-through a memory map. Every write goes through :mod:`tiered._io`.
+through a memory map. Every write goes through :mod:`tiered.fileio`.
 
 Reads: the requested blobs are sorted by offset, ranges closer than 4 KiB are coalesced, and
 explicit ``preadv`` calls (from a thread pool when there are many) land single-blob runs
@@ -33,12 +33,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from tiered import _io
-from tiered.codecs.raw import exclusive_cumsum, run_parallel, split_balanced
-from tiered.errors import CorruptionError, ReadOnlyStoreError
-from tiered.tiers.arena import _check_buffer, _host_view, _i64, copy_blobs
-from tiered.tiers.base import Tier, align
-from tiered.tiers.extents import ExtentAllocator, format_bytes, parse_bytes
+from .. import fileio
+from ..errors import CorruptionError, ReadOnlyStoreError
+from ..util.batch import exclusive_cumsum, split_balanced
+from ..util.pool import run_parallel
+from ..util.units import align, format_bytes, parse_bytes
+from .arena import _check_buffer, _host_view, _i64, copy_blobs
+from .base import Tier
+from .extents import ExtentAllocator
 
 __all__ = ["MemmapTier", "read_blobs"]
 
@@ -77,7 +79,7 @@ class _Staging(threading.local):
 
 def _preadv_all(fd: int, view: memoryview, offset: int, path: Callable[[], str]) -> None:
     n = view.nbytes
-    done = _io.read_into(fd, view, offset)
+    done = fileio.read_into(fd, view, offset)
     if done < n:
         raise CorruptionError(
             f"{path()} is truncated: reading {n} bytes at offset {offset} hit the end of the "
@@ -222,7 +224,7 @@ class MemmapTier(Tier):
         if seg <= 0 or seg % 16:
             raise ValueError(f"segment_bytes must be a positive multiple of 16, got {seg}")
         directory = os.path.abspath(os.fspath(directory))
-        _io.makedirs(directory)
+        fileio.makedirs(directory)
         first = os.path.join(directory, self._file_name(0))
         if os.path.exists(first):
             raise FileExistsError(
@@ -278,7 +280,7 @@ class MemmapTier(Tier):
             if fd is None:
                 self._check_segment(i)
                 path = self.segment_path(i)
-                fd = _io.open_for_write(path) if self.mode != "r" else _io.open_for_read(path)
+                fd = fileio.open_for_write(path) if self.mode != "r" else fileio.open_for_read(path)
                 _advise_random(fd)
                 self._fds[i] = fd
         return fd
@@ -298,9 +300,9 @@ class MemmapTier(Tier):
 
     def _create_segment(self, i: int) -> tuple[int, int]:
         """Create segment ``i``; return (fd, data offset)."""
-        fd = _io.open_for_write(self.segment_path(i), exclusive=False)
+        fd = fileio.open_for_write(self.segment_path(i), exclusive=False)
         if os.fstat(fd).st_size:  # left over by a crash after the last commit: start clean
-            _io.truncate(fd, 0)
+            fileio.truncate(fd, 0)
         return fd, 0
 
     def _writable(self) -> None:
@@ -334,7 +336,7 @@ class MemmapTier(Tier):
             if need <= have:
                 continue
             new = min(self.segment_bytes, max(need, have + GROW_STEP))
-            _io.fallocate(self._fd(s), self._data_offsets[s] + have, new - have)
+            fileio.fallocate(self._fd(s), self._data_offsets[s] + have, new - have)
             self._sizes[s] = new
             self._dirty.add(s)
 
@@ -375,8 +377,8 @@ class MemmapTier(Tier):
             for i in range(len(reserved), len(self._sizes)):
                 fd = self._fds.pop(i, None)
                 if fd is not None:
-                    _io.close(fd)
-                _io.remove(self.segment_path(i))
+                    fileio.close(fd)
+                fileio.remove(self.segment_path(i))
                 self._dirty.discard(i)
             self._sizes = reserved
             del self._data_offsets[len(reserved):]
@@ -424,7 +426,7 @@ class MemmapTier(Tier):
         mv = memoryview(stage)
         for start, ln, sb in zip(r_start.tolist(), r_len.tolist(), s_base.tolist(), strict=True):
             s = start // self.segment_bytes
-            _io.pwrite(self._fd(s), mv[sb:sb + ln], self._data_offsets[s] + start - s * self.segment_bytes)
+            fileio.pwrite(self._fd(s), mv[sb:sb + ln], self._data_offsets[s] + start - s * self.segment_bytes)
             self._dirty.add(s)
 
     def read(self, offsets: np.ndarray, sizes: np.ndarray, out: np.ndarray | torch.Tensor,
@@ -458,10 +460,10 @@ class MemmapTier(Tier):
         if self.mode == "r":
             return
         for i in sorted(self._dirty):
-            _io.fsync(self._fd(i))
+            fileio.fsync(self._fd(i))
         self._dirty.clear()
         if self._dir_dirty:
-            _io.fsync_dir(self.directory)
+            fileio.fsync_dir(self.directory)
             self._dir_dirty = False
 
     def close(self) -> None:
@@ -469,7 +471,7 @@ class MemmapTier(Tier):
             self._fds = {}
             return
         for fd in self._fds.values():
-            _io.close(fd)
+            fileio.close(fd)
         self._fds = {}
 
     def stats(self) -> dict[str, Any]:

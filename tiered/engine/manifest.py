@@ -13,7 +13,7 @@ so reopening costs O(1) in the number of rows. Every file listed in the manifest
 size; the manifest carries a SHA-256 of its own body, so a torn or garbage manifest is
 detected rather than trusted.
 
-All file writes go through :mod:`tiered._io`.
+All file writes go through :mod:`tiered.fileio`.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from . import _io
-from .errors import CorruptionError, FormatVersionError, NotATieredStoreError
+from .. import fileio
+from ..errors import CorruptionError, FormatVersionError, NotATieredStoreError
 
 __all__ = ["FORMAT_NAME", "FORMAT_VERSION", "MANIFEST", "save_npy", "load_npy", "write_manifest",
            "read_manifest", "gen_dir_name"]
@@ -42,19 +42,19 @@ def gen_dir_name(generation: int) -> str:
 
 
 def save_npy(path: str, arr: np.ndarray) -> int:
-    """Write ``arr`` as a ``.npy`` file through :mod:`tiered._io` and fsync it; return its size."""
+    """Write ``arr`` as a ``.npy`` file through :mod:`tiered.fileio` and fsync it; return its size."""
     arr = np.ascontiguousarray(arr)
     header = io.BytesIO()
     np.lib.format.write_array_header_1_0(header, np.lib.format.header_data_from_array_1_0(arr))
     head = header.getvalue()
-    fd = _io.open_for_write(path)
+    fd = fileio.open_for_write(path)
     try:
-        _io.pwrite(fd, head, 0)
+        fileio.pwrite(fd, head, 0)
         if arr.nbytes:
-            _io.pwrite(fd, memoryview(arr.reshape(-1).view(np.uint8)), len(head))
-        _io.fsync(fd)
+            fileio.pwrite(fd, memoryview(arr.reshape(-1).view(np.uint8)), len(head))
+        fileio.fsync(fd)
     finally:
-        _io.close(fd)
+        fileio.close(fd)
     return len(head) + arr.nbytes
 
 
@@ -86,7 +86,7 @@ def write_manifest(directory: str, body: dict[str, Any]) -> None:
     """Atomically publish a manifest (temp file, fsync, rename, fsync of the directory)."""
     body = dict(body, format=FORMAT_NAME, format_version=FORMAT_VERSION)
     doc = {"body": body, "sha256": _body_digest(body)}
-    _io.write_file_atomic(os.path.join(directory, MANIFEST), json.dumps(doc, indent=1).encode())
+    fileio.write_file_atomic(os.path.join(directory, MANIFEST), json.dumps(doc, indent=1).encode())
 
 
 def read_manifest(directory: str) -> dict[str, Any]:

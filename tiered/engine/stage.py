@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from .schema import Key, Schema
+from ..schema import Key, Schema
 
 
 class WriteStage:

@@ -45,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-from tiered.errors import StorageFullError
+from .errors import StorageFullError
 
 __all__ = [
     "open_for_write",

@@ -22,11 +22,11 @@ Why ``flock`` on a held file descriptor (and not a pid file, nor ``fcntl`` recor
 ``flock`` is advisory and does not work across NFS on every kernel; keep stores on a local
 file system (as for HDF5 and LMDB).
 
-Writes to the lock file go through :mod:`tiered._io` like every other write of the package.
+Writes to the lock file go through :mod:`tiered.fileio` like every other write of the package.
 
 Example:
     >>> import tempfile
-    >>> from tiered._lock import acquire_writer_lock, release
+    >>> from tiered.engine.lock import acquire_writer_lock, release
     >>> d = tempfile.mkdtemp()
     >>> h = acquire_writer_lock(d)
     >>> try:
@@ -50,8 +50,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import _io
-from .errors import StoreLockedError, TieredError
+from .. import fileio
+from ..errors import StoreLockedError, TieredError
 
 __all__ = ["LOCK_FILE", "WriterLock", "acquire_writer_lock", "release", "read_holder"]
 
@@ -156,11 +156,11 @@ def acquire_writer_lock(directory: str | os.PathLike[str]) -> WriterLock:
     """
     directory = os.path.abspath(os.fspath(directory))
     path = os.path.join(directory, LOCK_FILE)
-    fd = _io.open_for_write(path)
+    fd = fileio.open_for_write(path)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
-        _io.close(fd)
+        fileio.close(fd)
         if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
             raise
         raise StoreLockedError(
@@ -171,8 +171,8 @@ def acquire_writer_lock(directory: str | os.PathLike[str]) -> WriterLock:
     info = _holder_info()
     try:
         data = json.dumps(info).encode()[:_MAX_INFO]
-        _io.truncate(fd, 0)
-        _io.pwrite(fd, data, 0)
+        fileio.truncate(fd, 0)
+        fileio.pwrite(fd, data, 0)
     except (OSError, TieredError):
         # The details are informative only: a full disk must not stop a writer that holds the
         # lock (its own writes will report the full disk where it matters).
@@ -199,4 +199,4 @@ def release(handle: WriterLock | None) -> None:
     try:
         fcntl.flock(fd, fcntl.LOCK_UN)
     finally:
-        _io.close(fd)
+        fileio.close(fd)

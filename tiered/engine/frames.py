@@ -28,23 +28,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .codecs.raw import exclusive_cumsum
-from .index import OPEN, BlobIndex, isin
+from ..index import OPEN, BlobIndex
+from ..util.batch import exclusive_cumsum, isin, ranges
 
 __all__ = ["FrameFamily", "FramePlan", "FrameColumns", "layout_rules"]
 
 _HASH_SEED = 0x9E3779B97F4A7C15
-
-
-def _ranges(base: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """``concatenate([base[i] + arange(counts[i]) for i])``, without the loop.
-
-    Example:
-        >>> _ranges(np.array([10, 20]), np.array([2, 3])).tolist()
-        [10, 11, 20, 21, 22]
-    """
-    counts = counts.astype(np.int64)
-    return np.repeat(base.astype(np.int64) - exclusive_cumsum(counts), counts) + np.arange(int(counts.sum()))
 
 
 def _hash_coeffs(n_words: int) -> np.ndarray:
@@ -287,13 +276,13 @@ class FrameFamily:
         reopened_closed = chunk_blob[reo]
         old_fill = fill0[chunk_group[reo]]
         pend_slot = index.aux[chunk_blob[reo]]
-        pend_rows = _ranges(pend_slot * self.K, old_fill)
+        pend_rows = ranges(pend_slot * self.K, old_fill)
         # A closed chunk holds slots 0..fill-1 (its old open frames first, then new ones), so
         # frame `slot` of closed chunk `c` goes to row start[c] + slot, chunk-major: one scatter
         # per source into a preallocated output, no sort and no intermediate copy.
         start = exclusive_cumsum(closed_nframes)
         closed_raw = np.empty((int(closed_nframes.sum()), nb), dtype=np.uint8)
-        closed_raw[_ranges(start[np.searchsorted(closed, reo)], old_fill)] = self.pend.reshape(-1, nb)[pend_rows]
+        closed_raw[ranges(start[np.searchsorted(closed, reo)], old_fill)] = self.pend.reshape(-1, nb)[pend_rows]
         # ... and new frames (new unique frames are all dedup roots: take them from the roots)
         u_closed = isin(u_chunk, closed)
         u_sel = np.flatnonzero(u_closed)
@@ -313,7 +302,7 @@ class FrameFamily:
             extra_ids = self.open_blob[keep_old]
             extra_fill = self.open_fill[keep_old]
             if extra_ids.size:
-                rows = _ranges(index.aux[extra_ids] * self.K, extra_fill)
+                rows = ranges(index.aux[extra_ids] * self.K, extra_fill)
                 closed_raw = np.concatenate([closed_raw, self.pend.reshape(-1, nb)[rows]])
                 closed_ids = np.concatenate([closed_ids, extra_ids])
                 closed_nframes = np.concatenate([closed_nframes, extra_fill])

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from tensordict import TensorDictBase
 
-from .. import _io
+from .. import fileio
 from ..errors import UnsupportedFormatError
 
 __all__ = [
@@ -76,9 +76,9 @@ def read_source(store_path: str | os.PathLike[str]) -> dict[str, Any] | None:
 
 
 def write_source(store_path: str | os.PathLike[str], info: dict[str, Any]) -> None:
-    """Atomically write the import sidecar (through :mod:`tiered._io`)."""
+    """Atomically write the import sidecar (through :mod:`tiered.fileio`)."""
     data = json.dumps(json_safe(info), indent=1, allow_nan=True).encode()
-    _io.write_file_atomic(os.path.join(os.fspath(store_path), SOURCE_FILE), data)
+    fileio.write_file_atomic(os.path.join(os.fspath(store_path), SOURCE_FILE), data)
 
 
 def json_safe(x: Any) -> Any:
@@ -136,8 +136,8 @@ def atomic_output(dst: str, *, force: bool = False) -> Iterator[str]:
         StoreLockedError: ``force`` and ``dst`` is a tiered store that a writer has open (import
             and export alike: a store is never replaced under its writer).
     """
-    from .._lock import acquire_writer_lock, release
-    from .._persist import MANIFEST
+    from ..engine.lock import acquire_writer_lock, release
+    from ..engine.manifest import MANIFEST
 
     dst = check_new_output(dst, force=force)
     parent, name = os.path.split(dst)
@@ -157,7 +157,7 @@ def atomic_output(dst: str, *, force: bool = False) -> Iterator[str]:
             _remove(old)
         else:
             os.rename(tmp, dst)
-        _io.fsync_dir(parent)
+        fileio.fsync_dir(parent)
     finally:
         if lock is not None:
             release(lock)
@@ -250,7 +250,7 @@ def iter_store(
 
 @contextlib.contextmanager
 def writing(f: Any) -> Iterator[Any]:
-    """Fsync and close an :class:`tiered._io.WritableFile` after the block.
+    """Fsync and close an :class:`tiered.fileio.WritableFile` after the block.
 
     If the block fails, the file is closed and the I/O error the file recorded (a full disk hit
     inside h5py or zipfile, which report it as something else) is raised in place of the error it

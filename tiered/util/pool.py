@@ -1,0 +1,102 @@
+"""The worker pool that codecs and file tiers run their batched work on.
+
+Example:
+    >>> import numpy as np
+    >>> from tiered.util.pool import run_parallel
+    >>> out = np.zeros(4, np.int64)
+    >>> run_parallel(out.__setitem__, [(0, 1), (3, 7)], threads=2)
+    >>> out.tolist()
+    [1, 0, 0, 7]
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from collections.abc import Callable, Sequence
+
+__all__ = ["WorkerPool", "run_parallel"]
+
+
+class WorkerPool:
+    """A few persistent daemon threads fed through a C-implemented queue.
+
+    Not a ``ThreadPoolExecutor``: its ``submit``/``result`` run Python code whose amount depends on
+    timing (idle-thread checks, condition waits), while here the calling thread only makes C calls
+    (``Lock.acquire``, ``SimpleQueue.put``), so the Python-level work per batch is fixed. Threads
+    start on first use and are re-created after ``fork`` (a child inherits no threads).
+    """
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+
+    def ensure(self, count: int) -> None:
+        if len(self._threads) >= count:
+            return
+        with self._lock:
+            while len(self._threads) < count:
+                t = threading.Thread(
+                    target=self._work, name=f"tiered-codec-{len(self._threads)}", daemon=True
+                )
+                t.start()
+                self._threads.append(t)
+
+    def submit(self, task: tuple) -> None:
+        self._queue.put(task)
+
+    def _work(self) -> None:
+        get = self._queue.get
+        while True:
+            fn, args, done, errors = get()
+            try:
+                fn(*args)
+            except BaseException as e:  # noqa: BLE001 - re-raised in the calling thread
+                errors.append(e)
+            finally:
+                done.release()
+
+
+_POOL = WorkerPool()
+
+
+def _reset_pool_after_fork() -> None:
+    global _POOL
+    _POOL = WorkerPool()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_pool_after_fork)
+
+
+def run_parallel(fn: Callable[..., None], tasks: Sequence[tuple], threads: int) -> None:
+    """Run ``fn(*args)`` for every ``args`` in ``tasks`` on up to ``threads`` threads, then return.
+
+    The calling thread runs the last task itself, so ``threads=1`` (or one task) starts no thread.
+    ``fn`` must release the GIL for its heavy work (zstandard, lz4 and numpy copies do). The first
+    exception raised by a task is re-raised here after every task has finished.
+
+    """
+    if threads <= 1 or len(tasks) <= 1:
+        for args in tasks:
+            fn(*args)
+        return
+    pool = _POOL
+    pool.ensure(min(threads, len(tasks)) - 1)
+    errors: list[BaseException] = []
+    locks = []
+    for args in tasks[:-1]:
+        done = threading.Lock()
+        done.acquire()
+        pool.submit((fn, args, done, errors))
+        locks.append(done)
+    try:
+        fn(*tasks[-1])
+    finally:
+        # Wait for every task even if ours failed: they write into the caller's buffers.
+        for done in locks:
+            done.acquire()
+    if errors:
+        raise errors[0]
