@@ -208,7 +208,8 @@ def advise_segments(store: Any, random_access: bool) -> None:
     the cold tier reads with (private ``_fd``): sorted, coalesced ``preadv`` runs look
     sequential to the kernel, which then reads ahead up to the device's read-ahead window.
     """
-    cold = store._tiers[2]
+    from tiered.testing import parts
+    cold = parts(store).tiers[2]
     advice = os.POSIX_FADV_RANDOM if random_access else os.POSIX_FADV_NORMAL
     for i in range(len(cold.segments)):
         os.posix_fadvise(cold._fd(i), 0, 0, advice)
@@ -252,13 +253,14 @@ def tier_stats(store: Any, errors: dict[str, str]) -> dict[str, dict[str, Any]]:
         errors.setdefault("stats", f"{type(e).__name__}: {e}")
         out = {}
         for t, name in enumerate(("hot", "warm", "cold")):
-            tier = store._tiers[t]
+            from tiered.testing import parts
+            tier = parts(store).tiers[t]
             if tier is None:
                 continue
             out[name] = {
                 "bytes_used": int(tier.bytes_used), "budget": tier.budget,
-                "blobs": int((store._index.loc[: store._index.size, t] >= 0).sum()),
-                **store._stats[name],
+                "blobs": int((parts(store).index.loc[: parts(store).index.size, t] >= 0).sum()),
+                **parts(store).placement.counts[name],
             }
         return out
 
@@ -691,7 +693,8 @@ def sample_side_by_side(data: TensorDictBase, tmp: str, args: argparse.Namespace
         files = files_under(store.path)
 
         def prep() -> None:
-            store._tiers[2].drop_cache()  # the store's own helper (segments) ...
+            from tiered.testing import parts
+            parts(store).tiers[2].drop_cache()  # the store's own helper (segments) ...
             fadvise_dontneed(files)  # ... and every other file of the store
             if read_ahead:  # the default store keeps tiered's own advice (FADV_RANDOM)
                 advise_segments(store, random_access=False)

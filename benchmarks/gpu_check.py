@@ -416,7 +416,7 @@ def stage_interop(run: Run) -> None:
 def _attach(run: Run, store):
     from tiered.gpu import GpuDecoder
 
-    dec = getattr(store, "_gpu", None)
+    dec = store.gpu_decoder
     if dec is None:
         dec = GpuDecoder(_dev(run)).attach(store)
     return dec
@@ -442,7 +442,7 @@ def stage_store_tiers(run: Run) -> None:
     from tiered.atari import load_fixture
     from tiered.errors import ChecksumError
     from tiered.index import HOT, OPEN
-    from tiered.testing import tier_counts
+    from tiered.testing import parts, tier_counts
 
     data = load_fixture(FIXTURE, games=["Breakout", "MsPacman"])
     dev = _dev(run)
@@ -464,19 +464,19 @@ def stage_store_tiers(run: Run) -> None:
             st = dec.stats()
             out[codec] = {"tiers": counts, "bit_exact": ok, "decoder": {k: st.get(k) for k in (
                 "hot", "warm", "cold", "open", "pads", "cpu_fallbacks", "oom_events", "backend")},
-                "hot_arena_device": str(store._tiers[HOT].device),
-                "warm_pinned": bool(getattr(store._tiers[1], "pinned", False))}
+                "hot_arena_device": str(parts(store).tiers[HOT].device),
+                "warm_pinned": bool(getattr(parts(store).tiers[1], "pinned", False))}
             print(f"  {codec}: tiers {counts}, bit-exact vs CPU store: {ok}, decoder {out[codec]['decoder']}",
                   flush=True)
             # damage one hot blob: the GPU path must raise before decoding
-            idx = store._index
+            idx = parts(store).index
             live = idx.live_ids()
             hot_ids = live[(idx.loc[live, HOT] >= 0) & (idx.state[live] != OPEN)]
             victim = int(hot_ids[0])
             pos = int(idx.loc[victim, HOT]) + 2
-            arena = store._tiers[HOT].buffer
+            arena = parts(store).tiers[HOT].buffer
             arena[pos] ^= 0x5A
-            rows = np.flatnonzero((store._tables[("observation",)].blob[: len(store)] == victim).any(1))
+            rows = np.flatnonzero((parts(store).layout.tables[("observation",)].blob[: len(store)] == victim).any(1))
             try:
                 store.get(rows[:2])
                 raised = False
@@ -667,7 +667,8 @@ def _throughput_tables(run: Run, tmp: str, path: Path, base: Any, written: int, 
                 for i in range(0, rows, 4096):
                     store.get(np.arange(i, min(i + 4096, rows)))
             counts = tier_counts(store)
-            hot = store._tiers[0]
+            from tiered.testing import parts
+            hot = parts(store).tiers[0]
             # the hot arena's allocated bytes (VRAM on a GPU; host memory standing in for it in a dry run)
             vram = int(hot.capacity) if hot is not None else 0
             tp["vram"][label] = vram

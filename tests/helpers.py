@@ -7,6 +7,7 @@ import torch
 from tensordict import TensorDict
 
 from tiered import TieredStore
+from tiered.testing import parts
 
 
 def assert_td_equal(a: TensorDict, b: TensorDict) -> None:
@@ -20,9 +21,9 @@ def assert_td_equal(a: TensorDict, b: TensorDict) -> None:
 
 
 def check_refcounts(store: TieredStore) -> None:
-    idx = store._index
-    refs = [t.blob[store._written].reshape(-1) for t in store._tables.values()]
-    refs += [f.tail_blob for f in store._families]
+    idx = parts(store).index
+    refs = [t.blob[parts(store).rows.written].reshape(-1) for t in parts(store).layout.tables.values()]
+    refs += [f.tail_blob for f in parts(store).layout.families]
     refs = np.concatenate(refs) if refs else np.empty(0, np.int64)
     refs = refs[refs >= 0]
     counts = np.bincount(refs, minlength=idx.size)[: idx.size]

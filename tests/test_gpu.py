@@ -39,7 +39,7 @@ from tiered.codecs.nvcomp import empty_frame, filler_frame
 from tiered.errors import ChecksumError, CodecUnavailableError, UnknownCodecError
 from tiered.gpu import GpuDecoder, fused_checksums, inject_device_oom, maybe_gpu_decoder
 from tiered.index import COLD, HOT, OPEN, WARM
-from tiered.testing import spread_over_tiers, tier_counts
+from tiered.testing import decode_blobs, parts, spread_over_tiers, tier_counts
 from tiered.tiers.arena import inject_oom
 
 REPO = Path(__file__).resolve().parents[1]
@@ -158,7 +158,7 @@ def test_fused_checksums_equal_the_reference():
 
 
 def test_bucket_sizes_pad_little_and_repeat():
-    sizes = [gpu_mod._bucket_size(n) for n in range(1, 5000)]
+    sizes = [gpu_mod.bucket_size(n) for n in range(1, 5000)]
     assert all(b >= n for n, b in zip(range(1, 5000), sizes, strict=True))
     assert all(b - n <= max(1, n // 8) for n, b in zip(range(1, 5000), sizes, strict=True))
     assert len(set(sizes[255:4096])) < 40  # few distinct configs for batches of 256..4096
@@ -188,12 +188,12 @@ def test_cpu_stand_in_every_tier_bit_exact(frames, tmp_path, codec, chunk_frames
         assert st["pads"] > 0  # the batch-size buckets were used
     assert store.stats()["tiers"]["cold"]["hits"] > 0
     # materialize agrees with the CPU path on every byte a row can reference
-    fam = store._families[0]
-    uniq = np.unique(np.concatenate([t.blob[: len(store)].reshape(-1) for t in store._tables.values()]))
-    got = dec.materialize(store, fam, uniq).numpy().reshape(uniq.size, -1).copy()
-    want = store._materialize(fam, uniq).reshape(uniq.size, -1)
-    idx = store._index
-    used = np.where(idx.state[uniq] == OPEN, fam.K * fam.nbytes, idx.raw_nbytes[uniq])
+    fam = parts(store).layout.families[0]
+    uniq = np.unique(np.concatenate([t.blob[: len(store)].reshape(-1) for t in parts(store).layout.tables.values()]))
+    got = decode_blobs(store, 0, uniq, gpu=True).reshape(uniq.size, -1)
+    want = decode_blobs(store, 0, uniq).reshape(uniq.size, -1)
+    idx = parts(store).index
+    used = np.where(idx.state[uniq] == OPEN, fam.chunk_frames * fam.frame_nbytes, idx.raw_nbytes[uniq])
     mask = np.arange(got.shape[1])[None, :] < used[:, None]
     assert np.array_equal(got[mask], want[mask])
 
@@ -285,7 +285,7 @@ def test_oom_below_min_split_falls_back(frames, tmp_path):
 def test_corrupt_blob_raises_before_any_decode(frames, tmp_path, tier, checksum):
     store = tiered_store(frames, tmp_path / "s", hot_device="cpu")
     dec = GpuDecoder("cpu", checksum=checksum).attach(store)
-    idx = store._index
+    idx = parts(store).index
     live = idx.live_ids()
     stored = live[idx.state[live] != OPEN]
     where = {HOT: idx.loc[stored, HOT] >= 0, WARM: (idx.loc[stored, HOT] < 0) & (idx.loc[stored, WARM] >= 0),
@@ -294,12 +294,12 @@ def test_corrupt_blob_raises_before_any_decode(frames, tmp_path, tier, checksum)
     off = int(idx.loc[victim, tier]) + int(idx.nbytes[victim]) // 2
     if tier == COLD:
         buf = np.zeros(1, np.uint8)
-        store._tiers[COLD].read(np.array([off]), np.array([1]), buf, np.array([0]))
+        parts(store).tiers[COLD].read(np.array([off]), np.array([1]), buf, np.array([0]))
         buf ^= 0x5A
-        store._tiers[COLD].write(np.array([off]), buf, np.array([0]), np.array([1]))
+        parts(store).tiers[COLD].write(np.array([off]), buf, np.array([0]), np.array([1]))
     else:
-        store._tiers[tier].buffer[off] ^= 0x5A
-    rows = np.flatnonzero((store._tables[("observation",)].blob[: len(store)] == victim).any(1))
+        parts(store).tiers[tier].buffer[off] ^= 0x5A
+    rows = np.flatnonzero((parts(store).layout.tables[("observation",)].blob[: len(store)] == victim).any(1))
     decoded_before = store.stats()["counters"]["blobs_decoded"]
     with pytest.raises(ChecksumError, match=f"blob {victim} "):
         store.get(rows[:3])
@@ -331,10 +331,10 @@ def test_attach_detach_and_maybe_gpu_decoder(frames):
     dec.detach(store)
     store.get([1, 2])
     assert dec.stats()["batches"] == 1
-    assert "_get_family" not in vars(store)
-    assert maybe_gpu_decoder(store) is None and maybe_gpu_decoder(store, False) is None
+    assert store.gpu_decoder is None
+    assert maybe_gpu_decoder(store.device) is None and maybe_gpu_decoder(store.device, False) is None
     with pytest.raises(ValueError, match="device='cuda'"):
-        maybe_gpu_decoder(store, True)
+        maybe_gpu_decoder(store.device, True)
     with pytest.raises(ValueError, match="checksum"):
         GpuDecoder("cpu", checksum="crc")
 
@@ -461,7 +461,7 @@ def test_store_on_gpu_every_tier_bit_exact(frames, tmp_path, codec):
     cpu = tiered_store(frames, tmp_path / "cpu", hot_device="cpu", codec=codec)
     expected = snapshot(cpu)
     store = tiered_store(frames, tmp_path / "gpu", hot_device="cuda", codec=codec, device="cuda")
-    assert store._tiers[HOT].device.type == "cuda" and store._tiers[WARM].pinned
+    assert parts(store).tiers[HOT].device.type == "cuda" and parts(store).tiers[WARM].pinned
     assert all(v > 0 for v in tier_counts(store).values()), tier_counts(store)
     dec = GpuDecoder("cuda").attach(store)
     got = store.get(np.arange(len(store)))
@@ -478,11 +478,11 @@ def test_store_on_gpu_every_tier_bit_exact(frames, tmp_path, codec):
 def test_gpu_checksum_error_on_a_damaged_hot_blob(frames, tmp_path):
     store = tiered_store(frames, tmp_path / "s", hot_device="cuda", device="cuda")
     GpuDecoder("cuda").attach(store)
-    idx = store._index
+    idx = parts(store).index
     live = idx.live_ids()
     victim = int(live[idx.loc[live, HOT] >= 0][0])
-    store._tiers[HOT].buffer[int(idx.loc[victim, HOT]) + 3] ^= 0x5A
-    rows = np.flatnonzero((store._tables[("observation",)].blob[: len(store)] == victim).any(1))
+    parts(store).tiers[HOT].buffer[int(idx.loc[victim, HOT]) + 3] ^= 0x5A
+    rows = np.flatnonzero((parts(store).layout.tables[("observation",)].blob[: len(store)] == victim).any(1))
     with pytest.raises(ChecksumError, match=f"blob {victim} "):
         store.get(rows[:2])
 

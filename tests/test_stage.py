@@ -19,6 +19,7 @@ import tiered
 from tiered import TieredStore, fileio
 from tiered.errors import IndexOutOfRangeError, SchemaMismatchError, StorageFullError
 from tiered.gpu import GpuDecoder
+from tiered.testing import parts
 
 
 class Model:
@@ -134,7 +135,7 @@ def test_staged_rows_are_stored_as_one_batched_write_of_them(atari_mixed):
     staged.flush()
     a, b = batched.stats()["fields"]["observation"], staged.stats()["fields"]["observation"]
     assert a["unique_frames"] == b["unique_frames"] and a["stored_bytes"] == b["stored_bytes"]
-    assert np.array_equal(batched._tables[("observation",)].blob, staged._tables[("observation",)].blob)
+    assert np.array_equal(parts(batched).layout.tables[("observation",)].blob, parts(staged).layout.tables[("observation",)].blob)
     assert_td_equal(staged.get(slice(None)), data)
 
 

@@ -15,6 +15,7 @@ import tiered
 from tiered import TieredStore
 from tiered.errors import IndexOutOfRangeError, SchemaMismatchError, UnknownCodecError
 from tiered.index import OPEN
+from tiered.testing import parts
 
 CONFIGS = {
     "default": {},
@@ -127,7 +128,7 @@ def test_refcounts_match_recount_after_overwrites(atari_mixed, config):
         check_refcounts(store)
     store.flush()
     check_refcounts(store)
-    assert not (store._index.state[: store._index.size] == OPEN).any()
+    assert not (parts(store).index.state[: parts(store).index.size] == OPEN).any()
 
 
 def test_flush_with_open_chunks_leaks_no_blob(atari_pong):
@@ -135,16 +136,16 @@ def test_flush_with_open_chunks_leaks_no_blob(atari_pong):
     # were never freed once their rows were overwritten
     store = TieredStore(100, frames={"observation": 0}, chunk_frames=4)
     store.extend(atari_pong[:30])
-    assert store._families[0].open_blob.size  # a chunk is still open
+    assert parts(store).layout.families[0].open_blob.size  # a chunk is still open
     store.flush()
     check_refcounts(store)
     for lo in range(30, 260, 23):
         store.extend(atari_pong[lo:lo + 23])
         store.flush()
         check_refcounts(store)
-    live = store._index.live_ids()
-    used = np.unique(np.concatenate([t.blob.reshape(-1) for t in store._tables.values()]))
-    tail = store._families[0].tail_blob
+    live = parts(store).index.live_ids()
+    used = np.unique(np.concatenate([t.blob.reshape(-1) for t in parts(store).layout.tables.values()]))
+    tail = parts(store).layout.families[0].tail_blob
     assert np.isin(live, np.concatenate([used, tail])).all()
 
 
@@ -158,8 +159,8 @@ def test_frames_shared_across_extend_boundaries(atari_pong, stage_rows):
     assert store.stats()["staged_rows"] == (0 if stage_rows == 0 else 39)
     store.flush()  # staged rows reach the row tables
     # row t's next observation and row t+1's observation are the very same blobs
-    obs = store._tables[("observation",)].blob
-    nxt = store._tables[("next", "observation")].blob
+    obs = parts(store).layout.tables[("observation",)].blob
+    nxt = parts(store).layout.tables[("next", "observation")].blob
     same_traj = ~data["next", "done"].reshape(-1)[:39].numpy()
     assert (nxt[:39][same_traj] == obs[1:40][same_traj]).all()
     # and stacks share 3 of 4 frames with the previous row
@@ -347,3 +348,12 @@ def test_get_returns_resolved_row_positions_under_index_key(atari_pong):
     one = store.get(-2, index_key="index")
     assert one.batch_size == torch.Size([]) and int(one["index"]) == 28
     assert "index" not in store.get([0]).keys()
+
+
+def test_root_exports_every_exception():
+    import tiered.errors
+
+    classes = {n for n, v in vars(tiered.errors).items() if isinstance(v, type) and issubclass(v, Exception)
+               and v.__module__ == "tiered.errors"}
+    assert classes <= set(tiered.__all__)
+    assert all(getattr(tiered, n) is getattr(tiered.errors, n) for n in classes)

@@ -17,10 +17,11 @@ from tiered import TieredStore
 from tiered.errors import FormatVersionError, NotATieredStoreError, ReadOnlyStoreError, StorageFullError
 from tiered.fileio import inject_faults
 from tiered.index import COLD, HOT, WARM
+from tiered.testing import parts
 
 
 def _tier_blob_sets(store: TieredStore) -> dict[int, set[int]]:
-    idx = store._index
+    idx = parts(store).index
     live = idx.live_ids()
     return {t: set(live[idx.loc[live, t] >= 0].tolist()) for t in (HOT, WARM, COLD)}
 
@@ -47,8 +48,8 @@ def test_exclusive_tiers_demote_and_promote_bit_exact(atari_mixed):
             assert_td_equal(got, expect)
         sets = _tier_blob_sets(store)
         assert not (sets[HOT] & sets[WARM]), f"step {step}: a blob is in two exclusive tiers"
-        live = set(store._index.live_ids().tolist())
-        stored = live - {int(b) for f in store._families for b in f.open_blob}
+        live = set(parts(store).index.live_ids().tolist())
+        stored = live - {int(b) for f in parts(store).layout.families for b in f.open_blob}
         assert sets[HOT] | sets[WARM] == stored, "a live blob is in no tier"
         st = store.stats()["tiers"]
         assert st["hot"]["bytes_used"] <= st["hot"]["budget"]

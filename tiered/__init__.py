@@ -23,11 +23,17 @@ from .errors import (
     CorruptionError,
     FormatVersionError,
     IndexOutOfRangeError,
+    InvalidPriorityError,
     NotATieredStoreError,
+    ReadOnlyStoreError,
     SchemaMismatchError,
     StorageFullError,
+    StoreClosedError,
+    StoreExistsError,
     StoreLockedError,
     TieredError,
+    UnknownCodecError,
+    UnsupportedFormatError,
 )
 from .schema import Field, Schema
 from .store import TieredStore
@@ -51,7 +57,13 @@ __all__ = [
     "NotATieredStoreError",
     "StorageFullError",
     "CodecUnavailableError",
+    "UnknownCodecError",
     "StoreLockedError",
+    "StoreClosedError",
+    "ReadOnlyStoreError",
+    "InvalidPriorityError",
+    "UnsupportedFormatError",
+    "StoreExistsError",
     "__version__",
 ]
 

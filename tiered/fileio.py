@@ -3,7 +3,7 @@
 Tiers, the index and the manifest never call ``os.write``, ``os.fsync``, ``os.replace`` or
 ``os.posix_fallocate`` themselves: they call the functions here. That gives the package one
 seam where faults a CI machine cannot produce for real (a full disk, an I/O error, a power
-cut) are injected in tests, without replacing any component under test (DESIGN.md section 9).
+cut) are injected in tests, without replacing any component under test.
 
 Functions:
 

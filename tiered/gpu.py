@@ -1,7 +1,7 @@
 """The GPU sample path: blobs from every tier decoded on the GPU in one batched nvCOMP call.
 
-:class:`GpuDecoder` replaces the CPU decode of :meth:`TieredStore.get` for stores whose
-``device`` is CUDA. For the unique blobs of a sample (DESIGN.md section 4)::
+:class:`GpuReadPipeline` (set up by a :class:`GpuDecoder`) replaces the CPU read pipeline of
+:meth:`TieredStore.get` for stores whose ``device`` is CUDA. For the unique blobs of a sample::
 
       hot arena (CUDA)         warm arena (pinned)      cold files (memmap/HDF5)     open chunks (raw)
             |                        |                          |                          |
@@ -32,9 +32,9 @@ a config built from a uniform output capacity; nvCOMP's one-time probe decides w
 bit-exact, otherwise exact sizes are used.
 
 Out of GPU memory never gives wrong data: the batch is split in halves and retried, and below
-``min_split`` blobs the decoder falls back to the CPU path (``store._materialize``); each event
+``min_split`` blobs the decoder falls back to the CPU pipeline (:class:`~tiered.engine.read.CpuReadPipeline`); each event
 is counted in :meth:`GpuDecoder.stats`. :func:`inject_device_oom` is the allocation-failure
-seam for tests (DESIGN.md section 9); ``tiered.tiers.arena.inject_oom`` also reaches every
+seam for tests (GPU out-of-memory cannot be produced on demand); ``tiered.tiers.arena.inject_oom`` also reaches every
 allocation of the decoder.
 
 The decoder also runs with ``device="cpu"`` and the CPU codecs standing in for nvCOMP: every
@@ -60,7 +60,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -69,21 +69,23 @@ import torch
 
 from .codecs import codec_for_format_id, segment_checksums_torch
 from .codecs.nvcomp import copy_segments_device, filler_frame, import_nvcomp, use_torch_allocator
+from .engine.frames import FrameFamily
+from .engine.layout import FieldLayout
+from .engine.placement import Placement
+from .engine.read import CpuReadPipeline, ReadPipeline
 from .errors import ChecksumError, CodecUnavailableError
-from .index import COLD, HOT, OPEN, WARM
+from .index import COLD, HOT, OPEN, WARM, BlobIndex
+from .schema import Field, Key
 from .tiers import arena as _arena
 from .util.batch import exclusive_cumsum
 from .util.units import align  # the arenas' alignment: the hot gather reads aligned extents
 
 if TYPE_CHECKING:
-    from .engine.frames import FrameFamily
-    from .schema import Field
     from .store import TieredStore
 
-__all__ = ["GpuDecoder", "maybe_gpu_decoder", "inject_device_oom", "fused_checksums", "ALLOCATION_KINDS"]
+__all__ = ["GpuDecoder", "GpuReadPipeline", "maybe_gpu_decoder", "inject_device_oom", "fused_checksums", "ALLOCATION_KINDS", "bucket_size"]
 
 _OPEN_KIND = 3  # kinds 0, 1, 2 are the tier constants HOT, WARM, COLD
-_TIER_NAMES = ("hot", "warm", "cold")
 _FORMAT_NAMES = {1: "zstd", 2: "lz4", 3: "deflate"}
 _RAW_FORMAT = 0
 _MASK32 = 0xFFFFFFFF
@@ -102,7 +104,7 @@ def _same_device(a: torch.device, b: torch.device) -> bool:
     return (cur if a.index is None else a.index) == (cur if b.index is None else b.index)
 
 
-def _bucket_size(n: int) -> int:
+def bucket_size(n: int) -> int:
     """Round a batch size up to one of 8 sizes per octave (at most 12.5% padding)."""
     if n <= 16:
         return n
@@ -111,7 +113,7 @@ def _bucket_size(n: int) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
-# Allocation seam (DESIGN.md section 9)
+# Allocation seam: out-of-memory is injected here in tests, never by replacing a component
 # ---------------------------------------------------------------------------------------------
 
 _limits: list[tuple[int, frozenset[str] | None]] = []
@@ -306,9 +308,9 @@ class _NvcompBackend:
 
 @dataclass
 class _Ctx:
-    """One materialize call: what every attempt (whole batch or split part) needs."""
+    """One decode call: what every attempt (whole batch or split part) needs."""
 
-    store: TieredStore
+    layout: FieldLayout
     fam: FrameFamily
     uniq: np.ndarray
     kind: np.ndarray
@@ -322,7 +324,9 @@ class _Ctx:
 
 
 class GpuDecoder:
-    """Decodes the blobs of a sample on the GPU for a :class:`~tiered.store.TieredStore`.
+    """The GPU decode settings, backend and counters for a :class:`~tiered.store.TieredStore`.
+
+    :meth:`attach` makes a store read through a :class:`GpuReadPipeline` built on this decoder.
 
     Args:
         device: the CUDA device samples are returned on (default: the current one);
@@ -359,15 +363,16 @@ class GpuDecoder:
         if checksum not in ("fused", "reference"):
             raise ValueError(f"checksum must be 'fused' or 'reference', got {checksum!r}")
         self.device = dev
-        self._cuda = dev.type == "cuda"
-        self._backend: _CpuBackend | _NvcompBackend = (
-            _NvcompBackend(dev, torch_allocator) if self._cuda else _CpuBackend())
+        #: False for the CPU stand-in (no streams, CPU codecs instead of nvCOMP)
+        self.is_cuda = dev.type == "cuda"
+        self.backend: _CpuBackend | _NvcompBackend = (
+            _NvcompBackend(dev, torch_allocator) if self.is_cuda else _CpuBackend())
         self.bucket = bool(bucket)
         self.min_split = max(1, int(min_split))
         self.checksum = checksum
-        self._local = threading.local()
         self._lock = threading.Lock()
-        self._fence: torch.cuda.Event | None = None
+        #: the event recorded after the last hot-tier write (decodes wait for it)
+        self.fence: torch.cuda.Event | None = None
         self._counters: dict[str, int] = {
             "batches": 0, "blobs": 0, "hot": 0, "warm": 0, "cold": 0, "open": 0, "hot_on_device": 0,
             "h2d_bytes": 0, "pads": 0, "oom_events": 0, "splits": 0, "cpu_fallbacks": 0,
@@ -375,10 +380,8 @@ class GpuDecoder:
         }
         self._reasons: dict[str, int] = {}
 
-    # -- public API -------------------------------------------------------------------------
-
     def __repr__(self) -> str:
-        return f"GpuDecoder(device={str(self.device)!r}, backend={self._backend.name!r})"
+        return f"GpuDecoder(device={str(self.device)!r}, backend={self.backend.name!r})"
 
     def stats(self) -> dict[str, Any]:
         """Counters: batches, blobs per tier, H2D bytes, padding, OOM events, splits, CPU fallbacks.
@@ -394,73 +397,109 @@ class GpuDecoder:
             out: dict[str, Any] = dict(self._counters)
             out["fallback_reasons"] = dict(self._reasons)
         out["device"] = str(self.device)
-        out.update(self._backend.info())
+        out.update(self.backend.info())
         return out
 
     def attach(self, store: TieredStore) -> GpuDecoder:
-        """Make ``store.get`` decode blob fields with this decoder (it sets the store's
-        ``_gpu`` hook); returns ``self``."""
-        store._gpu = self  # type: ignore[attr-defined]
+        """Make ``store.get`` decode blob fields with this decoder; returns ``self``."""
+        store.use_gpu_decoder(self)
         return self
 
     def detach(self, store: TieredStore) -> None:
-        """Undo :meth:`attach`."""
-        if vars(store).get("_gpu") is self:
-            store._gpu = None  # type: ignore[attr-defined]
+        """Undo :meth:`attach` (the store goes back to its CPU pipeline)."""
+        store.use_gpu_decoder(None)
 
     def fence_writes(self) -> None:
         """Record that the current stream wrote the hot tier: later decodes wait for it.
 
-        The store calls this after placing blobs (``_store_chunks``); the decoder calls it after
-        its own promotions. Needed because a prefetch thread decodes on another stream than the
-        one ``extend`` wrote the arena on.
+        The store's placement calls this after writing blobs; the pipeline calls it after its own
+        promotions. Needed because a prefetch thread decodes on another stream than the one
+        ``extend`` wrote the arena on.
         """
-        if self._cuda:
+        if self.is_cuda:
             ev = torch.cuda.Event()
             ev.record(torch.cuda.current_stream(self.device))
-            self._fence = ev
+            self.fence = ev
 
-    def materialize(self, store: TieredStore, fam: FrameFamily, uniq: np.ndarray) -> torch.Tensor:
-        """Raw frames ``[len(uniq), K, nbytes]`` (uint8) of these blobs, decoded on :attr:`device`.
+    def count(self, **kw: int) -> None:
+        """Add to the counters :meth:`stats` reports (thread-safe)."""
+        with self._lock:
+            for k, v in kw.items():
+                self._counters[k] = self._counters.get(k, 0) + int(v)
 
-        The GPU twin of ``store._materialize``: same bookkeeping (tier hits, policy access,
-        promotions). Safe to use on the caller's current stream right away (ordered by an
-        event). After a CPU fallback the result is a CPU tensor.
+    def note_fallback(self, why: str) -> None:
+        """Count a batch decoded on the CPU, and why."""
+        with self._lock:
+            self._counters["cpu_fallbacks"] += 1
+            self._reasons[why] = self._reasons.get(why, 0) + 1
 
-        Raises:
-            ChecksumError: a blob's bytes do not match its checksum (nothing was decoded).
-        """
-        flat, _ = self._materialize(store, fam, np.asarray(uniq, dtype=np.int64), None)
-        return flat
 
-    def get_family(self, store: TieredStore, fid: int, fields: list[Field], rows: np.ndarray,
-                   out: dict) -> None:
-        """Drop-in for ``TieredStore._get_family``: decode a family's blobs and gather its fields."""
-        fam = store._families[fid]
+class GpuReadPipeline(ReadPipeline):
+    """The read pipeline that decodes on the GPU (see the module docstring).
+
+    Gets its parts by constructor, like every part: the blob index, the placement (tiers and the
+    policy's read bookkeeping), the store's counters and a CPU pipeline to fall back to.
+
+    Args:
+        decoder: the settings, backend and counters.
+        fallback: decodes a batch on the CPU when the GPU cannot (out of memory, mixed codecs).
+        promote: copy blobs read from slower tiers up, as the policy decides.
+    """
+
+    def __init__(self, decoder: GpuDecoder, index: BlobIndex, placement: Placement, counters: dict[str, int],
+                 fallback: CpuReadPipeline, *, promote: bool = True,
+                 stale: Callable[[], tuple[int, int] | None] | None = None) -> None:
+        super().__init__(index, placement, counters, stale)
+        self.decoder = decoder
+        self.device = decoder.device
+        self.fallback = fallback
+        self.promote = bool(promote)
+        self._cuda = decoder.is_cuda
+        self._local = threading.local()
+
+    def read_family(self, layout: FieldLayout, family_id: int, fields: list[Field], rows: np.ndarray,
+                    out: dict[Key, torch.Tensor]) -> None:
+        fam = layout.families[family_id]
         n = rows.size
-        blobs = np.concatenate([store._tables[f.key].blob[rows] for f in fields], axis=1)
-        slots = np.concatenate([store._tables[f.key].slot[rows] for f in fields], axis=1)
-        uniq, inv = self._unique(blobs.reshape(-1), store._index.size)
-        frame_idx = inv.reshape(blobs.shape) * fam.K + slots
+        blobs, slots = layout.blob_refs(fields, rows)
+        uniq, inv = self._unique(blobs.reshape(-1), self.index.size)
+        frame_idx = inv.reshape(blobs.shape) * fam.chunk_frames + slots
         # field-major, so each field's frame indices are one contiguous slice on the device
         spans, parts, col = [], [], 0
         for f in fields:
-            F = f.frames_per_row
-            parts.append(frame_idx[:, col:col + F].reshape(-1))
-            spans.append((col * n, (col + F) * n))
-            col += F
+            width = f.frames_per_row
+            parts.append(frame_idx[:, col:col + width].reshape(-1))
+            spans.append((col * n, (col + width) * n))
+            col += width
         extra = np.concatenate(parts) if len(parts) > 1 else parts[0]
-        flat, extra_t = self._materialize(store, fam, uniq, extra)
+        flat, extra_t = self._decode(layout, fam, uniq, extra)
         if extra_t is None:  # CPU fallback: gather on the host, get() moves the result
-            flat_np = flat.numpy().reshape(-1, fam.nbytes)
+            flat_np = flat.numpy().reshape(-1, fam.frame_nbytes)
         else:
-            flat2 = flat.reshape(-1, fam.nbytes)
+            flat2 = flat.reshape(-1, fam.frame_nbytes)
         for f, (a, b) in zip(fields, spans, strict=True):  # a loop over fields, not rows
             if extra_t is None:
                 part = torch.from_numpy(flat_np[extra[a:b]])
             else:
                 part = flat2.index_select(0, extra_t[a:b])
             out[f.key] = f.cells_from_frames(part, n)
+
+    def decode_blobs(self, layout: FieldLayout, fam: FrameFamily, uniq: np.ndarray) -> torch.Tensor:
+        """Raw frames ``[len(uniq), chunk_frames, frame_nbytes]`` (uint8) of these blobs, decoded on
+        the decoder's device.
+
+        The GPU twin of :meth:`CpuReadPipeline.decode_blobs`: same bookkeeping (tier hits, policy
+        access, promotions). Safe to use on the caller's current stream right away (ordered by an
+        event). After a CPU fallback the result is a CPU tensor.
+
+        Raises:
+            ChecksumError: a blob's bytes do not match its checksum (nothing was decoded).
+        """
+        flat, _ = self._decode(layout, fam, np.asarray(uniq, dtype=np.int64), None)
+        return flat
+
+    def describe(self) -> dict[str, Any]:
+        return self.decoder.stats()
 
     # -- per-thread state -----------------------------------------------------------------
 
@@ -513,55 +552,39 @@ class GpuDecoder:
         pos[uniq] = np.arange(uniq.size, dtype=np.int64)
         return uniq, pos[flat]
 
-    def _count(self, **kw: int) -> None:
-        with self._lock:
-            for k, v in kw.items():
-                self._counters[k] = self._counters.get(k, 0) + int(v)
-
-    def _reason(self, why: str) -> None:
-        with self._lock:
-            self._counters["cpu_fallbacks"] += 1
-            self._reasons[why] = self._reasons.get(why, 0) + 1
-
     # -- the pipeline -----------------------------------------------------------------------
 
-    def _classify(self, store: TieredStore, uniq: np.ndarray) -> np.ndarray:
+    def _classify(self, uniq: np.ndarray) -> np.ndarray:
         """Where each blob is read from: HOT, WARM or COLD (the fastest tier holding it, as on the
         CPU path), or _OPEN_KIND for an open chunk."""
-        idx = store._index
-        state = idx.state[uniq]
+        state = self.index.state[uniq]
         if not state.all():
             raise AssertionError("a row references a freed blob: index is inconsistent")
-        has = idx.loc[uniq] >= 0
-        has &= np.array([t is not None for t in store._tiers])
-        kind = has.argmax(1).astype(np.int8)  # first True column: HOT before WARM before COLD
         is_open = state == OPEN
-        kind[is_open] = _OPEN_KIND
-        missing = ~has.any(1) & ~is_open
-        if missing.any():
-            raise AssertionError(f"{int(missing.sum())} blobs have no location: index is inconsistent")
+        kind = np.full(uniq.size, _OPEN_KIND, dtype=np.int8)
+        kind[~is_open] = self.placement.locate(uniq[~is_open])
         return kind
 
-    def _materialize(self, store: TieredStore, fam: FrameFamily, uniq: np.ndarray,
-                     extra: np.ndarray | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _decode(self, layout: FieldLayout, fam: FrameFamily, uniq: np.ndarray,
+                extra: np.ndarray | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         n = int(uniq.size)
-        K, nb = fam.K, fam.nbytes
-        row = K * nb
+        row = fam.chunk_frames * fam.frame_nbytes
         stride = int(align(row))
-        kind = self._classify(store, uniq)
+        kind = self._classify(uniq)
         stored = kind != _OPEN_KIND
-        fmts = store._index.codec[uniq[stored]]
+        fmts = self.index.codec[uniq[stored]]
         fmt = int(fmts[0]) if fmts.size else 1
+        backend = self.decoder.backend
         if fmts.size and (fmts != fmt).any():
-            return self._fallback(store, fam, uniq, "mixed codecs in one batch")
-        if not self._backend.supports(fmt):
-            return self._fallback(store, fam, uniq, f"format id {fmt} not decodable by {self._backend.name}")
+            return self._fallback(layout, fam, uniq, "mixed codecs in one batch")
+        if not backend.supports(fmt):
+            return self._fallback(layout, fam, uniq, f"format id {fmt} not decodable by {backend.name}")
         m = int(stored.sum())
-        bucket = self.bucket and fmt != _RAW_FORMAT and m > 0 and self._backend.capacity_ok(fmt)
-        pads = _bucket_size(m) - m if bucket else 0
+        bucket = self.decoder.bucket and fmt != _RAW_FORMAT and m > 0 and backend.capacity_ok(fmt)
+        pads = bucket_size(m) - m if bucket else 0
         t = self._thread()
         side = t["side"]
-        hot = store._tiers[HOT]
+        hot = self.placement.tiers[HOT]
         hot_words = None
         if hot is not None and _same_device(hot.device, self.device) and hot.capacity:
             buf = hot.buffer
@@ -571,8 +594,8 @@ class GpuDecoder:
         stream_ctx = torch.cuda.stream(side) if self._cuda else contextlib.nullcontext()
         if self._cuda:
             side.wait_stream(cur)  # the caller's pending work (e.g. arena writes) comes first
-            if self._fence is not None:
-                side.wait_event(self._fence)
+            if self.decoder.fence is not None:
+                side.wait_event(self.decoder.fence)
             ev = getattr(hot, "write_event", None)
             if ev is not None:
                 side.wait_event(ev)
@@ -585,9 +608,9 @@ class GpuDecoder:
                 except BaseException as e:
                     if not _is_oom(e):
                         raise
-                    self._count(oom_events=1)
-                    return self._fallback(store, fam, uniq, "out of memory for the output")
-                ctx = _Ctx(store, fam, uniq, kind, fmt, stride, out, bucket, pads, side, hot_words)
+                    self.decoder.count(oom_events=1)
+                    return self._fallback(layout, fam, uniq, "out of memory for the output")
+                ctx = _Ctx(layout, fam, uniq, kind, fmt, stride, out, bucket, pads, side, hot_words)
                 try:
                     result_extra, blk = self._attempt(ctx, np.arange(n, dtype=np.int64), extra, promote=True)
                 except ChecksumError:
@@ -595,36 +618,33 @@ class GpuDecoder:
                 except BaseException as e:
                     if not _is_oom(e):
                         raise
-                    self._count(oom_events=1)
+                    self.decoder.count(oom_events=1)
                     if self._cuda:
                         torch.cuda.empty_cache()
                     try:
                         self._split(ctx)
                     except _Fallback:
-                        return self._fallback(store, fam, uniq, "out of memory below min_split blobs")
+                        return self._fallback(layout, fam, uniq, "out of memory below min_split blobs")
                     blk = None
                     if extra is not None:
                         try:
-                            result_extra = _device_empty(extra.size * 8, self.device, "index")
-                            result_extra = result_extra.view(torch.int64)
+                            result_extra = _device_empty(extra.size * 8, self.device, "index").view(torch.int64)
                             result_extra.copy_(torch.from_numpy(extra))
                         except BaseException as e2:
                             if not _is_oom(e2):
                                 raise
-                            return self._fallback(store, fam, uniq, "out of memory for the frame indices")
+                            return self._fallback(layout, fam, uniq, "out of memory for the frame indices")
         finally:
             if self._cuda:
                 t["done"].record(side)
                 cur.wait_event(t["done"])  # the consumer reads only after the decode
         if self._cuda:
             # fresh blocks of the caching allocator, allocated on `side`, read on `cur`
-            out.record_stream(cur)
-            if blk is not None:
-                blk.record_stream(cur)
-            if result_extra is not None:
-                result_extra.record_stream(cur)
-        self._bookkeeping(store, uniq, kind)
-        flat = out[: n * stride].view(n, stride)[:, :row].reshape(n, K, nb)
+            for tensor in (out, blk, result_extra):
+                if tensor is not None:
+                    tensor.record_stream(cur)
+        self._bookkeeping(uniq, kind)
+        flat = out[: n * stride].view(n, stride)[:, :row].reshape(n, fam.chunk_frames, fam.frame_nbytes)
         return flat, result_extra
 
     def _split(self, ctx: _Ctx) -> None:
@@ -633,7 +653,7 @@ class GpuDecoder:
         ctx.bucket, ctx.pads = False, 0
         size = max(n // 2, 1)
         i = 0
-        while i < n:
+        while i < n:  # a loop over halves of the batch (log2 of it at most), not over blobs
             part = np.arange(i, min(i + size, n), dtype=np.int64)
             _tls.oom = False
             try:
@@ -643,133 +663,70 @@ class GpuDecoder:
             except BaseException as e:
                 if not _is_oom(e):
                     raise
-                self._count(oom_events=1)
-                if size <= self.min_split:
+                self.decoder.count(oom_events=1)
+                if size <= self.decoder.min_split:
                     raise _Fallback from e
-                size = max(size // 2, self.min_split)
+                size = max(size // 2, self.decoder.min_split)
                 continue
-            self._count(splits=1)
+            self.decoder.count(splits=1)
             i += part.size
 
     def _attempt(self, c: _Ctx, sel: np.ndarray, extra: np.ndarray | None,
                  promote: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Stage, upload, gather, verify and decode the blobs ``uniq[sel]`` into their output rows."""
-        store = c.store
-        idx = store._index
+        idx = self.index
         t = self._thread()
-        kinds = c.kind[sel]
-        is_open = kinds == _OPEN_KIND
-        open_pos = sel[is_open]
-        s_pos = sel[~is_open]
-        s_ids = c.uniq[s_pos]
-        s_kind = kinds[~is_open]
-        csz = idx.nbytes[s_ids]
-        a = align(csz)
-        m, k = int(s_ids.size), int(open_pos.size)
-        hot_m = (s_kind == HOT) & (c.hot_words is not None)
-        if hot_m.any():
-            ends = (idx.loc[s_ids[hot_m], HOT] + a[hot_m]) // 8
-            if int(ends.max()) > c.hot_words.numel():  # never for arena blobs; stage them if it happens
-                hot_m[:] = False
-        stg_m = ~hot_m
-        h = int(hot_m.sum())
-        filler = filler_frame(_FORMAT_NAMES[c.fmt]) if c.pads else b""
-        # comp region: staged blobs, the filler, then hot blobs; 16-aligned offsets relative to it
-        rel = np.empty(m, dtype=np.int64)
-        rel[stg_m] = exclusive_cumsum(a[stg_m])
-        staged_bytes = int(a[stg_m].sum())
-        fill_rel = staged_bytes
-        after_fill = staged_bytes + int(align(len(filler))) if filler else staged_bytes
-        hot_a = a[hot_m]
-        rel[hot_m] = after_fill + exclusive_cumsum(hot_a)
-        comp_bytes = after_fill + int(hot_a.sum())
-        e = 0 if extra is None else int(extra.size)
-        n_tab = 2 * h + k + 5 * m + e
-        tb = int(align(8 * n_tab))
-        raw_bytes = k * c.stride
-        comp0 = tb + raw_bytes
-        prefix = comp0 + after_fill
-        total = comp0 + comp_bytes
-        stg_t, stg = self._staging(t, prefix)
-        tab = stg[: 8 * n_tab].view(np.int64)
-        p = 0
-        if h:
-            nw = hot_a // 8
-            tab[p:p + h] = idx.loc[s_ids[hot_m], HOT] // 8 - exclusive_cumsum(nw)
-            tab[p + h:p + 2 * h] = nw
-            p += 2 * h
-        p_open = p
-        if k:
-            tab[p:p + k] = open_pos
-            p += k
-        p_ck = p
-        if m:
-            tab[p:p + m] = rel
-            tab[p + m:p + 2 * m] = rel + csz
-            tab[p + 2 * m:p + 3 * m] = rel - 1
-            ck = idx.checksum[s_ids].view(np.uint64)
-            tab[p + 3 * m:p + 4 * m] = (ck & np.uint64(_MASK32)).astype(np.int64)
-            tab[p + 4 * m:p + 5 * m] = (ck >> np.uint64(32)).astype(np.int64)
-            p += 5 * m
-        p_extra = p
-        if e:
-            tab[p:p + e] = extra
-        if k:
-            raw = c.fam.open_raw(c.uniq[open_pos], idx)
-            stg[tb:tb + raw_bytes].reshape(k, c.stride)[:, : raw.shape[1] * raw.shape[2]] = raw.reshape(k, -1)
-        for tier_id in (WARM, COLD, HOT):  # HOT lands here only when its arena is not on this device
-            sel_t = stg_m & (s_kind == tier_id)
-            if sel_t.any():
-                tier = store._tiers[tier_id]
-                tier.read(idx.loc[s_ids[sel_t], tier_id], csz[sel_t], stg, comp0 + rel[sel_t])
-        if filler:
-            stg[comp0 + fill_rel:comp0 + fill_rel + len(filler)] = np.frombuffer(filler, np.uint8)
-
-        blk = _device_empty(total, self.device, "batch")
-        blk[:prefix].copy_(stg_t[:prefix], non_blocking=True)
+        plan = _AttemptLayout(c, sel, extra, idx)
+        stg_t, stg = self._staging(t, plan.prefix)
+        plan.fill_host(stg, self.placement, idx)
+        blk = _device_empty(plan.total, self.device, "batch")
+        blk[:plan.prefix].copy_(stg_t[:plan.prefix], non_blocking=True)
         if self._cuda:
             t["h2d"].record(c.side)
             t["h2d_pending"] = True
-        tab_d = blk[: 8 * n_tab].view(torch.int64)
+        tab_d = blk[: 8 * plan.n_tab].view(torch.int64)
         out2d = c.out.view(-1, c.stride)
-        if h:
-            words = int(hot_a.sum()) // 8
+        h, k, m = plan.h, plan.k, plan.m
+        comp0, after_fill = plan.comp0, plan.after_fill
+        if h:  # hot blobs: an 8-byte-word gather straight from the device arena
+            words = int(plan.hot_a.sum()) // 8
             ar = self._arange(t, words)
             which = torch.repeat_interleave(tab_d[h:2 * h], output_size=words)
             src = ar[:words] + tab_d[:h].index_select(0, which)
-            dst = blk[comp0 + after_fill:comp0 + comp_bytes].view(torch.int64)
+            dst = blk[comp0 + after_fill:comp0 + plan.comp_bytes].view(torch.int64)
             torch.index_select(c.hot_words, 0, src, out=dst)
-        if k:
-            out2d.index_copy_(0, tab_d[p_open:p_open + k], blk[tb:tb + raw_bytes].view(k, c.stride))
+        if k:  # open chunks: raw frames, copied into their output rows
+            out2d.index_copy_(0, tab_d[plan.p_open:plan.p_open + k],
+                              blk[plan.tb:plan.tb + plan.raw_bytes].view(k, c.stride))
         if m:
-            self._verify(t, store, blk[comp0:total], tab_d[p_ck:p_ck + 5 * m], m, s_ids)
-            dec_off = comp0 + rel
-            ooff = s_pos * c.stride
+            self._verify(t, c.layout, blk[comp0:plan.total], tab_d[plan.p_ck:plan.p_ck + 5 * m], m, plan.s_ids)
+            dec_off = comp0 + plan.rel
+            ooff = plan.s_pos * c.stride
             if c.fmt == _RAW_FORMAT:
-                copy_segments_device(blk, dec_off, c.out, ooff, csz)
+                copy_segments_device(blk, dec_off, c.out, ooff, plan.csz)
             else:
-                osz = idx.raw_nbytes[s_ids]
+                osz = idx.raw_nbytes[plan.s_ids]
+                csz_d = plan.csz
                 if c.pads:
-                    dec_off = np.concatenate([dec_off, np.full(c.pads, comp0 + fill_rel, np.int64)])
-                    csz_d = np.concatenate([csz, np.full(c.pads, len(filler), np.int64)])
+                    dec_off = np.concatenate([dec_off, np.full(c.pads, comp0 + plan.fill_rel, np.int64)])
+                    csz_d = np.concatenate([plan.csz, np.full(c.pads, len(plan.filler), np.int64)])
                     pad_rows = c.uniq.size + np.arange(c.pads, dtype=np.int64)
                     ooff = np.concatenate([ooff, pad_rows * c.stride])
                     osz = np.concatenate([osz, np.ones(c.pads, np.int64)])
-                else:
-                    csz_d = csz
-                self._backend.decode(c.fmt, blk, dec_off, csz_d, c.out, ooff, osz,
-                                     c.stride if c.bucket else None, c.side)
-        self._count(h2d_bytes=prefix, pads=c.pads, hot_on_device=h)
-        if promote and store._promote and m:
-            store._promote_blobs(s_ids, s_kind.astype(np.int8), stg, comp0 + rel, csz)
-            self.fence_writes()
-        return (tab_d[p_extra:p_extra + e] if extra is not None else None), blk
+                self.decoder.backend.decode(c.fmt, blk, dec_off, csz_d, c.out, ooff, osz,
+                                            c.stride if c.bucket else None, c.side)
+        self.decoder.count(h2d_bytes=plan.prefix, pads=c.pads, hot_on_device=h)
+        if promote and self.promote and m:
+            self.placement.promote(plan.s_ids, plan.s_kind.astype(np.int8), stg, comp0 + plan.rel, plan.csz)
+            self.decoder.fence_writes()
+        p_extra = plan.p_extra
+        return (tab_d[p_extra:p_extra + plan.e] if extra is not None else None), blk
 
-    def _verify(self, t: dict[str, Any], store: TieredStore, comp: torch.Tensor, tab: torch.Tensor, m: int,
+    def _verify(self, t: dict[str, Any], layout: FieldLayout, comp: torch.Tensor, tab: torch.Tensor, m: int,
                 s_ids: np.ndarray) -> None:
         """Check every blob against its stored checksum before any byte reaches the decoder."""
         starts_ends, start_m1, expected = tab[: 2 * m], tab[2 * m:3 * m], tab[3 * m:5 * m].view(2, m)
-        if self.checksum == "fused" and comp.numel() < _FUSED_MAX:
+        if self.decoder.checksum == "fused" and comp.numel() < _FUSED_MAX:
             d = _prefix_pairs(comp, starts_ends, m, self._arange(t, comp.numel()))
             d[1] -= start_m1 * d[0]
             d &= _MASK32
@@ -788,59 +745,135 @@ class GpuDecoder:
             failed = bool(bad.any())
         if failed:
             which = np.flatnonzero(bad.cpu().numpy())
-            self._count(checksum_failures=int(which.size))
-            raise ChecksumError(store._describe_bad_blobs(s_ids[which]))
+            self.decoder.count(checksum_failures=int(which.size))
+            raise self.checksum_error(layout, s_ids[which])
 
-    def _bookkeeping(self, store: TieredStore, uniq: np.ndarray, kind: np.ndarray) -> None:
+    def _bookkeeping(self, uniq: np.ndarray, kind: np.ndarray) -> None:
         counts = np.bincount(kind.astype(np.int64), minlength=4)
-        stored_ids = uniq[kind != _OPEN_KIND]
-        for tier_id in (HOT, WARM, COLD):
-            if counts[tier_id]:
-                store._stats[_TIER_NAMES[tier_id]]["hits"] += int(counts[tier_id])
-        store._counters["blobs_decoded"] += int(stored_ids.size)
-        store._policy.on_access(stored_ids)
-        self._count(batches=1, blobs=int(uniq.size), hot=int(counts[HOT]), warm=int(counts[WARM]),
-                    cold=int(counts[COLD]), open=int(counts[_OPEN_KIND]))
+        stored = kind != _OPEN_KIND
+        self.placement.note_reads(uniq[stored], kind[stored])
+        self.counters["blobs_decoded"] += int(stored.sum())
+        self.decoder.count(batches=1, blobs=int(uniq.size), hot=int(counts[HOT]), warm=int(counts[WARM]),
+                           cold=int(counts[COLD]), open=int(counts[_OPEN_KIND]))
 
-    def _fallback(self, store: TieredStore, fam: FrameFamily, uniq: np.ndarray,
+    def _fallback(self, layout: FieldLayout, fam: FrameFamily, uniq: np.ndarray,
                   why: str) -> tuple[torch.Tensor, None]:
-        """Decode on the CPU (the store's own path, with its own bookkeeping)."""
-        self._reason(why)
-        frames = torch.from_numpy(store._materialize(fam, uniq))
-        self.fence_writes()  # the CPU path may have promoted blobs into the hot arena
+        """Decode on the CPU (the CPU pipeline, with its own bookkeeping)."""
+        self.decoder.note_fallback(why)
+        frames = torch.from_numpy(self.fallback.decode_blobs(layout, fam, uniq))
+        self.decoder.fence_writes()  # the CPU path may have promoted blobs into the hot arena
         return frames, None
 
 
-def maybe_gpu_decoder(store: TieredStore, option: bool | None = None) -> GpuDecoder | None:
-    """The decoder a store should use: the store hook calls this from ``TieredStore.__init__``.
+class _AttemptLayout:
+    """Where every part of one attempt goes in the pinned staging buffer and the device block::
+
+        [tables | raw rows of open chunks | staged compressed blobs | filler | hot blobs]
+
+    The tables (int64) hold, in order: hot word offsets and counts, open-chunk output rows, per
+    stored blob its start, end, start-1 and the two halves of its checksum, then the frame
+    indices the caller wants uploaded. Offsets of compressed blobs are 16-aligned and relative to
+    the compressed region.
+    """
+
+    def __init__(self, c: _Ctx, sel: np.ndarray, extra: np.ndarray | None, idx: BlobIndex) -> None:
+        self.c = c
+        kinds = c.kind[sel]
+        is_open = kinds == _OPEN_KIND
+        self.open_pos = sel[is_open]
+        self.s_pos = sel[~is_open]
+        self.s_ids = c.uniq[self.s_pos]
+        self.s_kind = kinds[~is_open]
+        self.csz = idx.nbytes[self.s_ids]
+        a = align(self.csz)
+        self.m, self.k = int(self.s_ids.size), int(self.open_pos.size)
+        hot_m = (self.s_kind == HOT) & (c.hot_words is not None)
+        if hot_m.any():
+            ends = (idx.loc[self.s_ids[hot_m], HOT] + a[hot_m]) // 8
+            if int(ends.max()) > c.hot_words.numel():  # never for arena blobs; stage them if it happens
+                hot_m[:] = False
+        self.hot_m, self.stg_m = hot_m, ~hot_m
+        self.h = int(hot_m.sum())
+        self.filler = filler_frame(_FORMAT_NAMES[c.fmt]) if c.pads else b""
+        self.rel = np.empty(self.m, dtype=np.int64)
+        self.rel[self.stg_m] = exclusive_cumsum(a[self.stg_m])
+        staged_bytes = int(a[self.stg_m].sum())
+        self.fill_rel = staged_bytes
+        self.after_fill = staged_bytes + int(align(len(self.filler))) if self.filler else staged_bytes
+        self.hot_a = a[hot_m]
+        self.rel[hot_m] = self.after_fill + exclusive_cumsum(self.hot_a)
+        self.comp_bytes = self.after_fill + int(self.hot_a.sum())
+        self.extra = extra
+        self.e = 0 if extra is None else int(extra.size)
+        self.n_tab = 2 * self.h + self.k + 5 * self.m + self.e
+        self.tb = int(align(8 * self.n_tab))
+        self.raw_bytes = self.k * c.stride
+        self.comp0 = self.tb + self.raw_bytes
+        self.prefix = self.comp0 + self.after_fill
+        self.total = self.comp0 + self.comp_bytes
+        self.p_open = 2 * self.h
+        self.p_ck = self.p_open + self.k
+        self.p_extra = self.p_ck + 5 * self.m
+
+    def fill_host(self, stg: np.ndarray, placement: Placement, idx: BlobIndex) -> None:
+        """Write the tables, the open chunks' raw frames, the staged blobs and the filler."""
+        c, h, k, m = self.c, self.h, self.k, self.m
+        tab = stg[: 8 * self.n_tab].view(np.int64)
+        if h:
+            nw = self.hot_a // 8
+            tab[:h] = idx.loc[self.s_ids[self.hot_m], HOT] // 8 - exclusive_cumsum(nw)
+            tab[h:2 * h] = nw
+        if k:
+            tab[self.p_open:self.p_open + k] = self.open_pos
+        if m:
+            p, rel = self.p_ck, self.rel
+            tab[p:p + m] = rel
+            tab[p + m:p + 2 * m] = rel + self.csz
+            tab[p + 2 * m:p + 3 * m] = rel - 1
+            ck = idx.checksum[self.s_ids].view(np.uint64)
+            tab[p + 3 * m:p + 4 * m] = (ck & np.uint64(_MASK32)).astype(np.int64)
+            tab[p + 4 * m:p + 5 * m] = (ck >> np.uint64(32)).astype(np.int64)
+        if self.e:
+            tab[self.p_extra:self.p_extra + self.e] = self.extra
+        if k:
+            raw = c.fam.open_raw(c.uniq[self.open_pos], idx)
+            stg[self.tb:self.tb + self.raw_bytes].reshape(k, c.stride)[:, : raw.shape[1] * raw.shape[2]] = \
+                raw.reshape(k, -1)
+        # HOT lands here only when its arena is not on this device
+        placement.read(self.s_ids, self.csz, stg, self.comp0 + self.rel, self.s_kind, skip=self.hot_m)
+        if self.filler:
+            stg[self.comp0 + self.fill_rel:self.comp0 + self.fill_rel + len(self.filler)] = \
+                np.frombuffer(self.filler, np.uint8)
+
+
+def maybe_gpu_decoder(device: torch.device, option: bool | None = None) -> GpuDecoder | None:
+    """The decoder a store returning data on ``device`` should use.
 
     Args:
-        store: the store (its ``device`` decides).
-        option: ``None`` (auto): a decoder when ``store.device`` is CUDA and nvCOMP is
-            importable, else None with a warning naming the install command; ``True``: require
-            it; ``False``: never (CPU decode, then a copy to ``device``).
+        device: where the store returns data.
+        option: ``None`` (auto): a decoder when ``device`` is CUDA and nvCOMP is importable, else
+            None with a warning naming the install command; ``True``: require it; ``False``:
+            never (CPU decode, then a copy to ``device``).
 
     Raises:
         CodecUnavailableError: ``option=True`` and nvCOMP or CUDA is missing.
         ValueError: ``option=True`` with a CPU ``device``.
 
     Example:
-        >>> from tiered import TieredStore
-        >>> maybe_gpu_decoder(TieredStore(8)) is None      # device="cpu": the CPU path
+        >>> maybe_gpu_decoder(torch.device("cpu")) is None      # the CPU path
         True
     """
     if option is False:
         return None
-    dev = store.device
-    if dev.type != "cuda":
+    if device.type != "cuda":
         if option:
-            raise ValueError(f"gpu_decode=True needs a CUDA device, but the store returns data on {dev}; "
+            raise ValueError(f"gpu_decode=True needs a CUDA device, but the store returns data on {device}; "
                              "pass device='cuda'")
         return None
     if option:
-        return GpuDecoder(dev)
+        return GpuDecoder(device)
     try:
-        return GpuDecoder(dev)
+        return GpuDecoder(device)
     except CodecUnavailableError as e:
-        warnings.warn(f"tiered samples on {dev} but decodes on the CPU: {e}", stacklevel=3)
+        warnings.warn(f"tiered samples on {device} but decodes on the CPU: {e}", stacklevel=4)
         return None

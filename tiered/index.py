@@ -15,8 +15,7 @@ checksum   int64   checksum of the compressed bytes (:mod:`tiered.codecs.checksu
 codec      int8    codec format id
 family     int16   frame family (index into the store's family list)
 loc        int64   [n, 3] offset of the blob in the hot, warm, cold tier; -1 if absent
-aux        int64   OPEN blobs: slot in the family's open-chunk buffer
-birth      int64   write sequence number (FIFO policy)
+open_slot  int64   OPEN blobs: slot in the family's open-chunk buffer (file ``index.aux``)
 ========== ======= ================================================================
 
 A :class:`RowTable` maps each row of a blob field to ``frames_per_row`` (blob id, slot)
@@ -53,9 +52,10 @@ _COLUMNS: dict[str, tuple[Any, tuple[int, ...], int]] = {
     "codec": (np.int8, (), 0),
     "family": (np.int16, (), 0),
     "loc": (np.int64, (3,), -1),
-    "aux": (np.int64, (), -1),
-    "birth": (np.int64, (), 0),
+    "open_slot": (np.int64, (), -1),
 }
+# Format v1 names of the columns whose attribute names changed.
+_FILE_NAMES = {"open_slot": "aux"}
 
 
 class BlobIndex:
@@ -64,7 +64,6 @@ class BlobIndex:
     def __init__(self, initial: int = 1024):
         self.size = 0  # ids [0, size) have been handed out at least once
         self._free_ids = np.empty(0, dtype=np.int64)
-        self._seq = 0
         for name, (dtype, extra, fill) in _COLUMNS.items():
             setattr(self, name, np.full((initial, *extra), fill, dtype=dtype))
 
@@ -96,16 +95,14 @@ class BlobIndex:
         self.state[ids] = STORED
         self.refcount[ids] = 0
         self.loc[ids] = -1
-        self.aux[ids] = -1
-        self.birth[ids] = np.arange(self._seq, self._seq + n)
-        self._seq += n
+        self.open_slot[ids] = -1
         return ids
 
     def release(self, ids: np.ndarray) -> None:
         """Return ids to the pool (their tier space must already be freed)."""
         self.state[ids] = FREE
         self.loc[ids] = -1
-        self.aux[ids] = -1
+        self.open_slot[ids] = -1
         self.nbytes[ids] = 0
         self.raw_nbytes[ids] = 0
         self._free_ids = np.concatenate([self._free_ids, ids.astype(np.int64)])
@@ -128,21 +125,31 @@ class BlobIndex:
     def live_ids(self) -> np.ndarray:
         return np.flatnonzero(self.state[: self.size] != FREE)
 
+    @property
+    def free_ids(self) -> np.ndarray:
+        """Released ids waiting for reuse (a copy)."""
+        return self._free_ids.copy()
+
+    @property
+    def nbytes_held(self) -> int:
+        """Bytes of RAM the index columns take."""
+        return sum(getattr(self, name).nbytes for name in _COLUMNS) + self._free_ids.nbytes
+
     # Persistence -------------------------------------------------------------------------
     def state_arrays(self) -> dict[str, np.ndarray]:
-        out = {name: getattr(self, name)[: self.size] for name in _COLUMNS}
+        out = {_FILE_NAMES.get(name, name): getattr(self, name)[: self.size] for name in _COLUMNS}
         out["free_ids"] = self._free_ids
-        out["meta"] = np.array([self.size, self._seq], dtype=np.int64)
+        # [size, 0]: format v1 kept a write sequence number in the second entry (now unused)
+        out["meta"] = np.array([self.size, 0], dtype=np.int64)
         return out
 
     @classmethod
     def from_arrays(cls, arrays: dict[str, np.ndarray]) -> BlobIndex:
-        size, seq = (int(x) for x in arrays["meta"])
+        size = int(arrays["meta"][0])
         index = cls(initial=max(size, 16))
         for name in _COLUMNS:
-            getattr(index, name)[:size] = arrays[name][:size]
+            getattr(index, name)[:size] = arrays[_FILE_NAMES.get(name, name)][:size]
         index.size = size
-        index._seq = seq
         index._free_ids = np.array(arrays["free_ids"], dtype=np.int64)
         return index
 

@@ -23,12 +23,13 @@ Example:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 import numpy as np
 
 from .errors import InvalidPriorityError
 
-__all__ = ["Policy", "FifoPolicy", "LruPolicy", "PriorityPolicy", "get_policy", "POLICIES"]
+__all__ = ["TierState", "Policy", "FifoPolicy", "LruPolicy", "PriorityPolicy", "get_policy", "POLICIES"]
 
 
 class _Column:
@@ -55,6 +56,16 @@ class _Column:
         return self.data[ids]
 
 
+@dataclass(frozen=True)
+class TierState:
+    """What a policy may know of a tier when it decides."""
+
+    name: str
+    budget: int | None
+    bytes_used: int
+    exclusive: bool
+
+
 class Policy(ABC):
     """Decides residency. Subclasses implement :meth:`_keys` (lower leaves first)."""
 
@@ -74,6 +85,24 @@ class Policy(ABC):
 
     def on_release(self, ids: np.ndarray) -> None:  # noqa: B027
         """Blobs were deleted (their ids may be reused)."""
+
+    def admit(self, ids: np.ndarray, sizes: np.ndarray, tier: TierState) -> np.ndarray:
+        """Which new blobs to copy into cache tier ``tier`` at write time (default: all)."""
+        return np.ones(np.asarray(ids).size, dtype=bool)
+
+    def promote(self, ids: np.ndarray, sizes: np.ndarray, tier: TierState) -> np.ndarray:
+        """Which blobs just read from a slower tier to copy up into ``tier``."""
+        limit = (tier.budget or 0) // (4 if tier.exclusive else 2)
+        return np.cumsum(np.asarray(sizes, dtype=np.int64)) <= limit
+
+    def state_arrays(self) -> dict[str, np.ndarray]:
+        """The policy's per-blob state, saved at commit."""
+        return {"birth": self._birth.data.copy(), "clock": np.array([self._clock], np.int64)}
+
+    def load_state_arrays(self, arrays: dict[str, np.ndarray]) -> None:
+        """Restore :meth:`state_arrays`."""
+        self._birth.data = np.array(arrays["birth"], dtype=np.int64)
+        self._clock = int(arrays["clock"][0])
 
     @abstractmethod
     def _keys(self, ids: np.ndarray) -> np.ndarray:

@@ -273,6 +273,30 @@ class Schema(Mapping[Key, Field]):
             )
         return cls(fields)
 
+    def select(self, keys: Iterable[str | Key] | None) -> list[Field]:
+        """The fields ``keys`` name (a key names every field below it), in schema order of first
+        mention; ``None``: every field.
+
+        Raises:
+            SchemaMismatchError: a key that names no field.
+
+        Example:
+            >>> s = Schema([Field(("next", "x"), torch.float32, (), "dense"), Field(("y",), torch.float32, (), "dense")])
+            >>> [f.key for f in s.select(["next"])]
+            [('next', 'x')]
+        """
+        if keys is None:
+            return list(self.values())
+        want: list[Field] = []
+        for k in keys:
+            k = normalize_key(k)
+            sub = [f for f in self.values() if f.key[: len(k)] == k]
+            if not sub:
+                raise SchemaMismatchError(
+                    f"key {key_to_str(k)!r} is not in the store; keys: {sorted(key_to_str(f.key) for f in self.values())}")
+            want.extend(x for x in sub if x not in want)
+        return want
+
     def match(self, td: TensorDictBase, batch_dims: int) -> dict[Key, torch.Tensor] | None:
         """The cells of ``td`` per key when it matches the schema exactly, else ``None``.
 

@@ -334,11 +334,11 @@ class TieredStorage(TensorStorage):
     def _len(self) -> int:
         # TorchRL writes `_len` directly (writers' write_at, checkpointers); the store's counter
         # is the only one, so both always agree.
-        return self._store._len
+        return len(self._store)
 
     @_len.setter
     def _len(self, value: int) -> None:
-        self._store._len = int(value)
+        self._store.set_length(int(value))
 
     @property
     def initialized(self) -> bool:
@@ -365,7 +365,7 @@ class TieredStorage(TensorStorage):
         return torch.Size([len(self)])
 
     def __len__(self) -> int:
-        return self._store._len
+        return len(self._store)
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(max_size={self.max_size}, len={len(self)}, device={self.device}, "
@@ -426,7 +426,7 @@ class TieredStorage(TensorStorage):
         rows = _wrap_negative(rows, self.max_size, "max_size")
         td = self._to_rows(data, scalar, rows.size)
         store = self._store
-        with store._lock:  # readers never see the length between the write and TorchRL's rule
+        with store.locked():  # readers never see the length between the write and TorchRL's rule
             # TorchRL's TensorStorage._get_new_len: with set_cursor the length grows by the rows
             # written; without it (rb[i] = ..., write_at) it does not change
             old_len = len(store)
@@ -549,7 +549,7 @@ class TieredStorage(TensorStorage):
 # Checkpointing (rb.dumps / rb.loads, state_dict)
 # ----------------------------------------------------------------------------------------
 class TieredStorageCheckpointer(StorageCheckpointerBase):
-    """Writes a :class:`TieredStorage` as a tiered store directory (DESIGN.md section 6).
+    """Writes a :class:`TieredStorage` as a tiered store directory (docs/format.md).
 
     ``dumps(storage, path)`` writes ``path/store/`` (a store any ``tiered.open`` reads) and
     ``path/tiered_storage.json`` (length, last cursor). A store with a path is flushed and its
@@ -705,14 +705,14 @@ def _read_checkpoint(storage: TieredStorage, path: Path, load_hooks: list | None
                          f"{storage.max_size}; create TieredStorage({meta['max_size']}) to load it")
     dst = storage._store
     if meta["initialized"] and n:
-        from . import open as _open
 
-        src = _open(path / meta["store"], mode="r", warm_bytes=0, hot_bytes=0)
+
+        src = TieredStore.open(path / meta["store"], mode="r", warm_bytes=0, hot_bytes=0)
         try:
             _load_rows(storage, lambda lo, hi: src.get(range(lo, hi)), n, _row_nbytes(src.schema), load_hooks)
         finally:
             src.close()
-    with dst._lock:
+    with dst.locked():
         storage._len = n  # the store's length counter
         dst.cursor = int(meta["cursor"]) % storage.max_size
     storage._set_last_cursor(meta["last_cursor"])
@@ -743,7 +743,7 @@ def _read_torchrl_memmap(storage: TieredStorage, path: Path, load_hooks: list | 
     storage._has_index = _INDEX_KEY in td.keys()
     row_nbytes = sum(v[0].numel() * v.element_size() for v in td.values(True, True)) if td.numel() else 1
     _load_rows(storage, lambda lo, hi: td[lo:hi], n, row_nbytes, load_hooks)
-    with storage._store._lock:
+    with storage._store.locked():
         storage._len = n  # the store's length counter
         storage._store.cursor = n % storage.max_size
     # a full buffer's last write position is in the writer's checkpoint, not the storage's

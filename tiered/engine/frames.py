@@ -104,12 +104,12 @@ class FrameColumns:
 
     def __init__(self, cells: list[np.ndarray]):
         self.cells = cells
-        self.n = int(cells[0].shape[0])
-        self.nbytes = int(cells[0].shape[2])
+        self.n_rows = int(cells[0].shape[0])
+        self.frame_nbytes = int(cells[0].shape[2])
         widths = [int(c.shape[1]) for c in cells]
-        self.P = sum(widths)
+        self.per_row = sum(widths)
         self.offsets = np.cumsum([0] + widths)
-        self.M = self.n * self.P
+        self.n_frames = self.n_rows * self.per_row
 
     def col(self, p: int) -> np.ndarray:
         """Column ``p`` as an ``[n, nbytes]`` view."""
@@ -118,8 +118,8 @@ class FrameColumns:
 
     def take(self, q: np.ndarray) -> np.ndarray:
         """Frames at positions ``q`` (a copy, ``[len(q), nbytes]``); one gather per field."""
-        out = np.empty((q.size, self.nbytes), dtype=np.uint8)
-        row, colp = np.divmod(q, self.P)
+        out = np.empty((q.size, self.frame_nbytes), dtype=np.uint8)
+        row, colp = np.divmod(q, self.per_row)
         for f, c in enumerate(self.cells):  # a loop over the family's fields, not over frames
             sel = np.flatnonzero((colp >= self.offsets[f]) & (colp < self.offsets[f + 1]))
             out[sel] = c[row[sel], colp[sel] - self.offsets[f]]
@@ -140,9 +140,9 @@ class FramePlan:
     open_traj: np.ndarray
     open_blob: np.ndarray
     open_fill: np.ndarray
-    pend_writes_blob: np.ndarray   # blob id of each frame written into an open chunk's buffer
-    pend_writes_slot: np.ndarray
-    pend_writes_frame: np.ndarray
+    open_writes_blob: np.ndarray   # blob id of each frame written into an open chunk's buffer
+    open_writes_slot: np.ndarray
+    open_writes_frame: np.ndarray
     reopened_closed: np.ndarray    # previously open blobs that this plan closes
     tail_frames: np.ndarray
     tail_hash: np.ndarray
@@ -159,21 +159,21 @@ class FrameFamily:
         if chunk_frames < 1:
             raise ValueError(f"chunk_frames must be >= 1, got {chunk_frames}")
         self.family_id = family_id
-        self.nbytes = int(frame_nbytes)
-        self.K = int(chunk_frames)
+        self.frame_nbytes = int(frame_nbytes)
+        self.chunk_frames = int(chunk_frames)
         self.tail_rows = int(tail_rows)
         self.dedup = dedup
-        self._coeffs = _hash_coeffs(self.nbytes // 8 + 8)
+        self._coeffs = _hash_coeffs(self.frame_nbytes // 8 + 8)
         # Open chunks, sorted by trajectory id.
         self.open_traj = np.empty(0, dtype=np.int64)
         self.open_blob = np.empty(0, dtype=np.int64)
         self.open_fill = np.empty(0, dtype=np.int64)
-        # Raw frames of open chunks: pend[slot] holds K frames; index.aux[blob] = slot.
+        # Raw frames of open chunks: pend[slot] holds K frames; index.open_slot[blob] = slot.
         # one open chunk per live trajectory; grows (doubling) with the number of environments
-        self.pend = np.empty((8 if self.K > 1 else 0, self.K, self.nbytes), dtype=np.uint8)
-        self._pend_free = np.arange(self.pend.shape[0], dtype=np.int64)
+        self.open_frames = np.empty((8 if self.chunk_frames > 1 else 0, self.chunk_frames, self.frame_nbytes), dtype=np.uint8)
+        self._pend_free = np.arange(self.open_frames.shape[0], dtype=np.int64)
         # Raw frames of the previous write's last rows (pins their blobs in the index).
-        self.tail_frames = np.empty((0, self.nbytes), dtype=np.uint8)
+        self.tail_frames = np.empty((0, self.frame_nbytes), dtype=np.uint8)
         self.tail_hash = np.empty(0, dtype=np.uint64)
         self._scratch: dict[str, np.ndarray] = {}
         self.tail_blob = np.empty(0, dtype=np.int64)
@@ -197,9 +197,9 @@ class FrameFamily:
                 ``rules[p, 1]`` of the previous row of its trajectory (``rules[p, 0] == 1``) or of
                 its own row (``0``); ``-1``: no expectation. See :func:`layout_rules`.
         """
-        M = frames.M
+        M = frames.n_frames
         T = self.tail_frames.shape[0]
-        nb = self.nbytes
+        nb = self.frame_nbytes
         rep, roots, root_frames = self._dedup(frames, frame_traj, rules)
         rep_new = rep[T:]
         own = rep_new == np.arange(T, T + M)
@@ -225,10 +225,10 @@ class FrameFamily:
             blob0 = np.full(g_traj.size, -1, dtype=np.int64)
         g_of = np.repeat(np.arange(g_traj.size), g_count)
         p = fill0[g_of] + rank
-        chunk_no = p // self.K
-        slot_sorted = p % self.K
+        chunk_no = p // self.chunk_frames
+        slot_sorted = p % self.chunk_frames
         # chunks: (group, chunk_no); chunk 0 of a group with an open chunk reuses its blob
-        n_chunks_g = (fill0 + g_count + self.K - 1) // self.K if g_traj.size else np.zeros(0, np.int64)
+        n_chunks_g = (fill0 + g_count + self.chunk_frames - 1) // self.chunk_frames if g_traj.size else np.zeros(0, np.int64)
         chunk_base = exclusive_cumsum(n_chunks_g)
         total_chunks = int(n_chunks_g.sum()) if g_traj.size else 0
         chunk_group = np.repeat(np.arange(g_traj.size), n_chunks_g)
@@ -238,13 +238,13 @@ class FrameFamily:
         chunk_blob = np.empty(total_chunks, dtype=np.int64)
         chunk_blob[reuse] = blob0[chunk_group[reuse]]
         chunk_blob[~reuse] = new_ids
-        chunk_fill = np.minimum(self.K, fill0[chunk_group] + g_count[chunk_group] - chunk_local * self.K) \
+        chunk_fill = np.minimum(self.chunk_frames, fill0[chunk_group] + g_count[chunk_group] - chunk_local * self.chunk_frames) \
             if total_chunks else np.zeros(0, np.int64)
         # a chunk closes when full, when its trajectory ended, when it is not the group's last one,
         # or on flush
         last_of_group = chunk_local == (n_chunks_g[chunk_group] - 1) if total_chunks else np.zeros(0, bool)
         ended = isin(g_traj, ended_traj)
-        closes = (chunk_fill == self.K) | ~last_of_group | ended[chunk_group] | close_all if total_chunks \
+        closes = (chunk_fill == self.chunk_frames) | ~last_of_group | ended[chunk_group] | close_all if total_chunks \
             else np.zeros(0, bool)
 
         # blob/slot of each new unique frame (in u order)
@@ -275,14 +275,14 @@ class FrameFamily:
         reo = closed[reuse[closed]]
         reopened_closed = chunk_blob[reo]
         old_fill = fill0[chunk_group[reo]]
-        pend_slot = index.aux[chunk_blob[reo]]
-        pend_rows = ranges(pend_slot * self.K, old_fill)
+        pend_slot = index.open_slot[chunk_blob[reo]]
+        pend_rows = ranges(pend_slot * self.chunk_frames, old_fill)
         # A closed chunk holds slots 0..fill-1 (its old open frames first, then new ones), so
         # frame `slot` of closed chunk `c` goes to row start[c] + slot, chunk-major: one scatter
         # per source into a preallocated output, no sort and no intermediate copy.
         start = exclusive_cumsum(closed_nframes)
         closed_raw = np.empty((int(closed_nframes.sum()), nb), dtype=np.uint8)
-        closed_raw[ranges(start[np.searchsorted(closed, reo)], old_fill)] = self.pend.reshape(-1, nb)[pend_rows]
+        closed_raw[ranges(start[np.searchsorted(closed, reo)], old_fill)] = self.open_frames.reshape(-1, nb)[pend_rows]
         # ... and new frames (new unique frames are all dedup roots: take them from the roots)
         u_closed = isin(u_chunk, closed)
         u_sel = np.flatnonzero(u_closed)
@@ -302,8 +302,8 @@ class FrameFamily:
             extra_ids = self.open_blob[keep_old]
             extra_fill = self.open_fill[keep_old]
             if extra_ids.size:
-                rows = ranges(index.aux[extra_ids] * self.K, extra_fill)
-                closed_raw = np.concatenate([closed_raw, self.pend.reshape(-1, nb)[rows]])
+                rows = ranges(index.open_slot[extra_ids] * self.chunk_frames, extra_fill)
+                closed_raw = np.concatenate([closed_raw, self.open_frames.reshape(-1, nb)[rows]])
                 closed_ids = np.concatenate([closed_ids, extra_ids])
                 closed_nframes = np.concatenate([closed_nframes, extra_fill])
                 reopened_closed = np.concatenate([reopened_closed, extra_ids])
@@ -319,8 +319,8 @@ class FrameFamily:
             blob=blob, slot=slot, new_ids=new_ids, closed_ids=closed_ids, closed_raw=closed_raw,
             closed_nframes=closed_nframes.astype(np.int64),
             open_traj=o_traj[srt], open_blob=o_blob[srt], open_fill=o_fill[srt].astype(np.int64),
-            pend_writes_blob=chunk_blob[u_chunk[u_open]], pend_writes_slot=u_slot[u_open],
-            pend_writes_frame=root_frames[u_root[u_open]],
+            open_writes_blob=chunk_blob[u_chunk[u_open]], open_writes_slot=u_slot[u_open],
+            open_writes_frame=root_frames[u_root[u_open]],
             reopened_closed=reopened_closed,
             tail_frames=tail_frames, tail_hash=frame_hashes(tail_frames, self._coeffs),
             tail_blob=blob[tpos], tail_slot=slot[tpos], unique_new=U,
@@ -330,7 +330,7 @@ class FrameFamily:
                rules: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Representatives in the space ``[tail; frames]`` (equal bytes, exact), the dedup roots
         (positions of frames equal to nothing earlier) and the roots' bytes."""
-        T, M, nb = self.tail_frames.shape[0], frames.M, self.nbytes
+        T, M, nb = self.tail_frames.shape[0], frames.n_frames, self.frame_nbytes
         rep = np.arange(T + M)
         if not self.dedup:
             roots = np.arange(M)
@@ -340,7 +340,7 @@ class FrameFamily:
             #    a stacked frame equals the next frame of the previous row's stack, and a next
             #    observation's frames equal the observation's. A loop over the P frame columns of
             #    the layout, never over rows.
-            P, n = frames.P, frames.n
+            P, n = frames.per_row, frames.n_rows
             row_traj = frame_traj[::P]
             same_prev = np.zeros(n, dtype=bool)
             same_prev[1:] = row_traj[1:] == row_traj[:-1]
@@ -401,7 +401,7 @@ class FrameFamily:
     def _take(self, frames: np.ndarray, idx: np.ndarray) -> np.ndarray:
         """Rows ``idx`` of the virtual concatenation ``[tail; frames]`` without building it."""
         T = self.tail_frames.shape[0]
-        out = np.empty((idx.size, self.nbytes), dtype=np.uint8)
+        out = np.empty((idx.size, self.frame_nbytes), dtype=np.uint8)
         if frames.shape[0]:
             np.take(frames, np.maximum(idx - T, 0), axis=0, out=out, mode="clip")
         m = idx < T
@@ -411,25 +411,25 @@ class FrameFamily:
     def commit(self, plan: FramePlan, index: BlobIndex) -> np.ndarray:
         """Apply a plan after its closed chunks were placed; return blob ids to delete (tail unpins)."""
         # free open-buffer slots of chunks that closed
-        slots = index.aux[plan.reopened_closed]
+        slots = index.open_slot[plan.reopened_closed]
         self._pend_free = np.concatenate([self._pend_free, slots])
-        index.aux[plan.reopened_closed] = -1
+        index.open_slot[plan.reopened_closed] = -1
         # open chunks: newly opened blobs need a buffer slot
         new_open = plan.open_blob[index.state[plan.open_blob] != OPEN] if plan.open_blob.size else plan.open_blob
         if new_open.size:
             need = new_open.size - self._pend_free.size
             if need > 0:
-                old = self.pend.shape[0]
+                old = self.open_frames.shape[0]
                 grow = max(need, old)
-                self.pend = np.concatenate([self.pend, np.empty((grow, self.K, self.nbytes), dtype=np.uint8)])
+                self.open_frames = np.concatenate([self.open_frames, np.empty((grow, self.chunk_frames, self.frame_nbytes), dtype=np.uint8)])
                 self._pend_free = np.concatenate([self._pend_free, np.arange(old, old + grow)])
-            index.aux[new_open] = self._pend_free[: new_open.size]
+            index.open_slot[new_open] = self._pend_free[: new_open.size]
             self._pend_free = self._pend_free[new_open.size:]
             index.state[new_open] = OPEN
-        rows = index.aux[plan.pend_writes_blob] * self.K + plan.pend_writes_slot
-        self.pend.reshape(-1, self.nbytes)[rows] = plan.pend_writes_frame
+        rows = index.open_slot[plan.open_writes_blob] * self.chunk_frames + plan.open_writes_slot
+        self.open_frames.reshape(-1, self.frame_nbytes)[rows] = plan.open_writes_frame
         self.open_traj, self.open_blob, self.open_fill = plan.open_traj, plan.open_blob, plan.open_fill
-        index.raw_nbytes[plan.open_blob] = plan.open_fill * self.nbytes
+        index.raw_nbytes[plan.open_blob] = plan.open_fill * self.frame_nbytes
         # tail: pin new, unpin old
         index.incref(plan.tail_blob)
         dead = index.decref(self.tail_blob)
@@ -440,14 +440,14 @@ class FrameFamily:
     def drop_open(self, ids: np.ndarray, index: BlobIndex) -> None:
         """Forget open chunks whose blobs were deleted (no row references them any more)."""
         ids = ids[index.state[ids] == OPEN]
-        self._pend_free = np.concatenate([self._pend_free, index.aux[ids]])
+        self._pend_free = np.concatenate([self._pend_free, index.open_slot[ids]])
         keep = ~isin(self.open_blob, ids)
         self.open_traj, self.open_blob, self.open_fill = (
             self.open_traj[keep], self.open_blob[keep], self.open_fill[keep])
 
     def open_raw(self, ids: np.ndarray, index: BlobIndex) -> np.ndarray:
         """Raw frames ``[len(ids), K, nbytes]`` of open blobs."""
-        return self.pend[index.aux[ids]]
+        return self.open_frames[index.open_slot[ids]]
 
     def release_tail(self, index: BlobIndex) -> np.ndarray:
         dead = index.decref(self.tail_blob)

@@ -1,6 +1,6 @@
 """Snapshots of the index, row tables and dense columns, and the manifest (format version 1).
 
-A commit (DESIGN.md section 6) writes, in this order:
+A commit writes, in this order (docs/format.md):
 
 1. new blob bytes to the cold segments, then fsync them (the tier's ``flush``);
 2. a new generation directory ``gen-<g>/`` holding ``.npy`` files of every index column, row

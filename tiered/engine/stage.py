@@ -7,7 +7,7 @@ tensors (dense cells go straight to their columns) and hands the staged rows to 
 at the start of the first write that finds the stage full (``size`` rows) or holding one of its
 rows, or before any larger write, flush, commit or pickle.
 
-Promises kept (DESIGN.md 7):
+Promises kept:
 
 - A staged row is in the store: reads serve it from the stage, bit-exactly, and the length and
   cursor count it at once.

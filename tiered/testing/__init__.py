@@ -6,6 +6,6 @@ path wants every tier represented in one batch, whatever the placement policy wo
 
 from __future__ import annotations
 
-from .inspection import spread_over_tiers, tier_counts
+from .inspection import EngineParts, decode_blobs, parts, spread_over_tiers, tier_counts
 
-__all__ = ["spread_over_tiers", "tier_counts"]
+__all__ = ["EngineParts", "parts", "decode_blobs", "spread_over_tiers", "tier_counts"]

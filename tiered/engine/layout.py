@@ -1,0 +1,100 @@
+"""Where the blob fields' frames live: frame families, their fields and the row -> blob tables.
+
+A :class:`FieldLayout` is built from the schema once, by the first write (or on open). It holds,
+per frame family (blob fields whose frames have one dtype and shape), the family's dedup and
+chunking state (:class:`~tiered.engine.frames.FrameFamily`), its fields in layout order, the
+neighbour rules that predict shared frames, and one :class:`~tiered.index.RowTable` per blob
+field. The write path fills the tables; the read pipelines gather from them.
+
+Example:
+    >>> import torch
+    >>> from tensordict import TensorDict
+    >>> from tiered.schema import Schema
+    >>> from tiered.engine.layout import FieldLayout
+    >>> td = TensorDict({"observation": torch.zeros(2, 4, 8, 8, dtype=torch.uint8),
+    ...                  ("next", "observation"): torch.zeros(2, 4, 8, 8, dtype=torch.uint8)}, [2])
+    >>> layout = FieldLayout(Schema.infer(td, blob_min_bytes=1, frames={"observation": 0}), 10,
+    ...                      chunk_frames=4, dedup=True)
+    >>> len(layout.families), [f.key for f in layout.fields_of[0]]
+    (1, [('observation',), ('next', 'observation')])
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..index import RowTable
+from ..schema import Field, Key, Schema, key_to_str
+from .frames import FrameFamily, layout_rules
+
+__all__ = ["FieldLayout"]
+
+
+class FieldLayout:
+    """Frame families, their fields and row tables for a schema (see the module docstring).
+
+    Args:
+        schema: the store's schema.
+        capacity: rows in the ring (length of each row table).
+        chunk_frames: frames of one trajectory compressed together per blob.
+        dedup: share equal frames between rows.
+    """
+
+    def __init__(self, schema: Schema, capacity: int, *, chunk_frames: int, dedup: bool) -> None:
+        self.schema = schema
+        #: blob fields per family, in family-id order (first appearance in the schema)
+        self.fields_of: list[list[Field]] = list(schema.families().values())
+        self.families: list[FrameFamily] = []
+        self.family_of: dict[Key, int] = {}
+        self.tables: dict[Key, RowTable] = {}
+        for fid, fields in enumerate(self.fields_of):
+            self.families.append(FrameFamily(fid, fields[0].frame_nbytes, chunk_frames, dedup=dedup))
+            for f in fields:
+                self.family_of[f.key] = fid
+                self.tables[f.key] = RowTable(capacity, f.frames_per_row)
+        self.rules = [layout_rules([(f.key, f.frames_per_row, f.frame_dim is not None) for f in fields])
+                      for fields in self.fields_of]
+
+    def by_family(self, fields: list[Field]) -> dict[int, list[Field]]:
+        """The blob fields among ``fields``, grouped by family id (schema order kept)."""
+        groups: dict[int, list[Field]] = {}
+        for f in fields:
+            if f.kind == "blob":
+                groups.setdefault(self.family_of[f.key], []).append(f)
+        return groups
+
+    def blob_refs(self, fields: list[Field], rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``[len(rows), frames]`` blob ids and slots of ``rows`` over ``fields`` (one gather each)."""
+        blobs = np.concatenate([self.tables[f.key].blob[rows] for f in fields], axis=1)
+        slots = np.concatenate([self.tables[f.key].slot[rows] for f in fields], axis=1)
+        return blobs, slots
+
+    def rows_using(self, blob_ids: np.ndarray, limit: int = 5) -> list[str]:
+        """Per blob id, the fields and first rows that reference it (for error messages)."""
+
+        out = []
+        for b in blob_ids[:limit]:
+            refs = []
+            for key, table in self.tables.items():
+                r = np.flatnonzero((table.blob == b).any(1))
+                if r.size:
+                    refs.append(f"{key_to_str(key)!r} rows {r[:5].tolist()}")
+            out.append("; ".join(refs) or "no row")
+        return out
+
+    def blob_priorities(self, rows: np.ndarray, priority: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(blob ids, priorities)``: each row's priority repeated over every blob it references."""
+        if not self.tables:
+            return np.empty(0, np.int64), np.empty(0, np.float64)
+        blobs = [t.blob[rows] for t in self.tables.values()]
+        ids = np.concatenate([b.reshape(-1) for b in blobs])
+        per_blob = np.concatenate([np.repeat(priority, b.shape[1]) for b in blobs])
+        keep = ids >= 0
+        return ids[keep], per_blob[keep]
+
+    def referenced(self, written: np.ndarray) -> np.ndarray:
+        """Every blob id the written rows reference, once per reference (for reference counts)."""
+        if not self.tables:
+            return np.empty(0, np.int64)
+        refs = np.concatenate([t.blob[written].reshape(-1) for t in self.tables.values()])
+        return refs[refs >= 0]

@@ -1,0 +1,352 @@
+"""The tiering manager: which tier holds each blob, and moving blobs between tiers.
+
+:class:`Placement` owns the tiers (hot GPU arena, warm host arena, cold file segments) and the
+``loc`` column of the blob index. It allocates, makes room, demotes, caches, promotes and frees;
+every decision (which blobs leave a full tier, whether a new blob is cached, which blobs just read
+are copied up) is asked of the residency policy (:mod:`tiered.policy`), which never moves bytes.
+
+Two tier models:
+
+* **With a cold tier** (a store with a path): cold holds every blob and is the source of truth;
+  hot and warm are caches. Dropping a cached copy is free and never changes the durable index.
+* **Without one**: hot and warm are exclusive. A blob lives in exactly one of them; new blobs go
+  to the fastest tier with room; victims of a full tier move down; a write that fits nowhere
+  raises :class:`~tiered.errors.StorageFullError` naming the budgets.
+
+Example:
+    >>> import numpy as np
+    >>> from tiered.index import BlobIndex, WARM
+    >>> from tiered.policy import get_policy
+    >>> from tiered.tiers import HostTier
+    >>> from tiered.engine.placement import Placement
+    >>> index = BlobIndex()
+    >>> placement = Placement([None, HostTier(1 << 20), None], index, get_policy("lru"))
+    >>> ids = index.allocate(2)
+    >>> placement.place(ids, np.arange(40, dtype=np.uint8), np.array([0, 20]), np.array([20, 20]))
+    >>> placement.locate(ids).tolist() == [WARM, WARM]
+    True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import StorageFullError
+from ..index import COLD, HOT, WARM, BlobIndex
+from ..policy import Policy, TierState
+from ..tiers import DeviceTier, HostTier, Tier, default_budgets, parse_bytes
+from ..util.batch import exclusive_cumsum, isin
+from ..util.units import align
+
+__all__ = ["Placement", "TIER_NAMES", "memory_tiers"]
+
+TIER_NAMES = ("hot", "warm", "cold")
+
+
+def memory_tiers(hot_bytes: int | str | None, warm_bytes: int | str | None,
+                 hot_device: str | torch.device | None) -> list[Tier | None]:
+    """``[hot, warm, None]`` arenas for the given budgets (None: the default budget).
+
+    The hot arena lives on ``hot_device`` (CUDA by default when present; ``"cpu"`` stands in for
+    it in CPU-only tests); a budget of 0 leaves a tier out. Defaults come from the memory free now
+    (:func:`~tiered.tiers.default_budgets`), asked only when a default is needed.
+    """
+    if hot_device is None:
+        hot_device = "cuda" if torch.cuda.is_available() else None
+    hot_device = torch.device(hot_device) if hot_device is not None else None
+    hot_b = parse_bytes(hot_bytes) if hot_bytes is not None else None
+    warm_b = parse_bytes(warm_bytes) if warm_bytes is not None else None
+    if (hot_device is not None and hot_b is None) or warm_b is None:
+        defaults = default_budgets()
+        if hot_device is not None and hot_b is None:
+            hot_b = defaults["hot"] if hot_device.type == "cuda" else defaults["warm"]
+        if warm_b is None:
+            warm_b = defaults["warm"]
+    hot = DeviceTier(hot_b, hot_device) if hot_device is not None and hot_b else None
+    return [hot, HostTier(warm_b) if warm_b else None, None]
+
+
+class Placement:
+    """Tiers, blob locations and the moves between them (see the module docstring).
+
+    Args:
+        tiers: ``[hot, warm, cold]``, each a :class:`~tiered.tiers.Tier` or None.
+        index: the blob index (its ``loc`` column is the placement's).
+        policy: the residency policy asked for every decision.
+    """
+
+    def __init__(self, tiers: list[Tier | None], index: BlobIndex, policy: Policy) -> None:
+        self.tiers = tiers
+        self.index = index
+        self.policy = policy
+        self.counts = {name: {"hits": 0, "promotions": 0, "demotions": 0} for name in TIER_NAMES}
+        self.oom_skipped_promotions = 0
+        #: called after bytes were written into the hot arena (a GPU decoder fences its streams)
+        self.on_hot_write: Callable[[], None] | None = None
+
+    @property
+    def cold(self) -> Tier | None:
+        return self.tiers[COLD]
+
+    def tier_state(self, t: int) -> TierState:
+        tier = self.tiers[t]
+        return TierState(TIER_NAMES[t], tier.budget, int(tier.bytes_used), exclusive=self.cold is None)
+
+    def tier_ids(self, t: int) -> np.ndarray:
+        """Ids of the blobs tier ``t`` holds."""
+        return np.flatnonzero(self.index.loc[: self.index.size, t] >= 0)
+
+    # -- writing -----------------------------------------------------------------------------
+    def place(self, ids: np.ndarray, data: np.ndarray, offsets: np.ndarray, sizes: np.ndarray) -> None:
+        """Put newly encoded blobs into tiers. All or nothing for the new blobs."""
+        idx = self.index
+        cold = self.cold
+        if cold is not None:
+            loc = cold.allocate(sizes)
+            try:
+                cold.write(loc, data, offsets, sizes)
+            except BaseException:
+                cold.free(loc, align(sizes), defer=False)  # never committed: reusable at once
+                raise
+            idx.loc[ids, COLD] = loc
+            # best effort: cache the blobs the policy admits in the fastest memory tier with room
+            for t in (HOT, WARM):
+                if self.tiers[t] is not None and self._admit_and_cache(t, ids, data, offsets, sizes):
+                    break
+            self._hot_written()
+            return
+        errors = []
+        for t in (HOT, WARM):
+            tier = self.tiers[t]
+            if tier is None:
+                continue
+            try:
+                loc = self.allocate_in(t, sizes)
+            except (StorageFullError, ValueError) as e:
+                errors.append(f"{tier.name}: {e}")
+                continue
+            tier.write(loc, data, offsets, sizes)
+            idx.loc[ids, t] = loc
+            self._hot_written()
+            return
+        budgets = ", ".join(
+            f"{TIER_NAMES[t]}={self.tiers[t].budget}" for t in (HOT, WARM) if self.tiers[t] is not None)
+        raise StorageFullError(
+            f"no tier can take {ids.size} new blobs ({int(sizes.sum())} bytes); budgets: {budgets or 'none'}. "
+            "Nothing was written. Raise warm_bytes/hot_bytes, give the store a path (a cold tier on disk), "
+            "or use a smaller capacity. Details: " + "; ".join(errors))
+
+    def _hot_written(self) -> None:
+        if self.on_hot_write is not None:  # a decode on another stream must see these arena writes
+            self.on_hot_write()
+
+    def _admit_and_cache(self, t: int, ids, data, offsets, sizes) -> bool:
+        admitted = np.asarray(self.policy.admit(ids, align(sizes), self.tier_state(t)), dtype=bool)
+        if not admitted.any():
+            return False
+        if admitted.all():
+            return self.cache_into(t, ids, data, offsets, sizes)
+        return self.cache_into(t, ids[admitted], data, offsets[admitted], sizes[admitted])
+
+    def allocate_in(self, t: int, sizes: np.ndarray, protect: np.ndarray | None = None) -> np.ndarray:
+        """Allocate in tier ``t``, moving policy victims out first.
+
+        Enough free *bytes* may still not hold a batch when the free space is in small holes;
+        then more victims leave (four times the batch, then sixteen times, then the whole budget)
+        until the holes coalesce. A bounded number of rounds, never a loop over blobs.
+        """
+        tier = self.tiers[t]
+        need = int(align(sizes).sum())
+        rounds = 4
+        for attempt in range(rounds):
+            room = need if attempt == 0 or tier.budget is None else min(tier.budget, need << (2 * attempt))
+            if attempt == rounds - 1 and tier.budget is not None:
+                room = tier.budget
+            self.make_room(t, room, protect)
+            try:
+                return tier.allocate(sizes)
+            except StorageFullError:
+                if attempt == rounds - 1:
+                    raise
+        raise AssertionError("unreachable")
+
+    def make_room(self, t: int, need: int, protect: np.ndarray | None = None) -> None:
+        """Move the policy's victims out of tier ``t`` until ``need`` more bytes fit its budget."""
+        tier = self.tiers[t]
+        if tier.budget is None:
+            return
+        short = tier.bytes_used + need - tier.budget
+        if short <= 0:
+            return
+        if need > tier.budget:
+            raise StorageFullError(f"batch of {need} bytes exceeds the {tier.name} budget of {tier.budget}")
+        ids = self.tier_ids(t)
+        if protect is not None and protect.size:
+            ids = ids[~isin(ids, protect)]
+        victims = self.policy.victims(ids, align(self.index.nbytes[ids]), short)
+        if victims.size == 0:
+            raise StorageFullError(f"{tier.name} tier is full and holds no evictable blob")
+        self.demote(t, victims)
+
+    def demote(self, t: int, ids: np.ndarray) -> None:
+        """Move blobs out of tier ``t``: drop the copy (with a cold tier) or move it one tier down."""
+        idx = self.index
+        tier = self.tiers[t]
+        sizes = idx.nbytes[ids]
+        if self.cold is not None:  # cold holds every blob: dropping a cached copy is free
+            tier.free(idx.loc[ids, t], align(sizes))
+            idx.loc[ids, t] = -1
+            self.counts[TIER_NAMES[t]]["demotions"] += int(ids.size)
+            return
+        lower = [u for u in range(t + 1, 3) if self.tiers[u] is not None]
+        if not lower:
+            raise StorageFullError(f"the {tier.name} tier is full and there is no lower tier to move blobs to")
+        buf_off = exclusive_cumsum(sizes)
+        buf = np.empty(int(sizes.sum()), dtype=np.uint8)
+        tier.read(idx.loc[ids, t], sizes, buf, buf_off)
+        u = lower[0]
+        loc = self.allocate_in(u, sizes)  # copy, switch the index, then free
+        self.tiers[u].write(loc, buf, buf_off, sizes)
+        idx.loc[ids, u] = loc
+        tier.free(idx.loc[ids, t], align(sizes))
+        idx.loc[ids, t] = -1
+        self.counts[TIER_NAMES[t]]["demotions"] += int(ids.size)
+
+    def cache_into(self, t: int, ids, data, offsets, sizes) -> bool:
+        """Copy blobs into cache tier ``t`` (stores with a path), evicting by policy. Best effort:
+        False when the tier cannot take them (full of unevictable blobs, GPU out of memory)."""
+        tier = self.tiers[t]
+        try:
+            loc = self.allocate_in(t, sizes)
+        except (StorageFullError, ValueError):
+            return False
+        except torch.cuda.OutOfMemoryError:
+            self.oom_skipped_promotions += 1
+            return False
+        tier.write(loc, data, offsets, sizes)
+        self.index.loc[ids, t] = loc
+        return True
+
+    def free_in_tiers(self, ids: np.ndarray, *, defer: bool) -> None:
+        """Free ``ids`` in every tier that holds them (``defer`` matters to cold tiers only).
+        No early exits on empty groups: the call count must not depend on the batch."""
+        idx = self.index
+        for t in range(3):
+            tier = self.tiers[t]
+            if tier is None:
+                continue
+            sel = ids[idx.loc[ids, t] >= 0]
+            tier.free(idx.loc[sel, t], align(idx.nbytes[sel]), defer=defer)
+        idx.loc[ids] = -1
+
+    def drop_memory_copies(self) -> None:
+        """Forget every hot and warm location (after an open: the arenas start empty)."""
+        self.index.loc[:, HOT] = -1
+        self.index.loc[:, WARM] = -1
+
+    # -- reading -----------------------------------------------------------------------------
+    def locate(self, ids: np.ndarray) -> np.ndarray:
+        """The fastest tier holding each blob (HOT, WARM or COLD), as int8.
+
+        Raises:
+            AssertionError: a blob has no location (the index is inconsistent).
+        """
+        has = self.index.loc[ids] >= 0
+        has &= np.array([t is not None for t in self.tiers])
+        if not has.any(1).all():
+            raise AssertionError(f"{int((~has.any(1)).sum())} blobs have no location: index is inconsistent")
+        return has.argmax(1).astype(np.int8)  # first True column: HOT before WARM before COLD
+
+    def read(self, ids: np.ndarray, sizes: np.ndarray, out: Any, out_offsets: np.ndarray,
+             from_tier: np.ndarray, skip: np.ndarray | None = None) -> None:
+        """Gather the compressed bytes of ``ids`` into ``out``, one batched read per tier.
+
+        ``skip``: a mask of blobs not to read here (e.g. hot blobs a GPU gathers on the device).
+        """
+        loc = self.index.loc[ids]
+        for t in (HOT, WARM, COLD):  # no early exits: the call count must not depend on the batch
+            tier = self.tiers[t]
+            if tier is None:
+                continue
+            sel = from_tier == t if skip is None else (from_tier == t) & ~skip
+            if sel.any():
+                tier.read(loc[sel, t], sizes[sel], out, out_offsets[sel])
+
+    def note_reads(self, ids: np.ndarray, from_tier: np.ndarray) -> None:
+        """Count tier hits and tell the policy which blobs were read."""
+        counts = np.bincount(from_tier.astype(np.int64), minlength=3)
+        for t in (HOT, WARM, COLD):
+            self.counts[TIER_NAMES[t]]["hits"] += int(counts[t])
+        self.policy.on_access(ids)
+
+    def promote(self, ids: np.ndarray, from_tier: np.ndarray, comp: Any, src_off: np.ndarray,
+                sizes: np.ndarray) -> None:
+        """Copy blobs just read up into faster tiers, as the policy decides (copy up, then switch).
+
+        ``comp[src_off[i]:+sizes[i]]`` holds blob ``ids[i]``'s compressed bytes; ``from_tier`` is
+        updated in place. Any failure (lower tier full, GPU out of memory) just skips the
+        promotion: the data read is already correct.
+        """
+        for t in (HOT, WARM):
+            tier = self.tiers[t]
+            if tier is None:
+                continue
+            sel = np.flatnonzero(from_tier > t)
+            if not sel.size:
+                continue
+            chosen = np.asarray(self.policy.promote(ids[sel], align(sizes[sel]), self.tier_state(t)), dtype=bool)
+            cand = sel[chosen]
+            if cand.size == 0:
+                continue
+            if self.cold is not None:
+                if self.cache_into(t, ids[cand], comp, src_off[cand], sizes[cand]):
+                    from_tier[cand] = t
+                    self.counts[TIER_NAMES[t]]["promotions"] += int(cand.size)
+                continue
+            # Exclusive tiers: copy up, switch the index, then free below. Victims of the faster
+            # tier move down first (policy order).
+            moved = ids[cand]
+            old_t = from_tier[cand]
+            try:
+                loc = self.allocate_in(t, sizes[cand], protect=moved)
+            except (StorageFullError, ValueError):
+                continue
+            except torch.cuda.OutOfMemoryError:
+                self.oom_skipped_promotions += 1
+                continue
+            tier.write(loc, comp, src_off[cand], sizes[cand])
+            for u in range(t + 1, 3):
+                m = old_t == u
+                if m.any() and self.tiers[u] is not None:
+                    self.tiers[u].free(self.index.loc[moved[m], u], align(sizes[cand][m]))
+                    self.index.loc[moved[m], u] = -1
+            self.index.loc[moved, t] = loc
+            from_tier[cand] = t
+            self.counts[TIER_NAMES[t]]["promotions"] += int(cand.size)
+        self._hot_written()
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def close(self) -> None:
+        for tier in self.tiers:
+            if tier is not None:
+                tier.close()
+
+    def tier_stats(self) -> dict[str, dict[str, Any]]:
+        out = {}
+        for t, name in enumerate(TIER_NAMES):
+            tier = self.tiers[t]
+            if tier is None:
+                continue
+            st = tier.stats()
+            out[name] = {
+                "bytes_used": int(st.get("bytes_used", tier.bytes_used)),
+                "budget": tier.budget,
+                "blobs": int((self.index.loc[: self.index.size, t] >= 0).sum()),
+                "fragmentation": float(st.get("fragmentation", 0.0)),
+                **self.counts[name],
+            }
+        return out

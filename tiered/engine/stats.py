@@ -1,0 +1,84 @@
+"""``TieredStore.stats()``: memory, compression and traffic figures, computed from the parts.
+
+Example:
+    >>> import torch
+    >>> from tensordict import TensorDict
+    >>> from tiered import TieredStore
+    >>> store = TieredStore(8)
+    >>> _ = store.extend(TensorDict({"x": torch.zeros(4, 32, 32)}, [4]))
+    >>> s = store.stats()
+    >>> s["rows"], s["fields"]["x"]["kind"], sorted(s["tiers"])
+    (4, 'blob', ['warm'])
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..index import OPEN, STORED, BlobIndex
+from ..schema import key_to_str
+from .layout import FieldLayout
+from .placement import Placement
+from .rows import RowSpace
+from .stage import WriteStage
+
+__all__ = ["store_stats"]
+
+
+def field_stats(rows: RowSpace, layout: FieldLayout, index: BlobIndex) -> dict[str, dict[str, Any]]:
+    """Per field: logical and stored bytes, ratio; blob fields add dedup and compression factors."""
+    live = index.live_ids()
+    n, cap = rows.length, rows.capacity
+    fields: dict[str, dict[str, Any]] = {}
+    for f in layout.schema.dense_fields:
+        fields[key_to_str(f.key)] = {"kind": "dense", "logical_bytes": f.cell_nbytes * n,
+                                     "stored_bytes": f.cell_nbytes * cap, "ratio": 1.0}
+    for fid, fam in enumerate(layout.families):  # a loop over families and fields, not blobs
+        sel = live[index.family[live] == fam.family_id]
+        is_open = index.state[sel] == OPEN
+        stored = int(index.nbytes[sel[index.state[sel] == STORED]].sum()) + int(index.raw_nbytes[sel[is_open]].sum())
+        unique_bytes = int(index.raw_nbytes[sel].sum())
+        fam_logical = sum(f.cell_nbytes * n for f in layout.fields_of[fid])
+        for f in layout.fields_of[fid]:
+            logical = f.cell_nbytes * n
+            share = stored * (logical / fam_logical if fam_logical else 0.0)
+            fields[key_to_str(f.key)] = {
+                "kind": "blob",
+                "family": f.family,
+                "logical_bytes": logical,
+                "stored_bytes": int(share),
+                "ratio": logical / share if share else float("inf") if logical else 1.0,
+                "unique_frames": unique_bytes // fam.frame_nbytes,
+                "dedup_factor": fam_logical / unique_bytes if unique_bytes else 1.0,
+                "compression_factor": unique_bytes / stored if stored else 1.0,
+            }
+    # schema order, as before: dense and blob fields interleaved as they were written
+    return {key_to_str(f.key): fields[key_to_str(f.key)] for f in layout.schema.values()}
+
+
+def store_stats(rows: RowSpace, layout: FieldLayout | None, index: BlobIndex, placement: Placement,
+                stage: WriteStage | None, codec_name: str, counters: dict[str, int],
+                gpu: dict[str, Any] | None) -> dict[str, Any]:
+    """The dict :meth:`tiered.TieredStore.stats` returns (see its docstring)."""
+    families = layout.families if layout is not None else []
+    tables = layout.tables.values() if layout is not None else []
+    return {
+        "rows": rows.length,
+        "capacity": rows.capacity,
+        "codec": codec_name,
+        "blobs": int(index.live_ids().size),
+        "fields": field_stats(rows, layout, index) if layout is not None else {},
+        "tiers": placement.tier_stats(),
+        "staged_rows": stage.count if stage is not None else 0,
+        "memory": {
+            "staged": stage.nbytes if stage is not None else 0,
+            "open_chunks": sum(int(f.open_frames.nbytes) for f in families),
+            "tail": sum(int(f.tail_frames.nbytes) for f in families),
+            "index": index.nbytes_held,
+            "row_tables": sum(t.blob.nbytes + t.slot.nbytes for t in tables),
+            "dense": sum(v.numel() * v.element_size() for v in rows.dense.values()),
+        },
+        "counters": {**counters, **({"oom_skipped_promotions": placement.oom_skipped_promotions}
+                                    if placement.oom_skipped_promotions else {})},
+        "gpu": gpu,
+    }

@@ -1,0 +1,356 @@
+"""The write path: validate -> plan (frames, dedup, chunks) -> encode -> place -> index.
+
+:class:`WritePath` takes a batch of rows and the positions they go to. Blob fields are split into
+frames, deduplicated and grouped into time chunks per frame family
+(:class:`~tiered.engine.frames.FrameFamily`); closed chunks are compressed in one batched
+``encode`` per family and handed to :class:`~tiered.engine.placement.Placement`; only when every
+family's blobs are placed are the row tables, reference counts and dense columns updated, so a
+failed write (bad input, a full tier, a full disk) leaves the store as it was.
+
+Small writes (``ReplayBuffer.add``) wait raw in the write stage (:mod:`tiered.engine.stage`) and
+go through the batched path together.
+
+Example:
+    >>> import torch
+    >>> from tensordict import TensorDict
+    >>> from tiered import TieredStore
+    >>> frames = torch.randint(0, 255, (9, 16, 16), dtype=torch.uint8)
+    >>> stacks = torch.stack([frames[t:t + 4] for t in range(6)])   # frame stacks of a rollout
+    >>> store = TieredStore(16, frames={"obs": 0}, stage_rows=0)
+    >>> _ = store.extend(TensorDict({"obs": stacks}, [6]))
+    >>> store.stats()["fields"]["obs"]["unique_frames"]   # 6 stacks of 4 frames share 9 frames
+    9
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from tensordict import TensorDictBase
+
+from ..codecs import Codec
+from ..errors import SchemaMismatchError
+from ..index import OPEN, STORED, BlobIndex
+from ..schema import Field, Key, Schema, key_to_str, normalize_key, str_to_key
+from ..util.batch import exclusive_cumsum
+from .frames import FrameColumns, FrameFamily, FramePlan
+from .layout import FieldLayout
+from .placement import Placement
+from .rows import RowSpace
+from .stage import WriteStage
+
+__all__ = ["WritePath", "WriteOptions"]
+
+
+class WriteOptions:
+    """The layout options fixed at creation (they are saved in the manifest).
+
+    Example:
+        >>> WriteOptions(frames={"obs": 0}).frames
+        {('obs',): 0}
+    """
+
+    def __init__(self, *, blob_min_bytes: int = 1024, blob_keys=(), dense_keys=(), frames=None,
+                 chunk_frames: int = 4, dedup: bool = True, traj_key: Key | None = None) -> None:
+        self.blob_min_bytes = int(blob_min_bytes)
+        self.blob_keys = [normalize_key(k) for k in (blob_keys or ())]
+        self.dense_keys = [normalize_key(k) for k in (dense_keys or ())]
+        self.frames = {normalize_key(k): int(v) for k, v in (frames or {}).items()}
+        self.chunk_frames = int(chunk_frames)
+        self.dedup = bool(dedup)
+        self.traj_key = normalize_key(traj_key) if traj_key is not None else None
+
+    def to_json(self) -> dict[str, Any]:
+        """The manifest's ``options`` entry (format v1 spelling: keys as lists / "a/b" strings)."""
+        return dict(
+            blob_min_bytes=self.blob_min_bytes,
+            blob_keys=[list(k) for k in self.blob_keys],
+            dense_keys=[list(k) for k in self.dense_keys],
+            frames={key_to_str(k): v for k, v in self.frames.items()},
+            chunk_frames=self.chunk_frames,
+            dedup=self.dedup,
+            traj_key=list(self.traj_key) if self.traj_key is not None else None,
+        )
+
+    @classmethod
+    def from_json(cls, o: dict[str, Any]) -> WriteOptions:
+        return cls(blob_min_bytes=o["blob_min_bytes"], blob_keys=[tuple(k) for k in o["blob_keys"]],
+                   dense_keys=[tuple(k) for k in o["dense_keys"]],
+                   frames={str_to_key(k): v for k, v in o["frames"].items()},
+                   chunk_frames=o["chunk_frames"], dedup=o["dedup"],
+                   traj_key=tuple(o["traj_key"]) if o.get("traj_key") else None)
+
+    def as_kwargs(self) -> dict[str, Any]:
+        """Constructor keyword arguments of :class:`~tiered.store.TieredStore` that copy this layout."""
+        return {"blob_min_bytes": self.blob_min_bytes, "blob_keys": list(self.blob_keys),
+                "dense_keys": list(self.dense_keys), "frames": dict(self.frames),
+                "chunk_frames": self.chunk_frames, "dedup": self.dedup, "traj_key": self.traj_key}
+
+
+class WritePath:
+    """Validates, plans, encodes, places and indexes written rows (see the module docstring).
+
+    Args:
+        options: the layout options.
+        rows: the ring and dense columns.
+        index: the blob index.
+        placement: the tiering manager the encoded blobs go to.
+        codec: the codec blob fields are written with.
+        stage_rows: rows the write stage holds (0 disables it).
+    """
+
+    def __init__(self, options: WriteOptions, rows: RowSpace, index: BlobIndex, placement: Placement,
+                 codec: Codec, stage_rows: int) -> None:
+        self.options = options
+        self.rows = rows
+        self.index = index
+        self.placement = placement
+        self.codec = codec
+        self.stage_rows = int(stage_rows)
+        self.layout: FieldLayout | None = None
+        self.stage: WriteStage | None = None  # created by the first staged write
+
+    @property
+    def schema(self) -> Schema | None:
+        return self.layout.schema if self.layout is not None else None
+
+    # -- the schema ---------------------------------------------------------------------------
+    def prepare(self, data: Any) -> int:
+        """Validate ``data`` (inferring the schema on the first write); return its row count."""
+        if not isinstance(data, TensorDictBase):
+            raise SchemaMismatchError(f"expected a TensorDict with batch_size [n], got {type(data).__name__}")
+        if self.layout is None:
+            o = self.options
+            schema = Schema.infer(data, blob_min_bytes=o.blob_min_bytes, blob_keys=o.blob_keys,
+                                  dense_keys=o.dense_keys, frames=o.frames)
+            n = schema.validate(data)
+            self.adopt_schema(schema)
+            return n
+        return self.layout.schema.validate(data)
+
+    def adopt_schema(self, schema: Schema) -> FieldLayout:
+        """Build the layout and dense columns of ``schema`` (first write, or open)."""
+        self.layout = FieldLayout(schema, self.rows.capacity, chunk_frames=self.options.chunk_frames,
+                                  dedup=self.options.dedup)
+        self.rows.init_dense(schema)
+        return self.layout
+
+    # -- appends and overwrites ----------------------------------------------------------------
+    def append(self, data: Any) -> np.ndarray:
+        """Write ``data`` at the cursor (wrapping around); return the rows written."""
+        rows_space = self.rows
+        small = self.small_write(data, 1)
+        if small is not None:
+            n, cells = small
+            rows = rows_space.next_rows(n)
+            self.stage_write(rows, cells)
+        else:
+            n = self.prepare(data)
+            self.flush_stage()  # after validation: a bad write must not do any work
+            rows = rows_space.next_rows(n)
+            if n > rows_space.capacity:  # only the last `capacity` rows survive a write this large
+                data = data[n - rows_space.capacity:]
+                rows = rows[n - rows_space.capacity:]
+            self.write_rows(rows, data)
+        rows_space.advance(n)
+        return rows
+
+    def overwrite(self, index: Any, data: Any, length: int | None) -> None:
+        """Write ``data`` at ``index`` (duplicates: the last wins); the cursor does not move."""
+        scalar = isinstance(index, (int, np.integer)) or (isinstance(index, torch.Tensor) and index.ndim == 0)
+        small = self.small_write(data, 0 if scalar else 1)
+        if small is not None:
+            rows = self.rows.resolve_write(index, small[0])
+            if rows.size == 1 or np.unique(rows).size == rows.size:
+                self.stage_write(rows, small[1])
+                self.rows.length_after(rows, length)
+                return
+        if scalar and isinstance(data, TensorDictBase) and len(data.batch_size) == 0:
+            data = data.unsqueeze(0)
+        n = self.prepare(data)
+        rows = self.rows.resolve_write(index, n)
+        self.flush_stage()  # after validation: a bad write must not do any work
+        # duplicates: keep the last occurrence only (as a sequential write would)
+        rev_unique, rev_first = np.unique(rows[::-1], return_index=True)
+        if rev_unique.size != rows.size:
+            keep = np.sort(rows.size - 1 - rev_first)
+            rows = rows[keep]
+            data = data[torch.from_numpy(keep)]
+        self.write_rows(rows, data)
+        self.rows.length_after(rows, length)
+
+    # -- the write stage ----------------------------------------------------------------------
+    def small_write(self, data: Any, batch_dims: int) -> tuple[int, dict[Key, torch.Tensor]] | None:
+        """``(n, cells)`` when ``data`` is a write small enough to stage and matches the schema
+        exactly; ``None`` sends it down the batched path (which also explains any mismatch)."""
+        if self.layout is None or not self.stage_rows or not isinstance(data, TensorDictBase):
+            return None
+        bs = data.batch_size
+        if len(bs) != batch_dims:
+            return None
+        n = int(bs[0]) if batch_dims else 1
+        if not 0 < n <= min(self.stage_rows // 8, self.rows.capacity):
+            return None
+        cells = self.layout.schema.match(data, batch_dims)
+        return None if cells is None else (n, cells)
+
+    def stage_write(self, rows: np.ndarray, cells: dict[Key, torch.Tensor]) -> None:
+        """Stage a small write whose cells match the schema (nothing here can fail on input)."""
+        stage = self.stage
+        if stage is None:
+            stage = self.stage = WriteStage(self.layout.schema, self.stage_rows, self.rows.capacity)
+        if not stage.room_for(rows):
+            # the only step that can fail (tier space, disk): before this write touches anything
+            self.flush_stage()
+        self.rows.write_dense_cells(self.layout.schema, rows, cells)
+        with torch.no_grad():
+            stage.put(rows, cells)
+
+    def flush_stage(self) -> None:
+        """Compress the staged rows through the batched path (all or nothing; the stage keeps
+        its rows if it fails)."""
+        stage = self.stage
+        if stage is None or stage.count == 0:
+            return
+        rows, data = stage.batch(self.rows.dense)
+        self.write_rows(rows, data)
+        stage.reset()
+
+    def staged_slots(self, rows: np.ndarray) -> np.ndarray | None:
+        """The stage slot of each row (-1: not staged), or None when nothing is staged."""
+        stage = self.stage
+        return stage.staged(rows) if stage is not None and stage.count else None
+
+    # -- the batched path ---------------------------------------------------------------------
+    def write_rows(self, rows: np.ndarray, data: TensorDictBase) -> None:
+        """Write validated rows at ``rows`` (unique positions). All or nothing."""
+        layout, n = self.layout, rows.size
+        if n == 0:
+            return
+        data = data.to("cpu") if data.device not in (None, torch.device("cpu")) else data
+        traj, ended, next_trajectory = self.rows.trajectory_ids(layout.schema, data, n, self.options.traj_key)
+        plans: list[FramePlan] = []
+        try:
+            for fid, fields in enumerate(layout.fields_of):  # a loop over frame families
+                fam = layout.families[fid]
+                # frames row-major (row, field, frame) so a trajectory's frames come in time order
+                frames = FrameColumns([_cell_frames(f, data.get(f.key), n) for f in fields])
+                per_row = frames.per_row
+                tail_mask = np.zeros(n * per_row, dtype=bool)
+                tail_mask[max(0, n - fam.tail_rows) * per_row:] = True
+                plan = fam.plan(frames, np.repeat(traj, per_row), ended, tail_mask, self.index,
+                                rules=layout.rules[fid])
+                plans.append(plan)
+                self.encode_and_place(fam, plan.closed_ids, plan.closed_raw, plan.closed_nframes)
+        except BaseException:
+            for plan in plans:
+                self._abort(plan)
+            raise
+        # --- commit: nothing below can fail on bad input ---------------------------------
+        dead = []
+        written = self.rows.written[rows]
+        for fid, plan in enumerate(plans):
+            fam = layout.families[fid]
+            dead.append(fam.commit(plan, self.index))
+            per_row = plan.blob.size // n
+            blob, slot = plan.blob.reshape(n, per_row), plan.slot.reshape(n, per_row)
+            col, old_refs = 0, []
+            for f in layout.fields_of[fid]:  # a loop over the family's fields, not rows
+                width = f.frames_per_row
+                table = layout.tables[f.key]
+                old_refs.append(table.blob[rows][written])
+                table.blob[rows] = blob[:, col:col + width]
+                table.slot[rows] = slot[:, col:col + width]
+                col += width
+            # count the new references before dropping the old: frames both share must survive
+            self.index.incref(blob)
+            dead += [self.index.decref(old) for old in old_refs]
+            self.placement.policy.on_insert(plan.closed_ids)
+        self.rows.write_dense(layout.schema, rows, data)
+        self.rows.mark_written(rows)
+        self.rows.next_trajectory = next_trajectory
+        self.release_blobs(np.unique(np.concatenate(dead)) if dead else np.empty(0, np.int64))
+
+    def encode_and_place(self, fam: FrameFamily, ids: np.ndarray, raw: np.ndarray, nframes: np.ndarray) -> None:
+        """One batched encode of closed chunks, then placement; fills the index entries."""
+        if ids.size == 0:
+            return
+        raw_sizes = nframes * fam.frame_nbytes
+        enc = self.codec.encode(raw.reshape(-1), exclusive_cumsum(raw_sizes), raw_sizes)
+        idx = self.index
+        idx.nbytes[ids] = enc.sizes
+        idx.raw_nbytes[ids] = raw_sizes
+        idx.checksum[ids] = enc.checksums
+        idx.codec[ids] = self.codec.format_id
+        idx.family[ids] = fam.family_id
+        self.placement.place(ids, enc.data, enc.offsets, enc.sizes)
+        idx.state[ids] = STORED
+
+    def _abort(self, plan: FramePlan) -> None:
+        """Undo a plan whose write failed: new blobs go away, open chunks it closed stay open."""
+        idx = self.index
+        # never committed: their space is reusable at once
+        self.placement.free_in_tiers(np.concatenate([plan.new_ids, plan.reopened_closed]), defer=False)
+        idx.state[plan.reopened_closed] = OPEN
+        idx.release(plan.new_ids)
+
+    def close_open_chunks(self) -> None:
+        """Compress and place every open time chunk (``flush``)."""
+        if self.layout is None:
+            return
+        e = np.empty(0, dtype=np.int64)
+        for fam in self.layout.families:
+            if fam.open_blob.size == 0:
+                continue
+            empty = FrameColumns([np.empty((0, 1, fam.frame_nbytes), dtype=np.uint8)])
+            plan = fam.plan(empty, e, e, np.zeros(0, bool), self.index, close_all=True)
+            # keep the tail as it is
+            plan.tail_frames, plan.tail_blob, plan.tail_slot = fam.tail_frames, fam.tail_blob, fam.tail_slot
+            plan.tail_hash = fam.tail_hash
+            self.encode_and_place(fam, plan.closed_ids, plan.closed_raw, plan.closed_nframes)
+            dead = fam.commit(plan, self.index)  # pins the (same) tail and unpins it: net zero
+            self.placement.policy.on_insert(plan.closed_ids)
+            self.release_blobs(dead)
+
+    # -- deleting -----------------------------------------------------------------------------
+    def release_blobs(self, ids: np.ndarray) -> None:
+        """Free the blobs among ``ids`` that no row references any more.
+        No early exits on empty groups: the call count must not depend on the batch."""
+        idx = self.index
+        ids = ids[idx.refcount[ids] == 0]
+        opened = ids[idx.state[ids] == OPEN]
+        for fam in (self.layout.families if self.layout is not None else ()):
+            fam.drop_open(opened[idx.family[opened] == fam.family_id], idx)
+        # a cold tier reuses their space only after the next commit (a reader may still use it)
+        self.placement.free_in_tiers(ids[idx.state[ids] == STORED], defer=True)
+        self.placement.policy.on_release(ids)
+        idx.release(ids)
+
+    def clear(self) -> None:
+        """Forget every row and release every blob."""
+        if self.layout is None:
+            self.rows.reset()
+            return
+        if self.stage is not None:
+            self.stage.reset()  # staged rows go with the rest
+        written = np.flatnonzero(self.rows.written)
+        dead = [self.index.decref(t.blob[written]) for t in self.layout.tables.values()]
+        for t in self.layout.tables.values():
+            t.blob[written] = -1
+        dead += [fam.release_tail(self.index) for fam in self.layout.families]
+        self.rows.reset()
+        self.release_blobs(np.unique(np.concatenate(dead)) if dead else np.empty(0, np.int64))
+
+
+def _cell_frames(f: Field, value: torch.Tensor, n: int) -> np.ndarray:
+    """``[n, F, frame_nbytes]`` uint8 view/copy of a blob field's cells (numpy: its row gathers and
+    concatenations run at memcpy speed, several times torch's uint8 kernels)."""
+    v = value.detach()  # stored values never carry autograd history
+    if f.frame_dim is not None and f.frame_dim != 0:
+        v = v.movedim(f.frame_dim + 1, 1)
+    v = v.contiguous()
+    if v.dtype != torch.uint8:
+        v = v.view(torch.uint8) if v.dim() else v.reshape(1).view(torch.uint8)
+    return v.numpy().reshape(n, f.frames_per_row, f.frame_nbytes)
