@@ -1,8 +1,10 @@
-"""Conformance suite of the Tier contract (tiered/tiers/base.py): every tier passes it.
+"""Tiers: every tier runs the TierTests conformance suite (tiered.testing) of the Tier contract
+(tiered/tiers/base.py), and below it the tests particular to one tier.
 
-Tiers under test: HostTier, DeviceTier on the CPU (standing in for CUDA), MemmapTier and
-HDF5Tier on real files in ``tmp_path``, and DeviceTier on CUDA when a GPU is present. Plus
-unit tests of the extent allocator, byte-size parsing and the batched copy.
+Tiers under the suite: HostTier, DeviceTier on the CPU (standing in for CUDA), MemmapTier and
+HDF5Tier on real files in ``tmp_path``, and DeviceTier on CUDA when a GPU is present. Plus the
+cold tiers' files and reopening, the arenas' growth, unit tests of the extent allocator,
+byte-size parsing and the batched copy.
 """
 
 from __future__ import annotations
@@ -17,8 +19,8 @@ import pytest
 import torch
 
 from tiered.errors import CorruptionError, ReadOnlyStoreError, StorageFullError
+from tiered.testing import TierTests
 from tiered.tiers import (
-    ALIGNMENT,
     DeviceTier,
     ExtentAllocator,
     HDF5Tier,
@@ -33,43 +35,9 @@ from tiered.tiers import (
 from tiered.tiers import arena as arena_mod
 from tiered.tiers.arena import inject_oom
 
-# The conftest skips `cuda` tests without a GPU; the skipif keeps that true without it.
-needs_cuda = [pytest.mark.cuda,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
-
 # Small segments so that batches cross segment boundaries.
 SEG = 64 << 10
-KINDS = [
-    "host",
-    "device-cpu",
-    "memmap",
-    "hdf5",
-    pytest.param("device-cuda", marks=needs_cuda),
-]
 COLD = ("memmap", "hdf5")
-
-
-def make(kind: str, path, budget: int | None = None) -> Tier:
-    if kind == "host":
-        return HostTier(budget if budget is not None else 64 << 20)
-    if kind == "device-cpu":
-        return DeviceTier(budget if budget is not None else 64 << 20, device="cpu")
-    if kind == "device-cuda":
-        return DeviceTier(budget if budget is not None else 64 << 20, device="cuda")
-    cls = MemmapTier if kind == "memmap" else HDF5Tier
-    return cls(os.path.join(path, "cold"), segment_bytes=SEG, threads=4, budget=budget)
-
-
-@pytest.fixture(params=KINDS)
-def kind(request) -> str:
-    return request.param
-
-
-@pytest.fixture
-def tier(kind, tmp_path):
-    t = make(kind, str(tmp_path))
-    yield t
-    t.close()
 
 
 def batch(rng, n: int, lo: int = 0, hi: int = 3000):
@@ -103,200 +71,39 @@ def read_back(t: Tier, offsets, sizes, out_kind: str = "numpy", order=None) -> l
     return res
 
 
-def settle(t: Tier) -> None:
-    """Make freed space reusable: immediate for memory tiers, after a durable commit for cold."""
-    if isinstance(t, MemmapTier):
-        t.flush()
-        t.release_deferred()
-
-
 # --------------------------------------------------------------------------- conformance
 
 
-def test_is_a_tier(tier):
-    assert isinstance(tier, Tier)
-    assert tier.name in ("hot", "warm", "cold")
-    assert isinstance(tier.device, torch.device)
-    st = tier.stats()
-    assert {"bytes_used", "budget", "fragmentation"} <= set(st)
+class TestHostTier(TierTests):
+    def make_tier(self, tmp_path, budget: int | None) -> Tier:
+        return HostTier(budget if budget is not None else 64 << 20)
 
 
-@pytest.mark.parametrize("out_kind", ["numpy", "torch"])
-def test_round_trip_bit_exact(tier, out_kind):
-    rng = np.random.default_rng(0)
-    written = []
-    for n in (1, 7, 64, 256):
-        data, src_off, sizes = batch(rng, n)
-        offsets = tier.allocate(sizes)
-        assert offsets.dtype == np.int64 and offsets.shape == (n,)
-        tier.write(offsets, data, src_off, sizes)
-        written.append((offsets, sizes, blobs_of(data, src_off, sizes)))
-    tier.flush()
-    for offsets, sizes, expect in written:
-        assert read_back(tier, offsets, sizes, out_kind) == expect
-        order = rng.permutation(len(sizes))
-        assert read_back(tier, offsets, sizes, out_kind, order) == expect
+class TestDeviceTierOnCpu(TierTests):
+    def make_tier(self, tmp_path, budget: int | None) -> Tier:
+        return DeviceTier(budget if budget is not None else 64 << 20, device="cpu")
 
 
-def test_write_from_torch_and_scattered_source(tier):
-    rng = np.random.default_rng(1)
-    data, src_off, sizes = batch(rng, 50)
-    # the source blobs in reverse order with 7-byte gaps: nothing is contiguous
-    rev = sizes[::-1] + 7
-    src_off2 = (np.cumsum(rev) - rev)[::-1] + 5
-    src = torch.zeros(int(rev.sum()) + 10, dtype=torch.uint8)
-    for a, b, n in zip(src_off, src_off2, sizes, strict=True):
-        src[b:b + n] = torch.from_numpy(data[a:a + n])
-    offsets = tier.allocate(sizes)
-    tier.write(offsets, src, src_off2, sizes)
-    assert read_back(tier, offsets, sizes) == blobs_of(data, src_off, sizes)
+# The conftest skips `cuda` tests without a GPU; the skipif keeps that true without it.
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+class TestDeviceTierOnCuda(TierTests):
+    def make_tier(self, tmp_path, budget: int | None) -> Tier:
+        return DeviceTier(budget if budget is not None else 64 << 20, device="cuda")
 
 
-def test_zero_size_and_empty_batches(tier):
-    off = tier.allocate(np.array([], dtype=np.int64))
-    assert off.shape == (0,)
-    tier.write(off, np.zeros(0, np.uint8), off, off)
-    tier.read(off, off, np.zeros(0, np.uint8), off)
-    data = np.arange(20, dtype=np.uint8)
-    sizes = np.array([0, 20, 0])
-    off = tier.allocate(sizes)
-    tier.write(off, data, np.array([0, 0, 20]), sizes)
-    assert read_back(tier, off, sizes) == [b"", data.tobytes(), b""]
+class TestMemmapTier(TierTests):
+    durable = True
+
+    def make_tier(self, tmp_path, budget: int | None) -> Tier:
+        return MemmapTier(os.path.join(tmp_path, "cold"), segment_bytes=SEG, threads=4, budget=budget)
 
 
-def test_offsets_aligned(tier):
-    rng = np.random.default_rng(2)
-    for _ in range(5):
-        sizes = rng.integers(1, 5000, 40)
-        off = tier.allocate(sizes)
-        assert (off % ALIGNMENT == 0).all()
-        # live ranges never overlap
-        o = np.sort(off)
-        s = align(sizes)[np.argsort(off)]
-        assert (o[1:] >= o[:-1] + s[:-1]).all()
+class TestHDF5Tier(TierTests):
+    durable = True
 
-
-def test_bytes_used_counts_aligned_sizes(tier):
-    sizes = np.array([1, 16, 17, 100])
-    off = tier.allocate(sizes)
-    assert tier.bytes_used == int(align(sizes).sum()) == 16 + 16 + 32 + 112
-    tier.free(off[:2], sizes[:2])
-    assert tier.bytes_used == 32 + 112
-
-
-def test_free_then_reuse(tier, kind):
-    rng = np.random.default_rng(3)
-    data, src_off, sizes = batch(rng, 30, 100, 2000)
-    a = tier.allocate(sizes)
-    tier.write(a, data, src_off, sizes)
-    keep = tier.allocate(np.array([64]))  # something after `a`, so `a` stays a hole
-    tier.free(a, sizes)
-    if kind in COLD:
-        # deferred: the space of `a` is not reused before the freeing commit is durable
-        b = tier.allocate(sizes)
-        assert not np.isin(b, a).any()
-        assert read_back(tier, a, sizes) == blobs_of(data, src_off, sizes)  # still intact
-        tier.free(b, sizes, defer=False)
-        settle(tier)
-    c = tier.allocate(sizes)
-    assert int(c.min()) == int(a.min())  # the hole is reused
-    assert tier.bytes_used == int(align(sizes).sum()) + 64
-    del keep
-
-
-def test_storage_full_is_all_or_nothing(kind, tmp_path):
-    budget = 8192
-    t = make(kind, str(tmp_path), budget=budget)
-    rng = np.random.default_rng(4)
-    data, src_off, sizes = batch(rng, 4, 1000, 1500)
-    off = t.allocate(sizes)
-    t.write(off, data, src_off, sizes)
-    used, stats = t.bytes_used, t.stats()
-    big = np.array([1000, 1000, 1000, 1000])
-    with pytest.raises(StorageFullError) as e:
-        t.allocate(big)
-    msg = str(e.value)
-    assert str(int(align(big).sum())) in msg and str(budget) in msg and str(used) in msg
-    assert t.bytes_used == used and t.stats() == stats
-    assert read_back(t, off, sizes) == blobs_of(data, src_off, sizes)
-    # what does fit still goes in, where the failed batch would have gone
-    more = t.allocate(np.array([budget - used]))
-    assert t.bytes_used == budget
-    with pytest.raises(StorageFullError):
-        t.allocate(np.array([1]))
-    t.free(more, np.array([budget - used]), **({"defer": False} if kind in COLD else {}))
-    t.close()
-
-
-def test_blob_larger_than_budget_is_a_value_error(kind, tmp_path):
-    t = make(kind, str(tmp_path), budget=4096)
-    with pytest.raises(ValueError, match="4112 bytes.*4096") as e:
-        t.allocate(np.array([10, 4100]))
-    assert not isinstance(e.value, StorageFullError)
-    assert t.bytes_used == 0
-    t.allocate(np.array([4096]))  # exactly the budget fits
-    t.close()
-
-
-def test_fragmentation_in_unit_interval(tier):
-    rng = np.random.default_rng(5)
-    assert tier.stats()["fragmentation"] == 0.0
-    sizes = rng.integers(16, 400, 200)
-    off = tier.allocate(sizes)
-    sel = rng.random(200) < 0.5
-    sel[-1] = False
-    tier.free(off[sel], sizes[sel])
-    settle(tier)
-    f = tier.stats()["fragmentation"]
-    assert 0.0 < f < 1.0
-    tier.free(off[~sel], sizes[~sel])
-    settle(tier)
-    assert tier.stats()["fragmentation"] == 0.0
-    assert tier.bytes_used == 0
-
-
-def test_random_operations_match_a_model(tier, kind):
-    """2000 random allocate/write/free/read operations checked against a dict."""
-    rng = np.random.default_rng(6)
-    model: dict[int, bytes] = {}  # offset -> bytes
-    cold = kind in COLD
-    for step in range(2000):
-        op = rng.random()
-        if op < 0.4 or not model:
-            data, src_off, sizes = batch(rng, int(rng.integers(1, 9)), 0, 1500)
-            try:
-                off = tier.allocate(sizes)
-            except StorageFullError:
-                continue
-            tier.write(off, data, src_off, sizes)
-            for o, b in zip(off.tolist(), blobs_of(data, src_off, sizes), strict=True):
-                if b:
-                    assert o not in model
-                    model[o] = b
-        elif op < 0.7:
-            keys = list(model)
-            pick = rng.choice(len(keys), size=min(len(keys), int(rng.integers(1, 9))), replace=False)
-            off = np.array([keys[i] for i in pick], dtype=np.int64)
-            tier.free(off, np.array([len(model[o]) for o in off.tolist()]))
-            for o in off.tolist():
-                del model[o]
-        else:
-            keys = list(model)
-            pick = rng.choice(len(keys), size=min(len(keys), int(rng.integers(1, 33))), replace=False)
-            off = np.array([keys[i] for i in pick], dtype=np.int64)
-            sizes = np.array([len(model[o]) for o in off.tolist()])
-            out_kind = "torch" if step % 2 else "numpy"
-            assert read_back(tier, off, sizes, out_kind) == [model[o] for o in off.tolist()]
-        if cold and step % 50 == 0:
-            settle(tier)
-        # live blobs never overlap
-        if step % 100 == 0 and model:
-            o = np.array(sorted(model))
-            s = align(np.array([len(model[k]) for k in o.tolist()]))
-            assert (o[1:] >= o[:-1] + s[:-1]).all()
-    assert tier.bytes_used == sum(int(align(np.array([len(b)]))[0]) for b in model.values())
-    off = np.array(list(model), dtype=np.int64)
-    assert read_back(tier, off, np.array([len(model[o]) for o in model])) == list(model.values())
+    def make_tier(self, tmp_path, budget: int | None) -> Tier:
+        return HDF5Tier(os.path.join(tmp_path, "cold"), segment_bytes=SEG, threads=4, budget=budget)
 
 
 # --------------------------------------------------------------------------- cold tiers

@@ -1,14 +1,22 @@
-"""Eviction and promotion policies. A policy only decides; it never moves bytes.
+"""Residency policies: which blobs leave a full tier, which new blobs a cache takes, which read
+blobs move up. A policy only decides; it never moves bytes.
 
-The store tells a policy which blobs were inserted and accessed; when a tier is full it asks
-the policy which of the blobs in that tier should leave first, and after a sample which
-accessed blobs are worth promoting to a faster tier.
+The store tells a policy which blobs were inserted, read and released (and, for ``priority``, the
+priorities the caller set). When a memory tier is full it asks :meth:`Policy.victims` which of the
+blobs in that tier should leave first; when new blobs are written to a store with a cold tier it
+asks :meth:`Policy.admit` which of them the memory tier caches; after a read it asks
+:meth:`Policy.promote` which of the blobs that came from a slower tier should move up. The
+:class:`TierState` passed to the last two is all a policy knows of the tier.
 
 * ``fifo``: the oldest written blobs leave first.
-* ``lru``: the least recently sampled blobs leave first. Recency is counted per ``get`` call
+* ``lru``: the least recently read blobs leave first. Recency is counted per ``get`` call
   (an epoch counter), a CLOCK-like approximation that costs one vectorized store per call.
 * ``priority``: the caller passes priorities (``store.set_priority(rows, p)``); blobs whose
-  highest row priority is lowest leave first, ties broken by age.
+  highest row priority is lowest leave first.
+
+Ties are broken by age (the blob written first leaves first), then by the order of the ids the
+store passed. A policy's state (:meth:`Policy.state_arrays`) is plain numpy arrays, saved with
+each commit, so a reopened store decides as the one that wrote it.
 
 Example:
     >>> import numpy as np
@@ -18,47 +26,48 @@ Example:
     >>> p.on_access(np.array([0]))
     >>> p.order(np.array([0, 1, 2])).tolist()  # eviction order: least recently used first
     [1, 2, 0]
+    >>> p.victims(np.array([0, 1, 2]), np.array([16, 16, 16]), need=20).tolist()
+    [1, 2]
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import InvalidPriorityError
+from .errors import CorruptionError, InvalidPriorityError
+from .util.units import align
 
-__all__ = ["TierState", "Policy", "FifoPolicy", "LruPolicy", "PriorityPolicy", "get_policy", "POLICIES"]
-
-
-class _Column:
-    """A growable per-blob-id numpy column."""
-
-    def __init__(self, dtype, fill):
-        self.fill = fill
-        self.data = np.full(1024, fill, dtype=dtype)
-
-    def ensure(self, max_id: int) -> None:
-        if max_id >= self.data.shape[0]:
-            new = np.full(max(max_id + 1, self.data.shape[0] * 2), self.fill, dtype=self.data.dtype)
-            new[: self.data.shape[0]] = self.data
-            self.data = new
-
-    def set(self, ids: np.ndarray, values) -> None:
-        if ids.size:
-            self.ensure(int(ids.max()))
-            self.data[ids] = values
-
-    def get(self, ids: np.ndarray) -> np.ndarray:
-        if ids.size:
-            self.ensure(int(ids.max()))
-        return self.data[ids]
+__all__ = [
+    "TierState",
+    "Policy",
+    "FifoPolicy",
+    "LruPolicy",
+    "PriorityPolicy",
+    "get_policy",
+    "POLICIES",
+]
 
 
 @dataclass(frozen=True)
 class TierState:
-    """What a policy may know of a tier when it decides."""
+    """What a policy may know of a memory tier when it decides on admission or promotion.
+
+    Attributes:
+        name: ``"hot"`` or ``"warm"``.
+        budget: the tier's byte budget (``None``: unbounded).
+        bytes_used: bytes the tier holds now (aligned sizes).
+        exclusive: ``True`` when the store has no cold tier, so a blob lives in exactly one
+            memory tier (promoting moves it); ``False`` when the tier is a cache over a cold
+            tier that holds every blob (promoting copies it).
+
+    Example:
+        >>> TierState("warm", budget=1 << 20, bytes_used=0, exclusive=False)
+        TierState(name='warm', budget=1048576, bytes_used=0, exclusive=False)
+    """
 
     name: str
     budget: int | None
@@ -66,8 +75,59 @@ class TierState:
     exclusive: bool
 
 
+class _Column:
+    """A growable per-blob-id numpy column; ``size`` is one past the largest id ever written."""
+
+    def __init__(self, dtype: type, fill: float) -> None:
+        self.fill = fill
+        self.data = np.full(1024, fill, dtype=dtype)
+        self.size = 0
+
+    def ensure(self, max_id: int) -> None:
+        if max_id >= self.data.shape[0]:
+            new = np.full(max(max_id + 1, self.data.shape[0] * 2), self.fill, dtype=self.data.dtype)
+            new[: self.data.shape[0]] = self.data
+            self.data = new
+
+    def reserve(self, ids: np.ndarray) -> None:
+        """Make room for writes to ``ids`` (non-empty) and count them in ``size``."""
+        top = int(ids.max())
+        self.ensure(top)
+        self.size = max(self.size, top + 1)
+
+    def set(self, ids: np.ndarray, values: np.ndarray | float) -> None:
+        if ids.size:
+            self.reserve(ids)
+            self.data[ids] = values
+
+    def get(self, ids: np.ndarray) -> np.ndarray:
+        if ids.size:
+            self.ensure(int(ids.max()))
+        return self.data[ids]
+
+    def export(self, n: int) -> np.ndarray:
+        """The first ``n`` entries (a copy; entries never written hold the fill value)."""
+        self.ensure(n - 1)
+        return self.data[:n].copy()
+
+    def load(self, values: np.ndarray) -> None:
+        self.data = np.full(max(1024, values.shape[0]), self.fill, dtype=self.data.dtype)
+        self.data[: values.shape[0]] = values
+        self.size = int(values.shape[0])
+
+
+def _ids(ids: np.ndarray) -> np.ndarray:
+    return np.asarray(ids, dtype=np.int64).reshape(-1)
+
+
 class Policy(ABC):
-    """Decides residency. Subclasses implement :meth:`_keys` (lower leaves first)."""
+    """Decides residency. Subclasses implement :meth:`_keys` (lower leaves first).
+
+    The base class keeps each blob's birth (the insert call that wrote it, counted by a clock
+    that every insert advances); ties of :meth:`_keys` are broken by birth. Subclasses with more
+    per-blob state add their columns to :meth:`_columns` so that :meth:`state_arrays` and
+    :meth:`load_state_arrays` carry them.
+    """
 
     name: str
 
@@ -75,61 +135,243 @@ class Policy(ABC):
         self._clock = 0
         self._birth = _Column(np.int64, 0)
 
+    # -- events -------------------------------------------------------------------------------
+
     def on_insert(self, ids: np.ndarray) -> None:
-        """New blobs were written."""
+        """New blobs were written (an id given again after :meth:`on_release` is a new blob)."""
         self._clock += 1
-        self._birth.set(np.asarray(ids, dtype=np.int64), self._clock)
+        self._birth.set(_ids(ids), self._clock)
 
     def on_access(self, ids: np.ndarray) -> None:  # noqa: B027 - only LRU cares
         """Blobs were read by a ``get``."""
 
-    def on_release(self, ids: np.ndarray) -> None:  # noqa: B027
-        """Blobs were deleted (their ids may be reused)."""
+    def on_release(self, ids: np.ndarray) -> None:
+        """Blobs were deleted; their ids may be reused. Forgets their state."""
+        ids = _ids(ids)
+        for column in self._columns().values():
+            column.set(ids, column.fill)
 
-    def admit(self, ids: np.ndarray, sizes: np.ndarray, tier: TierState) -> np.ndarray:
-        """Which new blobs to copy into cache tier ``tier`` at write time (default: all)."""
-        return np.ones(np.asarray(ids).size, dtype=bool)
+    def set_priority(self, ids: np.ndarray, priority: np.ndarray | float) -> None:
+        """Set per-blob priorities; policies other than ``priority`` only validate them.
 
-    def promote(self, ids: np.ndarray, sizes: np.ndarray, tier: TierState) -> np.ndarray:
-        """Which blobs just read from a slower tier to copy up into ``tier``."""
-        limit = (tier.budget or 0) // (4 if tier.exclusive else 2)
-        return np.cumsum(np.asarray(sizes, dtype=np.int64)) <= limit
+        Args:
+            ids: blob ids (an id may appear several times).
+            priority: one priority per id, or one for all.
 
-    def state_arrays(self) -> dict[str, np.ndarray]:
-        """The policy's per-blob state, saved at commit."""
-        return {"birth": self._birth.data.copy(), "clock": np.array([self._clock], np.int64)}
+        Raises:
+            InvalidPriorityError: a priority is NaN or infinite.
 
-    def load_state_arrays(self, arrays: dict[str, np.ndarray]) -> None:
-        """Restore :meth:`state_arrays`."""
-        self._birth.data = np.array(arrays["birth"], dtype=np.int64)
-        self._clock = int(arrays["clock"][0])
+        Example:
+            >>> import numpy as np
+            >>> get_policy("fifo").set_priority(np.array([0]), np.array([np.nan]))
+            Traceback (most recent call last):
+            ...
+            tiered.errors.InvalidPriorityError: priorities must be finite, got [nan]
+        """
+        self._checked_priorities(ids, priority)
+
+    @staticmethod
+    def _checked_priorities(ids: np.ndarray, priority: np.ndarray | float) -> np.ndarray:
+        priority = np.asarray(priority, dtype=np.float64)
+        bad = priority[~np.isfinite(priority)]
+        if bad.size:
+            raise InvalidPriorityError(f"priorities must be finite, got {bad.reshape(-1)[:5].tolist()}")
+        return np.broadcast_to(priority.reshape(-1) if priority.ndim else priority, _ids(ids).shape)
+
+    # -- decisions ----------------------------------------------------------------------------
 
     @abstractmethod
     def _keys(self, ids: np.ndarray) -> np.ndarray:
         """Sort keys: the smallest leaves first."""
 
+    def _eviction_permutation(self, ids: np.ndarray) -> np.ndarray:
+        # lexsort: last key is primary; age breaks ties, then the stable order of `ids`.
+        return np.lexsort((self._birth.get(ids), self._keys(ids)))
+
     def order(self, ids: np.ndarray) -> np.ndarray:
         """Return ``ids`` in eviction order (first to leave first)."""
-        ids = np.asarray(ids, dtype=np.int64)
+        ids = _ids(ids)
         if ids.size == 0:
             return ids
-        keys = self._keys(ids)
-        # lexsort: last key is primary; age breaks ties so the order is deterministic.
-        return ids[np.lexsort((self._birth.get(ids), keys))]
+        return ids[self._eviction_permutation(ids)]
 
     def victims(self, ids: np.ndarray, sizes: np.ndarray, need: int) -> np.ndarray:
-        """The shortest eviction-ordered prefix of ``ids`` whose ``sizes`` add up to ``need`` bytes."""
-        ids = np.asarray(ids, dtype=np.int64)
+        """The shortest eviction-ordered prefix of ``ids`` whose ``sizes`` add up to ``need`` bytes.
+
+        All of ``ids`` when they hold fewer than ``need`` bytes; none when ``need <= 0``.
+
+        Example:
+            >>> import numpy as np
+            >>> p = get_policy("fifo")
+            >>> p.on_insert(np.array([7])); p.on_insert(np.array([3]))
+            >>> p.victims(np.array([3, 7]), np.array([32, 32]), need=1).tolist()  # 7 is older
+            [7]
+        """
+        ids = _ids(ids)
         if need <= 0 or ids.size == 0:
             return np.empty(0, dtype=np.int64)
-        perm = np.lexsort((self._birth.get(ids), self._keys(ids)))
-        cum = np.cumsum(np.asarray(sizes, dtype=np.int64)[perm])
+        perm = self._eviction_permutation(ids)
+        cum = np.cumsum(np.asarray(sizes, dtype=np.int64).reshape(-1)[perm])
         k = int(np.searchsorted(cum, need)) + 1
         return ids[perm[:k]]
 
+    def admit(self, ids: np.ndarray, sizes: np.ndarray, tier: TierState) -> np.ndarray:
+        """Which new blobs to copy into cache tier ``tier`` when they are written.
+
+        Args:
+            ids: the new blobs (already stored in the cold tier).
+            sizes: their aligned sizes in bytes.
+            tier: the memory tier asked to cache them.
+
+        Returns:
+            A bool mask over ``ids``. The default admits every blob (the store then makes room
+            by :meth:`victims`, and skips caching when even that fails).
+
+        Example:
+            >>> import numpy as np
+            >>> warm = TierState("warm", budget=4096, bytes_used=0, exclusive=False)
+            >>> get_policy("lru").admit(np.array([0, 1]), np.array([16, 32]), warm).tolist()
+            [True, True]
+        """
+        return np.ones(_ids(ids).shape, dtype=bool)
+
+    def promote(self, ids: np.ndarray, sizes: np.ndarray, tier: TierState) -> np.ndarray:
+        """Which blobs just read from a slower tier to copy up into ``tier``.
+
+        Args:
+            ids: the blobs, in the order the read met them.
+            sizes: their sizes in bytes (aligned here again, so raw sizes give the same answer).
+            tier: the faster tier they could move to.
+
+        Returns:
+            A bool mask over ``ids``. The default takes the prefix whose aligned sizes add up to
+            at most a quarter of the budget when ``tier.exclusive`` (so one sample cannot flush
+            the whole hot set), at most half of it when the tier is a cache (a batch larger than
+            the cache still promotes part of itself); nothing when the budget is ``None`` or 0.
+
+        Example:
+            >>> import numpy as np
+            >>> hot = TierState("hot", budget=256, bytes_used=0, exclusive=True)
+            >>> p = get_policy("lru")
+            >>> p.promote(np.array([4, 5, 6]), np.array([32, 32, 32]), hot).tolist()  # <= 64 bytes
+            [True, True, False]
+            >>> cache = TierState("hot", budget=256, bytes_used=0, exclusive=False)
+            >>> p.promote(np.array([4, 5, 6]), np.array([32, 32, 32]), cache).tolist()  # <= 128
+            [True, True, True]
+        """
+        sizes = align(np.asarray(sizes, dtype=np.int64).reshape(-1))
+        if not tier.budget:
+            return np.zeros(sizes.shape, dtype=bool)
+        limit = tier.budget // 4 if tier.exclusive else tier.budget // 2
+        return np.cumsum(sizes) <= limit
+
+    # -- state --------------------------------------------------------------------------------
+
+    def _columns(self) -> dict[str, _Column]:
+        """Per-blob state columns by their name in :meth:`state_arrays`."""
+        return {"birth": self._birth}
+
+    def state_arrays(self) -> dict[str, np.ndarray]:
+        """Everything the policy's future decisions depend on, as plain numpy arrays.
+
+        ``"clock"`` (int64 scalar) and one 1-D column per per-blob state, all of one length
+        (ids past it were never written): ``"birth"`` (int64) for every policy,
+        ``"last_access"`` (int64) for ``lru``, ``"priority"`` (float64) for ``priority``. Saved
+        with ``np.save`` they need no pickle.
+
+        Example:
+            >>> import numpy as np
+            >>> p = get_policy("lru")
+            >>> p.on_insert(np.array([0, 1])); p.on_access(np.array([0]))
+            >>> {k: v.tolist() for k, v in p.state_arrays().items()}
+            {'clock': 2, 'birth': [1, 1], 'last_access': [2, 1]}
+            >>> q = get_policy("lru")
+            >>> q.load_state_arrays(p.state_arrays())
+            >>> q.order(np.array([0, 1])).tolist()
+            [1, 0]
+        """
+        columns = self._columns()
+        n = max(column.size for column in columns.values())
+        return {"clock": np.array(self._clock, dtype=np.int64),
+                **{key: column.export(n) for key, column in columns.items()}}
+
+    def load_state_arrays(self, arrays: Mapping[str, np.ndarray]) -> None:
+        """Restore the state :meth:`state_arrays` returned (by a policy of the same kind).
+
+        Everything is checked before anything changes: on an error the policy is as it was.
+
+        Raises:
+            CorruptionError: a key is missing or unknown, an array has the wrong dtype or shape,
+                the columns differ in length, a clock value is negative or ahead of the clock, or
+                a priority is NaN, infinite or negative.
+
+        Example:
+            >>> import numpy as np
+            >>> get_policy("fifo").load_state_arrays({"clock": np.array(1)})
+            Traceback (most recent call last):
+            ...
+            tiered.errors.CorruptionError: fifo policy state: missing 'birth' (has 'clock'); ...
+        """
+        columns = self._columns()
+        clock = self._checked_state(arrays, columns)
+        self._clock = clock
+        for key, column in columns.items():
+            column.load(arrays[key])
+
+    def _checked_state(self, arrays: Mapping[str, np.ndarray], columns: dict[str, _Column]) -> int:
+        """Validate saved state arrays against ``columns``; return the clock."""
+        def damaged(what: str) -> CorruptionError:
+            return CorruptionError(f"{self.name} policy state: {what}; the saved policy state is damaged "
+                                   "or was written by another policy")
+
+        if not isinstance(arrays, Mapping):
+            raise damaged(f"expected a mapping of names to arrays, got {type(arrays).__name__}")
+        expected = ["clock", *columns]
+        missing = [k for k in expected if k not in arrays]
+        unknown = sorted(str(k) for k in arrays if k not in expected)
+        if missing or unknown:
+            parts = ([f"missing {', '.join(map(repr, missing))}"] if missing else []) + \
+                    ([f"unknown {', '.join(map(repr, unknown))}"] if unknown else [])
+            raise damaged("; ".join(parts) + f" (has {', '.join(map(repr, sorted(map(str, arrays))))})")
+        for key in expected:
+            value = arrays[key]
+            dtype = np.dtype(np.int64) if key == "clock" else columns[key].data.dtype
+            shape = "a scalar" if key == "clock" else "a 1-D array"
+            if not isinstance(value, np.ndarray) or value.dtype != dtype or value.ndim != (0 if key == "clock" else 1):
+                got = (f"{value.dtype} with shape {value.shape}" if isinstance(value, np.ndarray)
+                       else type(value).__name__)
+                raise damaged(f"{key!r} must be {shape} of {dtype}, got {got}")
+        clock = int(arrays["clock"])
+        if clock < 0:
+            raise damaged(f"'clock' is negative ({clock})")
+        lengths = {key: int(arrays[key].shape[0]) for key in columns}
+        if len(set(lengths.values())) > 1:
+            raise damaged(f"the per-blob columns differ in length ({lengths})")
+        for key in columns:
+            value = arrays[key]
+            if value.dtype == np.int64:
+                bad = (value < 0) | (value > clock)
+                if bad.any():
+                    raise damaged(f"{key!r} holds {int(value[bad][0])} for blob {int(np.flatnonzero(bad)[0])}, "
+                                  f"outside the clock's range [0, {clock}]")
+            else:
+                bad = ~np.isfinite(value) | (value < 0)
+                if bad.any():
+                    raise damaged(f"{key!r} holds {float(value[bad][0])} for blob {int(np.flatnonzero(bad)[0])}; "
+                                  "priorities are finite and >= 0")
+        return clock
+
 
 class FifoPolicy(Policy):
-    """Oldest written first."""
+    """Oldest written first.
+
+    Example:
+        >>> import numpy as np
+        >>> p = FifoPolicy()
+        >>> p.on_insert(np.array([5])); p.on_insert(np.array([2])); p.on_access(np.array([5]))
+        >>> p.order(np.array([2, 5])).tolist()  # reads do not matter
+        [5, 2]
+    """
 
     name = "fifo"
 
@@ -138,7 +380,18 @@ class FifoPolicy(Policy):
 
 
 class LruPolicy(Policy):
-    """Least recently accessed first (per-call epochs: a CLOCK-like approximation of LRU)."""
+    """Least recently accessed first (per-call epochs: a CLOCK-like approximation of LRU).
+
+    Blobs read in the same call share an epoch; among them the older leaves first.
+
+    Example:
+        >>> import numpy as np
+        >>> p = LruPolicy()
+        >>> p.on_insert(np.array([0, 1, 2]))
+        >>> p.on_access(np.array([2])); p.on_access(np.array([0]))
+        >>> p.order(np.array([0, 1, 2])).tolist()
+        [1, 2, 0]
+    """
 
     name = "lru"
 
@@ -148,55 +401,88 @@ class LruPolicy(Policy):
 
     def on_insert(self, ids: np.ndarray) -> None:
         super().on_insert(ids)
-        self._last.set(np.asarray(ids, dtype=np.int64), self._clock)
+        self._last.set(_ids(ids), self._clock)
 
     def on_access(self, ids: np.ndarray) -> None:
         self._clock += 1
-        self._last.set(np.asarray(ids, dtype=np.int64), self._clock)
+        self._last.set(_ids(ids), self._clock)
 
     def _keys(self, ids: np.ndarray) -> np.ndarray:
         return self._last.get(ids)
 
+    def _columns(self) -> dict[str, _Column]:
+        return {**super()._columns(), "last_access": self._last}
+
 
 class PriorityPolicy(Policy):
-    """Lowest priority first; blobs without a priority count as ``default``."""
+    """Lowest priority first; blobs without a priority count as ``default``.
+
+    Args:
+        default: the priority of a blob no :meth:`set_priority` call has named (finite, >= 0).
+
+    Example:
+        >>> import numpy as np
+        >>> p = PriorityPolicy()
+        >>> p.on_insert(np.array([0, 1, 2]))
+        >>> p.set_priority(np.array([0, 0, 2]), np.array([0.5, 3.0, 0.5]))  # blob 0 gets the max
+        >>> p.order(np.array([0, 1, 2])).tolist()  # 2 (0.5), 1 (default 1.0), 0 (3.0)
+        [2, 1, 0]
+    """
 
     name = "priority"
 
     def __init__(self, default: float = 1.0) -> None:
         super().__init__()
+        default = float(default)
+        if not np.isfinite(default) or default < 0:
+            raise InvalidPriorityError(f"the default priority must be finite and >= 0, got {default}")
         self._prio = _Column(np.float64, default)
         self.default = default
 
     def on_insert(self, ids: np.ndarray) -> None:
         super().on_insert(ids)
-        self._prio.set(np.asarray(ids, dtype=np.int64), self.default)
+        self._prio.set(_ids(ids), self.default)
 
-    def set_priority(self, ids: np.ndarray, priority: np.ndarray) -> None:
-        """Set the priority of blobs (the store passes, per blob, the max over its rows)."""
+    def set_priority(self, ids: np.ndarray, priority: np.ndarray | float) -> None:
+        """Set the priority of blobs (the store passes, per blob, the max over its rows).
+
+        An id named several times gets the largest of its priorities in this call.
+
+        Raises:
+            InvalidPriorityError: a priority is NaN, infinite or negative (nothing changes).
+        """
         priority = np.asarray(priority, dtype=np.float64)
         if not np.isfinite(priority).all() or (priority < 0).any():
             bad = priority[~np.isfinite(priority) | (priority < 0)]
             raise InvalidPriorityError(
-                f"priorities must be finite and >= 0, got {bad[:5].tolist()}; "
+                f"priorities must be finite and >= 0, got {bad.reshape(-1)[:5].tolist()}; "
                 "fix the TD error / priority computation (e.g. nan_to_num) before updating"
             )
-        ids = np.asarray(ids, dtype=np.int64)
+        ids = _ids(ids)
         if ids.size:
+            priority = np.broadcast_to(priority.reshape(-1) if priority.ndim else priority, ids.shape)
             # Several rows may map to one blob: keep the max (np.maximum.at handles duplicates).
-            self._prio.ensure(int(ids.max()))
+            self._prio.reserve(ids)
             self._prio.data[ids] = -np.inf
             np.maximum.at(self._prio.data, ids, priority)
 
     def _keys(self, ids: np.ndarray) -> np.ndarray:
         return self._prio.get(ids)
 
+    def _columns(self) -> dict[str, _Column]:
+        return {**super()._columns(), "priority": self._prio}
+
 
 POLICIES: dict[str, type[Policy]] = {"fifo": FifoPolicy, "lru": LruPolicy, "priority": PriorityPolicy}
 
 
 def get_policy(policy: str | Policy) -> Policy:
-    """Resolve ``"fifo"``, ``"lru"`` or ``"priority"`` (or pass a :class:`Policy` through)."""
+    """Resolve ``"fifo"``, ``"lru"`` or ``"priority"`` (or pass a :class:`Policy` through).
+
+    Example:
+        >>> get_policy("LRU").name, get_policy(FifoPolicy()).name
+        ('lru', 'fifo')
+    """
     if isinstance(policy, Policy):
         return policy
     try:

@@ -43,7 +43,7 @@ def gen_dir_name(generation: int) -> str:
 
 def save_npy(path: str, arr: np.ndarray) -> int:
     """Write ``arr`` as a ``.npy`` file through :mod:`tiered.fileio` and fsync it; return its size."""
-    arr = np.ascontiguousarray(arr)
+    arr = np.require(arr, requirements="C")  # keeps 0-d arrays 0-d (ascontiguousarray makes them 1-d)
     header = io.BytesIO()
     np.lib.format.write_array_header_1_0(header, np.lib.format.header_data_from_array_1_0(arr))
     head = header.getvalue()
