@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from .index import COLD, HOT, OPEN, WARM
-from .store import TieredStore
-from .util.batch import exclusive_cumsum
-from .util.units import align
+from ..index import COLD, HOT, OPEN, WARM
+from ..store import TieredStore
+from ..util.batch import exclusive_cumsum
+from ..util.units import align
 
 __all__ = ["spread_over_tiers", "tier_counts"]
 
