@@ -193,7 +193,7 @@ def test_cpu_stand_in_every_tier_bit_exact(frames, tmp_path, codec, chunk_frames
     got = dec.materialize(store, fam, uniq).numpy().reshape(uniq.size, -1).copy()
     want = store._materialize(fam, uniq).reshape(uniq.size, -1)
     idx = store._index
-    used = np.where(idx.state[uniq] == OPEN, fam.K * fam.nbytes, idx.raw_nbytes[uniq])
+    used = np.where(idx.state[uniq] == OPEN, fam.chunk_frames * fam.frame_nbytes, idx.raw_nbytes[uniq])
     mask = np.arange(got.shape[1])[None, :] < used[:, None]
     assert np.array_equal(got[mask], want[mask])
 

@@ -441,7 +441,7 @@ class GpuDecoder:
         blobs = np.concatenate([store._tables[f.key].blob[rows] for f in fields], axis=1)
         slots = np.concatenate([store._tables[f.key].slot[rows] for f in fields], axis=1)
         uniq, inv = self._unique(blobs.reshape(-1), store._index.size)
-        frame_idx = inv.reshape(blobs.shape) * fam.K + slots
+        frame_idx = inv.reshape(blobs.shape) * fam.chunk_frames + slots
         # field-major, so each field's frame indices are one contiguous slice on the device
         spans, parts, col = [], [], 0
         for f in fields:
@@ -452,9 +452,9 @@ class GpuDecoder:
         extra = np.concatenate(parts) if len(parts) > 1 else parts[0]
         flat, extra_t = self._materialize(store, fam, uniq, extra)
         if extra_t is None:  # CPU fallback: gather on the host, get() moves the result
-            flat_np = flat.numpy().reshape(-1, fam.nbytes)
+            flat_np = flat.numpy().reshape(-1, fam.frame_nbytes)
         else:
-            flat2 = flat.reshape(-1, fam.nbytes)
+            flat2 = flat.reshape(-1, fam.frame_nbytes)
         for f, (a, b) in zip(fields, spans, strict=True):  # a loop over fields, not rows
             if extra_t is None:
                 part = torch.from_numpy(flat_np[extra[a:b]])
@@ -545,7 +545,7 @@ class GpuDecoder:
     def _materialize(self, store: TieredStore, fam: FrameFamily, uniq: np.ndarray,
                      extra: np.ndarray | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         n = int(uniq.size)
-        K, nb = fam.K, fam.nbytes
+        K, nb = fam.chunk_frames, fam.frame_nbytes
         row = K * nb
         stride = int(align(row))
         kind = self._classify(store, uniq)

@@ -15,7 +15,7 @@ checksum   int64   checksum of the compressed bytes (:mod:`tiered.codecs.checksu
 codec      int8    codec format id
 family     int16   frame family (index into the store's family list)
 loc        int64   [n, 3] offset of the blob in the hot, warm, cold tier; -1 if absent
-aux        int64   OPEN blobs: slot in the family's open-chunk buffer
+open_slot  int64   OPEN blobs: slot in the family's open-chunk buffer (saved as ``index.aux``)
 birth      int64   write sequence number (FIFO policy)
 ========== ======= ================================================================
 
@@ -53,9 +53,11 @@ _COLUMNS: dict[str, tuple[Any, tuple[int, ...], int]] = {
     "codec": (np.int8, (), 0),
     "family": (np.int16, (), 0),
     "loc": (np.int64, (3,), -1),
-    "aux": (np.int64, (), -1),
+    "open_slot": (np.int64, (), -1),
     "birth": (np.int64, (), 0),
 }
+# Columns saved under another name: format v1 calls open_slot "aux" (file index.aux.npy).
+_SAVED_AS = {"open_slot": "aux"}
 
 
 class BlobIndex:
@@ -96,7 +98,7 @@ class BlobIndex:
         self.state[ids] = STORED
         self.refcount[ids] = 0
         self.loc[ids] = -1
-        self.aux[ids] = -1
+        self.open_slot[ids] = -1
         self.birth[ids] = np.arange(self._seq, self._seq + n)
         self._seq += n
         return ids
@@ -105,7 +107,7 @@ class BlobIndex:
         """Return ids to the pool (their tier space must already be freed)."""
         self.state[ids] = FREE
         self.loc[ids] = -1
-        self.aux[ids] = -1
+        self.open_slot[ids] = -1
         self.nbytes[ids] = 0
         self.raw_nbytes[ids] = 0
         self._free_ids = np.concatenate([self._free_ids, ids.astype(np.int64)])
@@ -130,7 +132,7 @@ class BlobIndex:
 
     # Persistence -------------------------------------------------------------------------
     def state_arrays(self) -> dict[str, np.ndarray]:
-        out = {name: getattr(self, name)[: self.size] for name in _COLUMNS}
+        out = {_SAVED_AS.get(name, name): getattr(self, name)[: self.size] for name in _COLUMNS}
         out["free_ids"] = self._free_ids
         out["meta"] = np.array([self.size, self._seq], dtype=np.int64)
         return out
@@ -140,7 +142,7 @@ class BlobIndex:
         size, seq = (int(x) for x in arrays["meta"])
         index = cls(initial=max(size, 16))
         for name in _COLUMNS:
-            getattr(index, name)[:size] = arrays[name][:size]
+            getattr(index, name)[:size] = arrays[_SAVED_AS.get(name, name)][:size]
         index.size = size
         index._seq = seq
         index._free_ids = np.array(arrays["free_ids"], dtype=np.int64)

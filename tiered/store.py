@@ -522,7 +522,7 @@ class TieredStore:
                 fam = self._families[fid]
                 # frames row-major (row, field, frame) so a trajectory's frames come in time order
                 frames = FrameColumns([self._cell_frames(f, data.get(f.key), n) for f in fields])
-                per_row = frames.P
+                per_row = frames.per_row
                 frame_traj = np.repeat(traj, per_row)
                 tail_mask = np.zeros(n * per_row, dtype=bool)
                 tail_mask[max(0, n - fam.tail_rows) * per_row:] = True
@@ -577,7 +577,7 @@ class TieredStore:
     def _store_chunks(self, fam: FrameFamily, ids: np.ndarray, raw: np.ndarray, nframes: np.ndarray) -> None:
         if ids.size == 0:
             return
-        raw_sizes = nframes * fam.nbytes
+        raw_sizes = nframes * fam.frame_nbytes
         raw_offsets = exclusive_cumsum(raw_sizes)
         enc = self._codec.encode(raw.reshape(-1), raw_offsets, raw_sizes)
         idx = self._index
@@ -860,8 +860,8 @@ class TieredStore:
         blobs = np.concatenate([self._tables[f.key].blob[rows] for f in fields], axis=1)
         slots = np.concatenate([self._tables[f.key].slot[rows] for f in fields], axis=1)
         uniq, inv = np.unique(blobs, return_inverse=True)
-        frame_idx = inv.reshape(blobs.shape) * fam.K + slots
-        flat = self._materialize(fam, uniq).reshape(-1, fam.nbytes)  # decoded frames, reused buffer
+        frame_idx = inv.reshape(blobs.shape) * fam.chunk_frames + slots
+        flat = self._materialize(fam, uniq).reshape(-1, fam.frame_nbytes)  # decoded frames, reused buffer
         col = 0
         for f in fields:  # a loop over fields, not rows
             F = f.frames_per_row
@@ -882,7 +882,7 @@ class TieredStore:
     def _materialize(self, fam: FrameFamily, uniq: np.ndarray) -> np.ndarray:
         """Raw frames ``[len(uniq), K, nbytes]`` of the given blobs, in a reused buffer."""
         idx = self._index
-        K, nb = fam.K, fam.nbytes
+        K, nb = fam.chunk_frames, fam.frame_nbytes
         row_bytes = K * nb
         dst = self._scratch(f"raw{fam.family_id}", uniq.size * row_bytes)
         dst_t = dst.reshape(uniq.size, K, nb)
@@ -1104,7 +1104,7 @@ class TieredStore:
                     fam_stored[fam.family_id] = int(idx.nbytes[sel[idx.state[sel] == STORED]].sum()) + \
                         int(idx.raw_nbytes[sel[idx.state[sel] == OPEN]].sum())
                     fam_raw[fam.family_id] = int(idx.raw_nbytes[sel].sum())
-                    fam_frames[fam.family_id] = int(idx.raw_nbytes[sel].sum()) // fam.nbytes
+                    fam_frames[fam.family_id] = int(idx.raw_nbytes[sel].sum()) // fam.frame_nbytes
                 fam_logical: dict[int, int] = {}
                 for f in self._schema.blob_fields:
                     fid = self._family_of[f.key]
@@ -1138,12 +1138,12 @@ class TieredStore:
                     "fragmentation": float(st.get("fragmentation", 0.0)),
                     **self._stats[name],
                 }
-            open_bytes = sum(int(f.pend.nbytes) for f in self._families)
+            open_bytes = sum(int(f.open_frames.nbytes) for f in self._families)
             staged = self._stage.count if self._stage is not None else 0
             stage_bytes = self._stage.nbytes if self._stage is not None else 0
             tail_bytes = sum(int(f.tail_frames.nbytes) for f in self._families)
             index_bytes = sum(getattr(idx, c).nbytes for c in ("state", "refcount", "nbytes", "raw_nbytes",
-                                                             "checksum", "codec", "family", "loc", "aux", "birth"))
+                                                             "checksum", "codec", "family", "loc", "open_slot", "birth"))
             table_bytes = sum(t.blob.nbytes + t.slot.nbytes for t in self._tables.values())
             dense_bytes = sum(v.numel() * v.element_size() for v in self._dense.values())
             return {
@@ -1172,7 +1172,7 @@ class TieredStore:
         for fam in self._families:
             if fam.open_blob.size == 0:
                 continue
-            empty = FrameColumns([np.empty((0, 1, fam.nbytes), dtype=np.uint8)])
+            empty = FrameColumns([np.empty((0, 1, fam.frame_nbytes), dtype=np.uint8)])
             e = np.empty(0, dtype=np.int64)
             plan = fam.plan(empty, e, e, np.zeros(0, bool), self._index, close_all=True)
             # keep the tail as it is
@@ -1286,7 +1286,7 @@ class TieredStore:
             "options": self._options,
             "policy": self._policy.name,
             "schema": self._schema.to_json() if self._schema is not None else None,
-            "families": [{"frame_nbytes": f.nbytes, "chunk_frames": f.K} for f in self._families],
+            "families": [{"frame_nbytes": f.frame_nbytes, "chunk_frames": f.chunk_frames} for f in self._families],
             "cold": cold_state,
             "files": files,
         }
