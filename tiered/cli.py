@@ -211,7 +211,7 @@ def _parse_frames(items: Sequence[str] | None) -> dict[tuple[str, ...], int] | N
 def _import(args: argparse.Namespace) -> int:
     from .formats import import_dataset
 
-    rep = import_dataset(
+    report = import_dataset(
         args.format,
         args.src,
         args.dst,
@@ -225,27 +225,27 @@ def _import(args: argparse.Namespace) -> int:
         force=args.force,
     )
     if not args.quiet:
-        ratio = rep.source_bytes / rep.store_bytes if rep.store_bytes else float("nan")
+        ratio = report.source_bytes / report.store_bytes if report.store_bytes else float("nan")
         print(
-            f"imported {rep.rows:,} rows from {args.format} {args.src} into {args.dst} "
-            f"in {rep.seconds:.1f} s "
-            f"({rep.rows_per_s:,.0f} rows/s)"
+            f"imported {report.rows:,} rows from {args.format} {args.src} into {args.dst} "
+            f"in {report.seconds:.1f} s "
+            f"({report.rows_per_s:,.0f} rows/s)"
         )
         print(
-            f"  source {_fmt_bytes(rep.source_bytes)} -> store {_fmt_bytes(rep.store_bytes)} ({ratio:.1f}x)"
+            f"  source {_fmt_bytes(report.source_bytes)} -> store {_fmt_bytes(report.store_bytes)} ({ratio:.1f}x)"
         )
-        print(f"  fields: {', '.join(rep.fields)}")
-        if rep.derived:
-            print(f"  derived (dropped again on export to {args.format}): {', '.join(rep.derived)}")
-        if rep.dropped:
-            print(f"  not imported: {', '.join(rep.dropped)}")
+        print(f"  fields: {', '.join(report.fields)}")
+        if report.derived:
+            print(f"  derived (dropped again on export to {args.format}): {', '.join(report.derived)}")
+        if report.dropped:
+            print(f"  not imported: {', '.join(report.dropped)}")
     return EXIT_OK
 
 
 def _export(args: argparse.Namespace) -> int:
     from .formats import export_dataset
 
-    rep = export_dataset(
+    report = export_dataset(
         args.store,
         args.dst,
         args.format,
@@ -257,11 +257,11 @@ def _export(args: argparse.Namespace) -> int:
     )
     if not args.quiet:
         print(
-            f"exported {rep.rows:,} rows of {args.store} as {args.format} to {args.dst} "
-            f"in {rep.seconds:.1f} s "
-            f"({_fmt_bytes(rep.output_bytes)})"
+            f"exported {report.rows:,} rows of {args.store} as {args.format} to {args.dst} "
+            f"in {report.seconds:.1f} s "
+            f"({_fmt_bytes(report.output_bytes)})"
         )
-        dropped = rep.details.get("dropped")
+        dropped = report.details.get("dropped")
         if dropped:
             print(f"  not representable in {args.format}, left out: {', '.join(dropped)}")
     return EXIT_OK

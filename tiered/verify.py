@@ -489,27 +489,33 @@ class _StoreCheck:
     def check_raw_sizes(self) -> None:
         """A blob holds 1..chunk_frames whole frames of its family (a size lie would make a decoder
         allocate or write past its output)."""
-        fams = self.body.get("families") or []
+        families = self.body.get("families") or []
         live, raw_col = self.live, self.raw_col
-        if "index.family" not in self.arrays or raw_col is None or not fams:
+        if "index.family" not in self.arrays or raw_col is None or not families:
             return
-        fam = np.asarray(self.arrays["index.family"])[live].astype(np.int64)
-        known = (fam >= 0) & (fam < len(fams))
-        fnb = np.array([int(f.get("frame_nbytes", 0)) for f in fams] + [0], dtype=np.int64)[
-            np.where(known, fam, -1)
+        family = np.asarray(self.arrays["index.family"])[live].astype(np.int64)
+        known = (family >= 0) & (family < len(families))
+        frame_nbytes = np.array([int(f.get("frame_nbytes", 0)) for f in families] + [0], dtype=np.int64)[
+            np.where(known, family, -1)
         ]
-        kmax = np.array([int(f.get("chunk_frames", 1)) for f in fams] + [0], dtype=np.int64)[
-            np.where(known, fam, -1)
+        chunk_frames = np.array([int(f.get("chunk_frames", 1)) for f in families] + [0], dtype=np.int64)[
+            np.where(known, family, -1)
         ]
-        raw = raw_col[live].astype(np.int64)
-        wrong = ~known | (fnb <= 0) | (raw <= 0) | (raw > kmax * fnb) | (raw % np.maximum(fnb, 1) != 0)
+        raw_nbytes = raw_col[live].astype(np.int64)
+        wrong = (
+            ~known
+            | (frame_nbytes <= 0)
+            | (raw_nbytes <= 0)
+            | (raw_nbytes > chunk_frames * frame_nbytes)
+            | (raw_nbytes % np.maximum(frame_nbytes, 1) != 0)
+        )
         for b in live[wrong].tolist()[:1000]:
             self.bad_ids.setdefault(b, ("index", "", None))
         if wrong.any():
             self.report.add(
                 "index",
                 f"{int(wrong.sum())} blobs record an impossible raw size or frame family "
-                f"(first: blob {int(live[wrong][0])}, raw size {int(raw[wrong][0])})",
+                f"(first: blob {int(live[wrong][0])}, raw size {int(raw_nbytes[wrong][0])})",
                 file=os.path.join(self.gen_dir, "index.raw_nbytes.npy"),
             )
 
