@@ -37,8 +37,7 @@ from .errors import (
 )
 from .schema import Field, Schema
 from .store import TieredStore
-
-__version__ = "0.1.0"
+from .version import __version__
 
 __all__ = [
     "TieredStore",

@@ -39,6 +39,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from . import errors as E
+from .version import __version__
 
 __all__ = [
     "main",
@@ -109,12 +110,11 @@ def _progress(args: argparse.Namespace) -> bool | None:
 
 
 def _info(args: argparse.Namespace) -> int:
-    import tiered
-
     from .engine.manifest import read_manifest
+    from .store import TieredStore
 
     body = read_manifest(os.fspath(args.store))
-    with tiered.open(args.store, mode="r", warm_bytes=0, hot_bytes=0) as store:
+    with TieredStore.open(args.store, mode="r", warm_bytes=0, hot_bytes=0) as store:
         st = store.stats()
         schema = (
             [dict(f.to_json(), key="/".join(f.key)) for f in store.schema.values()] if store.schema else []
@@ -211,7 +211,7 @@ def _parse_frames(items: Sequence[str] | None) -> dict[tuple[str, ...], int] | N
 def _import(args: argparse.Namespace) -> int:
     from .formats import import_dataset
 
-    rep = import_dataset(
+    report = import_dataset(
         args.format,
         args.src,
         args.dst,
@@ -225,27 +225,27 @@ def _import(args: argparse.Namespace) -> int:
         force=args.force,
     )
     if not args.quiet:
-        ratio = rep.source_bytes / rep.store_bytes if rep.store_bytes else float("nan")
+        ratio = report.source_bytes / report.store_bytes if report.store_bytes else float("nan")
         print(
-            f"imported {rep.rows:,} rows from {args.format} {args.src} into {args.dst} "
-            f"in {rep.seconds:.1f} s "
-            f"({rep.rows_per_s:,.0f} rows/s)"
+            f"imported {report.rows:,} rows from {args.format} {args.src} into {args.dst} "
+            f"in {report.seconds:.1f} s "
+            f"({report.rows_per_s:,.0f} rows/s)"
         )
         print(
-            f"  source {_fmt_bytes(rep.source_bytes)} -> store {_fmt_bytes(rep.store_bytes)} ({ratio:.1f}x)"
+            f"  source {_fmt_bytes(report.source_bytes)} -> store {_fmt_bytes(report.store_bytes)} ({ratio:.1f}x)"
         )
-        print(f"  fields: {', '.join(rep.fields)}")
-        if rep.derived:
-            print(f"  derived (dropped again on export to {args.format}): {', '.join(rep.derived)}")
-        if rep.dropped:
-            print(f"  not imported: {', '.join(rep.dropped)}")
+        print(f"  fields: {', '.join(report.fields)}")
+        if report.derived:
+            print(f"  derived (dropped again on export to {args.format}): {', '.join(report.derived)}")
+        if report.dropped:
+            print(f"  not imported: {', '.join(report.dropped)}")
     return EXIT_OK
 
 
 def _export(args: argparse.Namespace) -> int:
     from .formats import export_dataset
 
-    rep = export_dataset(
+    report = export_dataset(
         args.store,
         args.dst,
         args.format,
@@ -257,11 +257,11 @@ def _export(args: argparse.Namespace) -> int:
     )
     if not args.quiet:
         print(
-            f"exported {rep.rows:,} rows of {args.store} as {args.format} to {args.dst} "
-            f"in {rep.seconds:.1f} s "
-            f"({_fmt_bytes(rep.output_bytes)})"
+            f"exported {report.rows:,} rows of {args.store} as {args.format} to {args.dst} "
+            f"in {report.seconds:.1f} s "
+            f"({_fmt_bytes(report.output_bytes)})"
         )
-        dropped = rep.details.get("dropped")
+        dropped = report.details.get("dropped")
         if dropped:
             print(f"  not representable in {args.format}, left out: {', '.join(dropped)}")
     return EXIT_OK
@@ -312,7 +312,7 @@ def _demo(args: argparse.Namespace) -> int:
             st = storage.stats()
             held = sum(t["bytes_used"] for t in st["tiers"].values()) + sum(st["memory"].values())
         else:
-            held = sum(v.numel() * v.element_size() for v in storage._storage.values(True, True))
+            held = _lazy_storage_bytes(storage)
         results[name] = (rb, held, ext, smp)
     a, b = results["TieredStorage"][0].sample(), results["LazyTensorStorage"][0].sample()
     same = all(torch.equal(a.get(k), b.get(k)) for k in b.keys(True, True))
@@ -321,6 +321,12 @@ def _demo(args: argparse.Namespace) -> int:
     for name, (_rb, held, ext, smp) in results.items():
         print(f"{name:18} {_fmt_bytes(held):>12} {ext:>10,.0f} {smp:>10,.0f}")
     return EXIT_OK if same else EXIT_ERROR
+
+
+def _lazy_storage_bytes(storage: Any) -> int:
+    """Bytes a LazyTensorStorage holds: it allocates all ``max_size`` rows at its first write."""
+    rows = storage.get(slice(None))  # a view of the rows written, all of one row size
+    return sum(v.numel() * v.element_size() for v in rows.values(True, True)) // len(storage) * storage.max_size
 
 
 # --------------------------------------------------------------------------------------------- parser
@@ -336,8 +342,6 @@ def _epilog(text: str) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``tiered`` (exposed for docs and tests)."""
-    from . import __version__
-
     p = argparse.ArgumentParser(
         prog="tiered",
         formatter_class=_Formatter,
@@ -358,37 +362,50 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--debug", action="store_true", help="show the traceback of an error")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
+    for add_command in (_add_info, _add_verify, _add_import, _add_export, _add_demo):
+        add_command(sub)
+    return p
 
-    s = sub.add_parser(
+
+def _command(sub: Any, name: str, help: str, description: str, epilog: str) -> argparse.ArgumentParser:
+    """A subcommand's parser; ``sub`` is what ``ArgumentParser.add_subparsers`` returned."""
+    return sub.add_parser(name, formatter_class=_Formatter, help=help, description=description,
+                          epilog=_epilog(epilog))
+
+
+def _add_info(sub: Any) -> None:
+    s = _command(
+        sub,
         "info",
-        formatter_class=_Formatter,
         help="show a store's schema, size, ratios and tiers",
         description="Show a store's schema, rows, per-field compression ratios, per-tier bytes, "
         "format version, generation and codec. Opens the store read-only.",
-        epilog=_epilog("""
-                           examples:
-                             tiered info pong.tiered
-                             tiered info pong.tiered --json | jq .fields
-                           """),
+        epilog="""
+            examples:
+              tiered info pong.tiered
+              tiered info pong.tiered --json | jq .fields
+            """,
     )
     s.add_argument("store", help="the store directory")
     s.add_argument("--json", action="store_true", help="print one JSON document")
     s.set_defaults(func=_info)
 
-    s = sub.add_parser(
+
+def _add_verify(sub: Any) -> None:
+    s = _command(
+        sub,
         "verify",
-        formatter_class=_Formatter,
         help="check every file and blob checksum",
         description="Check every file the manifest names (presence, size, header) and the "
         "checksum of every stored blob. Opens the store read-only. Exit code 0: "
         "no problem; 3: damage found (each damaged blob is named with its field, "
         "rows, file and byte offset).",
-        epilog=_epilog("""
-                           examples:
-                             tiered verify pong.tiered
-                             tiered verify pong.tiered --decode      # also decompress every blob
-                             tiered verify pong.tiered --json -q > report.json
-                           """),
+        epilog="""
+            examples:
+              tiered verify pong.tiered
+              tiered verify pong.tiered --decode      # also decompress every blob
+              tiered verify pong.tiered --json -q > report.json
+            """,
     )
     s.add_argument("store", help="the store directory")
     s.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -396,28 +413,30 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     s.set_defaults(func=_verify)
 
-    s = sub.add_parser(
+
+def _add_import(sub: Any) -> None:
+    s = _command(
+        sub,
         "import",
-        formatter_class=_Formatter,
         help="import a dataset into a new store",
         description="Import a dataset into a new store. The dataset is read in slices of rows, "
         "so datasets larger than RAM import with bounded memory. The store appears "
         "under DST only once complete. Keys are mapped to TorchRL's layout "
         "(docs/cli.md); export to the same format gives back the source's arrays.",
-        epilog=_epilog("""
-                           formats:
-                             d4rl     one HDF5 file: observations, actions, rewards, terminals, timeouts, ...
-                             minari   a minari dataset directory (data/main_data.hdf5 + data/metadata.json)
-                             torchrl  a TensorDict memmap directory (TensorDict.memmap / TorchRL caches)
-                             npz      a .npz archive (D4RL names, or '/'-joined TorchRL keys)
+        epilog="""
+            formats:
+              d4rl     one HDF5 file: observations, actions, rewards, terminals, timeouts, ...
+              minari   a minari dataset directory (data/main_data.hdf5 + data/metadata.json)
+              torchrl  a TensorDict memmap directory (TensorDict.memmap / TorchRL caches)
+              npz      a .npz archive (D4RL names, or '/'-joined TorchRL keys)
 
-                           examples:
-                             tiered import d4rl hopper-medium-v2.hdf5 hopper.tiered
-                             tiered import minari ~/.minari/datasets/D4RL/door/human-v2 door.tiered
-                             tiered import torchrl ~/.cache/torchrl/atari/Pong pong.tiered \\
-                                 --frames observation=0 --chunk-frames 8
-                             tiered import npz rollouts.npz rollouts.tiered --codec zstd:9
-                           """),
+            examples:
+              tiered import d4rl hopper-medium-v2.hdf5 hopper.tiered
+              tiered import minari ~/.minari/datasets/D4RL/door/human-v2 door.tiered
+              tiered import torchrl ~/.cache/torchrl/atari/Pong pong.tiered \\
+                  --frames observation=0 --chunk-frames 8
+              tiered import npz rollouts.npz rollouts.tiered --codec zstd:9
+            """,
     )
     s.add_argument("format", choices=FORMATS, help="the dataset's format")
     s.add_argument("src", help="the dataset (file or directory)")
@@ -460,23 +479,25 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("-q", "--quiet", action="store_true", help="no progress bar, no summary")
     s.set_defaults(func=_import)
 
-    s = sub.add_parser(
+
+def _add_export(sub: Any) -> None:
+    s = _command(
+        sub,
         "export",
-        formatter_class=_Formatter,
         help="export a store as a dataset",
         description="Export a store (opened read-only) as a dataset, oldest rows first, written "
         "in slices of rows. The output appears under DST only once complete. For "
         "a store imported from the same format, the output holds exactly the "
         "source's arrays.",
-        epilog=_epilog("""
-                           examples:
-                             tiered export hopper.tiered hopper.hdf5 --format d4rl
-                             tiered export door.tiered door-minari --format minari \\
-                                 --dataset-id D4RL/door/human-v2
-                             tiered export pong.tiered pong-td --format torchrl
-                                 # then: TensorDict.load_memmap("pong-td")
-                             tiered export pong.tiered pong.npz --format npz --layout d4rl
-                           """),
+        epilog="""
+            examples:
+              tiered export hopper.tiered hopper.hdf5 --format d4rl
+              tiered export door.tiered door-minari --format minari \\
+                  --dataset-id D4RL/door/human-v2
+              tiered export pong.tiered pong-td --format torchrl
+                  # then: TensorDict.load_memmap("pong-td")
+              tiered export pong.tiered pong.npz --format npz --layout d4rl
+            """,
     )
     s.add_argument("store", help="the store directory")
     s.add_argument("dst", help="the output (file for d4rl/npz, directory for minari/torchrl; must not exist)")
@@ -492,25 +513,26 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("-q", "--quiet", action="store_true", help="no progress bar, no summary")
     s.set_defaults(func=_export)
 
-    s = sub.add_parser(
+
+def _add_demo(sub: Any) -> None:
+    s = _command(
+        sub,
         "demo",
-        formatter_class=_Formatter,
         help="Atari frames in a TorchRL replay buffer",
         description="Play ALE Pong with a random policy, fill a TorchRL replay buffer on "
         "TieredStorage and one on LazyTensorStorage, check that their samples are "
         "bit-identical, and compare bytes held and speed "
         "(needs tiered[torchrl,atari]).",
-        epilog=_epilog("""
-                           examples:
-                             tiered demo
-                             tiered demo --steps 20000 --batch 256
-                           """),
+        epilog="""
+            examples:
+              tiered demo
+              tiered demo --steps 20000 --batch 256
+            """,
     )
     s.add_argument("--steps", type=int, default=5000, help="transitions (default: %(default)s)")
     s.add_argument("--batch", type=int, default=256, help="sample batch size (default: %(default)s)")
     s.add_argument("--rounds", type=int, default=50, help="sample calls timed (default: %(default)s)")
     s.set_defaults(func=_demo)
-    return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:

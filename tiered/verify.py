@@ -42,6 +42,7 @@ import numpy as np
 
 from .engine.manifest import MANIFEST, gen_dir_name, read_manifest
 from .errors import CorruptionError, FormatVersionError, NotATieredStoreError, TieredError
+from .store import TieredStore
 
 __all__ = ["Problem", "Report", "verify_store"]
 
@@ -172,7 +173,7 @@ def verify_store(
     for _attempt in range(3):
         report = Report(path)
         try:
-            _verify(path, report, progress, decode, batch_bytes)
+            _StoreCheck(path, report, progress, decode, batch_bytes).run()
         finally:
             report.seconds = time.perf_counter() - t0
         # A writer may commit while we read (it then removes the old generation and reuses space
@@ -190,287 +191,371 @@ def _current_generation(path: str) -> int | None:
         return None
 
 
-def _verify(path: str, report: Report, progress: bool | None, decode: bool, batch_bytes: int) -> None:
-    # 1. manifest ---------------------------------------------------------------------------
-    try:
-        body = read_manifest(path)
-    except FormatVersionError:
-        raise
-    except NotATieredStoreError:
-        looks_like_store = os.path.isdir(path) and any(
-            n == "cold" or n.startswith("gen-") for n in os.listdir(path)
-        )
-        if not looks_like_store:
-            raise
-        report.add(
-            "manifest",
-            f"{MANIFEST} is missing but the directory holds store files (gen-*, cold/): "
-            "the store's commit record is lost",
-            file=os.path.join(path, MANIFEST),
-        )
-        return
-    except CorruptionError as e:
-        report.add("manifest", str(e), file=os.path.join(path, MANIFEST))
-        return
-    report.files_checked += 1
-    try:
-        report.format_version = int(body["format_version"])
-        report.generation = int(body["generation"])
-        report.capacity = int(body["capacity"])
-        report.rows = int(body["len"])
-        report.codec = str(body.get("codec"))
-        files = dict(body["files"])
-        cold = dict(body["cold"])
-        schema = body.get("schema") or []
-    except (KeyError, TypeError, ValueError) as e:
-        report.add(
-            "manifest",
-            f"the manifest body lacks or garbles a required entry ({type(e).__name__}: {e})",
-            file=os.path.join(path, MANIFEST),
-        )
-        return
+@dataclass
+class _Segments:
+    """The cold segments as the manifest describes them, and which of them can be read."""
 
-    if not (0 <= report.rows <= report.capacity) or not 0 <= int(body.get("cursor", 0)) < max(
-        report.capacity, 1
-    ):
-        report.add(
-            "manifest",
-            f"the manifest says len {report.rows}, cursor {body.get('cursor')} for capacity "
-            f"{report.capacity}",
-            file=os.path.join(path, MANIFEST),
-        )
+    dir: str
+    backend: str
+    segment_bytes: int
+    sizes: list[int]
+    data_offsets: list[int]
+    ok: list[bool] = dataclasses.field(default_factory=list)
+
+    def file(self, i: int) -> str:
+        return os.path.join(self.dir, _segment_name(self.backend, i))
+
+
+@dataclass
+class _Blobs:
+    """The live blobs whose cold location lies inside the segments, in file order."""
+
+    ids: np.ndarray
+    size: np.ndarray
+    segment: np.ndarray
+    in_segment: np.ndarray  # byte offset inside the segment's data
+
+
+class _StoreCheck:
+    """The steps of one :func:`verify_store` pass, in order (see the module docstring).
+
+    Each step records what it finds in ``report``; a step returns ``False`` when what it found
+    leaves nothing for the later steps to check.
+    """
+
+    def __init__(self, path: str, report: Report, progress: bool | None, decode: bool, batch_bytes: int):
+        self.path, self.report = path, report
+        self.progress, self.decode, self.batch_bytes = progress, decode, batch_bytes
+        self.manifest_file = os.path.join(path, MANIFEST)
+        self.body: dict[str, Any] = {}
+        self.files: dict[str, int] = {}
+        self.cold: dict[str, Any] = {}
+        self.schema: list[dict[str, Any]] = []
+        self.gen_dir = ""
+        self.arrays: dict[str, np.ndarray] = {}
+        # index columns, read by locate_blobs
+        self.state = np.empty(0)
+        self.live = np.empty(0, np.int64)  # ids of the stored blobs
+        self.sums = np.empty(0)
+        self.codecs_col = np.empty(0)
+        self.raw_col: np.ndarray | None = None
+        self.bad_ids: dict[int, tuple[str, str, int | None]] = {}  # blob -> (kind, file, offset)
+        self.listed: set[int] = set()  # damaged blobs reported with the rows that use them
+
+    def run(self) -> None:
+        if not self.read_manifest():
+            return
+        self.gen_dir = os.path.join(self.path, gen_dir_name(self.report.generation))
+        if not self.load_arrays():
+            return
+        segments = self.check_segments()
+        blobs = self.locate_blobs(segments)
+        if blobs is None:
+            return
+        self.checksum_blobs(blobs, segments)
+        self.check_raw_sizes()
+        if not self.check_rows():
+            return
+        self.report_unused_damage()
+        if self.report.ok:
+            self.check_open()
+
+    # 1. manifest -------------------------------------------------------------------------------
+    def read_manifest(self) -> bool:
+        report, path = self.report, self.path
+        try:
+            body = read_manifest(path)
+        except FormatVersionError:
+            raise
+        except NotATieredStoreError:
+            looks_like_store = os.path.isdir(path) and any(
+                n == "cold" or n.startswith("gen-") for n in os.listdir(path)
+            )
+            if not looks_like_store:
+                raise
+            report.add(
+                "manifest",
+                f"{MANIFEST} is missing but the directory holds store files (gen-*, cold/): "
+                "the store's commit record is lost",
+                file=self.manifest_file,
+            )
+            return False
+        except CorruptionError as e:
+            report.add("manifest", str(e), file=self.manifest_file)
+            return False
+        report.files_checked += 1
+        try:
+            report.format_version = int(body["format_version"])
+            report.generation = int(body["generation"])
+            report.capacity = int(body["capacity"])
+            report.rows = int(body["len"])
+            report.codec = str(body.get("codec"))
+            self.files = dict(body["files"])
+            self.cold = dict(body["cold"])
+            self.schema = body.get("schema") or []
+        except (KeyError, TypeError, ValueError) as e:
+            report.add(
+                "manifest",
+                f"the manifest body lacks or garbles a required entry ({type(e).__name__}: {e})",
+                file=self.manifest_file,
+            )
+            return False
+        self.body = body
+        if not (0 <= report.rows <= report.capacity) or not 0 <= int(body.get("cursor", 0)) < max(
+            report.capacity, 1
+        ):
+            report.add(
+                "manifest",
+                f"the manifest says len {report.rows}, cursor {body.get('cursor')} for capacity "
+                f"{report.capacity}",
+                file=self.manifest_file,
+            )
+        return True
 
     # 2. generation files ---------------------------------------------------------------------
-    gdir = os.path.join(path, gen_dir_name(report.generation))
-    arrays: dict[str, np.ndarray] = {}
-    for name, size in sorted(files.items()):
-        f = os.path.join(gdir, name + ".npy")
-        try:
-            actual = os.path.getsize(f)
-        except FileNotFoundError:
-            report.add("missing", f"array {name!r} named by the manifest is missing", file=f)
-            continue
-        report.files_checked += 1
-        if actual != size:
-            report.add("truncated", f"array {name!r} is {actual} bytes, the manifest says {size}", file=f)
-            continue
-        try:
-            arrays[name] = np.load(f, mmap_mode="r", allow_pickle=False) if size else np.empty(0)
-        except (ValueError, OSError, EOFError) as e:
-            report.add("file", f"array {name!r} is not a valid .npy file ({e})", file=f)
-    need = ["index.state", "index.nbytes", "index.checksum", "index.loc", "written"]
-    if any(n not in arrays for n in need):
+    def load_arrays(self) -> bool:
+        report = self.report
+        for name, size in sorted(self.files.items()):
+            f = os.path.join(self.gen_dir, name + ".npy")
+            try:
+                actual = os.path.getsize(f)
+            except FileNotFoundError:
+                report.add("missing", f"array {name!r} named by the manifest is missing", file=f)
+                continue
+            report.files_checked += 1
+            if actual != size:
+                report.add("truncated", f"array {name!r} is {actual} bytes, the manifest says {size}", file=f)
+                continue
+            try:
+                self.arrays[name] = np.load(f, mmap_mode="r", allow_pickle=False) if size else np.empty(0)
+            except (ValueError, OSError, EOFError) as e:
+                report.add("file", f"array {name!r} is not a valid .npy file ({e})", file=f)
+        need = ["index.state", "index.nbytes", "index.checksum", "index.loc", "written"]
+        if all(n in self.arrays for n in need):
+            return True
         missing = [
             n
             for n in need
-            if n not in arrays and not any(p.file and p.file.endswith(n + ".npy") for p in report.problems)
+            if n not in self.arrays and not any(p.file and p.file.endswith(n + ".npy") for p in report.problems)
         ]
         if missing:
-            report.add(
-                "manifest", f"the manifest lists no {missing} arrays", file=os.path.join(path, MANIFEST)
-            )
-        return
+            report.add("manifest", f"the manifest lists no {missing} arrays", file=self.manifest_file)
+        return False
 
     # 3. cold segments ---------------------------------------------------------------------------
-    backend = str(cold.get("format", body.get("backend", "memmap")))
-    seg_bytes = int(cold.get("segment_bytes", 0))
-    seg_sizes = [int(x) for x in cold.get("segment_sizes", [])]
-    data_offsets = [int(x) for x in cold.get("data_offsets", [0] * len(seg_sizes))]
-    cold_dir = os.path.join(path, "cold")
-    seg_ok: list[bool] = []
-    for i, size in enumerate(seg_sizes):
-        f = os.path.join(cold_dir, _segment_name(backend, i))
-        expected = data_offsets[i] + size
-        try:
-            actual = os.path.getsize(f)
-        except FileNotFoundError:
-            report.add("missing", f"cold segment {i} is missing (it should hold {expected} bytes)", file=f)
-            seg_ok.append(False)
-            continue
-        report.files_checked += 1
-        if actual < expected:
-            report.add(
-                "truncated",
-                f"cold segment {i} is {actual} bytes, the manifest says at least {expected}",
-                file=f,
-            )
-            seg_ok.append(False)
-            continue
-        if backend == "hdf5":
-            why = _check_hdf5_segment(f, data_offsets[i], seg_bytes)
-            if why:
-                report.add("file", f"cold segment {i} {why}", file=f)
-                seg_ok.append(False)
+    def check_segments(self) -> _Segments:
+        cold, report = self.cold, self.report
+        sizes = [int(x) for x in cold.get("segment_sizes", [])]
+        segments = _Segments(
+            dir=os.path.join(self.path, "cold"),
+            backend=str(cold.get("format", self.body.get("backend", "memmap"))),
+            segment_bytes=int(cold.get("segment_bytes", 0)),
+            sizes=sizes,
+            data_offsets=[int(x) for x in cold.get("data_offsets", [0] * len(sizes))],
+        )
+        for i, size in enumerate(sizes):
+            f = segments.file(i)
+            expected = segments.data_offsets[i] + size
+            try:
+                actual = os.path.getsize(f)
+            except FileNotFoundError:
+                report.add("missing", f"cold segment {i} is missing (it should hold {expected} bytes)", file=f)
+                segments.ok.append(False)
                 continue
-        seg_ok.append(True)
+            report.files_checked += 1
+            if actual < expected:
+                report.add(
+                    "truncated",
+                    f"cold segment {i} is {actual} bytes, the manifest says at least {expected}",
+                    file=f,
+                )
+                segments.ok.append(False)
+                continue
+            if segments.backend == "hdf5":
+                why = _check_hdf5_segment(f, segments.data_offsets[i], segments.segment_bytes)
+                if why:
+                    report.add("file", f"cold segment {i} {why}", file=f)
+                    segments.ok.append(False)
+                    continue
+            segments.ok.append(True)
+        return segments
 
     # 4. blobs ------------------------------------------------------------------------------------
-    state = np.asarray(arrays["index.state"])
-    live = np.flatnonzero(state == _STORED)
-    nbytes = np.asarray(arrays["index.nbytes"])
-    sums = np.asarray(arrays["index.checksum"])
-    loc = np.asarray(arrays["index.loc"])
-    if (
-        loc.ndim != 2
-        or loc.shape[0] != state.shape[0]
-        or nbytes.shape != state.shape
-        or sums.shape != state.shape
-    ):
-        report.add(
-            "index",
-            f"index columns disagree in shape: state {state.shape}, nbytes {nbytes.shape}, "
-            f"checksum {sums.shape}, loc {loc.shape}",
-            file=gdir,
-        )
-        return
-    off = loc[live, _COLD].astype(np.int64)
-    size = nbytes[live].astype(np.int64)
-    bad_ids: dict[int, tuple[str, str, int | None]] = {}  # blob -> (kind, file, offset)
-    if seg_bytes <= 0 and live.size:
-        report.add("manifest", f"cold segment_bytes is {seg_bytes}", file=os.path.join(path, MANIFEST))
-        return
-    seg = off // max(seg_bytes, 1)
-    in_seg = off - seg * max(seg_bytes, 1)
-    sizes_arr = np.asarray(seg_sizes + [0], dtype=np.int64)
-    outside = (
-        (off < 0)
-        | (size < 0)
-        | (seg >= len(seg_sizes))
-        | (in_seg + size > sizes_arr[np.minimum(seg, len(seg_sizes))])
-    )
-    for b, o in zip(live[outside].tolist()[:1000], off[outside].tolist()[:1000], strict=True):
-        bad_ids[b] = ("index", "the index places the blob outside the cold segments", None)
-        report.add(
-            "index",
-            f"blob {b} has cold offset {o}, outside the {len(seg_sizes)} segments of the manifest",
-            blob=b,
-        )
-    codecs_col = np.asarray(arrays["index.codec"]) if "index.codec" in arrays else np.ones_like(state)
-    raw_col = np.asarray(arrays["index.raw_nbytes"]) if "index.raw_nbytes" in arrays else None
-    keep = ~outside
-    blobs, off, size, seg, in_seg = live[keep], off[keep], size[keep], seg[keep], in_seg[keep]
-    order = np.lexsort((in_seg, seg))
-    blobs, off, size, seg, in_seg = blobs[order], off[order], size[order], seg[order], in_seg[order]
-    from .codecs import segment_checksums
-
-    bar = None
-    if progress is not False:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(
-            total=int(size.sum()),
-            unit="B",
-            unit_scale=True,
-            desc="verify",
-            leave=False,
-            disable=None if progress is None else False,
-            dynamic_ncols=True,
-        )
-    try:
-        i = 0
-        n = blobs.size
-        ends = in_seg + size
-        seg_stop = np.searchsorted(seg, seg, side="right")  # per blob: end of its segment's run
-        while i < n:
-            s = int(seg[i])
-            # one sequential read per batch: the blobs after blob i in its segment whose ends, and
-            # those of all blobs before them, stay within batch_bytes of its start (the running
-            # maximum keeps overlapping blobs in order), found by search instead of a per-blob loop
-            start = int(in_seg[i])
-            limit = start + batch_bytes
-            w = i + int(np.searchsorted(in_seg[i : int(seg_stop[i])], limit, side="right"))
-            j = i + 1 + int(np.searchsorted(np.maximum.accumulate(ends[i + 1 : w]), limit, side="right"))
-            f = os.path.join(cold_dir, _segment_name(backend, s))
-            if not seg_ok[s]:
-                for b in blobs[i:j].tolist():
-                    bad_ids[b] = ("file", f, None)
-                i = j
-                continue
-            end = int((in_seg[i:j] + size[i:j]).max())
-            with open(f, "rb", buffering=0) as fh:
-                buf = np.frombuffer(
-                    os.pread(fh.fileno(), end - start, data_offsets[s] + start), dtype=np.uint8
-                )
-            rel = (in_seg[i:j] - start).astype(np.int64)
-            if buf.size < end - start:  # the file shrank under us
-                report.add("truncated", f"cold segment {s} ends before byte {data_offsets[s] + end}", file=f)
-                i = j
-                continue
-            got = segment_checksums(buf, rel, size[i:j])
-            bad = np.flatnonzero(got != sums[blobs[i:j]])
-            for k in bad.tolist():
-                bad_ids[int(blobs[i + k])] = ("checksum", f, data_offsets[s] + int(in_seg[i + k]))
-            if decode and raw_col is not None:
-                _decode_batch(
-                    buf,
-                    rel,
-                    size[i:j],
-                    blobs[i:j],
-                    codecs_col,
-                    raw_col,
-                    set(bad.tolist()),
-                    bad_ids,
-                    f,
-                    data_offsets[s] + in_seg[i:j],
-                )
-            report.blobs_checked += j - i
-            report.bytes_checked += int(size[i:j].sum())
-            if bar is not None:
-                bar.update(int(size[i:j].sum()))
-            i = j
-    finally:
-        if bar is not None:
-            bar.close()
-
-    # sizes: a blob holds 1..chunk_frames whole frames of its family (a size lie would make a
-    # decoder allocate or write past its output)
-    fams = body.get("families") or []
-    if "index.family" in arrays and raw_col is not None and fams:
-        fam = np.asarray(arrays["index.family"])[live].astype(np.int64)
-        known = (fam >= 0) & (fam < len(fams))
-        fnb = np.array([int(f.get("frame_nbytes", 0)) for f in fams] + [0], dtype=np.int64)[
-            np.where(known, fam, -1)
-        ]
-        kmax = np.array([int(f.get("chunk_frames", 1)) for f in fams] + [0], dtype=np.int64)[
-            np.where(known, fam, -1)
-        ]
-        raw = raw_col[live].astype(np.int64)
-        wrong = ~known | (fnb <= 0) | (raw <= 0) | (raw > kmax * fnb) | (raw % np.maximum(fnb, 1) != 0)
-        for b in live[wrong].tolist()[:1000]:
-            bad_ids.setdefault(b, ("index", "", None))
-        if wrong.any():
+    def locate_blobs(self, segments: _Segments) -> _Blobs | None:
+        """The live blobs inside the segments, in file order; those the index places outside are
+        reported. ``None``: the index columns cannot be read together."""
+        arrays, report = self.arrays, self.report
+        state = np.asarray(arrays["index.state"])
+        live = np.flatnonzero(state == _STORED)
+        nbytes = np.asarray(arrays["index.nbytes"])
+        sums = np.asarray(arrays["index.checksum"])
+        loc = np.asarray(arrays["index.loc"])
+        if (
+            loc.ndim != 2
+            or loc.shape[0] != state.shape[0]
+            or nbytes.shape != state.shape
+            or sums.shape != state.shape
+        ):
             report.add(
                 "index",
+                f"index columns disagree in shape: state {state.shape}, nbytes {nbytes.shape}, "
+                f"checksum {sums.shape}, loc {loc.shape}",
+                file=self.gen_dir,
+            )
+            return None
+        self.state, self.live, self.sums = state, live, sums
+        off = loc[live, _COLD].astype(np.int64)
+        size = nbytes[live].astype(np.int64)
+        seg_bytes, n_segments = segments.segment_bytes, len(segments.sizes)
+        if seg_bytes <= 0 and live.size:
+            report.add("manifest", f"cold segment_bytes is {seg_bytes}", file=self.manifest_file)
+            return None
+        seg = off // max(seg_bytes, 1)
+        in_seg = off - seg * max(seg_bytes, 1)
+        sizes_arr = np.asarray(segments.sizes + [0], dtype=np.int64)
+        outside = (
+            (off < 0)
+            | (size < 0)
+            | (seg >= n_segments)
+            | (in_seg + size > sizes_arr[np.minimum(seg, n_segments)])
+        )
+        for b, o in zip(live[outside].tolist()[:1000], off[outside].tolist()[:1000], strict=True):
+            self.bad_ids[b] = ("index", "the index places the blob outside the cold segments", None)
+            report.add(
+                "index",
+                f"blob {b} has cold offset {o}, outside the {n_segments} segments of the manifest",
+                blob=b,
+            )
+        self.codecs_col = np.asarray(arrays["index.codec"]) if "index.codec" in arrays else np.ones_like(state)
+        self.raw_col = np.asarray(arrays["index.raw_nbytes"]) if "index.raw_nbytes" in arrays else None
+        keep = ~outside
+        ids, size, seg, in_seg = live[keep], size[keep], seg[keep], in_seg[keep]
+        order = np.lexsort((in_seg, seg))
+        return _Blobs(ids[order], size[order], seg[order], in_seg[order])
+
+    def checksum_blobs(self, blobs: _Blobs, segments: _Segments) -> None:
+        """Read the blobs in large sequential reads and compare their checksums with the index."""
+        bar = _progress_bar(self.progress, int(blobs.size.sum()))
+        try:
+            i = 0
+            n = blobs.ids.size
+            ends = blobs.in_segment + blobs.size
+            seg_stop = np.searchsorted(blobs.segment, blobs.segment, side="right")  # end of each blob's segment run
+            while i < n:
+                j = _batch_end(blobs.in_segment[i : int(seg_stop[i])], ends, i, self.batch_bytes)
+                checked = self._check_batch(blobs, segments, i, j)
+                if checked and bar is not None:
+                    bar.update(int(blobs.size[i:j].sum()))
+                i = j
+        finally:
+            if bar is not None:
+                bar.close()
+
+    def _check_batch(self, blobs: _Blobs, segments: _Segments, i: int, j: int) -> bool:
+        """Checksum (and decode) blobs ``i:j`` of one segment; ``False``: they could not be read."""
+        from .codecs import segment_checksums
+
+        report = self.report
+        s = int(blobs.segment[i])
+        f = segments.file(s)
+        if not segments.ok[s]:
+            for b in blobs.ids[i:j].tolist():
+                self.bad_ids[b] = ("file", f, None)
+            return False
+        in_seg, size = blobs.in_segment[i:j], blobs.size[i:j]
+        start = int(in_seg[0])
+        end = int((in_seg + size).max())
+        data_offset = segments.data_offsets[s]
+        with open(f, "rb", buffering=0) as fh:
+            buf = np.frombuffer(os.pread(fh.fileno(), end - start, data_offset + start), dtype=np.uint8)
+        rel = (in_seg - start).astype(np.int64)
+        if buf.size < end - start:  # the file shrank under us
+            report.add("truncated", f"cold segment {s} ends before byte {data_offset + end}", file=f)
+            return False
+        ids = blobs.ids[i:j]
+        got = segment_checksums(buf, rel, size)
+        bad = np.flatnonzero(got != self.sums[ids])
+        for k in bad.tolist():
+            self.bad_ids[int(ids[k])] = ("checksum", f, data_offset + int(in_seg[k]))
+        if self.decode and self.raw_col is not None:
+            _decode_batch(
+                buf, rel, size, ids, self.codecs_col, self.raw_col, set(bad.tolist()), self.bad_ids, f,
+                data_offset + in_seg,
+            )
+        report.blobs_checked += j - i
+        report.bytes_checked += int(size.sum())
+        return True
+
+    def check_raw_sizes(self) -> None:
+        """A blob holds 1..chunk_frames whole frames of its family (a size lie would make a decoder
+        allocate or write past its output)."""
+        families = self.body.get("families") or []
+        live, raw_col = self.live, self.raw_col
+        if "index.family" not in self.arrays or raw_col is None or not families:
+            return
+        family = np.asarray(self.arrays["index.family"])[live].astype(np.int64)
+        known = (family >= 0) & (family < len(families))
+        frame_nbytes = np.array([int(f.get("frame_nbytes", 0)) for f in families] + [0], dtype=np.int64)[
+            np.where(known, family, -1)
+        ]
+        chunk_frames = np.array([int(f.get("chunk_frames", 1)) for f in families] + [0], dtype=np.int64)[
+            np.where(known, family, -1)
+        ]
+        raw_nbytes = raw_col[live].astype(np.int64)
+        wrong = (
+            ~known
+            | (frame_nbytes <= 0)
+            | (raw_nbytes <= 0)
+            | (raw_nbytes > chunk_frames * frame_nbytes)
+            | (raw_nbytes % np.maximum(frame_nbytes, 1) != 0)
+        )
+        for b in live[wrong].tolist()[:1000]:
+            self.bad_ids.setdefault(b, ("index", "", None))
+        if wrong.any():
+            self.report.add(
+                "index",
                 f"{int(wrong.sum())} blobs record an impossible raw size or frame family "
-                f"(first: blob {int(live[wrong][0])}, raw size {int(raw[wrong][0])})",
-                file=os.path.join(gdir, "index.raw_nbytes.npy"),
+                f"(first: blob {int(live[wrong][0])}, raw size {int(raw_nbytes[wrong][0])})",
+                file=os.path.join(self.gen_dir, "index.raw_nbytes.npy"),
             )
 
     # 5. rows -> blobs -------------------------------------------------------------------------------
-    written = np.asarray(arrays["written"]).astype(bool)
-    if written.shape != (report.capacity,):
-        report.add(
-            "index",
-            f"'written' has shape {written.shape}, expected ({report.capacity},)",
-            file=os.path.join(gdir, "written.npy"),
-        )
-        return
-    listed: set[int] = set()
-    for fi, spec in enumerate(schema):
-        name = f"rows.{fi}.blob"
-        if spec.get("kind") != "blob" or name not in arrays:
-            continue
-        fname = "/".join(spec.get("key", [f"field{fi}"]))
-        table = np.asarray(arrays[name])
-        if table.ndim != 2 or table.shape[0] != written.shape[0]:
+    def check_rows(self) -> bool:
+        """Every written row of every row table points at stored blobs; damaged blobs are reported
+        with the field and rows that use them. ``False``: the written mask is unreadable."""
+        report = self.report
+        written = np.asarray(self.arrays["written"]).astype(bool)
+        if written.shape != (report.capacity,):
             report.add(
                 "index",
-                f"row table of {fname!r} has shape {table.shape}, expected [{written.shape[0]}, F]",
-                file=os.path.join(gdir, name + ".npy"),
+                f"'written' has shape {written.shape}, expected ({report.capacity},)",
+                file=os.path.join(self.gen_dir, "written.npy"),
             )
-            continue
-        t = table[written]
-        rows_w = np.flatnonzero(written)
+            return False
+        for fi, spec in enumerate(self.schema):
+            name = f"rows.{fi}.blob"
+            if spec.get("kind") != "blob" or name not in self.arrays:
+                continue
+            fname = "/".join(spec.get("key", [f"field{fi}"]))
+            file = os.path.join(self.gen_dir, name + ".npy")
+            table = np.asarray(self.arrays[name])
+            if table.ndim != 2 or table.shape[0] != written.shape[0]:
+                report.add(
+                    "index",
+                    f"row table of {fname!r} has shape {table.shape}, expected [{written.shape[0]}, F]",
+                    file=file,
+                )
+                continue
+            t = table[written]
+            rows_w = np.flatnonzero(written)
+            self._report_dangling(t, rows_w, fname, file)
+            if self.bad_ids:
+                self._report_damaged_rows(t, rows_w, fname)
+        return True
+
+    def _report_dangling(self, t: np.ndarray, rows_w: np.ndarray, fname: str, file: str) -> None:
+        """Written rows (``rows_w``, their table entries ``t``) that point at no stored blob."""
+        state = self.state
         valid = (t >= 0) & (t < state.shape[0])
         dangling = (
             ~valid | (state[np.clip(t, 0, max(state.shape[0] - 1, 0))] != _STORED) if state.size else ~valid
@@ -479,69 +564,102 @@ def _verify(path: str, report: Report, progress: bool | None, decode: bool, batc
         unset = t < 0
         if dangling.any() or unset.any():
             r = rows_w[(dangling | unset).any(1)]
-            report.add(
+            self.report.add(
                 "index",
                 f"{r.size} written rows of {fname!r} point at no stored blob",
                 field=fname,
                 rows=r[:_MAX_ROWS_LISTED].tolist(),
                 n_rows=int(r.size),
-                file=os.path.join(gdir, name + ".npy"),
+                file=file,
             )
-        if bad_ids:
-            bad = np.fromiter(bad_ids, dtype=np.int64)
-            hit = np.isin(t, bad)
-            r_idx, c_idx = np.nonzero(hit)
-            if r_idx.size:
-                blob_of = t[r_idx, c_idx]
-                order = np.argsort(blob_of, kind="stable")
-                blob_of, r_idx = blob_of[order], r_idx[order]
-                cuts = np.flatnonzero(np.r_[True, blob_of[1:] != blob_of[:-1]])
-                for a, b in zip(cuts.tolist(), [*cuts[1:].tolist(), blob_of.size], strict=True):
-                    bid = int(blob_of[a])
-                    rows = np.unique(rows_w[r_idx[a:b]])
-                    kind, file, offset = bad_ids[bid]
-                    what = {
-                        "checksum": "checksum mismatch (the stored bytes are damaged)",
-                        "decode": "the blob does not decompress to its recorded size",
-                        "file": "its segment file is missing or damaged",
-                        "index": "its index entry is inconsistent (see the index problems)",
-                    }[kind]
-                    report.add(
-                        kind if kind != "file" else "checksum",
-                        f"blob {bid}: {what}",
-                        file=file,
-                        offset=offset,
-                        field=fname,
-                        rows=rows[:_MAX_ROWS_LISTED].tolist(),
-                        n_rows=int(rows.size),
-                        blob=bid,
-                    )
-                    listed.add(bid)
-    for bid, (kind, file, offset) in bad_ids.items():
-        if bid not in listed and kind != "index":
-            report.add(
+
+    def _report_damaged_rows(self, t: np.ndarray, rows_w: np.ndarray, fname: str) -> None:
+        """One problem per damaged blob that written rows of field ``fname`` use, with those rows."""
+        bad = np.fromiter(self.bad_ids, dtype=np.int64)
+        hit = np.isin(t, bad)
+        r_idx, c_idx = np.nonzero(hit)
+        if not r_idx.size:
+            return
+        blob_of = t[r_idx, c_idx]
+        order = np.argsort(blob_of, kind="stable")
+        blob_of, r_idx = blob_of[order], r_idx[order]
+        cuts = np.flatnonzero(np.r_[True, blob_of[1:] != blob_of[:-1]])
+        for a, b in zip(cuts.tolist(), [*cuts[1:].tolist(), blob_of.size], strict=True):
+            bid = int(blob_of[a])
+            rows = np.unique(rows_w[r_idx[a:b]])
+            kind, file, offset = self.bad_ids[bid]
+            what = {
+                "checksum": "checksum mismatch (the stored bytes are damaged)",
+                "decode": "the blob does not decompress to its recorded size",
+                "file": "its segment file is missing or damaged",
+                "index": "its index entry is inconsistent (see the index problems)",
+            }[kind]
+            self.report.add(
                 kind if kind != "file" else "checksum",
-                f"blob {bid} is damaged (no written row uses it)",
+                f"blob {bid}: {what}",
                 file=file,
                 offset=offset,
+                field=fname,
+                rows=rows[:_MAX_ROWS_LISTED].tolist(),
+                n_rows=int(rows.size),
                 blob=bid,
             )
+            self.listed.add(bid)
+
+    def report_unused_damage(self) -> None:
+        """Damaged blobs that no written row uses (index problems were reported already)."""
+        for bid, (kind, file, offset) in self.bad_ids.items():
+            if bid not in self.listed and kind != "index":
+                self.report.add(
+                    kind if kind != "file" else "checksum",
+                    f"blob {bid} is damaged (no written row uses it)",
+                    file=file,
+                    offset=offset,
+                    blob=bid,
+                )
 
     # 6. the store opens as a user opens it --------------------------------------------------------------
-    if report.ok:
-        import tiered
-
+    def check_open(self) -> None:
         try:
-            store = tiered.open(path, mode="r", warm_bytes=0, hot_bytes=0)
+            store = TieredStore.open(self.path, mode="r", warm_bytes=0, hot_bytes=0)
             store.close()
         except TieredError as e:
-            report.add("open", f"tiered.open(mode='r') fails: {type(e).__name__}: {e}")
+            self.report.add("open", f"tiered.open(mode='r') fails: {type(e).__name__}: {e}")
         except Exception as e:  # noqa: BLE001 - a raw error here is a bug of the store, report it as such
-            report.add(
+            self.report.add(
                 "open",
                 f"tiered.open(mode='r') fails with a raw {type(e).__name__} (a tiered bug; "
                 f"please report it): {e}",
             )
+
+
+def _progress_bar(progress: bool | None, total: int) -> Any:
+    if progress is False:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(
+        total=total,
+        unit="B",
+        unit_scale=True,
+        desc="verify",
+        leave=False,
+        disable=None if progress is None else False,
+        dynamic_ncols=True,
+    )
+
+
+def _batch_end(run_starts: np.ndarray, ends: np.ndarray, i: int, batch_bytes: int) -> int:
+    """End of the batch that starts at blob ``i``: one sequential read.
+
+    ``run_starts``: the offsets of blob ``i`` and the blobs after it in its segment; ``ends``: the
+    end offsets of all blobs. The batch takes the blobs after blob ``i`` whose ends, and those of
+    all blobs before them, stay within ``batch_bytes`` of its start (the running maximum keeps
+    overlapping blobs in order), found by search instead of a per-blob loop.
+    """
+    limit = int(run_starts[0]) + batch_bytes
+    w = i + int(np.searchsorted(run_starts, limit, side="right"))
+    return i + 1 + int(np.searchsorted(np.maximum.accumulate(ends[i + 1 : w]), limit, side="right"))
 
 
 def _decode_batch(

@@ -271,13 +271,13 @@ def export_dataset(
     Returns:
         An :class:`ExportReport`.
     """
-    import tiered
+    from ..store import TieredStore
 
     fmt = _check_format(fmt)
     dst = check_new_output(dst, force=force)
     t0 = time.perf_counter()
     source = read_source(store_path)
-    store = tiered.open(store_path, mode="r", warm_bytes=0, hot_bytes=0)
+    store = TieredStore.open(store_path, mode="r", warm_bytes=0, hot_bytes=0)
     try:
         rows = chronological_rows(store)
         bar = progress_bar(int(rows.size), f"export {fmt}", enabled=progress)

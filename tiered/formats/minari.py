@@ -38,7 +38,8 @@ import math
 import os
 import re
 from collections.abc import Iterator
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import h5py
 import numpy as np
@@ -456,6 +457,31 @@ def _box_json(dtype: np.dtype, shape: tuple[int, ...]) -> dict[str, Any]:
     }
 
 
+class _ExportLeaf(NamedTuple):
+    """One dataset of every exported episode group, and the store field written into it."""
+
+    path: tuple[str, ...]  # in the episode group, e.g. ("observations",) or ("infos", "success")
+    key: Key  # the store field
+    kind: str  # "obs" / "info1": T + 1 entries (the field, then its next field's last row); "step": T
+    dtype: np.dtype
+    shape: tuple[int, ...]  # cell shape
+
+    @property
+    def next_key(self) -> Key:
+        """The store field holding entries 1..T of an ``obs`` or ``info1`` leaf."""
+        return (NEXT_OBS if self.kind == "obs" else NEXT_INFO) + self.key[1:]
+
+
+@dataclass
+class _EpisodeFiles:
+    """The exported episodes: their export rows and the HDF5 objects created for them."""
+
+    starts: np.ndarray  # first export row of each episode
+    ends: np.ndarray  # end (exclusive) of each episode
+    groups: list[h5py.Group] = field(default_factory=list)
+    datasets: list[dict[tuple[str, ...], h5py.Dataset]] = field(default_factory=list)  # by leaf path
+
+
 def write_minari(
     store: Any,
     rows: np.ndarray,
@@ -473,62 +499,9 @@ def write_minari(
     schema = store.schema
     fields = {f.key: f for f in schema.values()} if schema is not None else {}
     from_minari = source is not None and source.get("format") == "minari"
+    leaves = _leaves_as_imported(source, fields) if from_minari else _leaves_for_schema(fields)
+    used = {lf.key for lf in leaves} | {lf.next_key for lf in leaves if lf.kind != "step"}
     derived = {tuple(k) for k in source.get("derived", [])} if from_minari else set()
-    # leaves: (path in the episode group, store key, kind, dtype, cell shape)
-    leaves: list[tuple[tuple[str, ...], Key, str, np.dtype, tuple[int, ...]]] = []
-    used: set[Key] = set()
-    if from_minari:
-        for c in source["columns"]:
-            key = tuple(c["key"])
-            if key not in fields:
-                continue
-            kind = c["kind"]
-            out_shape = tuple(c["shape"])
-            dt = np.dtype(c["dtype"])
-            out_shape = flat_cell(key, out_shape)
-            leaves.append((tuple(c["path"]), key, kind, dt, out_shape))
-            used.add(key)
-            if kind != "step":
-                used.add((NEXT_OBS if kind == "obs" else NEXT_INFO) + key[1:])
-    else:
-        tops = {
-            OBS: "observations",
-            ACTION: "actions",
-            REWARD: "rewards",
-            TERMINATED: "terminations",
-            TRUNCATED: "truncations",
-        }
-        for key, f in fields.items():
-            np_dtype = numpy_dtype(f.dtype, key_str(key), "minari (HDF5)")
-            shape = tuple(f.shape)
-            shape = flat_cell(key, shape)
-            for prefix, top in tops.items():
-                if key[: len(prefix)] == prefix:
-                    kind = "obs" if prefix == OBS and NEXT_OBS + key[1:] in fields else "step"
-                    leaves.append(((top, *key[len(prefix) :]), key, kind, np_dtype, shape))
-                    used.add(key)
-                    if kind == "obs":
-                        used.add(NEXT_OBS + key[1:])
-                    break
-            else:
-                if key[:1] == INFO and len(key) > 1:
-                    kind = "info1" if NEXT_INFO + key[1:] in fields else "step"
-                    leaves.append((("infos", *key[1:]), key, kind, np_dtype, shape))
-                    used.add(key)
-                    if kind == "info1":
-                        used.add(NEXT_INFO + key[1:])
-        have = {lf[0][0] for lf in leaves}
-        if "terminations" not in have and DONE in fields:
-            leaves.append((("terminations",), DONE, "step", np.dtype(bool), ()))
-            used.add(DONE)
-        for top in ("observations", "actions", "rewards"):
-            if top not in have:
-                raise UnsupportedFormatError(
-                    f"the store has no field for minari's {top!r} (keys: "
-                    f"{sorted(key_str(k) for k in fields)}); see docs/cli.md for the key mapping"
-                )
-        if "terminations" not in {lf[0][0] for lf in leaves}:
-            raise UnsupportedFormatError("the store has no terminated or done flags, which minari needs")
     dropped = sorted(
         key_str(k) for k in fields if k not in used and k not in derived and k not in (DONE, TRAJ)
     )
@@ -536,110 +509,22 @@ def write_minari(
     read_keys = sorted(used)
     step = chunk_rows_for(row_nbytes({k: (fields[k].shape, fields[k].dtype) for k in read_keys}), chunk_rows)
     starts, ids = _episodes(store, rows, step)
-    ends = np.append(starts[1:], n)
-    # traj ids imported from minari are its episode numbers; minari needs episode_0 .. episode_{n-1}
-    ep_ids = np.arange(ids.size)
-    lengths = ends - starts
+    episodes = _EpisodeFiles(starts, np.append(starts[1:], n))
+    ep_attrs = _source_episode_attrs(source if from_minari else None, n, episodes.ends - starts)
     fileio.makedirs(os.path.join(tmp, "data"))  # fsyncs the new directories, like every export
     main = os.path.join(tmp, "data", MAIN_FILE)
     f = fileio.WritableFile(main)
-    ep_attrs = (source or {}).get("episode_attrs") or {} if from_minari else {}
-    src_steps = ep_attrs.get("total_steps")
-    if (
-        n != (source or {}).get("rows")
-        or any(len(v) != ids.size for v in ep_attrs.values())
-        or (src_steps is not None and src_steps != lengths.tolist())
-    ):
-        # not the source's episodes any more (e.g. a smaller capacity cut the first one short,
-        # leaving the same episode count): recompute the reward stats from the rows
-        ep_attrs = {}
-    with writing(f):
-        with h5py.File(f, "w", track_order=True) as h:
-            groups, dsets = [], []  # per episode: its group and its datasets (looked up once)
-            for e in range(ids.size):
-                g = h.create_group(f"episode_{int(ep_ids[e])}", track_order=True)
-                T = int(lengths[e])
-                ds = {}
-                for path, _key, kind, dt, shape in leaves:
-                    size = T + 1 if kind != "step" else T
-                    ds[path] = g.create_dataset("/".join(path), shape=(size, *shape), dtype=dt,
-                                                fill_time="never")
-                dsets.append(ds)
-                if "infos" not in g:
-                    g.create_group("infos")
-                attrs = {k: v[e] for k, v in ep_attrs.items() if e < len(v) and v[e] is not None}
-                attrs.setdefault("id", int(ep_ids[e]))
-                attrs["total_steps"] = T
-                for k, v in attrs.items():
-                    g.attrs[k] = v
-                groups.append(g)
-            reward_stats = {e: [] for e in range(ids.size)} if not ep_attrs else None
-            for lo, hi, td in iter_store(store, rows, step, keys=read_keys):
-                e0 = int(np.searchsorted(starts, lo, side="right") - 1)
-                e1 = int(np.searchsorted(starts, hi - 1, side="right") - 1)
-                cols = {}
-                for path, key, kind, dt, shape in leaves:
-                    cols[path] = to_numpy(td.get(key), dt, shape)
-                    if kind != "step":
-                        nk = (NEXT_OBS if kind == "obs" else NEXT_INFO) + key[1:]
-                        cols[("next",) + path] = to_numpy(td.get(nk), dt, shape)
-                for e in range(e0, e1 + 1):  # a loop over episodes of this slice, not rows
-                    a, b = max(lo, int(starts[e])), min(hi, int(ends[e]))
-                    off = a - int(starts[e])
-                    ds = dsets[e]
-                    for path, _key, kind, _dt, _shape in leaves:
-                        d = ds[path]
-                        d[off : off + b - a] = cols[path][a - lo : b - lo]
-                        if kind != "step" and b == int(ends[e]):
-                            d[off + b - a] = cols[("next",) + path][b - 1 - lo]
-                    if reward_stats is not None:
-                        r = cols[("rewards",)][a - lo : b - lo] if ("rewards",) in cols else None
-                        if r is not None:
-                            reward_stats[e].append(np.asarray(r, dtype=np.float64).reshape(-1))
-                if progress is not None:
-                    progress.update(hi - lo)
-            if reward_stats is not None:
-                for e, parts in reward_stats.items():
-                    r = np.concatenate(parts) if parts else np.zeros(0)
-                    if r.size:
-                        groups[e].attrs.update(
-                            {
-                                "rewards_max": r.max(),
-                                "rewards_mean": r.mean(),
-                                "rewards_min": r.min(),
-                                "rewards_std": r.std(),
-                                "rewards_sum": r.sum(),
-                            }
-                        )
-    meta = dict(source["metadata"]) if from_minari and isinstance(source.get("metadata"), dict) else {}
-    if not meta:
-        obs = [lf for lf in leaves if lf[0][0] == "observations"]
-        act = [lf for lf in leaves if lf[0][0] == "actions"]
-
-        def space(group: list) -> dict[str, Any]:
-            if len(group) == 1 and len(group[0][0]) == 1:
-                return _box_json(group[0][3], group[0][4])
-            return {
-                "type": "Dict",
-                "subspaces": {"/".join(lf[0][1:]): _box_json(lf[3], lf[4]) for lf in group},
-            }
-
-        name = dataset_id or "tiered/export-v0"
-        meta = {
-            "dataset_id": name,
-            "minari_version": MINARI_VERSION,
-            "algorithm_name": "unknown",
-            "observation_space": json.dumps(space(obs)),
-            "action_space": json.dumps(space(act)),
-        }
-        try:
-            import minari
-
-            meta["minari_version"] = minari.__version__
-        except ImportError:
-            pass
-    if dataset_id:
-        meta["dataset_id"] = dataset_id
+    with writing(f), h5py.File(f, "w", track_order=True) as h:
+        _create_episodes(h, leaves, episodes, ep_attrs)
+        # the source's reward statistics no longer hold: recompute them from the rows
+        reward_stats = {e: [] for e in range(ids.size)} if not ep_attrs else None
+        for lo, hi, td in iter_store(store, rows, step, keys=read_keys):
+            _write_slice(lo, hi, td, leaves, episodes, reward_stats)
+            if progress is not None:
+                progress.update(hi - lo)
+        if reward_stats is not None:
+            _write_reward_stats(episodes.groups, reward_stats)
+    meta = _metadata(source if from_minari else None, leaves, dataset_id)
     meta.update(
         {
             "total_episodes": int(ids.size),
@@ -651,3 +536,180 @@ def write_minari(
     )
     fileio.write_file_atomic(os.path.join(tmp, "data", METADATA_FILE), json.dumps(json_safe(meta)).encode())
     return {"episodes": int(ids.size), "rows": n, "dropped": dropped}
+
+
+def _leaves_as_imported(source: dict[str, Any], fields: dict[Key, Any]) -> list[_ExportLeaf]:
+    """The datasets of a store imported from minari: the source's own, for the fields still there."""
+    leaves = []
+    for c in source["columns"]:
+        key = tuple(c["key"])
+        if key not in fields:
+            continue
+        shape = flat_cell(key, tuple(c["shape"]))
+        leaves.append(_ExportLeaf(tuple(c["path"]), key, c["kind"], np.dtype(c["dtype"]), shape))
+    return leaves
+
+
+def _leaves_for_schema(fields: dict[Key, Any]) -> list[_ExportLeaf]:
+    """The datasets of a store not imported from minari, by TorchRL key (see the key mapping).
+
+    Raises:
+        UnsupportedFormatError: the store lacks observations, actions, rewards or done flags.
+    """
+    tops = {
+        OBS: "observations",
+        ACTION: "actions",
+        REWARD: "rewards",
+        TERMINATED: "terminations",
+        TRUNCATED: "truncations",
+    }
+    leaves = []
+    for key, f in fields.items():
+        np_dtype = numpy_dtype(f.dtype, key_str(key), "minari (HDF5)")
+        shape = flat_cell(key, tuple(f.shape))
+        for prefix, top in tops.items():
+            if key[: len(prefix)] == prefix:
+                kind = "obs" if prefix == OBS and NEXT_OBS + key[1:] in fields else "step"
+                leaves.append(_ExportLeaf((top, *key[len(prefix) :]), key, kind, np_dtype, shape))
+                break
+        else:
+            if key[:1] == INFO and len(key) > 1:
+                kind = "info1" if NEXT_INFO + key[1:] in fields else "step"
+                leaves.append(_ExportLeaf(("infos", *key[1:]), key, kind, np_dtype, shape))
+    have = {lf.path[0] for lf in leaves}
+    if "terminations" not in have and DONE in fields:
+        leaves.append(_ExportLeaf(("terminations",), DONE, "step", np.dtype(bool), ()))
+    for top in ("observations", "actions", "rewards"):
+        if top not in have:
+            raise UnsupportedFormatError(
+                f"the store has no field for minari's {top!r} (keys: "
+                f"{sorted(key_str(k) for k in fields)}); see docs/cli.md for the key mapping"
+            )
+    if "terminations" not in {lf.path[0] for lf in leaves}:
+        raise UnsupportedFormatError("the store has no terminated or done flags, which minari needs")
+    return leaves
+
+
+def _source_episode_attrs(source: dict[str, Any] | None, n: int, lengths: np.ndarray) -> dict[str, list[Any]]:
+    """Per-episode attributes of a minari source, if the exported episodes are still the source's.
+
+    Not when the rows differ (e.g. a smaller capacity cut the first episode short, leaving the same
+    episode count): ``{}``, and the reward statistics are recomputed from the rows.
+    """
+    ep_attrs = (source or {}).get("episode_attrs") or {} if source is not None else {}
+    src_steps = ep_attrs.get("total_steps")
+    if (
+        n != (source or {}).get("rows")
+        or any(len(v) != lengths.size for v in ep_attrs.values())
+        or (src_steps is not None and src_steps != lengths.tolist())
+    ):
+        return {}
+    return ep_attrs
+
+
+def _create_episodes(
+    h: h5py.File, leaves: list[_ExportLeaf], episodes: _EpisodeFiles, ep_attrs: dict[str, list[Any]]
+) -> None:
+    """One group per episode with its datasets (created once, kept in ``episodes``) and attributes.
+
+    Traj ids imported from minari are its episode numbers, but minari needs groups named
+    ``episode_0`` .. ``episode_{n-1}``: the groups are numbered in export order.
+    """
+    lengths = episodes.ends - episodes.starts
+    for e in range(lengths.size):
+        g = h.create_group(f"episode_{e}", track_order=True)
+        T = int(lengths[e])
+        ds = {}
+        for lf in leaves:
+            size = T + 1 if lf.kind != "step" else T
+            ds[lf.path] = g.create_dataset(
+                "/".join(lf.path), shape=(size, *lf.shape), dtype=lf.dtype, fill_time="never"
+            )
+        episodes.datasets.append(ds)
+        if "infos" not in g:
+            g.create_group("infos")
+        attrs = {k: v[e] for k, v in ep_attrs.items() if e < len(v) and v[e] is not None}
+        attrs.setdefault("id", e)
+        attrs["total_steps"] = T
+        for k, v in attrs.items():
+            g.attrs[k] = v
+        episodes.groups.append(g)
+
+
+def _write_slice(
+    lo: int,
+    hi: int,
+    td: Any,
+    leaves: list[_ExportLeaf],
+    episodes: _EpisodeFiles,
+    reward_stats: dict[int, list[np.ndarray]] | None,
+) -> None:
+    """Write export rows ``lo:hi`` (``td``) into the episodes they belong to."""
+    starts, ends = episodes.starts, episodes.ends
+    e0 = int(np.searchsorted(starts, lo, side="right") - 1)
+    e1 = int(np.searchsorted(starts, hi - 1, side="right") - 1)
+    cols = {}
+    for lf in leaves:
+        cols[lf.path] = to_numpy(td.get(lf.key), lf.dtype, lf.shape)
+        if lf.kind != "step":
+            cols[("next",) + lf.path] = to_numpy(td.get(lf.next_key), lf.dtype, lf.shape)
+    for e in range(e0, e1 + 1):  # a loop over episodes of this slice, not rows
+        a, b = max(lo, int(starts[e])), min(hi, int(ends[e]))
+        off = a - int(starts[e])
+        ds = episodes.datasets[e]
+        for lf in leaves:
+            d = ds[lf.path]
+            d[off : off + b - a] = cols[lf.path][a - lo : b - lo]
+            if lf.kind != "step" and b == int(ends[e]):  # the episode's last entry: its last next row
+                d[off + b - a] = cols[("next",) + lf.path][b - 1 - lo]
+        if reward_stats is not None:
+            r = cols[("rewards",)][a - lo : b - lo] if ("rewards",) in cols else None
+            if r is not None:
+                reward_stats[e].append(np.asarray(r, dtype=np.float64).reshape(-1))
+
+
+def _write_reward_stats(groups: list[h5py.Group], reward_stats: dict[int, list[np.ndarray]]) -> None:
+    for e, parts in reward_stats.items():
+        r = np.concatenate(parts) if parts else np.zeros(0)
+        if r.size:
+            groups[e].attrs.update(
+                {
+                    "rewards_max": r.max(),
+                    "rewards_mean": r.mean(),
+                    "rewards_min": r.min(),
+                    "rewards_std": r.std(),
+                    "rewards_sum": r.sum(),
+                }
+            )
+
+
+def _metadata(source: dict[str, Any] | None, leaves: list[_ExportLeaf], dataset_id: str | None) -> dict[str, Any]:
+    """``metadata.json`` but its totals: a minari source's own, else spaces built from the leaves."""
+    meta = dict(source["metadata"]) if source is not None and isinstance(source.get("metadata"), dict) else {}
+    if not meta:
+        meta = {
+            "dataset_id": dataset_id or "tiered/export-v0",
+            "minari_version": MINARI_VERSION,
+            "algorithm_name": "unknown",
+            "observation_space": json.dumps(_space_json([lf for lf in leaves if lf.path[0] == "observations"])),
+            "action_space": json.dumps(_space_json([lf for lf in leaves if lf.path[0] == "actions"])),
+        }
+        try:
+            import minari
+
+            meta["minari_version"] = minari.__version__
+        except ImportError:
+            pass
+    if dataset_id:
+        meta["dataset_id"] = dataset_id
+    return meta
+
+
+def _space_json(group: list[_ExportLeaf]) -> dict[str, Any]:
+    """The JSON form of the space of ``group``'s leaves: a Box, or a Dict of Boxes."""
+    if len(group) == 1 and len(group[0].path) == 1:
+        return _box_json(group[0].dtype, group[0].shape)
+    return {
+        "type": "Dict",
+        "subspaces": {"/".join(lf.path[1:]): _box_json(lf.dtype, lf.shape) for lf in group},
+    }

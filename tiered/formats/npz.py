@@ -78,6 +78,11 @@ class _Member:
         self._stream: Any = None
         self._pos = 0  # next row of the stream
 
+    @property
+    def streamed(self) -> bool:
+        """Rows are read from a decompressing stream, cheaply only forward (a compressed member)."""
+        return self._start is None
+
     def __getitem__(self, index: slice) -> np.ndarray:
         lo, hi, _ = index.indices(self.shape[0] if self.shape else 0)
         hi = max(lo, hi)
@@ -120,17 +125,17 @@ class _Member:
 class _Rewind:
     """Column view that rereads the last row so slices ``[lo:hi + 1]`` stay sequential."""
 
-    def __init__(self, m: _Member) -> None:
-        self.m, self.shape, self.dtype = m, m.shape, m.dtype
+    def __init__(self, member: _Member) -> None:
+        self.member, self.shape, self.dtype = member, member.shape, member.dtype
         self._last: tuple[int, np.ndarray] | None = None
 
     def __getitem__(self, index: slice) -> np.ndarray:
         lo, hi, _ = index.indices(self.shape[0])
-        if self._last is not None and self._last[0] == lo and self.m._start is None:
-            rest = self.m[lo + 1 : hi] if hi > lo + 1 else np.empty((0, *self.shape[1:]), self.dtype)
+        if self._last is not None and self._last[0] == lo and self.member.streamed:
+            rest = self.member[lo + 1 : hi] if hi > lo + 1 else np.empty((0, *self.shape[1:]), self.dtype)
             out = np.concatenate([self._last[1], rest])
         else:
-            out = self.m[lo:hi]
+            out = self.member[lo:hi]
         if hi > lo:
             self._last = (hi - 1, out[-1:].copy())
         return out
