@@ -88,6 +88,11 @@ class Placement:
         #: called after bytes were written into the hot arena (a GPU decoder fences its streams)
         self.on_hot_write: Callable[[], None] | None = None
 
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["on_hot_write"] = None  # a GPU decoder's hook does not travel; the store re-attaches one
+        return state
+
     @property
     def cold(self) -> Tier | None:
         return self.tiers[COLD]
