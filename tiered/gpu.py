@@ -68,11 +68,12 @@ import numpy as np
 import torch
 
 from .codecs import codec_for_format_id, segment_checksums_torch
-from .codecs.nvcomp import copy_segments_device, filler_frame, import_nvcomp, use_torch_allocator
+from .codecs.nvcomp import filler_frame, import_nvcomp, use_torch_allocator
 from .errors import ChecksumError, CodecUnavailableError
 from .index import COLD, HOT, OPEN, WARM
 from .tiers import arena as _arena
 from .util.batch import exclusive_cumsum
+from .util.copy import copy_blobs
 from .util.units import align  # the arenas' alignment: the hot gather reads aligned extents
 
 if TYPE_CHECKING:
@@ -161,7 +162,7 @@ def _device_empty(nbytes: int, device: torch.device, kind: str = "batch") -> tor
                 f"(limit {limit})")
     try:
         # the arenas' seam too: tiered.tiers.arena.inject_oom fails these allocations as well
-        return _arena._new_buffer(int(nbytes), device, False)
+        return _arena.new_buffer(int(nbytes), device, False)
     except torch.OutOfMemoryError:
         _tls.oom = True
         raise
@@ -746,7 +747,7 @@ class GpuDecoder:
             dec_off = comp0 + rel
             ooff = s_pos * c.stride
             if c.fmt == _RAW_FORMAT:
-                copy_segments_device(blk, dec_off, c.out, ooff, csz)
+                copy_blobs(blk, dec_off, c.out, ooff, csz)
             else:
                 osz = idx.raw_nbytes[s_ids]
                 if c.pads:

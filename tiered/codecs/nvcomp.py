@@ -58,9 +58,10 @@ import numpy as np
 
 from ..errors import CodecUnavailableError, CorruptionError, UnknownCodecError
 from ..util.batch import exclusive_cumsum
+from ..util.copy import copy_blobs, copy_host_blobs
 from .base import Codec, EncodedBatch
 from .checksum import segment_checksums
-from .raw import as_batch, check_out, copy_segments
+from .raw import as_batch, check_out
 
 if TYPE_CHECKING:
     import torch
@@ -72,7 +73,6 @@ __all__ = [
     "import_nvcomp",
     "filler_frame",
     "empty_frame",
-    "copy_segments_device",
     "use_torch_allocator",
     "INSTALL_HINT",
     "ALIGN",
@@ -285,33 +285,6 @@ def filler_frame(fmt: str) -> bytes:
     return _frames_cache[key]
 
 
-# ---------------------------------------------------------------------------------------------
-# Device helpers
-# ---------------------------------------------------------------------------------------------
-
-
-def copy_segments_device(
-    src: torch.Tensor, src_offsets: np.ndarray, dst: torch.Tensor, dst_offsets: np.ndarray, sizes: np.ndarray
-) -> None:
-    """Copy byte ranges between two uint8 tensors of one device with a few vectorized kernels
-    (:func:`tiered.tiers.arena.copy_blobs`).
-
-    Blob ``i`` goes from ``src[src_offsets[i]:+sizes[i]]`` to ``dst[dst_offsets[i]:]``; the
-    kernel count does not depend on the number of blobs. Runs on the current stream.
-
-    Example:
-        >>> import torch
-        >>> s = torch.arange(10, dtype=torch.uint8); d = torch.zeros(5, dtype=torch.uint8)
-        >>> copy_segments_device(s, np.array([7, 0]), d, np.array([0, 3]), np.array([3, 2]))
-        >>> d.tolist()
-        [7, 8, 9, 0, 1]
-    """
-    # the tiers' batched copy: adjacent blobs merge into runs, 8-byte words where aligned
-    from ..tiers.arena import copy_blobs
-
-    copy_blobs(src, src_offsets, dst, dst_offsets, sizes)
-
-
 @dataclass
 class DeviceBatch:
     """Compressed blobs in one uint8 CUDA tensor, at 16-aligned offsets (ready for decode_device).
@@ -334,7 +307,7 @@ class DeviceBatch:
         host = self.data.cpu().numpy()
         offsets = exclusive_cumsum(self.sizes)
         packed = np.empty(int(self.sizes.sum()), dtype=np.uint8)
-        copy_segments(host, self.offsets, self.sizes, packed, offsets)
+        copy_host_blobs(host, self.offsets, packed, offsets, self.sizes)
         checksums = segment_checksums(packed, offsets, self.sizes)
         return EncodedBatch(packed, offsets, self.sizes.copy(), checksums)
 
@@ -726,12 +699,12 @@ class NvcompCodec(Codec):
             out_off = exclusive_cumsum(_align(csz))
             out = torch.zeros(int(_align(csz).sum()), dtype=torch.uint8, device=self.device)
             if nz.size:
-                copy_segments_device(tmp, tmp_off, out, out_off[nz], csz[nz])
+                copy_blobs(tmp, tmp_off, out, out_off[nz], csz[nz])
             zero = np.flatnonzero(sizes == 0)
             if zero.size:
                 e = torch.frombuffer(bytearray(empty), dtype=torch.uint8).to(self.device)
-                copy_segments_device(e, np.zeros(zero.size, np.int64), out, out_off[zero],
-                                     np.full(zero.size, len(empty), np.int64))
+                copy_blobs(e, np.zeros(zero.size, np.int64), out, out_off[zero],
+                           np.full(zero.size, len(empty), np.int64))
         if stream is None or int(stream.cuda_stream) == 0:
             # allocated on this thread's side stream, read by the caller on its current stream
             out.record_stream(torch.cuda.current_stream(self.device))
@@ -791,7 +764,7 @@ class NvcompCodec(Codec):
             return EncodedBatch(np.zeros(0, dtype=np.uint8), e, e.copy(), e.copy())
         a_off = exclusive_cumsum(_align(sizes))
         host = np.zeros(max(int(_align(sizes).sum()), ALIGN), dtype=np.uint8)
-        copy_segments(data, offsets, sizes, host, a_off)
+        copy_host_blobs(data, offsets, host, a_off, sizes)
         dev = torch.from_numpy(host).to(self.device)
         batch = self.encode_device(dev, a_off, sizes)
         return batch.to_host()
@@ -819,7 +792,7 @@ class NvcompCodec(Codec):
         offsets, sizes, out_offsets_nz, out_sizes_nz = offsets[nz], sizes[nz], out_offsets[nz], out_sizes[nz]
         a_off = exclusive_cumsum(_align(sizes))
         host = np.zeros(int(_align(sizes).sum()), dtype=np.uint8)
-        copy_segments(data, offsets, sizes, host, a_off)
+        copy_host_blobs(data, offsets, host, a_off, sizes)
         o_off = exclusive_cumsum(_align(out_sizes_nz))
         dev_in = torch.from_numpy(host).to(self.device)
         dev_out = torch.empty(int(_align(out_sizes_nz).sum()), dtype=torch.uint8, device=self.device)
@@ -844,7 +817,7 @@ class NvcompCodec(Codec):
                 f"{self.format} blob {i} of this batch decoded to {int(got_a[bad[0]])} bytes on the GPU, "
                 f"expected {int(out_sizes[i])}; its bytes or the blob index are damaged: run `tiered verify`")
         host_out = dev_out.cpu().numpy()
-        copy_segments(host_out, o_off, out_sizes_nz, out, out_offsets_nz)
+        copy_host_blobs(host_out, o_off, out, out_offsets_nz, out_sizes_nz)
 
     def _check_headers(self, data: np.ndarray, offsets: np.ndarray, sizes: np.ndarray,
                        out_sizes: np.ndarray) -> None:
