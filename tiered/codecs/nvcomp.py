@@ -285,6 +285,11 @@ def filler_frame(fmt: str) -> bytes:
     return _frames_cache[key]
 
 
+# ---------------------------------------------------------------------------------------------
+# Batches, checks and per-thread state the codec is built from
+# ---------------------------------------------------------------------------------------------
+
+
 @dataclass
 class DeviceBatch:
     """Compressed blobs in one uint8 CUDA tensor, at 16-aligned offsets (ready for decode_device).
@@ -322,6 +327,72 @@ class _Entry:
         self.configs: OrderedDict[Any, Any] = OrderedDict()
         self.stream_ptr = stream_ptr
 
+    def decompression_config(self, key: Any, sizes: list[int]) -> tuple[Any, bool]:
+        """The sync-free decode config for output ``sizes`` cached under ``key``, and whether it was cached."""
+        cfg = self.configs.get(key)
+        if cfg is None:
+            codec = self.codec
+            cfg = codec.decompression_config(codec.compression_config(sizes))
+            self.configs[key] = cfg
+            if len(self.configs) > _CONFIG_CACHE:
+                self.configs.popitem(last=False)
+            return cfg, False
+        self.configs.move_to_end(key)
+        return cfg, True
+
+
+def _check_device_batch(data: torch.Tensor, offsets: np.ndarray, sizes: np.ndarray, what: str,
+                        device: torch.device, spec: _Format, span: np.ndarray | None = None) -> None:
+    """Raise unless ``data`` is a uint8 CUDA tensor of ``device`` holding the blobs, each aligned for ``spec``."""
+    import torch
+
+    if not isinstance(data, torch.Tensor) or data.dtype != torch.uint8 or data.dim() != 1 \
+            or not data.is_contiguous():
+        raise TypeError(f"{what} must be a contiguous 1-D uint8 CUDA tensor, got "
+                        f"{type(data).__name__} {getattr(data, 'dtype', '')} "
+                        f"{tuple(getattr(data, 'shape', ()))}")
+    if data.device != device:
+        raise ValueError(f"{what} is on {data.device}, this codec runs on {device}")
+    span = sizes if span is None else span
+    if offsets.size and (int(offsets.min()) < 0 or int((offsets + span).max()) > data.numel()):
+        raise ValueError(f"{what}: blob ranges fall outside its {data.numel()} bytes")
+    misaligned = (data.data_ptr() + offsets) % spec.decode_align
+    if offsets.size and misaligned.any():
+        i = int(np.flatnonzero(misaligned)[0])
+        raise ValueError(
+            f"{what}: entry {i} starts at offset {int(offsets[i])}, which is not aligned to the "
+            f"{spec.decode_align} bytes nvCOMP's {spec.algorithm} needs; lay blobs out at "
+            f"multiples of {ALIGN} (tier arenas already do)")
+
+
+def _check_headers(fmt: str, data: np.ndarray, offsets: np.ndarray, sizes: np.ndarray,
+                   out_sizes: np.ndarray) -> None:
+    """Cheap host checks before bytes reach a GPU decoder (it has no defined behaviour on junk)."""
+    if fmt == "zstd":
+        from .zstd import declared_content_sizes
+
+        declared = declared_content_sizes(data, offsets, sizes)
+        bad = np.flatnonzero((declared == -2) | ((declared >= 0) & (declared != out_sizes)))
+        if bad.size:
+            i = int(bad[0])
+            raise CorruptionError(
+                f"zstd blob {i} of this batch ({int(sizes[i])} bytes at offset {int(offsets[i])}) "
+                + ("is not a valid zstd frame" if declared[i] == -2 else
+                   f"declares {int(declared[i])} decompressed bytes, expected {int(out_sizes[i])}")
+                + "; its bytes or the blob index are damaged: run `tiered verify`")
+        return
+    zero = np.flatnonzero(out_sizes == 0)
+    if zero.size:
+        e = np.frombuffer(empty_frame(fmt), np.uint8)
+        ok = sizes[zero] == e.size
+        if ok.any():
+            take = data[offsets[zero[ok]][:, None] + np.arange(e.size)]
+            ok[ok] = (take == e).all(axis=1)
+        if not ok.all():
+            i = int(zero[np.flatnonzero(~ok)[0]])
+            raise CorruptionError(f"{fmt} blob {i} of this batch should be the empty block of a "
+                                  "0-byte cell; its bytes or the blob index are damaged")
+
 
 # ---------------------------------------------------------------------------------------------
 # The codec
@@ -356,10 +427,6 @@ class NvcompCodec(Codec):
         >>> bool((out == 0).all())                                        # doctest: +SKIP
         True
     """
-
-    # Probe results shared by every instance: {(format, device index): {...}}.
-    _probes: dict[tuple[str, int], dict[str, Any]] = {}
-    _probe_lock = threading.Lock()
 
     def __init__(self, format: str = "zstd", device: str | int | torch.device | None = None, *,
                  execution_policy: str = "concurrency") -> None:
@@ -448,20 +515,6 @@ class NvcompCodec(Codec):
             for t in tensors:
                 t.record_stream(side)  # the caller may free them right away; side may still use them
 
-    def _config(self, entry: _Entry, key: Any, sizes: list[int]) -> Any:
-        cfg = entry.configs.get(key)
-        if cfg is None:
-            codec = entry.codec
-            cfg = codec.decompression_config(codec.compression_config(sizes))
-            entry.configs[key] = cfg
-            if len(entry.configs) > _CONFIG_CACHE:
-                entry.configs.popitem(last=False)
-            self._count("config_misses")
-        else:
-            entry.configs.move_to_end(key)
-            self._count("config_hits")
-        return cfg
-
     def _count(self, name: str) -> None:
         counters = self._local.__dict__.setdefault("counters", {})
         counters[name] = counters.get(name, 0) + 1
@@ -485,91 +538,10 @@ class NvcompCodec(Codec):
         Returns:
             ``{"exact": ..., "capacity": bool, "errors": [str, ...]}``.
         """
-        key = (self.format, int(self.device.index))
-        with self._probe_lock:
-            if key not in self._probes:
-                self._probes[key] = self._run_probe()
-            self._probe_result = self._probes[key]
-            return self._probe_result
-
-    def _run_probe(self) -> dict[str, Any]:
-        import torch
-
-        rng = np.random.default_rng(7)
-        sizes = np.array([7056, 28224, 1000, 4099, 100800, 1], dtype=np.int64)
-        cells = []
-        for s in sizes.tolist():
-            # Flat runs with sparse noise: compresses like a game frame, exercises real sequences.
-            base = np.repeat(rng.integers(0, 8, s // 64 + 1, dtype=np.uint8) * 30, 64)[:s]
-            noise = rng.random(s) < 0.02
-            base[noise] = rng.integers(0, 256, int(noise.sum()), dtype=np.uint8)
-            cells.append(base.tobytes())
-        frames = [_cpu_compress(self.format, c) for c in cells]
-        csz = np.array([len(f) for f in frames], dtype=np.int64)
-        coff = exclusive_cumsum(_align(csz))
-        host = np.zeros(int(_align(csz).sum()), dtype=np.uint8)
-        for f, o in zip(frames, coff.tolist(), strict=True):  # probe only: six frames
-            host[o:o + len(f)] = np.frombuffer(f, np.uint8)
-        want = np.frombuffer(b"".join(cells), np.uint8)
-        errors: list[str] = []
-        result: dict[str, Any] = {"exact": None, "capacity": False, "errors": errors}
-        side = self._side_stream()
-        with torch.cuda.stream(side):
-            src = torch.from_numpy(host).to(self.device)
-            want_t = torch.from_numpy(want).to(self.device)
-            ooff = exclusive_cumsum(_align(sizes))
-            out = torch.zeros(int(_align(sizes).sum()), dtype=torch.uint8, device=self.device)
-            for mode in ("cc", "src"):
-                try:
-                    out.zero_()
-                    self._decode(self._entry(side), src, coff, csz, out, ooff, sizes, mode=mode, cap=None)
-                    side.synchronize()
-                    got = torch.cat([out[o:o + s] for o, s in zip(ooff.tolist(), sizes.tolist(),
-                                                                   strict=True)])
-                    if bool(torch.equal(got, want_t)):
-                        result["exact"] = mode
-                        break
-                    errors.append(f"exact/{mode}: decoded bytes differ")
-                except Exception as e:  # a probe records why a mode fails, then tries the next
-                    errors.append(f"exact/{mode}: {type(e).__name__}: {e}")
-            try:
-                cap = int(_align(sizes.max() + 1))
-                out2 = torch.zeros(cap * sizes.size, dtype=torch.uint8, device=self.device)
-                o2 = np.arange(sizes.size, dtype=np.int64) * cap
-                self._decode(self._entry(side), src, coff, csz, out2, o2, sizes, mode="cc", cap=cap)
-                side.synchronize()
-                got = torch.cat([out2[o:o + s] for o, s in zip(o2.tolist(), sizes.tolist(), strict=True)])
-                result["capacity"] = bool(torch.equal(got, want_t))
-                if not result["capacity"]:
-                    errors.append("capacity: decoded bytes differ")
-            except Exception as e:
-                errors.append(f"capacity: {type(e).__name__}: {e}")
-        self._count("probes")
-        return result
+        self._probe_result = _PROBES.result(self)
+        return self._probe_result
 
     # -- GPU-native API -------------------------------------------------------------------------
-
-    def _check_device_batch(self, data: torch.Tensor, offsets: np.ndarray, sizes: np.ndarray, what: str,
-                            span: np.ndarray | None = None) -> None:
-        import torch
-
-        if not isinstance(data, torch.Tensor) or data.dtype != torch.uint8 or data.dim() != 1 \
-                or not data.is_contiguous():
-            raise TypeError(f"{what} must be a contiguous 1-D uint8 CUDA tensor, got "
-                            f"{type(data).__name__} {getattr(data, 'dtype', '')} "
-                            f"{tuple(getattr(data, 'shape', ()))}")
-        if data.device != self.device:
-            raise ValueError(f"{what} is on {data.device}, this codec runs on {self.device}")
-        span = sizes if span is None else span
-        if offsets.size and (int(offsets.min()) < 0 or int((offsets + span).max()) > data.numel()):
-            raise ValueError(f"{what}: blob ranges fall outside its {data.numel()} bytes")
-        misaligned = (data.data_ptr() + offsets) % self._spec.decode_align
-        if offsets.size and misaligned.any():
-            i = int(np.flatnonzero(misaligned)[0])
-            raise ValueError(
-                f"{what}: entry {i} starts at offset {int(offsets[i])}, which is not aligned to the "
-                f"{self._spec.decode_align} bytes nvCOMP's {self._spec.algorithm} needs; lay blobs out at "
-                f"multiples of {ALIGN} (tier arenas already do)")
 
     def decode_device(
         self,
@@ -619,8 +591,8 @@ class NvcompCodec(Codec):
             span = out_sizes if out_capacity is None else np.full_like(out_sizes, int(out_capacity))
             if out_capacity is not None and out_sizes.size and int(out_sizes.max()) > out_capacity:
                 raise ValueError(f"out_capacity {out_capacity} < out size {int(out_sizes.max())}")
-            self._check_device_batch(data, offsets, sizes, "data")
-            self._check_device_batch(out, out_offsets, out_sizes, "out", span=span)
+            _check_device_batch(data, offsets, sizes, "data", self.device, self._spec)
+            _check_device_batch(out, out_offsets, out_sizes, "out", self.device, self._spec, span=span)
         # 0-byte outputs have nothing to write and nvCOMP must not see them, checked or not
         keep = out_sizes > 0
         if not keep.all():
@@ -653,7 +625,8 @@ class NvcompCodec(Codec):
         codec = entry.codec
         if mode == "cc":
             key = ("cap", n, int(cap)) if cap is not None else ("exact", out_sizes.tobytes())
-            cfg = self._config(entry, key, dst_sizes)
+            cfg, hit = entry.decompression_config(key, dst_sizes)
+            self._count("config_hits" if hit else "config_misses")
             res = codec.decode(src, out=dst, decompression_config=cfg)
         elif mode == "src":
             res = codec.decode(src, out=dst, decompression_config=codec.decompression_config(src))
@@ -684,7 +657,7 @@ class NvcompCodec(Codec):
         offsets, sizes = np.asarray(offsets, np.int64), np.asarray(sizes, np.int64)
         if offsets.shape != sizes.shape:
             raise ValueError("offsets and sizes must have one entry per cell")
-        self._check_device_batch(data, offsets, sizes, "data")
+        _check_device_batch(data, offsets, sizes, "data", self.device, self._spec)
         n = int(sizes.size)
         nz = np.flatnonzero(sizes > 0)
         csz = np.zeros(n, dtype=np.int64)
@@ -785,7 +758,7 @@ class NvcompCodec(Codec):
         n = sizes.size
         if n == 0:
             return
-        self._check_headers(data, offsets, sizes, out_sizes)
+        _check_headers(self.format, data, offsets, sizes, out_sizes)
         nz = np.flatnonzero(out_sizes > 0)
         if nz.size == 0:
             return
@@ -819,33 +792,85 @@ class NvcompCodec(Codec):
         host_out = dev_out.cpu().numpy()
         copy_host_blobs(host_out, o_off, out, out_offsets_nz, out_sizes_nz)
 
-    def _check_headers(self, data: np.ndarray, offsets: np.ndarray, sizes: np.ndarray,
-                       out_sizes: np.ndarray) -> None:
-        """Cheap host checks before bytes reach a GPU decoder (it has no defined behaviour on junk)."""
-        if self.format == "zstd":
-            from .zstd import declared_content_sizes
 
-            declared = declared_content_sizes(data, offsets, sizes)
-            bad = np.flatnonzero((declared == -2) | ((declared >= 0) & (declared != out_sizes)))
-            if bad.size:
-                i = int(bad[0])
-                raise CorruptionError(
-                    f"zstd blob {i} of this batch ({int(sizes[i])} bytes at offset {int(offsets[i])}) "
-                    + ("is not a valid zstd frame" if declared[i] == -2 else
-                       f"declares {int(declared[i])} decompressed bytes, expected {int(out_sizes[i])}")
-                    + "; its bytes or the blob index are damaged: run `tiered verify`")
-            return
-        zero = np.flatnonzero(out_sizes == 0)
-        if zero.size:
-            e = np.frombuffer(empty_frame(self.format), np.uint8)
-            ok = sizes[zero] == e.size
-            if ok.any():
-                take = data[offsets[zero[ok]][:, None] + np.arange(e.size)]
-                ok[ok] = (take == e).all(axis=1)
-            if not ok.all():
-                i = int(zero[np.flatnonzero(~ok)[0]])
-                raise CorruptionError(f"{self.format} blob {i} of this batch should be the empty block of a "
-                                      "0-byte cell; its bytes or the blob index are damaged")
+# ---------------------------------------------------------------------------------------------
+# The one-time probe of the decode modes
+# ---------------------------------------------------------------------------------------------
+
+
+def _find_decode_modes(codec: NvcompCodec) -> dict[str, Any]:
+    """Decode CPU-written frames of several sizes in each config mode, compare the bytes (see probe)."""
+    import torch
+
+    rng = np.random.default_rng(7)
+    sizes = np.array([7056, 28224, 1000, 4099, 100800, 1], dtype=np.int64)
+    cells = []
+    for s in sizes.tolist():
+        # Flat runs with sparse noise: compresses like a game frame, exercises real sequences.
+        base = np.repeat(rng.integers(0, 8, s // 64 + 1, dtype=np.uint8) * 30, 64)[:s]
+        noise = rng.random(s) < 0.02
+        base[noise] = rng.integers(0, 256, int(noise.sum()), dtype=np.uint8)
+        cells.append(base.tobytes())
+    frames = [_cpu_compress(codec.format, c) for c in cells]
+    csz = np.array([len(f) for f in frames], dtype=np.int64)
+    coff = exclusive_cumsum(_align(csz))
+    host = np.zeros(int(_align(csz).sum()), dtype=np.uint8)
+    for f, o in zip(frames, coff.tolist(), strict=True):  # probe only: six frames
+        host[o:o + len(f)] = np.frombuffer(f, np.uint8)
+    want = np.frombuffer(b"".join(cells), np.uint8)
+    errors: list[str] = []
+    result: dict[str, Any] = {"exact": None, "capacity": False, "errors": errors}
+    side = codec._side_stream()
+    with torch.cuda.stream(side):
+        src = torch.from_numpy(host).to(codec.device)
+        want_t = torch.from_numpy(want).to(codec.device)
+        ooff = exclusive_cumsum(_align(sizes))
+        out = torch.zeros(int(_align(sizes).sum()), dtype=torch.uint8, device=codec.device)
+        for mode in ("cc", "src"):
+            try:
+                out.zero_()
+                codec._decode(codec._entry(side), src, coff, csz, out, ooff, sizes, mode=mode, cap=None)
+                side.synchronize()
+                got = torch.cat([out[o:o + s] for o, s in zip(ooff.tolist(), sizes.tolist(),
+                                                               strict=True)])
+                if bool(torch.equal(got, want_t)):
+                    result["exact"] = mode
+                    break
+                errors.append(f"exact/{mode}: decoded bytes differ")
+            except Exception as e:  # a probe records why a mode fails, then tries the next
+                errors.append(f"exact/{mode}: {type(e).__name__}: {e}")
+        try:
+            cap = int(_align(sizes.max() + 1))
+            out2 = torch.zeros(cap * sizes.size, dtype=torch.uint8, device=codec.device)
+            o2 = np.arange(sizes.size, dtype=np.int64) * cap
+            codec._decode(codec._entry(side), src, coff, csz, out2, o2, sizes, mode="cc", cap=cap)
+            side.synchronize()
+            got = torch.cat([out2[o:o + s] for o, s in zip(o2.tolist(), sizes.tolist(), strict=True)])
+            result["capacity"] = bool(torch.equal(got, want_t))
+            if not result["capacity"]:
+                errors.append("capacity: decoded bytes differ")
+        except Exception as e:
+            errors.append(f"capacity: {type(e).__name__}: {e}")
+    codec._count("probes")
+    return result
+
+
+class _Probes:
+    """The probe results, found once per format and device and shared by every codec object."""
+
+    def __init__(self) -> None:
+        self._results: dict[tuple[str, int], dict[str, Any]] = {}
+        self._lock = threading.Lock()
+
+    def result(self, codec: NvcompCodec) -> dict[str, Any]:
+        key = (codec.format, int(codec.device.index))
+        with self._lock:
+            if key not in self._results:
+                self._results[key] = _find_decode_modes(codec)
+            return self._results[key]
+
+
+_PROBES = _Probes()
 
 
 def codec_factory(arg: str | None) -> NvcompCodec:
