@@ -16,7 +16,7 @@ Two faces:
   slots) and makes one ``Codec.decode`` call with a cached, sync-free
   ``decompression_config(compression_config(sizes))``: no Python object per blob, no host sync.
 
-nvCOMP facts this module relies on (``shared/notes/nvcomp.md``): the 6.0 batch type is
+nvCOMP facts this module relies on (nvCOMP 6.0's Python API): the batch type is
 ``BatchArray`` (a Python list is not accepted); a config built from sizes never synchronizes,
 one built from the compressed buffers does; ``Codec`` objects and configs are thread-local and
 bound to one CUDA stream; stream ``0`` is ambiguous (nvCOMP reads it as "not given"), so a
