@@ -205,14 +205,14 @@ def advise_segments(store: Any, random_access: bool) -> None:
     """``posix_fadvise(POSIX_FADV_RANDOM)`` (or ``NORMAL``) on the store's own segment fds.
 
     Read-ahead state belongs to an open file description, so the advice must go to the fds
-    the cold tier reads with (private ``_fd``): sorted, coalesced ``preadv`` runs look
+    the cold tier reads with (``segment_fd``): sorted, coalesced ``preadv`` runs look
     sequential to the kernel, which then reads ahead up to the device's read-ahead window.
     """
     from tiered.testing import parts
     cold = parts(store).tiers[2]
     advice = os.POSIX_FADV_RANDOM if random_access else os.POSIX_FADV_NORMAL
     for i in range(len(cold.segments)):
-        os.posix_fadvise(cold._fd(i), 0, 0, advice)
+        os.posix_fadvise(cold.segment_fd(i), 0, 0, advice)
 
 
 # ------------------------------------------------------------------------------------------

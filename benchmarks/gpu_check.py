@@ -306,12 +306,12 @@ def stamped_copies(rows: int):
 def _aligned_upload(run: Run, data: np.ndarray, offsets: np.ndarray, sizes: np.ndarray):
     import torch
 
-    from tiered.codecs.raw import copy_segments
+    from tiered.util.copy import copy_host_blobs
 
     a = (sizes + 15) // 16 * 16
     off = np.concatenate([[0], np.cumsum(a)[:-1]]).astype(np.int64)
     host = np.zeros(int(a.sum()), np.uint8)
-    copy_segments(data, offsets, sizes, host, off)
+    copy_host_blobs(data, offsets, host, off, sizes)
     return torch.from_numpy(host).to(_dev(run)), off
 
 

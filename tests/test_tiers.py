@@ -32,8 +32,8 @@ from tiered.tiers import (
     default_budgets,
     parse_bytes,
 )
-from tiered.tiers import arena as arena_mod
 from tiered.tiers.arena import inject_oom
+from tiered.util.copy import copy_tensor_blobs
 
 # Small segments so that batches cross segment boundaries.
 SEG = 64 << 10
@@ -260,16 +260,15 @@ def test_cold_large_threaded_read(cold_cls, tmp_path):
 def test_a_large_write_leaves_no_large_staging_buffer(tmp_path):
     """The per-thread staging buffer lives as long as the thread (pinned on CUDA hosts); a write
     bigger than its cap stages through a temporary, and the data still lands bit-exactly."""
-    from tiered.tiers.memmap import _Staging
+    from tiered.tiers.memmap import STAGING_KEEP_MAX
 
     t = MemmapTier(str(tmp_path / "c"), segment_bytes=64 << 20)
     rng = np.random.default_rng(11)
     data, src_off, sizes = batch(rng, 1500, 10000, 20001)  # ~22 MB of unaligned blobs: staged
-    assert int(sizes.sum()) > _Staging.KEEP_MAX
+    assert int(sizes.sum()) > STAGING_KEEP_MAX
     off = t.allocate(sizes)
     t.write(off, data, src_off, sizes)
-    buf = t._staging.buf
-    assert buf is None or buf.size <= _Staging.KEEP_MAX
+    assert t.staging.kept_bytes() <= STAGING_KEEP_MAX
     t.flush()
     assert read_back(t, off, sizes) == blobs_of(data, src_off, sizes)
     t.close()
@@ -399,8 +398,8 @@ def test_copy_blobs_paths_agree():
         assert (out == ref).all()
         # the torch (GPU) path, run on CPU tensors
         out_t = torch.zeros(dst_len, dtype=torch.uint8)
-        arena_mod._copy_torch(torch.from_numpy(src), s_off.astype(np.int64), out_t,
-                              d_off.astype(np.int64), sizes.astype(np.int64))
+        copy_tensor_blobs(torch.from_numpy(src), s_off.astype(np.int64), out_t,
+                          d_off.astype(np.int64), sizes.astype(np.int64))
         assert (out_t.numpy() == ref).all()
 
 
@@ -553,8 +552,8 @@ def test_many_scattered_runs_are_read_on_several_threads(tmp_path):
 
     memmap_mod.run_parallel = counting
     try:
-        memmap_mod.read_blobs(tier._fd, tier.segment_path, np.asarray(tier._data_offsets), tier.segment_bytes,
-                              loc[pick], sizes[pick], out, out_off, 8, tier._staging, gap=0)
+        memmap_mod.read_blobs(tier.segment_fd, tier.segment_path, tier.data_offsets, tier.segment_bytes,
+                              loc[pick], sizes[pick], out, out_off, 8, tier.staging, gap=0)
     finally:
         memmap_mod.run_parallel = real
     assert threads and threads[0] > 1, threads

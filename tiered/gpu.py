@@ -68,7 +68,7 @@ import numpy as np
 import torch
 
 from .codecs import codec_for_format_id, segment_checksums_torch
-from .codecs.nvcomp import copy_segments_device, filler_frame, import_nvcomp, use_torch_allocator
+from .codecs.nvcomp import filler_frame, import_nvcomp, use_torch_allocator
 from .engine.frames import FrameFamily
 from .engine.layout import FieldLayout
 from .engine.placement import Placement
@@ -76,8 +76,9 @@ from .engine.read import CpuReadPipeline, ReadPipeline
 from .errors import ChecksumError, CodecUnavailableError
 from .index import COLD, HOT, OPEN, WARM, BlobIndex
 from .schema import Field, Key
-from .tiers import arena as _arena
+from .tiers.arena import new_buffer
 from .util.batch import exclusive_cumsum
+from .util.copy import copy_blobs
 from .util.units import align  # the arenas' alignment: the hot gather reads aligned extents
 
 if TYPE_CHECKING:
@@ -163,7 +164,7 @@ def _device_empty(nbytes: int, device: torch.device, kind: str = "batch") -> tor
                 f"(limit {limit})")
     try:
         # the arenas' seam too: tiered.tiers.arena.inject_oom fails these allocations as well
-        return _arena._new_buffer(int(nbytes), device, False)
+        return new_buffer(int(nbytes), device, False)
     except torch.OutOfMemoryError:
         _tls.oom = True
         raise
@@ -703,7 +704,7 @@ class GpuReadPipeline(ReadPipeline):
             dec_off = comp0 + plan.rel
             ooff = plan.s_pos * c.stride
             if c.fmt == _RAW_FORMAT:
-                copy_segments_device(blk, dec_off, c.out, ooff, plan.csz)
+                copy_blobs(blk, dec_off, c.out, ooff, plan.csz)
             else:
                 osz = idx.raw_nbytes[plan.s_ids]
                 csz_d = plan.csz

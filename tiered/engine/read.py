@@ -21,7 +21,6 @@ Example:
 
 from __future__ import annotations
 
-import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
@@ -35,6 +34,7 @@ from ..errors import ChecksumError
 from ..index import OPEN, BlobIndex
 from ..schema import Field, Key
 from ..util.batch import exclusive_cumsum
+from ..util.scratch import ScratchBuffers
 from .frames import FrameFamily
 from .layout import FieldLayout
 from .placement import TIER_NAMES, Placement
@@ -147,19 +147,6 @@ class ReadPipeline(ABC):
         return ChecksumError(describe_bad_blobs(layout, self.index, bad_ids, self.stale()))
 
 
-class _Scratch(threading.local):
-    """Per-thread reusable buffers (fresh allocations cost page faults on every sample)."""
-
-    def get(self, name: str, nbytes: int) -> np.ndarray:
-        bufs = self.__dict__.setdefault("bufs", {})
-        buf = bufs.get(name)
-        if buf is None or buf.size < nbytes:
-            # at least 4 MiB, then doubling: small batches never regrow it
-            buf = np.empty(max(nbytes, 2 * buf.size if buf is not None else 4 << 20), dtype=np.uint8)
-            bufs[name] = buf
-        return buf[:nbytes]
-
-
 class CpuReadPipeline(ReadPipeline):
     """Decodes with the CPU codecs into per-thread reused buffers.
 
@@ -177,7 +164,9 @@ class CpuReadPipeline(ReadPipeline):
         self.codec = codec
         self.verify = bool(verify)
         self.promote = bool(promote)
-        self._scratch = _Scratch()
+        # at least 4 MiB, then doubling, kept: small batches never regrow it and fresh allocations
+        # would cost page faults on every sample
+        self._scratch = ScratchBuffers(floor=4 << 20, keep_max=None)
 
     def read_family(self, layout: FieldLayout, family_id: int, fields: list[Field], rows: np.ndarray,
                     out: dict[Key, torch.Tensor]) -> None:

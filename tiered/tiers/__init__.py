@@ -13,8 +13,9 @@ Example:
 
 from __future__ import annotations
 
+from ..util.copy import copy_blobs
 from ..util.units import ALIGNMENT, align, format_bytes, parse_bytes
-from .arena import ArenaTier, DeviceTier, HostTier, copy_blobs, default_budgets
+from .arena import ArenaTier, DeviceTier, HostTier, default_budgets
 from .base import Tier
 from .extents import ExtentAllocator
 from .hdf5 import HDF5Tier

@@ -1,56 +1,46 @@
-"""Memory tiers: a growable uint8 arena on a torch device, and the batched byte copies.
+"""Memory tiers: a growable uint8 arena on a torch device.
 
 :class:`ArenaTier` keeps blobs in one uint8 tensor that grows geometrically (x2, capped at the
 budget) as allocations need it, so a large budget costs nothing until it is used.
 :class:`HostTier` (``warm``) is an arena in pinned host memory when CUDA is available;
 :class:`DeviceTier` (``hot``) is an arena on the store's ``hot_device``.
 
-:func:`copy_blobs` is the one batched copy every tier uses: blob ``i`` goes from
-``src[src_offsets[i]:+sizes[i]]`` to ``dst[dst_offsets[i]:]``, for numpy arrays and torch
-tensors on any device, with a number of Python-level calls that does not grow with the
-number of blobs:
+Blobs move in and out with the package's batched copy, :func:`tiered.util.copy.copy_blobs`
+(numpy arrays and torch tensors on any device, a number of calls that does not grow with the
+number of blobs). :func:`new_buffer` is the arenas' one allocation, with the allocation-failure
+seam :func:`inject_oom` for tests; the GPU decoder allocates through it too.
 
-* adjacent blobs (contiguous in both buffers) are merged into runs first; a single run is
-  one slice copy;
-* otherwise, on the host, a blob of ``n`` bytes is copied as rows of ``c`` bytes (1-byte rows
-  under 128 B, else 128-byte rows), its last row shifted back so it ends at byte ``n``; each
-  row size is one numpy fancy-index copy between overlapping strided windows (one ``memcpy``
-  per row, no per-byte index, no Python loop over blobs);
-* on a GPU, one ``index_select``/``index_copy_`` over a flat index of 8-byte words (when
-  every offset is 8-aligned) plus the byte tails: GPU gathers are bandwidth-bound;
-* across devices: pack on the source device, one transfer, unpack on the destination.
+Example:
+    >>> import numpy as np
+    >>> t = HostTier("1MiB")
+    >>> off = t.allocate(np.array([3, 2]))
+    >>> t.write(off, np.frombuffer(b"abcde", np.uint8), np.array([0, 3]), np.array([3, 2]))
+    >>> out = np.zeros(5, np.uint8); t.read(off[::-1], np.array([2, 3]), out, np.array([0, 2]))
+    >>> out.tobytes()
+    b'deabc'
 """
 
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import psutil
 import torch
-from numpy.lib.stride_tricks import as_strided
 
 from ..errors import StorageFullError
-from ..util.batch import exclusive_cumsum
+from ..util.buffers import as_int64
+from ..util.copy import copy_blobs
 from ..util.units import format_bytes, parse_bytes
 from .base import Tier
 from .extents import ExtentAllocator
 
-__all__ = ["ArenaTier", "HostTier", "DeviceTier", "copy_blobs", "default_budgets", "inject_oom"]
+__all__ = ["ArenaTier", "HostTier", "DeviceTier", "default_budgets", "inject_oom", "new_buffer"]
 
-Buffer = np.ndarray | torch.Tensor
-
-_I64 = np.int64
 # Smallest arena buffer: growing 64 KiB -> budget takes ~log2(budget / 64 KiB) copies.
 _MIN_ARENA = 1 << 16
-# Row sizes of the host copy. Every class costs about a dozen numpy calls per copy, whatever
-# its size, and sampled blobs are small (compressed Atari chunks: median ~320 B), so two
-# classes: bytes for blobs under 128 B, 128-byte rows for the rest (faster than the former
-# [1, 16, 256, 4096] on sampled warm reads of 2 to 500 blobs, in a one-off timing).
-_ROW_BYTES = np.array([1, 128], dtype=_I64)
 
 
 def default_budgets() -> dict[str, int]:
@@ -74,181 +64,8 @@ def default_budgets() -> dict[str, int]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Batched copies
-# ---------------------------------------------------------------------------------------------
-
-
-def _i64(a: Any) -> np.ndarray:
-    return np.asarray(a, dtype=_I64).reshape(-1)
-
-
-def _host_view(buf: Buffer) -> np.ndarray | None:
-    """A numpy view of ``buf`` if it lives in host memory, else ``None``."""
-    if isinstance(buf, np.ndarray):
-        return buf
-    if buf.device.type == "cpu":
-        return buf.detach().numpy()
-    return None
-
-
-def _as_tensor(buf: Buffer) -> torch.Tensor:
-    if not isinstance(buf, np.ndarray):
-        return buf
-    with warnings.catch_warnings():  # a read-only source array is only ever read from
-        warnings.filterwarnings("ignore", message=".*not writable.*")
-        return torch.from_numpy(buf)
-
-
-def _check_buffer(buf: Buffer, what: str) -> None:
-    if isinstance(buf, np.ndarray):
-        ok = buf.dtype == np.uint8 and buf.ndim == 1 and buf.flags.c_contiguous
-    else:
-        ok = buf.dtype == torch.uint8 and buf.dim() == 1 and buf.is_contiguous()
-    if not ok:
-        raise TypeError(
-            f"{what} must be a contiguous 1-D uint8 numpy array or torch tensor, got "
-            f"{type(buf).__name__} of dtype {buf.dtype} and shape {tuple(buf.shape)}"
-        )
-
-
-def _check_bounds(offsets: np.ndarray, sizes: np.ndarray, length: int, what: str) -> None:
-    if offsets.size and (int(offsets.min()) < 0 or int((offsets + sizes).max()) > length):
-        raise ValueError(
-            f"{what} ranges [{int(offsets.min())}, {int((offsets + sizes).max())}) fall outside "
-            f"its {length} bytes"
-        )
-
-
-def _runs(s: np.ndarray, d: np.ndarray, n: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Merge blobs that are adjacent in both buffers into runs (``s`` is not empty)."""
-    brk = np.empty(s.size, dtype=bool)
-    brk[0] = True
-    np.not_equal(s[1:], s[:-1] + n[:-1], out=brk[1:])
-    brk[1:] |= d[1:] != d[:-1] + n[:-1]
-    first = np.flatnonzero(brk)
-    return s[first], d[first], np.add.reduceat(n, first)
-
-
-def _copy_host(src: np.ndarray, s: np.ndarray, dst: np.ndarray, d: np.ndarray, n: np.ndarray) -> None:
-    if s.size == 1:  # one run: one slice copy
-        a, b, k = int(s[0]), int(d[0]), int(n[0])
-        dst[b:b + k] = src[a:a + k]
-        return
-    # Size classes: a blob of n bytes is copied as ceil(n / c) rows of c bytes, c the largest
-    # row size <= n; its last row is shifted back to end exactly at byte n, so rows overlap
-    # inside the blob (same bytes written twice) but never leave it. Each class is one
-    # fancy-index copy between overlapping strided windows of c-byte rows: one memcpy per row,
-    # no per-byte index. Every class is visited even when empty, so the number of Python-level
-    # calls is the same for every batch.
-    cls = np.searchsorted(_ROW_BYTES, n, side="right") - 1
-    for i, c in enumerate(_ROW_BYTES.tolist()):
-        sel = cls == i
-        ss, dd, nn = s[sel], d[sel], n[sel]
-        rows = -(-nn // c)
-        total = int(rows.sum())
-        j = np.arange(total, dtype=_I64) - np.repeat(exclusive_cumsum(rows), rows)
-        step = np.minimum(j * c, np.repeat(nn - c, rows))
-        rs = np.repeat(ss, rows) + step
-        rd = np.repeat(dd, rows) + step
-        if c == 1:
-            dst[rd] = src[rs]
-        else:
-            sw = as_strided(src, shape=(max(0, src.size - c + 1), c), strides=(1, 1), writeable=False)
-            dw = as_strided(dst, shape=(max(0, dst.size - c + 1), c), strides=(1, 1))
-            dw[rd] = sw[rs]
-
-
-def _gather_scatter(src: torch.Tensor, s: np.ndarray, dst: torch.Tensor, d: np.ndarray,
-                    n: np.ndarray) -> None:
-    """Element-level batched copy on one torch device (a flat index of every element)."""
-    total = int(n.sum())
-    if total == 0:
-        return
-    dev = src.device
-    excl = exclusive_cumsum(n)
-    n_t = torch.from_numpy(n).to(dev)
-    base = torch.arange(total, device=dev, dtype=torch.int64)
-    sidx = base + torch.repeat_interleave(torch.from_numpy(s - excl).to(dev), n_t, output_size=total)
-    didx = base + torch.repeat_interleave(torch.from_numpy(d - excl).to(dev), n_t, output_size=total)
-    dst.index_copy_(0, didx, src.index_select(0, sidx))
-
-
-def _words(t: torch.Tensor, w: int) -> torch.Tensor | None:
-    if t.storage_offset() % w:
-        return None
-    return t[: t.numel() // w * w].view(torch.int64)
-
-
-def _copy_torch(src: torch.Tensor, s: np.ndarray, dst: torch.Tensor, d: np.ndarray, n: np.ndarray) -> None:
-    if s.size == 1:
-        a, b, k = int(s[0]), int(d[0]), int(n[0])
-        dst[b:b + k].copy_(src[a:a + k])
-        return
-    w = 8
-    if not int(np.bitwise_or.reduce(s | d)) % w:
-        sw, dw = _words(src, w), _words(dst, w)
-        if sw is not None and dw is not None:
-            k = n // w
-            _gather_scatter(sw, s // w, dw, d // w, k)
-            done = k * w
-            s, d, n = s + done, d + done, n - done
-    _gather_scatter(src, s, dst, d, n)
-
-
-def _is_packed(off: np.ndarray, n: np.ndarray) -> bool:
-    return off.size <= 1 or bool(np.array_equal(off[1:], off[:-1] + n[:-1]))
-
-
-def copy_blobs(src: Buffer, src_offsets: np.ndarray, dst: Buffer, dst_offsets: np.ndarray,
-               sizes: np.ndarray) -> None:
-    """Copy blob ``i`` from ``src[src_offsets[i]:+sizes[i]]`` to ``dst[dst_offsets[i]:]``.
-
-    ``src`` and ``dst`` are contiguous 1-D uint8 numpy arrays or torch tensors, on any
-    devices. Destination ranges must not overlap each other.
-
-    Example:
-        >>> src = np.arange(10, dtype=np.uint8); dst = np.zeros(6, dtype=np.uint8)
-        >>> copy_blobs(src, np.array([7, 0]), dst, np.array([0, 3]), np.array([3, 2]))
-        >>> dst
-        array([7, 8, 9, 0, 1, 0], dtype=uint8)
-    """
-    s, d, n = _i64(src_offsets), _i64(dst_offsets), _i64(sizes)
-    if not (s.size == d.size == n.size):
-        raise ValueError(f"offsets and sizes differ in length: {s.size}, {d.size}, {n.size}")
-    _check_buffer(src, "the source buffer")
-    _check_buffer(dst, "the destination buffer")
-    if n.size and int(n.min()) < 0:
-        raise ValueError(f"blob sizes must be >= 0, got {int(n.min())}")
-    _check_bounds(s, n, int(src.shape[0]), "the source buffer's")
-    _check_bounds(d, n, int(dst.shape[0]), "the destination buffer's")
-    keep = n > 0
-    s, d, n = s[keep], d[keep], n[keep]
-    if n.size == 0:
-        return
-    hs, hd = _host_view(src), _host_view(dst)
-    if hs is not None and hd is not None:
-        s, d, n = _runs(s, d, n)
-        _copy_host(hs, s, hd, d, n)
-        return
-    ts, td = _as_tensor(src), _as_tensor(dst)
-    if ts.device == td.device:
-        s, d, n = _runs(s, d, n)
-        _copy_torch(ts, s, td, d, n)
-        return
-    # Different devices: pack on the source device, one transfer, unpack at the destination.
-    excl = exclusive_cumsum(n)
-    total = int(n.sum())
-    if _is_packed(s, n):
-        packed = ts[int(s[0]):int(s[0]) + total]
-    else:
-        packed = torch.empty(total, dtype=torch.uint8, device=ts.device)
-        copy_blobs(ts, s, packed, excl, n)
-    moved = packed.to(td.device)
-    copy_blobs(moved, excl, td, d, n)
-
-
-# ---------------------------------------------------------------------------------------------
-# Allocation-failure seam (tests): DESIGN.md section 9
+# Allocation, and its failure seam for tests: every arena growth (and every GPU decoder buffer)
+# is allocated by new_buffer, so inject_oom can make any of them fail
 # ---------------------------------------------------------------------------------------------
 
 _oom_after: list[int] = []  # [growths still allowed], set by inject_oom
@@ -274,7 +91,16 @@ def inject_oom(after: int = 0) -> Iterator[None]:
         _oom_after.pop()
 
 
-def _new_buffer(nbytes: int, device: torch.device, pinned: bool) -> torch.Tensor:
+def new_buffer(nbytes: int, device: str | torch.device, pinned: bool = False) -> torch.Tensor:
+    """An uninitialized uint8 tensor of ``nbytes`` on ``device`` (page-locked host memory if ``pinned``).
+
+    Inside :func:`inject_oom` it raises ``torch.OutOfMemoryError`` once the allowed growths are
+    used up, as a real allocation would.
+
+    Example:
+        >>> new_buffer(64, "cpu").shape
+        torch.Size([64])
+    """
     if _oom_after:
         if _oom_after[-1] <= 0:
             raise torch.OutOfMemoryError(f"injected: cannot allocate {nbytes} bytes on {device}")
@@ -344,7 +170,7 @@ class ArenaTier(Tier):
         if need <= have:
             return
         size = min(self.budget, max(need, 2 * have, _MIN_ARENA))
-        new = _new_buffer(size, self.device, self.pinned)
+        new = new_buffer(size, self.device, self.pinned)
         if have:
             new[:have].copy_(self._buf)
         self._buf = new
@@ -384,13 +210,13 @@ class ArenaTier(Tier):
 
     def write(self, offsets: np.ndarray, data: np.ndarray | torch.Tensor, src_offsets: np.ndarray,
               sizes: np.ndarray) -> None:
-        offsets, sizes = _i64(offsets), _i64(sizes)
+        offsets, sizes = as_int64(offsets), as_int64(sizes)
         self._check_live(offsets, sizes)
         copy_blobs(data, src_offsets, self.buffer, offsets, sizes)
 
     def read(self, offsets: np.ndarray, sizes: np.ndarray, out: np.ndarray | torch.Tensor,
              out_offsets: np.ndarray) -> None:
-        offsets, sizes = _i64(offsets), _i64(sizes)
+        offsets, sizes = as_int64(offsets), as_int64(sizes)
         self._check_live(offsets, sizes)
         copy_blobs(self.buffer, offsets, out, out_offsets, sizes)
 

@@ -10,8 +10,8 @@ How bytes move (and why):
 
 * The file and its metadata are created by h5py writing through
   :class:`tiered.fileio.WritableFile` (h5py's ``fileobj`` driver), so even HDF5's own writes go
-  through :mod:`tiered.fileio`, the package's single write seam (DESIGN.md section 9) where tests
-  inject full disks and power cuts. h5py then closes the file; it is never held open.
+  through :mod:`tiered.fileio`, the package's single write seam, where tests inject full
+  disks and power cuts. h5py then closes the file; it is never held open.
 * A contiguous, unfiltered dataset is a plain byte range of the file starting at
   ``dset.id.get_offset()``. Blob bytes are written there with :func:`tiered.fileio.pwrite` and
   read with the same coalesced, threaded ``pread`` code as

@@ -11,8 +11,9 @@ through a memory map. Every write goes through :mod:`tiered.fileio`.
 
 Reads: the requested blobs are sorted by offset, ranges closer than 4 KiB are coalesced, and
 explicit ``preadv`` calls (from a thread pool when there are many) land single-blob runs
-straight in the output buffer and multi-blob runs in a staging buffer, from which one batched
-copy scatters them (:func:`read_blobs`, shared with :class:`~tiered.tiers.hdf5.HDF5Tier`).
+straight in the output buffer and multi-blob runs in a per-thread staging buffer
+(:attr:`MemmapTier.staging`), from which one batched copy scatters them (:func:`read_blobs`,
+shared with :class:`~tiered.tiers.hdf5.HDF5Tier`).
 
 Durability: :meth:`MemmapTier.flush` fsyncs the segments written since the last flush (and
 the directory when a segment was created). Frees are deferred by default: space freed by
@@ -36,9 +37,11 @@ import torch
 from .. import fileio
 from ..errors import CorruptionError, ReadOnlyStoreError
 from ..util.batch import exclusive_cumsum, split_balanced
+from ..util.buffers import as_int64, check_buffer, host_view
+from ..util.copy import copy_blobs
 from ..util.pool import run_parallel
+from ..util.scratch import ScratchBuffers
 from ..util.units import align, format_bytes, parse_bytes
-from .arena import _check_buffer, _host_view, _i64, copy_blobs
 from .base import Tier
 from .extents import ExtentAllocator
 
@@ -55,26 +58,11 @@ _THREADED_MIN_BYTES = 1 << 20
 _THREADED_MIN_RUNS = 64
 
 
-class _Staging(threading.local):
-    """A per-thread, reused host buffer (fresh allocations cost page faults).
-
-    Requests above ``KEEP_MAX`` get a temporary instead: the buffer lives as long as the thread
-    (pinned on a CUDA host), and one large write or whole-store read must not hold that much.
-    """
-
-    KEEP_MAX = 16 << 20
-    buf: np.ndarray | None = None
-
-    def get(self, nbytes: int) -> np.ndarray:
-        if nbytes > self.KEEP_MAX:
-            return np.empty(nbytes, dtype=np.uint8)
-        if self.buf is None or self.buf.size < nbytes:
-            size = min(max(nbytes, 2 * (0 if self.buf is None else self.buf.size), 1 << 16), self.KEEP_MAX)
-            if torch.cuda.is_available():  # pinned: the H2D copy of a CUDA `out` is then async-capable
-                self.buf = torch.empty(size, dtype=torch.uint8, pin_memory=True).numpy()
-            else:
-                self.buf = np.empty(size, dtype=np.uint8)
-        return self.buf
+#: Staging buffers kept per thread stay under this; larger reads and writes stage through a
+#: temporary (the kept buffer lives as long as the thread, pinned on a CUDA host).
+STAGING_KEEP_MAX = 16 << 20
+# The name of the staging buffer in :attr:`MemmapTier.staging` (reads and writes share it).
+_STAGING = "staging"
 
 
 def _preadv_all(fd: int, view: memoryview, offset: int, path: Callable[[], str]) -> None:
@@ -106,7 +94,7 @@ def read_blobs(
     out: np.ndarray | torch.Tensor,
     out_offsets: np.ndarray,
     workers: int,
-    staging: _Staging,
+    staging: ScratchBuffers,
     gap: int = COALESCE_GAP,
 ) -> None:
     """Read blobs from segment files into ``out``, coalescing nearby ranges.
@@ -119,14 +107,14 @@ def read_blobs(
         segment_bytes: size of a segment's byte space.
         offsets, sizes: the blobs (global offsets).
         out, out_offsets: destination buffer (host or device) and where each blob goes.
-        workers: threads for large reads (on the codecs' shared pool, ``run_parallel``).
-        staging: the reused per-thread staging buffer.
+        workers: threads for large reads (on the package's shared pool, ``run_parallel``).
+        staging: the per-thread scratch buffers that multi-blob runs are staged in.
         gap: ranges closer than this are read with one call.
     """
-    o, n, oo = _i64(offsets), _i64(sizes), _i64(out_offsets)
+    o, n, oo = as_int64(offsets), as_int64(sizes), as_int64(out_offsets)
     if not (o.size == n.size == oo.size):
         raise ValueError(f"offsets and sizes differ in length: {o.size}, {n.size}, {oo.size}")
-    _check_buffer(out, "out")
+    check_buffer(out, "out")
     keep = n > 0
     if not keep.all():
         o, n, oo = o[keep], n[keep], oo[keep]
@@ -152,11 +140,11 @@ def read_blobs(
     r_file = np.asarray(data_offsets, dtype=np.int64)[r_seg] + (r_start - r_seg * segment_bytes)
     run_of = np.repeat(np.arange(first.size), r_count)
 
-    host = _host_view(out)
+    host = host_view(out)
     direct = r_count == 1 if host is not None else np.zeros(first.size, dtype=bool)
     stage_len = np.where(direct, 0, r_len)
     stage_base = exclusive_cumsum(stage_len)
-    buf = staging.get(int(stage_len.sum())) if not direct.all() else None
+    buf = staging.get(_STAGING, int(stage_len.sum())) if not direct.all() else None
 
     # One (fd, file offset, target view) per run: a syscall per run is the unit of work here.
     fds = {sg: fd_of(sg) for sg in np.unique(r_seg).tolist()}
@@ -249,7 +237,8 @@ class MemmapTier(Tier):
         self._fds: dict[int, int] = {}
         self._pid = os.getpid()
         self._lock = threading.Lock()
-        self._staging = _Staging()
+        # pinned on a CUDA host: the H2D copy of a CUDA `out` staged here is then async-capable
+        self.staging = ScratchBuffers(keep_max=STAGING_KEEP_MAX, pinned=torch.cuda.is_available())
         self._dirty: set[int] = set()
         self._dir_dirty = False
         self._checked: set[int] = set()
@@ -269,7 +258,13 @@ class MemmapTier(Tier):
         """Paths of the segment files in use."""
         return [self.segment_path(i) for i in range(len(self._sizes))]
 
-    def _fd(self, i: int) -> int:
+    @property
+    def data_offsets(self) -> np.ndarray:
+        """Per segment, the file offset where its byte space starts (0, or an HDF5 dataset's offset)."""
+        return np.asarray(self._data_offsets, dtype=np.int64)
+
+    def segment_fd(self, i: int) -> int:
+        """The tier's file descriptor of segment ``i`` (opened on first use; the tier closes it)."""
         if self._pid != os.getpid():
             self._after_fork()
         fd = self._fds.get(i)
@@ -336,7 +331,7 @@ class MemmapTier(Tier):
             if need <= have:
                 continue
             new = min(self.segment_bytes, max(need, have + GROW_STEP))
-            fileio.fallocate(self._fd(s), self._data_offsets[s] + have, new - have)
+            fileio.fallocate(self.segment_fd(s), self._data_offsets[s] + have, new - have)
             self._sizes[s] = new
             self._dirty.add(s)
 
@@ -364,7 +359,7 @@ class MemmapTier(Tier):
             ReadOnlyStoreError: the tier was opened with ``mode="r"``.
         """
         self._writable()
-        sizes = _i64(sizes)
+        sizes = as_int64(sizes)
         snapshot = self._alloc.snapshot()
         reserved = list(self._sizes)
         offsets = self._alloc.allocate(sizes)
@@ -388,14 +383,14 @@ class MemmapTier(Tier):
     def write(self, offsets: np.ndarray, data: np.ndarray | torch.Tensor, src_offsets: np.ndarray,
               sizes: np.ndarray) -> None:
         self._writable()
-        o, so, n = _i64(offsets), _i64(src_offsets), _i64(sizes)
-        _check_buffer(data, "data")
+        o, so, n = as_int64(offsets), as_int64(src_offsets), as_int64(sizes)
+        check_buffer(data, "data")
         keep = n > 0
         if not keep.all():
             o, so, n = o[keep], so[keep], n[keep]
         if o.size == 0:
             return
-        host = _host_view(data)
+        host = host_view(data)
         if host is None:  # device data: gather the blobs there, one copy to the host
             packed = torch.empty(int(n.sum()), dtype=torch.uint8, device=data.device)
             excl = exclusive_cumsum(n)
@@ -420,25 +415,25 @@ class MemmapTier(Tier):
             s_base = exclusive_cumsum(r_len)
             run_of = np.repeat(np.arange(first.size), np.diff(np.append(first, o.size)))
             total = int(r_len.sum())
-            stage = self._staging.get(total)[:total]  # the per-thread buffer reads use too
+            stage = self.staging.get(_STAGING, total)  # the per-thread buffer reads use too
             stage.fill(0)  # zeroed: alignment padding never leaks old memory into the file
             copy_blobs(host, so, stage, s_base[run_of] + (o - r_start[run_of]), n)
         mv = memoryview(stage)
         for start, ln, sb in zip(r_start.tolist(), r_len.tolist(), s_base.tolist(), strict=True):
             s = start // self.segment_bytes
-            fileio.pwrite(self._fd(s), mv[sb:sb + ln], self._data_offsets[s] + start - s * self.segment_bytes)
+            fileio.pwrite(self.segment_fd(s), mv[sb:sb + ln], self._data_offsets[s] + start - s * self.segment_bytes)
             self._dirty.add(s)
 
     def read(self, offsets: np.ndarray, sizes: np.ndarray, out: np.ndarray | torch.Tensor,
              out_offsets: np.ndarray) -> None:
-        o, n = _i64(offsets), _i64(sizes)
+        o, n = as_int64(offsets), as_int64(sizes)
         if o.size and int((o + n).max()) > self._alloc.high_water:
             raise ValueError(
                 f"blob ranges reach byte {int((o + n).max())}, past the cold tier's allocated "
                 f"region ({self._alloc.high_water} bytes)"
             )
-        read_blobs(self._fd, self.segment_path, np.asarray(self._data_offsets, dtype=np.int64),
-                   self.segment_bytes, o, n, out, out_offsets, self.threads, self._staging)
+        read_blobs(self.segment_fd, self.segment_path, self.data_offsets, self.segment_bytes, o, n, out,
+                   out_offsets, self.threads, self.staging)
 
     def free(self, offsets: np.ndarray, sizes: np.ndarray, *, defer: bool = True) -> None:
         """Release blobs. By default the space is reused only after :meth:`release_deferred`.
@@ -460,7 +455,7 @@ class MemmapTier(Tier):
         if self.mode == "r":
             return
         for i in sorted(self._dirty):
-            fileio.fsync(self._fd(i))
+            fileio.fsync(self.segment_fd(i))
         self._dirty.clear()
         if self._dir_dirty:
             fileio.fsync_dir(self.directory)

@@ -1,5 +1,11 @@
-"""Shared helpers, the leaf of the package: batch index arithmetic, the worker pool, byte units.
+"""Shared helpers, the leaf of the package, that both tiers and codecs use (so neither imports the other).
 
-Tiers and codecs both use these, so neither imports the other. Nothing here imports any other
-module of the package except :mod:`tiered.errors`.
+* :mod:`~tiered.util.batch`: batch index arithmetic (offsets, ranges, membership, balanced splits);
+* :mod:`~tiered.util.buffers`: byte buffers and their checks (numpy arrays and torch tensors);
+* :mod:`~tiered.util.copy`: the byte-copy engine (many blobs between buffers, any device);
+* :mod:`~tiered.util.pool`: the worker pool;
+* :mod:`~tiered.util.scratch`: per-thread reusable scratch buffers;
+* :mod:`~tiered.util.units`: byte units and alignment.
+
+Nothing here imports any other module of the package except :mod:`tiered.errors`.
 """
