@@ -24,9 +24,9 @@ what a power cut would have left.
 
 Example:
     >>> import os, tempfile
-    >>> from tiered import _io
+    >>> from tiered import fileio
     >>> d = tempfile.mkdtemp()
-    >>> _io.write_file_atomic(os.path.join(d, "manifest.json"), b"{}")
+    >>> fileio.write_file_atomic(os.path.join(d, "manifest.json"), b"{}")
     >>> open(os.path.join(d, "manifest.json"), "rb").read()
     b'{}'
 """
