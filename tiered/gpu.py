@@ -311,6 +311,7 @@ class _NvcompBackend:
             raise CodecUnavailableError("the GPU decoder needs CUDA; torch.cuda.is_available() is False")
         self.device = device
         self._codecs: dict[int, Any] = {}
+        self._told: set[int] = set()  # formats whose slower choice was reported
         self.torch_allocator = torch_allocator
         if torch_allocator:
             use_torch_allocator(_nvcomp_alloc)
@@ -326,7 +327,15 @@ class _NvcompBackend:
     def supports(self, fmt: int) -> bool:
         if fmt == _RAW_FORMAT:
             return True
-        return fmt in _FORMAT_NAMES and self.codec(fmt).probe()["exact"] is not None
+        if fmt not in _FORMAT_NAMES:
+            return False
+        probe = self.codec(fmt).probe()
+        if fmt not in self._told and not (probe["exact"] == "cc" and probe["capacity"] and probe["large"]):
+            # not the fast path: say so once, with the probe's errors (never a silent slow mode)
+            self._told.add(fmt)
+            warnings.warn(f"nvCOMP {_FORMAT_NAMES[fmt]} on {self.device}: {describe_choice(probe)} "
+                          f"(probe errors: {'; '.join(probe['errors']) or 'none'})", stacklevel=2)
+        return probe["exact"] is not None
 
     def capacity_ok(self, fmt: int) -> bool:
         return fmt != _RAW_FORMAT and bool(self.codec(fmt).probe()["capacity"])
