@@ -297,7 +297,8 @@ def stage_probe(c: Ctx) -> None:
             for err in p.get("errors", []):
                 say(f"  probe {fmt} error: {err}")
             say(f"  probe {fmt}: exact={p.get('exact')} capacity={p.get('capacity')} large={p.get('large')} "
-                f"oom={p.get('oom')} cached={p.get('cached')} cells={p.get('sizes')} large cells={p.get('large_sizes')}")
+                f"large_capacity={p.get('large_capacity')} oom={p.get('oom')} cached={p.get('cached')} "
+                f"cells={p.get('sizes')} large cells={p.get('large_sizes')}")
     dec = GpuDecoder(c.device)
     if not c.dry:
         for fmt_id in (1, 2):  # the formats a store persists: zstd, lz4

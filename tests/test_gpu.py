@@ -333,7 +333,7 @@ def test_the_scratch_allocation_never_raises():
 
 
 def test_probe_results_spoiled_by_oom_are_not_kept():
-    ok = {"exact": "cc", "capacity": True, "large": True, "oom": False}
+    ok = {"exact": "cc", "capacity": True, "large": True, "large_capacity": True, "oom": False}
     assert probe_is_final(ok) and probe_is_final({**ok, "oom": True})
     assert probe_is_final({"exact": None, "capacity": False, "large": False, "oom": False})
     assert not probe_is_final({"exact": None, "capacity": False, "large": False, "oom": True})

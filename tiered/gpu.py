@@ -275,7 +275,7 @@ class _CpuBackend:
     def supports(self, fmt: int) -> bool:
         return fmt in (0, 1, 2)
 
-    def capacity_ok(self, fmt: int) -> bool:
+    def capacity_ok(self, fmt: int, nbytes: int) -> bool:
         return True
 
     def fits(self, fmt: int, nbytes: int) -> bool:
@@ -337,8 +337,12 @@ class _NvcompBackend:
                           f"(probe errors: {'; '.join(probe['errors']) or 'none'})", stacklevel=2)
         return probe["exact"] is not None
 
-    def capacity_ok(self, fmt: int) -> bool:
-        return fmt != _RAW_FORMAT and bool(self.codec(fmt).probe()["capacity"])
+    def capacity_ok(self, fmt: int, nbytes: int) -> bool:
+        """Whether a capacity config of ``nbytes`` per slot decodes bit-exactly (batch buckets)."""
+        if fmt == _RAW_FORMAT:
+            return False
+        probe = self.codec(fmt).probe()
+        return bool(probe["capacity"] and (nbytes <= BASE_CHUNK or probe["large_capacity"]))
 
     def fits(self, fmt: int, nbytes: int) -> bool:
         """Whether cells of ``nbytes`` decode here (over 64 KiB only if the probe verified it)."""
@@ -660,7 +664,7 @@ class GpuReadPipeline(ReadPipeline):
         if not backend.fits(fmt, stride):
             return self._fallback(layout, fam, uniq, f"cells over {BASE_CHUNK} bytes: not verified by the probe")
         m = int(stored.sum())
-        bucket = self.decoder.bucket and fmt != _RAW_FORMAT and m > 0 and backend.capacity_ok(fmt)
+        bucket = self.decoder.bucket and fmt != _RAW_FORMAT and m > 0 and backend.capacity_ok(fmt, stride)
         pads = bucket_size(m) - m if bucket else 0
         t = self._thread()
         side = t["side"]

@@ -618,13 +618,15 @@ class NvcompCodec(Codec):
 
         * ``large``: True when cells larger than nvCOMP's default 64 KiB chunk decode too
           (with a Codec whose ``uncomp_chunk_size`` fits them); otherwise batches with such
-          cells are refused with CodecUnavailableError (the GPU decoder decodes them on the CPU).
+          cells are refused with CodecUnavailableError (the GPU decoder decodes them on the CPU);
+          ``large_capacity``: the same with a capacity config (buckets of large cells).
 
         Every probe cell is within the chunk size of the Codec decoding it. A result spoiled
         by an out-of-memory error is not kept: the next call probes again.
 
         Returns:
-            ``{"exact": ..., "capacity": bool, "large": bool, "errors": [str, ...], "oom": bool,
+            ``{"exact": ..., "capacity": bool, "large": bool, "large_capacity": bool,
+            "errors": [str, ...], "oom": bool,
             "cached": bool, "sizes": [...], "large_sizes": [...]}``.
         """
         result = _PROBES.result(self)
@@ -695,7 +697,8 @@ class NvcompCodec(Codec):
             raise CodecUnavailableError(
                 f"nvCOMP {getattr(self._nv, '__version__', '?')} failed to decode CPU-written {self.format} "
                 f"frames bit-exactly in every mode ({'; '.join(probe['errors'])}); use the CPU codec")
-        cap = out_capacity if (out_capacity is not None and probe["capacity"]) else None
+        cap = out_capacity if (out_capacity is not None and probe["capacity"] and (
+            out_capacity <= BASE_CHUNK or probe["large_capacity"])) else None
         mode = "cc" if cap is not None else probe["exact"]
         largest = int(out_capacity) if cap is not None else int(out_sizes.max())
         if largest > BASE_CHUNK and not probe.get("large", False):
@@ -957,8 +960,9 @@ PROBE_LARGE_SIZES = [100800, 7056]
 def _find_decode_modes(codec: NvcompCodec) -> dict[str, Any]:
     """Decode CPU-written frames in each config mode and compare the bytes (see NvcompCodec.probe)."""
     errors: list[str] = []
-    result: dict[str, Any] = {"exact": None, "capacity": False, "large": False, "errors": errors,
-                              "oom": False, "sizes": PROBE_SIZES, "large_sizes": PROBE_LARGE_SIZES}
+    result: dict[str, Any] = {"exact": None, "capacity": False, "large": False, "large_capacity": False,
+                              "errors": errors, "oom": False, "sizes": PROBE_SIZES,
+                              "large_sizes": PROBE_LARGE_SIZES}
     side = codec._side_stream()
 
     def attempt(what: str, sizes: list[int], mode: str, cap: int | None) -> bool:
@@ -978,8 +982,13 @@ def _find_decode_modes(codec: NvcompCodec) -> dict[str, Any]:
             result["exact"] = mode
             break
     if result["exact"] is not None:
-        result["capacity"] = attempt("capacity", PROBE_SIZES, "cc", int(_align(max(PROBE_SIZES) + 1)))
+        # a capacity above every cell, still within the 64 KiB chunk (as for the decoder's buckets)
+        small = [n for n in PROBE_SIZES if n < BASE_CHUNK // 2]
+        result["capacity"] = attempt("capacity", small, "cc", int(_align(max(small) + 1)))
         result["large"] = attempt(f"large/{result['exact']}", PROBE_LARGE_SIZES, result["exact"], None)
+        if result["capacity"] and result["large"]:
+            result["large_capacity"] = attempt("large/capacity", PROBE_LARGE_SIZES, "cc",
+                                               int(_align(max(PROBE_LARGE_SIZES) + 1)))
     codec._count("probes")
     return result
 
@@ -989,12 +998,12 @@ def probe_is_final(result: dict[str, Any]) -> bool:
     not fail for lack of memory (an out-of-memory failure says nothing about nvCOMP: probe again).
 
     Example:
-        >>> probe_is_final({"exact": "cc", "capacity": True, "large": True, "oom": False})
+        >>> probe_is_final({"exact": "cc", "capacity": True, "large": True, "large_capacity": True, "oom": True})
         True
         >>> probe_is_final({"exact": None, "capacity": False, "large": False, "oom": True})
         False
     """
-    passed = result.get("exact") is not None and result.get("capacity") and result.get("large")
+    passed = result.get("exact") is not None and all(result.get(k) for k in ("capacity", "large", "large_capacity"))
     return bool(passed or not result.get("oom"))
 
 
