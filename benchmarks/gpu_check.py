@@ -1,64 +1,84 @@
 #!/usr/bin/env python3
-"""GPU check of tiered: GPU tests, bit-exact CPU <-> GPU interop, every tier read on the GPU,
-sample throughput and VRAM beside an uncompressed CUDA gather, and nvCOMP decode GB/s.
+"""GPU check of tiered: a run that cannot be wasted.
 
-On a machine with one CUDA GPU (under 5 minutes)::
+On a machine with one CUDA GPU (finishes inside ``--budget`` seconds, 300 by default)::
 
-    python benchmarks/gpu_check.py [--out DIR] [--budget 280] [--rows 100000] [--quick] [--skip-tests]
+    python benchmarks/gpu_check.py [--budget 300] [--rows 100000] [--out DIR]
 
-On a CPU-only machine, to check this script's own logic (data prep, store building, tables; the
-nvCOMP and CUDA parts are skipped and the decoder runs its CPU stand-in)::
+On a CPU-only machine the same stage machinery runs with the CPU codecs and the GPU decoder's
+CPU stand-in (no figure is a GPU figure)::
 
     python benchmarks/gpu_check.py --cpu-dry-run
 
-Needs torch, numpy, zstandard, tensordict, h5py, psutil and this checkout; nvidia-nvcomp for the
-GPU parts; lz4 for the LZ4 rows. Not torchrl, not ale-py: real Atari frames come from
-``benchmarks/data/atari_frames.npz`` (``tiered.atari.load_fixture``).
+How it protects the run:
 
-Stages, each in its own try/except under a time budget (a failure is recorded, the rest runs):
+* the first line prints at once, the preflight line (versions, device, free memory) within
+  seconds;
+* every stage runs in its own child process under a hard time limit: a hang is killed at the
+  limit (``faulthandler`` dumps every thread's stack shortly before), a crash (SIGABRT,
+  SIGSEGV, a sticky CUDA error) ends only that child; the next stage starts in a fresh process;
+* each stage records its results as it goes; after every stage the parent prints its verdict
+  and rewrites ``gpu_check.json`` (and ``gpu_check.log``, everything printed) in
+  ``benchmarks/out/`` (or ``--out DIR``) and in ``$OUT`` when it is set;
+* stages come in order of value, and each gets ``min(its cap, time left)``: the throughput
+  buffer is built with as many rows as its share of the time allows (never an error), and
+  timings shrink with the time left;
+* one overall ``--budget`` (default 300 s) bounds the whole run, so a second try fits the same
+  device session.
 
-1. ``pytest -m cuda`` on tests/test_gpu.py and tests/test_prefetch.py (in a subprocess);
-2. interop on real frames: CPU zstd -> nvCOMP decode, nvCOMP encode -> zstandard decode, LZ4
-   both ways, deflate; nvCOMP's probe results;
-3. a store with blobs in the hot CUDA arena, the warm pinned arena and a cold memmap file (plus
-   an open chunk) read on the GPU, compared with a CPU store; a damaged blob must raise;
-4. decode GB/s per codec (zstd, lz4) for N = 256/1024/4096 chunks of 4 frames;
-5. sample throughput at batch 256/1024/4096 with every blob hot, warm or cold, on a buffer of
-   ``--rows`` transitions built from the fixture's real frames tiled with a 2-byte per-copy stamp
-   in each frame's top-left corner (so copies do not deduplicate into one), beside a gather from
-   the same data as uncompressed CUDA tensors (what ``LazyTensorStorage(device="cuda")`` does),
-   with the VRAM each holds.
+Stages (``--only`` selects some):
 
-The PASS/FAIL lines of the targets and the table are printed last (from a ``finally`` block);
-everything is also written to ``$OUT/gpu_check.json`` (``--out``, else ``$OUT``, else
-``./gpu_check_out``), rewritten after every stage so a crash keeps what was measured.
+1. ``preflight``: versions, device, free memory, a tiny CUDA kernel;
+2. ``probe``: nvCOMP's probe per format (errors first), then the decode configuration the GPU
+   decoder chose from it;
+3. ``tiers``: bit-exact CPU <-> GPU: stores with blobs in the hot CUDA arena, the warm pinned
+   arena, the cold file and an open chunk, read on the GPU and compared with a CPU twin store
+   (zstd, lz4, one frame per blob, and RGB frames larger than 64 KiB); a damaged blob must raise;
+4. ``interop``: codec level, CPU zstd (levels -5..19) -> nvCOMP, nvCOMP -> zstandard, LZ4 both
+   ways, raw deflate;
+5. ``throughput``: sample throughput at batch 256/1024/4096 with every blob hot, warm or cold,
+   side by side with a plain uncompressed CUDA gather of the same rows, and the VRAM each holds;
+6. ``decode``: nvCOMP decode GB/s per codec beside the CPU codec;
+7. ``tests``: ``pytest -m cuda`` on tests/test_gpu.py and tests/test_prefetch.py (each outcome
+   recorded as it happens).
+
+Test hooks: ``--inject-hang STAGE`` (the stage's child sleeps until killed) and
+``--inject-crash STAGE[:abort|segv]`` (it dies by that signal); ``--stage-limit STAGE=SECONDS``
+shortens one stage's limit.
+
+Needs torch, numpy, zstandard, tensordict, h5py, psutil and this checkout; nvidia-nvcomp for
+the GPU parts; lz4 for the LZ4 rows. Real Atari frames come from
+``benchmarks/data/atari_frames.npz``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import faulthandler
 import json
 import math
 import os
+import queue
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 FIXTURE = REPO / "benchmarks" / "data" / "atari_frames.npz"
 FRAME = 84 * 84
-TRANSITION_BYTES = 2 * 4 * FRAME  # observation + next observation stacks (uint8)
+SCHEMA = 2  # of gpu_check.json
 
 TARGETS = [
-    # (name, check(results) -> (ok, value text))
     "hot tier >= 500k transitions/s at batch 256",
     "hot tier >= 2M transitions/s at batch 4096",
     "hot at batch 256 >= 0.3x the uncompressed CUDA gather",
@@ -67,88 +87,110 @@ TARGETS = [
 ]
 
 
+@dataclass(frozen=True)
+class StageSpec:
+    name: str
+    cap_s: float  # the most seconds the stage may take
+    min_s: float  # not started with less time left than this
+    what: str
+
+
+STAGES = [
+    StageSpec("preflight", 60, 5, "versions, device, free memory"),
+    StageSpec("probe", 45, 8, "nvCOMP's probe, then the decode configuration in use"),
+    StageSpec("tiers", 80, 15, "bit-exact CPU <-> GPU on every tier"),
+    StageSpec("interop", 45, 10, "codec-level CPU <-> GPU bitstreams"),
+    StageSpec("throughput", 130, 25, "sample throughput beside an uncompressed gather, VRAM"),
+    StageSpec("decode", 40, 10, "decode GB/s per codec"),
+    StageSpec("tests", 150, 25, "pytest -m cuda"),
+]
+STAGE_NAMES = [s.name for s in STAGES]
+
+
 # ---------------------------------------------------------------------------------------------
-# Harness
+# Child side: what a stage sees
 # ---------------------------------------------------------------------------------------------
 
 
-class Run:
-    """Results, time budget and the JSON file of one run."""
+class Recorder:
+    """A stage's results, rewritten to its JSON file after every change (a kill keeps them)."""
 
-    def __init__(self, args: argparse.Namespace) -> None:
-        self.args = args
-        self.t0 = time.monotonic()
-        out = args.out or os.environ.get("OUT") or str(Path.cwd() / "gpu_check_out")
-        self.out_dir = Path(out)
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        self.res: dict[str, Any] = {
-            "mode": "cpu-dry-run" if args.cpu_dry_run else "gpu",
-            "argv": sys.argv,
-            "stages": {},
-            "env": {},
-            "tests": {},
-            "interop": {},
-            "store_tiers": {},
-            "decode_gbps": [],
-            "throughput": {"rows": [], "vram": {}},
-            "targets": [],
-        }
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.data: dict[str, Any] = {}
 
-    def left(self) -> float:
-        return self.args.budget - (time.monotonic() - self.t0)
+    def put(self, key: str, value: Any) -> None:
+        self.data[key] = value
+        self.save()
 
-    def stage(self, name: str, fn, need_s: float = 0.0) -> None:
-        if self.left() < need_s:
-            self.res["stages"][name] = {"ok": False, "skipped": f"time budget: {self.left():.0f}s left"}
-            print(f"[{name}] skipped: only {self.left():.0f}s of the budget left", flush=True)
-            return
-        print(f"[{name}] start ({self.left():.0f}s of the budget left)", flush=True)
-        t = time.monotonic()
-        try:
-            fn()
-            self.res["stages"][name] = {"ok": True, "seconds": round(time.monotonic() - t, 1)}
-            print(f"[{name}] done in {time.monotonic() - t:.1f}s", flush=True)
-        except BaseException as e:  # one failing stage must not stop the others
-            tb = traceback.format_exc()
-            self.res["stages"][name] = {"ok": False, "seconds": round(time.monotonic() - t, 1),
-                                        "error": f"{type(e).__name__}: {e}", "traceback": tb[-4000:]}
-            print(f"[{name}] FAILED: {type(e).__name__}: {e}\n{tb[-2000:]}", flush=True)
-            if isinstance(e, KeyboardInterrupt):
-                raise
-        finally:
-            self.save()
+    def add(self, key: str, item: Any) -> None:
+        self.data.setdefault(key, []).append(item)
+        self.save()
 
     def save(self) -> None:
-        self.res["elapsed_s"] = round(time.monotonic() - self.t0, 1)
-        path = self.out_dir / "gpu_check.json"
-        path.write_text(json.dumps(self.res, indent=1, default=str))
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.data, f, default=_json_default)
+        os.replace(tmp, self.path)
 
 
-def _dev(run: Run):
-    import torch
+@dataclass
+class Ctx:
+    """One stage's child: its settings, its clock and its recorder."""
 
-    return torch.device("cpu") if run.args.cpu_dry_run else torch.device("cuda", 0)
+    name: str
+    dry: bool
+    limit: float
+    rows: int
+    quick: bool
+    rec: Recorder
+    t0: float = field(default_factory=time.monotonic)
+
+    def left(self) -> float:
+        return self.limit - (time.monotonic() - self.t0)
+
+    @property
+    def device(self):
+        import torch
+
+        return torch.device("cpu") if self.dry else torch.device("cuda", 0)
+
+    def sync(self) -> None:
+        if not self.dry:
+            import torch
+
+            torch.cuda.synchronize()
 
 
-def _sync(run: Run) -> None:
-    import torch
-
-    if not run.args.cpu_dry_run:
-        torch.cuda.synchronize()
+def say(text: str) -> None:
+    print(text, flush=True)
 
 
-def _timeit(run: Run, fn, min_s: float, max_iter: int, warmup: int = 2) -> tuple[float, int]:
+def _json_default(x: Any) -> Any:
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    try:
+        import numpy as np
+
+        if isinstance(x, np.generic):
+            return x.item()
+    except ImportError:
+        pass
+    return str(x)
+
+
+def _timeit(c: Ctx, fn, min_s: float, max_iter: int, warmup: int = 2) -> tuple[float, int]:
     """Seconds per call (mean over at least 2 calls, until ``min_s`` passed)."""
     for _ in range(warmup):
         fn()
-    _sync(run)
+    c.sync()
     n, t = 0, time.perf_counter()
     while True:
         fn()
         n += 1
         if n >= max_iter or (n >= 2 and time.perf_counter() - t >= min_s):
             break
-    _sync(run)
+    c.sync()
     return (time.perf_counter() - t) / n, n
 
 
@@ -164,94 +206,112 @@ def _fmt_rate(x: float | None) -> str:
 def _fmt_bytes(x: float | None) -> str:
     if x is None:
         return "-"
-    for unit, div in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+    for unit, div in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if x >= div:
             return f"{x / div:.2f} {unit}"
     return f"{x:.0f} B"
 
 
 # ---------------------------------------------------------------------------------------------
-# Stage 0: environment
+# Stage 1: preflight
 # ---------------------------------------------------------------------------------------------
 
 
-def stage_env(run: Run) -> None:
+def stage_preflight(c: Ctx) -> None:
     import platform
 
     import torch
 
-    env: dict[str, Any] = {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "torch_cuda": torch.version.cuda,
-        "cuda_available": torch.cuda.is_available(),
-        "cpu_count": os.cpu_count(),
-    }
-    if torch.cuda.is_available():
-        p = torch.cuda.get_device_properties(0)
-        env.update(gpu=p.name, gpu_memory_bytes=p.total_memory, capability=f"{p.major}.{p.minor}")
-    for mod in ("zstandard", "tensordict", "lz4", "h5py", "psutil", "numpy"):
+    env: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
+                           "torch_cuda": torch.version.cuda, "cuda_available": torch.cuda.is_available(),
+                           "cpu_count": os.cpu_count()}
+    for mod in ("numpy", "zstandard", "tensordict", "h5py", "psutil", "lz4", "pytest", "pytest_timeout"):
         try:
-            env[mod] = getattr(__import__(mod), "__version__", "?")
-        except Exception as e:  # record, do not fail: the stage that needs it will say so
-            env[mod] = f"unavailable: {e}"
+            m = __import__(mod)
+            env[mod] = getattr(m, "__version__", None) or _dist_version(mod)
+        except Exception as e:  # recorded: the stage that needs it says so
+            env[mod] = f"missing ({type(e).__name__})"
     try:
         from tiered.codecs.nvcomp import import_nvcomp
 
         nv = import_nvcomp()
         env["nvcomp"] = f"{nv.__version__} (CUDA {getattr(nv, '__cuda_version__', '?')})"
     except Exception as e:
-        env["nvcomp"] = f"unavailable: {e}"
-    # tiered.atari must load the fixture where gymnasium/ale-py cannot be imported at all
-    code = ("import sys; sys.modules['ale_py'] = None; sys.modules['gymnasium'] = None\n"
-            "from tiered.atari import load_fixture\n"
-            f"td = load_fixture({str(FIXTURE)!r}, games=['Pong']); print(tuple(td['observation'].shape))")
-    pythonpath = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    p = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "PYTHONPATH": pythonpath})
-    env["atari_fixture_without_ale"] = p.returncode == 0 and "(2000, 4, 84, 84)" in p.stdout
-    if not env["atari_fixture_without_ale"]:
-        env["atari_fixture_error"] = (p.stdout + p.stderr)[-500:]
-    run.res["env"] = env
-    print("  " + ", ".join(f"{k}={v}" for k, v in env.items()), flush=True)
-    if not run.args.cpu_dry_run and not torch.cuda.is_available():
+        env["nvcomp"] = f"unavailable ({type(e).__name__})"
+        env["nvcomp_error"] = str(e)
+    try:
+        import psutil
+
+        env["host_available_bytes"] = int(psutil.virtual_memory().available)
+    except Exception:
+        pass
+    if c.dry:
+        env["device"] = "cpu (dry run: the CPU codecs and the decoder's CPU stand-in; no GPU figure)"
+    elif torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        free, total = torch.cuda.mem_get_info()
+        x = torch.arange(1024, device="cuda").sum().item()  # a kernel runs and returns
+        env.update(device=p.name, capability=f"sm_{p.major}{p.minor}", gpu_free_bytes=int(free),
+                   gpu_total_bytes=int(total), tiny_kernel_ok=x == 1023 * 1024 // 2)
+    c.rec.put("env", env)
+    gpu = (f"{env['device']} {env.get('capability', '')} | free {_fmt_bytes(env.get('gpu_free_bytes'))} of "
+           f"{_fmt_bytes(env.get('gpu_total_bytes'))}") if not c.dry else env.get("device")
+    say(f"PREFLIGHT python {env['python']} | torch {env['torch']} (CUDA {env['torch_cuda']}) | "
+        f"nvCOMP {env['nvcomp']} | {gpu} | zstandard {env['zstandard']} | tensordict {env['tensordict']} | "
+        f"lz4 {env['lz4']} | pytest-timeout {env['pytest_timeout']} | {env['cpu_count']} CPUs")
+    if not c.dry and not torch.cuda.is_available():
         raise RuntimeError("no CUDA GPU visible: run with --cpu-dry-run on a CPU-only machine")
 
 
-# ---------------------------------------------------------------------------------------------
-# Stage 1: pytest -m cuda
-# ---------------------------------------------------------------------------------------------
+def _dist_version(mod: str) -> str:
+    from importlib import metadata
 
-
-def stage_tests(run: Run) -> None:
-    timeout = max(30.0, min(150.0, run.left() - 120.0))
-    # no --timeout: pytest-timeout may not be installed there; the subprocess timeout bounds the run
-    cmd = [sys.executable, "-m", "pytest", "-m", "cuda", "tests/test_gpu.py", "tests/test_prefetch.py",
-           "-q", "-rfEs", "-p", "no:cacheprovider"]
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    t = time.monotonic()
     try:
-        p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout + 30, env=env)
-        out, rc = p.stdout + p.stderr, p.returncode
-    except subprocess.TimeoutExpired as e:
-        out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        rc = "timeout"
-    words = ("passed", "failed", "skipped", "error")
-    summary = next((ln for ln in reversed(out.splitlines()) if " in " in ln and any(w in ln for w in words)),
-                   "no summary line")
-    counts = {k: 0 for k in ("passed", "failed", "skipped", "error", "deselected")}
-    for part in summary.strip("= ").split(","):
-        bits = part.strip().split()
-        if len(bits) >= 2 and bits[0].isdigit():
-            key = bits[1].rstrip("s") if bits[1].rstrip("s") in counts else bits[1]
-            counts[key] = int(bits[0])
-    run.res["tests"] = {"returncode": rc, "summary": summary.strip("= "), "counts": counts,
-                        "seconds": round(time.monotonic() - t, 1), "tail": out[-6000:]}
-    print(f"  pytest -m cuda: {summary.strip('= ')} (rc={rc})", flush=True)
-    failing = [ln for ln in out.splitlines() if ln.startswith(("FAILED", "ERROR"))]
-    for ln in failing[:20]:
-        print("   ", ln, flush=True)
+        return metadata.version(mod.replace("_", "-"))
+    except metadata.PackageNotFoundError:
+        return "?"
+
+
+# ---------------------------------------------------------------------------------------------
+# Stage 2: probe, then the configuration in use
+# ---------------------------------------------------------------------------------------------
+
+
+def stage_probe(c: Ctx) -> None:
+    from tiered.gpu import GpuDecoder
+
+    if c.dry:
+        say("  probe: none (dry run: nvCOMP is not used; the decoder's CPU stand-in decodes)")
+        c.rec.put("probes", {})
+    else:
+        from tiered.codecs.nvcomp import NvcompCodec
+
+        probes = {}
+        for fmt in ("zstd", "lz4", "deflate"):
+            try:
+                p = NvcompCodec(fmt).probe()
+            except Exception as e:  # recorded; the other formats are still probed
+                p = {"exact": None, "capacity": False, "large": False, "errors": [f"{type(e).__name__}: {e}"]}
+            probes[fmt] = p
+            c.rec.put("probes", probes)
+            for err in p.get("errors", []):
+                say(f"  probe {fmt} error: {err}")
+            say(f"  probe {fmt}: exact={p.get('exact')} capacity={p.get('capacity')} large={p.get('large')} "
+                f"large_capacity={p.get('large_capacity')} oom={p.get('oom')} cached={p.get('cached')} "
+                f"cells={p.get('sizes')} large cells={p.get('large_sizes')}")
+    dec = GpuDecoder(c.device)
+    if not c.dry:
+        for fmt_id in (1, 2):  # the formats a store persists: zstd, lz4
+            dec.backend.supports(fmt_id)
+    st = dec.stats()
+    config = {"backend": st["backend"], "bucket": dec.bucket, "min_split": dec.min_split,
+              "checksum": dec.checksum, "torch_allocator": st.get("torch_allocator"),
+              "chosen": st.get("chosen", {})}
+    c.rec.put("config", config)
+    say(f"  decoder in use: backend={config['backend']} buckets={config['bucket']} checksum={config['checksum']} "
+        f"min_split={config['min_split']} torch_allocator={config['torch_allocator']}")
+    for fmt, choice in config["chosen"].items():
+        say(f"  {fmt}: {choice}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -259,51 +319,67 @@ def stage_tests(run: Run) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def fixture_frames() -> np.ndarray:
+def fixture_frames():
     """Every distinct 84x84 screen of the fixture's games, in play order: uint8 [F, 84*84]."""
+    import numpy as np
+
     with np.load(FIXTURE) as data:
         games = [str(g) for g in data["games"]]
         return np.concatenate([np.asarray(data[f"{g}/frames"]).reshape(-1, FRAME) for g in games])
 
 
-def chunk_batch(n: int, k: int = 4) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def chunk_batch(n: int, k: int = 4):
     """``n`` cells of ``k`` consecutive real frames (tiled with a per-copy stamp past the fixture)."""
+    import numpy as np
+
     frames = fixture_frames()
     per_copy = frames.shape[0] // k
-    copies = -(-n // per_copy)
     parts = []
-    for c in range(copies):
+    for copy in range(-(-n // per_copy)):
         f = frames[: per_copy * k].copy()
-        f[:, 0], f[:, 1] = c & 255, (c >> 8) & 255
+        f[:, 0], f[:, 1] = copy & 255, (copy >> 8) & 255
         parts.append(f)
-    raw = np.concatenate(parts)[: n * k].reshape(-1)
-    sizes = np.full(n, k * FRAME, np.int64)
-    return np.ascontiguousarray(raw), np.arange(n, dtype=np.int64) * k * FRAME, sizes
+    raw = np.ascontiguousarray(np.concatenate(parts)[: n * k].reshape(-1))
+    return raw, np.arange(n, dtype=np.int64) * k * FRAME, np.full(n, k * FRAME, np.int64)
 
 
 def stamped_copies(rows: int):
-    """Yield TensorDicts of the fixture's transitions, copy ``c`` stamped with ``c``, ``rows`` in all."""
+    """TensorDicts of the fixture's transitions, copy ``c`` stamped with ``c``, ``rows`` in all."""
     from tiered.atari import load_fixture
 
     base = load_fixture(FIXTURE)
     n0 = base.batch_size[0]
     traj_span = int(base["collector", "traj_ids"].max()) + 1
-    done = 0
-    c = 0
+    done = copy = 0
     while done < rows:
         td = base[: min(n0, rows - done)].clone()
         for key in ("observation", ("next", "observation")):
             x = td.get(key)
             # same stamp on every frame of the copy: stacks that shared a frame still share it
-            x[..., 0, 0] = c & 255
-            x[..., 0, 1] = (c >> 8) & 255
-        td["collector", "traj_ids"] = td["collector", "traj_ids"] + c * traj_span
+            x[..., 0, 0] = copy & 255
+            x[..., 0, 1] = (copy >> 8) & 255
+        td["collector", "traj_ids"] = td["collector", "traj_ids"] + copy * traj_span
         yield td
         done += td.batch_size[0]
-        c += 1
+        copy += 1
 
 
-def _aligned_upload(run: Run, data: np.ndarray, offsets: np.ndarray, sizes: np.ndarray):
+def rgb_frames(n: int):
+    """``n`` RGB 210x160 observations (100,800 bytes: over nvCOMP's 64 KiB default chunk) made
+    from the fixture's real screens, as a TensorDict with one frame per row."""
+    import numpy as np
+    import torch
+    from tensordict import TensorDict
+
+    gray = fixture_frames()[:n].reshape(n, 84, 84)
+    rows, cols = np.arange(210) * 84 // 210, np.arange(160) * 84 // 160
+    big = gray[:, rows][:, :, cols]
+    rgb = np.stack([big, big // 2 + 16, 255 - big], axis=-1).astype(np.uint8)
+    return TensorDict({"pixels": torch.from_numpy(rgb[:, None]), "action": torch.arange(n)}, [n])
+
+
+def _aligned_upload(c: Ctx, data, offsets, sizes):
+    import numpy as np
     import torch
 
     from tiered.util.copy import copy_host_blobs
@@ -312,35 +388,131 @@ def _aligned_upload(run: Run, data: np.ndarray, offsets: np.ndarray, sizes: np.n
     off = np.concatenate([[0], np.cumsum(a)[:-1]]).astype(np.int64)
     host = np.zeros(int(a.sum()), np.uint8)
     copy_host_blobs(data, offsets, host, off, sizes)
-    return torch.from_numpy(host).to(_dev(run)), off
+    return torch.from_numpy(host).to(c.device), off
+
+
+def _attach(c: Ctx, store):
+    from tiered.gpu import GpuDecoder
+
+    dec = store.gpu_decoder
+    if dec is None:
+        dec = GpuDecoder(c.device).attach(store)
+    return dec
 
 
 # ---------------------------------------------------------------------------------------------
-# Stage 2: interop
+# Stage 3: bit-exact on every tier
 # ---------------------------------------------------------------------------------------------
 
 
-def stage_interop(run: Run) -> None:
+def _tier_store(path, data, device: str, hot_device: str, key: str, **kw):
+    from tiered import TieredStore
+    from tiered.testing import spread_over_tiers
+
+    n = data.batch_size[0]
+    body = n - 3
+    store = TieredStore(n + 64, path, frames={key: 0}, hot_device=hot_device, hot_bytes="256MiB",
+                        warm_bytes="256MiB", promote=False, device=device, stage_rows=0, **kw)
+    for i in range(0, body, 50):
+        store.extend(data[i:min(i + 50, body)])
+    store.flush()
+    spread_over_tiers(store)
+    store.extend(data[body:])  # an open (not yet compressed) chunk when chunk_frames > 1
+    return store
+
+
+def stage_tiers(c: Ctx) -> None:
+    import numpy as np
+    import torch
+
+    from tiered.atari import load_fixture
+    from tiered.errors import ChecksumError
+    from tiered.index import HOT, OPEN
+    from tiered.testing import parts, tier_counts
+
+    atari = load_fixture(FIXTURE, games=["Breakout", "MsPacman"])[:603]
+    cases = [("zstd", atari, "observation", {"codec": "zstd"}),
+             ("lz4", atari, "observation", {"codec": "lz4"}),
+             ("zstd K=1", atari, "observation", {"codec": "zstd", "chunk_frames": 1}),
+             ("zstd RGB 210x160 (100,800 B cells)", rgb_frames(160), "pixels", {"codec": "zstd", "chunk_frames": 1})]
+    dev = str(c.device)
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, (label, data, key, kw) in enumerate(cases):
+            if c.left() < 8:
+                c.rec.add("skipped", label)
+                say(f"  {label}: skipped (stage time)")
+                continue
+            ref = _tier_store(Path(tmp) / f"cpu{i}", data, "cpu", "cpu", key, **kw)
+            store = _tier_store(Path(tmp) / f"dev{i}", data, dev, dev, key, **kw)
+            counts = tier_counts(store)
+            dec = _attach(c, store)
+            rng = np.random.default_rng(i)
+            mismatched = []
+            for b in (len(store), 1, 256, 4096):
+                ix = np.arange(len(store)) if b == len(store) else rng.integers(0, len(store), b)
+                got, want = store.get(ix).to("cpu"), ref.get(ix)
+                mismatched += [str(k) for k in want.keys(include_nested=True, leaves_only=True)
+                               if not torch.equal(got.get(k), want.get(k))]
+            st = dec.stats()
+            result = {"tiers": counts, "bit_exact": not mismatched, "mismatched": sorted(set(mismatched)),
+                      "decoder": {k: st.get(k) for k in ("hot", "warm", "cold", "open", "hot_on_device", "pads",
+                                                         "cpu_fallbacks", "fallback_reasons", "oom_events")},
+                      "hot_arena_device": str(parts(store).tiers[HOT].device),
+                      "warm_pinned": bool(getattr(parts(store).tiers[1], "pinned", False))}
+            # damage one hot blob: the GPU path must raise before decoding
+            idx = parts(store).index
+            live = idx.live_ids()
+            hot_ids = live[(idx.loc[live, HOT] >= 0) & (idx.state[live] != OPEN)]
+            raised = None
+            if hot_ids.size:
+                victim = int(hot_ids[0])
+                pos = int(idx.loc[victim, HOT]) + 2
+                arena = parts(store).tiers[HOT].buffer
+                arena[pos] ^= 0x5A
+                rows = np.flatnonzero((parts(store).layout.tables[(key,)].blob[: len(store)] == victim).any(1))
+                try:
+                    store.get(rows[:2])
+                    raised = False
+                except ChecksumError:
+                    raised = True
+                arena[pos] ^= 0x5A
+            result["damaged_blob_raises"] = raised
+            c.rec.put(label, result)
+            say(f"  {'OK  ' if result['bit_exact'] and raised else 'FAIL'} {label}: bit-exact vs CPU twin "
+                f"{result['bit_exact']}, damaged hot blob raises {raised}, tiers {counts}, "
+                f"decoder {result['decoder']}")
+            store.close()
+            ref.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Stage 4: codec-level interop
+# ---------------------------------------------------------------------------------------------
+
+
+def stage_interop(c: Ctx) -> None:
     import zlib
 
+    import numpy as np
     import torch
     import zstandard
 
     from tiered.codecs import Lz4Codec, ZstdCodec
 
-    checks = run.res["interop"]
-
     def record(name: str, fn) -> None:
+        if c.left() < 3:
+            c.rec.put(name, {"ok": None, "detail": "skipped (stage time)"})
+            return
         try:
             ok, detail = fn()
-        except Exception as e:  # record and go on to the next check
+        except Exception as e:  # recorded; the next check runs
             ok, detail = False, f"{type(e).__name__}: {e}"
-        checks[name] = {"ok": bool(ok), "detail": detail}
-        print(f"  {'OK  ' if ok else 'FAIL'} {name}: {detail}", flush=True)
+        c.rec.put(name, {"ok": bool(ok), "detail": detail})
+        say(f"  {'OK  ' if ok else 'FAIL'} {name}: {detail}")
 
     raw1, off1, sz1 = chunk_batch(512, 1)
     raw4, off4, sz4 = chunk_batch(512, 4)
-    if run.args.cpu_dry_run:
+    if c.dry:
         for name, codec in (("zstd", ZstdCodec()), ("lz4", Lz4Codec())):
             def cpu_round(codec=codec):
                 enc = codec.encode(raw4, off4, sz4)
@@ -353,27 +525,24 @@ def stage_interop(run: Run) -> None:
     from tiered.codecs.nvcomp import NvcompCodec
 
     nv = {f: NvcompCodec(f) for f in ("zstd", "lz4", "deflate")}
-    for f in ("zstd", "lz4", "deflate"):
-        record(f"{f} probe", lambda f=f: (nv[f].probe()["exact"] is not None, json.dumps(nv[f].probe())))
 
     def cpu_to_gpu(level: int, raw, off, sz):
         enc = ZstdCodec(level).encode(raw, off, sz)
-        dev, doff = _aligned_upload(run, enc.data, enc.offsets, enc.sizes)
+        dev, doff = _aligned_upload(c, enc.data, enc.offsets, enc.sizes)
         out = torch.zeros(raw.size, dtype=torch.uint8, device="cuda")
         nv["zstd"].decode_device(dev, doff, enc.sizes, out, off, sz)
         same = torch.equal(out.cpu(), torch.from_numpy(raw))
         return same, f"{sz.size} frames of {int(sz[0])} B, ratio {raw.size / enc.data.size:.1f}x"
 
-    for level in (1, 3, 19, -5):
-        record(f"zstd CPU L{level} -> GPU (K=1)", lambda lv=level: cpu_to_gpu(lv, raw1, off1, sz1))
+    for level in (3, 1, 19, -5):
         record(f"zstd CPU L{level} -> GPU (K=4)", lambda lv=level: cpu_to_gpu(lv, raw4, off4, sz4))
+        record(f"zstd CPU L{level} -> GPU (K=1)", lambda lv=level: cpu_to_gpu(lv, raw1, off1, sz1))
 
     def gpu_to_cpu():
         enc = nv["zstd"].encode(raw4, off4, sz4)
         out = np.zeros_like(raw4)
         ZstdCodec().decode(enc.data, enc.offsets, enc.sizes, out, off4, sz4)
-        first = enc.data[: enc.sizes[0]].tobytes()
-        one = zstandard.ZstdDecompressor().decompress(first, max_output_size=int(sz4[0]))
+        one = zstandard.ZstdDecompressor().decompress(enc.data[: enc.sizes[0]].tobytes(), max_output_size=int(sz4[0]))
         ok = np.array_equal(out, raw4) and one == raw4[: sz4[0]].tobytes()
         return ok, f"encode path {nv['zstd'].last_encode_path!r}, ratio {raw4.size / enc.data.size:.1f}x"
 
@@ -409,312 +578,423 @@ def stage_interop(run: Run) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Stage 3: a store with blobs in every tier, read on the GPU
+# Stage 5: sample throughput beside an uncompressed gather
 # ---------------------------------------------------------------------------------------------
 
 
-def _attach(run: Run, store):
-    from tiered.gpu import GpuDecoder
+def build_buffer(c: Ctx, path: Path, rows: int, deadline: float, with_base: bool):
+    """Write up to ``rows`` tiled transitions into a store at ``path`` (CPU encode, cold tier only),
+    stopping early at ``deadline`` (the table then uses fewer rows; never an error). With
+    ``with_base``, the same rows as uncompressed tensors on the device. Returns (rows, s, base)."""
+    import torch
 
-    dec = store.gpu_decoder
-    if dec is None:
-        dec = GpuDecoder(_dev(run)).attach(store)
-    return dec
-
-
-def _build_tier_store(path, data, device: str, hot_device: str, codec: str = "zstd"):
     from tiered import TieredStore
-    from tiered.testing import spread_over_tiers
 
-    store = TieredStore(700, path, frames={"observation": 0}, hot_device=hot_device, hot_bytes="64MiB",
-                        warm_bytes="64MiB", promote=False, device=device, codec=codec)
-    for i in range(0, 600, 50):
-        store.extend(data[i:i + 50])
-    store.flush()
-    spread_over_tiers(store)
-    store.extend(data[600:603])  # an open chunk
-    return store
-
-
-def stage_store_tiers(run: Run) -> None:
-    import torch
-
-    from tiered.atari import load_fixture
-    from tiered.errors import ChecksumError
-    from tiered.index import HOT, OPEN
-    from tiered.testing import parts, tier_counts
-
-    data = load_fixture(FIXTURE, games=["Breakout", "MsPacman"])
-    dev = _dev(run)
-    out = run.res["store_tiers"]
-    with tempfile.TemporaryDirectory() as tmp:
-        for codec in ("zstd", "lz4"):
-            ref = _build_tier_store(Path(tmp) / f"cpu-{codec}", data, "cpu", "cpu", codec)
-            store = _build_tier_store(Path(tmp) / f"dev-{codec}", data, str(dev), str(dev), codec)
-            counts = tier_counts(store)
-            dec = _attach(run, store)
-            rng = np.random.default_rng(0)
-            ok = True
-            for b in (len(store), 1, 256, 4096):
-                ix = np.arange(len(store)) if b == len(store) else rng.integers(0, len(store), b)
-                got = store.get(ix).to("cpu")
-                want = ref.get(ix)
-                for k in want.keys(include_nested=True, leaves_only=True):
-                    ok &= bool(torch.equal(got.get(k), want.get(k)))
-            st = dec.stats()
-            out[codec] = {"tiers": counts, "bit_exact": ok, "decoder": {k: st.get(k) for k in (
-                "hot", "warm", "cold", "open", "pads", "cpu_fallbacks", "oom_events", "backend")},
-                "hot_arena_device": str(parts(store).tiers[HOT].device),
-                "warm_pinned": bool(getattr(parts(store).tiers[1], "pinned", False))}
-            print(f"  {codec}: tiers {counts}, bit-exact vs CPU store: {ok}, decoder {out[codec]['decoder']}",
-                  flush=True)
-            # damage one hot blob: the GPU path must raise before decoding
-            idx = parts(store).index
-            live = idx.live_ids()
-            hot_ids = live[(idx.loc[live, HOT] >= 0) & (idx.state[live] != OPEN)]
-            victim = int(hot_ids[0])
-            pos = int(idx.loc[victim, HOT]) + 2
-            arena = parts(store).tiers[HOT].buffer
-            arena[pos] ^= 0x5A
-            rows = np.flatnonzero((parts(store).layout.tables[("observation",)].blob[: len(store)] == victim).any(1))
-            try:
-                store.get(rows[:2])
-                raised = False
-            except ChecksumError:
-                raised = True
-            arena[pos] ^= 0x5A
-            out[codec]["damaged_blob_raises"] = raised
-            print(f"  {codec}: damaged hot blob raises ChecksumError: {raised}", flush=True)
-            store.close()
-            ref.close()
+    dev = c.device
+    t = time.monotonic()
+    builder = TieredStore(rows, path, frames={"observation": 0}, hot_bytes=0, warm_bytes=0)
+    base = None
+    written = 0
+    for td in stamped_copies(rows):
+        for i in range(0, td.batch_size[0], 2000):
+            part = td[i:i + 2000]
+            n = part.batch_size[0]
+            builder.extend(part)
+            if with_base:
+                if base is None:
+                    base = td[:1].to(dev).apply(
+                        lambda x: torch.empty((rows, *x.shape[1:]), dtype=x.dtype, device=dev), batch_size=[rows])
+                base[written:written + n] = part.to(dev)
+            written += n
+            if time.monotonic() > deadline:
+                break
+        if time.monotonic() > deadline:
+            break
+    builder.close()
+    return written, time.monotonic() - t, (base[:written] if base is not None else None)
 
 
-# ---------------------------------------------------------------------------------------------
-# Stage 4: decode GB/s per codec
-# ---------------------------------------------------------------------------------------------
-
-
-def _decode_rows(run: Run, fmt: str, cpu_codec, raw: np.ndarray, off: np.ndarray, sz: np.ndarray,
-                 nmax: int) -> list[dict]:
-    import torch
-
-    rows = []
-    enc = cpu_codec.encode(raw, off, sz)
-    ratio = raw.size / enc.data.size
-    # CPU reference: the codec tiered uses without a GPU (all cores)
-    out_h = np.empty_like(raw)
-    s, _ = _timeit(run, lambda: cpu_codec.decode(enc.data, enc.offsets, enc.sizes, out_h, off, sz), 0.3, 20,
-                   warmup=1)
-    rows.append({"codec": f"{fmt} (CPU, {os.cpu_count()} threads)", "n": nmax, "gbps": raw.size / s / 1e9,
-                 "us_per_call": s * 1e6, "ratio": ratio, "bit_exact": bool(np.array_equal(out_h, raw))})
-    if run.args.cpu_dry_run:
-        return rows
-    from tiered.codecs.nvcomp import NvcompCodec
-
-    codec = NvcompCodec(fmt)
-    dev, doff = _aligned_upload(run, enc.data, enc.offsets, enc.sizes)
-    out = torch.zeros(raw.size, dtype=torch.uint8, device="cuda")
-    stream = torch.cuda.Stream()
-    for n in (256, 1024, 4096):
-        if n > nmax:
-            continue
-        def call(n: int = n) -> None:
-            codec.decode_device(dev, doff[:n], enc.sizes[:n], out, off[:n], sz[:n], stream=stream)
-        call()
-        stream.synchronize()
-        exact = torch.equal(out[: n * 4 * FRAME].cpu(), torch.from_numpy(raw[: n * 4 * FRAME]))
-        with torch.cuda.stream(stream):
-            s, _ = _timeit(run, call, 0.3, 500)
-        stream.synchronize()
-        rows.append({"codec": f"{fmt} (nvCOMP)", "n": n, "gbps": n * 4 * FRAME / s / 1e9,
-                     "us_per_call": s * 1e6, "ratio": ratio, "bit_exact": exact,
-                     "mode": codec.probe()["exact"], "config_cache": codec.counters()})
-    return rows
-
-
-def stage_decode(run: Run) -> None:
-    from tiered.codecs import Lz4Codec, ZstdCodec
-
-    nmax = 4096 if not run.args.quick else 1024
-    raw, off, sz = chunk_batch(nmax, 4)
-    rows = run.res["decode_gbps"]
-    for fmt, cpu_codec in (("zstd", ZstdCodec()), ("lz4", Lz4Codec())):
-        try:
-            rows.extend(_decode_rows(run, fmt, cpu_codec, raw, off, sz, nmax))
-        except Exception as e:  # the other codec still runs
-            rows.append({"codec": fmt, "n": 0, "gbps": float("nan"), "us_per_call": float("nan"),
-                         "ratio": 0.0, "bit_exact": False, "error": f"{type(e).__name__}: {e}"})
-            print(f"  {fmt}: FAILED {type(e).__name__}: {e}", flush=True)
-    for r in rows:
-        print(f"  {r['codec']:<26} N={r['n']:<5} {r['gbps']:7.2f} GB/s  {r['us_per_call']:9.1f} us/call  "
-              f"ratio {r['ratio']:.1f}x  bit-exact {r['bit_exact']}", flush=True)
-
-
-# ---------------------------------------------------------------------------------------------
-# Stage 5: sample throughput and VRAM
-# ---------------------------------------------------------------------------------------------
-
-
-def stage_throughput(run: Run) -> None:
+def stage_throughput(c: Ctx) -> None:
     import shutil
 
-    import torch
-
-    dry = run.args.cpu_dry_run
-    dev = _dev(run)
-    rows = run.args.rows
-    tp = run.res["throughput"]
-    tp["data"] = (f"{rows:,} transitions: the fixture's 6,000 real Atari transitions (Pong, MsPacman, "
-                  "Breakout; 4x84x84 uint8 stacks + next stacks) tiled, each copy stamped with a 2-byte copy "
-                  "id in the top-left pixels of every frame so copies do not deduplicate")
-    tp["device"] = str(dev)
-    tmp = tempfile.mkdtemp(prefix="gpu_check_")
-    path = Path(tmp) / "store"
-
-    # 1) the tiered store (CPU build, durable cold tier), and the uncompressed copy on the device
-    holder: dict[str, Any] = {}
-    try:
-        written, build_s = _build_buffer(run, path, rows, None, holder)
-        _throughput_tables(run, tmp, path, holder.pop("base"), written, build_s)
-    finally:
-        holder.clear()
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not dry:
-            torch.cuda.empty_cache()
-
-
-def _throughput_tables(run: Run, tmp: str, path: Path, base: Any, written: int, build_s: float) -> None:
+    import numpy as np
     import torch
 
     import tiered
-    from tiered.testing import tier_counts
+    from tiered.testing import parts, tier_counts
 
-    dry = run.args.cpu_dry_run
-    dev = _dev(run)
-    rows = written
-    tp = run.res["throughput"]
-    tp["build"] = {"rows": written, "seconds": round(build_s, 1), "extend_rows_per_s": written / build_s}
-    print(f"  built {written:,} rows in {build_s:.1f}s ({written / build_s:,.0f} rows/s, CPU zstd + copy)",
-          flush=True)
-    base_bytes = sum(v.numel() * v.element_size() for v in base.values(include_nested=True, leaves_only=True))
-    tp["vram"]["uncompressed"] = base_bytes
-    _sync(run)
+    dev = c.device
+    tmp = tempfile.mkdtemp(prefix="gpu_check_")
+    path = Path(tmp) / "store"
+    try:
+        written, build_s, base = build_buffer(c, path, c.rows, c.t0 + 0.35 * c.limit, with_base=True)
+        c.rec.put("data", f"{written:,} transitions (of {c.rows:,} asked; the build stops at its share of the "
+                          "stage time): the fixture's real Atari transitions (4x84x84 uint8 stacks + next stacks) "
+                          "tiled, each copy stamped with a 2-byte copy id so copies do not deduplicate")
+        c.rec.put("build", {"rows": written, "rows_asked": c.rows, "seconds": round(build_s, 1)})
+        say(f"  built {written:,} rows (of {c.rows:,} asked) in {build_s:.1f}s")
+        base_bytes = sum(v.numel() * v.element_size() for v in base.values(include_nested=True, leaves_only=True))
+        vram = {"uncompressed": base_bytes}
+        c.rec.put("vram", vram)
+        rng = np.random.default_rng(0)
+        batches = (256, 1024, 4096)
+        idx_sets = {b: [rng.integers(0, written, b) for _ in range(8)] for b in batches}
+        dev_idx = {b: [torch.from_numpy(x).to(dev) for x in idx_sets[b]] for b in batches}
+        table: list[dict] = []
 
-    rng = np.random.default_rng(0)
-    batches = (256, 1024, 4096)
-    idx_sets = {b: [rng.integers(0, rows, b) for _ in range(8)] for b in batches}
-    min_s = 0.25 if not run.args.quick else 0.1
+        def bench(label: str, fn, held: int, index_sets) -> None:
+            for b in batches:
+                if c.left() < 6:
+                    table.append({"config": label, "batch": b, "skipped": "stage time"})
+                    c.rec.put("rows", table)
+                    continue
+                sets, it = index_sets[b], [0]
 
-    def bench(label: str, fn_for, vram: int | None, check=None) -> None:
-        for b in batches:
-            if run.left() < 20:
-                tp["rows"].append({"config": label, "batch": b, "skipped": "time budget"})
+                def call(sets=sets, it=it):
+                    it[0] += 1
+                    return fn(sets[it[0] % len(sets)])
+
+                min_s = max(0.05, min(0.25 if not c.quick else 0.1, c.left() / 60))
+                s, n = _timeit(c, call, min_s, 400)
+                table.append({"config": label, "batch": b, "transitions_per_s": b / s, "us_per_batch": s * 1e6,
+                              "iterations": n, "vram_held": held})
+                c.rec.put("rows", table)
+                say(f"  {label:<13} batch {b:<5} {_fmt_rate(b / s):>8} transitions/s  {s * 1e6:10.1f} us/batch")
+
+        bench("uncompressed", lambda ix: base[ix], base_bytes, dev_idx)
+        configs = [("hot", {"hot_bytes": "32GiB", "warm_bytes": 0, "hot_device": str(dev)}),
+                   ("warm", {"hot_bytes": 0, "warm_bytes": "32GiB"}),
+                   ("cold", {"hot_bytes": 0, "warm_bytes": 0, "promote": False})]
+        for label, opts in configs:
+            if c.left() < 10:
+                c.rec.add("skipped", label)
+                say(f"  {label}: skipped (stage time)")
                 continue
-            sets = idx_sets[b]
-            it = [0]
-
-            def call(b=b, sets=sets, it=it):
-                it[0] += 1
-                return fn_for(sets[it[0] % len(sets)])
-
-            if check is not None:
-                check(sets[0])
-            if not dry:
-                torch.cuda.reset_peak_memory_stats()
-                before = torch.cuda.memory_allocated()
-            s, n = _timeit(run, call, min_s, 400 if not dry else 6)
-            peak = (torch.cuda.max_memory_allocated() - before) if not dry else None
-            tp["rows"].append({"config": label, "batch": b, "transitions_per_s": b / s,
-                               "us_per_batch": s * 1e6, "iterations": n, "vram_held": vram,
-                               "transient_peak_bytes": peak})
-            print(f"  {label:<13} batch {b:<5} {_fmt_rate(b / s):>8} transitions/s  {s * 1e6:10.1f} us/batch",
-                  flush=True)
-
-    # uncompressed gather: a TensorDict on the device indexed by an index on the device
-    dev_idx = {b: [torch.from_numpy(x).to(dev) for x in idx_sets[b]] for b in batches}
-    dev_map = {id(x): d for b in batches for x, d in zip(idx_sets[b], dev_idx[b], strict=True)}
-    bench("uncompressed", lambda ix: base[dev_map[id(ix)]], base_bytes)
-
-    def check_against_base(store):
-        def check(ix):
-            got = store.get(ix)
-            want = base[dev_map[id(ix)]]
-            for k in ("observation", ("next", "observation"), "action"):
-                if not torch.equal(got.get(k).to(dev), want.get(k)):
-                    raise AssertionError(f"tiered and uncompressed batches differ in {k}")
-        return check
-
-    configs = [("hot", path, {"hot_bytes": "32GiB", "warm_bytes": 0, "hot_device": str(dev)}),
-               ("warm", path, {"hot_bytes": 0, "warm_bytes": "32GiB"}),
-               ("cold", path, {"hot_bytes": 0, "warm_bytes": 0, "promote": False}),
-               ("hot (K=1)", None, {"hot_bytes": "32GiB", "warm_bytes": 0, "hot_device": str(dev)})]
-    for label, where, opts in configs:
-        if where is None:  # optional: one frame per blob decodes only the frames a sample needs
-            if run.left() < 110 or run.args.quick:
-                print(f"  {label}: skipped (time budget)", flush=True)
-                continue
-            where = Path(tmp) / "store_k1"
-            n1, s1 = _build_buffer(run, where, rows, 1, None)
-            tp["build_k1"] = {"rows": n1, "seconds": round(s1, 1)}
-        if run.left() < 30:
-            print(f"  {label}: skipped (time budget)", flush=True)
-            continue
-        try:
-            store = tiered.open(where, mode="r", device=str(dev), **opts)
-            dec = _attach(run, store)
+            store = tiered.open(path, mode="r", device=str(dev), **opts)
+            dec = _attach(c, store)
             t = time.monotonic()
-            if label != "cold":  # promote every blob into the tier under test (reads in row order)
-                for i in range(0, rows, 4096):
-                    store.get(np.arange(i, min(i + 4096, rows)))
-            counts = tier_counts(store)
-            from tiered.testing import parts
+            promoted = 0
+            if label != "cold":  # promote blobs into the tier under test, as time allows
+                for i in range(0, written, 4096):
+                    if c.left() < 12:
+                        break
+                    store.get(np.arange(i, min(i + 4096, written)))
+                    promoted = min(i + 4096, written)
+            got, want = store.get(idx_sets[256][0]), base[dev_idx[256][0]]
+            same = all(torch.equal(got.get(k).to(dev), want.get(k)) for k in
+                       ("observation", ("next", "observation"), "action"))
             hot = parts(store).tiers[0]
-            # the hot arena's allocated bytes (VRAM on a GPU; host memory standing in for it in a dry run)
-            vram = int(hot.capacity) if hot is not None else 0
-            tp["vram"][label] = vram
-            tp.setdefault("placement", {})[label] = {
-                "tiers": counts, "warmup_s": round(time.monotonic() - t, 1),
-                "hot_bytes_used": int(hot.bytes_used) if hot else 0}
-            print(f"  {label}: blobs per tier {counts}, hot arena {_fmt_bytes(vram)}", flush=True)
-            bench(label, store.get, vram, check_against_base(store))
-            keep = ("batches", "hot", "warm", "cold", "pads", "cpu_fallbacks", "oom_events", "splits",
-                    "h2d_bytes")
-            tp.setdefault("decoder", {})[label] = {k: v for k, v in dec.stats().items() if k in keep}
+            held = int(hot.capacity) if hot is not None else 0
+            vram[label] = held
+            c.rec.put("vram", vram)
+            c.rec.put(f"placement {label}", {"tiers": tier_counts(store), "rows_promoted": promoted,
+                                             "warmup_s": round(time.monotonic() - t, 1), "bit_exact": same})
+            say(f"  {label}: blobs per tier {tier_counts(store)} (rows promoted {promoted:,}), hot arena "
+                f"{_fmt_bytes(held)}, batch equals the uncompressed gather: {same}")
+            bench(label, store.get, held, idx_sets)
+            keep = ("batches", "hot", "warm", "cold", "pads", "cpu_fallbacks", "fallback_reasons", "oom_events",
+                    "splits", "h2d_bytes")
+            c.rec.put(f"decoder {label}", {k: v for k, v in dec.stats().items() if k in keep})
             store.close()
-        except Exception as e:
-            tp.setdefault("errors", {})[label] = f"{type(e).__name__}: {e}"
-            print(f"  {label}: FAILED {type(e).__name__}: {e}\n{traceback.format_exc()[-1500:]}", flush=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _build_buffer(run: Run, path: Path, rows: int, chunk_frames: int | None,
-                  holder: dict[str, Any] | None) -> tuple[int, float]:
-    """Write the tiled buffer into a store at ``path`` (CPU encode, cold tier only); with ``holder``
-    also fill ``holder["base"]``, the same rows as uncompressed tensors on the device."""
+# ---------------------------------------------------------------------------------------------
+# Stage 6: decode GB/s
+# ---------------------------------------------------------------------------------------------
+
+
+def stage_decode(c: Ctx) -> None:
+    from tiered.codecs import Lz4Codec, ZstdCodec
+
+    nmax = 4096 if not (c.quick or c.dry) else 1024
+    raw, off, sz = chunk_batch(nmax, 4)
+    for fmt, cpu_codec in (("zstd", ZstdCodec()), ("lz4", Lz4Codec())):
+        if c.left() < 4:
+            c.rec.add("skipped", fmt)
+            continue
+        _decode_rows(c, fmt, cpu_codec, raw, off, sz, nmax)
+
+
+def _decode_rows(c: Ctx, fmt: str, cpu_codec, raw, off, sz, nmax: int) -> None:
+    import numpy as np
     import torch
 
-    from tiered import TieredStore
+    enc = cpu_codec.encode(raw, off, sz)
+    ratio = raw.size / enc.data.size
+    out_h = np.empty_like(raw)
+    s, _ = _timeit(c, lambda: cpu_codec.decode(enc.data, enc.offsets, enc.sizes, out_h, off, sz), 0.2, 20,
+                   warmup=1)
+    row = {"codec": f"{fmt} (CPU, {os.cpu_count()} threads)", "n": nmax, "gbps": raw.size / s / 1e9,
+           "us_per_call": s * 1e6, "ratio": ratio, "bit_exact": bool(np.array_equal(out_h, raw))}
+    c.rec.add("rows", row)
+    say(f"  {row['codec']:<26} N={nmax:<5} {row['gbps']:7.2f} GB/s  {row['us_per_call']:9.1f} us/call  "
+        f"ratio {ratio:.1f}x  bit-exact {row['bit_exact']}")
+    if c.dry:
+        return
+    from tiered.codecs.nvcomp import NvcompCodec
 
-    dev = _dev(run)
-    t = time.monotonic()
-    kw = {} if chunk_frames is None else {"chunk_frames": chunk_frames}  # None: the store's default
-    builder = TieredStore(rows, path, frames={"observation": 0}, hot_bytes=0, warm_bytes=0, **kw)
-    written = 0
-    for td in stamped_copies(rows):
-        n = td.batch_size[0]
-        for i in range(0, n, 2000):
-            builder.extend(td[i:i + 2000])
-        if holder is not None:
-            if "base" not in holder:
-                def alloc(x: torch.Tensor) -> torch.Tensor:
-                    return torch.empty((rows, *x.shape[1:]), dtype=x.dtype, device=dev)
+    codec = NvcompCodec(fmt)
+    dev, doff = _aligned_upload(c, enc.data, enc.offsets, enc.sizes)
+    out = torch.zeros(raw.size, dtype=torch.uint8, device="cuda")
+    stream = torch.cuda.Stream()
+    # `dev` and `out` were written on the current stream: the decode stream waits for them
+    stream.wait_stream(torch.cuda.current_stream())
+    for n in (256, 1024, 4096):
+        if n > nmax or c.left() < 3:
+            continue
 
-                holder["base"] = td[:1].to(dev).apply(alloc, batch_size=[rows])
-            holder["base"][written:written + n] = td.to(dev)
-        written += n
-        if run.left() < 60:
-            raise RuntimeError(f"time budget: stopped building after {written:,} rows; rerun with --rows")
-    builder.close()
-    return written, time.monotonic() - t
+        def call(n: int = n) -> None:
+            codec.decode_device(dev, doff[:n], enc.sizes[:n], out, off[:n], sz[:n], stream=stream)
+
+        with torch.cuda.stream(stream):
+            call()
+            stream.synchronize()
+            exact = torch.equal(out[: n * 4 * FRAME].cpu(), torch.from_numpy(raw[: n * 4 * FRAME]))
+            s, _ = _timeit(c, call, 0.2, 500)
+        row = {"codec": f"{fmt} (nvCOMP)", "n": n, "gbps": n * 4 * FRAME / s / 1e9, "us_per_call": s * 1e6,
+               "ratio": ratio, "bit_exact": exact, "mode": codec.probe()["exact"],
+               "config_cache": codec.counters()}
+        c.rec.add("rows", row)
+        say(f"  {row['codec']:<26} N={n:<5} {row['gbps']:7.2f} GB/s  {row['us_per_call']:9.1f} us/call  "
+            f"ratio {ratio:.1f}x  bit-exact {exact}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Stage 7: pytest -m cuda
+# ---------------------------------------------------------------------------------------------
+
+
+def stage_tests(c: Ctx) -> None:
+    import pytest
+
+    outcomes: dict[str, str] = {}
+
+    class Record:
+        """Each test's outcome, recorded when it is known (a kill keeps the ones before)."""
+
+        def pytest_runtest_logreport(self, report) -> None:
+            if report.when == "call" or (report.when == "setup" and report.outcome != "passed") or (
+                    report.when == "teardown" and report.outcome == "failed"):
+                outcome = report.outcome if report.when == "call" or report.outcome == "skipped" else "error"
+                outcomes[report.nodeid] = outcome
+                c.rec.put("outcomes", outcomes)
+                if outcome in ("failed", "error"):
+                    say(f"  {outcome.upper()} {report.nodeid}\n{str(report.longrepr)[-1500:]}")
+
+    args = ["-m", "cuda", "tests/test_gpu.py", "tests/test_prefetch.py", "-q", "-rfEs",
+            "-p", "no:cacheprovider", "-p", "no:faulthandler"]
+    try:
+        import pytest_timeout  # noqa: F401  (carried to the GPU machine; bounds each test)
+
+        args += ["--timeout", str(int(max(30, c.left() / 3)))]
+    except ImportError:
+        say("  pytest-timeout missing: tests are bounded only by this stage's limit")
+    os.chdir(REPO)
+    rc = pytest.main(args, plugins=[Record()])
+    counts: dict[str, int] = {}
+    for v in outcomes.values():
+        counts[v] = counts.get(v, 0) + 1
+    c.rec.put("summary", {"returncode": int(rc), "counts": counts})
+    say(f"  pytest -m cuda: {counts} (rc={int(rc)})")
+    if int(rc) not in (0, 5):  # 5: nothing collected (not a failure of the run)
+        raise RuntimeError(f"pytest -m cuda failed: {counts}")
+
+
+STAGE_FUNCS = {"preflight": stage_preflight, "probe": stage_probe, "tiers": stage_tiers, "interop": stage_interop,
+               "throughput": stage_throughput, "decode": stage_decode, "tests": stage_tests}
+
+
+def child_main(name: str, ctx_path: str) -> int:
+    """Run one stage in this (child) process: faulthandler armed, injections applied."""
+    ctx = json.loads(Path(ctx_path).read_text())
+    faulthandler.enable(all_threads=True)
+    limit = float(ctx["limit"])
+    # the stacks of every thread shortly before the parent kills this child at its limit
+    faulthandler.dump_traceback_later(max(1.0, limit - min(5.0, max(1.0, 0.15 * limit))), exit=False)
+    rec = Recorder(ctx["result_path"])
+    c = Ctx(name, bool(ctx["dry"]), limit, int(ctx["rows"]), bool(ctx["quick"]), rec)
+    if ctx.get("inject_hang") == name:
+        rec.put("partial", "written before the injected hang")
+        say(f"  [{name}] injected hang: sleeping until killed")
+        while True:
+            time.sleep(3600)
+    crash = ctx.get("inject_crash") or ""
+    if crash.split(":")[0] == name:
+        rec.put("partial", "written before the injected crash")
+        say(f"  [{name}] injected crash: {crash.partition(':')[2] or 'abort'}")
+        if crash.endswith(":segv"):
+            import ctypes
+
+            ctypes.string_at(0)  # SIGSEGV
+        os.abort()
+    try:
+        STAGE_FUNCS[name](c)
+    except BaseException as e:
+        rec.put("error", f"{type(e).__name__}: {e}")
+        traceback.print_exc()
+        sys.stdout.flush()
+        return 1
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Parent side: the run
+# ---------------------------------------------------------------------------------------------
+
+
+class Run:
+    """The whole check: stages in child processes, the JSON and the log after every stage."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.t0 = time.monotonic()
+        self.deadline = self.t0 + args.budget
+        dirs = [Path(args.out) if args.out else REPO / "benchmarks" / "out"]
+        if os.environ.get("OUT"):
+            dirs.append(Path(os.environ["OUT"]))
+        self.dirs = []
+        for d in dirs:
+            d.mkdir(parents=True, exist_ok=True)
+            if d.resolve() not in [x.resolve() for x in self.dirs]:
+                self.dirs.append(d)
+        self.logs = [open(d / "gpu_check.log", "w") for d in self.dirs]  # noqa: SIM115 (closed in finish)
+        self.work = Path(tempfile.mkdtemp(prefix="gpu_check_run_"))
+        self.res: dict[str, Any] = {
+            "schema": SCHEMA, "mode": "cpu-dry-run" if args.cpu_dry_run else "gpu", "argv": sys.argv,
+            "budget_s": args.budget, "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "stages": {}, "results": {}, "targets": [],
+        }
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def say(self, text: str) -> None:
+        print(text, flush=True)
+        for f in self.logs:
+            f.write(text + "\n")
+            f.flush()
+
+    def save(self) -> None:
+        self.res["elapsed_s"] = round(time.monotonic() - self.t0, 1)
+        text = json.dumps(self.res, indent=1, default=_json_default)
+        for d in self.dirs:
+            tmp = d / "gpu_check.json.tmp"
+            tmp.write_text(text)
+            os.replace(tmp, d / "gpu_check.json")
+
+    def limit_for(self, spec: StageSpec) -> float:
+        cap = self.args.limits.get(spec.name, spec.cap_s * (2 if self.args.cpu_dry_run else 1))
+        return max(1.0, min(cap, self.left() - 1.0))
+
+    def run_stage(self, spec: StageSpec) -> None:
+        name = spec.name
+        if self.left() < spec.min_s:
+            self.res["stages"][name] = {"status": "skipped", "reason": f"{self.left():.0f}s of the budget left"}
+            self.say(f"[{name}] SKIPPED: {self.left():.0f}s of the budget left (needs {spec.min_s:.0f}s)")
+            self.save()
+            return
+        limit = self.limit_for(spec)
+        result_path = self.work / f"{name}.json"
+        ctx = {"limit": limit, "dry": self.args.cpu_dry_run, "rows": self.args.rows, "quick": self.args.quick,
+               "result_path": str(result_path), "inject_hang": self.args.inject_hang,
+               "inject_crash": self.args.inject_crash}
+        ctx_path = self.work / f"{name}.ctx.json"
+        ctx_path.write_text(json.dumps(ctx))
+        self.say(f"[{name}] start: {spec.what} (limit {limit:.0f}s, {self.left():.0f}s of the budget left)")
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        env["PYTHONUNBUFFERED"] = "1"
+        t = time.monotonic()
+        proc = subprocess.Popen([sys.executable, "-X", "faulthandler", str(Path(__file__).resolve()),
+                                 "--child", name, "--ctx", str(ctx_path)],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
+                                cwd=REPO, env=env, start_new_session=True)
+        lines: queue.Queue = queue.Queue()
+        tail: list[str] = []
+
+        def pump() -> None:
+            for line in proc.stdout:
+                lines.put(line.rstrip("\n"))
+            lines.put(None)
+
+        reader = threading.Thread(target=pump, daemon=True)
+        reader.start()
+        timed_out = False
+        done_reading = False
+        while not done_reading:
+            remaining = t + limit - time.monotonic()
+            if remaining <= 0:
+                timed_out = True
+                break
+            try:
+                line = lines.get(timeout=min(remaining, 0.5))
+            except queue.Empty:
+                continue
+            if line is None:
+                done_reading = True
+                break
+            tail.append(line)
+            self.say(line if line.startswith("  ") else "  " + line)
+        if timed_out:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        try:
+            rc = proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            rc = proc.wait()
+        end = time.monotonic() + 2.0
+        while not done_reading and time.monotonic() < end:  # what the child printed before the kill
+            try:
+                line = lines.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            if line is None:
+                break
+            tail.append(line)
+            self.say(line if line.startswith("  ") else "  " + line)
+        seconds = round(time.monotonic() - t, 1)
+        try:
+            self.res["results"][name] = json.loads(result_path.read_text())
+        except (OSError, ValueError):
+            self.res["results"][name] = {}
+        info: dict[str, Any] = {"seconds": seconds, "limit_s": round(limit, 1), "returncode": rc}
+        if timed_out:
+            info.update(status="timeout", error=f"killed at its {limit:.0f}s limit (stacks dumped above)")
+        elif rc < 0:
+            try:
+                sig = signal.Signals(-rc).name
+            except ValueError:
+                sig = f"signal {-rc}"
+            info.update(status="crashed", signal=sig, error=f"the child died by {sig}")
+        elif rc != 0:
+            info.update(status="failed", error=self.res["results"][name].get("error", f"exit code {rc}"))
+        else:
+            info["status"] = "ok"
+        info["output_tail"] = "\n".join(tail)[-4000:]
+        self.res["stages"][name] = info
+        verdict = {"ok": "ok", "timeout": "TIMEOUT", "crashed": "CRASHED", "failed": "FAILED"}[info["status"]]
+        self.say(f"[{name}] {verdict} in {seconds}s" + (f": {info['error']}" if "error" in info else "")
+                 + "; partial results kept, later stages still run" * (info["status"] != "ok"))
+        self.save()
+
+    def finish(self) -> int:
+        try:
+            evaluate_targets(self.res)
+        except Exception as e:  # the report must still print
+            self.res["targets"] = [{"target": "evaluation", "verdict": "ERROR", "value": repr(e)}]
+        self.save()
+        for line in report_lines(self.res):
+            self.say(line)
+        for f in self.logs:
+            f.close()
+        bad = [k for k, v in self.res["stages"].items() if v.get("status") not in ("ok", "skipped")]
+        return 1 if bad else 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -722,18 +1002,18 @@ def _build_buffer(run: Run, path: Path, rows: int, chunk_frames: int | None,
 # ---------------------------------------------------------------------------------------------
 
 
-def _rate(run: Run, config: str, batch: int) -> float | None:
-    for r in run.res["throughput"]["rows"]:
+def _rate(res: dict, config: str, batch: int) -> float | None:
+    for r in res.get("results", {}).get("throughput", {}).get("rows", []):
         if r["config"] == config and r["batch"] == batch and "transitions_per_s" in r:
             return r["transitions_per_s"]
     return None
 
 
-def evaluate_targets(run: Run) -> None:
-    dry = run.args.cpu_dry_run
-    vram = run.res["throughput"].get("vram", {})
-    hot256, hot4096 = _rate(run, "hot", 256), _rate(run, "hot", 4096)
-    unc256, warm256 = _rate(run, "uncompressed", 256), _rate(run, "warm", 256)
+def evaluate_targets(res: dict) -> None:
+    dry = res["mode"] != "gpu"
+    vram = res.get("results", {}).get("throughput", {}).get("vram", {})
+    hot256, hot4096 = _rate(res, "hot", 256), _rate(res, "hot", 4096)
+    unc256, warm256 = _rate(res, "uncompressed", 256), _rate(res, "warm", 256)
     vr = (vram["uncompressed"] / vram["hot"]) if vram.get("hot") and vram.get("uncompressed") else None
     checks = [
         (TARGETS[0], hot256, hot256 is not None and hot256 >= 500e3, f"{_fmt_rate(hot256)}/s"),
@@ -743,96 +1023,120 @@ def evaluate_targets(run: Run) -> None:
         (TARGETS[3], vr, vr is not None and vr >= 60, f"{vr:.0f}x less" if vr else "-"),
         (TARGETS[4], warm256, warm256 is not None and warm256 >= 200e3, f"{_fmt_rate(warm256)}/s"),
     ]
-    run.res["targets"] = []
-    for name, value, ok, text in checks:
-        verdict = "SKIP" if dry else ("PASS" if ok else ("FAIL" if value is not None else "MISSING"))
-        run.res["targets"].append({"target": name, "verdict": verdict, "value": text})
+    res["targets"] = [{"target": name, "value": text,
+                       "verdict": "SKIP" if dry else ("PASS" if ok else ("FAIL" if value is not None else "MISSING"))}
+                      for name, value, ok, text in checks]
 
 
-def print_report(run: Run) -> None:
-    res = run.res
-    dry = run.args.cpu_dry_run
-    print("\n" + "=" * 100)
-    print(f"tiered gpu_check ({'CPU DRY RUN: no GPU figure below is a GPU measurement' if dry else 'GPU'}), "
-          f"{res.get('elapsed_s', 0):.0f}s; JSON: {run.out_dir / 'gpu_check.json'}")
-    env = res.get("env", {})
-    print(f"  {env.get('gpu', 'no GPU')} | torch {env.get('torch')} | nvCOMP {env.get('nvcomp')}")
-    verdicts = {k: "ok" if v.get("ok") else ("skipped" if "skipped" in v else "FAILED")
-                for k, v in res["stages"].items()}
-    print("\nstages: " + ", ".join(f"{k}={v}" for k, v in verdicts.items()))
+def report_lines(res: dict) -> list[str]:
+    dry = res["mode"] != "gpu"
+    out = ["", "=" * 100,
+           f"tiered gpu_check ({'CPU DRY RUN: no figure below is a GPU measurement' if dry else 'GPU'}), "
+           f"{res.get('elapsed_s', 0):.0f}s of a {res['budget_s']:.0f}s budget"]
+    env = res.get("results", {}).get("preflight", {}).get("env", {})
+    out.append(f"  {env.get('device', 'no device')} | torch {env.get('torch')} | nvCOMP {env.get('nvcomp')}")
+    out.append("stages: " + ", ".join(f"{k}={v.get('status')}" for k, v in res["stages"].items()))
     for k, v in res["stages"].items():
-        if not v.get("ok") and "error" in v:
-            print(f"  {k}: {v['error']}")
-    if res.get("tests"):
-        print(f"pytest -m cuda: {res['tests'].get('summary')}")
-    bad = [k for k, v in res.get("interop", {}).items() if not v["ok"]]
-    if res.get("interop"):
-        print(f"interop: {len(res['interop']) - len(bad)}/{len(res['interop'])} OK" +
-              (f"; FAILED: {', '.join(bad)}" if bad else ""))
-    for codec, v in res.get("store_tiers", {}).items():
-        print(f"store on {'CPU stand-in' if dry else 'GPU'} ({codec}): tiers {v.get('tiers')}, bit-exact "
-              f"{v.get('bit_exact')}, damaged blob raises {v.get('damaged_blob_raises')}")
-    if res.get("decode_gbps"):
-        print("\ndecode throughput (chunks of 4 real 84x84 frames, 28,224 B raw each)")
-        print(f"  {'codec':<26} {'N':>5} {'GB/s':>8} {'us/call':>10} {'ratio':>7} {'exact':>6}")
-        for r in res["decode_gbps"]:
-            print(f"  {r['codec']:<26} {r['n']:>5} {r['gbps']:>8.2f} {r['us_per_call']:>10.1f} "
-                  f"{r['ratio']:>6.1f}x {str(r['bit_exact']):>6}")
-    print("\ntargets" + (" (dry run: not evaluated)" if dry else ""))
-    for t in res.get("targets", []):
-        print(f"  {t['verdict']:<7} {t['target']}: {t['value']}")
-    tp = res.get("throughput", {})
-    print(f"\nsample throughput on {tp.get('device', '?')}: {tp.get('data', '(not run)')}")
+        if v.get("status") not in ("ok", "skipped"):
+            out.append(f"  {k}: {v.get('error')}")
+    r = res.get("results", {})
+    for fmt, choice in r.get("probe", {}).get("config", {}).get("chosen", {}).items():
+        out.append(f"decoder {fmt}: {choice}")
+    for label, v in r.get("tiers", {}).items():
+        if isinstance(v, dict) and "bit_exact" in v:
+            out.append(f"tiers {label}: bit-exact {v['bit_exact']}, damaged blob raises {v.get('damaged_blob_raises')}")
+    checks = {k: v for k, v in r.get("interop", {}).items() if isinstance(v, dict) and "ok" in v}
+    bad = [k for k, v in checks.items() if v["ok"] is False]
+    if checks:
+        out.append(f"interop: {sum(v['ok'] is True for v in checks.values())}/{len(checks)} OK" +
+                   (f"; FAILED: {', '.join(bad)}" if bad else ""))
+    summary = r.get("tests", {}).get("summary")
+    if summary:
+        out.append(f"pytest -m cuda: {summary['counts']} (rc={summary['returncode']})")
+    out.append("\ntargets" + (" (dry run: not evaluated)" if dry else ""))
+    out += [f"  {t['verdict']:<7} {t['target']}: {t['value']}" for t in res.get("targets", [])]
+    tp = r.get("throughput", {})
+    out.append(f"\nsample throughput: {tp.get('data', '(not run)')}")
     vram = tp.get("vram", {})
-    unc_vram = vram.get("uncompressed")
-    print(f"  {'config':<13} {'batch':>6} {'transitions/s':>14} {'us/batch':>10} {'vs uncompr.':>11} "
-          f"{'VRAM held':>11} {'VRAM ratio':>11}")
-    for r in tp.get("rows", []):
-        if "transitions_per_s" not in r:
-            print(f"  {r['config']:<13} {r['batch']:>6} {'skipped':>14}")
+    out.append(f"  {'config':<13} {'batch':>6} {'transitions/s':>14} {'us/batch':>10} {'vs uncompr.':>11} "
+               f"{'VRAM held':>11} {'VRAM ratio':>11}")
+    for row in tp.get("rows", []):
+        if "transitions_per_s" not in row:
+            out.append(f"  {row['config']:<13} {row['batch']:>6} {'skipped':>14}")
             continue
-        unc = _rate(run, "uncompressed", r["batch"])
-        held = r.get("vram_held")
-        ratio = "-" if r["config"] == "uncompressed" or not unc else f"{r['transitions_per_s'] / unc:.2f}x"
-        vr = "-" if not held or not unc_vram or r["config"] == "uncompressed" else \
-            f"{unc_vram / held:.0f}x less"
-        print(f"  {r['config']:<13} {r['batch']:>6} {_fmt_rate(r['transitions_per_s']):>14} "
-              f"{r['us_per_batch']:>10.1f} {ratio:>11} {_fmt_bytes(held):>11} {vr:>11}")
-    print("  VRAM held: the hot arena's allocated bytes (the blob index and row tables are host memory) vs "
-          "the uncompressed tensors; output batches excluded.")
-    print("=" * 100, flush=True)
+        unc = _rate(res, "uncompressed", row["batch"])
+        held = row.get("vram_held")
+        ratio = "-" if row["config"] == "uncompressed" or not unc else f"{row['transitions_per_s'] / unc:.2f}x"
+        vr = "-" if not held or not vram.get("uncompressed") or row["config"] == "uncompressed" else \
+            f"{vram['uncompressed'] / held:.0f}x less"
+        out.append(f"  {row['config']:<13} {row['batch']:>6} {_fmt_rate(row['transitions_per_s']):>14} "
+                   f"{row['us_per_batch']:>10.1f} {ratio:>11} {_fmt_bytes(held):>11} {vr:>11}")
+    for row in r.get("decode", {}).get("rows", []):
+        out.append(f"decode {row['codec']:<26} N={row['n']:<5} {row['gbps']:7.2f} GB/s  bit-exact {row['bit_exact']}")
+    out.append("=" * 100)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--budget", type=float, default=None,
+                    help="seconds for the whole run (default 300; 600 in a dry run)")
+    ap.add_argument("--out", help="write gpu_check.json and gpu_check.log here instead of benchmarks/out "
+                                  "(they also go to $OUT when it is set)")
+    ap.add_argument("--rows", type=int, default=None,
+                    help="transitions asked for the throughput buffer (100,000; 12,000 in a dry run)")
+    ap.add_argument("--quick", action="store_true", help="shorter timings")
+    ap.add_argument("--only", help=f"comma-separated stages to run, in this order: {','.join(STAGE_NAMES)}")
+    ap.add_argument("--skip", help="comma-separated stages not to run")
+    ap.add_argument("--cpu-dry-run", action="store_true",
+                    help="no GPU: the same stages with the CPU codecs and the decoder's CPU stand-in")
+    ap.add_argument("--stage-limit", action="append", default=[], metavar="STAGE=SECONDS",
+                    help="a shorter limit for one stage (repeatable)")
+    ap.add_argument("--inject-hang", metavar="STAGE", help="test hook: that stage's child hangs")
+    ap.add_argument("--inject-crash", metavar="STAGE[:abort|segv]", help="test hook: that stage's child dies")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--ctx", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.rows is None:
+        args.rows = 12_000 if args.cpu_dry_run else 100_000
+    if args.budget is None:
+        args.budget = 600.0 if args.cpu_dry_run else 300.0
+    args.limits = {}
+    for item in args.stage_limit:
+        name, _, secs = item.partition("=")
+        if name not in STAGE_NAMES or not secs:
+            ap.error(f"--stage-limit wants STAGE=SECONDS with STAGE in {STAGE_NAMES}, got {item!r}")
+        args.limits[name] = float(secs)
+    for hook in (args.inject_hang, (args.inject_crash or "").split(":")[0] or None):
+        if hook is not None and hook not in STAGE_NAMES:
+            ap.error(f"injection stage must be one of {STAGE_NAMES}, got {hook!r}")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", help="output folder (default $OUT, else ./gpu_check_out)")
-    ap.add_argument("--budget", type=float, default=280.0, help="soft time budget in seconds")
-    ap.add_argument("--rows", type=int, default=None, help="transitions in the throughput buffer (100,000)")
-    ap.add_argument("--quick", action="store_true", help="shorter timings and a 20,000-row buffer")
-    ap.add_argument("--skip-tests", action="store_true", help="do not run pytest -m cuda")
-    ap.add_argument("--cpu-dry-run", action="store_true",
-                    help="no GPU: skip nvCOMP/CUDA, run data prep, store building and the tables on the CPU")
-    args = ap.parse_args(argv)
-    if args.rows is None:
-        args.rows = 12_000 if args.cpu_dry_run else (20_000 if args.quick else 100_000)
+    args = parse_args(argv)
+    if args.child:
+        return child_main(args.child, args.ctx)
+    faulthandler.enable()
+    faulthandler.dump_traceback_later(args.budget + 60, exit=True)  # the parent itself never hangs
     run = Run(args)
+    run.say(f"gpu_check: {run.res['mode']}, budget {args.budget:.0f}s, python {sys.version.split()[0]}, "
+            f"results in {', '.join(str(d / 'gpu_check.json') for d in run.dirs)}")
+    run.save()
+    selected = [s for s in STAGES if (not args.only or s.name in args.only.split(","))
+                and (not args.skip or s.name not in args.skip.split(","))]
     try:
-        run.stage("env", lambda: stage_env(run))
-        if not args.skip_tests:
-            run.stage("tests", lambda: stage_tests(run), need_s=60)
-        run.stage("interop", lambda: stage_interop(run), need_s=20)
-        run.stage("store_tiers", lambda: stage_store_tiers(run), need_s=20)
-        run.stage("decode_gbps", lambda: stage_decode(run), need_s=20)
-        run.stage("throughput", lambda: stage_throughput(run), need_s=45)
+        for spec in selected:
+            run.run_stage(spec)
     finally:
-        try:
-            evaluate_targets(run)
-        except Exception as e:  # the report must still print
-            run.res["targets"] = [{"target": "evaluation", "verdict": "ERROR", "value": repr(e)}]
-        run.save()
-        print_report(run)
-    failed = [k for k, v in run.res["stages"].items() if not v.get("ok") and "skipped" not in v]
-    return 1 if failed else 0
+        code = run.finish()
+        faulthandler.cancel_dump_traceback_later()
+    return code
 
 
 if __name__ == "__main__":

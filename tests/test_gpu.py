@@ -10,13 +10,16 @@ Two groups:
 * ``@pytest.mark.cuda`` tests (skipped without a GPU; run by benchmarks/gpu_check.py): nvCOMP
   decodes CPU-written zstd/lz4 bit-exactly and zstandard/lz4 decode nvCOMP's output, and a store
   with blobs in the hot CUDA arena, the pinned warm arena and a cold memmap file samples
-  bit-exactly on the GPU.
+  bit-exactly on the GPU. Expected values always come from a CPU twin store, never from the
+  path under test; out-of-memory tests (whose failures pass through nvCOMP's allocator
+  callback) run in a child process, so an abort there cannot take the test session with it.
 
 Data: real Atari frames from benchmarks/data/atari_frames.npz (no ale-py needed).
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -35,7 +38,14 @@ from tiered import TieredStore
 from tiered.atari import load_fixture
 from tiered.codecs import Lz4Codec, ZstdCodec, available_codecs, get_codec, segment_checksums
 from tiered.codecs.checksum import segment_checksums_torch
-from tiered.codecs.nvcomp import empty_frame, filler_frame
+from tiered.codecs.nvcomp import (
+    chunk_class,
+    empty_frame,
+    filler_frame,
+    note_allocation_failure,
+    probe_is_final,
+    take_allocation_failure,
+)
 from tiered.errors import ChecksumError, CodecUnavailableError, UnknownCodecError
 from tiered.gpu import GpuDecoder, fused_checksums, inject_device_oom, maybe_gpu_decoder
 from tiered.index import COLD, HOT, OPEN, WARM
@@ -65,7 +75,17 @@ def tiered_store(data: TensorDict, path: Path, *, hot_device: str, rows: int = 6
 
 
 def snapshot(store: TieredStore) -> TensorDict:
+    """Every row of a CPU store: the expected values (a GPU store is the path under test)."""
+    assert store.device.type == "cpu", "expected values come from a CPU twin store"
     return store.get(np.arange(len(store))).clone()
+
+
+def run_child(code: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter (tests whose failure may abort a process)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests"),
+                                                         os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          cwd=REPO, timeout=timeout, env=env)
 
 
 def check_gets(store: TieredStore, expected: TensorDict, sizes=(1, 7, 256, 1024), seed: int = 0) -> None:
@@ -280,6 +300,72 @@ def test_oom_below_min_split_falls_back(frames, tmp_path):
     assert st["cpu_fallbacks"] == 1 and st["fallback_reasons"] == {"out of memory below min_split blobs": 1}
 
 
+def test_scratch_oom_inside_the_decode_call_is_raised_after_it_and_splits(frames, tmp_path):
+    # nvCOMP's scratch comes through its allocator callback, which must never raise into C++:
+    # the stand-in takes its scratch the same way, so the failure is recorded, raised after the
+    # decode call, and the batch is split like any out-of-memory error
+    store = tiered_store(frames, tmp_path / "s", hot_device="cpu")
+    expected = snapshot(store)
+    dec = GpuDecoder("cpu", bucket=False).attach(store)
+    idx = parts(store).index
+    rows = np.arange(len(store))
+    blobs = np.unique(parts(store).layout.tables[("observation",)].blob[rows])
+    stored = blobs[idx.state[blobs] != OPEN]
+    whole = gpu_mod._stand_in_scratch(idx.raw_nbytes[stored])
+    with inject_device_oom(whole // 3, only="scratch"):
+        got = store.get(rows)
+    assert_td_equal(got, expected)
+    st = dec.stats()
+    assert st["oom_events"] >= 1 and st["splits"] >= 3 and st["cpu_fallbacks"] == 0, st
+    assert take_allocation_failure() is None  # nothing left behind for the next call
+
+
+def test_the_scratch_allocation_never_raises():
+    with inject_device_oom(0):
+        block = gpu_mod._scratch(1024, torch.device("cpu"))
+    # an injected failure still hands out real memory (nvCOMP must never run on a refused block)
+    assert block is not None and block.numel() == 1024
+    err = take_allocation_failure()
+    assert isinstance(err, torch.OutOfMemoryError) and "injected" in str(err)
+    note_allocation_failure(MemoryError("first"))
+    note_allocation_failure(MemoryError("second"))
+    assert str(take_allocation_failure()) == "first" and take_allocation_failure() is None
+
+
+def test_probe_results_spoiled_by_oom_are_not_kept():
+    ok = {"exact": "cc", "capacity": True, "large": True, "large_capacity": True, "oom": False}
+    assert probe_is_final(ok) and probe_is_final({**ok, "oom": True})
+    assert probe_is_final({"exact": None, "capacity": False, "large": False, "oom": False})
+    assert not probe_is_final({"exact": None, "capacity": False, "large": False, "oom": True})
+    assert not probe_is_final({**ok, "large": False, "oom": True})
+
+
+def test_probe_cells_fit_the_codec_chunk_size():
+    from tiered.codecs.nvcomp import BASE_CHUNK, PROBE_LARGE_SIZES, PROBE_SIZES
+
+    assert max(PROBE_SIZES) <= BASE_CHUNK == chunk_class(max(PROBE_SIZES))
+    assert max(PROBE_LARGE_SIZES) > BASE_CHUNK and chunk_class(max(PROBE_LARGE_SIZES)) >= max(PROBE_LARGE_SIZES)
+    assert [chunk_class(n) for n in (1, 65536, 65537, 100800, 1 << 20)] == [65536, 65536, 131072, 131072, 1 << 20]
+
+
+def test_decoder_reports_what_it_chose():
+    st = GpuDecoder("cpu").stats()
+    assert st["backend"] == "cpu" and "stand-in" in st["chosen"]["zstd"]
+    assert "sync-free" in gpu_mod.describe_choice({"exact": "cc", "capacity": True, "large": True})
+    assert "CPU codec" in gpu_mod.describe_choice({"exact": None})
+
+
+def test_cpu_only_store_pins_nothing_and_moves_device_none_leaves(frames):
+    store = TieredStore(64, frames={"observation": 0}, hot_bytes=0)
+    warm = parts(store).tiers[WARM]
+    assert warm is not None and warm.pinned is False  # page-locking memory would start CUDA
+    td = frames[:8].clone()
+    td.clear_device_()  # device=None: leaves may live anywhere, they are moved to the CPU
+    assert td.device is None
+    store.extend(td)
+    assert_td_equal(store.get(np.arange(8)), frames[:8])
+
+
 @pytest.mark.parametrize("checksum", ["fused", "reference"])
 @pytest.mark.parametrize("tier", [HOT, WARM, COLD])
 def test_corrupt_blob_raises_before_any_decode(frames, tmp_path, tier, checksum):
@@ -450,8 +536,11 @@ def test_decode_device_rejects_bad_layouts(nvcomp_codecs):
     with pytest.raises(ValueError, match="outside"):
         nvcomp_codecs["zstd"].decode_device(dev, np.array([0]), enc.sizes, out, np.array([16]),
                                             np.array([64]))
-    with pytest.raises(TypeError):
+    with pytest.raises(ValueError, match="is on cpu"):  # a CPU tensor: right type, wrong device
         nvcomp_codecs["zstd"].decode_device(dev.cpu(), np.array([0]), enc.sizes, out, np.array([0]),
+                                            np.array([64]))
+    with pytest.raises(TypeError, match="uint8"):
+        nvcomp_codecs["zstd"].decode_device(dev.float(), np.array([0]), enc.sizes, out, np.array([0]),
                                             np.array([64]))
 
 
@@ -488,18 +577,85 @@ def test_gpu_checksum_error_on_a_damaged_hot_blob(frames, tmp_path):
 
 
 @pytest.mark.cuda
-def test_gpu_oom_split_and_fallback_stay_exact(frames, tmp_path):
-    store = tiered_store(frames, tmp_path / "s", hot_device="cuda", device="cuda")
-    expected = snapshot(store)
-    dec = GpuDecoder("cuda").attach(store)
-    with inject_device_oom(20_000, only=("batch", "scratch")):
-        got = store.get(np.arange(len(store)))
-    assert_td_equal(got.to("cpu"), expected)
-    assert dec.stats()["splits"] > 0 or dec.stats()["cpu_fallbacks"] > 0
-    with inject_device_oom(0):
-        got = store.get(np.arange(len(store)))
-    assert_td_equal(got.to("cpu"), expected)
-    assert dec.stats()["cpu_fallbacks"] >= 1
+def test_gpu_oom_split_and_fallback_stay_exact(tmp_path):
+    # in a child: the injected failures reach nvCOMP's allocator callback (see module docstring)
+    res = run_child(f"""
+        import numpy as np
+        from helpers import assert_td_equal
+        from test_gpu import FIXTURE, tiered_store, snapshot
+        from tiered.atari import load_fixture
+        from tiered.gpu import GpuDecoder, inject_device_oom
+
+        frames = load_fixture(FIXTURE, games=["Breakout", "MsPacman"])
+        expected = snapshot(tiered_store(frames, {str(tmp_path / "cpu")!r}, hot_device="cpu"))
+        store = tiered_store(frames, {str(tmp_path / "gpu")!r}, hot_device="cuda", device="cuda")
+        dec = GpuDecoder("cuda").attach(store)
+        rows = np.arange(len(store))
+        with inject_device_oom(20_000, only=("batch", "scratch")):
+            got = store.get(rows)
+        assert_td_equal(got.to("cpu"), expected)
+        st = dec.stats()
+        assert st["splits"] > 0 or st["cpu_fallbacks"] > 0, st
+        with inject_device_oom(4096, only="scratch"):  # fails inside nvCOMP's call only
+            assert_td_equal(store.get(rows).to("cpu"), expected)
+        with inject_device_oom(0):
+            assert_td_equal(store.get(rows).to("cpu"), expected)
+        assert dec.stats()["cpu_fallbacks"] >= 1
+        assert_td_equal(store.get(rows).to("cpu"), expected)  # and the GPU path works afterwards
+        print("ok", dec.stats()["oom_events"])
+        """)
+    assert res.returncode == 0, f"rc={res.returncode}\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
+    assert res.stdout.startswith("ok"), res.stdout
+
+
+@pytest.mark.cuda
+def test_nvcomp_probe_cells_and_large_cells(nvcomp_codecs):
+    probe = nvcomp_codecs["zstd"].probe()
+    assert probe["cached"] and not probe["oom"], probe
+    assert probe["large"], probe  # 100,800-byte cells (RGB frames) decode with a fitting chunk size
+
+
+@pytest.mark.cuda
+def test_device_none_tensordict_with_cuda_leaves(frames):
+    store = TieredStore(64, frames={"observation": 0}, device="cuda")
+    td = frames[:8].clone().to("cuda")
+    td.clear_device_()
+    assert td.device is None and td["observation"].is_cuda
+    store.extend(td)
+    assert_td_equal(store.get(np.arange(8)).to("cpu"), frames[:8])
+
+
+@pytest.mark.cuda
+def test_cpu_only_store_does_not_start_cuda_and_works_in_a_forked_worker(tmp_path):
+    res = run_child(f"""
+        import multiprocessing as mp
+        import numpy as np, torch
+        from test_gpu import FIXTURE
+        from tiered import TieredStore
+        from tiered.atari import load_fixture
+
+        frames = load_fixture(FIXTURE, games=["Pong"])[:200]
+        store = TieredStore(256, {str(tmp_path / "s")!r}, frames={{"observation": 0}}, hot_bytes=0,
+                            device="cpu")
+        store.extend(frames)
+        store.flush()
+        assert bool((store.get(np.arange(5))["observation"] == frames["observation"][:5]).all())
+        assert not torch.cuda.is_initialized(), "a CPU-only store started CUDA"
+        torch.zeros(1, device="cuda")  # the parent starts CUDA, as a training script does
+
+        def worker(q):
+            s = TieredStore.open({str(tmp_path / "s")!r}, mode="r")  # default options, in a forked child
+            q.put(int(s.get(np.arange(7))["observation"].sum()))
+
+        q = mp.get_context("fork").Queue()
+        p = mp.get_context("fork").Process(target=worker, args=(q,))
+        p.start(); p.join(120)
+        assert p.exitcode == 0, p.exitcode
+        assert q.get(timeout=5) == int(frames["observation"][:7].sum())
+        print("ok")
+        """)
+    assert res.returncode == 0, f"rc={res.returncode}\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
+    assert res.stdout.strip() == "ok"
 
 
 @pytest.mark.cuda

@@ -21,6 +21,7 @@ from tiered.atari import load_fixture
 from tiered.errors import IndexOutOfRangeError
 from tiered.gpu import GpuDecoder
 from tiered.prefetch import Prefetcher
+from tiered.testing import parts
 
 FIXTURE = Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "atari_frames.npz"
 
@@ -206,3 +207,27 @@ def test_cuda_batches_ordered_on_the_consumer_stream(frames):
             got = batch.to("cpu")
             assert_td_equal(got, cpu_ref.get(idx))
     assert dec.stats()["batches"] >= 10 and dec.stats()["cpu_fallbacks"] == 0
+
+
+@pytest.mark.cuda
+def test_prefetch_while_extends_grow_the_hot_arena():
+    # extends on the main stream grow the hot arena (a new tensor; the old one is dropped) while
+    # the worker's decode stream may still gather from the old one: its memory must not be handed
+    # out again before that stream is done (the decoder ties the arena to its stream)
+    data = load_fixture(FIXTURE, games=["Breakout", "MsPacman"])[:2400]
+    store = TieredStore(2400, frames={"observation": 0}, device="cuda", hot_bytes="1GiB", warm_bytes=0)
+    ref = TieredStore(2400, frames={"observation": 0})
+    store.extend(data[:200])
+    ref.extend(data[:200])
+    dec = GpuDecoder("cuda").attach(store)
+    arena_sizes = set()
+    with Prefetcher(store, _sampler(3, 200, batch=512), depth=3) as pf:
+        for i in range(200, 2400, 200):
+            store.extend(data[i:i + 200])
+            arena_sizes.add(parts(store).tiers[0].capacity)
+            junk = torch.full((1 << 22,), 255, dtype=torch.uint8, device="cuda")  # takes freed blocks
+            idx, batch = next(pf)
+            assert_td_equal(batch.to("cpu"), ref.get(idx))
+            del junk
+    assert len(arena_sizes) > 2, arena_sizes  # the arena did grow while batches were prefetched
+    assert dec.stats()["hot"] > 0 and dec.stats()["cpu_fallbacks"] == 0

@@ -68,7 +68,14 @@ import numpy as np
 import torch
 
 from .codecs import codec_for_format_id, segment_checksums_torch
-from .codecs.nvcomp import filler_frame, import_nvcomp, use_torch_allocator
+from .codecs.nvcomp import (
+    BASE_CHUNK,
+    filler_frame,
+    import_nvcomp,
+    note_allocation_failure,
+    take_allocation_failure,
+    use_torch_allocator,
+)
 from .engine.frames import FrameFamily
 from .engine.layout import FieldLayout
 from .engine.placement import Placement
@@ -84,7 +91,8 @@ from .util.units import align  # the arenas' alignment: the hot gather reads ali
 if TYPE_CHECKING:
     from .store import TieredStore
 
-__all__ = ["GpuDecoder", "GpuReadPipeline", "maybe_gpu_decoder", "inject_device_oom", "fused_checksums", "ALLOCATION_KINDS", "bucket_size"]
+__all__ = ["GpuDecoder", "GpuReadPipeline", "maybe_gpu_decoder", "inject_device_oom", "fused_checksums",
+           "ALLOCATION_KINDS", "bucket_size", "describe_choice"]
 
 _OPEN_KIND = 3  # kinds 0, 1, 2 are the tier constants HOT, WARM, COLD
 _FORMAT_NAMES = {1: "zstd", 2: "lz4", 3: "deflate"}
@@ -170,8 +178,34 @@ def _device_empty(nbytes: int, device: torch.device, kind: str = "batch") -> tor
         raise
 
 
-def _nvcomp_alloc(nbytes: int, stream: torch.cuda.Stream) -> torch.Tensor:
-    return _device_empty(nbytes, stream.device, "scratch")
+def _scratch(nbytes: int, device: torch.device) -> torch.Tensor | None:
+    """nvCOMP's scratch memory (its allocator callback lands here): never raises.
+
+    nvCOMP calls the allocator from C++, where a Python exception may abort the process. A
+    failure is recorded (:func:`~tiered.codecs.nvcomp.note_allocation_failure`) and raised by the
+    codec once nvCOMP's call returns; the decoder then splits the batch or falls back to the
+    CPU. An injected failure still hands nvCOMP real memory (it never runs on a block that was
+    refused only in a test); a real one hands it none (None: a null block).
+    """
+    try:
+        return _device_empty(nbytes, device, "scratch")
+    except BaseException as e:
+        note_allocation_failure(e)
+        if not str(e).startswith("injected"):
+            return None
+    try:
+        return torch.empty(int(nbytes), dtype=torch.uint8, device=device)  # past the test seams
+    except BaseException:
+        return None
+
+
+def _nvcomp_alloc(nbytes: int, stream: torch.cuda.Stream) -> torch.Tensor | None:
+    return _scratch(nbytes, stream.device)
+
+
+def _stand_in_scratch(out_sizes: np.ndarray) -> int:
+    """Scratch bytes the CPU stand-in asks for per decode call (nvCOMP's grows with the batch too)."""
+    return 64 * int(out_sizes.size) + int(out_sizes.sum()) // 16
 
 
 def _is_oom(e: BaseException) -> bool:
@@ -241,7 +275,10 @@ class _CpuBackend:
     def supports(self, fmt: int) -> bool:
         return fmt in (0, 1, 2)
 
-    def capacity_ok(self, fmt: int) -> bool:
+    def capacity_ok(self, fmt: int, nbytes: int) -> bool:
+        return True
+
+    def fits(self, fmt: int, nbytes: int) -> bool:
         return True
 
     def decode(self, fmt: int, data: torch.Tensor, offs: np.ndarray, csz: np.ndarray, out: torch.Tensor,
@@ -249,11 +286,20 @@ class _CpuBackend:
         codec = self._codecs.get(fmt)
         if codec is None:
             codec = self._codecs[fmt] = codec_for_format_id(fmt)
+        # Scratch as nvCOMP takes it: through the allocator callback, whose failure is raised
+        # only after the decode call (the path an out-of-memory inside nvCOMP takes).
+        take_allocation_failure()
+        scratch = _scratch(_stand_in_scratch(osz), out.device)
         # CPU codecs need exact sizes: the filler frames decode to exactly 1 byte
         codec.decode(data.numpy(), offs, csz, out.numpy(), ooff, osz)
+        del scratch
+        failure = take_allocation_failure()
+        if failure is not None:
+            raise failure
 
     def info(self) -> dict[str, Any]:
-        return {"backend": "cpu"}
+        return {"backend": "cpu", "chosen": {name: "the CPU codec (stand-in for nvCOMP)"
+                                             for name in ("zstd", "lz4")}}
 
 
 class _NvcompBackend:
@@ -265,6 +311,7 @@ class _NvcompBackend:
             raise CodecUnavailableError("the GPU decoder needs CUDA; torch.cuda.is_available() is False")
         self.device = device
         self._codecs: dict[int, Any] = {}
+        self._told: set[int] = set()  # formats whose slower choice was reported
         self.torch_allocator = torch_allocator
         if torch_allocator:
             use_torch_allocator(_nvcomp_alloc)
@@ -280,10 +327,26 @@ class _NvcompBackend:
     def supports(self, fmt: int) -> bool:
         if fmt == _RAW_FORMAT:
             return True
-        return fmt in _FORMAT_NAMES and self.codec(fmt).probe()["exact"] is not None
+        if fmt not in _FORMAT_NAMES:
+            return False
+        probe = self.codec(fmt).probe()
+        if fmt not in self._told and not (probe["exact"] == "cc" and probe["capacity"] and probe["large"]):
+            # not the fast path: say so once, with the probe's errors (never a silent slow mode)
+            self._told.add(fmt)
+            warnings.warn(f"nvCOMP {_FORMAT_NAMES[fmt]} on {self.device}: {describe_choice(probe)} "
+                          f"(probe errors: {'; '.join(probe['errors']) or 'none'})", stacklevel=2)
+        return probe["exact"] is not None
 
-    def capacity_ok(self, fmt: int) -> bool:
-        return fmt != _RAW_FORMAT and bool(self.codec(fmt).probe()["capacity"])
+    def capacity_ok(self, fmt: int, nbytes: int) -> bool:
+        """Whether a capacity config of ``nbytes`` per slot decodes bit-exactly (batch buckets)."""
+        if fmt == _RAW_FORMAT:
+            return False
+        probe = self.codec(fmt).probe()
+        return bool(probe["capacity"] and (nbytes <= BASE_CHUNK or probe["large_capacity"]))
+
+    def fits(self, fmt: int, nbytes: int) -> bool:
+        """Whether cells of ``nbytes`` decode here (over 64 KiB only if the probe verified it)."""
+        return fmt == _RAW_FORMAT or nbytes <= BASE_CHUNK or bool(self.codec(fmt).probe()["large"])
 
     def decode(self, fmt: int, data: torch.Tensor, offs: np.ndarray, csz: np.ndarray, out: torch.Tensor,
                ooff: np.ndarray, osz: np.ndarray, cap: int | None, stream: Any) -> None:
@@ -293,13 +356,31 @@ class _NvcompBackend:
 
     def info(self) -> dict[str, Any]:
         nv = import_nvcomp()
+        probes = {_FORMAT_NAMES[f]: c.probe() for f, c in self._codecs.items()}
         return {
             "backend": "nvcomp",
             "nvcomp_version": str(getattr(nv, "__version__", "?")),
             "torch_allocator": self.torch_allocator,
-            "probes": {_FORMAT_NAMES[f]: c.probe() for f, c in self._codecs.items()},
+            "probes": probes,
+            "chosen": {name: describe_choice(p) for name, p in probes.items()},
             "config_cache": {_FORMAT_NAMES[f]: c.counters() for f, c in self._codecs.items()},
         }
+
+
+def describe_choice(probe: dict[str, Any]) -> str:
+    """What the decoder does with a format, given its nvCOMP probe result (for reports).
+
+    Example:
+        >>> describe_choice({"exact": "src", "capacity": False, "large": True})
+        'nvCOMP, config parsed from the buffers (one host sync per call); exact sizes (no batch buckets); cells over 64 KiB on the GPU'
+    """
+    mode = {"cc": "nvCOMP, sync-free config built from sizes",
+            "src": "nvCOMP, config parsed from the buffers (one host sync per call)"}.get(probe.get("exact"))
+    if mode is None:
+        return "the CPU codec for every batch (no nvCOMP decode mode passed the probe)"
+    buckets = "batch-size buckets (capacity config)" if probe.get("capacity") else "exact sizes (no batch buckets)"
+    large = "cells over 64 KiB on the GPU" if probe.get("large") else "cells over 64 KiB on the CPU"
+    return f"{mode}; {buckets}; {large}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -580,8 +661,10 @@ class GpuReadPipeline(ReadPipeline):
             return self._fallback(layout, fam, uniq, "mixed codecs in one batch")
         if not backend.supports(fmt):
             return self._fallback(layout, fam, uniq, f"format id {fmt} not decodable by {backend.name}")
+        if not backend.fits(fmt, stride):
+            return self._fallback(layout, fam, uniq, f"cells over {BASE_CHUNK} bytes: not verified by the probe")
         m = int(stored.sum())
-        bucket = self.decoder.bucket and fmt != _RAW_FORMAT and m > 0 and backend.capacity_ok(fmt)
+        bucket = self.decoder.bucket and fmt != _RAW_FORMAT and m > 0 and backend.capacity_ok(fmt, stride)
         pads = bucket_size(m) - m if bucket else 0
         t = self._thread()
         side = t["side"]
@@ -590,6 +673,10 @@ class GpuReadPipeline(ReadPipeline):
         if hot is not None and _same_device(hot.device, self.device) and hot.capacity:
             buf = hot.buffer
             hot_words = buf[: buf.numel() // 8 * 8].view(torch.int64)
+            if self._cuda:
+                # `side` reads the arena: if the arena grows meanwhile, the caching allocator must not
+                # hand the old block to anyone before this stream is done with it
+                hot_words.record_stream(side)
         _tls.oom = False
         cur = torch.cuda.current_stream(self.device) if self._cuda else None
         stream_ctx = torch.cuda.stream(side) if self._cuda else contextlib.nullcontext()

@@ -164,8 +164,8 @@ class TieredStore:
         self._rows = RowSpace(capacity)
         self._index = index
         policy = get_policy(runtime["policy"])
-        self._placement = Placement(memory_tiers(runtime["hot_bytes"], runtime["warm_bytes"], runtime["hot_device"]),
-                                    index, policy)
+        self._placement = Placement(memory_tiers(runtime["hot_bytes"], runtime["warm_bytes"], runtime["hot_device"],
+                                                 self._device), index, policy)
         self._write = WritePath(options, self._rows, index, self._placement, self._codec, runtime["stage_rows"])
         self._make_readers()
 

@@ -28,7 +28,16 @@ decode on a device runs :meth:`NvcompCodec.probe` once (CPU-made frames, bit-exa
 picks the mode that works: ``"cc"`` (config from sizes, sync-free), else ``"src"`` (config from
 the buffers, one sync per call). The probe also tells whether a config built from a uniform
 *capacity* (larger than the real sizes) works, which lets callers reuse one config per batch
-size bucket.
+size bucket, and whether cells larger than nvCOMP's default 64 KiB chunk decode (``"large"``).
+
+Every nvCOMP ``Codec`` is built with an ``uncomp_chunk_size`` at least as large as the cells it
+decodes (a power of two from 64 KiB up, see :func:`chunk_class`): how RAW streams treat cells
+larger than the chunk size is not documented, so no cell ever is.
+
+nvCOMP calls the device allocator (:func:`use_torch_allocator`) from C++; whether a Python
+exception raised there unwinds or aborts the process is not documented, so the callback never
+raises: a failed allocation is recorded (:func:`note_allocation_failure`), nvCOMP gets a null
+block, and the codec raises the recorded error once the nvCOMP call has returned.
 
 ``nvidia.nvcomp`` is imported lazily; when it is missing, constructing a codec raises
 :class:`~tiered.errors.CodecUnavailableError` with the install command.
@@ -76,6 +85,10 @@ __all__ = [
     "use_torch_allocator",
     "INSTALL_HINT",
     "ALIGN",
+    "chunk_class",
+    "note_allocation_failure",
+    "take_allocation_failure",
+    "probe_is_final",
 ]
 
 #: Install command named by every "nvCOMP missing" error.
@@ -89,6 +102,8 @@ _MIN_VERSION = (6, 0)
 # Configs kept per nvCOMP Codec object (per thread and stream). A batch-size bucket scheme needs
 # about 8 per octave of batch sizes; exact-size keys churn, so the cache is an LRU.
 _CONFIG_CACHE = 256
+#: nvCOMP's default uncompressed chunk size, and the smallest chunk size a Codec is built with.
+BASE_CHUNK = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -96,15 +111,30 @@ class _Format:
     algorithm: str  # nvCOMP's algorithm name
     format_id: int  # shared with the CPU codec of the same bitstream
     decode_align: int  # [verified: headers] required alignment of decode buffers
+    max_chunk: int  # the largest uncompressed chunk nvCOMP's batched API takes for the format
     options: tuple[tuple[str, Any], ...] = ()
 
 
 _FORMATS: dict[str, _Format] = {
-    "zstd": _Format("Zstd", 1, 8),
-    "lz4": _Format("LZ4", 2, 4, (("data_type", "|u1"),)),
+    "zstd": _Format("Zstd", 1, 8, 1 << 24),
+    "lz4": _Format("LZ4", 2, 4, 1 << 24, (("data_type", "|u1"),)),
     # Format id 3 is not in tiered.codecs' registry: deflate blobs are GPU-only (see module doc).
-    "deflate": _Format("Deflate", 3, 4),
+    "deflate": _Format("Deflate", 3, 4, 1 << 16),
 }
+
+
+def chunk_class(nbytes: int) -> int:
+    """The ``uncomp_chunk_size`` a Codec decoding cells of up to ``nbytes`` is built with.
+
+    A power of two, at least nvCOMP's default 64 KiB, so a handful of Codec objects per thread
+    and stream cover every cell size.
+
+    Example:
+        >>> chunk_class(7056), chunk_class(65536), chunk_class(100800)
+        (65536, 65536, 131072)
+    """
+    n = max(int(nbytes), BASE_CHUNK)
+    return 1 << (n - 1).bit_length()
 
 
 def _align(x: np.ndarray | int) -> Any:
@@ -168,6 +198,39 @@ def _require_cuda() -> Any:
 
 _allocator_lock = threading.Lock()
 _allocator_installed: list[Callable | None] = [None]
+_alloc_failure = threading.local()
+
+
+def note_allocation_failure(error: BaseException) -> None:
+    """Record that an allocation made for nvCOMP (inside its C++ call) failed on this thread.
+
+    The allocator callback must not raise (see the module docstring): it records the error here
+    and the codec raises it once the nvCOMP call returns (:func:`take_allocation_failure`).
+    The first failure of a call is kept.
+
+    Example:
+        >>> note_allocation_failure(MemoryError("no room"))
+        >>> take_allocation_failure()
+        MemoryError('no room')
+        >>> take_allocation_failure() is None
+        True
+    """
+    if getattr(_alloc_failure, "error", None) is None:
+        _alloc_failure.error = error
+
+
+def take_allocation_failure() -> BaseException | None:
+    """The allocation failure recorded on this thread since the last call (and clear it)."""
+    error = getattr(_alloc_failure, "error", None)
+    _alloc_failure.error = None
+    return error
+
+
+class _NullBlock:
+    """What nvCOMP gets when an allocation failed: no memory (the call's error is raised after it)."""
+
+    __slots__ = ()
+    ptr = 0
 
 
 class _TorchBlock:
@@ -187,8 +250,12 @@ def use_torch_allocator(allocate: Callable[[int, Any], torch.Tensor] | None = No
     reused, counted by ``torch.cuda.memory_allocated`` and freed stream-ordered. The setting is
     process-wide; the first call wins unless ``allocate`` differs.
 
+    The callback never raises into nvCOMP: an exception from ``allocate`` (or ``allocate``
+    returning None) is recorded with :func:`note_allocation_failure`, nvCOMP gets a null
+    block, and the codec raises the recorded error after the nvCOMP call returns.
+
     Args:
-        allocate: ``allocate(nbytes, torch_stream) -> uint8 CUDA tensor``; default
+        allocate: ``allocate(nbytes, torch_stream) -> uint8 CUDA tensor | None``; default
             ``torch.empty`` on that stream. The GPU decoder passes its own to add its
             allocation-failure seam (tests).
     """
@@ -204,20 +271,27 @@ def use_torch_allocator(allocate: Callable[[int, Any], torch.Tensor] | None = No
 
     alloc = allocate or _default
 
-    def nvcomp_alloc(nbytes: int, stream: Any) -> Any:
+    def torch_stream(stream: Any) -> torch.cuda.Stream:
         dev = stream.device if stream.device >= 0 else torch.cuda.current_device()
         if stream.ptr and not stream.is_special:
             key = (dev, stream.ptr)
             ts = streams.get(key)
             if ts is None:
                 ts = streams.setdefault(key, torch.cuda.ExternalStream(stream.ptr, device=dev))
-        else:
-            ts = torch.cuda.current_stream(dev)
-        # Allocated while `ts` is current: the block is stream-ordered on the stream nvCOMP uses.
-        with torch.cuda.stream(ts):
-            t = alloc(max(int(nbytes), 1), ts)
-        # ExternalMemory keeps the nvCOMP stream alive until the block is released.
-        return ExternalMemory(_TorchBlock(t), stream)
+            return ts
+        return torch.cuda.current_stream(dev)
+
+    def nvcomp_alloc(nbytes: int, stream: Any) -> Any:
+        try:
+            ts = torch_stream(stream)
+            # Allocated while `ts` is current: the block is stream-ordered on the stream nvCOMP uses.
+            with torch.cuda.stream(ts):
+                t = alloc(max(int(nbytes), 1), ts)
+            # ExternalMemory keeps the nvCOMP stream alive until the block is released.
+            return _NullBlock() if t is None else ExternalMemory(_TorchBlock(t), stream)
+        except BaseException as e:  # never into nvCOMP's C++ frames: raised after its call
+            note_allocation_failure(e)
+            return _NullBlock()
 
     with _allocator_lock:
         if _allocator_installed[0] is allocate and allocate is not None:
@@ -475,10 +549,16 @@ class NvcompCodec(Codec):
             s = self._local.side = torch.cuda.Stream(self.device)
         return s
 
-    def _entry(self, stream: torch.cuda.Stream) -> _Entry:
+    def _entry(self, stream: torch.cuda.Stream, largest: int = 0) -> _Entry:
+        """The nvCOMP Codec of this thread and ``stream`` whose chunk size fits cells of ``largest`` bytes."""
+        chunk = chunk_class(largest)
+        if chunk > self._spec.max_chunk:
+            raise CodecUnavailableError(
+                f"a {largest}-byte cell is larger than the {self._spec.max_chunk} bytes nvCOMP's "
+                f"{self._spec.algorithm} takes per chunk; decode it with the CPU codec")
         entries = self._local.__dict__.setdefault("entries", {})
         ptr = int(stream.cuda_stream)
-        e = entries.get(ptr)
+        e = entries.get((ptr, chunk))
         if e is None:
             nv = self._nv
             policy = nv.ExecutionPolicy.LATENCY if self.execution_policy == "latency" else \
@@ -487,29 +567,30 @@ class NvcompCodec(Codec):
                 algorithm=self._spec.algorithm,
                 device_id=int(self.device.index),
                 cuda_stream=ptr,
+                uncomp_chunk_size=chunk,
                 bitstream_kind=nv.BitstreamKind.RAW,
                 execution_policy=policy,
                 **dict(self._spec.options),
             )
-            e = entries[ptr] = _Entry(codec, ptr)
+            e = entries[(ptr, chunk)] = _Entry(codec, ptr)
         return e
 
     @contextmanager
-    def _on(self, stream: torch.cuda.Stream | None, *tensors: torch.Tensor) -> Iterator[_Entry]:
+    def _on(self, stream: torch.cuda.Stream | None, *tensors: torch.Tensor) -> Iterator[torch.cuda.Stream]:
         """Run nvCOMP work on ``stream``; with None (or the legacy default stream, ptr 0, which nvCOMP
         reads as "no stream") on this thread's side stream, ordered after and before the current one."""
         import torch
 
         if stream is not None and int(stream.cuda_stream) != 0:
             with torch.cuda.stream(stream):
-                yield self._entry(stream)
+                yield stream
             return
         cur = torch.cuda.current_stream(self.device)
         side = self._side_stream()
         side.wait_stream(cur)
         try:
             with torch.cuda.stream(side):
-                yield self._entry(side)
+                yield side
         finally:
             cur.wait_stream(side)
             for t in tensors:
@@ -535,11 +616,22 @@ class NvcompCodec(Codec):
         * ``capacity``: True when a config built from a uniform size *larger* than the real
           ones also works (then one config serves a whole batch-size bucket).
 
+        * ``large``: True when cells larger than nvCOMP's default 64 KiB chunk decode too
+          (with a Codec whose ``uncomp_chunk_size`` fits them); otherwise batches with such
+          cells are refused with CodecUnavailableError (the GPU decoder decodes them on the CPU);
+          ``large_capacity``: the same with a capacity config (buckets of large cells).
+
+        Every probe cell is within the chunk size of the Codec decoding it. A result spoiled
+        by an out-of-memory error is not kept: the next call probes again.
+
         Returns:
-            ``{"exact": ..., "capacity": bool, "errors": [str, ...]}``.
+            ``{"exact": ..., "capacity": bool, "large": bool, "large_capacity": bool,
+            "errors": [str, ...], "oom": bool,
+            "cached": bool, "sizes": [...], "large_sizes": [...]}``.
         """
-        self._probe_result = _PROBES.result(self)
-        return self._probe_result
+        result = _PROBES.result(self)
+        self._probe_result = result if result["cached"] else None  # an OOM-spoiled probe runs again
+        return result
 
     # -- GPU-native API -------------------------------------------------------------------------
 
@@ -605,37 +697,51 @@ class NvcompCodec(Codec):
             raise CodecUnavailableError(
                 f"nvCOMP {getattr(self._nv, '__version__', '?')} failed to decode CPU-written {self.format} "
                 f"frames bit-exactly in every mode ({'; '.join(probe['errors'])}); use the CPU codec")
-        cap = out_capacity if (out_capacity is not None and probe["capacity"]) else None
+        cap = out_capacity if (out_capacity is not None and probe["capacity"] and (
+            out_capacity <= BASE_CHUNK or probe["large_capacity"])) else None
         mode = "cc" if cap is not None else probe["exact"]
-        with self._on(stream, data, out) as entry:
-            self._decode(entry, data, offsets, sizes, out, out_offsets, out_sizes, mode=mode, cap=cap)
+        largest = int(out_capacity) if cap is not None else int(out_sizes.max())
+        if largest > BASE_CHUNK and not probe.get("large", False):
+            raise CodecUnavailableError(
+                f"nvCOMP's probe could not decode {self.format} cells larger than {BASE_CHUNK} bytes "
+                f"bit-exactly ({'; '.join(probe['errors'])}); this batch has {largest}-byte cells: "
+                "use the CPU codec")
+        with self._on(stream, data, out) as on:
+            self._decode(on, data, offsets, sizes, out, out_offsets, out_sizes, mode=mode, cap=cap)
 
-    def _decode(self, entry: _Entry, data: torch.Tensor, offsets: np.ndarray, sizes: np.ndarray,
+    def _decode(self, stream: torch.cuda.Stream, data: torch.Tensor, offsets: np.ndarray, sizes: np.ndarray,
                 out: torch.Tensor, out_offsets: np.ndarray, out_sizes: np.ndarray, *, mode: str,
                 cap: int | None, want_sizes: bool = False) -> list[int] | None:
         nv = self._nv
         n = int(sizes.size)
+        dst_sizes = out_sizes.tolist() if cap is None else [int(cap)] * n
+        entry = self._entry(stream, int(cap) if cap is not None else int(out_sizes.max()))
         ptr = entry.stream_ptr
-        src = nv.as_arrays(data, offsets.tolist(), sizes.tolist(), cuda_stream=ptr)
-        if cap is None:
-            dst_sizes = out_sizes.tolist()
-        else:
-            dst_sizes = [int(cap)] * n
-        dst = nv.as_arrays(out, out_offsets.tolist(), dst_sizes, cuda_stream=ptr)
         codec = entry.codec
-        if mode == "cc":
-            key = ("cap", n, int(cap)) if cap is not None else ("exact", out_sizes.tobytes())
-            cfg, hit = entry.decompression_config(key, dst_sizes)
-            self._count("config_hits" if hit else "config_misses")
-            res = codec.decode(src, out=dst, decompression_config=cfg)
-        elif mode == "src":
-            res = codec.decode(src, out=dst, decompression_config=codec.decompression_config(src))
-        else:
-            res = codec.decode(src, out=dst)
+        take_allocation_failure()  # a stale record must not be blamed on this call
+        try:
+            src = nv.as_arrays(data, offsets.tolist(), sizes.tolist(), cuda_stream=ptr)
+            dst = nv.as_arrays(out, out_offsets.tolist(), dst_sizes, cuda_stream=ptr)
+            if mode == "cc":
+                key = ("cap", n, int(cap)) if cap is not None else ("exact", out_sizes.tobytes())
+                cfg, hit = entry.decompression_config(key, dst_sizes)
+                self._count("config_hits" if hit else "config_misses")
+                res = codec.decode(src, out=dst, decompression_config=cfg)
+            elif mode == "src":
+                res = codec.decode(src, out=dst, decompression_config=codec.decompression_config(src))
+            else:
+                res = codec.decode(src, out=dst)
+            sizes_out = list(res.buffer_sizes) if want_sizes else None  # waits for the decode
+        except BaseException as e:
+            failure = take_allocation_failure()
+            if failure is not None:
+                raise failure from e  # nvCOMP failed because its scratch could not be allocated
+            raise
+        failure = take_allocation_failure()
+        if failure is not None:  # nvCOMP returned although its allocator failed: never trust the output
+            raise failure
         self._count("decodes")
-        if want_sizes:
-            return list(res.buffer_sizes)  # waits for the decode
-        return None
+        return sizes_out
 
     def encode_device(self, data: torch.Tensor, offsets: np.ndarray, sizes: np.ndarray, *,
                       stream: torch.cuda.Stream | None = None) -> DeviceBatch:
@@ -663,11 +769,12 @@ class NvcompCodec(Codec):
         csz = np.zeros(n, dtype=np.int64)
         empty = empty_frame(self.format)
         csz[sizes == 0] = len(empty)
-        with self._on(stream, data) as entry:
+        with self._on(stream, data) as on:
             tmp = None
             tmp_off = np.zeros(0, np.int64)
             if nz.size:
-                tmp, tmp_off, got = self._encode_nonzero(entry, data, offsets[nz], sizes[nz])
+                tmp, tmp_off, got = self._encode_nonzero(self._entry(on, int(sizes.max())), data,
+                                                         offsets[nz], sizes[nz])
                 csz[nz] = got
             out_off = exclusive_cumsum(_align(csz))
             out = torch.zeros(int(_align(csz).sum()), dtype=torch.uint8, device=self.device)
@@ -772,11 +879,16 @@ class NvcompCodec(Codec):
         probe = self.probe()
         if probe["exact"] is None:
             raise CodecUnavailableError(f"nvCOMP cannot decode {self.format} frames here: {probe['errors']}")
+        if int(out_sizes_nz.max()) > BASE_CHUNK and not probe.get("large", False):
+            raise CodecUnavailableError(f"nvCOMP cannot decode {self.format} cells over {BASE_CHUNK} bytes "
+                                        f"here: {probe['errors']}")
         try:
-            with self._on(None, dev_in, dev_out) as entry:
-                got = self._decode(entry, dev_in, a_off, sizes, dev_out, o_off, out_sizes_nz,
+            with self._on(None, dev_in, dev_out) as on:
+                got = self._decode(on, dev_in, a_off, sizes, dev_out, o_off, out_sizes_nz,
                                    mode=probe["exact"], cap=None, want_sizes=True)
         except (RuntimeError, ValueError) as e:
+            if isinstance(e, torch.OutOfMemoryError):
+                raise
             raise CorruptionError(
                 f"nvCOMP could not decode this batch of {nz.size} {self.format} blobs ({e}); their bytes or "
                 "the blob index are damaged: run `tiered verify`") from e
@@ -798,14 +910,11 @@ class NvcompCodec(Codec):
 # ---------------------------------------------------------------------------------------------
 
 
-def _find_decode_modes(codec: NvcompCodec) -> dict[str, Any]:
-    """Decode CPU-written frames of several sizes in each config mode, compare the bytes (see probe)."""
-    import torch
-
-    rng = np.random.default_rng(7)
-    sizes = np.array([7056, 28224, 1000, 4099, 100800, 1], dtype=np.int64)
+def _probe_cells(codec: NvcompCodec, sizes: list[int], seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, bytes]:
+    """CPU-written frames of cells of ``sizes``: (host buffer, offsets, sizes, the raw bytes)."""
+    rng = np.random.default_rng(seed)
     cells = []
-    for s in sizes.tolist():
+    for s in sizes:
         # Flat runs with sparse noise: compresses like a game frame, exercises real sequences.
         base = np.repeat(rng.integers(0, 8, s // 64 + 1, dtype=np.uint8) * 30, 64)[:s]
         noise = rng.random(s) < 0.02
@@ -815,48 +924,94 @@ def _find_decode_modes(codec: NvcompCodec) -> dict[str, Any]:
     csz = np.array([len(f) for f in frames], dtype=np.int64)
     coff = exclusive_cumsum(_align(csz))
     host = np.zeros(int(_align(csz).sum()), dtype=np.uint8)
-    for f, o in zip(frames, coff.tolist(), strict=True):  # probe only: six frames
+    for f, o in zip(frames, coff.tolist(), strict=True):  # probe only: a few frames
         host[o:o + len(f)] = np.frombuffer(f, np.uint8)
-    want = np.frombuffer(b"".join(cells), np.uint8)
-    errors: list[str] = []
-    result: dict[str, Any] = {"exact": None, "capacity": False, "errors": errors}
-    side = codec._side_stream()
+    return host, coff, csz, b"".join(cells)
+
+
+def _probe_decode(codec: NvcompCodec, side: Any, sizes: list[int], seed: int, mode: str,
+                  cap: int | None) -> bool:
+    """Decode CPU-written frames of ``sizes`` in ``mode`` and compare every byte."""
+    import torch
+
+    host, coff, csz, want = _probe_cells(codec, sizes, seed)
+    osz = np.asarray(sizes, dtype=np.int64)
     with torch.cuda.stream(side):
         src = torch.from_numpy(host).to(codec.device)
-        want_t = torch.from_numpy(want).to(codec.device)
-        ooff = exclusive_cumsum(_align(sizes))
-        out = torch.zeros(int(_align(sizes).sum()), dtype=torch.uint8, device=codec.device)
-        for mode in ("cc", "src"):
-            try:
-                out.zero_()
-                codec._decode(codec._entry(side), src, coff, csz, out, ooff, sizes, mode=mode, cap=None)
-                side.synchronize()
-                got = torch.cat([out[o:o + s] for o, s in zip(ooff.tolist(), sizes.tolist(),
-                                                               strict=True)])
-                if bool(torch.equal(got, want_t)):
-                    result["exact"] = mode
-                    break
-                errors.append(f"exact/{mode}: decoded bytes differ")
-            except Exception as e:  # a probe records why a mode fails, then tries the next
-                errors.append(f"exact/{mode}: {type(e).__name__}: {e}")
+        if cap is None:
+            ooff = exclusive_cumsum(_align(osz))
+            out = torch.zeros(int(_align(osz).sum()), dtype=torch.uint8, device=codec.device)
+        else:
+            ooff = np.arange(osz.size, dtype=np.int64) * cap
+            out = torch.zeros(cap * osz.size, dtype=torch.uint8, device=codec.device)
+        codec._decode(side, src, coff, csz, out, ooff, osz, mode=mode, cap=cap)
+        side.synchronize()
+        got = torch.cat([out[o:o + n] for o, n in zip(ooff.tolist(), sizes, strict=True)]).cpu()
+    return bool(np.array_equal(got.numpy(), np.frombuffer(want, np.uint8)))
+
+
+#: Cells of the probe: all within nvCOMP's default 64 KiB chunk (the sizes of a gray 84x84
+#: frame, a stack of 4, odd sizes, exactly one chunk, one byte) ...
+PROBE_SIZES = [7056, 28224, 1000, 4099, BASE_CHUNK, 1]
+#: ... and cells above it (an RGB 210x160 frame), decoded by a Codec whose chunk size fits them.
+PROBE_LARGE_SIZES = [100800, 7056]
+
+
+def _find_decode_modes(codec: NvcompCodec) -> dict[str, Any]:
+    """Decode CPU-written frames in each config mode and compare the bytes (see NvcompCodec.probe)."""
+    errors: list[str] = []
+    result: dict[str, Any] = {"exact": None, "capacity": False, "large": False, "large_capacity": False,
+                              "errors": errors, "oom": False, "sizes": PROBE_SIZES,
+                              "large_sizes": PROBE_LARGE_SIZES}
+    side = codec._side_stream()
+
+    def attempt(what: str, sizes: list[int], mode: str, cap: int | None) -> bool:
         try:
-            cap = int(_align(sizes.max() + 1))
-            out2 = torch.zeros(cap * sizes.size, dtype=torch.uint8, device=codec.device)
-            o2 = np.arange(sizes.size, dtype=np.int64) * cap
-            codec._decode(codec._entry(side), src, coff, csz, out2, o2, sizes, mode="cc", cap=cap)
-            side.synchronize()
-            got = torch.cat([out2[o:o + s] for o, s in zip(o2.tolist(), sizes.tolist(), strict=True)])
-            result["capacity"] = bool(torch.equal(got, want_t))
-            if not result["capacity"]:
-                errors.append("capacity: decoded bytes differ")
-        except Exception as e:
-            errors.append(f"capacity: {type(e).__name__}: {e}")
+            if _probe_decode(codec, side, sizes, 7, mode, cap):
+                return True
+            errors.append(f"{what}: decoded bytes differ")
+        except Exception as e:  # a probe records why a mode fails, then tries the next
+            errors.append(f"{what}: {type(e).__name__}: {e}")
+            msg = str(e).lower()
+            if "out of memory" in msg or type(e).__name__ in ("OutOfMemoryError", "MemoryError"):
+                result["oom"] = True
+        return False
+
+    for mode in ("cc", "src"):
+        if attempt(f"exact/{mode}", PROBE_SIZES, mode, None):
+            result["exact"] = mode
+            break
+    if result["exact"] is not None:
+        # a capacity above every cell, still within the 64 KiB chunk (as for the decoder's buckets)
+        small = [n for n in PROBE_SIZES if n < BASE_CHUNK // 2]
+        result["capacity"] = attempt("capacity", small, "cc", int(_align(max(small) + 1)))
+        result["large"] = attempt(f"large/{result['exact']}", PROBE_LARGE_SIZES, result["exact"], None)
+        if result["capacity"] and result["large"]:
+            result["large_capacity"] = attempt("large/capacity", PROBE_LARGE_SIZES, "cc",
+                                               int(_align(max(PROBE_LARGE_SIZES) + 1)))
     codec._count("probes")
     return result
 
 
+def probe_is_final(result: dict[str, Any]) -> bool:
+    """Whether a probe result may be kept for the process: everything passed, or what failed did
+    not fail for lack of memory (an out-of-memory failure says nothing about nvCOMP: probe again).
+
+    Example:
+        >>> probe_is_final({"exact": "cc", "capacity": True, "large": True, "large_capacity": True, "oom": True})
+        True
+        >>> probe_is_final({"exact": None, "capacity": False, "large": False, "oom": True})
+        False
+    """
+    passed = result.get("exact") is not None and all(result.get(k) for k in ("capacity", "large", "large_capacity"))
+    return bool(passed or not result.get("oom"))
+
+
 class _Probes:
-    """The probe results, found once per format and device and shared by every codec object."""
+    """The probe results, found once per format and device and shared by every codec object.
+
+    A result spoiled by an out-of-memory error is returned but not kept (:func:`probe_is_final`).
+    """
 
     def __init__(self) -> None:
         self._results: dict[tuple[str, int], dict[str, Any]] = {}
@@ -865,9 +1020,13 @@ class _Probes:
     def result(self, codec: NvcompCodec) -> dict[str, Any]:
         key = (codec.format, int(codec.device.index))
         with self._lock:
-            if key not in self._results:
-                self._results[key] = _find_decode_modes(codec)
-            return self._results[key]
+            if key in self._results:
+                return self._results[key]
+            found = _find_decode_modes(codec)
+            found["cached"] = probe_is_final(found)
+            if found["cached"]:
+                self._results[key] = found
+            return found
 
 
 _PROBES = _Probes()

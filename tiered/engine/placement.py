@@ -39,6 +39,7 @@ from ..errors import StorageFullError
 from ..index import COLD, HOT, WARM, BlobIndex
 from ..policy import Policy, TierState
 from ..tiers import DeviceTier, HostTier, Tier, default_budgets, parse_bytes
+from ..tiers.arena import cuda_usable
 from ..util.batch import exclusive_cumsum, isin
 from ..util.units import align
 
@@ -48,26 +49,34 @@ TIER_NAMES = ("hot", "warm", "cold")
 
 
 def memory_tiers(hot_bytes: int | str | None, warm_bytes: int | str | None,
-                 hot_device: str | torch.device | None) -> list[Tier | None]:
+                 hot_device: str | torch.device | None,
+                 device: str | torch.device | None = None) -> list[Tier | None]:
     """``[hot, warm, None]`` arenas for the given budgets (None: the default budget).
 
-    The hot arena lives on ``hot_device`` (CUDA by default when present; ``"cpu"`` stands in for
-    it in CPU-only tests); a budget of 0 leaves a tier out. Defaults come from the memory free now
-    (:func:`~tiered.tiers.default_budgets`), asked only when a default is needed.
+    The hot arena lives on ``hot_device`` (CUDA by default when CUDA is usable, see
+    :func:`~tiered.tiers.arena.cuda_usable`; ``"cpu"`` stands in for it in CPU-only tests); a
+    budget of 0 leaves a tier out. Defaults come from the memory free now
+    (:func:`~tiered.tiers.default_budgets`), asked only when a default is needed. The warm arena
+    is pinned only when data moves to CUDA (a CUDA hot arena, or ``device``, where the store
+    returns data, is CUDA): a CPU-only store never starts CUDA, so it can be made in a forked
+    DataLoader worker.
     """
     if hot_device is None:
-        hot_device = "cuda" if torch.cuda.is_available() else None
+        hot_device = "cuda" if cuda_usable() else None
     hot_device = torch.device(hot_device) if hot_device is not None else None
     hot_b = parse_bytes(hot_bytes) if hot_bytes is not None else None
     warm_b = parse_bytes(warm_bytes) if warm_bytes is not None else None
-    if (hot_device is not None and hot_b is None) or warm_b is None:
-        defaults = default_budgets()
-        if hot_device is not None and hot_b is None:
+    hot_default = hot_device is not None and hot_b is None
+    if hot_default or warm_b is None:
+        defaults = default_budgets(hot=hot_default and hot_device.type == "cuda")
+        if hot_default:
             hot_b = defaults["hot"] if hot_device.type == "cuda" else defaults["warm"]
         if warm_b is None:
             warm_b = defaults["warm"]
     hot = DeviceTier(hot_b, hot_device) if hot_device is not None and hot_b else None
-    return [hot, HostTier(warm_b) if warm_b else None, None]
+    to_cuda = (hot is not None and hot.device.type == "cuda") or (
+        device is not None and torch.device(device).type == "cuda")
+    return [hot, HostTier(warm_b, pinned=to_cuda and cuda_usable()) if warm_b else None, None]
 
 
 class Placement:

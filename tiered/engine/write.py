@@ -229,7 +229,9 @@ class WritePath:
         layout, n = self.layout, rows.size
         if n == 0:
             return
-        data = data.to("cpu") if data.device not in (None, torch.device("cpu")) else data
+        if data.device is None or data.device.type != "cpu":
+            # device=None may still hold CUDA leaves: .numpy() below needs every leaf on the CPU
+            data = data.to("cpu")
         traj, ended, next_trajectory = self.rows.trajectory_ids(layout.schema, data, n, self.options.traj_key)
         plans: list[FramePlan] = []
         try:

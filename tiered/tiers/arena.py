@@ -37,30 +37,49 @@ from ..util.units import format_bytes, parse_bytes
 from .base import Tier
 from .extents import ExtentAllocator
 
-__all__ = ["ArenaTier", "HostTier", "DeviceTier", "default_budgets", "inject_oom", "new_buffer"]
+__all__ = ["ArenaTier", "HostTier", "DeviceTier", "default_budgets", "inject_oom", "new_buffer", "cuda_usable"]
 
 # Smallest arena buffer: growing 64 KiB -> budget takes ~log2(budget / 64 KiB) copies.
 _MIN_ARENA = 1 << 16
 
 
-def default_budgets() -> dict[str, int]:
+def cuda_usable() -> bool:
+    """Whether CUDA is present and this process may start it.
+
+    False without a GPU, and in a child forked after its parent started CUDA (a DataLoader
+    worker): CUDA cannot start there, so stores made there use no CUDA memory at all.
+
+    Example:
+        >>> cuda_usable() == (torch.cuda.is_available() and not torch.cuda._is_in_bad_fork())
+        True
+    """
+    if not torch.cuda.is_available():
+        return False
+    in_bad_fork = getattr(torch.cuda, "_is_in_bad_fork", None)
+    return not (in_bad_fork is not None and in_bad_fork())
+
+
+def default_budgets(hot: bool = True) -> dict[str, int]:
     """Default tier budgets in bytes, from the memory free right now.
 
     * ``hot``: 50% of the free memory of the current CUDA device
-      (``torch.cuda.mem_get_info()``), 0 without CUDA;
+      (``torch.cuda.mem_get_info()``, which starts CUDA), 0 without CUDA or with ``hot=False``;
     * ``warm``: 25% of the available host memory (``psutil.virtual_memory().available``).
 
+    Args:
+        hot: ask the CUDA device; False when no CUDA hot tier is wanted (CUDA is not started).
+
     Example:
-        >>> b = default_budgets()
-        >>> sorted(b), b["warm"] > 0
-        (['hot', 'warm'], True)
+        >>> b = default_budgets(hot=False)
+        >>> sorted(b), b["hot"], b["warm"] > 0
+        (['hot', 'warm'], 0, True)
     """
-    hot = 0
-    if torch.cuda.is_available():
+    hot_bytes = 0
+    if hot and cuda_usable():
         free, _total = torch.cuda.mem_get_info()
-        hot = int(free * 0.5)
+        hot_bytes = int(free * 0.5)
     warm = int(psutil.virtual_memory().available * 0.25)
-    return {"hot": hot, "warm": warm}
+    return {"hot": hot_bytes, "warm": warm}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -245,15 +264,21 @@ class ArenaTier(Tier):
 
 
 class HostTier(ArenaTier):
-    """The ``warm`` tier: host memory, pinned when CUDA is available (fast async H2D copies).
+    """The ``warm`` tier: host memory, pinned for fast async H2D copies.
+
+    Args:
+        budget: the most bytes the arena may hold.
+        pinned: page-locked memory (which starts CUDA); default: when CUDA is usable
+            (:func:`cuda_usable`). Stores pin only when they move data to a CUDA device.
 
     Example:
-        >>> HostTier("64MiB").name
-        'warm'
+        >>> t = HostTier("64MiB", pinned=False)
+        >>> t.name, t.pinned
+        ('warm', False)
     """
 
-    def __init__(self, budget: int | str) -> None:
-        super().__init__("warm", budget, "cpu", pinned=torch.cuda.is_available())
+    def __init__(self, budget: int | str, pinned: bool | None = None) -> None:
+        super().__init__("warm", budget, "cpu", pinned=cuda_usable() if pinned is None else bool(pinned))
 
 
 class DeviceTier(ArenaTier):

@@ -42,6 +42,7 @@ from ..util.copy import copy_blobs
 from ..util.pool import run_parallel
 from ..util.scratch import ScratchBuffers
 from ..util.units import align, format_bytes, parse_bytes
+from .arena import cuda_usable
 from .base import Tier
 from .extents import ExtentAllocator
 
@@ -237,8 +238,10 @@ class MemmapTier(Tier):
         self._fds: dict[int, int] = {}
         self._pid = os.getpid()
         self._lock = threading.Lock()
-        # pinned on a CUDA host: the H2D copy of a CUDA `out` staged here is then async-capable
-        self.staging = ScratchBuffers(keep_max=STAGING_KEEP_MAX, pinned=torch.cuda.is_available())
+        # pinned when this process already uses CUDA (the H2D copy of a CUDA `out` staged here is then
+        # async-capable); never the reason CUDA starts: CPU-only stores must work in forked workers
+        self.staging = ScratchBuffers(keep_max=STAGING_KEEP_MAX,
+                                      pinned=cuda_usable() and torch.cuda.is_initialized())
         self._dirty: set[int] = set()
         self._dir_dirty = False
         self._checked: set[int] = set()
