@@ -138,8 +138,9 @@ class StoreFiles:
             for name in os.listdir(old):
                 fileio.remove(os.path.join(old, name))
             os.rmdir(old)
-        # space freed by overwritten rows is reusable only now that the commit is durable
-        cold.release_deferred()
+        # Space freed by overwritten rows before the previous commit is reusable only now: a
+        # read-only open of the commit before that one may read it until this commit lands.
+        cold.release_deferred(hold_last=True)
 
     def newer_generation(self) -> tuple[int, int] | None:
         """For a read-only store: ``(opened, newer)`` when a writer has committed at least twice

@@ -18,7 +18,10 @@ shared with :class:`~tiered.tiers.hdf5.HDF5Tier`).
 Durability: :meth:`MemmapTier.flush` fsyncs the segments written since the last flush (and
 the directory when a segment was created). Frees are deferred by default: space freed by
 overwritten rows is reused only after :meth:`MemmapTier.release_deferred`, which the store
-calls once the commit that freed it is durable.
+calls once the commit that freed it is durable, with ``hold_last=True``: space freed before
+commit ``g + 1`` is reused only after commit ``g + 2``, because a read-only open of commit ``g``
+may read it until then. A reopened tier holds the deferred frees of the commit it opened the
+same way.
 
 Read-only opens are cheap to pickle (no fds, no threads travel) and open their files lazily,
 so DataLoader workers under fork or spawn each get their own descriptors.
@@ -446,9 +449,14 @@ class MemmapTier(Tier):
         self._writable()
         self._alloc.free(offsets, sizes, defer=defer)
 
-    def release_deferred(self) -> int:
-        """Make space freed since the last durable commit reusable; return its bytes."""
-        return self._alloc.release_deferred()
+    def release_deferred(self, *, hold_last: bool = False) -> int:
+        """Make space freed since the last durable commit reusable; return its bytes.
+
+        Args:
+            hold_last: keep the space freed since the previous call deferred until the next
+                call (two commits of delay, for readers of the previous commit).
+        """
+        return self._alloc.release_deferred(hold_last=hold_last)
 
     def flush(self) -> None:
         """fsync every segment written since the last flush, and the directory if it changed."""
@@ -518,7 +526,8 @@ class MemmapTier(Tier):
              threads: int = 8) -> MemmapTier:
         """Reopen a tier saved by :meth:`state` read-only (``"r"``) or read-write (``"r+"``).
 
-        The state is that of a durable commit, so its deferred frees are released.
+        The state is that of a durable commit; its deferred frees stay held until the next
+        :meth:`release_deferred` (a reader of the commit before it may still read them).
 
         Raises:
             CorruptionError: a segment file is missing or shorter than the state says.
@@ -546,7 +555,7 @@ class MemmapTier(Tier):
             "pending_offsets": state.get("pending_offsets", np.empty(0, np.int64)),
             "pending_sizes": state.get("pending_sizes", np.empty(0, np.int64)),
         })
-        self._alloc.release_deferred()
+        self._alloc.hold_deferred()
         need = -(-self._alloc.high_water // self.segment_bytes)
         if need > len(self._sizes):
             raise CorruptionError(
