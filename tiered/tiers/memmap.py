@@ -30,6 +30,7 @@ so DataLoader workers under fork or spawn each get their own descriptors.
 from __future__ import annotations
 
 import os
+import stat
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -566,12 +567,15 @@ class MemmapTier(Tier):
             path = self.segment_path(i)
             expected = self._data_offsets[i] + size
             try:
-                actual = os.stat(path).st_size
-            except FileNotFoundError:
+                st = os.stat(path)
+            except OSError:  # missing, a dangling symlink or a symlink loop
                 raise CorruptionError(
-                    f"cold segment {path} is missing; the store expects it to hold at least "
+                    f"cold segment {path} is missing or unreachable; the store expects it to hold at least "
                     f"{expected} bytes. Restore it from a backup"
                 ) from None
+            if not stat.S_ISREG(st.st_mode):
+                raise CorruptionError(f"cold segment {path} is not a regular file; the store is damaged")
+            actual = st.st_size
             if actual < expected:
                 raise CorruptionError(
                     f"cold segment {path} is truncated: expected at least {expected} bytes, found "
