@@ -144,8 +144,8 @@ def _check_hdf5_segment(path: str, data_offset: int, segment_bytes: int) -> str 
             off = d.id.get_offset()
             if off != data_offset:
                 return f"'blobs' data starts at byte {off}, the manifest says {data_offset}"
-    except OSError as e:
-        return f"is not a readable HDF5 file ({e})"
+    except Exception as e:  # noqa: BLE001 - h5py raises OSError, KeyError, ValueError... on damaged metadata
+        return f"is not a readable HDF5 file ({type(e).__name__}: {e})"
     return None
 
 
