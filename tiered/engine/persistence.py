@@ -426,7 +426,15 @@ def check_bounds(path: str, body: dict[str, Any]) -> None:
         h = _header(gdir, name, files)
         if not h.shape or h.shape[0] != n_blobs:
             problems.append(f"{name} has shape {list(h.shape)}, index.state has {n_blobs} entries")
-    expect("index.meta", (2,), np.int64)
+    meta = expect("index.meta", (2,), np.int64)
+    if meta.shape == (2,) and meta.dtype == np.dtype(np.int64):
+        fd = fileio.open_for_read(os.path.join(gdir, "index.meta.npy"))
+        try:
+            size = int(np.frombuffer(os.pread(fd, 8, meta.offset), dtype=meta.dtype)[0])
+        finally:
+            os.close(fd)
+        if not 0 <= size <= max(n_blobs, 0):
+            problems.append(f"index.meta says {size} blob ids, index.state holds {n_blobs}")
     free = _header(gdir, "index.free_ids", files)
     if len(free.shape) != 1 or free.shape[0] > max(n_blobs, 0):
         problems.append(f"index.free_ids has shape {list(free.shape)} for an index of {n_blobs} blobs")
