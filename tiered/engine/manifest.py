@@ -9,8 +9,11 @@ A commit writes, in this order (docs/format.md):
 
 Only then is the previous generation directory removed. Opening reads ``manifest.json``
 (always either the old or the new one, never a mix) and memory-maps the files it names,
-so reopening costs O(1) in the number of rows. Every file listed in the manifest carries its
-size; the manifest carries a SHA-256 of its own body, so a torn or garbage manifest is
+and checks them: every file listed in the manifest carries its size and the CRC-32 of each
+1 MiB page (:func:`write_array`, :func:`load_npy`; stores written before the page checksums
+have none and are opened without them), every ``.npy`` header is parsed without running code
+and must account for exactly its file's size (:func:`read_npy_header`), and only regular files
+are opened. The manifest carries a SHA-256 of its own body, so a torn or garbage manifest is
 detected rather than trusted.
 
 All file writes go through :mod:`tiered.fileio`.

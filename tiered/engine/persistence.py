@@ -512,16 +512,18 @@ def check_references(rows: RowSpace, layout: FieldLayout, index: BlobIndex) -> l
         if t.blob.size and (int(t.blob.min()) < -1 or int(t.blob.max()) >= n):
             problems.append(f"row table of {name!r} names blob ids outside [-1, {n})")
             continue
-        ids = t.blob[written]
+        every = bool(written.all())  # the usual full ring: no copy of the tables
+        ids = t.blob if every else t.blob[written]
         if not ids.size:
             continue
         fam = layout.family_of[key]
         frame_nbytes = layout.families[fam].frame_nbytes
-        safe = np.maximum(ids, 0)
-        slots = t.slot[written]
-        frames_in = index.raw_nbytes[safe] // max(frame_nbytes, 1)
-        bad = ((ids < 0) | (index.state[safe] != STORED) | (index.family[safe] != fam)
-               | (slots < 0) | (slots >= frames_in))
+        # frames a row of this field may name in each blob (0: not a stored blob of its family),
+        # then one gather per table entry
+        frames_in = np.where((index.state[:n] == STORED) & (index.family[:n] == fam),
+                             index.raw_nbytes[:n] // max(frame_nbytes, 1), 0)
+        slots = t.slot if every else t.slot[written]
+        bad = (ids < 0) | (slots < 0) | (slots >= frames_in[np.maximum(ids, 0)] if n else True)
         if bad.any():
             r = np.flatnonzero(written)[bad.any(1)]
             problems.append(f"{r.size} written rows of {name!r} point at no stored blob of their field or at a "
