@@ -586,17 +586,67 @@ def test_a_reader_two_commits_behind_is_told_to_reopen(pong, tmp_path):
     writer.flush()
     reader = tiered.open(path)
     rows = torch.arange(CAP)
-    for k in (1, 2):  # two commits of other frames over every row: the reader's blobs are reused
-        other = pong[:CAP].clone()
+    for k in (1, 2, 3):  # commits of other frames over every row: after the second, the reader's
+        other = pong[:CAP].clone()  # blobs are reused by the third write
         for key in ("observation", ("next", "observation")):
             other.set(key, other.get(key) ^ k)
         writer.extend(other)
-        writer.flush()
+        if k < 3:
+            writer.flush()
     with pytest.raises(ChecksumError, match="reopen the store") as e:
         reader.get(rows)
     assert "opened read-only at commit" in str(e.value) and "damaged)" not in str(e.value)
     writer.close()
-    assert torch.equal(tiered.open(path).get(rows)["observation"], pong["observation"][:CAP] ^ 2)
+    assert torch.equal(tiered.open(path).get(rows)["observation"], pong["observation"][:CAP] ^ 3)
+    assert verify_store(path, progress=False).ok
+
+
+def _xor_frames(td, k: int):
+    other = td.clone()
+    for key in ("observation", ("next", "observation")):
+        other.set(key, other.get(key) ^ k)
+    return other
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend", ["memmap", "hdf5"])
+def test_a_reader_one_commit_behind_reads_its_commit_while_the_writer_writes(pong, tmp_path, backend):
+    """The promise of docs/format.md: a read-only open sees its commit until the writer's second
+    commit after it, also while the writer has written (and not yet committed) rows over every
+    row after its first commit. Checked with a second read-only handle in this process and with
+    a reader in another process that opened before the writer's commit."""
+    path = tmp_path / "s"
+    writer = TieredStore(CAP, path, warm_bytes=0, hot_bytes=0, backend=backend, **OPTS)
+    writer.extend(pong[:CAP])
+    writer.flush()
+    rows = torch.arange(CAP)
+    reader = tiered.open(path)
+    go_r, go_w = os.pipe()
+    done_r, done_w = os.pipe()
+
+    def child():
+        os.close(go_w)
+        other = tiered.open(path, warm_bytes=0, hot_bytes=0)
+        os.write(done_w, b"o")  # opened
+        assert os.read(go_r, 1) == b"g"  # the writer has committed once and written again
+        got = other.get(rows)
+        assert torch.equal(got["observation"], pong["observation"][:CAP])
+        assert torch.equal(got["next", "observation"], pong["next", "observation"][:CAP])
+
+    pid = _fork(child)
+    os.close(go_r)
+    os.close(done_w)
+    assert os.read(done_r, 1) == b"o"
+    writer.extend(_xor_frames(pong[:CAP], 1))
+    writer.flush()  # one commit: the reader's blobs are freed by it
+    writer.extend(_xor_frames(pong[:CAP], 2))  # written to the cold files, not committed
+    writer.extend(_xor_frames(pong[:CAP], 3))
+    os.write(go_w, b"g")
+    assert _wait(pid) == ("exited", 0)
+    got = reader.get(rows)
+    assert torch.equal(got["observation"], pong["observation"][:CAP])
+    writer.close()
+    assert torch.equal(tiered.open(path).get(rows)["observation"], pong["observation"][:CAP] ^ 3)
     assert verify_store(path, progress=False).ok
 
 

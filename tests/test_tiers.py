@@ -169,7 +169,9 @@ def test_cold_state_is_flat_json_and_arrays(cold_cls, tmp_path):
     t.close()
 
 
-def test_cold_reopen_releases_deferred_frees(cold_cls, tmp_path):
+def test_cold_reopen_holds_deferred_frees_until_the_next_commit(cold_cls, tmp_path):
+    """A reopened tier reuses the commit's deferred frees only after its next commit: a reader
+    of the commit before may still read them until then."""
     d = str(tmp_path / "c")
     t, off, sizes, _ = _filled(cold_cls, d, n=50)
     t.free(off[:10], sizes[:10])
@@ -177,6 +179,9 @@ def test_cold_reopen_releases_deferred_frees(cold_cls, tmp_path):
     state = t.state()
     t.close()
     r = cold_cls.open(d, state, "r+")
+    before = r.allocate(sizes[:1])
+    assert not np.isin(before, off[:10]).any()
+    r.release_deferred(hold_last=True)  # the next commit
     again = r.allocate(sizes[:10])
     assert np.isin(again, off[:10]).any()
     r.close()

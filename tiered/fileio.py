@@ -7,7 +7,8 @@ cut) are injected in tests, without replacing any component under test.
 
 Functions:
 
-* :func:`open_for_write`, :func:`close`: raw file descriptors (``O_RDWR | O_CREAT``).
+* :func:`open_for_write`, :func:`close`: raw file descriptors (``O_RDWR | O_CREAT``);
+  :func:`open_for_read`: read-only, regular files only (never blocks on a FIFO).
 * :func:`pwrite`: positional write that loops on short writes.
 * :func:`fallocate`: reserve blocks (``posix_fallocate``) so that a full disk raises
   :class:`~tiered.errors.StorageFullError` at allocation time, never ``SIGBUS`` later.
@@ -37,6 +38,7 @@ import contextlib
 import errno
 import os
 import signal
+import stat
 import struct
 import threading
 import uuid
@@ -45,7 +47,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import StorageFullError
+from .errors import CorruptionError, StorageFullError
 
 __all__ = [
     "open_for_write",
@@ -124,9 +126,48 @@ def open_for_write(path: str | os.PathLike[str], *, exclusive: bool = False) -> 
     return fd
 
 
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+          (stat.S_ISSOCK, "a socket"))
+
+
 def open_for_read(path: str | os.PathLike[str]) -> int:
-    """Open ``path`` read-only and return the fd (reads need no seam; this is for symmetry)."""
-    return os.open(os.fspath(path), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    """Open a *regular file* read-only and return the fd.
+
+    Store files are only ever regular files: a FIFO must not block the open (``O_NONBLOCK``), a
+    symlink to ``/dev/zero`` must not be read forever, a directory is not a file. Anything else
+    raises :class:`~tiered.errors.CorruptionError` naming the file and what it is.
+
+    Raises:
+        FileNotFoundError: nothing at ``path`` (callers say what it means).
+        CorruptionError: ``path`` is not a regular file, or a symlink loop.
+
+    Example:
+        >>> import tempfile
+        >>> from tiered.errors import CorruptionError
+        >>> d = tempfile.mkdtemp(); os.mkfifo(os.path.join(d, "pipe"))
+        >>> try:
+        ...     open_for_read(os.path.join(d, "pipe"))
+        ... except CorruptionError as e:
+        ...     print("FIFO" in str(e))
+        True
+    """
+    path = os.fspath(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise CorruptionError(f"{path} is a symlink loop, not a file; the store is damaged") from None
+        if e.errno in (errno.ENOENT, errno.ENOTDIR):
+            raise FileNotFoundError(e.errno, os.strerror(e.errno), path) from None
+        raise CorruptionError(f"{path} cannot be opened ({os.strerror(e.errno or 0)})") from e
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = next((name for test, name in _KINDS if test(mode)), "not a regular file")
+        raise CorruptionError(f"{path} is {kind}, not a regular file: a store holds only regular files; "
+                              "the store is damaged or was tampered with")
+    return fd
 
 
 def read_into(fd: int, view: memoryview, offset: int) -> int:

@@ -146,6 +146,9 @@ class BlobIndex:
     @classmethod
     def from_arrays(cls, arrays: dict[str, np.ndarray]) -> BlobIndex:
         size = int(arrays["meta"][0])
+        short = [k for k in ("state", *(_FILE_NAMES.get(n, n) for n in _COLUMNS)) if arrays[k].shape[0] < size]
+        if size < 0 or short:  # before allocating columns of `size` rows: a size lie fails here
+            raise ValueError(f"index.meta says {size} blob ids but the index columns {short} hold fewer")
         index = cls(initial=max(size, 16))
         for name in _COLUMNS:
             getattr(index, name)[:size] = arrays[_FILE_NAMES.get(name, name)][:size]

@@ -4,15 +4,20 @@
 code that wrote it (the verifier must not share the writer's bugs):
 
 1. ``manifest.json``: present, valid JSON, its SHA-256, its format name and version;
-2. every ``.npy`` file of the current generation: present, the size the manifest records, a
-   valid ``.npy`` header with the shape the schema implies;
+2. every ``.npy`` file of the current generation: a regular file, present, the size the
+   manifest records, a valid ``.npy`` header that accounts for the file's size, and (stores that
+   record them) the CRC-32 of each 1 MiB page;
 3. every cold segment: present and at least as long as the manifest says (HDF5 segments: an
    HDF5 file whose ``blobs`` dataset sits at the recorded offset);
 4. every live blob: its compressed bytes are read from the cold tier in large sequential reads
    (about 64 MiB at a time) and their checksums computed in one vectorized call per read and
    compared with the index; with ``decode=True`` they are also decompressed;
-5. the row tables: every written row points at live blobs;
-6. finally the store is opened read-only through :func:`tiered.open`, as a user would.
+5. the index pools: ``free_ids`` lists exactly the free ids; no free or deferred cold extent
+   overlaps a stored blob or another extent;
+6. the row tables: every written row points at stored blobs of its field's family, at a slot
+   inside the blob; stored reference counts are at least a recount (one bincount);
+7. finally the store is opened read-only through :func:`tiered.open`, as a user would (the array
+   pages checked in step 2 are not checksummed a second time).
 
 A damaged blob is reported with the field and rows that use it, the segment file and the byte
 offset of the blob in that file.
@@ -34,14 +39,17 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import stat
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
 
-from .engine.manifest import MANIFEST, gen_dir_name, read_manifest
-from .errors import CorruptionError, FormatVersionError, NotATieredStoreError, TieredError
+from . import fileio
+from .engine.manifest import MANIFEST, arrays_verified, gen_dir_name, load_npy, read_manifest
+from .engine.persistence import page_checksums_of
+from .errors import ChecksumError, CorruptionError, FormatVersionError, NotATieredStoreError, TieredError
 from .store import TieredStore
 
 __all__ = ["Problem", "Report", "verify_store"]
@@ -141,8 +149,8 @@ def _check_hdf5_segment(path: str, data_offset: int, segment_bytes: int) -> str 
             off = d.id.get_offset()
             if off != data_offset:
                 return f"'blobs' data starts at byte {off}, the manifest says {data_offset}"
-    except OSError as e:
-        return f"is not a readable HDF5 file ({e})"
+    except Exception as e:  # noqa: BLE001 - h5py raises OSError, KeyError, ValueError... on damaged metadata
+        return f"is not a readable HDF5 file ({type(e).__name__}: {e})"
     return None
 
 
@@ -174,6 +182,12 @@ def verify_store(
         report = Report(path)
         try:
             _StoreCheck(path, report, progress, decode, batch_bytes).run()
+        except (NotATieredStoreError, FormatVersionError):
+            raise
+        except (TieredError, ValueError, TypeError, KeyError, IndexError, ArithmeticError, MemoryError,
+                RecursionError, AssertionError, OSError) as e:
+            # damage no step foresaw: still a finding, never a raw error out of verify
+            report.add("file", f"verify stopped on {type(e).__name__}: {str(e)[:300]}")
         finally:
             report.seconds = time.perf_counter() - t0
         # A writer may commit while we read (it then removes the old generation and reuses space
@@ -241,6 +255,8 @@ class _StoreCheck:
         self.raw_col: np.ndarray | None = None
         self.bad_ids: dict[int, tuple[str, str, int | None]] = {}  # blob -> (kind, file, offset)
         self.listed: set[int] = set()  # damaged blobs reported with the rows that use them
+        self.verified_files: list[str] = []  # array files whose page checksums matched
+        self.unchecked_arrays = False
 
     def run(self) -> None:
         if not self.read_manifest():
@@ -254,11 +270,14 @@ class _StoreCheck:
             return
         self.checksum_blobs(blobs, segments)
         self.check_raw_sizes()
+        _check_index_pools(self)
         if not self.check_rows():
             return
+        _check_references(self)
         self.report_unused_damage()
         if self.report.ok:
-            self.check_open()
+            with arrays_verified(self.verified_files):  # checked above: not read a second time
+                self.check_open()
 
     # 1. manifest -------------------------------------------------------------------------------
     def read_manifest(self) -> bool:
@@ -314,22 +333,34 @@ class _StoreCheck:
 
     # 2. generation files ---------------------------------------------------------------------
     def load_arrays(self) -> bool:
+        """Every array file: present, regular, its recorded size, a valid header that accounts for
+        the file's size, and (stores that record them) its page checksums."""
         report = self.report
+        try:
+            sums = page_checksums_of(self.body)
+        except CorruptionError as e:
+            report.add("manifest", str(e), file=self.manifest_file)
+            sums = {}
+        if not sums:
+            self.unchecked_arrays = True  # an older store: its arrays carry no checksums
         for name, size in sorted(self.files.items()):
             f = os.path.join(self.gen_dir, name + ".npy")
             try:
                 actual = os.path.getsize(f)
-            except FileNotFoundError:
-                report.add("missing", f"array {name!r} named by the manifest is missing", file=f)
+            except OSError:  # missing, a dangling symlink or a symlink loop
+                report.add("missing", f"array {name!r} named by the manifest is missing or unreachable", file=f)
                 continue
             report.files_checked += 1
             if actual != size:
                 report.add("truncated", f"array {name!r} is {actual} bytes, the manifest says {size}", file=f)
                 continue
             try:
-                self.arrays[name] = np.load(f, mmap_mode="r", allow_pickle=False) if size else np.empty(0)
-            except (ValueError, OSError, EOFError) as e:
-                report.add("file", f"array {name!r} is not a valid .npy file ({e})", file=f)
+                self.arrays[name] = load_npy(f, size, pages=sums.get(name))
+                self.verified_files.append(f)
+            except ChecksumError as e:
+                report.add("checksum", f"array {name!r}: {e}", file=f)
+            except CorruptionError as e:
+                report.add("file", f"array {name!r}: {e}", file=f)
         need = ["index.state", "index.nbytes", "index.checksum", "index.loc", "written"]
         if all(n in self.arrays for n in need):
             return True
@@ -357,12 +388,17 @@ class _StoreCheck:
             f = segments.file(i)
             expected = segments.data_offsets[i] + size
             try:
-                actual = os.path.getsize(f)
-            except FileNotFoundError:
+                st = os.stat(f)
+            except OSError:  # missing, a dangling symlink or a symlink loop
                 report.add("missing", f"cold segment {i} is missing (it should hold {expected} bytes)", file=f)
                 segments.ok.append(False)
                 continue
             report.files_checked += 1
+            if not stat.S_ISREG(st.st_mode):
+                report.add("file", f"cold segment {i} is not a regular file", file=f)
+                segments.ok.append(False)
+                continue
+            actual = st.st_size
             if actual < expected:
                 report.add(
                     "truncated",
@@ -466,8 +502,11 @@ class _StoreCheck:
         start = int(in_seg[0])
         end = int((in_seg + size).max())
         data_offset = segments.data_offsets[s]
-        with open(f, "rb", buffering=0) as fh:
-            buf = np.frombuffer(os.pread(fh.fileno(), end - start, data_offset + start), dtype=np.uint8)
+        fd = fileio.open_for_read(f)
+        try:
+            buf = np.frombuffer(os.pread(fd, end - start, data_offset + start), dtype=np.uint8)
+        finally:
+            fileio.close(fd)
         rel = (in_seg - start).astype(np.int64)
         if buf.size < end - start:  # the file shrank under us
             report.add("truncated", f"cold segment {s} ends before byte {data_offset + end}", file=f)
@@ -631,6 +670,97 @@ class _StoreCheck:
                 f"tiered.open(mode='r') fails with a raw {type(e).__name__} (a tiered bug; "
                 f"please report it): {e}",
             )
+
+
+def _check_index_pools(c: _StoreCheck) -> None:
+    """Step 4b of a verify pass: the free-id pool lists exactly the free ids, and the cold tier's free and deferred
+    extents overlap neither the stored blobs nor each other (a write would overwrite them)."""
+    a, report, n = c.arrays, c.report, c.state.shape[0]
+    file = os.path.join(c.gen_dir, "index.free_ids.npy")
+    if "index.free_ids" in a:
+        free = np.asarray(a["index.free_ids"])
+        is_free = c.state == 0
+        if free.ndim != 1 or (free.size and (int(free.min()) < 0 or int(free.max()) >= n)):
+            report.add("index", f"index.free_ids holds ids outside [0, {n})", file=file)
+        elif (np.unique(free).size != free.size or not is_free[free].all()
+              or int(is_free.sum()) != free.size):
+            report.add("index", f"index.free_ids lists {free.size} ids, the index has {int(is_free.sum())} "
+                       "free ids (an id listed twice, a stored id listed, or a free id missing)", file=file)
+    names = ["cold.free_offsets", "cold.free_sizes", "cold.pending_offsets", "cold.pending_sizes"]
+    if not all(k in a for k in names) or "index.nbytes" not in a:
+        return
+    loc = np.asarray(a["index.loc"])[c.live, _COLD].astype(np.int64)
+    size = np.asarray(a["index.nbytes"])[c.live].astype(np.int64)
+    ext = [np.asarray(a[k]).astype(np.int64).reshape(-1) for k in names]
+    off = np.concatenate([loc, ext[0], ext[2]])
+    ln = np.concatenate([(size + 15) // 16 * 16, ext[1], ext[3]])
+    if off.shape != ln.shape or (ln < 0).any() or (off < 0).any():
+        report.add("index", "the cold tier's free extents are malformed", file=c.gen_dir)
+        return
+    order = np.argsort(off, kind="stable")
+    o, e = off[order], (off + ln)[order]
+    keep = ln[order] > 0
+    o, e = o[keep], e[keep]
+    if o.size > 1 and bool((o[1:] < np.maximum.accumulate(e)[:-1]).any()):
+        report.add("index", "the cold tier's free or deferred extents overlap stored blobs or each other",
+                   file=os.path.join(c.gen_dir, "cold.free_offsets.npy"))
+
+def _check_references(c: _StoreCheck) -> None:
+    """Step 5b of a verify pass: every written row's frames name a stored blob of the field's family, at a slot inside
+    the blob; the stored reference counts are at least the recount (the writer's tail pins
+    may add to it) and zero for free ids. Vectorized (one bincount over every table)."""
+    a, report = c.arrays, c.report
+    written = np.asarray(a["written"]).astype(bool)
+    n = c.state.shape[0]
+    families = c.body.get("families") or []
+    family_col = np.asarray(a["index.family"]) if "index.family" in a else None
+    raw_col = c.raw_col
+    counts = np.zeros(n, np.int64)
+    fam_id = {}
+    for spec in c.schema:  # family ids in first-appearance order (as Schema.families)
+        if spec.get("kind") == "blob":
+            shape = tuple(spec.get("shape", ()))
+            fd = spec.get("frame_dim")
+            frame_shape = shape[:fd] + shape[fd + 1:] if isinstance(fd, int) and 0 <= fd < len(shape) else shape
+            fam_id.setdefault((spec.get("dtype"), frame_shape), len(fam_id))
+    for fi, spec in enumerate(c.schema):
+        name, slot_name = f"rows.{fi}.blob", f"rows.{fi}.slot"
+        if spec.get("kind") != "blob" or name not in a or slot_name not in a:
+            continue
+        table, slots = np.asarray(a[name]), np.asarray(a[slot_name])
+        if table.shape != slots.shape or table.ndim != 2 or table.shape[0] != written.shape[0]:
+            continue  # reported by check_rows
+        fname = "/".join(spec.get("key", [f"field{fi}"]))
+        if table.size and (int(table.min()) < -1 or int(table.max()) >= n):
+            report.add("index", f"row table of {fname!r} names blob ids outside [-1, {n})",
+                       file=os.path.join(c.gen_dir, name + ".npy"))
+            continue
+        ids = table[written]
+        ok = ids >= 0
+        counts += np.bincount(ids[ok], minlength=n)[:n]
+        shape = tuple(spec.get("shape", ()))
+        fd = spec.get("frame_dim")
+        frame_shape = shape[:fd] + shape[fd + 1:] if isinstance(fd, int) and 0 <= fd < len(shape) else shape
+        fam = fam_id.get((spec.get("dtype"), frame_shape), -1)
+        if family_col is None or raw_col is None or not 0 <= fam < len(families):
+            continue
+        frame_nbytes = max(int(families[fam].get("frame_nbytes", 1)), 1)
+        safe = np.where(ok, ids, 0)
+        s = slots[written]
+        bad = ok & ((family_col[safe] != fam) | (s < 0) | (s >= raw_col[safe] // frame_nbytes))
+        if bad.any():
+            r = np.flatnonzero(written)[bad.any(1)]
+            report.add("index", f"{r.size} written rows of {fname!r} name a frame outside their blob or a "
+                       "blob of another field", field=fname, rows=r[:_MAX_ROWS_LISTED].tolist(),
+                       n_rows=int(r.size), file=os.path.join(c.gen_dir, slot_name + ".npy"))
+    if "index.refcount" in a:
+        stored = np.asarray(a["index.refcount"]).astype(np.int64)
+        live = c.state == _STORED
+        if stored.shape == counts.shape and ((stored[live] < counts[live]).any() or (stored[~live] != 0).any()):
+            b = int(np.flatnonzero((live & (stored < counts)) | (~live & (stored != 0)))[0])
+            report.add("index", f"reference counts disagree with a recount of the row tables (first: blob {b}, "
+                       f"stored {int(stored[b])}, counted {int(counts[b])})",
+                       file=os.path.join(c.gen_dir, "index.refcount.npy"), blob=b)
 
 
 def _progress_bar(progress: bool | None, total: int) -> Any:

@@ -34,21 +34,34 @@ import torch
 
 from .. import fileio
 from ..errors import CorruptionError, StoreExistsError, TieredError
-from ..index import COLD, BlobIndex, RowTable
+from ..index import COLD, FREE, STORED, BlobIndex, RowTable
 from ..policy import Policy
 from ..schema import Schema, key_to_str
 from ..tiers import HDF5Tier, MemmapTier, Tier
+from ..util.units import align
 from .layout import FieldLayout
 from .lock import acquire_writer_lock, release
-from .manifest import MANIFEST, gen_dir_name, load_npy, read_manifest, save_npy, write_manifest
+from .manifest import (
+    MANIFEST,
+    PAGE_BYTES,
+    gen_dir_name,
+    load_npy,
+    read_manifest,
+    read_npy_header,
+    write_array,
+    write_manifest,
+)
 from .placement import Placement
 from .rows import RowSpace
 from .write import WritePath
 
 T = TypeVar("T")
 
-__all__ = ["StoreFiles", "BACKENDS", "open_commit", "restore_commit", "commit_parts", "snapshot_arrays",
-           "check_consistency"]
+__all__ = ["StoreFiles", "BACKENDS", "CHECKSUMS", "open_commit", "restore_commit", "commit_parts",
+           "snapshot_arrays", "check_consistency", "check_bounds", "check_references", "page_checksums_of"]
+
+#: Manifest entry holding the page checksums of the generation's arrays (absent: an older store).
+CHECKSUMS = "checksums"
 
 BACKENDS: dict[str, type[MemmapTier]] = {"memmap": MemmapTier, "hdf5": HDF5Tier}
 ArrayLoader = Callable[[str], np.ndarray]
@@ -96,11 +109,12 @@ class StoreFiles:
         """A loader of the arrays the commit ``body`` lists (memory-mapped, sizes checked)."""
         gdir = os.path.join(self.path, gen_dir_name(body["generation"]))
         files = body["files"]
+        sums = page_checksums_of(body)
 
         def load(name: str) -> np.ndarray:
             if name not in files:
                 raise CorruptionError(f"{self.path}: the manifest lists no {name!r} array; the store is damaged")
-            return load_npy(os.path.join(gdir, name + ".npy"), files[name])
+            return load_npy(os.path.join(gdir, name + ".npy"), files[name], pages=sums.get(name))
 
         return load
 
@@ -124,12 +138,15 @@ class StoreFiles:
         os.makedirs(gdir, exist_ok=True)
         cold_state = cold.state()
         arrays = {**arrays, **{f"cold.{k}": v for k, v in cold_state.items() if isinstance(v, np.ndarray)}}
-        files = {name: save_npy(os.path.join(gdir, name + ".npy"), arr) for name, arr in arrays.items()}
+        written = {name: write_array(os.path.join(gdir, name + ".npy"), arr) for name, arr in arrays.items()}
         fileio.fsync_dir(gdir)
         fileio.fsync_dir(self.path)
         write_manifest(self.path, {
             **body, "generation": g, "backend": self.backend,
-            "cold": {k: v for k, v in cold_state.items() if not isinstance(v, np.ndarray)}, "files": files})
+            "cold": {k: v for k, v in cold_state.items() if not isinstance(v, np.ndarray)},
+            "files": {name: a.size for name, a in written.items()},
+            CHECKSUMS: {"algorithm": "crc32", "page_bytes": PAGE_BYTES,
+                        "files": {name: a.pages for name, a in written.items()}}})
         # Keep the previous generation one commit longer: a reader (or `tiered verify`) that read
         # the old manifest an instant ago can still load its arrays.
         old = os.path.join(self.path, gen_dir_name(self.generation - 1))
@@ -138,8 +155,9 @@ class StoreFiles:
             for name in os.listdir(old):
                 fileio.remove(os.path.join(old, name))
             os.rmdir(old)
-        # space freed by overwritten rows is reusable only now that the commit is durable
-        cold.release_deferred()
+        # Space freed by overwritten rows before the previous commit is reusable only now: a
+        # read-only open of the commit before that one may read it until this commit lands.
+        cold.release_deferred(hold_last=True)
 
     def newer_generation(self) -> tuple[int, int] | None:
         """For a read-only store: ``(opened, newer)`` when a writer has committed at least twice
@@ -178,18 +196,21 @@ def open_commit(path: str, mode: str, build: Callable[[dict[str, Any], Any], T])
         try:
             for attempt in range(3):
                 try:
+                    check_bounds(path, body)  # before anything sized by the manifest is allocated
                     return build(body, lock)
                 except CorruptionError:
                     newer = read_manifest(path)
-                    if attempt == 2 or newer["generation"] == body["generation"]:
+                    if attempt == 2 or newer.get("generation") == body.get("generation"):
                         raise
                     body = newer
-            raise AssertionError("unreachable")
+            raise CorruptionError(f"{path}: unreachable")
         except TieredError:
             raise
-        except (KeyError, ValueError, TypeError, IndexError, AttributeError, RuntimeError, OverflowError) as e:
+        except (KeyError, ValueError, TypeError, IndexError, AttributeError, RuntimeError, OverflowError,
+                ArithmeticError, AssertionError, MemoryError, RecursionError) as e:
+            # whatever slipped past the checks: a damaged store, said so, never a raw error
             raise CorruptionError(
-                f"{path}: the manifest and its arrays are inconsistent ({type(e).__name__}: {e}); "
+                f"{path}: the manifest and its arrays are inconsistent ({type(e).__name__}: {str(e)[:300]}); "
                 f"the store is damaged. Run `tiered verify {path}` for details.") from e
     except BaseException:
         release(lock)
@@ -218,6 +239,11 @@ def restore_commit(files: StoreFiles, body: dict[str, Any], mode: str, rows: Row
                 rows.dense[f.key] = torch.from_numpy(load(f"dense.{i}"))
             else:
                 layout.tables[f.key] = RowTable.from_arrays(load(f"rows.{i}.blob"), load(f"rows.{i}.slot"))
+        # before the tables are used as indices (a flipped id must not size a bincount)
+        problems = check_references(rows, layout, index)
+        if problems:
+            raise CorruptionError(f"{files.path}: the store is damaged: " + "; ".join(problems[:5])
+                                  + f". Run `tiered verify {files.path}` for details.")
         refs = layout.referenced(rows.written)
         index.refcount[: index.size] = np.bincount(refs, minlength=index.size)[: index.size].astype(np.int32)
         load_policy(placement.policy, body, load, live)
@@ -307,6 +333,224 @@ def check_consistency(path: str, rows: RowSpace, layout: FieldLayout | None, ind
             problems.append("blob locations fall outside the cold segments")
         if (index.raw_nbytes[live] < 0).any() or (index.raw_nbytes[live] > (1 << 34)).any():
             problems.append("blob sizes are impossible")
+    if cold is not None and hasattr(cold, "allocator") and not problems:
+        problems += _check_cold_space(cold, index.loc[live, COLD], index.nbytes[live])
     if problems:
         raise CorruptionError(f"{path}: the store is damaged: " + "; ".join(problems[:5])
                               + f". Run `tiered verify {path}` for details.")
+
+
+def page_checksums_of(body: dict[str, Any]) -> dict[str, list[int]]:
+    """The commit's page checksums per array name; empty for a store written before they existed
+    (format v1 stores without a ``checksums`` entry: docs/format.md).
+
+    Raises:
+        CorruptionError: the entry exists but is not what tiered writes.
+    """
+    entry = body.get(CHECKSUMS)
+    if entry is None:
+        return {}
+    ok = (isinstance(entry, dict) and entry.get("algorithm") == "crc32" and entry.get("page_bytes") == PAGE_BYTES
+          and isinstance(entry.get("files"), dict)
+          and all(isinstance(v, list) and all(isinstance(x, int) for x in v) for v in entry["files"].values()))
+    if not ok:
+        raise CorruptionError(f"the manifest's {CHECKSUMS!r} entry is not the crc32 page list tiered writes; "
+                              "the store is damaged")
+    return entry["files"]
+
+
+def _int(body: dict[str, Any], key: str, low: int, high: int | None = None) -> int:
+    v = body.get(key)
+    if not isinstance(v, int) or isinstance(v, bool) or v < low or (high is not None and v > high):
+        raise CorruptionError(f"the manifest's {key!r} is {v!r}, expected an int >= {low}"
+                              + (f" and <= {high}" if high is not None else ""))
+    return v
+
+
+def _header(gdir: str, name: str, files: dict[str, Any]) -> Any:
+    """The checked ``.npy`` header of array ``name`` (no data read)."""
+    path = os.path.join(gdir, name + ".npy")
+    if name not in files:
+        raise CorruptionError(f"{path}: the manifest lists no {name!r} array; the store is damaged")
+    try:
+        fd = fileio.open_for_read(path)
+    except FileNotFoundError:
+        raise CorruptionError(f"{path}: file named by the manifest is missing; the store is damaged") from None
+    try:
+        size = os.fstat(fd).st_size
+        if size != files[name]:
+            raise CorruptionError(f"{path}: expected {files[name]} bytes, found {size} (truncated or overwritten)")
+        return read_npy_header(fd, path, size)
+    finally:
+        os.close(fd)
+
+
+def check_bounds(path: str, body: dict[str, Any]) -> None:
+    """Check every size the manifest gives against what its files hold, before anything sized by
+    them is allocated: a lie (capacity 5e7 for a 100-row store, an index of 1e9 blobs) is refused
+    here with the memory of a few ``.npy`` headers.
+
+    Raises:
+        CorruptionError: naming the manifest or the file whose size disagrees.
+    """
+    manifest = os.path.join(path, MANIFEST)
+    try:
+        generation = _int(body, "generation", 0)
+        capacity = _int(body, "capacity", 1)
+        _int(body, "len", 0, capacity)
+        _int(body, "cursor", 0, capacity - 1)
+        files = body.get("files")
+        if not isinstance(files, dict) or not all(
+                isinstance(k, str) and isinstance(v, int) and v >= 0 for k, v in files.items()):
+            raise CorruptionError("the manifest's 'files' is not a map of array names to sizes")
+        for key, kind in (("cold", dict), ("options", dict)):
+            if not isinstance(body.get(key), kind):
+                raise CorruptionError(f"the manifest's {key!r} is {type(body.get(key)).__name__}, expected {kind.__name__}")
+        page_checksums_of(body)
+    except CorruptionError as e:
+        raise CorruptionError(f"{manifest}: {e}. The store is damaged; run `tiered verify {path}`.") from None
+    gdir = os.path.join(path, gen_dir_name(generation))
+    problems = []
+
+    def expect(name: str, shape: tuple[int, ...], dtype: Any = None) -> Any:
+        h = _header(gdir, name, files)
+        if h.shape != shape or (dtype is not None and h.dtype != np.dtype(dtype)):
+            problems.append(f"{os.path.join(gdir, name + '.npy')} holds {h.dtype}{list(h.shape)}, the manifest "
+                            f"implies {np.dtype(dtype) if dtype is not None else h.dtype}{list(shape)}")
+        return h
+
+    expect("written", (capacity,), np.bool_)
+    state = _header(gdir, "index.state", files)
+    n_blobs = state.shape[0] if len(state.shape) == 1 else -1
+    for name in [k for k in files if k.startswith("index.") and k not in ("index.free_ids", "index.meta")]:
+        h = _header(gdir, name, files)
+        if not h.shape or h.shape[0] != n_blobs:
+            problems.append(f"{name} has shape {list(h.shape)}, index.state has {n_blobs} entries")
+    meta = expect("index.meta", (2,), np.int64)
+    if meta.shape == (2,) and meta.dtype == np.dtype(np.int64):
+        fd = fileio.open_for_read(os.path.join(gdir, "index.meta.npy"))
+        try:
+            size = int(np.frombuffer(os.pread(fd, 8, meta.offset), dtype=meta.dtype)[0])
+        finally:
+            os.close(fd)
+        if not 0 <= size <= max(n_blobs, 0):
+            problems.append(f"index.meta says {size} blob ids, index.state holds {n_blobs}")
+    free = _header(gdir, "index.free_ids", files)
+    if len(free.shape) != 1 or free.shape[0] > max(n_blobs, 0):
+        problems.append(f"index.free_ids has shape {list(free.shape)} for an index of {n_blobs} blobs")
+    if body.get("schema") is not None:
+        if not isinstance(body["schema"], list):
+            problems.append("the manifest's schema is not a list of fields")
+        else:
+            schema = Schema.from_json(body["schema"])
+            for i, f in enumerate(schema.values()):
+                if f.kind == "dense":
+                    expect(f"dense.{i}", (capacity, *f.shape))
+                else:
+                    expect(f"rows.{i}.blob", (capacity, f.frames_per_row), np.int64)
+                    expect(f"rows.{i}.slot", (capacity, f.frames_per_row), np.int32)
+    if problems:
+        raise CorruptionError(f"{path}: the store is damaged: " + "; ".join(problems[:5])
+                              + f". Run `tiered verify {path}` for details.")
+
+
+def check_index(index: BlobIndex, families: list[tuple[int, int]]) -> list[str]:
+    """Vectorized checks of the blob index on its own: states, the free-id pool, and for every
+    stored blob a known codec and family and a raw size of 1..chunk_frames whole frames.
+
+    Args:
+        index: the index of a commit.
+        families: ``(frame_nbytes, chunk_frames)`` per frame family.
+    """
+    problems = []
+    n = index.size
+    state = index.state[:n]
+    if ((state != FREE) & (state != STORED)).any():
+        problems.append("index.state holds values other than free (0) and stored (2)")
+    free = index.free_ids
+    if free.size and (int(free.min()) < 0 or int(free.max()) >= n):
+        problems.append(f"index.free_ids holds ids outside [0, {n})")
+    elif free.size and (np.unique(free).size != free.size or (state[free] != FREE).any()):
+        problems.append("index.free_ids lists an id twice or an id that is not free")
+    elif int((state == FREE).sum()) != free.size:
+        problems.append(f"index.free_ids lists {free.size} ids but {int((state == FREE).sum())} are free")
+    live = np.flatnonzero(state == STORED)
+    if not live.size:
+        return problems
+    fam = index.family[live].astype(np.int64)
+    known = (fam >= 0) & (fam < len(families))
+    table = np.array([*families, (1, 0)], dtype=np.int64)
+    frame_nbytes, chunk = table[np.where(known, fam, -1), 0], table[np.where(known, fam, -1), 1]
+    raw = index.raw_nbytes[live]
+    bad = (~known | (raw <= 0) | (raw % np.maximum(frame_nbytes, 1) != 0) | (raw > frame_nbytes * chunk)
+           | (index.nbytes[live] < 0) | ~np.isin(index.codec[live], (0, 1, 2)))
+    if bad.any():
+        b = int(live[bad][0])
+        problems.append(f"{int(bad.sum())} stored blobs have an impossible family, codec or size in the index "
+                        f"(first: blob {b}, family {int(index.family[b])}, codec {int(index.codec[b])}, "
+                        f"raw size {int(index.raw_nbytes[b])})")
+    return problems
+
+
+def check_references(rows: RowSpace, layout: FieldLayout, index: BlobIndex) -> list[str]:
+    """Vectorized checks that every row table entry is in range and that every written row points
+    at stored blobs of its field's family, at a frame inside the blob (docs/format.md).
+
+    Returns:
+        The problems found, in words (empty: consistent).
+    """
+    problems = check_index(index, [(f.frame_nbytes, f.chunk_frames) for f in layout.families])
+    if problems:
+        return problems
+    cap, n = rows.capacity, index.size
+    written = rows.written
+    for key, t in layout.tables.items():
+        name = key_to_str(key)
+        if t.blob.shape != (cap, layout.schema[key].frames_per_row) or t.slot.shape != t.blob.shape:
+            problems.append(f"row table of {name!r} has shape {t.blob.shape}")
+            continue
+        if t.blob.size and (int(t.blob.min()) < -1 or int(t.blob.max()) >= n):
+            problems.append(f"row table of {name!r} names blob ids outside [-1, {n})")
+            continue
+        every = bool(written.all())  # the usual full ring: no copy of the tables
+        ids = t.blob if every else t.blob[written]
+        if not ids.size:
+            continue
+        fam = layout.family_of[key]
+        frame_nbytes = layout.families[fam].frame_nbytes
+        # frames a row of this field may name in each blob (0: not a stored blob of its family),
+        # then one gather per table entry
+        frames_in = np.where((index.state[:n] == STORED) & (index.family[:n] == fam),
+                             index.raw_nbytes[:n] // max(frame_nbytes, 1), 0)
+        slots = t.slot if every else t.slot[written]
+        bad = (ids < 0) | (slots < 0) | (slots >= frames_in[np.maximum(ids, 0)] if n else True)
+        if bad.any():
+            r = np.flatnonzero(written)[bad.any(1)]
+            problems.append(f"{r.size} written rows of {name!r} point at no stored blob of their field or at a "
+                            f"frame outside it (first: row {int(r[0])})")
+    return problems
+
+
+def _check_cold_space(cold: Any, loc: np.ndarray, nbytes: np.ndarray) -> list[str]:
+    """Every stored blob lies inside one segment's reserved bytes, and no free or deferred extent
+    of the cold allocator overlaps a blob or another extent (a write would overwrite live bytes)."""
+    state = cold.state()
+    seg_bytes = int(state["segment_bytes"])
+    sizes = np.asarray([*state["segment_sizes"], 0], dtype=np.int64)
+    seg = loc // seg_bytes
+    in_seg = loc - seg * seg_bytes
+    n_seg = sizes.size - 1
+    if ((nbytes > seg_bytes) | (seg >= n_seg) | (in_seg + nbytes > sizes[np.minimum(seg, n_seg)])).any():
+        return ["blob locations fall outside the cold segments' reserved bytes"]
+    alloc = cold.allocator.state()
+    off = np.concatenate([loc, alloc["free_offsets"], alloc["pending_offsets"]]).astype(np.int64)
+    ln = np.concatenate([align(nbytes), alloc["free_sizes"], alloc["pending_sizes"]]).astype(np.int64)
+    if (ln < 0).any() or (off < 0).any():
+        return ["the cold tier's free extents are negative"]
+    order = np.argsort(off, kind="stable")
+    off, end = off[order], (off + ln)[order]
+    keep = ln[order] > 0
+    off, end = off[keep], end[keep]
+    if off.size > 1 and bool((off[1:] < np.maximum.accumulate(end)[:-1]).any()):
+        return ["the cold tier's free extents overlap stored blobs or each other"]
+    return []

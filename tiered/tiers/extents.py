@@ -16,7 +16,10 @@ boundary when a blob does not fit in the rest of the current one.
 
 Deferred frees (cold tiers): ``free(..., defer=True)`` parks ranges until
 :meth:`ExtentAllocator.release_deferred`, which the store calls once the commit that freed
-them is durable, so a crash never finds a committed blob overwritten.
+them is durable, so a crash never finds a committed blob overwritten. With ``hold_last=True``
+the ranges freed since the previous call wait one call more: a reader that opened the commit
+before the one that freed them may still read them until the writer's next commit (the
+store's promise to read-only opens, docs/format.md "Concurrency").
 """
 
 from __future__ import annotations
@@ -63,6 +66,9 @@ class ExtentAllocator:
         self._free_len = _EMPTY
         self._pend_off: list[np.ndarray] = []
         self._pend_len: list[np.ndarray] = []
+        # ranges parked by release_deferred(hold_last=True): released by the next call
+        self._held_off = _EMPTY
+        self._held_len = _EMPTY
         self._end = 0
         self._used = 0
 
@@ -76,7 +82,7 @@ class ExtentAllocator:
     @property
     def bytes_pending(self) -> int:
         """Bytes freed with ``defer=True`` and not yet released."""
-        return int(sum(int(x.sum()) for x in self._pend_len))
+        return int(sum(int(x.sum()) for x in self._pend_len)) + int(self._held_len.sum())
 
     @property
     def high_water(self) -> int:
@@ -260,15 +266,40 @@ class ExtentAllocator:
             self._release(offsets, sizes)
         self._used -= int(sizes.sum())
 
-    def release_deferred(self) -> int:
-        """Make every deferred range reusable; return the bytes released."""
-        if not self._pend_off:
-            return 0
-        off = np.concatenate(self._pend_off)
-        ln = np.concatenate(self._pend_len)
-        self._release(off, ln)
+    def release_deferred(self, *, hold_last: bool = False) -> int:
+        """Make deferred ranges reusable; return the bytes released.
+
+        Args:
+            hold_last: release only the ranges held by the previous ``hold_last`` call, and hold
+                the ranges freed since then until the next call (two commits of delay).
+
+        Example:
+            >>> a = ExtentAllocator(1024)
+            >>> off = a.allocate(np.array([64, 64]))
+            >>> a.free(off[:1], np.array([64]), defer=True)
+            >>> a.release_deferred(hold_last=True), a.release_deferred(hold_last=True)
+            (0, 64)
+        """
+        pend_off = np.concatenate(self._pend_off) if self._pend_off else _EMPTY
+        pend_len = np.concatenate(self._pend_len) if self._pend_len else _EMPTY
+        if hold_last:
+            off, ln = self._held_off, self._held_len
+            self._held_off, self._held_len = pend_off, pend_len
+        else:
+            off, ln = np.concatenate([self._held_off, pend_off]), np.concatenate([self._held_len, pend_len])
+            self._held_off, self._held_len = _EMPTY, _EMPTY
         self._pend_off, self._pend_len = [], []
+        if off.size:
+            self._release(off, ln)
         return int(ln.sum())
+
+    def hold_deferred(self) -> None:
+        """Hold every deferred range until the next :meth:`release_deferred` (after a reopen: the
+        commit just opened may be one that a reader opened before us still reads)."""
+        pend_off = np.concatenate([self._held_off, *self._pend_off])
+        pend_len = np.concatenate([self._held_len, *self._pend_len])
+        self._held_off, self._held_len = pend_off, pend_len
+        self._pend_off, self._pend_len = [], []
 
     def _release(self, offsets: np.ndarray, sizes: np.ndarray) -> None:
         off = np.concatenate([self._free_off, offsets])
@@ -302,20 +333,21 @@ class ExtentAllocator:
 
     def snapshot(self) -> tuple[Any, ...]:
         """A cheap token to undo later changes with :meth:`restore` (arrays are never mutated)."""
-        return (self._free_off, self._free_len, list(self._pend_off), list(self._pend_len), self._end,
-                self._used)
+        return (self._free_off, self._free_len, list(self._pend_off), list(self._pend_len), self._held_off,
+                self._held_len, self._end, self._used)
 
     def restore(self, snap: tuple[Any, ...]) -> None:
         """Return to the state of :meth:`snapshot` (used to undo an allocation whose I/O failed)."""
-        self._free_off, self._free_len, pend_off, pend_len, self._end, self._used = snap
+        (self._free_off, self._free_len, pend_off, pend_len, self._held_off, self._held_len, self._end,
+         self._used) = snap
         self._pend_off, self._pend_len = list(pend_off), list(pend_len)
 
     # ------------------------------------------------------------------ persistence
 
     def state(self) -> dict[str, Any]:
         """Everything needed to rebuild the allocator: ints and int64 numpy arrays."""
-        pend_off = np.concatenate(self._pend_off) if self._pend_off else _EMPTY.copy()
-        pend_len = np.concatenate(self._pend_len) if self._pend_len else _EMPTY.copy()
+        pend_off = np.concatenate([self._held_off, *self._pend_off])
+        pend_len = np.concatenate([self._held_len, *self._pend_len])
         return {
             "capacity": self.capacity,
             "boundary": self.boundary,

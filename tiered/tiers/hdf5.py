@@ -113,7 +113,10 @@ class HDF5Tier(MemmapTier):
                     problems.append(f"data at file offset {offset}, expected {self._data_offsets[i]}")
                 if problems:
                     raise CorruptionError(f"{path}: {'; '.join(problems)}")
-        except OSError as e:
-            raise CorruptionError(f"{path} is not a readable HDF5 segment: {e}") from e
+        except CorruptionError:
+            raise
+        except Exception as e:  # noqa: BLE001 - h5py raises OSError, KeyError, ValueError... on damaged metadata
+            raise CorruptionError(f"{path} is not a readable HDF5 segment ({type(e).__name__}: {e}); "
+                                  "the store is damaged") from e
         self._checked.add(i)
 

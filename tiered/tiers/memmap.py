@@ -18,7 +18,10 @@ shared with :class:`~tiered.tiers.hdf5.HDF5Tier`).
 Durability: :meth:`MemmapTier.flush` fsyncs the segments written since the last flush (and
 the directory when a segment was created). Frees are deferred by default: space freed by
 overwritten rows is reused only after :meth:`MemmapTier.release_deferred`, which the store
-calls once the commit that freed it is durable.
+calls once the commit that freed it is durable, with ``hold_last=True``: space freed before
+commit ``g + 1`` is reused only after commit ``g + 2``, because a read-only open of commit ``g``
+may read it until then. A reopened tier holds the deferred frees of the commit it opened the
+same way.
 
 Read-only opens are cheap to pickle (no fds, no threads travel) and open their files lazily,
 so DataLoader workers under fork or spawn each get their own descriptors.
@@ -27,6 +30,7 @@ so DataLoader workers under fork or spawn each get their own descriptors.
 from __future__ import annotations
 
 import os
+import stat
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -449,9 +453,14 @@ class MemmapTier(Tier):
         self._writable()
         self._alloc.free(offsets, sizes, defer=defer)
 
-    def release_deferred(self) -> int:
-        """Make space freed since the last durable commit reusable; return its bytes."""
-        return self._alloc.release_deferred()
+    def release_deferred(self, *, hold_last: bool = False) -> int:
+        """Make space freed since the last durable commit reusable; return its bytes.
+
+        Args:
+            hold_last: keep the space freed since the previous call deferred until the next
+                call (two commits of delay, for readers of the previous commit).
+        """
+        return self._alloc.release_deferred(hold_last=hold_last)
 
     def flush(self) -> None:
         """fsync every segment written since the last flush, and the directory if it changed."""
@@ -521,7 +530,8 @@ class MemmapTier(Tier):
              threads: int = 8) -> MemmapTier:
         """Reopen a tier saved by :meth:`state` read-only (``"r"``) or read-write (``"r+"``).
 
-        The state is that of a durable commit, so its deferred frees are released.
+        The state is that of a durable commit; its deferred frees stay held until the next
+        :meth:`release_deferred` (a reader of the commit before it may still read them).
 
         Raises:
             CorruptionError: a segment file is missing or shorter than the state says.
@@ -549,7 +559,7 @@ class MemmapTier(Tier):
             "pending_offsets": state.get("pending_offsets", np.empty(0, np.int64)),
             "pending_sizes": state.get("pending_sizes", np.empty(0, np.int64)),
         })
-        self._alloc.release_deferred()
+        self._alloc.hold_deferred()
         need = -(-self._alloc.high_water // self.segment_bytes)
         if need > len(self._sizes):
             raise CorruptionError(
@@ -560,12 +570,15 @@ class MemmapTier(Tier):
             path = self.segment_path(i)
             expected = self._data_offsets[i] + size
             try:
-                actual = os.stat(path).st_size
-            except FileNotFoundError:
+                st = os.stat(path)
+            except OSError:  # missing, a dangling symlink or a symlink loop
                 raise CorruptionError(
-                    f"cold segment {path} is missing; the store expects it to hold at least "
+                    f"cold segment {path} is missing or unreachable; the store expects it to hold at least "
                     f"{expected} bytes. Restore it from a backup"
                 ) from None
+            if not stat.S_ISREG(st.st_mode):
+                raise CorruptionError(f"cold segment {path} is not a regular file; the store is damaged")
+            actual = st.st_size
             if actual < expected:
                 raise CorruptionError(
                     f"cold segment {path} is truncated: expected at least {expected} bytes, found "
