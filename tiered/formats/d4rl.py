@@ -351,7 +351,7 @@ class D4RLSource(FlatSource):
                     and d.dtype.kind in "biuf"
                 ):
                     columns[name] = d
-                elif d.nbytes <= budget:
+                elif d.nbytes <= budget and (d.dtype.kind in "biuf" or h5py.check_string_dtype(d.dtype)):
                     extras[name] = _read_extra(d)
                     budget -= d.nbytes
                 else:
@@ -363,11 +363,27 @@ class D4RLSource(FlatSource):
                 fmt="d4rl",
                 origin=path,
                 extras=extras,
-                file_attrs=dict(self._file.attrs),
+                file_attrs=self._plain_attrs(),
             )
         except BaseException:
             self._file.close()
             raise
+
+    def _plain_attrs(self) -> dict[str, Any]:
+        """File attributes JSON carries exactly (numbers, strings); the others are reported as dropped."""
+        out = {}
+        for k, v in self._file.attrs.items():
+            kind = np.asarray(v).dtype.kind
+            if kind in "biufUSO" and not (kind == "O" and not isinstance(v, str)):
+                out[k] = v
+            else:
+                self.skipped.append(f"attrs/{k}")
+        return out
+
+    def attrs(self) -> dict[str, Any]:
+        # non-row datasets too large for the sidecar, or of a kind JSON cannot carry exactly
+        # (opaque bytes, compound types), are named in the import report, never dropped unsaid
+        return {**super().attrs(), "dropped": list(self.skipped)}
 
     def close(self) -> None:
         self._file.close()
