@@ -23,8 +23,11 @@ from .errors import (
     CorruptionError,
     FormatVersionError,
     IndexOutOfRangeError,
+    InvalidArgumentError,
+    InvalidDatasetError,
     InvalidPriorityError,
     NotATieredStoreError,
+    PickledDataError,
     ReadOnlyStoreError,
     SchemaMismatchError,
     StorageFullError,
@@ -34,6 +37,7 @@ from .errors import (
     TieredError,
     UnknownCodecError,
     UnsupportedFormatError,
+    UnwrittenRowError,
 )
 from .schema import Field, Schema
 from .store import TieredStore
@@ -63,6 +67,10 @@ __all__ = [
     "InvalidPriorityError",
     "UnsupportedFormatError",
     "StoreExistsError",
+    "UnwrittenRowError",
+    "InvalidArgumentError",
+    "InvalidDatasetError",
+    "PickledDataError",
     "__version__",
 ]
 

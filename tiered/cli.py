@@ -82,6 +82,7 @@ def exit_code_for(exc: BaseException) -> int:
             IsADirectoryError,
             E.SchemaMismatchError,
             E.CodecUnavailableError,
+            E.IndexOutOfRangeError,  # e.g. exporting a store whose rows include never-written holes
             ValueError,
         ),
     ):

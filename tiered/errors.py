@@ -35,6 +35,10 @@ __all__ = [
     "InvalidPriorityError",
     "UnsupportedFormatError",
     "StoreExistsError",
+    "UnwrittenRowError",
+    "InvalidArgumentError",
+    "InvalidDatasetError",
+    "PickledDataError",
 ]
 
 
@@ -103,3 +107,25 @@ class UnsupportedFormatError(TieredError, ValueError):
 
 class StoreExistsError(TieredError, FileExistsError):
     """A new store was asked for at a path that already holds one (open it with :func:`tiered.open`)."""
+
+
+class UnwrittenRowError(IndexOutOfRangeError):
+    """A read names rows that were never written (holes left by ``set`` beyond the length).
+
+    Their cells would be zeros or another row's data, so they are never returned.
+    """
+
+
+class InvalidArgumentError(TieredError, ValueError):
+    """An argument is outside what the store can honour (a capacity too large to index, a device
+    this machine does not have); raised before anything is allocated or written."""
+
+
+class InvalidDatasetError(UnsupportedFormatError):
+    """A source is a dataset of the format but its content is inconsistent (a per-row column of the
+    wrong length); the message names the column, the expected and the actual lengths."""
+
+
+class PickledDataError(UnsupportedFormatError):
+    """A source holds pickled Python objects. tiered never unpickles data (unpickling can run
+    arbitrary code), so the source is refused; convert those fields to tensors or remove them."""

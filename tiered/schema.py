@@ -35,22 +35,72 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-from tensordict import TensorDictBase
+from tensordict import TensorDictBase, is_leaf_nontensor
 
 from .errors import SchemaMismatchError
 
-__all__ = ["Field", "Schema", "Key", "normalize_key", "key_to_str", "str_to_key"]
+__all__ = ["Field", "Schema", "Key", "normalize_key", "key_to_str", "str_to_key", "SUPPORTED_DTYPES", "bits_dtype",
+           "as_bits", "check_key", "dtype_from_str", "dtype_to_str"]
 
 Key = tuple[str, ...]
 
-_DTYPES: dict[str, torch.dtype] = {
-    str(d).replace("torch.", ""): d
-    for d in (
-        torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.bool,
+#: Every dtype a field can have. Each is stored as raw bytes (blob fields) or in a column of its own
+#: dtype (dense fields); the manifest records its name. Others (quantized, bit and packed float4
+#: types) are refused by the first write, with this list.
+SUPPORTED_DTYPES: tuple[torch.dtype, ...] = tuple(
+    d for d in (
+        torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+        getattr(torch, "uint16", None), getattr(torch, "uint32", None), getattr(torch, "uint64", None),
         torch.float16, torch.bfloat16, torch.float32, torch.float64,
-        torch.complex64, torch.complex128,
-    )
-}
+        torch.complex32, torch.complex64, torch.complex128,
+        getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None),
+        getattr(torch, "float8_e4m3fnuz", None), getattr(torch, "float8_e5m2fnuz", None),
+        getattr(torch, "float8_e8m0fnu", None),
+    ) if d is not None
+)
+
+_DTYPES: dict[str, torch.dtype] = {str(d).replace("torch.", ""): d for d in SUPPORTED_DTYPES}
+
+#: dtypes whose indexing kernels torch and numpy both have; the others are moved as same-size
+#: integers (:func:`as_bits`), which copies the same bytes
+_NATIVE: frozenset[torch.dtype] = frozenset((
+    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+    torch.float16, torch.float32, torch.float64, torch.complex64, torch.complex128,
+))
+_BITS_OF_SIZE: dict[int, torch.dtype] = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bits_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a column of ``dtype`` is indexed and saved as: itself when torch and numpy support
+    it fully, else the integer of the same size (bfloat16 -> int16, float8 -> uint8).
+
+    Example:
+        >>> bits_dtype(torch.bfloat16), bits_dtype(torch.float32)
+        (torch.int16, torch.float32)
+    """
+    if dtype in _NATIVE:
+        return dtype
+    return _BITS_OF_SIZE[torch.empty((), dtype=dtype).element_size()]
+
+
+def as_bits(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a view of :func:`bits_dtype` (the same bytes; writes to it write to ``t``).
+
+    Example:
+        >>> col = torch.zeros(3, dtype=torch.uint16)
+        >>> as_bits(col)[torch.tensor([1])] = as_bits(torch.tensor([7], dtype=torch.uint16))
+        >>> col.tolist()
+        [0, 7, 0]
+    """
+    bits = bits_dtype(t.dtype)
+    if bits == t.dtype:
+        return t
+    return t.view(bits) if t.dim() else t.reshape(1).view(bits).reshape(())
+
+
+def supported_dtypes_text() -> str:
+    """The names of the supported dtypes, for error messages."""
+    return ", ".join(_DTYPES)
 
 
 def normalize_key(key: str | Iterable[str]) -> Key:
@@ -71,6 +121,45 @@ def key_to_str(key: Key) -> str:
 def str_to_key(s: str) -> Key:
     """Inverse of :func:`key_to_str`."""
     return tuple(s.split("/"))
+
+
+def check_key(key: Key) -> Key:
+    """Refuse a key whose parts are empty or hold ``/``: ``/`` joins nested keys in stats, the
+    manifest and exports, so ``"a/b"`` and ``("a", "b")`` would be one name.
+
+    Raises:
+        SchemaMismatchError: naming the key and what to do.
+
+    Example:
+        >>> check_key(("next", "observation"))
+        ('next', 'observation')
+    """
+    bad = [part for part in key if not part or "/" in part]
+    if bad:
+        raise SchemaMismatchError(
+            f"key {key!r} cannot be stored: its part(s) {bad!r} are empty or contain '/', which joins "
+            "nested keys in stats, the manifest and exports (so 'a/b' would collide with ('a', 'b')). "
+            "Rename the key (e.g. replace '/' with '_') or nest it as a tuple key.")
+    return key
+
+
+def _leaves(td: TensorDictBase) -> list:
+    """Every leaf key of ``td``, non-tensor leaves (``NonTensorData``, strings) included, so that
+    none is dropped without a word."""
+    return list(td.keys(include_nested=True, leaves_only=True, is_leaf=is_leaf_nontensor))
+
+
+def check_dtype(key: Key, dtype: torch.dtype) -> None:
+    """Refuse a dtype the store cannot keep (before anything is written).
+
+    Raises:
+        SchemaMismatchError: listing the supported dtypes.
+    """
+    if dtype not in SUPPORTED_DTYPES:
+        raise SchemaMismatchError(
+            f"field {key_to_str(key)!r} has dtype {dtype_to_str(dtype)}, which tiered cannot store; "
+            f"supported dtypes: {supported_dtypes_text()}. Convert the field first (e.g. .to(torch.float32)); "
+            "nothing was written.")
 
 
 def dtype_from_str(name: str) -> torch.dtype:
@@ -237,14 +326,16 @@ class Schema(Mapping[Key, Field]):
                 f"expected a TensorDict with a batch dimension [n], got batch_size={list(td.batch_size)}"
             )
         fields = []
-        for key in td.keys(include_nested=True, leaves_only=True):
-            k = normalize_key(key)
+        for key in _leaves(td):
+            k = check_key(normalize_key(key))
             value = td.get(key)
             if not isinstance(value, torch.Tensor):
                 raise SchemaMismatchError(
                     f"field {key_to_str(k)!r} is a {type(value).__name__}; only tensor leaves can be "
-                    "stored (convert non-tensor data to tensors first)"
+                    "stored (convert non-tensor data to tensors first, or exclude the key: "
+                    f"td.exclude({key!r})); nothing was written"
                 )
+            check_dtype(k, value.dtype)
             shape = tuple(value.shape[nb:])
             nbytes = math.prod(shape) * value.element_size()
             if k in dense_set:
@@ -273,9 +364,9 @@ class Schema(Mapping[Key, Field]):
             )
         return cls(fields)
 
-    def select(self, keys: Iterable[str | Key] | None) -> list[Field]:
+    def select(self, keys: str | Iterable[str | Key] | None) -> list[Field]:
         """The fields ``keys`` name (a key names every field below it), in schema order of first
-        mention; ``None``: every field.
+        mention; ``None``: every field; a plain string is one key.
 
         Raises:
             SchemaMismatchError: a key that names no field.
@@ -287,6 +378,8 @@ class Schema(Mapping[Key, Field]):
         """
         if keys is None:
             return list(self.values())
+        if isinstance(keys, str):  # one key, not its characters
+            keys = [keys]
         want: list[Field] = []
         for k in keys:
             k = normalize_key(k)
@@ -337,7 +430,7 @@ class Schema(Mapping[Key, Field]):
             raise SchemaMismatchError(
                 f"expected a single row (batch_size []), got batch_size={list(td.batch_size)}"
             )
-        given = {normalize_key(k): td.get(k) for k in td.keys(include_nested=True, leaves_only=True)}
+        given = {normalize_key(k): td.get(k) for k in _leaves(td)}
         problems = []
         for key, f in self._fields.items():
             v = given.get(key)

@@ -38,6 +38,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
+import psutil
 import torch
 from tensordict import TensorDictBase
 
@@ -45,12 +46,14 @@ from . import codecs
 from .engine.persistence import StoreFiles, commit_parts, open_commit, restore_commit
 from .engine.placement import Placement, memory_tiers
 from .engine.read import CpuReadPipeline, ReadPipeline, as_tensordict, contiguous_span
-from .engine.rows import IndexLike, RowSpace, as_row_array
+from .engine.rows import IndexLike, RowSpace, as_row_array, index_shape
 from .engine.stats import store_stats
 from .engine.write import WriteOptions, WritePath
 from .errors import (
+    InvalidArgumentError,
     InvalidPriorityError,
     ReadOnlyStoreError,
+    SchemaMismatchError,
     StoreClosedError,
 )
 from .gpu import GpuDecoder, GpuReadPipeline, maybe_gpu_decoder
@@ -58,7 +61,15 @@ from .index import COLD, BlobIndex
 from .policy import PriorityPolicy, get_policy
 from .schema import Key, Schema
 
-__all__ = ["TieredStore", "IndexLike", "as_row_array"]
+__all__ = ["TieredStore", "IndexLike", "as_row_array", "MAX_CAPACITY", "MAX_CHUNK_FRAMES", "MAX_STAGE_ROWS"]
+
+#: The most rows a store can have (2**40): more cannot be indexed by its int64 blob tables' arithmetic
+#: without overflow risks, and no machine holds the row metadata of more.
+MAX_CAPACITY = 1 << 40
+#: The most frames one blob may hold (``chunk_frames``); the write path also bounds a chunk's bytes.
+MAX_CHUNK_FRAMES = 1 << 16
+#: The most rows the write stage may hold (``stage_rows``).
+MAX_STAGE_ROWS = 1 << 20
 
 #: runtime options (they may change when a store is reopened), with their defaults
 _RUNTIME_DEFAULTS: dict[str, Any] = dict(hot_bytes=None, warm_bytes=None, hot_device=None, device=None,
@@ -129,12 +140,8 @@ class TieredStore:
         gpu_decode: bool | None = None,
         stage_rows: int = 64,
     ):
-        if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or capacity <= 0:
-            raise ValueError(f"capacity must be a positive int, got {capacity!r}")
-        if chunk_frames < 1:
-            raise ValueError(f"chunk_frames must be >= 1, got {chunk_frames}")
-        if isinstance(stage_rows, bool) or not isinstance(stage_rows, (int, np.integer)) or stage_rows < 0:
-            raise ValueError(f"stage_rows must be an int >= 0 (0 disables staging), got {stage_rows!r}")
+        _check_sizes(capacity, chunk_frames, stage_rows)
+        _check_devices(hot_device, device)
         options = WriteOptions(blob_min_bytes=blob_min_bytes, blob_keys=blob_keys, dense_keys=dense_keys,
                                frames=frames, chunk_frames=chunk_frames, dedup=dedup, traj_key=traj_key)
         self._build(int(capacity), codec, options, BlobIndex(), dict(
@@ -149,6 +156,7 @@ class TieredStore:
             except BaseException:
                 self._files.release_lock()
                 raise
+            self._changed = False
 
     def _build(self, capacity: int, codec: str, options: WriteOptions, index: BlobIndex,
                runtime: dict[str, Any]) -> None:
@@ -160,6 +168,8 @@ class TieredStore:
         self._device = torch.device(runtime["device"]) if runtime["device"] is not None else torch.device("cpu")
         self._lock = threading.RLock()
         self._closed = False
+        #: whether anything changed since the last commit (a flush of an unchanged store writes nothing)
+        self._changed = True
         self._counters = {"blobs_decoded": 0, "gets": 0, "extends": 0}
         self._rows = RowSpace(capacity)
         self._index = index
@@ -217,6 +227,7 @@ class TieredStore:
     def cursor(self, value: int) -> None:
         with self._lock:
             self._rows.set_cursor(value)
+            self._changed = True
 
     @property
     def read_only(self) -> bool:
@@ -262,6 +273,7 @@ class TieredStore:
         not move. TorchRL storages adjust their length this way after a write."""
         with self._lock:
             self._rows.set_length(length)
+            self._changed = True
 
     def __len__(self) -> int:
         return self._rows.length
@@ -294,6 +306,7 @@ class TieredStore:
         """
         with self._lock:
             self._check_writable()
+            self._changed = True
             rows = self._write.append(data)
             self._counters["extends"] += 1
             return torch.from_numpy(rows)
@@ -301,21 +314,39 @@ class TieredStore:
     def set(self, index: IndexLike, data: TensorDictBase, *, length: int | None = None) -> None:
         """Overwrite rows at ``index`` (ints, slices, lists, arrays or tensors; duplicates: last wins).
 
+        Rows may lie beyond the length (up to the capacity): the length grows to cover them, and
+        rows in between that were never written stay *holes*: reading one raises
+        :class:`~tiered.errors.UnwrittenRowError`, never another row's data.
+
         Args:
-            index: the rows to write.
+            index: the rows to write. An integer index of several dimensions takes data of that
+                batch shape (as TorchRL's storages do).
             data: a TensorDict of matching batch size (or a single row for an int index).
             length: the store's length after the write. By default rows beyond the current
                 length extend it; pass the current ``len(store)`` to leave it unchanged (TorchRL's
                 ``set_cursor=False``). The cursor does not move.
+
+        Raises:
+            SchemaMismatchError: the data does not match the schema or the index (nothing written).
+            IndexOutOfRangeError: an index outside ``[-capacity, capacity)`` (nothing written).
         """
+        shape = index_shape(index)
+        if shape is not None and isinstance(data, TensorDictBase):
+            if tuple(data.batch_size[:len(shape)]) != shape:
+                raise SchemaMismatchError(
+                    f"an index of shape {list(shape)} needs data of batch size {list(shape)}, got "
+                    f"{list(data.batch_size)}; nothing was written")
+            data = data.reshape(-1)
         with self._lock:
             self._check_writable()
+            self._changed = True
             self._write.overwrite(index, data, length)
 
     def clear(self) -> None:
         """Forget every row and release every blob (length and cursor go back to 0)."""
         with self._lock:
             self._check_writable()
+            self._changed = True
             self._write.clear()
 
     def _check_writable(self) -> None:
@@ -333,10 +364,12 @@ class TieredStore:
         """Read rows.
 
         Args:
-            index: an int (no batch dimension in the result), a list, numpy array, 1-D tensor,
-                range or slice. Negative ints count from the end of the written rows; slices
-                clip to ``len``.
-            keys: only these fields (nested keys as tuples); the others are not decoded.
+            index: an int (no batch dimension in the result), a list, numpy array, tensor, range,
+                slice or bool mask (of ``len`` or ``capacity`` entries). Negative ints count from
+                the end of the written rows; slices clip to ``len``. An integer index of several
+                dimensions gives a result of that batch shape (as TorchRL's storages do).
+            keys: only these fields (a key, or a list of keys; nested keys as tuples); the others
+                are not decoded.
             index_key: also return each row's position (int64, negative indices resolved)
                 under this key, as TorchRL's storages return ``"index"``.
             copy: with False, a step-1 slice returns the dense columns as views of the store's
@@ -348,7 +381,8 @@ class TieredStore:
             A TensorDict of batch size ``[n]`` (or ``[]`` for an int index) on ``device``.
 
         Raises:
-            IndexOutOfRangeError: an index outside ``[-len, len)`` or a row never written.
+            IndexOutOfRangeError: an index outside ``[-len, len)``, or a bool mask of another length.
+            UnwrittenRowError: a row that was never written (a hole left by :meth:`set`).
             ChecksumError: a blob's stored bytes do not match their checksum.
         """
         with self._lock:
@@ -366,7 +400,10 @@ class TieredStore:
                 self._reader.read(layout, fields, rows, out, self._write.stage, self._write.staged_slots(rows))
                 self._counters["gets"] += 1
             td = as_tensordict(out, rows, index_key, self._device)
-            return td[0] if scalar else td
+            if scalar:
+                return td[0]
+            shape = index_shape(index)
+            return td if shape is None else td.reshape(shape)
 
     def _resolve_read(self, index: IndexLike) -> tuple[np.ndarray, bool]:
         stage = self._write.stage
@@ -409,15 +446,19 @@ class TieredStore:
         """Set per-row priorities used by the ``priority`` policy (a blob gets its rows' max)."""
         with self._lock:
             rows, _ = self._resolve_read(index)
-            prio = np.broadcast_to(np.asarray(
-                priority.detach().cpu().numpy() if isinstance(priority, torch.Tensor) else priority,
-                dtype=np.float64).reshape(-1), rows.shape)
+            given = np.asarray(priority.detach().cpu().numpy() if isinstance(priority, torch.Tensor) else priority,
+                               dtype=np.float64).reshape(-1)
+            if given.size not in (1, rows.size):
+                raise InvalidPriorityError(
+                    f"got {given.size} priorities for {rows.size} rows; pass one per row, or one for all")
+            prio = np.broadcast_to(given, rows.shape)
             policy = self._placement.policy
             if not isinstance(policy, PriorityPolicy):
                 if not np.isfinite(prio).all():
                     raise InvalidPriorityError(f"priorities must be finite, got {prio[~np.isfinite(prio)][:5]}")
                 return
             if self._write.layout is not None:
+                self._changed = True  # the priority policy's state is saved by commits
                 policy.set_priority(*self._write.layout.blob_priorities(rows, prio))
 
     def stats(self) -> dict[str, Any]:
@@ -437,9 +478,12 @@ class TieredStore:
         """Close open time chunks (compress and place them); with a path, commit durably."""
         with self._lock:
             self._check_writable()
+            if self._files is not None and not self._changed:
+                return  # nothing to commit: an unchanged store gets no new generation
             self._write.flush_stage()
             self._write.close_open_chunks()
             self._commit()
+            self._changed = False
 
     def close(self) -> None:
         """Flush (stores with a path) and release memory, files and handles. Idempotent."""
@@ -475,6 +519,7 @@ class TieredStore:
         unknown = set(options) - _OPEN_OPTIONS
         if unknown:
             raise TypeError(f"options {sorted(unknown)} cannot change on open; allowed: {sorted(_OPEN_OPTIONS)}")
+        _check_devices(options.get("hot_device"), options.get("device"))
         path = os.fspath(path)
 
         def build(body: dict[str, Any], lock: Any) -> TieredStore:
@@ -489,6 +534,7 @@ class TieredStore:
             self._files, self._backend = files, files.backend
             restore_commit(files, body, mode, self._rows, self._write, self._placement)
             files.writer_lock = lock
+            self._changed = False
             return self
 
         return open_commit(path, mode, build)
@@ -512,3 +558,51 @@ class TieredStore:
         self.__dict__.update(state)
         self._lock = threading.RLock()
         self._make_readers()
+
+
+def _check_sizes(capacity: Any, chunk_frames: Any, stage_rows: Any) -> None:
+    """Refuse sizes the store cannot honour before anything is allocated.
+
+    Raises:
+        InvalidArgumentError: naming the argument, its bounds and what was given.
+    """
+    def is_int(x: Any) -> bool:
+        return not isinstance(x, bool) and isinstance(x, (int, np.integer))
+
+    if not is_int(capacity) or not 0 < capacity <= MAX_CAPACITY:
+        raise InvalidArgumentError(f"capacity must be an int in [1, {MAX_CAPACITY}] (2**40), got {capacity!r}")
+    if not is_int(chunk_frames) or not 0 < chunk_frames <= MAX_CHUNK_FRAMES:
+        raise InvalidArgumentError(
+            f"chunk_frames must be an int in [1, {MAX_CHUNK_FRAMES}], got {chunk_frames!r} (4 to 64 frames per "
+            "blob compress well; more only costs decode work per sample)")
+    if not is_int(stage_rows) or not 0 <= stage_rows <= MAX_STAGE_ROWS:
+        raise InvalidArgumentError(
+            f"stage_rows must be an int in [0, {MAX_STAGE_ROWS}] (0 disables staging), got {stage_rows!r}")
+    memory = psutil.virtual_memory().total
+    if capacity > memory:  # one byte per row (the written mask) is held in memory from the start
+        raise InvalidArgumentError(
+            f"capacity {capacity:,} needs at least {capacity:,} bytes of row metadata in memory, more than "
+            f"this machine's {memory:,}; lower the capacity")
+
+
+def _check_devices(hot_device: Any, device: Any) -> None:
+    """Refuse a device this machine does not have (a CUDA hot tier without CUDA would silently be
+    no hot tier at all).
+
+    Raises:
+        InvalidArgumentError: naming the device and the devices present.
+    """
+    for name, value in (("hot_device", hot_device), ("device", device)):
+        if value is None:
+            continue
+        try:
+            dev = torch.device(value)
+        except (RuntimeError, TypeError) as e:
+            raise InvalidArgumentError(f"{name}={value!r} is not a device ({e})") from None
+        if dev.type == "cuda":
+            count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            if count == 0 or (dev.index is not None and dev.index >= count):
+                raise InvalidArgumentError(
+                    f"{name}={value!r}, but this machine has {count} CUDA device(s) "
+                    f"(torch.cuda.is_available() is {torch.cuda.is_available()}); pass {name}='cpu' or leave "
+                    "it out (the default picks CUDA when present)")

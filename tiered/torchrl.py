@@ -47,7 +47,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
         "tiered.torchrl needs TorchRL: pip install 'tiered[torchrl]' (torchrl>=0.9)") from e
 
 from .engine.manifest import MANIFEST
-from .errors import ReadOnlyStoreError
+from .errors import PickledDataError, ReadOnlyStoreError, UnsupportedFormatError
 from .schema import Key
 from .store import TieredStore, as_row_array
 
@@ -739,7 +739,16 @@ def _read_torchrl_memmap(storage: TieredStorage, path: Path, load_hooks: list | 
     n = int(meta["len"])
     if n > storage.max_size:
         raise ValueError(f"the checkpoint at {path} holds {n} rows but max_size is {storage.max_size}")
-    td = TensorDict.load_memmap(path)
+    try:
+        # never unpickle: a pickled field of a checkpoint runs code when loaded
+        td = TensorDict.load_memmap(path, allow_pickle=False)
+    except Exception as e:  # noqa: BLE001 - tensordict raises many kinds for a bad directory
+        if "pickle" in str(e).lower():
+            raise PickledDataError(
+                f"{path} holds pickled Python objects (non-tensor fields saved with pickle); tiered never "
+                "unpickles data, since unpickling can run arbitrary code. Load it with TorchRL's own "
+                "storage if you trust it, or remove those fields") from None
+        raise UnsupportedFormatError(f"{path} is not a TorchRL memmap checkpoint ({type(e).__name__}: {e})") from None
     storage._has_index = _INDEX_KEY in td.keys()
     row_nbytes = sum(v[0].numel() * v.element_size() for v in td.values(True, True)) if td.numel() else 1
     _load_rows(storage, lambda lo, hi: td[lo:hi], n, row_nbytes, load_hooks)

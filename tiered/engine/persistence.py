@@ -30,7 +30,6 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import numpy as np
-import torch
 
 from .. import fileio
 from ..errors import CorruptionError, StoreExistsError, TieredError
@@ -236,7 +235,7 @@ def restore_commit(files: StoreFiles, body: dict[str, Any], mode: str, rows: Row
         layout = write.adopt_schema(Schema.from_json(body["schema"]))
         for i, f in enumerate(layout.schema.values()):
             if f.kind == "dense":
-                rows.dense[f.key] = torch.from_numpy(load(f"dense.{i}"))
+                rows.load_dense(f, load(f"dense.{i}"))
             else:
                 layout.tables[f.key] = RowTable.from_arrays(load(f"rows.{i}.blob"), load(f"rows.{i}.slot"))
         # before the tables are used as indices (a flipped id must not size a bincount)
@@ -283,7 +282,7 @@ def snapshot_arrays(rows: RowSpace, layout: FieldLayout | None, index: BlobIndex
     if layout is not None:
         for i, f in enumerate(layout.schema.values()):
             if f.kind == "dense":
-                arrays[f"dense.{i}"] = rows.dense[f.key].numpy()
+                arrays[f"dense.{i}"] = rows.dense_array(f.key)
             else:
                 arrays[f"rows.{i}.blob"] = layout.tables[f.key].blob
                 arrays[f"rows.{i}.slot"] = layout.tables[f.key].slot

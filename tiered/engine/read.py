@@ -32,7 +32,7 @@ from tensordict import TensorDict
 from .. import codecs
 from ..errors import ChecksumError
 from ..index import OPEN, BlobIndex
-from ..schema import Field, Key
+from ..schema import Field, Key, as_bits
 from ..util.batch import exclusive_cumsum
 from ..util.scratch import ScratchBuffers
 from .frames import FrameFamily
@@ -134,7 +134,8 @@ class ReadPipeline(ABC):
                 staged = stage.cells[f.key].index_select(0, hit_slots)
                 if miss.size:
                     cells = out[f.key]
-                    cells[hit_pos.to(cells.device)] = staged.to(cells.device)
+                    # as same-size integers: torch cannot index_put uint16/32/64 and float8
+                    as_bits(cells)[hit_pos.to(cells.device)] = as_bits(staged.to(cells.device))
                 else:
                     out[f.key] = staged
 

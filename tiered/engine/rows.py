@@ -24,11 +24,11 @@ import numpy as np
 import torch
 from tensordict import TensorDictBase
 
-from ..errors import IndexOutOfRangeError, SchemaMismatchError
-from ..schema import Key, Schema
+from ..errors import CorruptionError, IndexOutOfRangeError, SchemaMismatchError, UnwrittenRowError
+from ..schema import Field, Key, Schema, as_bits, bits_dtype, key_to_str
 from ..util.batch import exclusive_cumsum
 
-__all__ = ["RowSpace", "IndexLike", "as_row_array", "DONE_KEYS"]
+__all__ = ["RowSpace", "IndexLike", "as_row_array", "index_shape", "DONE_KEYS"]
 
 IndexLike = int | slice | range | list | tuple | np.ndarray | torch.Tensor
 
@@ -36,11 +36,20 @@ IndexLike = int | slice | range | list | tuple | np.ndarray | torch.Tensor
 DONE_KEYS: tuple[Key, ...] = (("next", "done"), ("next", "terminated"), ("next", "truncated"), ("done",))
 
 
-def as_row_array(index: IndexLike) -> tuple[np.ndarray, bool]:
+def as_row_array(index: IndexLike, mask_lengths: tuple[int, ...] | None = None) -> tuple[np.ndarray, bool]:
     """Normalize a row index to a 1-D int64 array, and say whether it named a single row.
 
     Accepts an int, a 1-tuple (TorchRL's SliceSampler), a list, a numpy array, a tensor (bool
-    masks and CUDA tensors included) or a range. Bounds are not checked here.
+    masks and CUDA tensors included) or a range. An integer index of several dimensions is
+    flattened (:func:`index_shape` gives its shape back). Bounds are not checked here.
+
+    Args:
+        index: the index.
+        mask_lengths: the lengths a bool mask may have (None: any).
+
+    Raises:
+        IndexOutOfRangeError: a float index, a bool scalar, a tuple of several indices, or a bool
+            mask that is not 1-D or whose length is not one of ``mask_lengths``.
 
     Example:
         >>> as_row_array(torch.tensor([3, -1]))[0].tolist(), as_row_array(5)[1]
@@ -56,8 +65,8 @@ def as_row_array(index: IndexLike) -> tuple[np.ndarray, bool]:
         return np.array([int(index)], dtype=np.int64), True
     if isinstance(index, torch.Tensor):
         if index.dtype == torch.bool:
-            return np.flatnonzero(index.cpu().numpy()), False
-        if index.is_floating_point():
+            return _mask_rows(index.cpu().numpy(), mask_lengths), False
+        if index.is_floating_point() or index.is_complex():
             raise IndexOutOfRangeError(f"row indices must be integers, got a {index.dtype} tensor")
         scalar = index.ndim == 0
         return index.detach().cpu().reshape(-1).to(torch.int64).numpy(), scalar
@@ -65,10 +74,37 @@ def as_row_array(index: IndexLike) -> tuple[np.ndarray, bool]:
         return np.arange(index.start, index.stop, index.step, dtype=np.int64), False
     arr = np.asarray(index)
     if arr.dtype == bool:
-        return np.flatnonzero(arr), False
+        return _mask_rows(arr, mask_lengths), False
     if arr.size and not np.issubdtype(arr.dtype, np.integer):
         raise IndexOutOfRangeError(f"row indices must be integers, got dtype {arr.dtype}")
     return arr.astype(np.int64).reshape(-1), arr.ndim == 0
+
+
+def _mask_rows(mask: np.ndarray, lengths: tuple[int, ...] | None) -> np.ndarray:
+    if mask.ndim != 1 or (lengths is not None and mask.shape[0] not in lengths):
+        want = " or ".join(map(str, sorted(set(lengths)))) if lengths is not None else "any"
+        raise IndexOutOfRangeError(
+            f"a bool mask must be 1-D with {want} entries (the store's length or capacity), got shape "
+            f"{list(mask.shape)}; index with row numbers to read fewer rows")
+    return np.flatnonzero(mask)
+
+
+def index_shape(index: IndexLike) -> tuple[int, ...] | None:
+    """The shape of an integer index of two or more dimensions (a read keeps it, as TorchRL's
+    storages do), else None.
+
+    Example:
+        >>> index_shape(torch.zeros(2, 3, dtype=torch.int64)), index_shape([1, 2])
+        ((2, 3), None)
+    """
+    if isinstance(index, tuple) and len(index) == 1:
+        index = index[0]
+    if isinstance(index, (torch.Tensor, np.ndarray)) and index.ndim > 1 and index.dtype not in (torch.bool, np.bool_):
+        return tuple(index.shape)
+    if isinstance(index, list) and index and isinstance(index[0], (list, tuple, np.ndarray, torch.Tensor)):
+        arr = np.asarray(index)
+        return tuple(arr.shape) if arr.ndim > 1 and arr.dtype != bool else None
+    return None
 
 
 class RowSpace:
@@ -140,23 +176,40 @@ class RowSpace:
         """
         n = self.length
         if isinstance(index, slice):
-            return np.arange(*index.indices(n), dtype=np.int64), False
-        rows, scalar = as_row_array(index)
-        bad = (rows < -n) | (rows >= n)
-        if bad.any():
-            raise IndexOutOfRangeError(
-                f"index {int(rows[bad][0])} is out of range for a store of length {n} "
-                f"(valid: -{n} <= i < {n})" if n else
-                f"index {int(rows[bad][0])} is out of range: the store is empty (length 0)")
-        rows = np.where(rows < 0, rows + n, rows)
+            bounds = index.indices(n)
+            rows = np.arange(*bounds, dtype=np.int64)
+            if self.written[slice(*bounds)].all():  # a view: no gather for the common case
+                return rows, False
+            scalar = False
+        else:
+            rows, scalar = as_row_array(index, (n, self.capacity))
+            bad = (rows < -n) | (rows >= n)
+            if bad.any():
+                raise IndexOutOfRangeError(
+                    f"index {int(rows[bad][0])} is out of range for a store of length {n} "
+                    f"(valid: -{n} <= i < {n})" if n else
+                    f"index {int(rows[bad][0])} is out of range: the store is empty (length 0)")
+            rows = np.where(rows < 0, rows + n, rows)
+        self.check_written(rows, staged)
+        return rows, scalar
+
+    def check_written(self, rows: np.ndarray, staged: Callable[[np.ndarray], np.ndarray] | None = None) -> None:
+        """Refuse to read rows that were never written (``set`` beyond the length leaves holes):
+        their cells would be another row's or zeros.
+
+        Raises:
+            UnwrittenRowError: naming the first few such rows and how many there are.
+        """
         unwritten = ~self.written[rows]
         if unwritten.any() and staged is not None:
             unwritten &= staged(rows) < 0  # staged rows are written
         if unwritten.any():
-            raise IndexOutOfRangeError(
-                f"row {int(rows[unwritten][0])} was never written (length {n}); write it first or sample "
-                "written rows only")
-        return rows, scalar
+            holes = np.unique(rows[unwritten])
+            raise UnwrittenRowError(
+                f"row {int(holes[0])} was never written ({holes.size} never-written row(s) read: "
+                f"{holes[:8].tolist()}{' ...' if holes.size > 8 else ''}; length {self.length}). "
+                "A set() beyond the length leaves the rows in between unwritten: write them first, "
+                "or read and sample written rows only")
 
     def resolve_write(self, index: IndexLike, n: int) -> np.ndarray:
         """Rows a write of ``n`` rows names (negative indices count from the end of the capacity).
@@ -169,7 +222,7 @@ class RowSpace:
         if isinstance(index, slice):
             rows = np.arange(*index.indices(cap), dtype=np.int64)
         else:
-            rows, _ = as_row_array(index)
+            rows, _ = as_row_array(index, (self.length, cap))
         bad = (rows < -cap) | (rows >= cap)
         if bad.any():
             raise IndexOutOfRangeError(
@@ -188,7 +241,8 @@ class RowSpace:
         rows_t = torch.from_numpy(rows)
         n = rows.size
         for f in schema.dense_fields:  # a loop over fields, not rows
-            self.dense[f.key].index_copy_(0, rows_t, data.get(f.key).detach().reshape(n, *f.shape))
+            # as same-size integers: torch has no index_copy_ for uint16/32/64 and float8
+            as_bits(self.dense[f.key]).index_copy_(0, rows_t, as_bits(data.get(f.key).detach().reshape(n, *f.shape)))
 
     def write_dense_cells(self, schema: Schema, rows: np.ndarray, cells: dict[Key, torch.Tensor]) -> None:
         """Write the dense cells of a small write (one row: cells without a batch dimension)."""
@@ -201,12 +255,30 @@ class RowSpace:
             else:
                 rows_t = torch.from_numpy(rows)
                 for f in schema.dense_fields:
-                    self.dense[f.key].index_copy_(0, rows_t, cells[f.key].reshape(n, *f.shape).cpu())
+                    as_bits(self.dense[f.key]).index_copy_(0, rows_t, as_bits(cells[f.key].reshape(n, *f.shape).cpu()))
 
     def read_dense(self, key: Key, rows: np.ndarray, span: tuple[int, int] | None = None) -> torch.Tensor:
         """A dense column's cells of ``rows`` (a copy), or a view of ``span = (start, n)`` rows."""
         col = self.dense[key]
         return col.narrow(0, *span) if span else col.index_select(0, torch.from_numpy(rows))
+
+    def dense_array(self, key: Key) -> np.ndarray:
+        """A dense column as the numpy array a commit saves (a view; dtypes numpy lacks, such as
+        bfloat16 and float8, as the integers of their size: the manifest records the dtype)."""
+        return as_bits(self.dense[key]).numpy()
+
+    def load_dense(self, field: Field, array: np.ndarray) -> None:
+        """Use a saved column (:meth:`dense_array`'s form) as ``field``'s column, without a copy.
+
+        Raises:
+            CorruptionError: the array's dtype is not the one the field is saved as.
+        """
+        col = torch.from_numpy(array)
+        if col.dtype != bits_dtype(field.dtype):
+            raise CorruptionError(
+                f"dense column {key_to_str(field.key)!r} is saved as {col.dtype}, but its field is "
+                f"{field.dtype} (saved as {bits_dtype(field.dtype)}); the store is damaged")
+        self.dense[field.key] = col if col.dtype == field.dtype else col.view(field.dtype)
 
     # -- trajectories -----------------------------------------------------------------------
     def trajectory_ids(self, schema: Schema, data: TensorDictBase, n: int,

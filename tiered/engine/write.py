@@ -27,11 +27,12 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import psutil
 import torch
 from tensordict import TensorDictBase
 
 from ..codecs import Codec
-from ..errors import SchemaMismatchError
+from ..errors import InvalidArgumentError, SchemaMismatchError
 from ..index import OPEN, STORED, BlobIndex
 from ..schema import Field, Key, Schema, key_to_str, normalize_key, str_to_key
 from ..util.batch import exclusive_cumsum
@@ -41,7 +42,7 @@ from .placement import Placement
 from .rows import RowSpace
 from .stage import WriteStage
 
-__all__ = ["WritePath", "WriteOptions"]
+__all__ = ["WritePath", "WriteOptions", "check_layout_fits", "MAX_CHUNK_BYTES"]
 
 
 class WriteOptions:
@@ -126,6 +127,7 @@ class WritePath:
             schema = Schema.infer(data, blob_min_bytes=o.blob_min_bytes, blob_keys=o.blob_keys,
                                   dense_keys=o.dense_keys, frames=o.frames)
             n = schema.validate(data)
+            check_layout_fits(schema, self.rows.capacity, o.chunk_frames)
             self.adopt_schema(schema)
             return n
         return self.layout.schema.validate(data)
@@ -344,6 +346,38 @@ class WritePath:
         dead += [fam.release_tail(self.index) for fam in self.layout.families]
         self.rows.reset()
         self.release_blobs(np.unique(np.concatenate(dead)) if dead else np.empty(0, np.int64))
+
+
+#: The largest raw chunk (``chunk_frames`` frames of one family) a blob may hold.
+MAX_CHUNK_BYTES = 1 << 31
+
+
+def check_layout_fits(schema: Schema, capacity: int, chunk_frames: int) -> None:
+    """Refuse, before anything is allocated, a first write whose row metadata (dense columns and
+    row tables, held in memory) cannot fit this machine's memory, or whose chunks are too large.
+
+    Raises:
+        InvalidArgumentError: with the sizes and what to lower.
+
+    Example:
+        >>> from tiered.schema import Field
+        >>> check_layout_fits(Schema([Field(("x",), torch.float32, (4,), "dense")]), 1000, 4)
+    """
+    for f in schema.blob_fields:
+        if chunk_frames * f.frame_nbytes > MAX_CHUNK_BYTES:
+            raise InvalidArgumentError(
+                f"a chunk of {chunk_frames} frames of {key_to_str(f.key)!r} ({f.frame_nbytes:,} bytes each) "
+                f"would hold {chunk_frames * f.frame_nbytes:,} bytes, more than a blob may ({MAX_CHUNK_BYTES:,}); "
+                "lower chunk_frames or split the field into frames (frames={key: dim})")
+    # row tables: an int64 blob id and an int32 slot per frame; dense columns: their cells
+    per_row = 1 + sum(f.cell_nbytes for f in schema.dense_fields) + sum(12 * f.frames_per_row
+                                                                      for f in schema.blob_fields)
+    memory = psutil.virtual_memory().total
+    if capacity * per_row > memory:
+        raise InvalidArgumentError(
+            f"a store of capacity {capacity:,} with this schema keeps {per_row:,} bytes per row of dense columns "
+            f"and row tables in memory ({capacity * per_row:,} bytes), more than this machine's {memory:,}; "
+            "lower the capacity, or make large dense fields blob fields (blob_keys=...); nothing was written")
 
 
 def _cell_frames(f: Field, value: torch.Tensor, n: int) -> np.ndarray:

@@ -28,11 +28,16 @@ from __future__ import annotations
 
 import contextlib
 import os
+import struct
 import time
+import tokenize
+import zipfile
+import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import UnsupportedFormatError
+from ..errors import TieredError, UnsupportedFormatError
 from .common import (
     atomic_output,
     check_new_output,
@@ -96,9 +101,52 @@ def _check_format(fmt: str) -> str:
     return fmt
 
 
+#: What the readers (h5py, zipfile, numpy's .npy header parser, tensordict) raise for a damaged or
+#: foreign source; import reports them as :class:`UnsupportedFormatError` naming the source.
+_SOURCE_ERRORS = (OSError, ValueError, KeyError, TypeError, IndexError, RuntimeError, EOFError, SyntaxError,
+                  tokenize.TokenError, zipfile.BadZipFile, zlib.error, struct.error)
+
+
+@contextlib.contextmanager
+def _source_errors(fmt: str, src: Any) -> Iterator[None]:
+    try:
+        yield
+    except (TieredError, FileNotFoundError, MemoryError):
+        raise
+    except _SOURCE_ERRORS as e:
+        raise UnsupportedFormatError(
+            f"{os.fspath(src)}: cannot read it as a {fmt} dataset ({type(e).__name__}: {e}); the source is "
+            "damaged or not of that format") from e
+
+
+def _guarded_chunks(source: Any, chunk_rows: int | None, fmt: str, src: Any) -> Iterator[Any]:
+    """``source.chunks(chunk_rows)`` with read errors reported as :func:`_source_errors` does (errors of
+    the caller's work between two chunks are not touched)."""
+    with _source_errors(fmt, src):
+        it = iter(source.chunks(chunk_rows))
+    while True:
+        with _source_errors(fmt, src):
+            try:
+                td = next(it)
+            except StopIteration:
+                return
+        yield td
+
+
 def open_source(fmt: str, src: str | os.PathLike[str]) -> Any:
-    """A reader of ``src`` in format ``fmt`` (``.num_rows``, ``.chunks()``, ``.attrs()``, ``.close()``)."""
+    """A reader of ``src`` in format ``fmt`` (``.num_rows``, ``.chunks()``, ``.attrs()``, ``.close()``).
+
+    Raises:
+        UnsupportedFormatError: ``src`` is not a readable dataset of that format (its subclasses
+            :class:`~tiered.errors.InvalidDatasetError` and :class:`~tiered.errors.PickledDataError`
+            say why); FileNotFoundError: there is no ``src``.
+    """
     fmt = _check_format(fmt)
+    with _source_errors(fmt, src):
+        return _open_source(fmt, src)
+
+
+def _open_source(fmt: str, src: str | os.PathLike[str]) -> Any:
     if fmt == "d4rl":
         from .d4rl import D4RLSource
 
@@ -189,11 +237,12 @@ def _import(
     t0 = time.perf_counter()
     source = open_source(fmt, src)
     try:
-        n = source.num_rows
+        with _source_errors(fmt, src):
+            n = source.num_rows
+            attrs = source.attrs()
         if n == 0:
             raise UnsupportedFormatError(f"{src}: the dataset has no rows")
         cap = n if capacity is None else int(capacity)
-        attrs = source.attrs()
         fields: list[str] = []
         with atomic_output(dst, force=force) as tmp:
             # warm_bytes=0 / hot_bytes=0: blobs go straight to the cold tier (files), so the
@@ -213,7 +262,7 @@ def _import(
                 bar = progress_bar(n, f"import {fmt}", enabled=progress)
                 since_flush = 0
                 try:
-                    for td in source.chunks(chunk_rows):
+                    for td in _guarded_chunks(source, chunk_rows, fmt, src):
                         store.extend(td)
                         since_flush += td.shape[0]
                         if since_flush >= FLUSH_EVERY_ROWS:

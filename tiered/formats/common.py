@@ -199,15 +199,19 @@ def row_nbytes(shapes: dict[Any, tuple[tuple[int, ...], Any]]) -> int:
 
 
 def numpy_dtype(dtype: torch.dtype, key: str, fmt: str) -> np.dtype:
-    """The numpy dtype a field of ``dtype`` is written as; bfloat16 has none.
+    """The numpy dtype a field of ``dtype`` is written as.
 
     Raises:
-        UnsupportedFormatError: ``dtype`` is bfloat16 (numpy, HDF5 and npz cannot hold it).
+        UnsupportedFormatError: numpy has no such dtype (bfloat16, complex32, the float8 types), so
+            HDF5 and npz cannot hold it; raised before anything is written.
     """
-    if dtype == torch.bfloat16:
+    try:
+        return torch.empty((), dtype=dtype).numpy().dtype
+    except TypeError:
         raise UnsupportedFormatError(
-            f"field {key!r} is bfloat16, which {fmt} cannot hold; cast it to float32 first")
-    return torch.empty((), dtype=dtype).numpy().dtype
+            f"field {key!r} is {str(dtype).replace('torch.', '')}, which {fmt} cannot hold (numpy has no such "
+            "dtype); export to the torchrl format, or cast the field (e.g. to float32) in a copy of the "
+            "store first") from None
 
 
 def np_to_torch(a: np.ndarray) -> torch.Tensor:

@@ -45,7 +45,7 @@ import torch
 from tensordict import TensorDict
 
 from .. import fileio
-from ..errors import UnsupportedFormatError
+from ..errors import InvalidDatasetError, UnsupportedFormatError
 from ..schema import str_to_key
 from .common import (
     chunk_rows_for,
@@ -74,7 +74,8 @@ from .keymap import (
     to_flag,
 )
 
-__all__ = ["D4RLSource", "FlatSource", "write_d4rl", "plan_flat_columns", "EXTRAS_MAX_BYTES"]
+__all__ = ["D4RLSource", "FlatSource", "write_d4rl", "plan_flat_columns", "EXTRAS_MAX_BYTES", "ROW_DATASETS",
+           "check_row_columns"]
 
 #: Non-row datasets (D4RL's ``metadata/*``) up to this total size are kept in the import
 #: sidecar and written back on export; larger ones are skipped (and reported).
@@ -137,8 +138,9 @@ class FlatSource:
             self.num_rows = int(next(iter(self.columns.values())).shape[0])
         bad = {n: c.shape for n, c in self.columns.items() if not c.shape or c.shape[0] != self.num_rows}
         if bad:
-            raise UnsupportedFormatError(
-                f"{origin}: columns must all have {self.num_rows} rows; these differ: {bad}"
+            raise InvalidDatasetError(
+                f"{origin}: columns must all have {self.num_rows} rows (those of the first); these differ: "
+                f"{ {n: shape[0] if shape else 'a scalar' for n, shape in bad.items()} }; nothing was imported"
             )
         self.keys: dict[str, Key] = {
             n: (d4rl_to_key(n) if naming == "d4rl" else str_to_key(n.strip("/"))) for n in self.columns
@@ -293,6 +295,28 @@ def _write_extra(h: h5py.File, name: str, spec: dict[str, Any]) -> None:
         h.create_dataset(name, data=np.array(spec["value"], dtype=np.dtype(spec["dtype"])).reshape(shape))
 
 
+#: Datasets of a D4RL file that hold one entry per row (``infos/*`` too): one of another length is
+#: an error, never a non-row extra quietly left out of the rows.
+ROW_DATASETS = ("observations", "actions", "rewards", "terminals", "timeouts", "next_observations")
+
+
+def check_row_columns(path: str, datasets: Mapping[str, Any], n: int) -> None:
+    """Refuse a D4RL file whose per-row datasets disagree on the number of rows.
+
+    Raises:
+        InvalidDatasetError: naming each such dataset, the rows expected (those of
+            ``observations``) and the rows it has.
+    """
+    bad = {name: (d.shape[0] if d.shape else "a scalar") for name, d in datasets.items()
+           if (name in ROW_DATASETS or name.startswith("infos/")) and (not d.shape or d.shape[0] != n)}
+    if bad:
+        listed = "; ".join(f"{name!r} has {rows} rows" for name, rows in sorted(bad.items(), key=str))
+        raise InvalidDatasetError(
+            f"{path}: per-row datasets must have as many rows as 'observations' ({n}): {listed}. "
+            "The file is inconsistent (truncated or mixed from two datasets); fix or re-create it. "
+            "Nothing was imported")
+
+
 class D4RLSource(FlatSource):
     """A D4RL HDF5 file as a source of rows (see the module docstring).
 
@@ -315,7 +339,8 @@ class D4RLSource(FlatSource):
                     f"{path}: no 'observations' dataset, so this is not a D4RL-style file; datasets: "
                     f"{sorted(datasets)[:20]}"
                 )
-            n = datasets["observations"].shape[0]
+            n = datasets["observations"].shape[0] if datasets["observations"].shape else 0
+            check_row_columns(path, datasets, n)
             columns, extras, skipped = {}, {}, []
             budget = EXTRAS_MAX_BYTES
             for name, d in datasets.items():
@@ -326,7 +351,7 @@ class D4RLSource(FlatSource):
                     and d.dtype.kind in "biuf"
                 ):
                     columns[name] = d
-                elif d.nbytes <= budget:
+                elif d.nbytes <= budget and (d.dtype.kind in "biuf" or h5py.check_string_dtype(d.dtype)):
                     extras[name] = _read_extra(d)
                     budget -= d.nbytes
                 else:
@@ -338,11 +363,27 @@ class D4RLSource(FlatSource):
                 fmt="d4rl",
                 origin=path,
                 extras=extras,
-                file_attrs=dict(self._file.attrs),
+                file_attrs=self._plain_attrs(),
             )
         except BaseException:
             self._file.close()
             raise
+
+    def _plain_attrs(self) -> dict[str, Any]:
+        """File attributes JSON carries exactly (numbers, strings); the others are reported as dropped."""
+        out = {}
+        for k, v in self._file.attrs.items():
+            kind = np.asarray(v).dtype.kind
+            if kind in "biufUSO" and not (kind == "O" and not isinstance(v, str)):
+                out[k] = v
+            else:
+                self.skipped.append(f"attrs/{k}")
+        return out
+
+    def attrs(self) -> dict[str, Any]:
+        # non-row datasets too large for the sidecar, or of a kind JSON cannot carry exactly
+        # (opaque bytes, compound types), are named in the import report, never dropped unsaid
+        return {**super().attrs(), "dropped": list(self.skipped)}
 
     def close(self) -> None:
         self._file.close()

@@ -40,7 +40,7 @@ import torch
 from tensordict import TensorDict
 
 from .. import fileio
-from ..errors import UnsupportedFormatError
+from ..errors import PickledDataError, UnsupportedFormatError
 from .common import chunk_rows_for, iter_store
 from .keymap import Key, key_str
 
@@ -50,9 +50,15 @@ _INDEX_KEY = ("index",)
 
 
 def _load(path: str) -> TensorDict:
+    """``TensorDict.load_memmap`` that never unpickles: pickled fields run code when loaded."""
     try:
-        return TensorDict.load_memmap(path)
+        return TensorDict.load_memmap(path, allow_pickle=False)
     except Exception as e:  # noqa: BLE001 - tensordict raises many kinds for a bad directory
+        if "pickle" in str(e).lower():
+            raise PickledDataError(
+                f"{path} holds pickled Python objects (non-tensor fields saved with pickle); tiered never "
+                "unpickles data, since unpickling can run arbitrary code. Remove those fields from the "
+                "source (td.exclude(...)) or convert them to tensors, then import again") from None
         raise UnsupportedFormatError(
             f"{path} is not a TensorDict memmap directory ({type(e).__name__}: {e})"
         ) from None
@@ -175,6 +181,12 @@ def write_torchrl(
     """
     schema = store.schema
     fields = list(schema.values()) if schema is not None else []
+    unreadable = [f"{key_str(f.key)} ({f.dtype})" for f in fields if str(f.dtype).startswith("torch.float8")]
+    if unreadable:
+        # tensordict writes float8 memmaps but its load_memmap cannot read them back
+        raise UnsupportedFormatError(
+            f"fields {unreadable} have a float8 dtype, which TensorDict.load_memmap cannot read back; "
+            "cast them in a copy of the store first (e.g. to float16); nothing was written")
     n = int(rows.size)
     # a TensorDict of zero-strided views: tensordict lays out the directory and meta.json
     # without allocating the rows
