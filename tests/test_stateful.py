@@ -30,3 +30,10 @@ def test_store_matches_model(kind, record_property):
     print(f"\n{kind}: {ran['examples']} examples, {ran['steps']} steps: "
           + ", ".join(f"{k} {v}" for k, v in sorted(ran.items()) if k not in ("steps", "examples")))
     assert ran["examples"] >= examples // 2 and ran["steps"] >= examples * steps // 4, dict(ran)
+    # the budget reached what the machine is for: blobs moved between tiers, a full in-memory
+    # store refused writes, crashes threw unsynced writes away
+    assert ran["demotions"] > 0 and ran["promotions"] > 0, dict(ran)
+    if kind == "memory":
+        assert ran["storage_full"] > 0, dict(ran)
+    else:
+        assert ran["crash"] > 0 and ran["writes_undone"] > 0 and ran["io_error_flush"] > 0, dict(ran)
