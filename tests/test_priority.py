@@ -120,16 +120,16 @@ def test_jittering_priorities_do_not_make_the_cache_thrash(pong) -> None:
     held, cand = np.arange(10), np.arange(10, 20)
     policy.on_insert(np.arange(20))
     rng = np.random.default_rng(0)
-    full = TierState("warm", budget=160, bytes_used=160, exclusive=False, ids=held, sizes=np.full(10, 16))
+    full = TierState("warm", budget=1280, bytes_used=1280, exclusive=False, ids=held, sizes=np.full(10, 128))
     for _ in range(20):
         policy.set_priority(np.arange(20), 1.0 + 0.1 * rng.random(20))
         assert not policy.promote(cand, np.full(10, 16), full).any()
     policy.set_priority(cand[:2], 5.0)  # a clear winner does get in, and only as far as it beats
     assert policy.promote(cand, np.full(10, 16), full).tolist() == [True, True] + [False] * 8
-    # free space is taken without comparing, up to half the budget per call (a cache)
-    empty = TierState("warm", budget=160, bytes_used=0, exclusive=False, ids=np.empty(0, np.int64),
+    # free space is taken without comparing, up to an eighth of the budget per call
+    empty = TierState("warm", budget=1280, bytes_used=0, exclusive=False, ids=np.empty(0, np.int64),
                       sizes=np.empty(0, np.int64))
-    assert policy.admit(cand, np.full(10, 16), empty).sum() == 5
+    assert policy.admit(cand, np.full(10, 64), empty).sum() == 2
 
 
 def test_lru_and_fifo_keep_their_decisions_and_still_report_the_mass(pong) -> None:

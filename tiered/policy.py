@@ -442,8 +442,8 @@ class PriorityPolicy(Policy):
     ``1 + margin`` times the priority of the last blob that would leave for it (the tier's
     lowest-priority blobs leave first, as :meth:`victims` orders them). The margin is the
     hysteresis that keeps jittering priorities from swapping blobs in and out on every call.
-    At most a quarter of the budget (exclusive tiers) or half of it (caches) moves per call, as
-    with the other policies.
+    At most an eighth of the budget moves per call, so that the arena finds room for the batch
+    in its holes without pushing out more than the policy chose.
 
     Args:
         default: the priority of a blob no :meth:`set_priority` call has named (finite, >= 0).
@@ -456,10 +456,10 @@ class PriorityPolicy(Policy):
         >>> p.set_priority(np.array([0, 0, 2]), np.array([0.5, 3.0, 0.5]))  # blob 0 gets the max
         >>> p.order(np.array([0, 1, 2])).tolist()  # 2 (0.5), 1 (default 1.0), 0 (3.0)
         [2, 1, 0]
-        >>> full = TierState("warm", budget=64, bytes_used=64, exclusive=False,
-        ...                  ids=np.array([0, 1]), sizes=np.array([32, 32]))
         >>> p.on_insert(np.array([3, 4])); p.set_priority(np.array([3, 4]), np.array([1.1, 4.0]))
-        >>> p.promote(np.array([3, 4]), np.array([32, 32]), full).tolist()  # 4 beats blob 1 (1.0)
+        >>> big = TierState("warm", budget=512, bytes_used=512, exclusive=False,
+        ...                 ids=np.array([0, 1]), sizes=np.array([256, 256]))
+        >>> p.promote(np.array([3, 4]), np.array([32, 32]), big).tolist()  # 4 beats blob 1 (1.0)
         [False, True]
     """
 
@@ -540,7 +540,8 @@ class PriorityPolicy(Policy):
             ok = last < held.size
             bar[ok] = self._prio.get(held[leave_order[last[ok]]]) * (1.0 + self.margin)
             fits |= prio[best_first] > bar
-        limit = tier.budget // 4 if tier.exclusive else tier.budget // 2
+        # a small share per call: the arena finds room for it without emptying itself (holes)
+        limit = tier.budget // 8
         take[best_first[np.logical_and.accumulate(fits & (moved <= limit))]] = True
         return take
 

@@ -41,6 +41,7 @@ from torch.utils._pytree import tree_map
 try:
     from torchrl._utils import _make_ordinal_device
     from torchrl.data.replay_buffers.checkpointers import StorageCheckpointerBase
+    from torchrl.data.replay_buffers.samplers import PrioritizedSampler
     from torchrl.data.replay_buffers.storages import Storage, TensorStorage
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError(
@@ -552,9 +553,9 @@ class TieredStorage(TensorStorage):
         alpha to :attr:`TieredStore.priority_alpha`. A loop over attached buffers (one, usually).
         """
         for buffer in self._attached_entities_iter():
-            sampler = getattr(buffer, "_sampler", None)
-            if sampler is not None and hasattr(sampler, "_sum_tree") and \
-                    not isinstance(sampler.__dict__.get("update_priority"), _PriorityForwarder):
+            sampler = getattr(buffer, "sampler", None)
+            if isinstance(sampler, PrioritizedSampler) and not isinstance(
+                    vars(sampler).get("update_priority"), _PriorityForwarder):
                 sampler.update_priority = _PriorityForwarder(sampler, self)
 
     def __getstate__(self) -> dict[str, Any]:

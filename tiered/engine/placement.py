@@ -170,19 +170,21 @@ class Placement:
             return self.cache_into(t, ids, data, offsets, sizes)
         return self.cache_into(t, ids[admitted], data, offsets[admitted], sizes[admitted])
 
-    def allocate_in(self, t: int, sizes: np.ndarray, protect: np.ndarray | None = None) -> np.ndarray:
+    def allocate_in(self, t: int, sizes: np.ndarray, protect: np.ndarray | None = None,
+                    rounds: int = 4) -> np.ndarray:
         """Allocate in tier ``t``, moving policy victims out first.
 
         Enough free *bytes* may still not hold a batch when the free space is in small holes;
         then more victims leave (four times the batch, then sixteen times, then the whole budget)
-        until the holes coalesce. A bounded number of rounds, never a loop over blobs.
+        until the holes coalesce. A bounded number of rounds, never a loop over blobs. A cache
+        (``cache_into``) stops after two rounds: emptying a cache to fit one batch would throw
+        away the blobs the policy chose to keep.
         """
         tier = self.tiers[t]
         need = int(align(sizes).sum())
-        rounds = 4
         for attempt in range(rounds):
             room = need if attempt == 0 or tier.budget is None else min(tier.budget, need << (2 * attempt))
-            if attempt == rounds - 1 and tier.budget is not None:
+            if attempt == 3 and tier.budget is not None:
                 room = tier.budget
             self.make_room(t, room, protect)
             try:
@@ -239,7 +241,7 @@ class Placement:
         False when the tier cannot take them (full of unevictable blobs, GPU out of memory)."""
         tier = self.tiers[t]
         try:
-            loc = self.allocate_in(t, sizes)
+            loc = self.allocate_in(t, sizes, rounds=2)
         except (StorageFullError, ValueError):
             return False
         except torch.cuda.OutOfMemoryError:
