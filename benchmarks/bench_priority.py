@@ -22,7 +22,8 @@ rate (blobs served by the warm tier / blobs read, from ``stats()``), disk bytes 
 samples per second, and the warm tier's ``probability_mass`` at the end. The oracle: per batch,
 the best set of blobs that fits the same budget for the current priorities (blobs ranked by
 their sampling mass per byte: the mass of a blob is the probability that a sampled row's frame
-comes from it); its hit rate on the batch's blobs, and its share of the mass.
+comes from it); its hit rate on the batch's blobs, and its share of the mass. And the oracle as the
+issue states it: the top 10% of the bytes ranked by blob priority (the max over the rows).
 
 Usage:
     python benchmarks/bench_priority.py              # default run (~2-3 min on 2 loaded cores)
@@ -133,7 +134,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for s in stores.values():
         s.set_priority(np.arange(n), priority)
     per = {p: {"hits": [], "reads": [], "disk": [], "seconds": []} for p in POLICIES}
-    oracle_hits, oracle_mass = [], []
+    oracle_hits, oracle_mass, by_prio_hits, by_prio_mass = [], [], [], []
+    policy_view = view.placement.policy
     warmup = args.batches // 4
     for b in range(args.batches):
         weight = priority ** args.alpha
@@ -149,6 +151,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             batch_blobs = np.unique(refs[rows])
             oracle_hits.append(float(in_oracle[batch_blobs].mean()))
             oracle_mass.append(float(mass[chosen].sum() / mass.sum()))
+            # the issue's oracle: the best 10% of the bytes ranked by blob priority (max over rows)
+            ranked = blobs[np.argsort(-policy_view.priorities(blobs), kind="stable")]
+            top = ranked[: int(np.searchsorted(np.cumsum(nbytes[ranked]), budget, side="right"))]
+            in_top = np.zeros(nbytes.size, dtype=bool)
+            in_top[top] = True
+            by_prio_hits.append(float(in_top[batch_blobs].mean()))
+            by_prio_mass.append(float(mass[top].sum() / mass.sum()))
         for p in (POLICIES if b % 2 else POLICIES[::-1]):  # alternate the order: no store always first
             store = stores[p]
             drop_page_cache(path)
@@ -192,6 +201,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "batches": args.batches, "measured_batches": args.batches - warmup, "batch": args.batch,
         "alpha": args.alpha, "policies": results,
         "oracle": {"hit_rate": float(np.mean(oracle_hits)), "mass": float(np.mean(oracle_mass))},
+        "oracle_by_priority": {"hit_rate": float(np.mean(by_prio_hits)), "mass": float(np.mean(by_prio_mass))},
         "tmp": tmp,
     }
 
@@ -201,7 +211,10 @@ def report(res: dict[str, Any]) -> str:
     rows = [[p, f"{pol[p]['hit_rate']:.1%}", f"{pol[p]['disk_bytes_per_batch'] / 1024:.0f} KiB",
              f"{pol[p]['samples_per_s']:.0f}", f"{pol[p]['warm_probability_mass']:.1%}", pol[p]["promotions"]]
             for p in POLICIES]
-    rows.append(["oracle (best 10% for the current priorities)", f"{oracle['hit_rate']:.1%}", "", "",
+    by_prio = res["oracle_by_priority"]
+    rows.append(["oracle: top 10% of bytes by blob priority", f"{by_prio['hit_rate']:.1%}", "", "",
+                 f"{by_prio['mass']:.1%}", ""])
+    rows.append(["oracle: best 10% by sampling mass per byte", f"{oracle['hit_rate']:.1%}", "", "",
                  f"{oracle['mass']:.1%}", ""])
     table = markdown_table(["policy", "warm hit rate", "disk bytes / batch", "samples/s",
                             "warm probability mass", "promotions"], rows)
@@ -209,7 +222,9 @@ def report(res: dict[str, Any]) -> str:
     goals = [
         f"priority hit rate >= 2x LRU's: {pr:.1%} vs {lru:.1%} ({pr / max(lru, 1e-9):.2f}x) "
         f"{'PASS' if pr >= 2 * lru else 'FAIL'}",
-        f"priority hit rate >= 0.8x the oracle's: {pr:.1%} vs {oracle['hit_rate']:.1%} "
+        f"priority hit rate >= 0.8x the oracle's (top 10% by priority): {pr:.1%} vs {by_prio['hit_rate']:.1%} "
+        f"({pr / max(by_prio['hit_rate'], 1e-9):.2f}x) {'PASS' if pr >= 0.8 * by_prio['hit_rate'] else 'FAIL'}",
+        f"priority hit rate >= 0.8x the oracle's (best by mass per byte): {pr:.1%} vs {oracle['hit_rate']:.1%} "
         f"({pr / max(oracle['hit_rate'], 1e-9):.2f}x) {'PASS' if pr >= 0.8 * oracle['hit_rate'] else 'FAIL'}",
     ]
     head = (f"{res['rows']} rows, {res['compressed_bytes'] / 2**20:.1f} MiB of blobs, warm budget "
