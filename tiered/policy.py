@@ -1,18 +1,22 @@
 """Residency policies: which blobs leave a full tier, which new blobs a cache takes, which read
 blobs move up. A policy only decides; it never moves bytes.
 
-The store tells a policy which blobs were inserted, read and released (and, for ``priority``, the
-priorities the caller set). When a memory tier is full it asks :meth:`Policy.victims` which of the
-blobs in that tier should leave first; when new blobs are written to a store with a cold tier it
-asks :meth:`Policy.admit` which of them the memory tier caches; after a read it asks
-:meth:`Policy.promote` which of the blobs that came from a slower tier should move up. The
-:class:`TierState` passed to the last two is all a policy knows of the tier.
+The store tells a policy which blobs were inserted, read and released (and the blobs' priorities:
+each blob's maximum over the rows that reference it, kept exact by the store). When a memory tier
+is full it asks :meth:`Policy.victims` which of the blobs in that tier should leave first; when
+new blobs are written to a store with a cold tier it asks :meth:`Policy.admit` which of them the
+memory tier caches; after a read it asks :meth:`Policy.promote` which of the blobs that came from
+a slower tier should move up. The :class:`TierState` passed to the last two is all a policy knows
+of the tier.
 
 * ``fifo``: the oldest written blobs leave first.
 * ``lru``: the least recently read blobs leave first. Recency is counted per ``get`` call
   (an epoch counter), a CLOCK-like approximation that costs one vectorized store per call.
-* ``priority``: the caller passes priorities (``store.set_priority(rows, p)``); blobs whose
-  highest row priority is lowest leave first.
+* ``priority``: the caller passes row priorities (``store.set_priority(rows, p)``, or TorchRL's
+  prioritized samplers through :class:`tiered.torchrl.TieredStorage`); blobs whose priority is
+  lowest leave first, and a blob enters a full tier (admission, promotion) only when its priority
+  beats the priority of the blobs it would push out by a margin (hysteresis: priorities that
+  jitter do not make the hot set thrash).
 
 Ties are broken by age (the blob written first leaves first), then by the order of the ids the
 store passed. A policy's state (:meth:`Policy.state_arrays`) is plain numpy arrays, saved with
@@ -34,7 +38,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -63,6 +67,9 @@ class TierState:
         exclusive: ``True`` when the store has no cold tier, so a blob lives in exactly one
             memory tier (promoting moves it); ``False`` when the tier is a cache over a cold
             tier that holds every blob (promoting copies it).
+        ids: the blobs the tier holds, for policies that compare candidates with them
+            (:attr:`Policy.wants_residents`); ``None`` when the store did not gather them.
+        sizes: their aligned sizes in bytes (``None`` with ``ids``).
 
     Example:
         >>> TierState("warm", budget=1 << 20, bytes_used=0, exclusive=False)
@@ -73,6 +80,8 @@ class TierState:
     budget: int | None
     bytes_used: int
     exclusive: bool
+    ids: np.ndarray | None = field(default=None, repr=False, compare=False)
+    sizes: np.ndarray | None = field(default=None, repr=False, compare=False)
 
 
 class _Column:
@@ -130,6 +139,8 @@ class Policy(ABC):
     """
 
     name: str
+    #: whether :meth:`admit` and :meth:`promote` need :attr:`TierState.ids` (the tier's blobs)
+    wants_residents: bool = False
 
     def __init__(self) -> None:
         self._clock = 0
@@ -152,30 +163,34 @@ class Policy(ABC):
             column.set(ids, column.fill)
 
     def set_priority(self, ids: np.ndarray, priority: np.ndarray | float) -> None:
-        """Set per-blob priorities; policies other than ``priority`` only validate them.
+        """Set blob priorities (the store passes, per blob, the max over the rows that reference
+        it); policies other than ``priority`` only validate them.
 
         Args:
-            ids: blob ids (an id may appear several times).
+            ids: blob ids (an id may appear several times: it gets the largest of its values).
             priority: one priority per id, or one for all.
 
         Raises:
-            InvalidPriorityError: a priority is NaN or infinite.
+            InvalidPriorityError: a priority is NaN, infinite or negative (nothing changes).
 
         Example:
             >>> import numpy as np
             >>> get_policy("fifo").set_priority(np.array([0]), np.array([np.nan]))
             Traceback (most recent call last):
             ...
-            tiered.errors.InvalidPriorityError: priorities must be finite, got [nan]
+            tiered.errors.InvalidPriorityError: priorities must be finite and >= 0, got [nan]; ...
         """
         self._checked_priorities(ids, priority)
 
     @staticmethod
     def _checked_priorities(ids: np.ndarray, priority: np.ndarray | float) -> np.ndarray:
+        """``priority`` as float64 broadcast over ``ids``; raises on NaN, infinite or negative values."""
         priority = np.asarray(priority, dtype=np.float64)
-        bad = priority[~np.isfinite(priority)]
+        bad = priority[~np.isfinite(priority) | (priority < 0)]
         if bad.size:
-            raise InvalidPriorityError(f"priorities must be finite, got {bad.reshape(-1)[:5].tolist()}")
+            raise InvalidPriorityError(
+                f"priorities must be finite and >= 0, got {bad.reshape(-1)[:5].tolist()}; "
+                "fix the TD error / priority computation (e.g. nan_to_num, abs) before updating")
         return np.broadcast_to(priority.reshape(-1) if priority.ndim else priority, _ids(ids).shape)
 
     # -- decisions ----------------------------------------------------------------------------
@@ -415,10 +430,24 @@ class LruPolicy(Policy):
 
 
 class PriorityPolicy(Policy):
-    """Lowest priority first; blobs without a priority count as ``default``.
+    """Lowest priority first; a blob enters a full tier only by beating its victims by a margin.
+
+    Priorities come from the store: each blob's maximum over the rows that reference it (the
+    store keeps it exact across calls, overwrites, staged rows, shared frames and time chunks).
+    A blob the store has not given a priority counts as ``default``.
+
+    Admission (new blobs, stores with a cold tier) and promotion (blobs just read from a slower
+    tier) follow one rule: candidates are taken best first; those that fit the tier's free space
+    are taken; a candidate that needs room is taken only when its priority is more than
+    ``1 + margin`` times the priority of the last blob that would leave for it (the tier's
+    lowest-priority blobs leave first, as :meth:`victims` orders them). The margin is the
+    hysteresis that keeps jittering priorities from swapping blobs in and out on every call.
+    At most an eighth of the budget moves per call, so that the arena finds room for the batch
+    in its holes without pushing out more than the policy chose.
 
     Args:
         default: the priority of a blob no :meth:`set_priority` call has named (finite, >= 0).
+        margin: the relative advantage a candidate needs over the blobs it displaces (>= 0).
 
     Example:
         >>> import numpy as np
@@ -427,47 +456,94 @@ class PriorityPolicy(Policy):
         >>> p.set_priority(np.array([0, 0, 2]), np.array([0.5, 3.0, 0.5]))  # blob 0 gets the max
         >>> p.order(np.array([0, 1, 2])).tolist()  # 2 (0.5), 1 (default 1.0), 0 (3.0)
         [2, 1, 0]
+        >>> p.on_insert(np.array([3, 4])); p.set_priority(np.array([3, 4]), np.array([1.1, 4.0]))
+        >>> big = TierState("warm", budget=512, bytes_used=512, exclusive=False,
+        ...                 ids=np.array([0, 1]), sizes=np.array([256, 256]))
+        >>> p.promote(np.array([3, 4]), np.array([32, 32]), big).tolist()  # 4 beats blob 1 (1.0)
+        [False, True]
     """
 
     name = "priority"
+    wants_residents = True
 
-    def __init__(self, default: float = 1.0) -> None:
+    def __init__(self, default: float = 1.0, margin: float = 0.25) -> None:
         super().__init__()
-        default = float(default)
+        default, margin = float(default), float(margin)
         if not np.isfinite(default) or default < 0:
             raise InvalidPriorityError(f"the default priority must be finite and >= 0, got {default}")
+        if not np.isfinite(margin) or margin < 0:
+            raise ValueError(f"margin must be finite and >= 0, got {margin}")
         self._prio = _Column(np.float64, default)
         self.default = default
+        self.margin = margin
 
-    def on_insert(self, ids: np.ndarray) -> None:
-        super().on_insert(ids)
-        self._prio.set(_ids(ids), self.default)
+    # on_insert keeps the priority column as it is: a new id holds the fill value (``default``;
+    # on_release restores it), and an open time chunk that closes keeps the max its rows gave it.
 
     def set_priority(self, ids: np.ndarray, priority: np.ndarray | float) -> None:
         """Set the priority of blobs (the store passes, per blob, the max over its rows).
 
-        An id named several times gets the largest of its priorities in this call.
+        An id named several times gets the largest of its priorities in this call; a later call
+        replaces it.
 
         Raises:
             InvalidPriorityError: a priority is NaN, infinite or negative (nothing changes).
         """
-        priority = np.asarray(priority, dtype=np.float64)
-        if not np.isfinite(priority).all() or (priority < 0).any():
-            bad = priority[~np.isfinite(priority) | (priority < 0)]
-            raise InvalidPriorityError(
-                f"priorities must be finite and >= 0, got {bad.reshape(-1)[:5].tolist()}; "
-                "fix the TD error / priority computation (e.g. nan_to_num) before updating"
-            )
+        priority = self._checked_priorities(ids, priority)
         ids = _ids(ids)
         if ids.size:
-            priority = np.broadcast_to(priority.reshape(-1) if priority.ndim else priority, ids.shape)
-            # Several rows may map to one blob: keep the max (np.maximum.at handles duplicates).
+            # Several references may name one blob: keep the max (np.maximum.at handles duplicates).
             self._prio.reserve(ids)
             self._prio.data[ids] = -np.inf
             np.maximum.at(self._prio.data, ids, priority)
 
+    def priorities(self, ids: np.ndarray) -> np.ndarray:
+        """The priority of each blob of ``ids`` (``default`` where none was set).
+
+        Example:
+            >>> import numpy as np
+            >>> p = PriorityPolicy(default=0.5)
+            >>> p.set_priority(np.array([1]), 2.0)
+            >>> p.priorities(np.array([0, 1])).tolist()
+            [0.5, 2.0]
+        """
+        return self._prio.get(_ids(ids)).copy()
+
     def _keys(self, ids: np.ndarray) -> np.ndarray:
         return self._prio.get(ids)
+
+    def admit(self, ids: np.ndarray, sizes: np.ndarray, tier: TierState) -> np.ndarray:
+        """New blobs enter by the rule of the class docstring (free space, or a better priority)."""
+        return self._replacing(ids, sizes, tier)
+
+    def promote(self, ids: np.ndarray, sizes: np.ndarray, tier: TierState) -> np.ndarray:
+        """Read blobs move up by the rule of the class docstring (free space, or a better priority)."""
+        return self._replacing(ids, sizes, tier)
+
+    def _replacing(self, ids: np.ndarray, sizes: np.ndarray, tier: TierState) -> np.ndarray:
+        ids = _ids(ids)
+        sizes = align(np.asarray(sizes, dtype=np.int64).reshape(-1))
+        take = np.zeros(ids.shape, dtype=bool)
+        if not tier.budget or ids.size == 0:
+            return take
+        prio = self._prio.get(ids)
+        best_first = np.argsort(-prio, kind="stable")
+        moved = np.cumsum(sizes[best_first])
+        displaced = moved - max(int(tier.budget) - int(tier.bytes_used), 0)  # bytes that must leave
+        fits = displaced <= 0
+        if tier.ids is not None and tier.ids.size:
+            held = _ids(tier.ids)
+            leave_order = self._eviction_permutation(held)  # what victims() would pick, in order
+            left = np.cumsum(align(np.asarray(tier.sizes, dtype=np.int64).reshape(-1))[leave_order])
+            last = np.searchsorted(left, displaced)  # the last blob that leaves for each prefix
+            bar = np.full(ids.shape, np.inf)
+            ok = last < held.size
+            bar[ok] = self._prio.get(held[leave_order[last[ok]]]) * (1.0 + self.margin)
+            fits |= prio[best_first] > bar
+        # a small share per call: the arena finds room for it without emptying itself (holes)
+        limit = tier.budget // 8
+        take[best_first[np.logical_and.accumulate(fits & (moved <= limit))]] = True
+        return take
 
     def _columns(self) -> dict[str, _Column]:
         return {**super()._columns(), "priority": self._prio}

@@ -45,13 +45,13 @@ from tensordict import TensorDictBase
 from . import codecs
 from .engine.persistence import StoreFiles, commit_parts, open_commit, restore_commit
 from .engine.placement import Placement, memory_tiers
+from .engine.priorities import RowPriorities, checked_row_priorities
 from .engine.read import CpuReadPipeline, ReadPipeline, as_tensordict, contiguous_span
 from .engine.rows import IndexLike, RowSpace, as_row_array, index_shape
 from .engine.stats import store_stats
 from .engine.write import WriteOptions, WritePath
 from .errors import (
     InvalidArgumentError,
-    InvalidPriorityError,
     ReadOnlyStoreError,
     SchemaMismatchError,
     StoreClosedError,
@@ -174,8 +174,11 @@ class TieredStore:
         self._rows = RowSpace(capacity)
         self._index = index
         policy = get_policy(runtime["policy"])
+        priorities = RowPriorities(capacity, index, default=policy.default if isinstance(policy, PriorityPolicy)
+                                   else 1.0, active=isinstance(policy, PriorityPolicy))
         self._placement = Placement(memory_tiers(runtime["hot_bytes"], runtime["warm_bytes"], runtime["hot_device"],
-                                                 self._device), index, policy)
+                                                 self._device),
+                                    index, policy, priorities)
         self._write = WritePath(options, self._rows, index, self._placement, self._codec, runtime["stage_rows"])
         self._make_readers()
 
@@ -443,32 +446,71 @@ class TieredStore:
     # Priorities, stats, lifecycle
     # ------------------------------------------------------------------------------------
     def set_priority(self, index: IndexLike, priority: torch.Tensor | np.ndarray | float) -> None:
-        """Set per-row priorities used by the ``priority`` policy (a blob gets its rows' max)."""
+        """Set per-row priorities (as a prioritized replay sampler holds them).
+
+        A blob gets the maximum over the rows that reference it now, kept exact across calls,
+        overwrites, staged rows, shared frames and time chunks; with ``policy="priority"`` those
+        maxima decide which blobs stay in the fast tiers. A row just written starts at the
+        policy's default priority (1.0); a duplicate row in one call takes its last value.
+        Other policies keep the priorities for :meth:`stats` (``probability_mass``) only.
+
+        Args:
+            index: rows, as for :meth:`get`.
+            priority: one value per row, or one for all (finite, >= 0).
+
+        Raises:
+            InvalidPriorityError: a value is NaN, infinite or negative (the message names the
+                rows); nothing changes.
+            IndexOutOfRangeError: as :meth:`get`.
+
+        Example:
+            >>> from tensordict import TensorDict
+            >>> s = TieredStore(8, policy="priority")
+            >>> _ = s.extend(TensorDict({"x": torch.zeros(4, 32, 32)}, [4]))
+            >>> s.set_priority([0, 1], [0.5, 2.0])
+            >>> s.priorities([0, 1, 2]).tolist()
+            [0.5, 2.0, 1.0]
+        """
+        with self._lock:
+            if self._closed:
+                raise StoreClosedError("the store is closed; reopen it with tiered.open(path)")
+            rows, _ = self._resolve_read(index)
+            values = checked_row_priorities(rows, priority)
+            self._placement.set_row_priorities(self._write.layout, rows, values, self._write.stage)
+            self._changed = True  # priorities are saved by commits
+
+    def priorities(self, index: IndexLike) -> np.ndarray:
+        """The priority of each row of ``index`` (float64; see :meth:`set_priority`)."""
         with self._lock:
             rows, _ = self._resolve_read(index)
-            given = np.asarray(priority.detach().cpu().numpy() if isinstance(priority, torch.Tensor) else priority,
-                               dtype=np.float64).reshape(-1)
-            if given.size not in (1, rows.size):
-                raise InvalidPriorityError(
-                    f"got {given.size} priorities for {rows.size} rows; pass one per row, or one for all")
-            prio = np.broadcast_to(given, rows.shape)
-            policy = self._placement.policy
-            if not isinstance(policy, PriorityPolicy):
-                if not np.isfinite(prio).all():
-                    raise InvalidPriorityError(f"priorities must be finite, got {prio[~np.isfinite(prio)][:5]}")
-                return
-            if self._write.layout is not None:
-                self._changed = True  # the priority policy's state is saved by commits
-                policy.set_priority(*self._write.layout.blob_priorities(rows, prio))
+            return self._placement.priorities.row[rows].copy()
+
+    @property
+    def priority_alpha(self) -> float:
+        """The exponent of the sampling distribution, ``P(row) ~ priority ** alpha``, that
+        :meth:`stats` uses for ``probability_mass`` (1.0 by default; TorchRL's prioritized samplers
+        set theirs through :class:`~tiered.torchrl.TieredStorage`)."""
+        return self._placement.priorities.alpha
+
+    @priority_alpha.setter
+    def priority_alpha(self, value: float) -> None:
+        value = float(value)
+        if not np.isfinite(value) or value < 0:
+            raise ValueError(f"priority_alpha must be finite and >= 0, got {value}")
+        self._placement.priorities.alpha = value
 
     def stats(self) -> dict[str, Any]:
         """Memory and traffic figures.
 
         Returns:
             ``{"rows", "capacity", "codec", "blobs", "fields": {name: {...}}, "tiers": {name: {...}},
-            "staged_rows", "memory", "counters", "gpu"}``: per field its logical and stored bytes and
-            ratio (blob fields: unique frames, dedup and compression factors); per tier its bytes
-            used, budget, blobs, hits, promotions, demotions and fragmentation.
+            "staged_rows", "memory", "counters", "gpu", "priority"}``: per field its logical and
+            stored bytes and ratio (blob fields: unique frames, dedup and compression factors); per
+            tier its bytes used, budget, blobs, hits, promotions, demotions, fragmentation and
+            ``probability_mass``: the share of the sampling probability (row priority **
+            :attr:`priority_alpha`, over the written rows) whose frames the tier serves first (a
+            row's mass is split over its frames). ``priority`` gives ``alpha`` and the share
+            ``in_memory_raw`` served by open time chunks and staged rows.
         """
         with self._lock:
             return store_stats(self._rows, self._write.layout, self._index, self._placement, self._write.stage,

@@ -41,12 +41,14 @@ from torch.utils._pytree import tree_map
 try:
     from torchrl._utils import _make_ordinal_device
     from torchrl.data.replay_buffers.checkpointers import StorageCheckpointerBase
+    from torchrl.data.replay_buffers.samplers import PrioritizedSampler
     from torchrl.data.replay_buffers.storages import Storage, TensorStorage
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError(
         "tiered.torchrl needs TorchRL: pip install 'tiered[torchrl]' (torchrl>=0.9)") from e
 
 from .engine.manifest import MANIFEST
+from .engine.priorities import checked_row_priorities
 from .errors import PickledDataError, ReadOnlyStoreError, UnsupportedFormatError
 from .schema import Key
 from .store import TieredStore, as_row_array
@@ -417,6 +419,7 @@ class TieredStorage(TensorStorage):
         (``rb[i] = ...``, ``write_at``) the length does not change. The mutation revision goes up
         once per call.
         """
+        self._observe_prioritized_samplers()
         if set_cursor:
             self._set_last_cursor(cursor)
         if isinstance(cursor, slice):
@@ -536,6 +539,25 @@ class TieredStorage(TensorStorage):
             _read_checkpoint(self, Path(tmp))
         self._bump_mutation_revision()
 
+    # -- priorities: the prioritized samplers of the attached buffers reach the store ------------
+    def _observe_prioritized_samplers(self) -> None:
+        """Forward the priorities of every prioritized sampler reading this storage to the store.
+
+        TorchRL attaches each replay buffer to its storage before it builds the buffer's sampler,
+        and every priority a ``PrioritizedSampler`` (or ``PrioritizedSliceSampler``) holds goes
+        through its ``update_priority``: insert-time priorities (``mark_update``, called by the
+        writer right after ``set``), ``rb.update_priority`` and ``update_tensordict_priority``.
+        So on each write the attached buffers' samplers get a :class:`_PriorityForwarder` in
+        front of ``update_priority`` (once per sampler): it checks the priorities, lets the
+        sampler take them, then gives them to :meth:`TieredStore.set_priority` and the sampler's
+        alpha to :attr:`TieredStore.priority_alpha`. A loop over attached buffers (one, usually).
+        """
+        for buffer in self._attached_entities_iter():
+            sampler = getattr(buffer, "sampler", None)
+            if isinstance(sampler, PrioritizedSampler) and not isinstance(
+                    vars(sampler).get("update_priority"), _PriorityForwarder):
+                sampler.update_priority = _PriorityForwarder(sampler, self)
+
     def __getstate__(self) -> dict[str, Any]:
         # Storage's version handles the shared counters; the store pickles itself (a store with a
         # path is flushed and travels as "reopen read-only"; file handles are not pickled).
@@ -543,6 +565,36 @@ class TieredStorage(TensorStorage):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         Storage.__setstate__(self, state)
+
+
+class _PriorityForwarder:
+    """Stands in front of a prioritized sampler's ``update_priority`` (see
+    :meth:`TieredStorage._observe_prioritized_samplers`): bad priorities raise
+    :class:`~tiered.errors.InvalidPriorityError` naming the rows before the sampler or the store
+    changes; good ones go to the sampler, then to the store. Picklable with the sampler."""
+
+    def __init__(self, sampler: Any, storage: TieredStorage) -> None:
+        self.sampler = sampler
+        self.storage = storage
+
+    def __call__(self, index: Any, priority: Any, *, storage: Any = None) -> None:
+        rows = torch.as_tensor(index).detach().to("cpu", torch.long)
+        values = torch.as_tensor(priority).detach().to("cpu", torch.float64)
+        if rows.ndim == 0:
+            rows = rows.reshape(1)
+        rows = rows.reshape(-1)
+        values = values.reshape(-1).expand(rows.shape) if values.numel() == 1 else values.reshape(-1)
+        if values.numel() != rows.numel():  # let the sampler explain a shape it refuses
+            type(self.sampler).update_priority(self.sampler, index, priority, storage=storage)
+            return
+        keep = rows >= 0  # TorchRL's MaxValueWriter marks rows it did not write with -1
+        rows_np, values_np = rows[keep].numpy(), values[keep].numpy()
+        checked = checked_row_priorities(rows_np, values_np)  # raises before anything changes
+        type(self.sampler).update_priority(self.sampler, index, priority, storage=storage)
+        store = self.storage.store
+        store.priority_alpha = float(self.sampler.alpha)
+        if rows_np.size:
+            store.set_priority(rows_np, checked)
 
 
 # ----------------------------------------------------------------------------------------

@@ -252,6 +252,7 @@ def restore_commit(files: StoreFiles, body: dict[str, Any], mode: str, rows: Row
         write.release_blobs(dead)
     else:
         index.release(dead)
+    load_priorities(placement, body, load, write, files.path)
     files.read_only = mode == "r"
     check_consistency(files.path, rows, write.layout, index, placement.cold)
 
@@ -271,7 +272,10 @@ def commit_parts(files: StoreFiles, rows: RowSpace, write: WritePath, placement:
         "families": [{"frame_nbytes": f.frame_nbytes, "chunk_frames": f.chunk_frames}
                      for f in (layout.families if layout is not None else [])],
     }
-    files.commit(placement.cold, snapshot_arrays(rows, layout, write.index, placement.policy), body)
+    arrays = snapshot_arrays(rows, layout, write.index, placement.policy)
+    if placement.priorities is not None:
+        arrays.update({f"priority.{k}": v for k, v in placement.priorities.state_arrays().items()})
+    files.commit(placement.cold, arrays, body)
 
 
 def snapshot_arrays(rows: RowSpace, layout: FieldLayout | None, index: BlobIndex,
@@ -298,6 +302,21 @@ def load_policy(policy: Policy, body: dict[str, Any], load: ArrayLoader, live: n
         policy.load_state_arrays({k[len(prefix):]: np.array(load(k)) for k in names})
     else:  # an older commit, or another policy: every live blob counts as just inserted
         policy.on_insert(live)
+
+
+def load_priorities(placement: Placement, body: dict[str, Any], load: ArrayLoader, write: WritePath,
+                    path: str) -> None:
+    """Restore the saved row priorities (older commits have none: every row keeps the default)
+    and, when blob maxima are tracked, recount every blob from them."""
+    priorities = placement.priorities
+    if priorities is None:
+        return
+    names = [k for k in body["files"] if k.startswith("priority.")]
+    if names:
+        priorities.load_state_arrays({k[len("priority."):]: np.array(load(k)) for k in names}, where=path)
+        priorities.active |= bool((priorities.row != priorities.default).any())  # someone set them
+    if priorities.active and write.layout is not None:
+        placement.policy.set_priority(*priorities.recount_all(write.layout, None))
 
 
 def check_consistency(path: str, rows: RowSpace, layout: FieldLayout | None, index: BlobIndex,

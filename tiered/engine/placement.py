@@ -42,6 +42,9 @@ from ..tiers import DeviceTier, HostTier, Tier, default_budgets, parse_bytes
 from ..tiers.arena import cuda_usable
 from ..util.batch import exclusive_cumsum, isin
 from ..util.units import align
+from .layout import FieldLayout
+from .priorities import RowPriorities
+from .stage import WriteStage
 
 __all__ = ["Placement", "TIER_NAMES", "memory_tiers"]
 
@@ -86,12 +89,16 @@ class Placement:
         tiers: ``[hot, warm, cold]``, each a :class:`~tiered.tiers.Tier` or None.
         index: the blob index (its ``loc`` column is the placement's).
         policy: the residency policy asked for every decision.
+        priorities: the row priorities whose per-blob maxima the policy is told (see
+            :mod:`tiered.engine.priorities`); ``None`` keeps every blob at the policy's default.
     """
 
-    def __init__(self, tiers: list[Tier | None], index: BlobIndex, policy: Policy) -> None:
+    def __init__(self, tiers: list[Tier | None], index: BlobIndex, policy: Policy,
+                 priorities: RowPriorities | None = None) -> None:
         self.tiers = tiers
         self.index = index
         self.policy = policy
+        self.priorities = priorities
         self.counts = {name: {"hits": 0, "promotions": 0, "demotions": 0} for name in TIER_NAMES}
         self.oom_skipped_promotions = 0
         #: called after bytes were written into the hot arena (a GPU decoder fences its streams)
@@ -107,8 +114,14 @@ class Placement:
         return self.tiers[COLD]
 
     def tier_state(self, t: int) -> TierState:
+        """What the policy may know of tier ``t`` (its blobs too, when the policy compares with them)."""
         tier = self.tiers[t]
-        return TierState(TIER_NAMES[t], tier.budget, int(tier.bytes_used), exclusive=self.cold is None)
+        ids = sizes = None
+        if self.policy.wants_residents:
+            ids = self.tier_ids(t)
+            sizes = align(self.index.nbytes[ids])
+        return TierState(TIER_NAMES[t], tier.budget, int(tier.bytes_used), exclusive=self.cold is None,
+                         ids=ids, sizes=sizes)
 
     def tier_ids(self, t: int) -> np.ndarray:
         """Ids of the blobs tier ``t`` holds."""
@@ -166,19 +179,21 @@ class Placement:
             return self.cache_into(t, ids, data, offsets, sizes)
         return self.cache_into(t, ids[admitted], data, offsets[admitted], sizes[admitted])
 
-    def allocate_in(self, t: int, sizes: np.ndarray, protect: np.ndarray | None = None) -> np.ndarray:
+    def allocate_in(self, t: int, sizes: np.ndarray, protect: np.ndarray | None = None,
+                    rounds: int = 4) -> np.ndarray:
         """Allocate in tier ``t``, moving policy victims out first.
 
         Enough free *bytes* may still not hold a batch when the free space is in small holes;
         then more victims leave (four times the batch, then sixteen times, then the whole budget)
-        until the holes coalesce. A bounded number of rounds, never a loop over blobs.
+        until the holes coalesce. A bounded number of rounds, never a loop over blobs. A cache
+        (``cache_into``) stops after two rounds: emptying a cache to fit one batch would throw
+        away the blobs the policy chose to keep.
         """
         tier = self.tiers[t]
         need = int(align(sizes).sum())
-        rounds = 4
         for attempt in range(rounds):
             room = need if attempt == 0 or tier.budget is None else min(tier.budget, need << (2 * attempt))
-            if attempt == rounds - 1 and tier.budget is not None:
+            if attempt == 3 and tier.budget is not None:
                 room = tier.budget
             self.make_room(t, room, protect)
             try:
@@ -235,7 +250,7 @@ class Placement:
         False when the tier cannot take them (full of unevictable blobs, GPU out of memory)."""
         tier = self.tiers[t]
         try:
-            loc = self.allocate_in(t, sizes)
+            loc = self.allocate_in(t, sizes, rounds=2)
         except (StorageFullError, ValueError):
             return False
         except torch.cuda.OutOfMemoryError:
@@ -342,6 +357,32 @@ class Placement:
             from_tier[cand] = t
             self.counts[TIER_NAMES[t]]["promotions"] += int(cand.size)
         self._hot_written()
+
+    # -- priorities: the write path and the store report row changes; the policy hears blob maxima
+    def set_row_priorities(self, layout: FieldLayout | None, rows: np.ndarray, priority: np.ndarray,
+                           stage: WriteStage | None) -> None:
+        """Give ``rows`` checked priorities; the policy hears the recounted blob maxima."""
+        if self.priorities is None:
+            return
+        if not self.priorities.active:
+            self.policy.set_priority(*self.priorities.activate(layout, stage))
+        self.policy.set_priority(*self.priorities.set(layout, rows, priority, stage))
+
+    def rows_staged(self, layout: FieldLayout, rows: np.ndarray, stage: WriteStage) -> None:
+        """``rows`` now wait in the write stage with new data (their blobs lose them)."""
+        if self.priorities is not None and self.priorities.active:
+            self.policy.set_priority(*self.priorities.staged(layout, rows, stage))
+
+    def rows_written(self, layout: FieldLayout, rows: np.ndarray, previous_blobs: np.ndarray,
+                     stage: WriteStage | None) -> None:
+        """The write path pointed ``rows`` at new blobs (``previous_blobs``: what they named)."""
+        if self.priorities is not None and self.priorities.active:
+            self.policy.set_priority(*self.priorities.written(layout, rows, previous_blobs, stage))
+
+    def rows_cleared(self) -> None:
+        """Every row is gone (their blobs are released: the policy forgets them)."""
+        if self.priorities is not None:
+            self.priorities.cleared()
 
     # -- lifecycle ---------------------------------------------------------------------------
     def close(self) -> None:

@@ -22,7 +22,7 @@ from .placement import Placement
 from .rows import RowSpace
 from .stage import WriteStage
 
-__all__ = ["store_stats"]
+__all__ = ["store_stats", "tier_stats_with_mass"]
 
 
 def field_stats(rows: RowSpace, layout: FieldLayout, index: BlobIndex) -> dict[str, dict[str, Any]]:
@@ -56,19 +56,35 @@ def field_stats(rows: RowSpace, layout: FieldLayout, index: BlobIndex) -> dict[s
     return {key_to_str(f.key): fields[key_to_str(f.key)] for f in layout.schema.values()}
 
 
+def tier_stats_with_mass(rows: RowSpace, layout: FieldLayout | None, placement: Placement,
+                         stage: WriteStage | None) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+    """Per tier its figures plus ``probability_mass`` (the share of the sampling probability whose
+    frames it serves first); and the ``priority`` entry (``alpha``, the raw in-memory share)."""
+    tiers = placement.tier_stats()
+    priorities = placement.priorities
+    if priorities is None:
+        return tiers, {"alpha": None, "in_memory_raw": 0.0}
+    mass = priorities.tier_mass(layout, rows.written, stage, placement.locate)
+    for name, figures in tiers.items():
+        figures["probability_mass"] = mass[name]
+    return tiers, {"alpha": priorities.alpha, "in_memory_raw": mass["memory"]}
+
+
 def store_stats(rows: RowSpace, layout: FieldLayout | None, index: BlobIndex, placement: Placement,
                 stage: WriteStage | None, codec_name: str, counters: dict[str, int],
                 gpu: dict[str, Any] | None) -> dict[str, Any]:
     """The dict :meth:`tiered.TieredStore.stats` returns (see its docstring)."""
     families = layout.families if layout is not None else []
     tables = layout.tables.values() if layout is not None else []
+    tiers, priority = tier_stats_with_mass(rows, layout, placement, stage)
     return {
         "rows": rows.length,
         "capacity": rows.capacity,
         "codec": codec_name,
         "blobs": int(index.live_ids().size),
         "fields": field_stats(rows, layout, index) if layout is not None else {},
-        "tiers": placement.tier_stats(),
+        "tiers": tiers,
+        "priority": priority,
         "staged_rows": stage.count if stage is not None else 0,
         "memory": {
             "staged": stage.nbytes if stage is not None else 0,

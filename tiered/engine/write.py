@@ -209,6 +209,7 @@ class WritePath:
         self.rows.write_dense_cells(self.layout.schema, rows, cells)
         with torch.no_grad():
             stage.put(rows, cells)
+        self.placement.rows_staged(self.layout, rows, stage)
 
     def flush_stage(self) -> None:
         """Compress the staged rows through the batched path (all or nothing; the stage keeps
@@ -253,7 +254,7 @@ class WritePath:
                 self._abort(plan)
             raise
         # --- commit: nothing below can fail on bad input ---------------------------------
-        dead = []
+        dead, previous = [], []
         written = self.rows.written[rows]
         for fid, plan in enumerate(plans):
             fam = layout.families[fid]
@@ -271,11 +272,15 @@ class WritePath:
             # count the new references before dropping the old: frames both share must survive
             self.index.incref(blob)
             dead += [self.index.decref(old) for old in old_refs]
+            previous += old_refs
             self.placement.policy.on_insert(plan.closed_ids)
         self.rows.write_dense(layout.schema, rows, data)
         self.rows.mark_written(rows)
         self.rows.next_trajectory = next_trajectory
         self.release_blobs(np.unique(np.concatenate(dead)) if dead else np.empty(0, np.int64))
+        # blob priorities follow the rows (the max over the rows that reference each blob)
+        self.placement.rows_written(layout, rows, np.concatenate([np.empty(0, np.int64)] + [
+            p.reshape(-1) for p in previous]), self.stage)
 
     def encode_and_place(self, fam: FrameFamily, ids: np.ndarray, raw: np.ndarray, nframes: np.ndarray) -> None:
         """One batched encode of closed chunks, then placement; fills the index entries."""
@@ -345,6 +350,7 @@ class WritePath:
             t.blob[written] = -1
         dead += [fam.release_tail(self.index) for fam in self.layout.families]
         self.rows.reset()
+        self.placement.rows_cleared()
         self.release_blobs(np.unique(np.concatenate(dead)) if dead else np.empty(0, np.int64))
 
 

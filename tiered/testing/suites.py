@@ -48,7 +48,7 @@ from ..errors import CorruptionError, InvalidPriorityError, StorageFullError, Ti
 from ..policy import Policy, TierState
 from ..tiers import ALIGNMENT, Tier, align
 
-__all__ = ["CodecTests", "TierTests", "PolicyTests", "BlobHistory"]
+__all__ = ["CodecTests", "TierTests", "PolicyTests", "BlobHistory", "recounted_blob_priorities"]
 
 
 # =============================================================================== codecs
@@ -779,6 +779,49 @@ def _random_history(rng: np.random.Generator, steps: int) -> list[tuple[str, np.
     return events
 
 
+def recounted_blob_priorities(store: Any) -> tuple[np.ndarray, np.ndarray]:
+    """``(live blob ids, expected priorities)`` of a store, recounted the slow, obvious way: for each
+    live blob the max of the priorities of the unstaged rows whose table entries name it (0 when
+    none does). The reference the store's incremental bookkeeping is checked against.
+
+    Example:
+        >>> from tiered import TieredStore
+        >>> recounted_blob_priorities(TieredStore(4))[0].tolist()
+        []
+    """
+    from .inspection import parts
+
+    p = parts(store)
+    live = p.index.live_ids()
+    expected = np.zeros(live.size)
+    layout, stage = p.layout, p.write.stage
+    if layout is None:
+        return live, expected
+    rows = np.flatnonzero(p.rows.written)
+    if stage is not None and stage.count:
+        rows = rows[stage.staged(rows) < 0]
+    position = {int(b): i for i, b in enumerate(live.tolist())}
+    priority = store.priorities(rows) if rows.size else np.empty(0)
+    for table in layout.tables.values():  # the reference is a plain loop on purpose
+        for r, p_row in zip(rows.tolist(), priority.tolist(), strict=True):
+            for b in table.blob[r].tolist():
+                if b >= 0:
+                    expected[position[b]] = max(expected[position[b]], p_row)
+    return live, expected
+
+
+def _stacked_frames(n: int, seed: int, start: int = 0) -> Any:
+    """``n`` rows of 4-frame stacks over one frame sequence (row t shows frames t..t+3) with next
+    stacks: every frame is shared by up to 8 row entries, the sharing dedup turns into blob refs."""
+    from tensordict import TensorDict
+
+    frames = torch.from_numpy(np.random.default_rng(seed).integers(0, 8, (n + 4, 24, 24), dtype=np.uint8))
+    obs = torch.stack([frames[t:t + 4] for t in range(n)])
+    nxt = torch.stack([frames[t + 1:t + 5] for t in range(n)])
+    return TensorDict({"observation": obs, ("next", "observation"): nxt,
+                       ("collector", "traj_ids"): torch.full((n,), start)}, [n])
+
+
 class PolicyTests:
     """The policy contract (:class:`tiered.policy.Policy`). Subclass it and define
     :meth:`make_policy` and :meth:`eviction_key`.
@@ -948,6 +991,78 @@ class PolicyTests:
         policy = self._default_decision("promote")
         tier = TierState("warm", budget=budget, bytes_used=0, exclusive=exclusive)
         assert policy.promote(np.array([0, 1]), np.array([16, 16]), tier).tolist() == [False, False]
+
+    # -- the store: a blob's priority is the max over the rows that reference it --------------
+
+    def _store(self, path: Any = None, **options: Any) -> Any:
+        from ..store import TieredStore
+
+        options = {"frames": {"observation": 0}, "chunk_frames": 2, "stage_rows": 64, **options}
+        return TieredStore(32, path, policy=self.make_policy(), **options)
+
+    def _check_store(self, store: Any) -> None:
+        from .inspection import parts
+
+        live, expected = recounted_blob_priorities(store)
+        priorities = parts(store).placement.priorities
+        assert priorities.blob_priorities(live).tolist() == expected.tolist()
+        if hasattr(parts(store).placement.policy, "priorities"):
+            assert parts(store).placement.policy.priorities(live).tolist() == expected.tolist()
+
+    def test_store_blob_priority_is_the_max_over_sharing_rows_across_calls(self) -> None:
+        store = self._store(stage_rows=0)
+        store.extend(_stacked_frames(20, seed=0))
+        store.set_priority(np.arange(20), np.linspace(0.1, 2.0, 20))
+        self._check_store(store)
+        store.set_priority([5], 9.0)        # one row up: its blobs go up, shared ones included
+        self._check_store(store)
+        store.set_priority([5, 5, 6], [0.0, 0.2, 0.3])  # down again (duplicates: the last wins)
+        self._check_store(store)
+        assert store.priorities([5, 6]).tolist() == [0.2, 0.3]
+        store.extend(_stacked_frames(16, seed=1, start=1))  # overwrites rows 20..31 and 0..3
+        self._check_store(store)
+        store.set(np.array([7, 8]), _stacked_frames(2, seed=2, start=2))
+        self._check_store(store)
+        assert store.priorities([0, 7, 8]).tolist() == [1.0, 1.0, 1.0]  # rewritten: the default
+        assert store.priorities([10]).tolist() == [np.linspace(0.1, 2.0, 20)[10]]  # untouched
+
+    def test_store_priority_of_a_staged_row_lands_on_its_own_blobs(self) -> None:
+        store = self._store()
+        store.extend(_stacked_frames(24, seed=3))
+        store.flush()
+        store.set_priority(np.arange(24), 0.5)
+        store.set_priority([2], 7.0)
+        self._check_store(store)
+        # a small write is staged: row 2's table entries still name the old frames' blobs, which
+        # lose row 2 (and its 7.0) now; the 8.0 set while staged lands on the new blobs at the flush
+        store.set(2, _stacked_frames(1, seed=4, start=5)[0])
+        assert store.stats()["staged_rows"] == 1
+        self._check_store(store)
+        store.set_priority([2], 8.0)
+        self._check_store(store)
+        store.flush()
+        assert store.stats()["staged_rows"] == 0
+        self._check_store(store)
+        live, expected = recounted_blob_priorities(store)
+        assert 8.0 in expected.tolist() and 7.0 not in expected.tolist()
+
+    def test_store_priorities_survive_reopen(self, tmp_path: Any) -> None:
+        from ..store import TieredStore
+
+        path = tmp_path / "store"
+        store = self._store(path)
+        store.extend(_stacked_frames(24, seed=5))
+        rng = np.random.default_rng(0)
+        store.set_priority(np.arange(24), rng.pareto(1.5, 24))
+        rows_before = store.priorities(np.arange(24)).tolist()
+        live_before, expected_before = recounted_blob_priorities(store)
+        store.close()
+        reopened = TieredStore.open(path, mode="r+", policy=self.make_policy())
+        assert reopened.priorities(np.arange(24)).tolist() == rows_before
+        live, expected = recounted_blob_priorities(reopened)
+        assert live.tolist() == live_before.tolist() and expected.tolist() == expected_before.tolist()
+        self._check_store(reopened)
+        reopened.close()
 
     # -- saved state ----------------------------------------------------------------------
 
