@@ -600,7 +600,7 @@ class StoreModel(RuleBasedStateMachine):
     @rule(data=st.data())
     def reader(self, data: st.DataObject) -> None:
         """A read-only open sees the last commit, and stays valid until the writer's second commit
-        after it (see the known defect below); after that it may raise ChecksumError (the writer
+        after it; after that it may raise ChecksumError (the writer
         reused space), never return wrong data."""
         self.step("reader")
         if self.reader is None or data.draw(st.booleans(), label="new reader"):
@@ -612,12 +612,10 @@ class StoreModel(RuleBasedStateMachine):
         try:
             self.check_store(self.reader, "read-only reader", self.reader_state)
         except ChecksumError:
-            # KNOWN DEFECT (issue 12 item 8; the cold tier's deferred frees, released right after
-            # each commit): space freed between the reader's commit G and the writer's next
-            # commit G+1 is reused by writes after G+1, so a reader can fail one commit after its
-            # open instead of two. Tolerated from one commit on until that is fixed; wrong data
-            # is never tolerated (the reader's rows are compared above).
-            assert self.commits - self.reader_commits >= 1, (
+            # the cold tier reuses space freed by commit G+1 only after commit G+2, so a reader
+            # opened at commit G stays valid through the writer's next commit; after that it may
+            # fail its checksums (never return wrong data: the rows are compared above)
+            assert self.commits - self.reader_commits >= 2, (
                 f"a reader failed {self.commits - self.reader_commits} commit(s) after its open")
 
     def close_reader(self) -> None:

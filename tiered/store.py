@@ -483,7 +483,7 @@ class TieredStore:
         """The priority of each row of ``index`` (float64; see :meth:`set_priority`)."""
         with self._lock:
             rows, _ = self._resolve_read(index)
-            return self._placement.priorities.row[rows].copy()
+            return self._placement.priorities.of(rows)
 
     @property
     def priority_alpha(self) -> float:

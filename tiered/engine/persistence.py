@@ -314,7 +314,7 @@ def load_priorities(placement: Placement, body: dict[str, Any], load: ArrayLoade
     names = [k for k in body["files"] if k.startswith("priority.")]
     if names:
         priorities.load_state_arrays({k[len("priority."):]: np.array(load(k)) for k in names}, where=path)
-        priorities.active |= bool((priorities.row != priorities.default).any())  # someone set them
+        priorities.active = True  # someone set them (only then does a commit save them)
     if priorities.active and write.layout is not None:
         placement.policy.set_priority(*priorities.recount_all(write.layout, None))
 

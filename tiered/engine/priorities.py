@@ -112,13 +112,27 @@ class RowPriorities:
         self.index = index
         self.default = float(default)
         self.active = bool(active)
-        self.row = np.full(self.capacity, self.default, dtype=np.float64)
+        # allocated on first use: a store whose rows nobody prioritizes pays nothing per row
+        self._row: np.ndarray | None = None
         self._held = np.zeros(self.capacity, dtype=bool)  # staged rows that keep their priority
         #: the exponent of the sampling distribution (``P(row) ~ priority ** alpha``) used by
         #: :meth:`tier_mass`; TorchRL's prioritized samplers set theirs
         self.alpha = 1.0
         self._blob = np.full(1024, self.default, dtype=np.float64)  # blob maxima by id
         self._clear_reverse_index()
+
+    @property
+    def row(self) -> np.ndarray:
+        """float64 ``[capacity]``: each row's priority (allocated on first use)."""
+        if self._row is None:
+            self._row = np.full(self.capacity, self.default, dtype=np.float64)
+        return self._row
+
+    def of(self, rows: np.ndarray) -> np.ndarray:
+        """A copy of the priorities of ``rows`` (``default`` for rows nobody set)."""
+        if self._row is None:
+            return np.full(rows.shape, self.default, dtype=np.float64)
+        return self._row[rows].copy()
 
     def _clear_reverse_index(self) -> None:
         self._sorted_blob: np.ndarray | None = None  # table entries sorted by blob id ...
@@ -168,7 +182,8 @@ class RowPriorities:
 
     def cleared(self) -> None:
         """Every row is gone: every row priority goes back to ``default``."""
-        self.row[:] = self.default
+        if self._row is not None:
+            self._row[:] = self.default
         self._held[:] = False
         self._clear_reverse_index()
 
@@ -262,7 +277,8 @@ class RowPriorities:
         rows = np.flatnonzero(written)
         if layout is None or not layout.tables or rows.size == 0:
             return shares
-        weight = self.row[rows] ** self.alpha
+        weight = (self._row[rows] if self._row is not None
+                  else np.full(rows.shape, self.default, dtype=np.float64)) ** self.alpha
         total = float(weight.sum())
         if total <= 0:
             return shares
@@ -279,8 +295,9 @@ class RowPriorities:
 
     # -- saved state -----------------------------------------------------------------------------
     def state_arrays(self) -> dict[str, np.ndarray]:
-        """``{"rows": float64 [capacity]}``: what a reopened store recounts blob priorities from."""
-        return {"rows": self.row}
+        """``{"rows": float64 [capacity]}``: what a reopened store recounts blob priorities from
+        (nothing while every row is at ``default``: no row was ever given a priority)."""
+        return {} if self._row is None else {"rows": self._row}
 
     def load_state_arrays(self, arrays: dict[str, np.ndarray], where: str) -> None:
         """Restore saved row priorities (checked first: on an error nothing changes).
@@ -297,4 +314,4 @@ class RowPriorities:
         if bad.any():
             raise CorruptionError(f"{where}: row priority of row {int(np.flatnonzero(bad)[0])} is "
                                   f"{float(rows[bad][0])}; priorities are finite and >= 0")
-        self.row = np.array(rows, dtype=np.float64)
+        self._row = np.array(rows, dtype=np.float64)
