@@ -35,6 +35,7 @@ __all__ = [
     "InvalidPriorityError",
     "UnsupportedFormatError",
     "StoreExistsError",
+    "NotSharedError",
 ]
 
 
@@ -103,3 +104,8 @@ class UnsupportedFormatError(TieredError, ValueError):
 
 class StoreExistsError(TieredError, FileExistsError):
     """A new store was asked for at a path that already holds one (open it with :func:`tiered.open`)."""
+
+
+class NotSharedError(TieredError, RuntimeError):
+    """A write to a copy of an in-memory storage that another process received: its writes would
+    never reach the original (give the store a path and write from one process)."""
