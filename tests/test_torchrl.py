@@ -366,7 +366,8 @@ def test_dumps_loads_roundtrip(pong, tmp_path, fill, where):
     fresh.loads(tmp_path / "ckpt")
     assert len(fresh) == len(rb) == min(n, 50)
     assert fresh._writer._cursor == rb._writer._cursor
-    assert fresh.storage._last_cursor_index == rb.storage._last_cursor_index
+    # TorchRL's storages leave the last cursor as it was on loads (test_torchrl_contract.py compares)
+    assert fresh.storage._last_cursor_index is None
     assert_same(fresh[:], rb[:], "loaded rows")
     assert_same(fresh.sample(), rb.sample(), "next sample after loads")
     # the storage directory is a tiered store anyone can open
