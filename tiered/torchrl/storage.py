@@ -48,7 +48,140 @@ from .views import BlobLoader, LazyColumn, RowsView
 __all__ = ["TieredStorage"]
 
 
-class TieredStorage(TensorStorage):
+class _RowReads:
+    """TieredStorage's reads: rows, lazy views, column reads and TorchRL's conditional-update hooks.
+
+    A part of :class:`TieredStorage` (kept apart to keep each class short); it uses the storage's
+    store, form, side columns and ndim grid.
+    """
+
+    _store: TieredStore
+    _form: DataForm | None
+    _side: SideColumns
+    _grid: torch.Tensor | None
+
+    # -- reading ---------------------------------------------------------------------------------
+    def _check_initialized(self) -> None:
+        if not self.initialized:
+            raise RuntimeError("Cannot get elements out of a non-initialized storage.")
+
+    def _read_rows(self, index: Any) -> tuple[np.ndarray, torch.Size]:
+        """The stored rows an index reads (checked), and the shape of the result's batch."""
+        store = self._store
+        if self._grid is not None:
+            grid = self._grid[: self._len_along_dim0]
+            cells = grid[_torch_index(index)]
+            rows = cells.reshape(-1).numpy()
+            store.rows_of(rows)  # checks that every row was written
+            return rows, cells.shape
+        rows = store.rows_of(index)
+        if isinstance(index, slice):
+            return rows, torch.Size([rows.size])
+        if isinstance(index, tuple) and len(index) == 1:
+            index = index[0]
+        if isinstance(index, torch.Tensor) and index.dtype != torch.bool:
+            return rows, index.shape
+        if isinstance(index, np.ndarray) and index.dtype != bool:
+            return rows, torch.Size(index.shape)
+        return rows, torch.Size([] if as_row_array(index)[1] else [rows.size])
+
+    def get(self, index: Any) -> Any:
+        """Read rows, decoded in one batched call (a slice returns a lazy view, see ``__getitem__``).
+
+        Args:
+            index: an int (no batch dimension), a tensor/array/list, a 1-tuple of one (as TorchRL's
+                slice samplers produce), a range or a slice (physical row order); for ``ndim>1``, any
+                index of the grid. A key (``"done"``, ``("next", "done")``) reads that field of
+                every row, as ``storage[:][key]``.
+
+        Returns:
+            The rows in the form they were written (a TensorDict, tensor, tensorclass or pytree) on
+            ``device``.
+        """
+        self._check_initialized()
+        if is_key(index):
+            return self._column(index)
+        if isinstance(index, slice):
+            return self._view(index)
+        rows, shape = self._read_rows(index)
+        td = self._store.get(int(rows[0]) if len(shape) == 0 else rows)
+        if len(self._side):
+            for k, v in self._side.read(rows).items():
+                td.set(k, v[0] if len(shape) == 0 else v.to(td.device))
+        if len(shape) > 1:
+            td = td.reshape(shape)
+        return self._form.from_rows(_unfold_row_batch(td, self._form.row_batch))
+
+    def __getitem__(self, index: Any) -> Any:
+        """Like :meth:`get`, but slices and tuples (how TorchRL's samplers read) return lazy views.
+
+        A lazy view holds the dense columns (trajectory ids, done flags, rewards, ...) and decodes
+        its blob columns (frames) only when one of them is used, in one batched call.
+        """
+        if isinstance(index, (slice, tuple)) and not is_key(index):
+            self._check_initialized()
+            return self._view(index)
+        return self.get(index)
+
+    def _column(self, key: Any) -> torch.Tensor:
+        if self._form.kind != "tensordict":
+            raise KeyError(f"this storage holds {self._form.kind} data; read fields of rows instead of {key!r}")
+        value = self._view(slice(None)).get(key)
+        return value.materialize() if isinstance(value, LazyColumn) else value
+
+    def _view(self, index: Any) -> Any:
+        store = self._store
+        rows, shape = self._read_rows(index)
+        form = self._form
+        if form.kind in ("tensor", "pytree"):
+            return self.get(index if not isinstance(index, slice) else rows)
+        schema = store.schema
+        flat_slice = self._grid is None and isinstance(index, slice)
+        # a slice reads dense columns as views (no per-sample copy that grows with the buffer)
+        dense = store.get(index if flat_slice else rows, keys=[f.key for f in schema.dense_fields], copy=False)
+        blob_keys = [f.key for f in schema.blob_fields]
+        loader = None
+        if blob_keys:
+            loader = BlobLoader(lambda: {_as_key(k): v for k, v in store.get(rows, keys=blob_keys).items(True, True)},
+                                tuple(shape))
+        view = RowsView(batch_size=[*shape, *form.row_batch], device=dense.device)
+        for f in schema.values():  # the schema's key order, as a decoded get has
+            if f.kind == "dense":
+                view.set(f.key, dense.get(f.key).reshape(*shape, *f.shape))
+            else:
+                view.set(f.key, LazyColumn(loader, f.key, torch.Size([*shape, *f.shape]), f.dtype, store.device))
+        if len(self._side):
+            side = self._side.span(int(rows[0]), rows.size) if flat_slice and rows.size and index.step in (None, 1) \
+                else self._side.read(rows)
+            for k, v in side.items():
+                view.set(k, v.reshape(*shape, *v.shape[1:]).to(view.device))
+        view.bind(rows.reshape(shape) if len(shape) else rows, self.write_fields)
+        return form.from_rows(view)
+
+    # -- conditional updates (rb.update_if_present) ------------------------------------------------
+    def _conditional_patch_leaf(self, key: Any) -> torch.Tensor:
+        if not self.initialized:
+            raise RuntimeError(
+                "Conditional updates require an initialized storage. Write some "
+                "data to the buffer before calling update_if_present.")
+        view = self._view(slice(None))
+        leaf = view.get(key, default=None) if isinstance(view, TensorDictBase) else None
+        if leaf is None:
+            raise KeyError(
+                f"Key {key} does not exist in the storage. Conditional patches "
+                "can only target existing tensor fields of a tensordict storage.")
+        return leaf
+
+    def _apply_conditional_patch(self, index: torch.Tensor, patch: dict[Any, torch.Tensor]) -> None:
+        if self._grid is not None:
+            coords = tuple(index.unbind(-1)) if index.ndim > 1 else (index,)
+            rows = self._grid[tuple(c.cpu() for c in coords)].reshape(-1).numpy()
+        else:
+            rows = index.reshape(-1).cpu().numpy()
+        self.write_fields(rows, {_as_key(k): v.reshape(rows.size, *v.shape[1:]) for k, v in patch.items()})
+
+
+class TieredStorage(_RowReads, TensorStorage):
     """A TorchRL storage whose rows live in a compressed, tiered :class:`~tiered.TieredStore`.
 
     It is a ``TensorStorage`` (so TorchRL picks the identity collate function, and SliceSampler's
@@ -418,126 +551,6 @@ class TieredStorage(TensorStorage):
         # TorchRL's storages keep _last_cursor here; so does this one
         self._store.clear()
         self._bump_mutation_revision()
-
-    # -- reading ---------------------------------------------------------------------------------
-    def _check_initialized(self) -> None:
-        if not self.initialized:
-            raise RuntimeError("Cannot get elements out of a non-initialized storage.")
-
-    def _read_rows(self, index: Any) -> tuple[np.ndarray, torch.Size]:
-        """The stored rows an index reads (checked), and the shape of the result's batch."""
-        store = self._store
-        if self._grid is not None:
-            grid = self._grid[: self._len_along_dim0]
-            cells = grid[_torch_index(index)]
-            rows = cells.reshape(-1).numpy()
-            store.rows_of(rows)  # checks that every row was written
-            return rows, cells.shape
-        rows = store.rows_of(index)
-        if isinstance(index, slice):
-            return rows, torch.Size([rows.size])
-        if isinstance(index, tuple) and len(index) == 1:
-            index = index[0]
-        if isinstance(index, torch.Tensor) and index.dtype != torch.bool:
-            return rows, index.shape
-        if isinstance(index, np.ndarray) and index.dtype != bool:
-            return rows, torch.Size(index.shape)
-        return rows, torch.Size([] if as_row_array(index)[1] else [rows.size])
-
-    def get(self, index: Any) -> Any:
-        """Read rows, decoded in one batched call (a slice returns a lazy view, see ``__getitem__``).
-
-        Args:
-            index: an int (no batch dimension), a tensor/array/list, a 1-tuple of one (as TorchRL's
-                slice samplers produce), a range or a slice (physical row order); for ``ndim>1``, any
-                index of the grid. A key (``"done"``, ``("next", "done")``) reads that field of
-                every row, as ``storage[:][key]``.
-
-        Returns:
-            The rows in the form they were written (a TensorDict, tensor, tensorclass or pytree) on
-            ``device``.
-        """
-        self._check_initialized()
-        if is_key(index):
-            return self._column(index)
-        if isinstance(index, slice):
-            return self._view(index)
-        rows, shape = self._read_rows(index)
-        td = self._store.get(int(rows[0]) if len(shape) == 0 else rows)
-        if len(self._side):
-            for k, v in self._side.read(rows).items():
-                td.set(k, v[0] if len(shape) == 0 else v.to(td.device))
-        if len(shape) > 1:
-            td = td.reshape(shape)
-        return self._form.from_rows(_unfold_row_batch(td, self._form.row_batch))
-
-    def __getitem__(self, index: Any) -> Any:
-        """Like :meth:`get`, but slices and tuples (how TorchRL's samplers read) return lazy views.
-
-        A lazy view holds the dense columns (trajectory ids, done flags, rewards, ...) and decodes
-        its blob columns (frames) only when one of them is used, in one batched call.
-        """
-        if isinstance(index, (slice, tuple)) and not is_key(index):
-            self._check_initialized()
-            return self._view(index)
-        return self.get(index)
-
-    def _column(self, key: Any) -> torch.Tensor:
-        if self._form.kind != "tensordict":
-            raise KeyError(f"this storage holds {self._form.kind} data; read fields of rows instead of {key!r}")
-        value = self._view(slice(None)).get(key)
-        return value.materialize() if isinstance(value, LazyColumn) else value
-
-    def _view(self, index: Any) -> Any:
-        store = self._store
-        rows, shape = self._read_rows(index)
-        form = self._form
-        if form.kind in ("tensor", "pytree"):
-            return self.get(index if not isinstance(index, slice) else rows)
-        schema = store.schema
-        flat_slice = self._grid is None and isinstance(index, slice)
-        # a slice reads dense columns as views (no per-sample copy that grows with the buffer)
-        dense = store.get(index if flat_slice else rows, keys=[f.key for f in schema.dense_fields], copy=False)
-        blob_keys = [f.key for f in schema.blob_fields]
-        loader = None
-        if blob_keys:
-            loader = BlobLoader(lambda: {_as_key(k): v for k, v in store.get(rows, keys=blob_keys).items(True, True)},
-                                tuple(shape))
-        view = RowsView(batch_size=[*shape, *form.row_batch], device=dense.device)
-        for f in schema.values():  # the schema's key order, as a decoded get has
-            if f.kind == "dense":
-                view.set(f.key, dense.get(f.key).reshape(*shape, *f.shape))
-            else:
-                view.set(f.key, LazyColumn(loader, f.key, torch.Size([*shape, *f.shape]), f.dtype, store.device))
-        if len(self._side):
-            side = self._side.span(int(rows[0]), rows.size) if flat_slice and rows.size and index.step in (None, 1) \
-                else self._side.read(rows)
-            for k, v in side.items():
-                view.set(k, v.reshape(*shape, *v.shape[1:]).to(view.device))
-        view.bind(rows.reshape(shape) if len(shape) else rows, self.write_fields)
-        return form.from_rows(view)
-
-    # -- conditional updates (rb.update_if_present) ------------------------------------------------
-    def _conditional_patch_leaf(self, key: Any) -> torch.Tensor:
-        if not self.initialized:
-            raise RuntimeError(
-                "Conditional updates require an initialized storage. Write some "
-                "data to the buffer before calling update_if_present.")
-        view = self._view(slice(None))
-        leaf = view.get(key, default=None) if isinstance(view, TensorDictBase) else None
-        if leaf is None:
-            raise KeyError(
-                f"Key {key} does not exist in the storage. Conditional patches "
-                "can only target existing tensor fields of a tensordict storage.")
-        return leaf
-
-    def _apply_conditional_patch(self, index: torch.Tensor, patch: dict[Any, torch.Tensor]) -> None:
-        if self._grid is not None:
-            coords = tuple(index.unbind(-1)) if index.ndim > 1 else (index,)
-            rows = self._grid[tuple(c.cpu() for c in coords)].reshape(-1).numpy()
-        else:
-            rows = index.reshape(-1).cpu().numpy()
-        self.write_fields(rows, {_as_key(k): v.reshape(rows.size, *v.shape[1:]) for k, v in patch.items()})
 
     # -- other TorchRL entry points -------------------------------------------------------------
     def flatten(self) -> TensorStorage:
