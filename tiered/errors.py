@@ -39,6 +39,7 @@ __all__ = [
     "InvalidArgumentError",
     "InvalidDatasetError",
     "PickledDataError",
+    "NotSharedError",
 ]
 
 
@@ -129,3 +130,8 @@ class InvalidDatasetError(UnsupportedFormatError):
 class PickledDataError(UnsupportedFormatError):
     """A source holds pickled Python objects. tiered never unpickles data (unpickling can run
     arbitrary code), so the source is refused; convert those fields to tensors or remove them."""
+
+
+class NotSharedError(TieredError, RuntimeError):
+    """A write to a copy of an in-memory storage that another process received: its writes would
+    never reach the original (give the store a path and write from one process)."""

@@ -1,0 +1,713 @@
+"""TieredStorage: a TorchRL ``TensorStorage`` whose rows live in a :class:`~tiered.TieredStore`.
+
+The adapter turns what TorchRL hands a storage (TensorDicts, tensors, tensorclasses, pytrees;
+int, tensor, slice and tuple indices; ``ndim>1`` grids) into store rows and back
+(:mod:`tiered.torchrl.forms`), keeps fields that appear after the first write beside the store
+(:mod:`tiered.torchrl.columns`), and hands out lazy views (:mod:`tiered.torchrl.views`).
+Checkpointing is in :mod:`tiered.torchrl.checkpoint`.
+
+Example:
+    >>> import torch
+    >>> from tensordict import TensorDict
+    >>> from torchrl.data import ReplayBuffer
+    >>> storage = TieredStorage(100)
+    >>> rb = ReplayBuffer(storage=storage, batch_size=4)
+    >>> _ = rb.extend({"a": torch.arange(10), "b": {"c": torch.ones(10, 2)}})
+    >>> sorted(rb.sample())
+    ['a', 'b']
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from multiprocessing.context import get_spawning_popen
+from typing import Any
+
+import numpy as np
+import torch
+from tensordict import TensorDict, TensorDictBase, is_tensor_collection
+
+try:
+    from torchrl._utils import _make_ordinal_device
+    from torchrl.data.replay_buffers.checkpointers import StorageCheckpointerBase
+    from torchrl.data.replay_buffers.samplers import PrioritizedSampler
+    from torchrl.data.replay_buffers.storages import Storage, TensorStorage
+except ImportError as e:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        "tiered.torchrl needs TorchRL: pip install 'tiered[torchrl]' (torchrl>=0.9)") from e
+
+from ..engine.manifest import MANIFEST
+from ..engine.priorities import checked_row_priorities
+from ..errors import IndexOutOfRangeError, NotSharedError, SchemaMismatchError
+from ..schema import Key
+from ..store import TieredStore, as_row_array
+from .checkpoint import TieredStorageCheckpointer, dumps_with, loads_with
+from .columns import SideColumns
+from .forms import TENSOR_KEY, DataForm, flip_list, is_key
+from .views import BlobLoader, LazyColumn, RowsView
+
+__all__ = ["TieredStorage"]
+
+
+class _RowReads:
+    """TieredStorage's reads: rows, lazy views, column reads and TorchRL's conditional-update hooks.
+
+    A part of :class:`TieredStorage` (kept apart to keep each class short); it uses the storage's
+    store, form, side columns and ndim grid.
+    """
+
+    _store: TieredStore
+    _form: DataForm | None
+    _side: SideColumns
+    _grid: torch.Tensor | None
+
+    # -- reading ---------------------------------------------------------------------------------
+    def _check_initialized(self) -> None:
+        if not self.initialized:
+            raise RuntimeError("Cannot get elements out of a non-initialized storage.")
+
+    def _read_rows(self, index: Any) -> tuple[np.ndarray, torch.Size]:
+        """The stored rows an index reads (checked), and the shape of the result's batch."""
+        store = self._store
+        if self._grid is not None:
+            grid = self._grid[: self._len_along_dim0]
+            cells = grid[_torch_index(index)]
+            rows = cells.reshape(-1).numpy()
+            store.rows_of(rows)  # checks that every row was written
+            return rows, cells.shape
+        rows = store.rows_of(index)
+        if isinstance(index, slice):
+            return rows, torch.Size([rows.size])
+        if isinstance(index, tuple) and len(index) == 1:
+            index = index[0]
+        if isinstance(index, torch.Tensor) and index.dtype != torch.bool:
+            return rows, index.shape
+        if isinstance(index, np.ndarray) and index.dtype != bool:
+            return rows, torch.Size(index.shape)
+        return rows, torch.Size([] if as_row_array(index)[1] else [rows.size])
+
+    def get(self, index: Any) -> Any:
+        """Read rows, decoded in one batched call (a slice returns a lazy view, see ``__getitem__``).
+
+        Args:
+            index: an int (no batch dimension), a tensor/array/list, a 1-tuple of one (as TorchRL's
+                slice samplers produce), a range or a slice (physical row order); for ``ndim>1``, any
+                index of the grid. A key (``"done"``, ``("next", "done")``) reads that field of
+                every row, as ``storage[:][key]``.
+
+        Returns:
+            The rows in the form they were written (a TensorDict, tensor, tensorclass or pytree) on
+            ``device``.
+        """
+        self._check_initialized()
+        if is_key(index):
+            return self._column(index)
+        if isinstance(index, slice):
+            return self._view(index)
+        rows, shape = self._read_rows(index)
+        td = self._store.get(int(rows[0]) if len(shape) == 0 else rows)
+        if len(self._side):
+            for k, v in self._side.read(rows).items():
+                td.set(k, v[0] if len(shape) == 0 else v.to(td.device))
+        if len(shape) > 1:
+            td = td.reshape(shape)
+        return self._form.from_rows(_unfold_row_batch(td, self._form.row_batch))
+
+    def __getitem__(self, index: Any) -> Any:
+        """Like :meth:`get`, but slices and tuples (how TorchRL's samplers read) return lazy views.
+
+        A lazy view holds the dense columns (trajectory ids, done flags, rewards, ...) and decodes
+        its blob columns (frames) only when one of them is used, in one batched call.
+        """
+        if isinstance(index, (slice, tuple)) and not is_key(index):
+            self._check_initialized()
+            return self._view(index)
+        return self.get(index)
+
+    def _column(self, key: Any) -> torch.Tensor:
+        if self._form.kind != "tensordict":
+            raise KeyError(f"this storage holds {self._form.kind} data; read fields of rows instead of {key!r}")
+        value = self._view(slice(None)).get(key)
+        return value.materialize() if isinstance(value, LazyColumn) else value
+
+    def _view(self, index: Any) -> Any:
+        store = self._store
+        rows, shape = self._read_rows(index)
+        form = self._form
+        if form.kind in ("tensor", "pytree"):
+            return self.get(index if not isinstance(index, slice) else rows)
+        schema = store.schema
+        flat_slice = self._grid is None and isinstance(index, slice)
+        # a slice reads dense columns as views (no per-sample copy that grows with the buffer)
+        dense = store.get(index if flat_slice else rows, keys=[f.key for f in schema.dense_fields], copy=False)
+        blob_keys = [f.key for f in schema.blob_fields]
+        loader = None
+        if blob_keys:
+            loader = BlobLoader(lambda: {_as_key(k): v for k, v in store.get(rows, keys=blob_keys).items(True, True)},
+                                tuple(shape))
+        view = RowsView(batch_size=[*shape, *form.row_batch], device=dense.device)
+        for f in schema.values():  # the schema's key order, as a decoded get has
+            if f.kind == "dense":
+                view.set(f.key, dense.get(f.key).reshape(*shape, *f.shape))
+            else:
+                view.set(f.key, LazyColumn(loader, f.key, torch.Size([*shape, *f.shape]), f.dtype, store.device))
+        if len(self._side):
+            side = self._side.span(int(rows[0]), rows.size) if flat_slice and rows.size and index.step in (None, 1) \
+                else self._side.read(rows)
+            for k, v in side.items():
+                view.set(k, v.reshape(*shape, *v.shape[1:]).to(view.device))
+        view.bind(rows.reshape(shape) if len(shape) else rows, self.write_fields)
+        return form.from_rows(view)
+
+    # -- conditional updates (rb.update_if_present) ------------------------------------------------
+    def _conditional_patch_leaf(self, key: Any) -> torch.Tensor:
+        if not self.initialized:
+            raise RuntimeError(
+                "Conditional updates require an initialized storage. Write some "
+                "data to the buffer before calling update_if_present.")
+        view = self._view(slice(None))
+        leaf = view.get(key, default=None) if isinstance(view, TensorDictBase) else None
+        if leaf is None:
+            raise KeyError(
+                f"Key {key} does not exist in the storage. Conditional patches "
+                "can only target existing tensor fields of a tensordict storage.")
+        return leaf
+
+    def _apply_conditional_patch(self, index: torch.Tensor, patch: dict[Any, torch.Tensor]) -> None:
+        if self._grid is not None:
+            coords = tuple(index.unbind(-1)) if index.ndim > 1 else (index,)
+            rows = self._grid[tuple(c.cpu() for c in coords)].reshape(-1).numpy()
+        else:
+            rows = index.reshape(-1).cpu().numpy()
+        self.write_fields(rows, {_as_key(k): v.reshape(rows.size, *v.shape[1:]) for k, v in patch.items()})
+
+
+class TieredStorage(_RowReads, TensorStorage):
+    """A TorchRL storage whose rows live in a compressed, tiered :class:`~tiered.TieredStore`.
+
+    It is a ``TensorStorage`` (so TorchRL picks the identity collate function, and SliceSampler's
+    ``end_key`` fallback, ``Sequence`` sample units and sample consumption accept it) and works with
+    ``ReplayBuffer``, ``TensorDictReplayBuffer`` and ``TensorDictPrioritizedReplayBuffer`` and
+    every sampler and writer of TorchRL. Data comes back in the form it was written: TensorDicts,
+    tensors, tensorclasses or pytrees.
+
+    Args:
+        max_size: number of rows (the store's capacity). May be ``None`` when ``path`` holds an
+            existing store, whose capacity is then used.
+        path: a directory for the store. A new directory (or one without a store) creates a
+            durable store there; a directory holding a store opens it (see ``mode``). ``None``
+            keeps everything in memory.
+
+    Keyword Args:
+        device: where sampled data is returned (the store's ``device``). Default ``"cpu"``.
+        mode: for an existing store at ``path``: ``"r+"`` (default; read and write) or ``"r"``
+            (read-only, e.g. an offline dataset; any number of readers).
+        checkpointer: TorchRL checkpointer; default :class:`TieredStorageCheckpointer`, which writes
+            the tiered store format. TorchRL's own (``Flat``/``Nested``/``H5StorageCheckpointer``)
+            work too, through a decoded copy of the rows.
+        ndim: storage dimensions, as ``LazyTensorStorage(ndim=...)``: with ``ndim=2`` a write of
+            ``[n_envs, T]`` data through a ``ReplayBuffer`` fills a ``[max_size // n_envs, n_envs]``
+            grid, indexed exactly as TorchRL's storage is.
+        compilable: accepted for TorchRL's compiled buffers; it makes TorchRL keep its counters as
+            plain numbers. Reads and writes still run eagerly (the decode is not traced).
+        **store_options: passed to :class:`~tiered.TieredStore` unchanged (``frames``,
+            ``chunk_frames``, ``codec``, ``warm_bytes``, ``hot_bytes``, ``dedup``, ...).
+
+    Example:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> from torchrl.data import ReplayBuffer, SliceSampler
+        >>> from tiered.torchrl import TieredStorage
+        >>> rb = ReplayBuffer(storage=TieredStorage(100), sampler=SliceSampler(slice_len=4), batch_size=8)
+        >>> td = TensorDict({"observation": torch.zeros(20, 64, 64, dtype=torch.uint8),
+        ...                  "episode": torch.arange(20) // 10}, batch_size=[20])
+        >>> _ = rb.extend(td)
+        >>> rb.sample()["episode"].shape
+        torch.Size([8])
+    """
+
+    _default_checkpointer = TieredStorageCheckpointer
+    supports_conditional_update = True
+    _storage = None
+
+    def __init__(
+        self,
+        max_size: int | None = None,
+        path: str | os.PathLike | None = None,
+        *,
+        device: str | torch.device = "cpu",
+        mode: str | None = None,
+        checkpointer: StorageCheckpointerBase | None = None,
+        ndim: int = 1,
+        compilable: bool = False,
+        **store_options: Any,
+    ):
+        if isinstance(ndim, bool) or not isinstance(ndim, int) or ndim < 1:
+            raise ValueError(f"ndim must be an int >= 1, got {ndim!r}")
+        if device == "auto":
+            raise ValueError("TieredStorage needs an explicit device (e.g. 'cpu' or 'cuda'), not 'auto'")
+        existing = path is not None and os.path.exists(os.path.join(os.fspath(path), MANIFEST))
+        rebuild = None
+        if existing:
+            store = TieredStore.open(path, mode=mode or "r+", device=device, **store_options)
+            if max_size is not None and int(max_size) != store.capacity:
+                cap = store.capacity
+                store.close()
+                raise ValueError(
+                    f"the store at {os.fspath(path)!r} has capacity {cap} but max_size={max_size}; "
+                    f"pass max_size={cap} (or None) to open it")
+        else:
+            if mode == "r":
+                raise FileNotFoundError(f"mode='r' opens an existing store; {os.fspath(path)!r} holds none")
+            if max_size is None:
+                raise ValueError("max_size is needed to create a new store")
+            store = TieredStore(int(max_size), path, device=device, **store_options)
+            # an ndim>1 storage learns its grid (and so its capacity) from the first write
+            rebuild = {"path": path, "device": device, **store_options}
+        self._setup(store, checkpointer, ndim=ndim, compilable=compilable)
+        self._rebuild = rebuild
+
+    @classmethod
+    def from_store(
+        cls,
+        store: TieredStore,
+        *,
+        checkpointer: StorageCheckpointerBase | None = None,
+    ) -> TieredStorage:
+        """Wrap an existing store (e.g. an offline dataset opened with ``tiered.open(path)``).
+
+        The storage shares the store's rows and length; a read-only store gives a read-only
+        storage (writes raise :class:`~tiered.errors.ReadOnlyStoreError`).
+
+        Example:
+            >>> import tiered
+            >>> from torchrl.data import TensorDictReplayBuffer, SliceSampler
+            >>> store = tiered.open("pong.tiered", mode="r")  # doctest: +SKIP
+            >>> rb = TensorDictReplayBuffer(storage=TieredStorage.from_store(store),
+            ...     sampler=SliceSampler(slice_len=8), batch_size=64)  # doctest: +SKIP
+            >>> rb.sample()["observation"].shape  # doctest: +SKIP
+            torch.Size([64, 4, 84, 84])
+        """
+        self = cls.__new__(cls)
+        self._setup(store, checkpointer)
+        self._rebuild = None
+        return self
+
+    def _setup(self, store: TieredStore, checkpointer: StorageCheckpointerBase | None, *, ndim: int = 1,
+               compilable: bool = False) -> None:
+        self._store = store
+        Storage.__init__(self, store.capacity, checkpointer=checkpointer, compilable=compilable)
+        self.ndim = ndim
+        self.device = _make_ordinal_device(torch.device(store.device))
+        self._last_cursor = None
+        self.__dict__["_storage_keys"] = None
+        self._side = SideColumns(store.capacity)
+        self._snapshot = False  # a copy another process received (see __getstate__)
+        self._grid: torch.Tensor | None = None  # ndim>1: stored row of each grid cell
+        self._form: DataForm | None = None
+        if store.schema is not None:
+            self._form = DataForm("tensor" if list(store.schema) == [(TENSOR_KEY,)] else "tensordict")
+        if len(store):
+            # an opened store: the last row written precedes the store's cursor (SliceSampler uses
+            # it to cut trajectories at the ring seam)
+            self._set_last_cursor(int((store.cursor - 1) % store.capacity))
+
+    # -- the store -----------------------------------------------------------------------------
+    @property
+    def store(self) -> TieredStore:
+        """The :class:`~tiered.TieredStore` holding the rows (fields present at the first write)."""
+        return self._store
+
+    @property
+    def side_columns(self) -> SideColumns:
+        """Fields that appeared after the first write, kept uncompressed beside the store."""
+        return self._side
+
+    @property
+    def form(self) -> DataForm | None:
+        """The form data came in (None before the first write)."""
+        return self._form
+
+    @property
+    def grid_shape(self) -> tuple[int, ...] | None:
+        """An ``ndim>1`` storage's grid (``[max_size // n_envs, n_envs]``), once the first write fixed it."""
+        return tuple(self._grid.shape) if self._grid is not None else None
+
+    def restore_layout(self, form: DataForm | None, grid_shape: list[int] | tuple[int, ...] | None) -> None:
+        """Take the data form and ``ndim>1`` grid of a checkpoint before its rows are loaded."""
+        if form is not None:
+            self._form = form
+        if grid_shape is not None and self.ndim > 1 and self._grid is None:
+            grid = torch.Size(grid_shape)
+            probe = TensorDict(batch_size=[1, *grid[1:]])
+            self.max_size = max(self.max_size, grid.numel()) if len(self._store) == 0 else self.max_size
+            self._make_grid(probe, scalar=False)
+
+    def stats(self) -> dict[str, Any]:
+        """The store's :meth:`~tiered.TieredStore.stats`."""
+        return self._store.stats()
+
+    def flush(self) -> None:
+        """Compress pending frames and, with a path, commit durably (:meth:`TieredStore.flush`)."""
+        self._store.flush()
+
+    def close(self) -> None:
+        """Close the store (flushing a store with a path)."""
+        self._store.close()
+
+    # -- length, shape, state that TorchRL reads -------------------------------------------------
+    @property
+    def _len(self) -> int:
+        # TorchRL writes `_len` directly (writers' write_at, checkpointers); the store's counter
+        # is the only one, so both always agree.
+        return len(self._store)
+
+    @_len.setter
+    def _len(self, value: int) -> None:
+        self._store.set_length(int(value))
+
+    @property
+    def initialized(self) -> bool:
+        """Whether the first write has fixed the store's schema."""
+        return self._store.schema is not None
+
+    @initialized.setter
+    def initialized(self, value: bool) -> None:
+        # TorchRL's TensorStorage assigns this; here it is derived from the store's schema.
+        pass
+
+    @property
+    def _tensor_mode(self) -> bool:
+        return self._form is not None and self._form.kind == "tensor"
+
+    @property
+    def _total_shape(self) -> torch.Size | None:
+        if not self.initialized:
+            return None
+        return torch.Size(self._grid.shape) if self._grid is not None else torch.Size([self.max_size])
+
+    def __len__(self) -> int:
+        return len(self._store)
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(max_size={self.max_size}, len={len(self)}, ndim={self.ndim}, "
+                f"device={self.device}, store={self._store!r})")
+
+    # -- writing ---------------------------------------------------------------------------------
+    def set(self, cursor: Any, data: Any, *, set_cursor: bool = True) -> None:
+        """Write rows at ``cursor`` (int, 0-d/1-D tensor on any device, slice, range, list, 1-tuple;
+        for ``ndim>1``, any index of the grid's first dimension).
+
+        With ``set_cursor=True`` (writers' ``add``/``extend``) the last cursor is recorded and the
+        length grows as TorchRL's ``TensorStorage`` grows it; with ``set_cursor=False``
+        (``rb[i] = ...``, ``write_at``) the length does not change. The mutation revision goes up
+        once per call. A write may leave out fields (they keep their stored values) or bring new
+        ones (earlier rows read zeros), as with ``LazyTensorStorage``.
+        """
+        self._observe_prioritized_samplers()
+        if set_cursor:
+            self._set_last_cursor(cursor)
+        if isinstance(data, list):
+            data = flip_list(data)
+        elif isinstance(data, RowsView):
+            data = data.clone()  # its dense columns may be views of the columns this write changes
+        form = self._form if self._form is not None else DataForm.infer(data)
+        td = form.to_rows(data)
+        scalar = _is_scalar_index(cursor)
+        if self.ndim > 1 and self._grid is None:
+            self._make_grid(td, scalar)
+        rows, shape = self._write_rows(cursor)
+        index_dims = len(shape)
+        if td.batch_dims < index_dims:
+            raise SchemaMismatchError(
+                f"the index names rows of shape {list(shape)} but the data has batch size {list(td.batch_size)}")
+        numel = td.batch_size[:index_dims].numel()
+        td, row_batch = _fold_row_batch(td, index_dims)
+        if form.kind in ("tensordict", "tensorclass"):
+            if self._form is None:
+                form.row_batch = row_batch
+            elif form.row_batch != row_batch:
+                raise SchemaMismatchError(
+                    f"rows of this storage have batch dims {list(form.row_batch)} of their own; got "
+                    f"{list(row_batch)}")
+        if td.batch_size[:index_dims] != shape:
+            if index_dims != 1 or td.batch_size[0] != 1:
+                raise SchemaMismatchError(f"the index names rows of shape {list(shape)} but the data has "
+                                          f"batch size {list(td.batch_size)}")
+            td = td.expand(*shape).clone()  # broadcast one row, as TensorDict assignment does
+        if index_dims > 1:
+            td = td.reshape(-1)
+        self._write(rows, td, scalar=index_dims == 0, set_cursor=set_cursor, numel=numel)
+        if self._form is None:
+            self._form = form
+        self._bump_mutation_revision()
+
+    def _write_rows(self, cursor: Any) -> tuple[np.ndarray, torch.Size]:
+        """The stored rows a write at ``cursor`` names, and the index's shape."""
+        if self._grid is not None:
+            cells = self._grid[_torch_index(cursor)]
+            return cells.reshape(-1).numpy(), cells.shape
+        if isinstance(cursor, slice):
+            rows = np.arange(*cursor.indices(self.max_size), dtype=np.int64)
+            return rows, torch.Size([rows.size])
+        rows, scalar = as_row_array(cursor)
+        bad = (rows < -self.max_size) | (rows >= self.max_size)
+        if bad.any():
+            raise IndexOutOfRangeError(
+                f"index {int(rows[bad][0])} is out of range for a storage of max_size {self.max_size}")
+        rows = np.where(rows < 0, rows + self.max_size, rows)
+        return rows, torch.Size([] if scalar else [rows.size])
+
+    def _write(self, rows: np.ndarray, td: TensorDictBase, *, scalar: bool, set_cursor: bool, numel: int) -> None:
+        """Write the rows of ``td`` (batch ``[n]``, or ``[]`` for one row): the store's fields to the
+        store (fields left out keep their stored values), the others to the side columns."""
+        if self._snapshot:
+            raise NotSharedError(
+                "this TieredStorage is a copy that another process received: its writes would never reach "
+                "the original. Write from the process that owns the storage (e.g. collect in workers and "
+                "extend in the main process), or give it a path and open it read-only elsewhere")
+        store = self._store
+        with store.locked():  # readers never see the length between the write and TorchRL's rule
+            old_len = len(store)
+            new_len = min(old_len + numel, self.max_size) if set_cursor else old_len
+            schema = store.schema
+            present = [_as_key(k) for k in td.keys(include_nested=True, leaves_only=True)]
+            if schema is None:
+                store.set(int(rows[0]) if scalar else rows, td, length=new_len)
+            else:
+                side = {k: td.get(k) for k in present if k not in schema}
+                if len(side) < len(present):
+                    cells = td.exclude(*side) if side else td
+                    missing = [f.key for f in schema.values() if f.key not in set(present)]
+                    if missing:
+                        cells = self._fill_missing(rows, cells, missing, old_len, scalar)
+                    store.set(int(rows[0]) if scalar else rows, cells, length=new_len)
+                else:
+                    store.set_length(new_len)
+                if side:
+                    self._side.write(rows, {k: v.reshape(rows.size, *v.shape[0 if scalar else 1:])
+                                            for k, v in side.items()})
+            if set_cursor and rows.size:
+                store.cursor = int((rows[-1] + 1) % self.max_size)
+
+    def _fill_missing(self, rows: np.ndarray, cells: TensorDictBase, missing: list[Key], old_len: int,
+                      scalar: bool) -> TensorDictBase:
+        """``cells`` plus the stored values of the fields it leaves out (zeros for rows never written)."""
+        schema = self._store.schema
+        cells = cells.clone(recurse=False)
+        n = rows.size
+        values = {k: torch.zeros((n, *schema[k].shape), dtype=schema[k].dtype) for k in missing}
+        known = rows < old_len
+        if known.any():
+            try:
+                old = self._store.get(rows[known], keys=missing)
+            except IndexOutOfRangeError:
+                old = None  # rows below the length that were never written (write_at) read zeros
+            if old is not None:
+                mask = torch.from_numpy(known)
+                for k in missing:
+                    values[k][mask] = old.get(k).to(values[k].device)
+        for k, v in values.items():
+            cells.set(k, v[0] if scalar else v.to(self._store.device))
+        return cells
+
+    def write_fields(self, rows: np.ndarray, values: dict[Key, torch.Tensor]) -> None:
+        """Overwrite some fields of stored rows (``values[key]`` has one cell per row); the other
+        fields keep their values and the length does not change. ``rb.set_at_``, ``rb.set_``,
+        ``rb.update_`` and ``rb.update_if_present`` write through this.
+
+        Example:
+            >>> import numpy as np, torch
+            >>> from tensordict import TensorDict
+            >>> s = TieredStorage(10)
+            >>> s.set(range(4), TensorDict(a=torch.zeros(4), b=torch.ones(4), batch_size=[4]))
+            >>> s.write_fields(np.array([1, 3]), {("a",): torch.tensor([5.0, 7.0])})
+            >>> s[:]["a"].tolist(), s[:]["b"].tolist()
+            ([0.0, 5.0, 0.0, 7.0], [1.0, 1.0, 1.0, 1.0])
+        """
+        rows = np.asarray(rows, dtype=np.int64).reshape(-1)
+        td = TensorDict({k: v for k, v in values.items()}, batch_size=[rows.size])
+        self._write(rows, td, scalar=False, set_cursor=False, numel=0)
+        self._bump_mutation_revision()
+
+    def _make_grid(self, td: TensorDictBase, scalar: bool) -> None:
+        """Fix an ``ndim>1`` storage's grid from its first write, as ``LazyTensorStorage._init`` does."""
+        inner = td.batch_size[: self.ndim - 1] if scalar else td.batch_size[1: self.ndim]
+        if len(inner) != self.ndim - 1:
+            raise SchemaMismatchError(
+                f"an ndim={self.ndim} storage needs data with {self.ndim - int(scalar)} batch dims; got "
+                f"{list(td.batch_size)}")
+        dim0 = -(self.max_size // -inner.numel())
+        capacity = dim0 * inner.numel()
+        if capacity != self._store.capacity:
+            if self._rebuild is None or len(self._store):
+                raise SchemaMismatchError(
+                    f"this store holds {self._store.capacity} rows, not a multiple of the {inner.numel()} "
+                    f"cells of a {list(inner)} write; create it with max_size={capacity}")
+            self._store = _rebuilt(self._store, capacity, self._rebuild)
+        self.max_size = capacity
+        self._side = SideColumns(capacity)
+        self._grid = torch.arange(capacity).view(dim0, *inner)
+
+    def _empty(self) -> None:
+        # TorchRL's storages keep _last_cursor here; so does this one
+        self._store.clear()
+        self._bump_mutation_revision()
+
+    # -- other TorchRL entry points -------------------------------------------------------------
+    def flatten(self) -> TensorStorage:
+        """An ``ndim=1`` TorchRL ``TensorStorage`` of the rows (decoded), as ``TensorStorage.flatten``."""
+        if self.ndim == 1:
+            return self
+        self._check_initialized()
+        data = self.get(tuple(slice(None) for _ in range(self.ndim)))
+        return TensorStorage(data.reshape(-1) if is_tensor_collection(data) else data.reshape(-1, *data.shape[2:]))
+
+    def dumps(self, path: str | os.PathLike) -> None:
+        dumps_with(self.checkpointer, self, path)
+
+    def loads(self, path: str | os.PathLike) -> None:
+        loads_with(self.checkpointer, self, path)
+        self._bump_mutation_revision()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The storage as the bytes of a tiered store directory (compressed; fresh copies).
+
+        Returns:
+            ``{"format", "meta", "files": {relative path: uint8 tensor}}``; ``torch.save``-able.
+            :meth:`torchrl_state_dict` gives the state dict ``LazyTensorStorage`` loads.
+        """
+        from .checkpoint import storage_state_dict
+        return storage_state_dict(self)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Replace the rows with those of a state dict: this class's, or ``LazyTensorStorage``'s /
+        ``LazyMemmapStorage``'s (copied; nothing is aliased)."""
+        from .checkpoint import load_storage_state_dict
+        load_storage_state_dict(self, state_dict)
+        self._bump_mutation_revision()
+
+    def torchrl_state_dict(self) -> dict[str, Any]:
+        """The rows as ``LazyTensorStorage(max_size, ndim=...).state_dict()`` has them (decoded), so
+        ``LazyTensorStorage.load_state_dict`` takes them."""
+        from .checkpoint import as_lazy_tensor_storage
+        return as_lazy_tensor_storage(self).state_dict()
+
+    # -- priorities: the prioritized samplers of the attached buffers reach the store ------------
+    def _observe_prioritized_samplers(self) -> None:
+        """Forward the priorities of every prioritized sampler reading this storage to the store.
+
+        TorchRL attaches each replay buffer to its storage before it builds the buffer's sampler,
+        and every priority a ``PrioritizedSampler`` (or ``PrioritizedSliceSampler``) holds goes
+        through its ``update_priority``: insert-time priorities (``mark_update``, called by the
+        writer right after ``set``), ``rb.update_priority`` and ``update_tensordict_priority``.
+        So on each write the attached buffers' samplers get a :class:`_PriorityForwarder` in
+        front of ``update_priority`` (once per sampler): it checks the priorities, lets the
+        sampler take them, then gives them to :meth:`TieredStore.set_priority` and the sampler's
+        alpha to :attr:`TieredStore.priority_alpha`. A loop over attached buffers (one, usually).
+        """
+        for buffer in self._attached_entities_iter():
+            sampler = getattr(buffer, "sampler", None)
+            if isinstance(sampler, PrioritizedSampler) and not isinstance(
+                    vars(sampler).get("update_priority"), _PriorityForwarder):
+                sampler.update_priority = _PriorityForwarder(sampler, self)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Storage's version handles the shared counters; the store pickles itself (a store with a
+        # path is flushed and travels as "reopen read-only"; file handles are not pickled).
+        state = Storage.__getstate__(self)
+        if get_spawning_popen() is not None and self._store.path is None:
+            state["_snapshot"] = True  # the receiving process gets a copy: refuse its writes
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        Storage.__setstate__(self, state)
+
+
+# ----------------------------------------------------------------------------------------
+# Helpers
+# ----------------------------------------------------------------------------------------
+def _as_key(key: Any) -> Key:
+    return (key,) if isinstance(key, str) else tuple(key)
+
+
+def _is_scalar_index(cursor: Any) -> bool:
+    if isinstance(cursor, (int, np.integer)) and not isinstance(cursor, bool):
+        return True
+    return isinstance(cursor, (torch.Tensor, np.ndarray)) and cursor.ndim == 0
+
+
+def _torch_index(index: Any) -> Any:
+    """An index of the ndim>1 grid, with tensors on the CPU (where the grid is)."""
+    if isinstance(index, torch.Tensor):
+        return index.cpu()
+    if isinstance(index, np.ndarray):
+        return torch.from_numpy(index)
+    if isinstance(index, tuple):
+        return tuple(_torch_index(i) for i in index)
+    if isinstance(index, (list, range)):
+        return torch.as_tensor(list(index), dtype=torch.int64)
+    return index
+
+
+def _fold_row_batch(td: TensorDictBase, dims: int) -> tuple[TensorDictBase, tuple[int, ...]]:
+    """``td`` with only its first ``dims`` batch dims (the rest become part of each cell)."""
+    if td.batch_dims <= dims:
+        return td, ()
+    row_batch = tuple(td.batch_size[dims:])
+    out = td.clone(recurse=False)
+    out.batch_size = td.batch_size[:dims]
+    return out, row_batch
+
+
+def _unfold_row_batch(td: TensorDictBase, row_batch: tuple[int, ...]) -> TensorDictBase:
+    if not row_batch:
+        return td
+    out = TensorDict(batch_size=[*td.batch_size, *row_batch], device=td.device)
+    for k, v in td.items(include_nested=True, leaves_only=True):
+        out.set(k, v)
+    return out
+
+
+def _rebuilt(store: TieredStore, capacity: int, args: dict[str, Any]) -> TieredStore:
+    """An empty store like ``store`` with another capacity (same path, device and options)."""
+    args = dict(args)
+    path = args.pop("path")
+    store.close()
+    if path is not None:
+        shutil.rmtree(path)
+    return TieredStore(capacity, path, **args)
+
+
+class _PriorityForwarder:
+    """Stands in front of a prioritized sampler's ``update_priority`` (see
+    :meth:`TieredStorage._observe_prioritized_samplers`): bad priorities raise
+    :class:`~tiered.errors.InvalidPriorityError` naming the rows before the sampler or the store
+    changes; good ones go to the sampler, then to the store. Picklable with the sampler."""
+
+    def __init__(self, sampler: Any, storage: TieredStorage) -> None:
+        self.sampler = sampler
+        self.storage = storage
+
+    def __call__(self, index: Any, priority: Any, *, storage: Any = None) -> None:
+        if self.storage.ndim > 1:  # the sampler names grid cells; the store numbers them row-major
+            rows = torch.from_numpy(self.storage._write_rows(index)[0])
+        else:
+            rows = torch.as_tensor(index).detach().to("cpu", torch.long)
+        values = torch.as_tensor(priority).detach().to("cpu", torch.float64)
+        if rows.ndim == 0:
+            rows = rows.reshape(1)
+        rows = rows.reshape(-1)
+        values = values.reshape(-1).expand(rows.shape) if values.numel() == 1 else values.reshape(-1)
+        if values.numel() != rows.numel():  # let the sampler explain a shape it refuses
+            type(self.sampler).update_priority(self.sampler, index, priority, storage=storage)
+            return
+        keep = rows >= 0  # TorchRL's MaxValueWriter marks rows it did not write with -1
+        rows_np, values_np = rows[keep].numpy(), values[keep].numpy()
+        checked = checked_row_priorities(rows_np, values_np)  # raises before anything changes
+        type(self.sampler).update_priority(self.sampler, index, priority, storage=storage)
+        store = self.storage.store
+        store.priority_alpha = float(self.sampler.alpha)
+        if rows_np.size:
+            store.set_priority(rows_np, checked)
