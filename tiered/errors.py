@@ -35,6 +35,7 @@ __all__ = [
     "InvalidPriorityError",
     "UnsupportedFormatError",
     "StoreExistsError",
+    "InvalidArgumentError",
 ]
 
 
@@ -103,3 +104,8 @@ class UnsupportedFormatError(TieredError, ValueError):
 
 class StoreExistsError(TieredError, FileExistsError):
     """A new store was asked for at a path that already holds one (open it with :func:`tiered.open`)."""
+
+
+class InvalidArgumentError(TieredError, ValueError):
+    """An argument is outside what the store can honour (a capacity too large to index, a device
+    this machine does not have); raised before anything is allocated or written."""

@@ -25,6 +25,7 @@ Example:
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import shutil
@@ -47,7 +48,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
         "tiered.torchrl needs TorchRL: pip install 'tiered[torchrl]' (torchrl>=0.9)") from e
 
 from .engine.manifest import MANIFEST
-from .errors import ReadOnlyStoreError
+from .errors import InvalidArgumentError, ReadOnlyStoreError
 from .schema import Key
 from .store import TieredStore, as_row_array
 
@@ -195,6 +196,40 @@ def _wrap_negative(rows: np.ndarray, n: int, what: str) -> np.ndarray:
 # ----------------------------------------------------------------------------------------
 # The storage
 # ----------------------------------------------------------------------------------------
+# Keywords of TorchRL's storages that TieredStorage does not take, and what to write instead
+# (users swap LazyMemmapStorage(n, scratch_dir=...) for TieredStorage(n, ...) and keep the rest).
+_TORCHRL_ONLY_KEYWORDS = {
+    "scratch_dir": "pass the directory as path=DIR (TieredStorage(max_size, path=DIR)): the store "
+    "lives there and survives the process",
+    "existsok": "path= opens the store already in that directory (mode='r+') and creates one otherwise",
+    "auto_cleanup": "a store at path= is kept: remove its directory when done, or leave path=None "
+    "to keep the store in memory",
+    "cleanup_memmap": "a store at path= is kept: remove its directory when done, or leave path=None "
+    "to keep the store in memory",
+    "shared_init": "other processes read the store by path (tiered.open(path, mode='r')) or by pickling "
+    "the storage",
+    "consolidated": "rows are stored compressed per field; there is nothing to consolidate",
+    "compression_fn": "choose the codec with codec= (e.g. codec='zstd:9' or 'lz4')",
+    "decompression_fn": "choose the codec with codec= (e.g. codec='zstd:9' or 'lz4')",
+    "compression_level": "choose the codec with codec= (e.g. codec='zstd:9' or 'lz4')",
+}
+
+
+def _check_storage_keywords(store_options: dict[str, Any]) -> None:
+    """Refuse TorchRL storage keywords TieredStorage does not take, saying what to use instead."""
+    for name in store_options.keys() & _TORCHRL_ONLY_KEYWORDS.keys():
+        raise InvalidArgumentError(
+            f"TieredStorage does not take {name}= (a keyword of TorchRL's "
+            f"{'CompressedListStorage' if 'compress' in name else 'LazyMemmapStorage/LazyTensorStorage'}): "
+            f"{_TORCHRL_ONLY_KEYWORDS[name]}")
+    unknown = store_options.keys() - inspect.signature(TieredStore).parameters.keys()
+    if unknown:
+        raise InvalidArgumentError(
+            f"TieredStorage got unknown keyword(s) {', '.join(sorted(unknown))}; it takes max_size, path, "
+            "device, mode, checkpointer and TieredStore's options "
+            f"({', '.join(p for p in inspect.signature(TieredStore).parameters if p not in ('capacity', 'path', 'device'))})")
+
+
 class TieredStorage(TensorStorage):
     """A TorchRL storage whose rows live in a compressed, tiered :class:`~tiered.TieredStore`.
 
@@ -249,6 +284,7 @@ class TieredStorage(TensorStorage):
         compilable: bool = False,
         **store_options: Any,
     ):
+        _check_storage_keywords(store_options)
         if ndim != 1:
             raise ValueError(f"TieredStorage is 1-D (one row per transition); got ndim={ndim}")
         if compilable:
