@@ -248,8 +248,19 @@ def test_exit_code_mapping(exc, code):
     assert exit_code_for(exc) == code
 
 
-def test_demo_runs(capsys):
+def test_demo_reports_the_benchmarks_measures_without_torchrl_log_lines(capfd):
     pytest.importorskip("torchrl")
+    import logging
+
+    level = logging.getLogger("torchrl").level
     assert main(["demo", "--steps", "600", "--batch", "32", "--rounds", "2"]) == 0
-    out = capsys.readouterr().out
-    assert "bit-identical samples: True" in out and "TieredStorage" in out
+    out, err = capfd.readouterr()
+    assert "bit-identical samples: True" in out
+    # the benchmark's measures, in its words, and what differs from its run
+    for words in ("anon RSS growth", "per transition", "LTS / store", "extend 256 (rb)", "sample B=32 (rb)",
+                  "benchmarks/bench_storages.py", "Pong only, 600 transitions, 2 rounds"):
+        assert words in out, (words, out)
+    rows = {line.split()[0]: line for line in out.splitlines() if line.startswith(("TieredStorage", "LazyTensor"))}
+    assert set(rows) == {"TieredStorage", "LazyTensorStorage"} and "n/a" not in rows["TieredStorage"], out
+    assert "[torchrl][INFO]" not in out + err and "Initialized LazyTensorStorage" not in out + err
+    assert logging.getLogger("torchrl").level == level  # the user's logging is left as it was

@@ -370,62 +370,18 @@ def _resolve_import_spelling(args: argparse.Namespace) -> None:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    import time
-
-    import torch
+    from .demo import main as demo_main
 
     try:
-        from torchrl.data import LazyTensorStorage, RandomSampler, TensorDictReplayBuffer
+        import torchrl  # noqa: F401
 
-        from .atari import cached_rollout
-        from .torchrl import TieredStorage
+        from .atari import cached_rollout  # noqa: F401
     except ImportError as e:
         raise E.CodecUnavailableError(
             f"the demo needs TorchRL and ale-py: pip install 'tiered[torchrl,atari]' ({e})"
         ) from None
-    print(f"playing {args.steps} steps of ALE Pong (cached after the first run)...", flush=True)
-    data = cached_rollout("Pong", steps=args.steps, seed=0)
-    results = {}
-    for name, storage in (
-        ("TieredStorage", TieredStorage(args.steps, frames={"observation": 0})),
-        ("LazyTensorStorage", LazyTensorStorage(args.steps)),
-    ):
-        rb = TensorDictReplayBuffer(
-            storage=storage,
-            sampler=RandomSampler(),
-            batch_size=args.batch,
-            generator=torch.Generator().manual_seed(0),
-        )
-        t = time.perf_counter()
-        for i in range(0, args.steps, 256):
-            rb.extend(data[i : i + 256])
-        if isinstance(storage, TieredStorage):
-            storage.flush()
-        ext = args.steps / (time.perf_counter() - t)
-        rb.sample()
-        t = time.perf_counter()
-        for _ in range(args.rounds):
-            rb.sample()
-        smp = args.rounds * args.batch / (time.perf_counter() - t)
-        if isinstance(storage, TieredStorage):
-            st = storage.stats()
-            held = sum(t["bytes_used"] for t in st["tiers"].values()) + sum(st["memory"].values())
-        else:
-            held = _lazy_storage_bytes(storage)
-        results[name] = (rb, held, ext, smp)
-    a, b = results["TieredStorage"][0].sample(), results["LazyTensorStorage"][0].sample()
-    same = all(torch.equal(a.get(k), b.get(k)) for k in b.keys(True, True))
-    print(f"bit-identical samples: {same}")
-    print(f"{'storage':18} {'bytes held':>12} {'extend/s':>10} {'sample/s':>10}")
-    for name, (_rb, held, ext, smp) in results.items():
-        print(f"{name:18} {_fmt_bytes(held):>12} {ext:>10,.0f} {smp:>10,.0f}")
-    return EXIT_OK if same else EXIT_ERROR
-
-
-def _lazy_storage_bytes(storage: Any) -> int:
-    """Bytes a LazyTensorStorage holds: it allocates all ``max_size`` rows at its first write."""
-    rows = storage.get(slice(None))  # a view of the rows written, all of one row size
-    return sum(v.numel() * v.element_size() for v in rows.values(True, True)) // len(storage) * storage.max_size
+    argv = ["--steps", str(args.steps), "--batch", str(args.batch), "--rounds", str(args.rounds)]
+    return demo_main(argv + (["--no-memory"] if args.no_memory else []))
 
 
 # --------------------------------------------------------------------------------------------- parser
@@ -641,17 +597,18 @@ def _add_demo(sub: Any) -> None:
         help="Atari frames in a TorchRL replay buffer",
         description="Play ALE Pong with a random policy, fill a TorchRL replay buffer on "
         "TieredStorage and one on LazyTensorStorage, check that their samples are "
-        "bit-identical, and compare bytes held and speed "
-        "(needs tiered[torchrl,atari]).",
+        "bit-identical, and report bytes held (anon RSS growth), extend and sample rates, "
+        "measured as benchmarks/bench_storages.py measures them "
+        "(needs tiered[torchrl,atari]; the same as examples/atari_replay.py).",
         epilog="""
             examples:
               tiered demo
               tiered demo --steps 20000 --batch 256
             """,
     )
-    s.add_argument("--steps", type=int, default=5000, help="transitions (default: %(default)s)")
-    s.add_argument("--batch", type=int, default=256, help="sample batch size (default: %(default)s)")
-    s.add_argument("--rounds", type=int, default=50, help="sample calls timed (default: %(default)s)")
+    from .demo import add_arguments  # stdlib only at import: --help stays light
+
+    add_arguments(s)
     s.set_defaults(func=_demo)
 
 
