@@ -88,6 +88,7 @@ class DemoResult:
     anon_growth: dict[str, int | None] = field(default_factory=dict)
     extend_rate: dict[str, float] = field(default_factory=dict)
     sample_rate: dict[str, float] = field(default_factory=dict)
+    load: float | None = None  # 1-minute load average after the timed part (None: not on this OS)
 
 
 # ---------------------------------------------------------------------------------- measuring
@@ -221,6 +222,8 @@ def run_demo(steps: int = 5000, batch: int = 256, rounds: int = 50, *, memory: b
     for name in names:
         result.extend_rate[name] = CHUNK / statistics.median(extend_s[name]) if extend_s[name] else float("nan")
         result.sample_rate[name] = batch / statistics.median(sample_s[name]) if sample_s[name] else float("nan")
+    with contextlib.suppress(OSError, AttributeError):
+        result.load = os.getloadavg()[0]
     for line in report(result):
         log(line)
     return result
@@ -290,13 +293,15 @@ def report(result: DemoResult) -> list[str]:
         "",
         "In parentheses: the ratio to LazyTensorStorage. As benchmarks/bench_storages.py words it: "
         + (f"TieredStorage's anon RSS growth is 1/{held:.0f} of LazyTensorStorage's (LTS / store {_fmt_ratio(held)}), "
-           if held else "bytes held not measured (--no-memory or no /proc), ")
+           if held else "TieredStorage's bytes held were not measured (--no-memory, or no /proc), ")
         + f"and its sample B={result.batch} (rb) rate is {_fmt_ratio(speed)} LazyTensorStorage's.",
         "Measured as that benchmark measures them (anon RSS growth of a fresh process that fills the storage; "
         "rates from the median seconds per call, the storages alternating on the same indices), on less: "
         f"Pong only, {result.steps:,} transitions, {result.rounds} rounds, one run on this machine, filled "
         "through rb.extend. The benchmark's full run (5 games, 20,000 transitions, 200 rounds) is in "
-        "docs/benchmarks.md; rates vary from run to run on a busy machine.",
+        "docs/benchmarks.md; rates vary from run to run on a busy machine"
+        + (f" (load average {result.load:.1f} on {os.cpu_count()} logical cores here)." if result.load is not None
+           else "."),
     ]
     return lines
 
