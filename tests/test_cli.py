@@ -264,3 +264,38 @@ def test_demo_reports_the_benchmarks_measures_without_torchrl_log_lines(capfd):
     assert set(rows) == {"TieredStorage", "LazyTensorStorage"} and "n/a" not in rows["TieredStorage"], out
     assert "[torchrl][INFO]" not in out + err and "Initialized LazyTensorStorage" not in out + err
     assert logging.getLogger("torchrl").level == level  # the user's logging is left as it was
+
+
+def _benchmark_module(name: str):
+    """A script of benchmarks/ as a module (it lives outside the package)."""
+    import importlib.util
+
+    repo = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(repo / "benchmarks"))
+    try:
+        spec = importlib.util.spec_from_file_location(name, repo / "benchmarks" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(repo / "benchmarks"))
+    return module
+
+
+def test_benchmarks_write_docs_and_the_tracked_fixture_only_when_asked(capsys):
+    import argparse
+
+    harness = _benchmark_module("_harness")
+    parser = argparse.ArgumentParser()
+    harness.add_output_arguments(parser)
+    assert harness.wants_docs(parser.parse_args([])) is False  # the default leaves docs/ alone
+    assert harness.wants_docs(parser.parse_args(["--write-docs"])) is True
+    for old in ("--no-doc", "--no-docs"):  # accepted, do nothing, say so
+        assert harness.wants_docs(parser.parse_args([old])) is False
+        assert "deprecated and do nothing" in capsys.readouterr().err
+    make_fixture = _benchmark_module("make_fixture")
+    assert make_fixture.DEFAULT_OUT.parent == harness.OUT_DIR
+    tracked = make_fixture.TRACKED
+    before = tracked.read_bytes()
+    assert make_fixture.main(["--out", str(tracked)]) == 2  # refused before playing anything
+    assert "--update-fixture" in capsys.readouterr().err
+    assert tracked.read_bytes() == before
