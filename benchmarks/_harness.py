@@ -18,6 +18,7 @@ Example:
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import datetime as _dt
 import gc
@@ -285,6 +286,38 @@ def markdown_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str
     sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
     body = ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) + " |" for r in rows]
     return "\n".join([line, sep, *body])
+
+
+# ------------------------------------------------------------------------------------------
+# Outputs: benchmarks/out/ always, docs/benchmarks.md only when asked
+# ------------------------------------------------------------------------------------------
+def add_output_arguments(parser: Any) -> None:
+    """``--write-docs``, the one spelling in every script; the old opt-outs stay accepted.
+
+    Results always go to ``benchmarks/out/`` (ignored by git); the tracked docs change only when
+    a run is asked to write them.
+    """
+    parser.add_argument("--write-docs", action="store_true",
+                        help="also write this script's section of docs/benchmarks.md "
+                             "(results always go to benchmarks/out/)")
+    # deprecated: the docs used to be written by default, with these to opt out
+    parser.add_argument("--no-docs", "--no-doc", dest="no_docs", action="store_true", help=argparse.SUPPRESS)
+
+
+def wants_docs(args: Any) -> bool:
+    """Whether to write docs/benchmarks.md (``--write-docs``); notes a deprecated opt-out."""
+    if getattr(args, "no_docs", False):
+        print("note: --no-docs/--no-doc are deprecated and do nothing: docs/benchmarks.md is written "
+              "only with --write-docs", file=sys.stderr)
+    return bool(args.write_docs)
+
+
+def write_output(name: str, text: str) -> Path:
+    """Write ``benchmarks/out/<name>`` (created if needed); return its path."""
+    OUT_DIR.mkdir(parents=True, exist_ok=True)
+    path = OUT_DIR / name
+    path.write_text(text)
+    return path
 
 
 # ------------------------------------------------------------------------------------------

@@ -16,13 +16,14 @@ unless it says otherwise, laid out as its caller lays it out:
 * ``tensor words``: the CUDA path (:func:`copy_tensor_blobs`) on CPU tensors, for reference.
 
 It prints the path each case takes and the CPU time of the calling thread for the fastest decile
-of ``--repeat`` calls (on a shared machine, wall time mostly measures the neighbours). Not part
-of CI.
+of ``--repeat`` calls (on a shared machine, wall time mostly measures the neighbours), and writes
+the same numbers to ``benchmarks/out/bench_copy.json``. Not part of CI.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from collections.abc import Callable
@@ -33,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from benchmarks._harness import machine_facts, write_output  # noqa: E402
 from tiered.util.copy import copy_blobs, copy_host_blobs, copy_tensor_blobs, host_copy_path  # noqa: E402
 from tiered.util.units import align  # noqa: E402
 
@@ -98,12 +100,17 @@ def main() -> None:
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     print(f"{'case':18s} {'blobs':>6s} {'path':>8s} {'us':>10s}")
+    rows = []
     for n in args.blobs:
         for name, (src, so, dst, do, sizes, fn) in cases(n, rng).items():
             so, do, sizes = so.astype(np.int64), do.astype(np.int64), sizes.astype(np.int64)
             path = "tensor" if fn is copy_tensor_blobs else host_copy_path(so, do, sizes)
             us = fastest_decile_us(lambda: fn(src, so, dst, do, sizes), args.repeat)  # noqa: B023
             print(f"{name:18s} {n:6d} {path:>8s} {us:10.1f}", flush=True)
+            rows.append({"case": name, "blobs": n, "path": path, "fastest_decile_us": us})
+    out = write_output("bench_copy.json", json.dumps({"facts": machine_facts(), "repeat": args.repeat,
+                                                       "results": rows}, indent=1, default=str))
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

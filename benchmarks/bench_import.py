@@ -1,6 +1,6 @@
 """Import speed and memory of ``tiered import`` on a large Atari-frame dataset, in every format.
 
-Run: ``python benchmarks/bench_import.py [--size-gb 2] [--keep] [--no-doc]``
+Run: ``python benchmarks/bench_import.py [--size-gb 2] [--keep] [--write-docs]``
 
 For each format (d4rl, minari, torchrl, npz) it builds a dataset of about ``--size-gb`` GB of
 4x84x84 uint8 frame stacks, tiled from a real ALE Pong rollout (``tiered.atari.cached_rollout``)
@@ -12,8 +12,9 @@ that samples its own memory every 10 ms (psutil RSS and ``RssAnon`` from ``/proc
 script prints one table: rows, source size, store size, seconds, rows/s, source MB/s, and the
 peak growth of resident memory over the process's baseline (after ``import tiered``).
 
-The table goes into docs/benchmarks.md between ``<!-- bench_import:begin -->`` and
-``<!-- bench_import:end -->`` (other sections are left alone; ``--no-doc`` skips it).
+Results go to ``benchmarks/out/bench_import.json`` and ``benchmarks/out/bench_import.md``; with
+``--write-docs`` the report also replaces the section of docs/benchmarks.md between
+``<!-- bench_import:begin -->`` and ``<!-- bench_import:end -->`` (other sections are left alone).
 
 Not part of CI (minutes and several GB of disk at the default size).
 """
@@ -38,6 +39,7 @@ import h5py  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks._harness import (  # noqa: E402
+    add_output_arguments,
     describe_load,
     dir_bytes,
     fmt_bytes,
@@ -46,7 +48,9 @@ from benchmarks._harness import (  # noqa: E402
     load_snapshot,
     machine_facts,
     markdown_table,
+    wants_docs,
     write_doc_section,
+    write_output,
 )
 
 BEGIN, END = "<!-- bench_import:begin -->", "<!-- bench_import:end -->"
@@ -252,7 +256,7 @@ def main() -> None:
     p.add_argument("--formats", nargs="+", default=list(FORMATS), choices=FORMATS)
     p.add_argument("--workdir", help="where to build the datasets (default: a temporary directory)")
     p.add_argument("--keep", action="store_true", help="keep the datasets and stores")
-    p.add_argument("--no-doc", action="store_true", help="do not write docs/benchmarks.md")
+    add_output_arguments(p)
     args = p.parse_args()
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="bench_import-"))
@@ -353,14 +357,18 @@ Written by `benchmarks/bench_import.py`; rerun it to refresh this section.
 - Memory: peak growth over the importer's baseline after `import tiered`, sampled every 10 ms; "anon" is
   `RssAnon` (heap), "RSS" also counts file pages mapped by the process.
 - Store: the store directory's disk usage (allocated blocks): compressed blobs, the cold segment's
-  reserved growth step (16 MiB), and the row tables of the last commit and of the one before it
+  reserved growth (at most the data again, in steps of up to 16 MiB), and the row tables of the last commit and of the one before it
   (kept for readers that opened it), so the ratio is lower than the blobs' own compression.
 - Background load before: {describe_load(load_before)}
 - Background load after: {describe_load(load_after)}
 
 {table}
 """
-    if not args.no_doc:
+    write_output("bench_import.json", json.dumps({"facts": facts, "size_gb": args.size_gb, "results": results,
+                                                  "load_before": load_before, "load_after": load_after},
+                                                 indent=1, default=str))
+    print(f"\nwrote {write_output('bench_import.md', body)} and bench_import.json beside it")
+    if wants_docs(args):
         write_doc_section(body, BEGIN, END)
         print("\nwrote the section of docs/benchmarks.md")
 

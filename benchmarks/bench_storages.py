@@ -19,7 +19,8 @@ Data: ``tiered.atari.cached_rollout`` of each game (random policy, played once t
 4x84x84 uint8 stacks with next stacks, TorchRL's layout.
 
 Usage:
-    python benchmarks/bench_storages.py                 # full run (~5-10 min on 2 cores); writes docs
+    python benchmarks/bench_storages.py                 # full run (~5-10 min on 2 cores)
+    python benchmarks/bench_storages.py --write-docs    # ... and update docs/benchmarks.md
     python benchmarks/bench_storages.py --quick         # ~1-2 min, checks that the script works
     python benchmarks/bench_storages.py --threads 1     # torch.set_num_threads(1), see below
     python benchmarks/bench_storages.py --profile       # also cProfile tiered get/extend at B=256
@@ -28,9 +29,10 @@ Usage:
 (index_select 1.2 ms -> 41 ms median, shared/notes/cpu-baseline.md); one thread gives steadier
 comparisons, at some cost to LazyTensorStorage's gathers. The background load is printed either way.
 
-Results: a table on stdout, raw numbers in ``benchmarks/out/bench_storages.json``, and the
-section between ``<!-- bench_storages:begin -->`` / ``<!-- bench_storages:end -->`` of
-``docs/benchmarks.md`` (full runs only, unless ``--write-docs``). Thresholds from the issues are
+Results: a table on stdout, raw numbers in ``benchmarks/out/bench_storages.json`` and the report
+in ``benchmarks/out/bench_storages.md`` (``--quick``: ``bench_storages_quick.*``). Only with
+``--write-docs`` does the report also replace the section between ``<!-- bench_storages:begin -->``
+/ ``<!-- bench_storages:end -->`` of ``docs/benchmarks.md``. Thresholds from the issues are
 printed PASS/FAIL; they never change the exit status.
 """
 
@@ -819,8 +821,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--wait-quiet", type=float, default=0.0,
                    help="wait up to this many seconds for other processes to use < 0.25 cores")
     p.add_argument("--no-memory", action="store_true", help="skip the fresh-process memory measurement")
-    p.add_argument("--write-docs", action="store_true", help="write docs/benchmarks.md even with --quick")
-    p.add_argument("--no-docs", action="store_true", help="do not write docs/benchmarks.md")
+    H.add_output_arguments(p)
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--child-n", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -973,9 +974,10 @@ def main(argv: list[str] | None = None) -> int:
     out_path.write_text(json.dumps(summary, indent=1, default=str))
     print(f"raw results: {out_path}")
 
-    if not args.no_docs and (not args.quick or args.write_docs):
-        notes = method_notes(args, args.rounds, args.one_steps, block, why)
-        body = doc_body(facts, args, n, rb_bytes, thr_note, tables, loads, meters, proj_text, notes)
+    notes = method_notes(args, args.rounds, args.one_steps, block, why)
+    body = doc_body(facts, args, n, rb_bytes, thr_note, tables, loads, meters, proj_text, notes)
+    print(f"report: {H.write_output(out_path.with_suffix('.md').name, body)}")
+    if H.wants_docs(args):
         H.write_doc_section(body, BEGIN, END)
         print(f"docs: {H.DOC_PATH} (section {HEADING!r})")
     return 0

@@ -32,14 +32,16 @@ others), with the page cache warm and after dropping it; and a store whose compr
 over 10x its hot+warm budgets, read completely and compared bit for bit with the source rows.
 
 Usage:
-    python benchmarks/bench_tiers.py              # default run (~2.5-4 min on 2 cores); writes docs
+    python benchmarks/bench_tiers.py              # default run (~2.5-4 min on 2 cores)
+    python benchmarks/bench_tiers.py --write-docs # ... and update docs/benchmarks.md
     python benchmarks/bench_tiers.py --quick      # ~1 min, checks that the script works
     python benchmarks/bench_tiers.py --steps 40000 --rounds 60
 
-Results: a table on stdout, raw numbers in ``benchmarks/out/bench_tiers.json`` (``--quick``:
-``bench_tiers_quick.json``), and the section between ``<!-- bench_tiers:begin -->`` /
-``<!-- bench_tiers:end -->`` of ``docs/benchmarks.md`` (default runs only, unless
-``--write-docs``). Targets are printed PASS/FAIL and never change the exit status.
+Results: a table on stdout, raw numbers in ``benchmarks/out/bench_tiers.json`` and the report in
+``benchmarks/out/bench_tiers.md`` (``--quick``: ``bench_tiers_quick.*``). Only with
+``--write-docs`` does the report also replace the section between ``<!-- bench_tiers:begin -->`` /
+``<!-- bench_tiers:end -->`` of ``docs/benchmarks.md``. Targets are printed PASS/FAIL and never
+change the exit status.
 """
 
 from __future__ import annotations
@@ -764,8 +766,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dir", default=None, help="where the stores' files go (default: a temp dir)")
     p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads(N); 0 keeps torch's default")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampled indices")
-    p.add_argument("--write-docs", action="store_true", help="write docs/benchmarks.md even with --quick")
-    p.add_argument("--no-docs", action="store_true", help="do not write docs/benchmarks.md")
+    H.add_output_arguments(p)
     args = p.parse_args(argv)
     if args.steps is None:
         args.steps = 4000 if args.quick else 20000
@@ -919,7 +920,8 @@ def main(argv: list[str] | None = None) -> int:
         "errors": errors, "total_s": total,
     }, indent=1, default=str))
     print(f"wrote {out_path.relative_to(H.REPO)}")
-    if (not args.quick or args.write_docs) and not args.no_docs:
+    print(f"wrote {H.write_output(out_path.with_suffix('.md').name, report).relative_to(H.REPO)}")
+    if H.wants_docs(args):
         write_doc_section_atomic(report)
         print(f"wrote {H.DOC_PATH.relative_to(H.REPO)} (section {BEGIN})")
     return 0

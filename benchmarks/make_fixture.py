@@ -1,4 +1,4 @@
-"""Write ``benchmarks/data/atari_frames.npz``: real Atari transitions for machines without ale-py.
+"""Build ``benchmarks/data/atari_frames.npz``: real Atari transitions for machines without ale-py.
 
 The GPU checks and benchmarks run on machines where ale-py may not be installed, yet they must
 measure compression on real screens. This script plays each game once with a seeded random
@@ -7,8 +7,12 @@ screen once, grayscale 84x84 plus, by default, the raw 210x160 RGB screens), com
 ``np.savez_compressed``. :func:`tiered.atari.load_fixture` rebuilds 4x84x84 stacks and next
 stacks from it with numpy, torch and tensordict only.
 
+The tracked file is replaced only on request (``--update-fixture``): by default the new fixture
+goes to ``benchmarks/out/atari_frames.npz``, to compare with the tracked one before replacing it.
+
 Usage:
     python benchmarks/make_fixture.py                      # Pong, MsPacman, Breakout; 2000 steps each
+    python benchmarks/make_fixture.py --update-fixture     # ... and replace benchmarks/data/atari_frames.npz
     python benchmarks/make_fixture.py --steps 1000 --no-raw --out /tmp/fx.npz
 
 Example (reading it back):
@@ -31,7 +35,8 @@ sys.path.insert(0, str(REPO))
 
 from tiered.atari import AtariFrames, load_fixture, rollout_frames, save_fixture  # noqa: E402
 
-DEFAULT_OUT = REPO / "benchmarks" / "data" / "atari_frames.npz"
+TRACKED = REPO / "benchmarks" / "data" / "atari_frames.npz"
+DEFAULT_OUT = REPO / "benchmarks" / "out" / "atari_frames.npz"
 # One seed per game so the games do not share a policy's action sequence.
 DEFAULT_GAMES = {"Pong": 0, "MsPacman": 1, "Breakout": 2}
 # A budget, not a target: the fixture travels with the repository and to the GPU machine.
@@ -40,12 +45,22 @@ MAX_BYTES = 15 * 1024 * 1024
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="npz file to write")
+    parser.add_argument("--out", type=Path, default=None,
+                        help=f"npz file to write (default {DEFAULT_OUT.relative_to(REPO)})")
+    parser.add_argument("--update-fixture", action="store_true",
+                        help=f"replace the tracked fixture {TRACKED.relative_to(REPO)} (tests and GPU checks read it)")
     parser.add_argument("--games", nargs="+", default=list(DEFAULT_GAMES), help="ALE game names")
     parser.add_argument("--steps", type=int, default=2000, help="transitions per game")
     parser.add_argument("--size", type=int, default=84, help="side of the grayscale frames")
     parser.add_argument("--no-raw", action="store_true", help="leave out the raw 210x160 RGB screens")
     args = parser.parse_args(argv)
+    if args.out is None:
+        args.out = TRACKED if args.update_fixture else DEFAULT_OUT
+    if args.out.resolve() == TRACKED and TRACKED.exists() and not args.update_fixture:
+        print(f"refusing to overwrite the tracked fixture {TRACKED}; pass --update-fixture to replace it",
+              file=sys.stderr)
+        return 2
+    args.out.parent.mkdir(parents=True, exist_ok=True)
 
     rollouts: dict[str, AtariFrames] = {}
     for i, game in enumerate(args.games):

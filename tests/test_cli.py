@@ -13,6 +13,7 @@ import h5py
 import numpy as np
 import pytest
 
+import tiered
 from tiered import errors as E
 from tiered.cli import exit_code_for, main
 from tiered.engine.lock import acquire_writer_lock, release
@@ -56,9 +57,11 @@ def test_top_level_help_and_version(capsys):
         ([], "required: COMMAND"),
         (["frobnicate"], "invalid choice: 'frobnicate'"),
         (["info"], "required: store"),
-        (["import", "hdf9", "a", "b"], "invalid choice: 'hdf9'"),
+        (["import", "hdf9", "a", "b"], "FORMAT is one of d4rl, minari, torchrl, npz"),
+        (["import", "a", "b", "--format", "hdf9"], "invalid choice: 'hdf9'"),
         (["export", "s", "d"], "required: --format"),
-        (["import", "d4rl", "SRC", "DST", "--frames", "observation"], "--frames takes KEY=DIM"),
+        (["import", "SRC", "DST", "--format", "d4rl", "--frames", "observation"], "--frames takes KEY=DIM"),
+        (["import", "SRC", "DST"], "needs --format FORMAT (one of d4rl, minari, torchrl, npz); "),
     ],
 )
 def test_usage_errors_exit_2(argv, says, capsys, tmp_path):
@@ -124,11 +127,79 @@ def test_console_script_exit_codes_and_one_line_errors(pong_store, tmp_path):
     assert missing.stderr.startswith("tiered: error:") and len(missing.stderr.strip().splitlines()) == 1
 
 
-def test_debug_shows_the_traceback(tmp_path, capsys):
+def test_debug_shows_the_traceback_before_or_after_the_command(tmp_path, capsys):
     assert main(["info", str(tmp_path / "nope")]) == 2
     assert "Traceback" not in capsys.readouterr().err
     assert main(["--debug", "info", str(tmp_path / "nope")]) == 2
     assert "Traceback" in capsys.readouterr().err
+    assert main(["info", str(tmp_path / "nope"), "--debug"]) == 2
+    assert "Traceback" in capsys.readouterr().err
+    assert main(["import", str(tmp_path / "a"), str(tmp_path / "b"), "--debug"]) == 2
+    assert "Traceback" in capsys.readouterr().err
+
+
+def test_help_and_version_import_no_torch_and_python_dash_m_works():
+    # `tiered --help` must not pay for importing torch: each command imports what it needs
+    code = ("import sys; from tiered.cli import main; "
+            "assert main(['--help']) == 0 and main(['--version']) == 0 and main(['import', '--help']) == 0; "
+            "print(sorted(m for m in ('torch', 'numpy', 'tensordict', 'h5py') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip().endswith("[]"), out
+    version = subprocess.run([sys.executable, "-m", "tiered", "--version"], capture_output=True, text=True)
+    assert version.returncode == 0 and version.stdout.strip() == f"tiered {tiered.__version__}"
+    usage = subprocess.run([sys.executable, "-m", "tiered", "info"], capture_output=True, text=True)
+    assert usage.returncode == 2 and "usage: tiered info" in usage.stderr
+
+
+def _d4rl_file(path: Path) -> Path:
+    with h5py.File(path, "w") as f:
+        f["observations"] = np.arange(30, dtype=np.float32).reshape(10, 3)
+        f["actions"] = np.zeros(10, np.int64)
+        f["rewards"] = np.ones(10, np.float32)
+        f["terminals"] = np.zeros(10, bool)
+    return path
+
+
+def test_import_takes_format_like_export_and_the_old_spelling_warns(tmp_path, capsys):
+    src = _d4rl_file(tmp_path / "d.hdf5")
+    assert main(["import", str(src), str(tmp_path / "new"), "--format", "d4rl", "-q"]) == 0
+    assert "deprecated" not in capsys.readouterr().err
+    assert main(["import", "d4rl", str(src), str(tmp_path / "old"), "-q"]) == 0
+    err = capsys.readouterr().err
+    assert "'tiered import FORMAT SRC DST' is deprecated" in err and "--format d4rl" in err
+    for name in ("new", "old"):
+        assert main(["info", str(tmp_path / name), "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["rows"] == 10
+    # both spellings at once is ambiguous: refused, nothing written
+    assert main(["import", "d4rl", str(src), str(tmp_path / "both"), "--format", "d4rl"]) == 2
+    assert "takes SRC DST --format FORMAT" in capsys.readouterr().err
+    assert not (tmp_path / "both").exists()
+
+
+def test_info_verify_export_on_a_dataset_suggest_the_import_command(tmp_path, capsys):
+    import torch
+    from tensordict import TensorDict
+
+    td_dir = tmp_path / "td"
+    TensorDict({"observation": torch.zeros(4, 3), "action": torch.zeros(4, dtype=torch.long)}, [4]).memmap(td_dir)
+    hdf5 = _d4rl_file(tmp_path / "hopper.hdf5")
+    np.savez(tmp_path / "roll.npz", observations=np.zeros((4, 3), np.float32))
+    (tmp_path / "empty").mkdir()
+    cases = [
+        (["info", str(td_dir)], f"Import it first: tiered import {td_dir} td.tiered --format torchrl"),
+        (["verify", str(td_dir), "-q"], "--format torchrl"),
+        (["info", str(hdf5)], f"tiered import {hdf5} hopper.tiered --format d4rl"),
+        (["export", str(tmp_path / "roll.npz"), str(tmp_path / "o.hdf5"), "--format", "d4rl"], "--format npz"),
+    ]
+    for argv, says in cases:
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert says in err and len(err.strip().splitlines()) == 1, err
+    # a directory that looks like nothing known gets the plain message
+    assert main(["info", str(tmp_path / "empty")]) == 2
+    assert "tiered import" not in capsys.readouterr().err
+    # the suggested command works as printed
+    assert main(["import", str(td_dir), str(tmp_path / "td.tiered"), "--format", "torchrl", "-q"]) == 0
 
 
 def test_import_force_over_a_locked_store_exits_5(pong_store, tmp_path, capsys):
@@ -177,8 +248,54 @@ def test_exit_code_mapping(exc, code):
     assert exit_code_for(exc) == code
 
 
-def test_demo_runs(capsys):
+def test_demo_reports_the_benchmarks_measures_without_torchrl_log_lines(capfd):
     pytest.importorskip("torchrl")
+    import logging
+
+    level = logging.getLogger("torchrl").level
     assert main(["demo", "--steps", "600", "--batch", "32", "--rounds", "2"]) == 0
-    out = capsys.readouterr().out
-    assert "bit-identical samples: True" in out and "TieredStorage" in out
+    out, err = capfd.readouterr()
+    assert "bit-identical samples: True" in out
+    # the benchmark's measures, in its words, and what differs from its run
+    for words in ("anon RSS growth", "per transition", "LTS / store", "extend 256 (rb)", "sample B=32 (rb)",
+                  "benchmarks/bench_storages.py", "Pong only, 600 transitions, 2 rounds"):
+        assert words in out, (words, out)
+    rows = {line.split()[0]: line for line in out.splitlines() if line.startswith(("TieredStorage", "LazyTensor"))}
+    assert set(rows) == {"TieredStorage", "LazyTensorStorage"} and "n/a" not in rows["TieredStorage"], out
+    assert "[torchrl][INFO]" not in out + err and "Initialized LazyTensorStorage" not in out + err
+    assert logging.getLogger("torchrl").level == level  # the user's logging is left as it was
+
+
+def _benchmark_module(name: str):
+    """A script of benchmarks/ as a module (it lives outside the package)."""
+    import importlib.util
+
+    repo = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(repo / "benchmarks"))
+    try:
+        spec = importlib.util.spec_from_file_location(name, repo / "benchmarks" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(repo / "benchmarks"))
+    return module
+
+
+def test_benchmarks_write_docs_and_the_tracked_fixture_only_when_asked(capsys):
+    import argparse
+
+    harness = _benchmark_module("_harness")
+    parser = argparse.ArgumentParser()
+    harness.add_output_arguments(parser)
+    assert harness.wants_docs(parser.parse_args([])) is False  # the default leaves docs/ alone
+    assert harness.wants_docs(parser.parse_args(["--write-docs"])) is True
+    for old in ("--no-doc", "--no-docs"):  # accepted, do nothing, say so
+        assert harness.wants_docs(parser.parse_args([old])) is False
+        assert "deprecated and do nothing" in capsys.readouterr().err
+    make_fixture = _benchmark_module("make_fixture")
+    assert make_fixture.DEFAULT_OUT.parent == harness.OUT_DIR
+    tracked = make_fixture.TRACKED
+    before = tracked.read_bytes()
+    assert make_fixture.main(["--out", str(tracked)]) == 2  # refused before playing anything
+    assert "--update-fixture" in capsys.readouterr().err
+    assert tracked.read_bytes() == before

@@ -33,6 +33,7 @@ from tiered.tiers import (
     parse_bytes,
 )
 from tiered.tiers.arena import inject_oom
+from tiered.tiers.memmap import GROW_MIN, GROW_STEP
 from tiered.util.copy import copy_tensor_blobs
 
 # Small segments so that batches cross segment boundaries.
@@ -311,8 +312,30 @@ def test_memmap_files_grow_in_steps_without_holes(tmp_path):
     off = t.allocate(np.array([1000]))
     t.write(off, np.zeros(1000, np.uint8), np.array([0]), np.array([1000]))
     st = os.stat(t.segment_path(0))
-    assert st.st_size == 16 << 20  # one growth step, not the whole segment
+    assert st.st_size == GROW_MIN  # the first growth step, not the whole segment
     assert st.st_blocks * 512 >= st.st_size  # reserved on disk (posix_fallocate), not sparse
+    t.close()
+
+
+def test_memmap_files_grow_geometrically_in_proportion_to_the_data(tmp_path):
+    t = MemmapTier(str(tmp_path / "c"), segment_bytes=64 << 20)
+    sizes_seen = []
+    for _ in range(600):  # 600 x 48 KiB = 28 MiB in one segment
+        off = t.allocate(np.array([48 << 10]))
+        t.write(off, np.ones(48 << 10, np.uint8), np.array([0]), np.array([48 << 10]))
+        size = os.stat(t.segment_path(0)).st_size
+        # never more than twice the data (plus the first step), never sparse
+        assert size <= max(GROW_MIN, 2 * t.bytes_used), (size, t.bytes_used)
+        assert os.stat(t.segment_path(0)).st_blocks * 512 >= size
+        if not sizes_seen or sizes_seen[-1] != size:
+            sizes_seen.append(size)
+    steps = np.diff(sizes_seen)
+    # each growth at least doubles the file until the steps reach GROW_STEP; then GROW_STEP each
+    assert sizes_seen[0] == GROW_MIN and len(sizes_seen) < 20, sizes_seen
+    assert (steps <= GROW_STEP).all() and steps[-1] == GROW_STEP
+    doubling = steps[steps < GROW_STEP]
+    assert (doubling >= np.array(sizes_seen[:len(doubling)])).all()
+    t.flush()
     t.close()
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import pickle
+import re
 import threading
 
 import numpy as np
@@ -30,7 +31,8 @@ from torchrl.data.replay_buffers.storages import _collate_id, _get_default_colla
 
 import tiered
 from tiered.atari import concat_rollouts
-from tiered.errors import ReadOnlyStoreError
+from tiered.errors import InvalidArgumentError, ReadOnlyStoreError
+from tiered.tiers.memmap import GROW_MIN
 from tiered.torchrl import TieredStorage, TieredStorageCheckpointer
 
 OPTS = {"frames": {"observation": 0}}
@@ -457,6 +459,36 @@ def test_state_dict_copies_and_round_trips(pong, tmp_path):
     for tensor in state["_storage"]["files"].values():
         tensor.zero_()  # the state dict is a copy: clobbering it touches no buffer
     assert_same(rb[:], snapshot, "after clobbering the state dict")
+
+
+def test_state_dict_grows_with_the_data_not_with_preallocated_segments(pong):
+    # 500 rows of Pong: 28 MB raw, ~35 kB of compressed blobs. The state dict carries the store's
+    # files; its segment file used to be one 16 MiB growth step (a 17 MB state dict).
+    storage = TieredStorage(500, **OPTS)
+    TensorDictReplayBuffer(storage=storage).extend(pong[:500])
+    blob_bytes = sum(t["bytes_used"] for t in storage.store.stats()["tiers"].values())
+    files = storage.state_dict()["files"]
+    segments = sum(t.numel() for name, t in files.items() if "/cold/" in name)
+    assert 0 < segments <= max(GROW_MIN, 2 * blob_bytes), (segments, blob_bytes)
+    assert sum(t.numel() for t in files.values()) < 1 << 20  # blobs + row tables of 500 rows
+
+
+@pytest.mark.parametrize(
+    ("keyword", "says"),
+    [
+        ({"scratch_dir": "SCRATCH"}, "pass the directory as path=DIR"),
+        ({"existsok": True}, "path= opens the store already in that directory"),
+        ({"auto_cleanup": False}, "remove its directory when done"),
+        ({"compression_level": 9}, "codec='zstd:9'"),
+        ({"frame": {"observation": 0}}, "unknown keyword(s) frame; it takes max_size, path"),
+    ],
+)
+def test_torchrl_only_keywords_say_what_to_use_instead(keyword, says, tmp_path):
+    kwargs = {k: (str(tmp_path / "s") if v == "SCRATCH" else v) for k, v in keyword.items()}
+    with pytest.raises(InvalidArgumentError, match=re.escape(says)) as info:
+        TieredStorage(10, **kwargs)
+    assert isinstance(info.value, ValueError) and next(iter(keyword)) in str(info.value)
+    assert not (tmp_path / "s").exists()  # refused before anything was created
 
 
 def test_default_checkpointer_is_tiered():

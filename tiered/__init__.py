@@ -15,8 +15,10 @@ Example:
 
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from . import errors
-from .codecs import Codec, get_codec
 from .errors import (
     ChecksumError,
     CodecUnavailableError,
@@ -39,9 +41,44 @@ from .errors import (
     UnsupportedFormatError,
     UnwrittenRowError,
 )
-from .schema import Field, Schema
-from .store import TieredStore
 from .version import __version__
+
+if TYPE_CHECKING:
+    from .codecs import Codec, get_codec
+    from .schema import Field, Schema
+    from .store import TieredStore
+
+# The names below import torch; they load on first use (PEP 562), so that `tiered --help`,
+# `tiered --version` and `import tiered.errors` stay fast.
+_LAZY = {
+    "TieredStore": "store",
+    "Schema": "schema",
+    "Field": "schema",
+    "Codec": "codecs",
+    "get_codec": "codecs",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is not None:
+        value = getattr(importlib.import_module(f".{module}", __name__), name)
+        globals()[name] = value  # later lookups skip this function
+        return value
+    if not name.startswith("_"):
+        # `import tiered; tiered.fileio...` kept working while the package root imported
+        # everything; a submodule still loads on first attribute access.
+        try:
+            return importlib.import_module(f".{name}", __name__)
+        except ModuleNotFoundError as e:
+            if e.name != f"{__name__}.{name}":
+                raise
+    raise AttributeError(f"module 'tiered' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     "TieredStore",
@@ -83,4 +120,6 @@ def open(path, mode: str = "r", **options) -> TieredStore:  # noqa: A001 - mirro
         mode: ``"r"`` (read-only; any number of readers) or ``"r+"`` (one writer).
         **options: runtime options (``warm_bytes``, ``hot_bytes``, ``device``, ``verify``, ...).
     """
+    from .store import TieredStore
+
     return TieredStore.open(path, mode=mode, **options)

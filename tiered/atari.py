@@ -52,6 +52,7 @@ from typing import Any
 import numpy as np
 import torch
 from tensordict import TensorDict
+from tqdm import tqdm
 
 __all__ = [
     "AtariFrames",
@@ -239,6 +240,7 @@ def rollout_frames(
     size: int = 84,
     max_episode_steps: int | None = None,
     raw: bool = False,
+    progress: bool | None = False,
 ) -> AtariFrames:
     """Play ``ALE/<game>-v5`` with a seeded random policy and keep each screen once.
 
@@ -255,6 +257,8 @@ def rollout_frames(
         max_episode_steps: truncate episodes after this many transitions; ``None`` keeps only
             ALE's own limit.
         raw: also keep the raw 210x160 RGB screens.
+        progress: a tqdm progress bar on stderr while the emulator plays; ``None`` shows it
+            only when stderr is a terminal.
 
     Returns:
         The rollout in compact form; see :class:`AtariFrames`.
@@ -300,8 +304,12 @@ def rollout_frames(
         obs, _ = env.reset(seed=seed)
         keep(obs)
         episode, k, start = 0, 0, 0
+        bar = tqdm(total=steps, desc=f"playing {game}", unit="steps", leave=False, mininterval=0.5,
+                   disable=None if progress is None else not progress)  # None: only on a terminal
         # The emulator is stepped one transition at a time; everything else is vectorized.
         for t in range(steps):
+            if t % 256 == 0 and t:
+                bar.update(256)  # in strides: a call per step would cost more than it shows
             obs, r, term, trunc, _ = env.step(int(action[t]))
             keep(obs)
             reward[t], terminated[t], truncated[t] = r, term, trunc
@@ -312,6 +320,7 @@ def rollout_frames(
                 start = len(gray)
                 keep(obs)
                 episode, k = episode + 1, 0
+        bar.close()
     finally:
         env.close()
 
@@ -336,6 +345,7 @@ def rollout(
     size: int = 84,
     max_episode_steps: int | None = None,
     raw: bool = False,
+    progress: bool | None = False,
 ) -> TensorDict:
     """Play an Atari game and return the transitions in TorchRL's layout.
 
@@ -349,6 +359,7 @@ def rollout(
         size: side of the square grayscale frames.
         max_episode_steps: truncate episodes after this many transitions.
         raw: add ``pixels`` and ``("next", "pixels")``, the raw 210x160x3 RGB screens.
+        progress: show a progress bar while playing (see :func:`rollout_frames`).
 
     Returns:
         A TensorDict of batch size ``[steps]``.
@@ -361,7 +372,7 @@ def rollout(
         >>> td["observation"].shape
         torch.Size([10, 4, 84, 84])
     """
-    return rollout_frames(game, steps, seed, size, max_episode_steps, raw).to_tensordict(stack)
+    return rollout_frames(game, steps, seed, size, max_episode_steps, raw, progress).to_tensordict(stack)
 
 
 def default_cache_dir() -> Path:
@@ -386,6 +397,7 @@ def cached_rollout(
     max_episode_steps: int | None = None,
     raw: bool = False,
     cache_dir: str | os.PathLike[str] | None = None,
+    progress: bool | None = False,
 ) -> TensorDict:
     """:func:`rollout`, played once and then read back from a cache file.
 
@@ -404,6 +416,8 @@ def cached_rollout(
         max_episode_steps: truncate episodes after this many transitions.
         raw: add the raw RGB screens.
         cache_dir: where to keep the files; default :func:`default_cache_dir`.
+        progress: show a progress bar while playing (a cache hit plays nothing); see
+            :func:`rollout_frames`.
 
     Returns:
         The same TensorDict :func:`rollout` returns for these arguments.
@@ -427,7 +441,7 @@ def cached_rollout(
         except (OSError, ValueError, KeyError):
             # A damaged or foreign file: replay and overwrite it rather than fail the caller.
             pass
-    frames = rollout_frames(game, steps, seed, size, max_episode_steps, raw)
+    frames = rollout_frames(game, steps, seed, size, max_episode_steps, raw, progress)
     directory.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=path.stem, suffix=".tmp")
     try:

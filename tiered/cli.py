@@ -4,9 +4,13 @@ Commands (``tiered COMMAND --help`` shows each one's options and examples)::
 
     tiered info STORE [--json]                 schema, rows, ratios, tier bytes, format version
     tiered verify STORE [--json] [--decode]    check every file and every blob checksum
-    tiered import FORMAT SRC DST [...]         d4rl | minari | torchrl | npz -> a new store
+    tiered import SRC DST --format FORMAT      d4rl | minari | torchrl | npz -> a new store
     tiered export STORE DST --format FORMAT    a store -> d4rl | minari | torchrl | npz
     tiered demo                                Atari frames in a TorchRL replay buffer
+
+``python -m tiered`` is the same command. ``--debug`` (show the traceback of an error) is
+accepted before or after the command name. ``tiered --help`` and ``--version`` import no torch:
+each command imports what it needs when it runs.
 
 Exit codes:
 
@@ -20,7 +24,9 @@ Exit codes:
 6     the store's format version is not supported (:class:`~tiered.errors.FormatVersionError`)
 ====  ==========================================================================
 
-Errors are printed as one message, without a traceback (``--debug`` shows it).
+Errors are printed as one message, without a traceback (``--debug`` shows it). Pointed at a
+dataset instead of a store, ``info``, ``verify`` and ``export`` say which ``tiered import``
+command converts it.
 
 Example:
     >>> from tiered.cli import main
@@ -31,11 +37,12 @@ Example:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 import textwrap
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from . import errors as E
@@ -45,6 +52,7 @@ __all__ = [
     "main",
     "build_parser",
     "exit_code_for",
+    "guess_format",
     "EXIT_OK",
     "EXIT_ERROR",
     "EXIT_USAGE",
@@ -114,7 +122,8 @@ def _info(args: argparse.Namespace) -> int:
     from .engine.manifest import read_manifest
     from .store import TieredStore
 
-    body = read_manifest(os.fspath(args.store))
+    with _suggest_import(args.store):
+        body = read_manifest(os.fspath(args.store))
     with TieredStore.open(args.store, mode="r", warm_bytes=0, hot_bytes=0) as store:
         st = store.stats()
         schema = (
@@ -182,7 +191,8 @@ def _info(args: argparse.Namespace) -> int:
 def _verify(args: argparse.Namespace) -> int:
     from .verify import verify_store
 
-    report = verify_store(args.store, progress=_progress(args), decode=args.decode)
+    with _suggest_import(args.store):
+        report = verify_store(args.store, progress=_progress(args), decode=args.decode)
     if args.json:
         print(json.dumps(report.to_json(), indent=1))
     else:
@@ -211,6 +221,8 @@ def _parse_frames(items: Sequence[str] | None) -> dict[tuple[str, ...], int] | N
 
 def _import(args: argparse.Namespace) -> int:
     from .formats import import_dataset
+
+    _resolve_import_spelling(args)
 
     report = import_dataset(
         args.format,
@@ -246,16 +258,17 @@ def _import(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     from .formats import export_dataset
 
-    report = export_dataset(
-        args.store,
-        args.dst,
-        args.format,
-        chunk_rows=args.chunk_rows,
-        progress=_progress(args),
-        force=args.force,
-        layout=args.layout,
-        dataset_id=args.dataset_id,
-    )
+    with _suggest_import(args.store):
+        report = export_dataset(
+            args.store,
+            args.dst,
+            args.format,
+            chunk_rows=args.chunk_rows,
+            progress=_progress(args),
+            force=args.force,
+            layout=args.layout,
+            dataset_id=args.dataset_id,
+        )
     if not args.quiet:
         print(
             f"exported {report.rows:,} rows of {args.store} as {args.format} to {args.dst} "
@@ -268,66 +281,108 @@ def _export(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+# ------------------------------------------------------------------------------ guessing a source
+
+
+_HDF5_MAGIC = b"\x89HDF\r\n\x1a\n"
+_ZIP_MAGIC = b"PK\x03\x04"
+
+
+def guess_format(path: str | os.PathLike[str]) -> tuple[str, str] | None:
+    """The import format a path looks like, from its files alone (nothing is parsed).
+
+    Returns:
+        ``(format, what it looks like)``, or ``None`` for a path that looks like none of them
+        (a tiered store included).
+
+    Example:
+        >>> import os, tempfile
+        >>> d = tempfile.mkdtemp()
+        >>> open(os.path.join(d, "meta.json"), "w").close()
+        >>> guess_format(d)
+        ('torchrl', 'a TensorDict memmap directory (what TorchRL datasets and LazyMemmapStorage write)')
+    """
+    p = os.fspath(path)
+    if os.path.isdir(p):
+        if os.path.isfile(os.path.join(p, "manifest.json")):
+            return None  # a store (maybe a damaged one): nothing to import
+        if os.path.isfile(os.path.join(p, "data", "main_data.hdf5")):
+            return "minari", "a Minari dataset directory"
+        if os.path.isfile(os.path.join(p, "meta.json")):
+            return "torchrl", "a TensorDict memmap directory (what TorchRL datasets and LazyMemmapStorage write)"
+        if os.path.isfile(os.path.join(p, "storage", "meta.json")):
+            return "torchrl", "a TorchRL replay-buffer checkpoint (rb.dumps)"
+        return None
+    try:
+        with open(p, "rb") as f:
+            head = f.read(8)
+    except OSError:
+        return None
+    if head == _HDF5_MAGIC:
+        return "d4rl", "an HDF5 file (D4RL layout)"
+    if head.startswith(_ZIP_MAGIC) and p.endswith(".npz"):
+        return "npz", "a NumPy .npz archive"
+    return None
+
+
+def _import_command(src: str, fmt: str) -> str:
+    stem = os.path.splitext(os.path.basename(os.path.normpath(src)))[0] or "store"
+    return f"tiered import {src} {stem}.tiered --format {fmt}"
+
+
+@contextlib.contextmanager
+def _suggest_import(path: str) -> Iterator[None]:
+    """Re-raise "not a tiered store" with the ``tiered import`` command when ``path`` is a dataset."""
+    try:
+        yield
+    except (E.NotATieredStoreError, NotADirectoryError) as e:  # a file where a store directory goes
+        guess = guess_format(path)
+        if guess is None:
+            raise
+        fmt, what = guess
+        raise E.NotATieredStoreError(
+            f"{path!r} is not a tiered store; it looks like {what}. Import it first: {_import_command(path, fmt)}"
+        ) from e
+
+
+def _resolve_import_spelling(args: argparse.Namespace) -> None:
+    """Fill ``args.format/src/dst`` from ``SRC DST --format F`` or the deprecated ``F SRC DST``."""
+    if args.legacy_dst is not None:  # three positionals: the old `tiered import FORMAT SRC DST`
+        if args.format is not None or args.src not in FORMATS:
+            raise E.UnsupportedFormatError(
+                f"tiered import takes SRC DST --format FORMAT, got three paths "
+                f"({args.src!r} {args.dst!r} {args.legacy_dst!r}); FORMAT is one of {', '.join(FORMATS)}"
+            )
+        args.format, args.src, args.dst = args.src, args.dst, args.legacy_dst
+        print(
+            f"tiered: warning: 'tiered import FORMAT SRC DST' is deprecated; "
+            f"write 'tiered import SRC DST --format {args.format}'",
+            file=sys.stderr,
+        )
+    if args.format is None:
+        guess = guess_format(args.src)
+        hint = f"; {args.src!r} looks like {guess[1]}: add --format {guess[0]}" if guess else ""
+        raise E.UnsupportedFormatError(
+            f"tiered import needs --format FORMAT (one of {', '.join(FORMATS)}){hint}"
+        )
+
+
 # ----------------------------------------------------------------------------------------------- demo
 
 
 def _demo(args: argparse.Namespace) -> int:
-    import time
-
-    import torch
+    from .demo import main as demo_main
 
     try:
-        from torchrl.data import LazyTensorStorage, RandomSampler, TensorDictReplayBuffer
+        import torchrl  # noqa: F401
 
-        from .atari import cached_rollout
-        from .torchrl import TieredStorage
+        from .atari import cached_rollout  # noqa: F401
     except ImportError as e:
         raise E.CodecUnavailableError(
             f"the demo needs TorchRL and ale-py: pip install 'tiered[torchrl,atari]' ({e})"
         ) from None
-    print(f"playing {args.steps} steps of ALE Pong (cached after the first run)...", flush=True)
-    data = cached_rollout("Pong", steps=args.steps, seed=0)
-    results = {}
-    for name, storage in (
-        ("TieredStorage", TieredStorage(args.steps, frames={"observation": 0})),
-        ("LazyTensorStorage", LazyTensorStorage(args.steps)),
-    ):
-        rb = TensorDictReplayBuffer(
-            storage=storage,
-            sampler=RandomSampler(),
-            batch_size=args.batch,
-            generator=torch.Generator().manual_seed(0),
-        )
-        t = time.perf_counter()
-        for i in range(0, args.steps, 256):
-            rb.extend(data[i : i + 256])
-        if isinstance(storage, TieredStorage):
-            storage.flush()
-        ext = args.steps / (time.perf_counter() - t)
-        rb.sample()
-        t = time.perf_counter()
-        for _ in range(args.rounds):
-            rb.sample()
-        smp = args.rounds * args.batch / (time.perf_counter() - t)
-        if isinstance(storage, TieredStorage):
-            st = storage.stats()
-            held = sum(t["bytes_used"] for t in st["tiers"].values()) + sum(st["memory"].values())
-        else:
-            held = _lazy_storage_bytes(storage)
-        results[name] = (rb, held, ext, smp)
-    a, b = results["TieredStorage"][0].sample(), results["LazyTensorStorage"][0].sample()
-    same = all(torch.equal(a.get(k), b.get(k)) for k in b.keys(True, True))
-    print(f"bit-identical samples: {same}")
-    print(f"{'storage':18} {'bytes held':>12} {'extend/s':>10} {'sample/s':>10}")
-    for name, (_rb, held, ext, smp) in results.items():
-        print(f"{name:18} {_fmt_bytes(held):>12} {ext:>10,.0f} {smp:>10,.0f}")
-    return EXIT_OK if same else EXIT_ERROR
-
-
-def _lazy_storage_bytes(storage: Any) -> int:
-    """Bytes a LazyTensorStorage holds: it allocates all ``max_size`` rows at its first write."""
-    rows = storage.get(slice(None))  # a view of the rows written, all of one row size
-    return sum(v.numel() * v.element_size() for v in rows.values(True, True)) // len(storage) * storage.max_size
+    argv = ["--steps", str(args.steps), "--batch", str(args.batch), "--rounds", str(args.rounds)]
+    return demo_main(argv + (["--no-memory"] if args.no_memory else []))
 
 
 # --------------------------------------------------------------------------------------------- parser
@@ -353,7 +408,7 @@ def build_parser() -> argparse.ArgumentParser:
                         5 locked by another writer, 6 unsupported format version
 
             examples:
-              tiered import d4rl hopper-medium-v2.hdf5 hopper.tiered
+              tiered import hopper-medium-v2.hdf5 hopper.tiered --format d4rl
               tiered info hopper.tiered
               tiered verify hopper.tiered
               tiered export hopper.tiered hopper.hdf5 --format d4rl
@@ -361,11 +416,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--version", action="version", version=f"tiered {__version__}")
     p.add_argument("--debug", action="store_true", help="show the traceback of an error")
-    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    # Each command accepts --debug too (the error message says "rerun with --debug", and users
+    # add it at the end); SUPPRESS keeps a command's parser from resetting a --debug given first.
+    debug = argparse.ArgumentParser(add_help=False)
+    debug.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                       help="show the traceback of an error")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_parser_with(debug))
     sub.required = True
     for add_command in (_add_info, _add_verify, _add_import, _add_export, _add_demo):
         add_command(sub)
     return p
+
+
+def _parser_with(parent: argparse.ArgumentParser) -> type[argparse.ArgumentParser]:
+    """An ArgumentParser class whose instances all inherit ``parent``'s arguments."""
+
+    class _CommandParser(argparse.ArgumentParser):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, parents=[parent], **kwargs)
+
+    return _CommandParser
 
 
 def _command(sub: Any, name: str, help: str, description: str, epilog: str) -> argparse.ArgumentParser:
@@ -432,16 +502,21 @@ def _add_import(sub: Any) -> None:
               npz      a .npz archive (D4RL names, or '/'-joined TorchRL keys)
 
             examples:
-              tiered import d4rl hopper-medium-v2.hdf5 hopper.tiered
-              tiered import minari ~/.minari/datasets/D4RL/door/human-v2 door.tiered
-              tiered import torchrl ~/.cache/torchrl/atari/Pong pong.tiered \\
+              tiered import hopper-medium-v2.hdf5 hopper.tiered --format d4rl
+              tiered import ~/.minari/datasets/D4RL/door/human-v2 door.tiered --format minari
+              tiered import ~/.cache/torchrl/atari/Pong pong.tiered --format torchrl \\
                   --frames observation=0 --chunk-frames 8
-              tiered import npz rollouts.npz rollouts.tiered --codec zstd:9
+              tiered import rollouts.npz rollouts.tiered --format npz --codec zstd:9
+
+            The older spelling 'tiered import FORMAT SRC DST' still works (with a warning).
             """,
     )
-    s.add_argument("format", choices=FORMATS, help="the dataset's format")
-    s.add_argument("src", help="the dataset (file or directory)")
-    s.add_argument("dst", help="the new store directory (must not exist)")
+    s.add_argument("src", metavar="SRC", help="the dataset (file or directory)")
+    s.add_argument("dst", metavar="DST", help="the new store directory (must not exist)")
+    # the deprecated `tiered import FORMAT SRC DST` has a third positional; see _resolve_import_spelling
+    s.add_argument("legacy_dst", nargs="?", help=argparse.SUPPRESS)
+    s.add_argument("--format", choices=FORMATS,
+                   help="the dataset's format (required; as for export)")
     s.add_argument(
         "--codec",
         default="zstd",
@@ -500,8 +575,9 @@ def _add_export(sub: Any) -> None:
               tiered export pong.tiered pong.npz --format npz --layout d4rl
             """,
     )
-    s.add_argument("store", help="the store directory")
-    s.add_argument("dst", help="the output (file for d4rl/npz, directory for minari/torchrl; must not exist)")
+    s.add_argument("store", metavar="STORE", help="the store directory")
+    s.add_argument("dst", metavar="DST",
+                   help="the output (file for d4rl/npz, directory for minari/torchrl; must not exist)")
     s.add_argument("--format", required=True, choices=FORMATS, help="the output format")
     s.add_argument(
         "--layout",
@@ -522,17 +598,18 @@ def _add_demo(sub: Any) -> None:
         help="Atari frames in a TorchRL replay buffer",
         description="Play ALE Pong with a random policy, fill a TorchRL replay buffer on "
         "TieredStorage and one on LazyTensorStorage, check that their samples are "
-        "bit-identical, and compare bytes held and speed "
-        "(needs tiered[torchrl,atari]).",
+        "bit-identical, and report bytes held (anon RSS growth), extend and sample rates, "
+        "measured as benchmarks/bench_storages.py measures them "
+        "(needs tiered[torchrl,atari]; the same as examples/atari_replay.py).",
         epilog="""
             examples:
               tiered demo
               tiered demo --steps 20000 --batch 256
             """,
     )
-    s.add_argument("--steps", type=int, default=5000, help="transitions (default: %(default)s)")
-    s.add_argument("--batch", type=int, default=256, help="sample batch size (default: %(default)s)")
-    s.add_argument("--rounds", type=int, default=50, help="sample calls timed (default: %(default)s)")
+    from .demo import add_arguments  # stdlib only at import: --help stays light
+
+    add_arguments(s)
     s.set_defaults(func=_demo)
 
 

@@ -4,8 +4,8 @@ Blobs live in segment files ``seg-000000.bin``, ``seg-000001.bin``, ... of ``seg
 each at most; a blob never straddles two segments. Offsets are global:
 ``segment index * segment_bytes + offset in the segment``.
 
-Writes: files grow by ``posix_fallocate`` in steps (16 MiB or the batch, whichever is larger)
-at :meth:`allocate`, so a full disk raises :class:`~tiered.errors.StorageFullError` there and
+Writes: files grow by ``posix_fallocate`` at :meth:`allocate` (:func:`grown_size`: a new file
+starts at 64 KiB and at least doubles up to steps of 16 MiB, so a small store stays small), so a full disk raises :class:`~tiered.errors.StorageFullError` there and
 never ``SIGBUS`` later; bytes go in with ``pwrite`` (one call per contiguous run), never
 through a memory map. Every write goes through :mod:`tiered.fileio`.
 
@@ -50,12 +50,14 @@ from .arena import cuda_usable
 from .base import Tier
 from .extents import ExtentAllocator
 
-__all__ = ["MemmapTier", "read_blobs"]
+__all__ = ["MemmapTier", "read_blobs", "grown_size"]
 
 #: Default size of one segment file.
 SEGMENT_BYTES = 256 << 20
-#: Files grow by at least this much at a time.
+#: Files grow by at most this much at a time (unless one batch needs more) ...
 GROW_STEP = 16 << 20
+#: ... and start this small: each growth at least doubles a file until its steps reach GROW_STEP.
+GROW_MIN = 64 << 10
 #: Blobs closer than this in a file are read with one call (the gap is read and dropped).
 COALESCE_GAP = 4096
 # Below this many bytes or runs a read is done on the calling thread (a thread hop costs more).
@@ -68,6 +70,21 @@ _THREADED_MIN_RUNS = 64
 STAGING_KEEP_MAX = 16 << 20
 # The name of the staging buffer in :attr:`MemmapTier.staging` (reads and writes share it).
 _STAGING = "staging"
+
+
+def grown_size(have: int, need: int, limit: int) -> int:
+    """The new size of a segment file of ``have`` bytes that must hold ``need``, at most ``limit``.
+
+    Geometric growth: reserved space stays proportional to the data (a 30 KiB store reserves
+    64 KiB, not a 16 MiB step), and a growing store makes O(log) ``fallocate`` calls until its
+    steps reach :data:`GROW_STEP`.
+
+    Example:
+        >>> [grown_size(have, have + 1, 1 << 30) >> 10 for have in (0, 64 << 10, 1 << 20, 64 << 20)]
+        [64, 128, 2048, 81920]
+    """
+    step = min(GROW_STEP, max(GROW_MIN, have))
+    return min(limit, max(need, have + step))
 
 
 def _preadv_all(fd: int, view: memoryview, offset: int, path: Callable[[], str]) -> None:
@@ -337,7 +354,7 @@ class MemmapTier(Tier):
             have = self._sizes[s]
             if need <= have:
                 continue
-            new = min(self.segment_bytes, max(need, have + GROW_STEP))
+            new = grown_size(have, need, self.segment_bytes)
             fileio.fallocate(self.segment_fd(s), self._data_offsets[s] + have, new - have)
             self._sizes[s] = new
             self._dirty.add(s)

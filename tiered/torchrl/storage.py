@@ -19,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+import inspect
 import os
 import shutil
 from multiprocessing.context import get_spawning_popen
@@ -39,7 +40,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 
 from ..engine.manifest import MANIFEST
 from ..engine.priorities import checked_row_priorities
-from ..errors import IndexOutOfRangeError, NotSharedError, SchemaMismatchError
+from ..errors import IndexOutOfRangeError, InvalidArgumentError, NotSharedError, SchemaMismatchError
 from ..schema import Key
 from ..store import TieredStore, as_row_array
 from .checkpoint import TieredStorageCheckpointer, dumps_with, loads_with
@@ -183,6 +184,40 @@ class _RowReads:
         self.write_fields(rows, {_as_key(k): v.reshape(rows.size, *v.shape[1:]) for k, v in patch.items()})
 
 
+# Keywords of TorchRL's storages that TieredStorage does not take, and what to write instead
+# (users swap LazyMemmapStorage(n, scratch_dir=...) for TieredStorage(n, ...) and keep the rest).
+_TORCHRL_ONLY_KEYWORDS = {
+    "scratch_dir": "pass the directory as path=DIR (TieredStorage(max_size, path=DIR)): the store "
+    "lives there and survives the process",
+    "existsok": "path= opens the store already in that directory (mode='r+') and creates one otherwise",
+    "auto_cleanup": "a store at path= is kept: remove its directory when done, or leave path=None "
+    "to keep the store in memory",
+    "cleanup_memmap": "a store at path= is kept: remove its directory when done, or leave path=None "
+    "to keep the store in memory",
+    "shared_init": "other processes read the store by path (tiered.open(path, mode='r')) or by pickling "
+    "the storage",
+    "consolidated": "rows are stored compressed per field; there is nothing to consolidate",
+    "compression_fn": "choose the codec with codec= (e.g. codec='zstd:9' or 'lz4')",
+    "decompression_fn": "choose the codec with codec= (e.g. codec='zstd:9' or 'lz4')",
+    "compression_level": "choose the codec with codec= (e.g. codec='zstd:9' or 'lz4')",
+}
+
+
+def _check_storage_keywords(store_options: dict[str, Any]) -> None:
+    """Refuse TorchRL storage keywords TieredStorage does not take, saying what to use instead."""
+    for name in store_options.keys() & _TORCHRL_ONLY_KEYWORDS.keys():
+        raise InvalidArgumentError(
+            f"TieredStorage does not take {name}= (a keyword of TorchRL's "
+            f"{'CompressedListStorage' if 'compress' in name else 'LazyMemmapStorage/LazyTensorStorage'}): "
+            f"{_TORCHRL_ONLY_KEYWORDS[name]}")
+    unknown = store_options.keys() - inspect.signature(TieredStore).parameters.keys()
+    if unknown:
+        raise InvalidArgumentError(
+            f"TieredStorage got unknown keyword(s) {', '.join(sorted(unknown))}; it takes max_size, path, "
+            "device, mode, checkpointer, ndim, compilable and TieredStore's options "
+            f"({', '.join(p for p in inspect.signature(TieredStore).parameters if p not in ('capacity', 'path', 'device'))})")
+
+
 class TieredStorage(_RowReads, TensorStorage):
     """A TorchRL storage whose rows live in a compressed, tiered :class:`~tiered.TieredStore`.
 
@@ -243,6 +278,7 @@ class TieredStorage(_RowReads, TensorStorage):
         compilable: bool = False,
         **store_options: Any,
     ):
+        _check_storage_keywords(store_options)
         if isinstance(ndim, bool) or not isinstance(ndim, int) or ndim < 1:
             raise ValueError(f"ndim must be an int >= 1, got {ndim!r}")
         if device == "auto":
