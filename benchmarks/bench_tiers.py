@@ -62,6 +62,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _harness as H  # noqa: E402
+import plots  # noqa: E402
 
 H.ensure_repo_on_path()
 
@@ -919,6 +920,7 @@ def main(argv: list[str] | None = None) -> int:
         "errors": errors, "total_s": total,
     }, indent=1, default=str))
     print(f"wrote {out_path.relative_to(H.REPO)}")
+    plots.plot_tiers(out_path)
     if (not args.quick or args.write_docs) and not args.no_docs:
         write_doc_section_atomic(report)
         print(f"wrote {H.DOC_PATH.relative_to(H.REPO)} (section {BEGIN})")
