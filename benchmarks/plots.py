@@ -22,6 +22,7 @@ import argparse
 import json
 import re
 import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +65,7 @@ def _run_note(data: dict[str, Any]) -> str:
     cores = facts.get("logical_cores")
     machine = f"{cores} cores" if cores else ""
     parts = [p for p in (f"`{facts.get('command', '')}`".replace("`", ""), date, machine) if p]
-    return ("QUICK RUN (small data, few rounds): indicative only. " if quick else "") + "; ".join(parts)
+    return ("QUICK RUN (small data): indicative only. " if quick else "") + "; ".join(parts)
 
 
 def _save(fig: Any, name: str, plt: Any) -> list[Path]:
@@ -80,9 +81,10 @@ def _save(fig: Any, name: str, plt: Any) -> list[Path]:
 
 def _title(ax: Any, title: str, data: dict[str, Any]) -> None:
     quick = " (quick run)" if data.get("args", {}).get("quick") else ""
-    ax.set_title(f"{title}{quick}\n", fontsize=11)
-    ax.text(0.0, 1.01, _run_note(data), transform=ax.transAxes, fontsize=7, color="#555555",
-            va="bottom", ha="left", wrap=True)
+    ax.set_title(f"{title}{quick}", fontsize=11)
+    # the run's command and date under the figure (kept out of the axes so layouts stay intact)
+    ax.figure.text(0.01, -0.02, textwrap.fill(_run_note(data), 150), fontsize=7, color="#555555",
+                   va="top", ha="left")
 
 
 def _chunk_frames(name: str) -> int | None:
@@ -162,11 +164,10 @@ def plot_storages(json_path: Path | str) -> list[Path]:
         ks = [p[0] for p in points]
         fig, ax = plt.subplots(figsize=(7.5, 4.5))
         ax.plot(ks, [p[1] for p in points], "o-", color=TIERED_COLOR, label="compressed blobs / transition")
-        ax.plot(ks, [p[2] for p in points], "o--", color="#aec7e8", label="anon RSS growth / transition")
         ax.set_xscale("log", base=2)
         ax.set_xticks(ks, [str(k) for k in ks])
         ax.set_xlabel("K = chunk_frames (frames of one trajectory compressed together)")
-        ax.set_ylabel("bytes per transition")
+        ax.set_ylabel("compressed bytes per transition")
         ax.set_ylim(bottom=0)
         right = ax.twinx()
         right.plot(ks, [p[3] for p in points], "s-", color="#d62728", label="store.get, B=256: transitions/s")
@@ -221,7 +222,7 @@ def plot_tiers(json_path: Path | str) -> list[Path]:
         for y, v in zip(yp, vals, strict=True):
             ax2.text(v, y, f" {v:.2f}", va="center", fontsize=7)
         ax2.grid(True, axis="x", which="both", alpha=0.3)
-        ax2.set_title("Cold batches: bytes the disk delivered\n", fontsize=11)
+        ax2.set_title("Cold batches: bytes the disk delivered", fontsize=11)
     else:
         ax2.axis("off")
     fig.tight_layout()
