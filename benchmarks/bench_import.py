@@ -38,7 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import h5py  # noqa: E402
 import numpy as np  # noqa: E402
 
+from benchmarks import plots  # noqa: E402
 from benchmarks._harness import (  # noqa: E402
+    OUT_DIR,
     add_output_arguments,
     describe_load,
     dir_bytes,
@@ -231,22 +233,26 @@ CHILD = textwrap.dedent("""
                 return int(line.split()[1]) * 1024
     base_rss, base_anon = proc.memory_info().rss, anon()
     peak = {"rss": base_rss, "anon": base_anon}
+    timeline = []  # (seconds since the import started, RSS growth, RssAnon growth), for the plot
     stop = False
     def watch():
         while not stop:
-            peak["rss"] = max(peak["rss"], proc.memory_info().rss)
-            peak["anon"] = max(peak["anon"], anon())
+            rss, an = proc.memory_info().rss, anon()
+            peak["rss"] = max(peak["rss"], rss)
+            peak["anon"] = max(peak["anon"], an)
+            timeline.append((time.perf_counter() - t0, rss - base_rss, an - base_anon))
             time.sleep(0.01)
-    t = threading.Thread(target=watch, daemon=True)
-    t.start()
     fmt, src, dst = sys.argv[1:4]
     t0 = time.perf_counter()
+    t = threading.Thread(target=watch, daemon=True)
+    t.start()
     rep = import_dataset(fmt, src, dst, frames={"observation": 0})
     secs = time.perf_counter() - t0
     stop = True
     t.join()
     print(json.dumps({"rows": rep.rows, "seconds": secs, "rss_growth": peak["rss"] - base_rss,
-                      "anon_growth": peak["anon"] - base_anon, "store_bytes": rep.store_bytes}))
+                      "anon_growth": peak["anon"] - base_anon, "store_bytes": rep.store_bytes,
+                      "timeline": timeline}))
 """)
 
 
@@ -332,6 +338,12 @@ def main() -> None:
     )
     print()
     print(table)
+    OUT_DIR.mkdir(parents=True, exist_ok=True)
+    out_path = OUT_DIR / "bench_import.json"
+    out_path.write_text(json.dumps({"facts": facts, "args": vars(args), "results": results,
+                                    "load_before": load_before, "load_after": load_after}, default=str))
+    print(f"raw results: {out_path}")
+    plots.plot_import(out_path)
     machine = (
         f"{facts['cpu_model']}, {facts['logical_cores']} logical cores, {fmt_bytes(facts['ram_bytes'])} RAM, "
         f"{facts['os']}"

@@ -59,6 +59,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _harness as H  # noqa: E402
+import plots  # noqa: E402
 
 H.ensure_repo_on_path()
 
@@ -122,6 +123,9 @@ class StoreSpec:
     note: str = ""
 
 
+EXTRA_K = (2, 8, 16)
+
+
 def build_specs(keys: list[str] | None) -> tuple[list[StoreSpec], str | None]:
     from torchrl.data import CompressedListStorage, LazyMemmapStorage, LazyTensorStorage
 
@@ -152,8 +156,11 @@ def build_specs(keys: list[str] | None) -> tuple[list[StoreSpec], str | None]:
         StoreSpec("cls", f"CompressedListStorage ({cls_codec_name().split(' ')[0]})", "torchrl",
                   lambda n, t: CompressedListStorage(n), lambda n, t: CompressedListStorage(n)),
     ]
-    if keys:
-        specs = [s for s in specs if s.key in keys]
+    # more chunk sizes for the K trade-off plot; measured only when named in --stores
+    specs += [StoreSpec(f"tiered_k{k}", f"tiered (K={k})", "tiered",
+                        tiered_raw(chunk_frames=k), tiered_rb(chunk_frames=k)) for k in EXTRA_K]
+    keys = keys or [s.key for s in specs if s.key not in {f"tiered_k{k}" for k in EXTRA_K}]
+    specs = [s for s in specs if s.key in keys]
     return specs, why
 
 
@@ -814,7 +821,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="steps of add 1 + sample 256 after a prefill of min(2048, steps/2) rows (default 400; quick 100)")
     p.add_argument("--quick", action="store_true", help="small run (~1-2 min) to check the script works")
     p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads(N); 0 keeps torch's default")
-    p.add_argument("--stores", nargs="+", default=None, help="subset: tiered tiered_k1 lts lms cls")
+    p.add_argument("--stores", nargs="+", default=None, help="subset: tiered tiered_k1 lts lms cls; also tiered_k2 tiered_k8 tiered_k16")
     p.add_argument("--profile", action="store_true", help="cProfile tiered get/extend at B=256 too")
     p.add_argument("--scale", type=int, default=2,
                    help="also fill tiered with scale x steps transitions (memory only; default 2)")
@@ -973,6 +980,7 @@ def main(argv: list[str] | None = None) -> int:
     out_path = H.OUT_DIR / ("bench_storages_quick.json" if args.quick else "bench_storages.json")
     out_path.write_text(json.dumps(summary, indent=1, default=str))
     print(f"raw results: {out_path}")
+    plots.plot_storages(out_path)
 
     notes = method_notes(args, args.rounds, args.one_steps, block, why)
     body = doc_body(facts, args, n, rb_bytes, thr_note, tables, loads, meters, proj_text, notes)

@@ -64,6 +64,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _harness as H  # noqa: E402
+import plots  # noqa: E402
 
 H.ensure_repo_on_path()
 
@@ -921,6 +922,7 @@ def main(argv: list[str] | None = None) -> int:
     }, indent=1, default=str))
     print(f"wrote {out_path.relative_to(H.REPO)}")
     print(f"wrote {H.write_output(out_path.with_suffix('.md').name, report).relative_to(H.REPO)}")
+    plots.plot_tiers(out_path)
     if H.wants_docs(args):
         write_doc_section_atomic(report)
         print(f"wrote {H.DOC_PATH.relative_to(H.REPO)} (section {BEGIN})")
