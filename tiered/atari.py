@@ -287,12 +287,8 @@ def rollout_frames(
         # on how the loop below is written.
         action = np.random.default_rng(seed).integers(env.action_space.n, size=steps, dtype=np.int64)
         reward = np.zeros(steps, dtype=np.float32)
-        terminated = np.zeros(steps, dtype=bool)
-        truncated = np.zeros(steps, dtype=bool)
-        traj_ids = np.zeros(steps, dtype=np.int64)
-        step_in_ep = np.zeros(steps, dtype=np.int64)
-        first_frame = np.zeros(steps, dtype=np.int64)
-
+        terminated, truncated = np.zeros(steps, dtype=bool), np.zeros(steps, dtype=bool)
+        traj_ids, step_in_ep, first_frame = (np.zeros(steps, dtype=np.int64) for _ in range(3))
         gray: list[np.ndarray] = []
         rgb: list[np.ndarray] = []
 

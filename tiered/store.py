@@ -43,22 +43,20 @@ import torch
 from tensordict import TensorDictBase
 
 from . import codecs
+from .engine.parts import build_parts
 from .engine.persistence import StoreFiles, commit_parts, open_commit, restore_commit
-from .engine.placement import Placement, memory_tiers
-from .engine.priorities import RowPriorities, checked_row_priorities
-from .engine.read import CpuReadPipeline, ReadPipeline, as_tensordict, contiguous_span
-from .engine.rows import IndexLike, RowSpace, as_row_array, index_shape
+from .engine.priorities import checked_row_priorities
+from .engine.read import CpuReadPipeline, ReadPipeline
+from .engine.rows import IndexLike, as_row_array
 from .engine.stats import store_stats
-from .engine.write import WriteOptions, WritePath
+from .engine.write import WriteOptions
 from .errors import (
     InvalidArgumentError,
     ReadOnlyStoreError,
-    SchemaMismatchError,
     StoreClosedError,
 )
 from .gpu import GpuDecoder, GpuReadPipeline, maybe_gpu_decoder
 from .index import COLD, BlobIndex
-from .policy import PriorityPolicy, get_policy
 from .schema import Key, Schema
 
 __all__ = ["TieredStore", "IndexLike", "as_row_array", "MAX_CAPACITY", "MAX_CHUNK_FRAMES", "MAX_STAGE_ROWS"]
@@ -107,12 +105,9 @@ class TieredStore:
         promote: copy sampled blobs up into faster tiers, as the policy decides.
         gpu_decode: with a CUDA ``device``: ``None`` decodes on the GPU when nvCOMP is installed,
             ``True`` requires it, ``False`` decodes on the CPU and copies.
-        stage_rows: writes of at most ``stage_rows // 8`` rows (``ReplayBuffer.add``, a few
-            environments at a time) are staged raw and compressed together by the first write that
-            finds the stage full (``stage_rows`` rows) or holding one of its rows, or before any
-            larger write, :meth:`flush` or pickling. Staged rows are readable at once and every
-            error is still raised by the write that causes it (see :mod:`tiered.engine.stage`).
-            ``0`` writes every call through.
+        stage_rows: writes of at most ``stage_rows // 8`` rows (``ReplayBuffer.add``) wait raw
+            and are compressed together later (see :mod:`tiered.engine.stage`); staged rows are
+            readable at once. ``0`` writes every call through.
     """
 
     def __init__(
@@ -120,25 +115,15 @@ class TieredStore:
         capacity: int,
         path: str | os.PathLike | None = None,
         *,
-        codec: str = "zstd",
-        blob_min_bytes: int = 1024,
-        blob_keys: Iterable[str | Key] | None = None,
-        dense_keys: Iterable[str | Key] | None = None,
-        frames: Mapping[str | Key, int] | None = None,
-        chunk_frames: int = 4,
-        dedup: bool = True,
-        traj_key: str | Key | None = None,
-        hot_bytes: int | str | None = None,
-        warm_bytes: int | str | None = None,
-        hot_device: str | torch.device | None = None,
-        device: str | torch.device | None = None,
-        policy: str = "lru",
-        verify: bool = True,
-        threads: int | None = None,
-        backend: str = "memmap",
-        promote: bool = True,
-        gpu_decode: bool | None = None,
-        stage_rows: int = 64,
+        # the layout (fixed when the store is created)
+        codec: str = "zstd", blob_min_bytes: int = 1024, blob_keys: Iterable[str | Key] | None = None,
+        dense_keys: Iterable[str | Key] | None = None, frames: Mapping[str | Key, int] | None = None,
+        chunk_frames: int = 4, dedup: bool = True, traj_key: str | Key | None = None, backend: str = "memmap",
+        # the runtime (may change when the store is reopened)
+        hot_bytes: int | str | None = None, warm_bytes: int | str | None = None,
+        hot_device: str | torch.device | None = None, device: str | torch.device | None = None,
+        policy: str = "lru", verify: bool = True, threads: int | None = None, promote: bool = True,
+        gpu_decode: bool | None = None, stage_rows: int = 64,
     ):
         _check_sizes(capacity, chunk_frames, stage_rows)
         _check_devices(hot_device, device)
@@ -161,25 +146,14 @@ class TieredStore:
     def _build(self, capacity: int, codec: str, options: WriteOptions, index: BlobIndex,
                runtime: dict[str, Any]) -> None:
         """Create the parts (no cold tier: the caller adds it when the store has a path)."""
-        self._codec = codecs.get_codec(codec)
-        if runtime["threads"] is not None and hasattr(self._codec, "threads"):
-            self._codec.threads = int(runtime["threads"])
         self._runtime = runtime
-        self._device = torch.device(runtime["device"]) if runtime["device"] is not None else torch.device("cpu")
+        self._codec, self._device, self._rows, self._index, self._placement, self._write = build_parts(
+            capacity, codec, options, index, **runtime)
         self._lock = threading.RLock()
         self._closed = False
         #: whether anything changed since the last commit (a flush of an unchanged store writes nothing)
         self._changed = True
         self._counters = {"blobs_decoded": 0, "gets": 0, "extends": 0}
-        self._rows = RowSpace(capacity)
-        self._index = index
-        policy = get_policy(runtime["policy"])
-        priorities = RowPriorities(capacity, index, default=policy.default if isinstance(policy, PriorityPolicy)
-                                   else 1.0, active=isinstance(policy, PriorityPolicy))
-        self._placement = Placement(memory_tiers(runtime["hot_bytes"], runtime["warm_bytes"], runtime["hot_device"],
-                                                 self._device),
-                                    index, policy, priorities)
-        self._write = WritePath(options, self._rows, index, self._placement, self._codec, runtime["stage_rows"])
         self._make_readers()
 
     def _make_readers(self) -> None:
@@ -188,9 +162,7 @@ class TieredStore:
                                            verify=rt["verify"], promote=rt["promote"], stale=self._stale)
         self._reader: ReadPipeline = self._cpu_reader
         self._gpu: GpuDecoder | None = None
-        decoder = maybe_gpu_decoder(self._device, rt["gpu_decode"])
-        if decoder is not None:
-            self.use_gpu_decoder(decoder)
+        self.use_gpu_decoder(maybe_gpu_decoder(self._device, rt["gpu_decode"]))
 
     def _stale(self) -> tuple[int, int] | None:
         return self._files.newer_generation() if self._files is not None else None
@@ -333,13 +305,6 @@ class TieredStore:
             SchemaMismatchError: the data does not match the schema or the index (nothing written).
             IndexOutOfRangeError: an index outside ``[-capacity, capacity)`` (nothing written).
         """
-        shape = index_shape(index)
-        if shape is not None and isinstance(data, TensorDictBase):
-            if tuple(data.batch_size[:len(shape)]) != shape:
-                raise SchemaMismatchError(
-                    f"an index of shape {list(shape)} needs data of batch size {list(shape)}, got "
-                    f"{list(data.batch_size)}; nothing was written")
-            data = data.reshape(-1)
         with self._lock:
             self._check_writable()
             self._changed = True
@@ -352,9 +317,12 @@ class TieredStore:
             self._changed = True
             self._write.clear()
 
-    def _check_writable(self) -> None:
+    def _check_open(self, mode: str = "") -> None:
         if self._closed:
-            raise StoreClosedError("the store is closed; reopen it with tiered.open(path, mode='r+')")
+            raise StoreClosedError(f"the store is closed; reopen it with tiered.open(path{mode})")
+
+    def _check_writable(self) -> None:
+        self._check_open(", mode='r+'")
         if self.read_only:
             raise ReadOnlyStoreError(
                 f"store {self.path!r} was opened read-only (mode='r'); reopen with mode='r+' to write")
@@ -389,24 +357,10 @@ class TieredStore:
             ChecksumError: a blob's stored bytes do not match their checksum.
         """
         with self._lock:
-            if self._closed:
-                raise StoreClosedError("the store is closed; reopen it with tiered.open(path)")
+            self._check_open()
             rows, scalar = self._resolve_read(index)
-            layout = self._write.layout
-            out: dict[Key, torch.Tensor] = {}
-            if layout is not None:
-                fields = layout.schema.select(keys)
-                span = None if copy else contiguous_span(index, rows)
-                for f in fields:
-                    if f.kind == "dense":
-                        out[f.key] = self._rows.read_dense(f.key, rows, span)
-                self._reader.read(layout, fields, rows, out, self._write.stage, self._write.staged_slots(rows))
-                self._counters["gets"] += 1
-            td = as_tensordict(out, rows, index_key, self._device)
-            if scalar:
-                return td[0]
-            shape = index_shape(index)
-            return td if shape is None else td.reshape(shape)
+            td = self._reader.get_rows(self._rows, self._write, index, rows, keys, index_key, copy, self._device)
+            return td[0] if scalar else td
 
     def _resolve_read(self, index: IndexLike) -> tuple[np.ndarray, bool]:
         stage = self._write.stage
@@ -433,26 +387,18 @@ class TieredStore:
         to the CPU pipeline with None. :meth:`GpuDecoder.attach` calls this."""
         with self._lock:
             self._gpu = decoder
-            if decoder is None:
-                self._reader = self._cpu_reader
-                self._placement.on_hot_write = None
-                return
-            reader = GpuReadPipeline(decoder, self._index, self._placement, self._counters, self._cpu_reader,
-                                     promote=self._runtime["promote"], stale=self._stale)
-            self._reader = reader
-            self._placement.on_hot_write = decoder.fence_writes
+            self._reader = self._cpu_reader if decoder is None else GpuReadPipeline(
+                decoder, self._index, self._placement, self._counters, self._cpu_reader,
+                promote=self._runtime["promote"], stale=self._stale)
+            self._placement.on_hot_write = None if decoder is None else decoder.fence_writes
 
     # ------------------------------------------------------------------------------------
     # Priorities, stats, lifecycle
     # ------------------------------------------------------------------------------------
     def set_priority(self, index: IndexLike, priority: torch.Tensor | np.ndarray | float) -> None:
-        """Set per-row priorities (as a prioritized replay sampler holds them).
-
-        A blob gets the maximum over the rows that reference it now, kept exact across calls,
-        overwrites, staged rows, shared frames and time chunks; with ``policy="priority"`` those
-        maxima decide which blobs stay in the fast tiers. A row just written starts at the
-        policy's default priority (1.0); a duplicate row in one call takes its last value.
-        Other policies keep the priorities for :meth:`stats` (``probability_mass``) only.
+        """Set per-row priorities; a blob gets the max over the rows that reference it now, which
+        with ``policy="priority"`` decides the blobs kept in the fast tiers (rows start at 1.0;
+        a row named twice takes its last value; see :mod:`tiered.engine.priorities`).
 
         Args:
             index: rows, as for :meth:`get`.
@@ -472,8 +418,7 @@ class TieredStore:
             [0.5, 2.0, 1.0]
         """
         with self._lock:
-            if self._closed:
-                raise StoreClosedError("the store is closed; reopen it with tiered.open(path)")
+            self._check_open()
             rows, _ = self._resolve_read(index)
             values = checked_row_priorities(rows, priority)
             self._placement.set_row_priorities(self._write.layout, rows, values, self._write.stage)
@@ -494,24 +439,12 @@ class TieredStore:
 
     @priority_alpha.setter
     def priority_alpha(self, value: float) -> None:
-        value = float(value)
-        if not np.isfinite(value) or value < 0:
-            raise ValueError(f"priority_alpha must be finite and >= 0, got {value}")
         self._placement.priorities.alpha = value
 
     def stats(self) -> dict[str, Any]:
-        """Memory and traffic figures.
-
-        Returns:
-            ``{"rows", "capacity", "codec", "blobs", "fields": {name: {...}}, "tiers": {name: {...}},
-            "staged_rows", "memory", "counters", "gpu", "priority"}``: per field its logical and
-            stored bytes and ratio (blob fields: unique frames, dedup and compression factors); per
-            tier its bytes used, budget, blobs, hits, promotions, demotions, fragmentation and
-            ``probability_mass``: the share of the sampling probability (row priority **
-            :attr:`priority_alpha`, over the written rows) whose frames the tier serves first (a
-            row's mass is split over its frames). ``priority`` gives ``alpha`` and the share
-            ``in_memory_raw`` served by open time chunks and staged rows.
-        """
+        """Memory and traffic figures: rows, blobs, per field its bytes and ratios, per tier its
+        bytes, budget, hits, moves and share of the sampling probability (the keys are listed in
+        :func:`tiered.engine.stats.store_stats`)."""
         with self._lock:
             return store_stats(self._rows, self._write.layout, self._index, self._placement, self._write.stage,
                                self._codec.name, self._counters, self._gpu.stats() if self._gpu else None)
@@ -558,21 +491,15 @@ class TieredStore:
         A manifest or array that is damaged or inconsistent raises
         :class:`~tiered.errors.CorruptionError` naming the store, never a raw ``KeyError``.
         """
-        unknown = set(options) - _OPEN_OPTIONS
-        if unknown:
-            raise TypeError(f"options {sorted(unknown)} cannot change on open; allowed: {sorted(_OPEN_OPTIONS)}")
-        _check_devices(options.get("hot_device"), options.get("device"))
+        _check_open_options(options)
         path = os.fspath(path)
 
         def build(body: dict[str, Any], lock: Any) -> TieredStore:
             files = StoreFiles(path, body.get("backend", "memmap"))
-            load = files.arrays(body)
-            index = BlobIndex.from_arrays({k.split(".", 1)[1]: load(k) for k in body["files"]
-                                           if k.startswith("index.")})
             runtime = {**_RUNTIME_DEFAULTS, "policy": body.get("policy", "lru"), **options}
             self = cls.__new__(cls)
-            self._build(int(body["capacity"]), body["codec"], WriteOptions.from_json(body["options"]), index,
-                        runtime)
+            self._build(int(body["capacity"]), body["codec"], WriteOptions.from_json(body["options"]),
+                        files.blob_index(body), runtime)
             self._files, self._backend = files, files.backend
             restore_commit(files, body, mode, self._rows, self._write, self._placement)
             files.writer_lock = lock
@@ -587,10 +514,8 @@ class TieredStore:
             if not self.read_only and not self._closed:
                 self.flush()
             return {"__reopen__": self.path, "options": {"verify": self._runtime["verify"]}}
-        state = self.__dict__.copy()
-        for name in ("_lock", "_gpu", "_reader", "_cpu_reader"):
-            state.pop(name, None)
-        return state
+        # the lock and the read pipelines are rebuilt on unpickling (a GPU decoder stays behind)
+        return {k: v for k, v in self.__dict__.items() if k not in ("_lock", "_gpu", "_reader", "_cpu_reader")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         if "__reopen__" in state:
@@ -625,6 +550,14 @@ def _check_sizes(capacity: Any, chunk_frames: Any, stage_rows: Any) -> None:
         raise InvalidArgumentError(
             f"capacity {capacity:,} needs at least {capacity:,} bytes of row metadata in memory, more than "
             f"this machine's {memory:,}; lower the capacity")
+
+
+def _check_open_options(options: dict[str, Any]) -> None:
+    """Refuse options that cannot change when a store is reopened, and missing devices."""
+    unknown = set(options) - _OPEN_OPTIONS
+    if unknown:
+        raise TypeError(f"options {sorted(unknown)} cannot change on open; allowed: {sorted(_OPEN_OPTIONS)}")
+    _check_devices(options.get("hot_device"), options.get("device"))
 
 
 def _check_devices(hot_device: Any, device: Any) -> None:

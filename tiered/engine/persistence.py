@@ -117,6 +117,11 @@ class StoreFiles:
 
         return load
 
+    def blob_index(self, body: dict[str, Any]) -> BlobIndex:
+        """The blob index the commit ``body`` saved (its ``index.*`` arrays)."""
+        load = self.arrays(body)
+        return BlobIndex.from_arrays({k.split(".", 1)[1]: load(k) for k in body["files"] if k.startswith("index.")})
+
     @staticmethod
     def cold_state(body: dict[str, Any], load: ArrayLoader) -> dict[str, Any]:
         state = dict(body["cold"])

@@ -115,11 +115,22 @@ class RowPriorities:
         # allocated on first use: a store whose rows nobody prioritizes pays nothing per row
         self._row: np.ndarray | None = None
         self._held = np.zeros(self.capacity, dtype=bool)  # staged rows that keep their priority
-        #: the exponent of the sampling distribution (``P(row) ~ priority ** alpha``) used by
-        #: :meth:`tier_mass`; TorchRL's prioritized samplers set theirs
-        self.alpha = 1.0
+        self._alpha = 1.0
         self._blob = np.full(1024, self.default, dtype=np.float64)  # blob maxima by id
         self._clear_reverse_index()
+
+    @property
+    def alpha(self) -> float:
+        """The exponent of the sampling distribution (``P(row) ~ priority ** alpha``) used by
+        :meth:`tier_mass`; TorchRL's prioritized samplers set theirs."""
+        return self._alpha
+
+    @alpha.setter
+    def alpha(self, value: float) -> None:
+        value = float(value)
+        if not np.isfinite(value) or value < 0:
+            raise ValueError(f"priority_alpha must be finite and >= 0, got {value}")
+        self._alpha = value
 
     @property
     def row(self) -> np.ndarray:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -38,7 +38,11 @@ from ..util.scratch import ScratchBuffers
 from .frames import FrameFamily
 from .layout import FieldLayout
 from .placement import TIER_NAMES, Placement
+from .rows import RowSpace, index_shape
 from .stage import WriteStage
+
+if TYPE_CHECKING:
+    from .write import WritePath
 
 __all__ = ["ReadPipeline", "CpuReadPipeline", "describe_bad_blobs", "as_tensordict", "contiguous_span"]
 
@@ -138,6 +142,25 @@ class ReadPipeline(ABC):
                     as_bits(cells)[hit_pos.to(cells.device)] = as_bits(staged.to(cells.device))
                 else:
                     out[f.key] = staged
+
+    def get_rows(self, space: RowSpace, write: WritePath, index: Any, rows: np.ndarray,
+                 keys: Any, index_key: str | None, copy: bool, device: torch.device) -> TensorDict:
+        """Everything :meth:`tiered.TieredStore.get` returns for resolved ``rows``: the dense
+        cells (views of the columns for a step-1 slice when ``copy`` is False), the blob fields
+        decoded, ``index_key`` added, on ``device``, in the index's batch shape."""
+        layout = write.layout
+        out: dict[Key, torch.Tensor] = {}
+        if layout is not None:
+            fields = layout.schema.select(keys)
+            span = None if copy else contiguous_span(index, rows)
+            for f in fields:
+                if f.kind == "dense":
+                    out[f.key] = space.read_dense(f.key, rows, span)
+            self.read(layout, fields, rows, out, write.stage, write.staged_slots(rows))
+            self.counters["gets"] += 1
+        td = as_tensordict(out, rows, index_key, device)
+        shape = index_shape(index)
+        return td if shape is None else td.reshape(shape)
 
     @abstractmethod
     def read_family(self, layout: FieldLayout, family_id: int, fields: list[Field], rows: np.ndarray,

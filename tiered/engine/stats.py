@@ -73,7 +73,18 @@ def tier_stats_with_mass(rows: RowSpace, layout: FieldLayout | None, placement: 
 def store_stats(rows: RowSpace, layout: FieldLayout | None, index: BlobIndex, placement: Placement,
                 stage: WriteStage | None, codec_name: str, counters: dict[str, int],
                 gpu: dict[str, Any] | None) -> dict[str, Any]:
-    """The dict :meth:`tiered.TieredStore.stats` returns (see its docstring)."""
+    """The dict :meth:`tiered.TieredStore.stats` returns.
+
+    Returns:
+        ``{"rows", "capacity", "codec", "blobs", "fields": {name: {...}}, "tiers": {name: {...}},
+        "staged_rows", "memory", "counters", "gpu", "priority"}``: per field its logical and
+        stored bytes and ratio (blob fields: unique frames, dedup and compression factors); per
+        tier its bytes used, budget, blobs, hits, promotions, demotions, fragmentation and
+        ``probability_mass``: the share of the sampling probability (row priority **
+        ``priority_alpha``, over the written rows) whose frames the tier serves first (a row's
+        mass is split over its frames). ``priority`` gives ``alpha`` and the share
+        ``in_memory_raw`` served by open time chunks and staged rows.
+    """
     families = layout.families if layout is not None else []
     tables = layout.tables.values() if layout is not None else []
     tiers, priority = tier_stats_with_mass(rows, layout, placement, stage)

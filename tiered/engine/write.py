@@ -39,7 +39,7 @@ from ..util.batch import exclusive_cumsum
 from .frames import FrameColumns, FrameFamily, FramePlan
 from .layout import FieldLayout
 from .placement import Placement
-from .rows import RowSpace
+from .rows import RowSpace, index_shape
 from .stage import WriteStage
 
 __all__ = ["WritePath", "WriteOptions", "check_layout_fits", "MAX_CHUNK_BYTES"]
@@ -160,7 +160,16 @@ class WritePath:
         return rows
 
     def overwrite(self, index: Any, data: Any, length: int | None) -> None:
-        """Write ``data`` at ``index`` (duplicates: the last wins); the cursor does not move."""
+        """Write ``data`` at ``index`` (duplicates: the last wins); the cursor does not move.
+
+        An integer index of several dimensions takes data of that batch shape."""
+        shape = index_shape(index)
+        if shape is not None and isinstance(data, TensorDictBase):
+            if tuple(data.batch_size[:len(shape)]) != shape:
+                raise SchemaMismatchError(
+                    f"an index of shape {list(shape)} needs data of batch size {list(shape)}, got "
+                    f"{list(data.batch_size)}; nothing was written")
+            data = data.reshape(-1)
         scalar = isinstance(index, (int, np.integer)) or (isinstance(index, torch.Tensor) and index.ndim == 0)
         small = self.small_write(data, 0 if scalar else 1)
         if small is not None:
