@@ -44,13 +44,18 @@ from ..errors import PickledDataError, UnsupportedFormatError
 from .common import chunk_rows_for, iter_store
 from .keymap import Key, key_str
 
-__all__ = ["TorchRLSource", "write_torchrl"]
+__all__ = ["TorchRLSource", "write_torchrl", "load_tensordict_memmap"]
 
 _INDEX_KEY = ("index",)
 
 
-def _load(path: str) -> TensorDict:
-    """``TensorDict.load_memmap`` that never unpickles: pickled fields run code when loaded."""
+def load_tensordict_memmap(path: str | os.PathLike) -> TensorDict:
+    """``TensorDict.load_memmap`` that never unpickles: pickled fields run code when loaded.
+
+    Raises:
+        PickledDataError: the directory holds pickled fields.
+        UnsupportedFormatError: it is not a TensorDict memmap directory.
+    """
     try:
         return TensorDict.load_memmap(path, allow_pickle=False)
     except Exception as e:  # noqa: BLE001 - tensordict raises many kinds for a bad directory
@@ -58,7 +63,8 @@ def _load(path: str) -> TensorDict:
             raise PickledDataError(
                 f"{path} holds pickled Python objects (non-tensor fields saved with pickle); tiered never "
                 "unpickles data, since unpickling can run arbitrary code. Remove those fields from the "
-                "source (td.exclude(...)) or convert them to tensors, then import again") from None
+                "source (td.exclude(...)) or convert them to tensors, or load it with TorchRL's own storage "
+                "if you trust it") from None
         raise UnsupportedFormatError(
             f"{path} is not a TensorDict memmap directory ({type(e).__name__}: {e})"
         ) from None
@@ -97,7 +103,7 @@ class TorchRLSource:
                 f"{path} is not a TensorDict memmap directory (no meta.json); expected what "
                 "TensorDict.memmap(path) or a TorchRL dataset cache writes"
             )
-        td = _load(td_dir)
+        td = load_tensordict_memmap(td_dir)
         if td.batch_dims != 1:
             raise UnsupportedFormatError(
                 f"{path}: batch size {list(td.batch_size)}; a store holds rows, so the TensorDict must have "

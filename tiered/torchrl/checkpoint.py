@@ -36,11 +36,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from tensordict import TensorDict, TensorDictBase
+from tensordict import TensorDictBase
 from torchrl.data.replay_buffers.checkpointers import StorageCheckpointerBase
 from torchrl.data.replay_buffers.storages import LazyTensorStorage
 
-from ..errors import PickledDataError, ReadOnlyStoreError, SchemaMismatchError, UnsupportedFormatError
+from ..errors import PickledDataError, ReadOnlyStoreError, SchemaMismatchError
+from ..formats.torchrl_memmap import load_tensordict_memmap
 from ..store import TieredStore
 from .forms import DataForm
 
@@ -263,16 +264,7 @@ def _read_torchrl_memmap(storage: TieredStorage, path: Path, load_hooks: list | 
     n = int(meta["len"])
     if n > storage.max_size:
         raise ValueError(f"the checkpoint at {path} holds {n} rows but max_size is {storage.max_size}")
-    try:
-        # never unpickle: a pickled field of a checkpoint runs code when loaded
-        td = TensorDict.load_memmap(path, allow_pickle=False)
-    except Exception as e:  # noqa: BLE001 - tensordict raises many kinds for a bad directory
-        if "pickle" in str(e).lower():
-            raise PickledDataError(
-                f"{path} holds pickled Python objects (non-tensor fields saved with pickle); tiered never "
-                "unpickles data, since unpickling can run arbitrary code. Load it with TorchRL's own "
-                "storage if you trust it, or remove those fields") from None
-        raise UnsupportedFormatError(f"{path} is not a TorchRL memmap checkpoint ({type(e).__name__}: {e})") from None
+    td = load_tensordict_memmap(path)  # never unpickles: a pickled field runs code when loaded
     storage.restore_layout(storage.form or DataForm("tensordict"), None)
     row_nbytes = sum(v[0].numel() * v.element_size() for v in td.values(True, True)) if td.numel() else 1
     _load_rows(storage, lambda lo, hi: td[lo:hi], n, row_nbytes, load_hooks)
