@@ -2,7 +2,7 @@
 
 The benchmarks compare storages side by side in one run on small, noisy VMs, so every number
 they print needs its context: which machine, what else was running on it (another process
-holding one of two cores stalls torch's thread pool, see ``shared/notes/cpu-baseline.md``), and
+holding one of two cores stalls torch's thread pool), and
 how memory was counted. These helpers gather that context once so each benchmark script stays
 about what it measures.
 

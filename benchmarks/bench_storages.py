@@ -26,7 +26,7 @@ Usage:
     python benchmarks/bench_storages.py --profile       # also cProfile tiered get/extend at B=256
 
 ``--threads``: on a 2-core VM, another process holding a core can stall torch's 2-thread pool
-(index_select 1.2 ms -> 41 ms median, shared/notes/cpu-baseline.md); one thread gives steadier
+(index_select 1.2 ms -> 41 ms median, measured on such a VM); one thread gives steadier
 comparisons, at some cost to LazyTensorStorage's gathers. The background load is printed either way.
 
 Results: a table on stdout, raw numbers in ``benchmarks/out/bench_storages.json`` and the report

@@ -286,6 +286,20 @@ def test_docstrings_and_comments_name_only_what_ships():
     assert not bad, "references to files that do not ship with the package:\n" + "\n".join(bad)
 
 
+def test_docs_tests_and_benchmarks_name_only_what_ships():
+    # The repository is all a user has: pages, scripts and tests must not point outside it.
+    root = PACKAGE.parent
+    here = Path(__file__).resolve()
+    files = [p for folder in ("docs", "tests", "benchmarks", "examples", "tools")
+             for p in sorted((root / folder).rglob("*")) if p.suffix in (".py", ".md") and p != here]
+    files += [root / "README.md", root / "CHANGELOG.md", root / "CONTRIBUTING.md"]
+    bad = [f"{p.relative_to(root)}:{i + 1}" for p in files if p.is_file()
+           for i, line in enumerate(p.read_text(encoding="utf-8").splitlines())
+           if "DESIGN.md" in line or "shared/notes" in line]
+    assert len(files) > 20
+    assert not bad, "references to files that do not ship with the repository:\n" + "\n".join(bad)
+
+
 def test_the_package_exports_every_exception():
     import tiered
     from tiered import errors

@@ -1,4 +1,4 @@
-"""Crash safety, damage detection and locking of stores on disk (DESIGN.md section 6).
+"""Crash safety, damage detection and locking of stores on disk.
 
 * Crashes: a forked child extends and flushes real Atari rows in a loop and dies, either at the
   N-th file-write event (``tiered.fileio``'s ``kill_on``, with an undo log from which the parent
