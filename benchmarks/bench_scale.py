@@ -1,0 +1,343 @@
+"""What a large path store costs: build, commit, reopen and sample at 1M rows and beyond.
+
+Run: ``python benchmarks/bench_scale.py [--rows 1000000 10000000] [--workdir DIR] [--keep]``
+
+For each size it builds a path store of that many Atari transitions (4x84x84 uint8 observation
+stacks with their ``("next", "observation")``, action, reward and flags), tiled from a real ALE
+Pong rollout (``tiered.atari.cached_rollout``). Tile ``t`` has its frames XORed with ``t % 251``
+and its first four pixels set to ``t``'s bytes, so tiles neither deduplicate nor share frames
+while every frame stays a real, equally compressible screen. Each step runs in a **fresh
+subprocess** that samples its own anonymous resident memory (``RssAnon``) every 10 ms:
+
+- ``build``: ``TieredStore(n, path, frames={"observation": 0}, hot_bytes=0, warm_bytes=0)``,
+  extended in slices of ``--slice`` rows, then ``close()``: rows/s and peak RssAnon growth;
+- ``commit``: ``tiered.open(path, "r+")``, extend ``--commit-rows`` new rows, time ``flush()``
+  and count the bytes it wrote (``/proc/self/io`` ``write_bytes``);
+- ``reopen``: time ``tiered.open(path)`` and the growth of RssAnon it causes (over a process that
+  has already imported torch and tensordict, which take ~350 MiB of their own);
+- ``sample``: B=256 uniform random rows (``get``), warm (files in the page cache) and cold
+  (``posix_fadvise(DONTNEED)`` on every file of the store before each batch; pages the process
+  has mapped stay cached, which flatters the cold rate of mapped metadata).
+
+Bytes on disk per transition are counted over all files, and over one generation (the newest
+``gen-*`` folder and the segments; a commit keeps the previous generation until the next one).
+Side by side on the same frames: the Dopamine checkpoint layout (``np.save`` of the per-step
+frames, action int32, reward float32 and terminal uint8, each gzipped the way Dopamine's
+``circular_replay_buffer`` writes them: ``gzip.GzipFile``'s default level 9), measured on the
+first ``--dopamine-rows`` rows and given per transition, and ``LazyMemmapStorage``'s bytes
+(its arrays are dense, so they are computed from the shapes: 2 x 4 x 84 x 84 B of frames per
+transition plus the small columns).
+
+Results go to ``benchmarks/out/bench_scale.json`` and ``benchmarks/out/bench_scale.md``. Not
+part of CI (minutes and GBs at the default size).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+
+from benchmarks._harness import OUT_DIR, describe_load, load_snapshot, machine_facts, markdown_table  # noqa: E402
+
+FRAME = 84 * 84
+
+
+def base_rollout() -> dict[str, np.ndarray]:
+    from tiered.atari import cached_rollout
+
+    td = cached_rollout("Pong", steps=2000, seed=0, max_episode_steps=500)
+    return {
+        "observation": td["observation"].numpy(),
+        "next_observation": td["next", "observation"].numpy(),
+        "action": td["action"].numpy(),
+        "reward": td["next", "reward"].numpy(),
+        "terminated": td["next", "terminated"].numpy(),
+        "truncated": td["next", "truncated"].numpy(),
+        "done": td["next", "done"].numpy(),
+        "traj": td["collector", "traj_ids"].numpy(),
+    }
+
+
+def perturb(frames: np.ndarray, tile: np.ndarray) -> np.ndarray:
+    """XOR each row's frames with its tile number mod 251 and stamp the tile into 4 pixels."""
+    shape = (-1,) + (1,) * (frames.ndim - 1)
+    out = frames ^ (tile % 251).astype(np.uint8).reshape(shape)
+    flat = out.reshape(out.shape[0], -1, FRAME)
+    flat[:, :, :4] = tile.astype("<u4").view(np.uint8).reshape(-1, 1, 4)
+    return out
+
+
+def tile_slice(base: dict[str, np.ndarray], lo: int, hi: int):
+    """Rows ``lo:hi`` of the tiled dataset as a TensorDict in TorchRL's layout."""
+    import torch
+    from tensordict import TensorDict
+
+    n = base["observation"].shape[0]
+    idx = np.arange(lo, hi)
+    tile, pos = idx // n, idx % n
+    traj_span = int(base["traj"].max()) + 1
+    t = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in {
+        "observation": perturb(base["observation"][pos], tile),
+        "next_observation": perturb(base["next_observation"][pos], tile),
+        "action": base["action"][pos], "reward": base["reward"][pos],
+        "terminated": base["terminated"][pos], "truncated": base["truncated"][pos],
+        "done": base["done"][pos], "traj": base["traj"][pos] + tile * traj_span}.items()}
+    return TensorDict({
+        "observation": t["observation"], "action": t["action"],
+        "collector": {"traj_ids": t["traj"]},
+        "next": {"observation": t["next_observation"], "reward": t["reward"], "done": t["done"],
+                 "terminated": t["terminated"], "truncated": t["truncated"]},
+    }, [hi - lo])
+
+
+class AnonPeak:
+    """Peak ``RssAnon`` of this process (sampled every 10 ms) above where it started."""
+
+    def __init__(self) -> None:
+        self.start = self.now()
+        self.peak = self.start
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def now() -> int:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+        return 0
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.01):
+            self.peak = max(self.peak, self.now())
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return max(self.peak, self.now()) - self.start
+
+
+def write_bytes() -> int:
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("write_bytes:"))
+
+
+def store_files(path: Path) -> list[Path]:
+    return [p for p in path.rglob("*") if p.is_file()]
+
+
+def disk_bytes(path: Path) -> dict[str, int]:
+    files = store_files(path)
+    gens = sorted(p for p in path.glob("gen-*") if p.is_dir())
+    older = {p for g in gens[:-1] for p in g.rglob("*") if p.is_file()}
+    return {"all": sum(p.stat().st_size for p in files),
+            "one_generation": sum(p.stat().st_size for p in files if p not in older),
+            "blocks": sum(p.stat().st_blocks * 512 for p in files)}
+
+
+# -- steps, each run in its own process -------------------------------------------------------
+def step_build(path: Path, rows: int, slice_rows: int) -> dict[str, Any]:
+    from tiered import TieredStore
+
+    base = base_rollout()
+    meter = AnonPeak()
+    t0 = time.perf_counter()
+    store = TieredStore(rows, str(path), frames={"observation": 0}, hot_bytes=0, warm_bytes=0)
+    making = 0.0
+    for lo in range(0, rows, slice_rows):
+        m = time.perf_counter()
+        td = tile_slice(base, lo, min(rows, lo + slice_rows))
+        making += time.perf_counter() - m
+        store.extend(td)
+        if lo // slice_rows % 50 == 0:
+            print(f"  build {lo + td.shape[0]:,}/{rows:,} rows", file=sys.stderr, flush=True)
+    store.close()
+    seconds = time.perf_counter() - t0 - making
+    return {"build_s": seconds, "build_rows_per_s": rows / seconds, "build_peak_anon": meter.stop(),
+            "making_data_s": making}
+
+
+def step_commit(path: Path, rows: int, new_rows: int) -> dict[str, Any]:
+    import tiered
+
+    base = base_rollout()
+    store = tiered.open(str(path), "r+")
+    # new rows from tiles past the end, so they are new frames too
+    store.extend(tile_slice(base, rows, rows + new_rows))
+    before, t = write_bytes(), time.perf_counter()
+    store.flush()
+    seconds, written = time.perf_counter() - t, write_bytes() - before
+    store.close()
+    return {"commit_s": seconds, "commit_bytes_written": written}
+
+
+def step_reopen(path: Path) -> dict[str, Any]:
+    import tensordict  # noqa: F401  (torch and tensordict take ~350 MiB of their own: not the store's)
+    import torch  # noqa: F401
+
+    import tiered
+
+    base_anon = AnonPeak.now()
+    times = []
+    for _ in range(3):
+        t = time.perf_counter()
+        store = tiered.open(str(path))
+        times.append(time.perf_counter() - t)
+        anon = AnonPeak.now() - base_anon
+        store.close()
+    return {"reopen_s": min(times), "reopen_s_all": times, "reopen_anon": anon}
+
+
+def step_sample(path: Path, rows: int, batches: int, batch: int) -> dict[str, Any]:
+    import torch
+
+    import tiered
+
+    store = tiered.open(str(path))
+    files = [str(p) for p in store_files(path)]
+    rng = np.random.default_rng(0)
+    out: dict[str, Any] = {}
+    for mode in ("warm", "cold"):
+        store.get(torch.from_numpy(rng.integers(0, rows, batch)))  # untimed: warms up the pools
+        spent = 0.0
+        for _ in range(batches):
+            idx = torch.from_numpy(rng.integers(0, rows, batch))
+            if mode == "cold":
+                for name in files:
+                    fd = os.open(name, os.O_RDONLY)
+                    try:
+                        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                    finally:
+                        os.close(fd)
+            t = time.perf_counter()
+            td = store.get(idx)
+            spent += time.perf_counter() - t
+            assert td.shape[0] == batch
+        out[f"sample_{mode}_per_s"] = batches * batch / spent
+    store.close()
+    return out
+
+
+def dopamine_bytes(rows: int) -> dict[str, Any]:
+    """Bytes per transition of the Dopamine checkpoint layout of the first ``rows`` rows."""
+    base = base_rollout()
+    td = tile_slice(base, 0, rows)
+    arrays = {"observation": td["observation"][:, -1].numpy(),  # Dopamine saves each step's frame once
+              "action": td["action"].numpy().astype(np.int32),
+              "reward": td["next", "reward"].reshape(-1).numpy().astype(np.float32),
+              "terminal": td["next", "terminated"].reshape(-1).numpy().astype(np.uint8)}
+    sizes = {}
+    for name, a in arrays.items():
+        buf = io.BytesIO()
+        with gzip.GzipFile(fileobj=buf, mode="wb") as f:  # GzipFile's default level, as Dopamine writes
+            np.save(f, a, allow_pickle=False)
+        sizes[name] = buf.tell()
+    return {"dopamine_bytes_per_transition": sum(sizes.values()) / rows,
+            "dopamine_frame_bytes": sizes["observation"] / rows, "dopamine_rows": rows}
+
+
+STEPS = {"build": step_build, "commit": step_commit, "reopen": step_reopen, "sample": step_sample,
+         "dopamine": dopamine_bytes}
+
+
+def run_step(name: str, **kw: Any) -> dict[str, Any]:
+    """Run one step in a fresh interpreter and return its JSON result."""
+    args = json.dumps({k: str(v) if isinstance(v, Path) else v for k, v in kw.items()})
+    proc = subprocess.run([sys.executable, __file__, "--step", name, "--step-args", args],
+                          stdout=subprocess.PIPE, text=True, check=True)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def measure(rows: int, workdir: Path, args: argparse.Namespace) -> dict[str, Any]:
+    path = workdir / f"scale_{rows}"
+    if path.exists():
+        shutil.rmtree(path)
+    res: dict[str, Any] = {"rows": rows}
+    print(f"{rows:,} rows: building {path}", file=sys.stderr, flush=True)
+    res.update(run_step("build", path=path, rows=rows, slice_rows=args.slice))
+    res.update({f"disk_{k}": v for k, v in disk_bytes(path).items()})
+    res.update(run_step("commit", path=path, rows=rows, new_rows=args.commit_rows))
+    res.update(run_step("reopen", path=path))
+    res.update(run_step("sample", path=path, rows=rows, batches=args.batches, batch=256))
+    if not args.keep:
+        shutil.rmtree(path)
+    return res
+
+
+def report(results: list[dict[str, Any]], dop: dict[str, Any], facts: dict[str, Any], load: str,
+           args: argparse.Namespace) -> str:
+    lms = 2 * 4 * FRAME + 8 + 4 + 4 * 1 + 8  # frames, action, reward, flags, trajectory id
+    head = ["rows", "build rows/s", "build peak anon", "disk B/transition (all)", "one generation",
+            f"commit after {args.commit_rows:,} rows", "commit wrote", "reopen", "anon after reopen",
+            "sample B=256 warm", "cold", "cold/warm"]
+    body = [[f"{r['rows']:,}", f"{r['build_rows_per_s']:,.0f}", f"{r['build_peak_anon'] / 2**20:,.0f} MiB",
+             f"{r['disk_all'] / r['rows']:.0f}", f"{r['disk_one_generation'] / r['rows']:.0f}",
+             f"{r['commit_s']:.3f} s", f"{r['commit_bytes_written'] / 2**20:,.1f} MiB",
+             f"{r['reopen_s']:.2f} s", f"{r['reopen_anon'] / 2**20:,.0f} MiB",
+             f"{r['sample_warm_per_s']:,.0f}/s", f"{r['sample_cold_per_s']:,.0f}/s",
+             f"{r['sample_cold_per_s'] / r['sample_warm_per_s']:.2f}x"] for r in results]
+    lines = [f"# bench_scale ({time.strftime('%Y-%m-%d')})", "",
+             f"Machine: {facts['cpu_model']}, {facts['logical_cores']} cores; `{facts['command']}`; "
+             f"background load at the start: {load}.", "",
+             markdown_table(head, body), "",
+             f"Same frames, other layouts (bytes per transition): Dopamine checkpoint files (gzip-9 `np.save`, "
+             f"first {dop['dopamine_rows']:,} rows) **{dop['dopamine_bytes_per_transition']:.0f}** "
+             f"({dop['dopamine_frame_bytes']:.0f} of them frames); LazyMemmapStorage {lms:,} (dense, from the shapes).",
+             ""]
+    if len(results) > 1:
+        a, b = results[0], results[-1]
+        lines.append(f"Commit after {args.commit_rows:,} new rows: {b['commit_s'] / a['commit_s']:.2f}x as long "
+                     f"at {b['rows']:,} rows as at {a['rows']:,} (the goal is within 1.5x).")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", type=int, nargs="+", default=[1_000_000])
+    p.add_argument("--workdir", help="where to build the stores (default: a temporary directory)")
+    p.add_argument("--keep", action="store_true", help="keep the stores")
+    p.add_argument("--slice", type=int, default=5_000, help="rows per extend while building (the slice itself takes 56 KB a row)")
+    p.add_argument("--commit-rows", type=int, default=10_000)
+    p.add_argument("--batches", type=int, default=20, help="B=256 batches per sample mode")
+    p.add_argument("--dopamine-rows", type=int, default=100_000)
+    p.add_argument("--step", choices=STEPS, help=argparse.SUPPRESS)
+    p.add_argument("--step-args", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.step:
+        kw = json.loads(args.step_args)
+        kw = {k: Path(v) if k == "path" else v for k, v in kw.items()}
+        print(json.dumps(STEPS[args.step](**kw)))
+        return 0
+    before = load_snapshot()
+    workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="bench_scale_"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    results = [measure(n, workdir, args) for n in args.rows]
+    dop = run_step("dopamine", rows=args.dopamine_rows)
+    text = report(results, dop, machine_facts(), describe_load(before), args)
+    OUT_DIR.mkdir(parents=True, exist_ok=True)
+    (OUT_DIR / "bench_scale.json").write_text(json.dumps({"results": results, "dopamine": dop}, indent=1))
+    (OUT_DIR / "bench_scale.md").write_text(text)
+    print(text)
+    if not args.workdir and not args.keep:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
