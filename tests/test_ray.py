@@ -67,7 +67,7 @@ def filled():
     # alpha=1, eps=0: leaves are the priorities themselves (integer priorities give exact sums)
     store = ShardedStore(3, 128, alpha=1.0, eps=0.0, seed=7, actor_options=ACTOR, **OPTIONS)
     gids = store.extend(td)
-    yield td, single, store, gids
+    yield [td, single, store, gids]  # a test that writes more rows appends them to all
     store.close()
 
 
@@ -205,3 +205,32 @@ def test_in_memory_dead_shard_is_left_out_with_skip():
             store.get(torch.tensor([0]))
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("prioritized", [False, True])
+def test_torchrl_replay_buffer_over_the_shards(filled, prioritized):
+    from tiered.ray.storage import sharded_replay_buffer
+
+    td, single, store, gids = filled
+    rb = sharded_replay_buffer(store, batch_size=32, prioritized=prioritized, transport="compressed",
+                               priority_key="td_error")
+    batch = rb.sample()
+    index = batch["index"]
+    assert_same(batch.exclude("index", "priority_weight"), single.get(positions(index, gids)))
+    if prioritized:
+        torch.testing.assert_close(batch["priority_weight"], store.probabilities(index)[1].to(batch["priority_weight"].dtype))
+        batch["td_error"] = torch.full((32,), 3.5)
+        rb.update_tensordict_priority(batch)
+        prob, _ = store.probabilities(index)
+        assert torch.allclose(prob * store.total_priority, torch.full((32,), 3.5, dtype=torch.float64))
+    else:
+        assert "priority_weight" not in batch.keys()
+    # rb.extend routes through the shards too
+    before = store.shard_rows()
+    more = episodes(n_traj=1, length=4, seed=9)
+    more.set(("collector", "traj_ids"), torch.ones(4, dtype=torch.int64))  # trajectory 1 -> shard 1
+    new_ids = rb.extend(more)
+    assert store.shard_rows()[1] == before[1] + 4
+    single.extend(more)
+    filled[0], filled[3] = torch.cat([td, more]), torch.cat([gids, new_ids])
+    assert_same(store.get(new_ids), more)
