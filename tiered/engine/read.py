@@ -133,6 +133,16 @@ class GatheredBlobs:
                   self.formats, self.open_pos, self.open_raw)
         return sum(int(a.nbytes) for a in arrays)
 
+    def compact(self) -> GatheredBlobs:
+        """The same blobs with narrower tables, to send elsewhere: positions and sizes as int32
+        (a blob holds less than 2 GiB), offsets left out (they follow from the sizes)."""
+        i32 = np.int32
+        return GatheredBlobs(
+            n_blobs=self.n_blobs, chunk_frames=self.chunk_frames, frame_nbytes=self.frame_nbytes, ids=self.ids,
+            pos=self.pos.astype(i32), comp=self.comp, offsets=np.empty(0, np.int64), sizes=self.sizes.astype(i32),
+            raw_nbytes=self.raw_nbytes.astype(i32), checksums=self.checksums, formats=self.formats,
+            open_pos=self.open_pos.astype(i32), open_raw=self.open_raw)
+
 
 def codec_for(default: codecs.Codec, format_ids: np.ndarray) -> codecs.Codec:
     """The codec that decodes blobs of these format ids (all must be one format): ``default``
@@ -154,13 +164,16 @@ def decode_gathered(g: GatheredBlobs, dst: np.ndarray, codec: codecs.Codec, *, v
         nothing is decoded), else an empty array.
     """
     row_bytes = g.chunk_frames * g.frame_nbytes
+    sizes = g.sizes.astype(np.int64, copy=False)
+    # compact() leaves the offsets out: the blobs lie back to back
+    offsets = g.offsets if g.offsets.size == sizes.size else exclusive_cumsum(sizes)
     if verify:
-        bad = np.flatnonzero(codecs.segment_checksums(g.comp, g.offsets, g.sizes) != g.checksums)
+        bad = np.flatnonzero(codecs.segment_checksums(g.comp, offsets, sizes) != g.checksums)
         if bad.size:
             return bad
     dst[: g.n_blobs * row_bytes].reshape(g.n_blobs, g.chunk_frames, g.frame_nbytes)[g.open_pos] = g.open_raw
-    codec_for(codec, g.formats).decode(g.comp, g.offsets, g.sizes, dst, g.pos.astype(np.int64) * row_bytes,
-                                       g.raw_nbytes)
+    codec_for(codec, g.formats).decode(g.comp, offsets, sizes, dst, g.pos.astype(np.int64) * row_bytes,
+                                       g.raw_nbytes.astype(np.int64, copy=False))
     return np.empty(0, dtype=np.int64)
 
 

@@ -108,7 +108,9 @@ def export_rows(reader: CpuReadPipeline, space: RowSpace, write: WritePath, rows
     for fid, fs in layout.by_family(fields).items():
         fam = layout.families[fid]
         uniq, frame_idx = blob_frames(layout, fam, fs, rows)
-        out.families.append(FamilyBlobs(fs, frame_idx, reader.gather_blobs(layout, fam, uniq, copy=True)))
+        if uniq.size * fam.chunk_frames < 1 << 31:
+            frame_idx = frame_idx.astype(np.int32)
+        out.families.append(FamilyBlobs(fs, frame_idx, reader.gather_blobs(layout, fam, uniq, copy=True).compact()))
     return out
 
 
