@@ -135,13 +135,35 @@ class GatheredBlobs:
 
     def compact(self) -> GatheredBlobs:
         """The same blobs with narrower tables, to send elsewhere: positions and sizes as int32
-        (a blob holds less than 2 GiB), offsets left out (they follow from the sizes)."""
+        (a blob holds less than 2 GiB), offsets left out when the blobs lie back to back."""
         i32 = np.int32
+        packed = self.offsets.size == self.sizes.size and np.array_equal(self.offsets, exclusive_cumsum(self.sizes))
         return GatheredBlobs(
             n_blobs=self.n_blobs, chunk_frames=self.chunk_frames, frame_nbytes=self.frame_nbytes, ids=self.ids,
-            pos=self.pos.astype(i32), comp=self.comp, offsets=np.empty(0, np.int64), sizes=self.sizes.astype(i32),
-            raw_nbytes=self.raw_nbytes.astype(i32), checksums=self.checksums, formats=self.formats,
-            open_pos=self.open_pos.astype(i32), open_raw=self.open_raw)
+            pos=self.pos.astype(i32), comp=self.comp, offsets=np.empty(0, np.int64) if packed else self.offsets,
+            sizes=self.sizes.astype(i32), raw_nbytes=self.raw_nbytes.astype(i32), checksums=self.checksums,
+            formats=self.formats, open_pos=self.open_pos.astype(i32), open_raw=self.open_raw)
+
+    def sealed(self, codec: codecs.Codec) -> GatheredBlobs:
+        """The same blobs with the open time chunks compressed too (one batched encode), so that
+        no raw frames are sent; they get blob id -1 and a checksum like the others."""
+        k = int(self.open_pos.size)
+        if k == 0:
+            return self
+        row_bytes = self.chunk_frames * self.frame_nbytes
+        enc = codec.encode(np.ascontiguousarray(self.open_raw).reshape(-1),
+                           np.arange(k, dtype=np.int64) * row_bytes, np.full(k, row_bytes, dtype=np.int64))
+        offsets = self.offsets if self.offsets.size == self.sizes.size else exclusive_cumsum(self.sizes)
+        return GatheredBlobs(
+            n_blobs=self.n_blobs, chunk_frames=self.chunk_frames, frame_nbytes=self.frame_nbytes,
+            ids=np.concatenate([self.ids, np.full(k, -1, dtype=self.ids.dtype)]),
+            pos=np.concatenate([self.pos, self.open_pos]), comp=np.concatenate([self.comp, enc.data]),
+            offsets=np.concatenate([offsets, self.comp.size + enc.offsets]),
+            sizes=np.concatenate([self.sizes, enc.sizes]),
+            raw_nbytes=np.concatenate([self.raw_nbytes, np.full(k, row_bytes, dtype=self.raw_nbytes.dtype)]),
+            checksums=np.concatenate([self.checksums, enc.checksums.astype(self.checksums.dtype)]),
+            formats=np.concatenate([self.formats, np.full(k, codec.format_id, dtype=self.formats.dtype)]),
+            open_pos=self.open_pos[:0], open_raw=self.open_raw[:0])
 
 
 def codec_for(default: codecs.Codec, format_ids: np.ndarray) -> codecs.Codec:

@@ -88,7 +88,8 @@ class CompressedRows:
 def export_rows(reader: CpuReadPipeline, space: RowSpace, write: WritePath, rows: np.ndarray,
                 keys: Any = None) -> CompressedRows:
     """Gather ``rows`` (resolved positions) without decoding their blob fields. Rows waiting in
-    the write stage are compressed first (as a flush does), so every blob field is a blob.
+    the write stage are compressed first (as a flush does), so every blob field is a blob, and
+    open time chunks are compressed for the trip (the store keeps them open).
 
     Raises:
         ChecksumError: a stored blob fails its checksum (with ``verify`` on).
@@ -110,7 +111,8 @@ def export_rows(reader: CpuReadPipeline, space: RowSpace, write: WritePath, rows
         uniq, frame_idx = blob_frames(layout, fam, fs, rows)
         if uniq.size * fam.chunk_frames < 1 << 31:
             frame_idx = frame_idx.astype(np.int32)
-        out.families.append(FamilyBlobs(fs, frame_idx, reader.gather_blobs(layout, fam, uniq, copy=True).compact()))
+        out.families.append(FamilyBlobs(fs, frame_idx, reader.gather_blobs(layout, fam, uniq, copy=True)
+                                        .sealed(reader.codec).compact()))
     return out
 
 
@@ -140,5 +142,7 @@ def decode_rows(packed: CompressedRows, *, index_key: str | None = None, device:
                 f"{bad.size} blob(s) failed their checksum after transport (blob ids {g.ids[bad][:5].tolist()}); "
                 "the bytes were damaged on the way or in the sending store: run `tiered verify` on its directory")
         assemble_cells(fam.fields, dst.reshape(-1, g.frame_nbytes), fam.frame_idx, n, cells)
-    ordered = {k: cells[k] for k in packed.order}
+    # as get() builds it: dense fields in schema order, then the blob fields family by family
+    ordered = {k: cells[k] for k in packed.order if k in packed.dense}
+    ordered.update((f.key, cells[f.key]) for fam in packed.families for f in fam.fields)
     return as_tensordict(ordered, packed.rows, index_key, torch.device(device))
