@@ -234,3 +234,18 @@ def test_torchrl_replay_buffer_over_the_shards(filled, prioritized):
     single.extend(more)
     filled[0], filled[3] = torch.cat([td, more]), torch.cat([gids, new_ids])
     assert_same(store.get(new_ids), more)
+
+
+def test_a_copy_in_another_process_writes_to_the_same_shards(filled):
+    td, single, store, gids = filled
+    copy = ray.cloudpickle.loads(ray.cloudpickle.dumps(store))  # what a collector actor receives
+    more = episodes(n_traj=1, length=6, seed=12)
+    more.set(("collector", "traj_ids"), torch.full((6,), 2, dtype=torch.int64))  # trajectory 2 -> shard 2
+    before = store.shard_rows()
+    new_ids = copy.extend(more)
+    assert store.shard_rows() == before  # the learner's totals lag until it hears from the shard ...
+    store.refresh()
+    assert store.shard_rows()[2] == before[2] + 6  # ... or asks
+    single.extend(more)
+    filled[0], filled[3] = torch.cat([td, more]), torch.cat([gids, new_ids])
+    assert_same(store.get(new_ids, transport="compressed"), more)

@@ -142,6 +142,7 @@ class ShardedStore:
         self._max_priority = 1.0
         self._unflushed = np.zeros(num_shards, dtype=np.int64)
         self.dead: set[int] = set()
+        self.closed = False
         self.failures: list[ShardFailure] = []
         self.actors = [self._start(i, reopen=False) for i in range(num_shards)]
         self._status: list[ShardStatus] = self._ray.get([a.status.remote() for a in self.actors])
@@ -229,10 +230,24 @@ class ShardedStore:
         self._unflushed[:] = 0
 
     def close(self) -> None:
-        """Flush and close every live shard, then end the actors."""
-        self._run({s: self.actors[s].close.remote() for s in self._live()}, "close", read=True, unpack=None)
-        for a in self.actors:
-            self._ray.kill(a)
+        """Flush and close every live shard, then end the actors (also when a shard fails to close).
+        Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self._run({s: self.actors[s].close.remote() for s in self._live()}, "close", read=True, unpack=None)
+        finally:
+            for a in self.actors:
+                self._ray.kill(a)
+
+    # A copy sent to another process (a collector) shares the actors; its bookkeeping is its own.
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "_ray"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._ray = require_ray()
 
     # -- reads ------------------------------------------------------------------------------------
     def get(self, ids: Any, keys: Any = None, *, transport: str | None = None) -> TensorDictBase:
@@ -315,6 +330,8 @@ class ShardedStore:
             replies = self._run(refs, "sample", read=True, unpack=lambda r: r[3])
             if len(replies) == len(refs):
                 break
+        else:
+            raise ShardFailedError(f"sample: shards kept failing ({self.failures[-self.num_shards:]})")
         ids = np.empty(shard.size, dtype=np.int64)
         leaves = np.empty(shard.size, dtype=np.float64)
         for s, pos in parts.items():
