@@ -84,6 +84,8 @@ def test_routing_keeps_trajectories_in_one_shard(filled):
 @pytest.mark.parametrize("prioritized", [False, True])
 def test_samples_bit_exact_against_one_store(filled, transport, prioritized):
     td, single, store, gids = filled
+    if prioritized:  # skewed priorities: rows of trajectory 4 (shard 1) weigh 10x the others
+        store.update_priority(gids, 1.0 + 9.0 * (td["collector", "traj_ids"] == 4).double())
     data, info = store.sample(200, prioritized=prioritized, transport=transport)
     pos = positions(info["index"], gids)
     assert_same(data, single.get(pos))
