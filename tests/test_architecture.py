@@ -29,7 +29,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "tiered"
 # the modules above the facade (and their submodules): they use TieredStore as users do; the
 # package root itself is checked by name (every module is a submodule of it)
 ABOVE_FACADE = ("tiered.store", "tiered.cli", "tiered.__main__", "tiered.verify", "tiered.demo",
-                "tiered.atari", "tiered.formats", "tiered.torchrl", "tiered.testing")
+                "tiered.atari", "tiered.formats", "tiered.torchrl", "tiered.testing", "tiered.ray")
 # where reading into private state is the job: the conformance suites and the inspection helper
 MAY_LOOK_INSIDE = ("tiered.testing",)
 MAX_CLASS_LINES = 450

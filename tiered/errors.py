@@ -40,6 +40,7 @@ __all__ = [
     "InvalidDatasetError",
     "PickledDataError",
     "NotSharedError",
+    "ShardFailedError",
 ]
 
 
@@ -135,3 +136,18 @@ class PickledDataError(UnsupportedFormatError):
 class NotSharedError(TieredError, RuntimeError):
     """A write to a copy of an in-memory storage that another process received: its writes would
     never reach the original (give the store a path and write from one process)."""
+
+
+class ShardFailedError(TieredError, RuntimeError):
+    """A shard of a sharded store (:mod:`tiered.ray`) died or cannot be reached.
+
+    The message names the shard (its number, actor and directory), says whether it was
+    restarted from its last commit and how many rows were lost with it (those written since its
+    last flush), and what to do. ``shard``, ``lost_rows`` and ``restarted`` hold the same facts.
+    """
+
+    def __init__(self, message: str, *, shard: int = -1, lost_rows: int = 0, restarted: bool = False):
+        super().__init__(message)
+        self.shard = shard
+        self.lost_rows = lost_rows
+        self.restarted = restarted

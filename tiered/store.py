@@ -49,6 +49,7 @@ from .engine.priorities import checked_row_priorities
 from .engine.read import CpuReadPipeline, ReadPipeline
 from .engine.rows import IndexLike, as_row_array
 from .engine.stats import store_stats
+from .engine.transport import CompressedRows, export_rows
 from .engine.write import WriteOptions
 from .errors import (
     InvalidArgumentError,
@@ -167,9 +168,7 @@ class TieredStore:
     def _stale(self) -> tuple[int, int] | None:
         return self._files.newer_generation() if self._files is not None else None
 
-    # ------------------------------------------------------------------------------------
-    # Properties
-    # ------------------------------------------------------------------------------------
+    # -- Properties --------------------------------------------------------------------------------
     @property
     def capacity(self) -> int:
         """Number of rows the ring holds."""
@@ -263,9 +262,7 @@ class TieredStore:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    # ------------------------------------------------------------------------------------
-    # Writing
-    # ------------------------------------------------------------------------------------
+    # -- Writing -----------------------------------------------------------------------------------
     def extend(self, data: TensorDictBase) -> torch.Tensor:
         """Append rows at the cursor (wrapping around and overwriting the oldest rows).
 
@@ -327,9 +324,7 @@ class TieredStore:
             raise ReadOnlyStoreError(
                 f"store {self.path!r} was opened read-only (mode='r'); reopen with mode='r+' to write")
 
-    # ------------------------------------------------------------------------------------
-    # Reading
-    # ------------------------------------------------------------------------------------
+    # -- Reading -----------------------------------------------------------------------------------
     def get(self, index: IndexLike, keys: Iterable[str | Key] | None = None, *,
             index_key: str | None = None, copy: bool = True) -> TensorDictBase:
         """Read rows.
@@ -362,6 +357,13 @@ class TieredStore:
             td = self._reader.get_rows(self._rows, self._write, index, rows, keys, index_key, copy, self._device)
             return td[0] if scalar else td
 
+    def get_compressed(self, index: IndexLike, keys: Iterable[str | Key] | None = None) -> CompressedRows:
+        """The rows :meth:`get` reads, with blob fields still compressed (staged rows are compressed
+        first), for another process to decode with :func:`tiered.engine.transport.decode_rows`."""
+        with self._lock:
+            self._check_open()
+            return export_rows(self._cpu_reader, self._rows, self._write, self._resolve_read(index)[0], keys)
+
     def _resolve_read(self, index: IndexLike) -> tuple[np.ndarray, bool]:
         stage = self._write.stage
         return self._rows.resolve_read(index, stage.staged if stage is not None and stage.count else None)
@@ -392,9 +394,7 @@ class TieredStore:
                 promote=self._runtime["promote"], stale=self._stale)
             self._placement.on_hot_write = None if decoder is None else decoder.fence_writes
 
-    # ------------------------------------------------------------------------------------
-    # Priorities, stats, lifecycle
-    # ------------------------------------------------------------------------------------
+    # -- Priorities, stats, lifecycle --------------------------------------------------------------
     def set_priority(self, index: IndexLike, priority: torch.Tensor | np.ndarray | float) -> None:
         """Set per-row priorities; a blob gets the max over the rows that reference it now, which
         with ``policy="priority"`` decides the blobs kept in the fast tiers (rows start at 1.0;
@@ -474,9 +474,7 @@ class TieredStore:
                 if self._files is not None:
                     self._files.release_lock()
 
-    # ------------------------------------------------------------------------------------
-    # The durable format (docs/format.md; tiered/engine/persistence.py)
-    # ------------------------------------------------------------------------------------
+    # -- The durable format (docs/format.md; tiered/engine/persistence.py) -------------------------
     def _commit(self) -> None:
         """Durably publish the current state (no-op without a path or read-only)."""
         if self._files is not None:

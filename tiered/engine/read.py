@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -44,7 +45,8 @@ from .stage import WriteStage
 if TYPE_CHECKING:
     from .write import WritePath
 
-__all__ = ["ReadPipeline", "CpuReadPipeline", "describe_bad_blobs", "as_tensordict", "contiguous_span"]
+__all__ = ["ReadPipeline", "CpuReadPipeline", "GatheredBlobs", "describe_bad_blobs", "as_tensordict", "contiguous_span",
+           "codec_for", "decode_gathered", "blob_frames", "assemble_cells"]
 
 
 def contiguous_span(index: Any, rows: np.ndarray) -> tuple[int, int] | None:
@@ -95,6 +97,126 @@ def describe_bad_blobs(layout: FieldLayout, index: BlobIndex, bad_ids: np.ndarra
                 "read the latest commit, and run `tiered verify` if the error stays after that.")
     return (f"{bad_ids.size} blob(s) failed their checksum (stored bytes are damaged):\n" + "\n".join(lines)
             + "\nOther rows are still readable. Run `tiered verify` on the store to list all damage.")
+
+
+@dataclass
+class GatheredBlobs:
+    """The bytes of one frame family's blobs for one read, before decoding: what a shard ships
+    to a learner in compressed transport, and what :meth:`CpuReadPipeline.decode_blobs` decodes.
+
+    Attributes:
+        n_blobs: the read's unique blobs (decoded, they fill ``[n_blobs, chunk_frames, frame_nbytes]``).
+        ids: blob ids of the stored (compressed) ones; ``pos``: their positions among the ``n_blobs``.
+        comp, offsets, sizes: their compressed bytes back to back, where each starts, its size.
+        raw_nbytes, checksums, formats: per stored blob, its decoded size, checksum and codec format id.
+        open_pos, open_raw: positions of open time chunks (raw in memory) and their raw frames.
+    """
+
+    n_blobs: int
+    chunk_frames: int
+    frame_nbytes: int
+    ids: np.ndarray
+    pos: np.ndarray
+    comp: np.ndarray
+    offsets: np.ndarray
+    sizes: np.ndarray
+    raw_nbytes: np.ndarray
+    checksums: np.ndarray
+    formats: np.ndarray
+    open_pos: np.ndarray
+    open_raw: np.ndarray
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every array held (what crossing a process boundary costs)."""
+        arrays = (self.ids, self.pos, self.comp, self.offsets, self.sizes, self.raw_nbytes, self.checksums,
+                  self.formats, self.open_pos, self.open_raw)
+        return sum(int(a.nbytes) for a in arrays)
+
+    def compact(self) -> GatheredBlobs:
+        """The same blobs with narrower tables, to send elsewhere: positions and sizes as int32
+        (a blob holds less than 2 GiB), offsets left out when the blobs lie back to back."""
+        i32 = np.int32
+        packed = self.offsets.size == self.sizes.size and np.array_equal(self.offsets, exclusive_cumsum(self.sizes))
+        return GatheredBlobs(
+            n_blobs=self.n_blobs, chunk_frames=self.chunk_frames, frame_nbytes=self.frame_nbytes, ids=self.ids,
+            pos=self.pos.astype(i32), comp=self.comp, offsets=np.empty(0, np.int64) if packed else self.offsets,
+            sizes=self.sizes.astype(i32), raw_nbytes=self.raw_nbytes.astype(i32), checksums=self.checksums,
+            formats=self.formats, open_pos=self.open_pos.astype(i32), open_raw=self.open_raw)
+
+    def sealed(self, codec: codecs.Codec) -> GatheredBlobs:
+        """The same blobs with the open time chunks compressed too (one batched encode), so that
+        no raw frames are sent; they get blob id -1 and a checksum like the others."""
+        k = int(self.open_pos.size)
+        if k == 0:
+            return self
+        row_bytes = self.chunk_frames * self.frame_nbytes
+        enc = codec.encode(np.ascontiguousarray(self.open_raw).reshape(-1),
+                           np.arange(k, dtype=np.int64) * row_bytes, np.full(k, row_bytes, dtype=np.int64))
+        offsets = self.offsets if self.offsets.size == self.sizes.size else exclusive_cumsum(self.sizes)
+        return GatheredBlobs(
+            n_blobs=self.n_blobs, chunk_frames=self.chunk_frames, frame_nbytes=self.frame_nbytes,
+            ids=np.concatenate([self.ids, np.full(k, -1, dtype=self.ids.dtype)]),
+            pos=np.concatenate([self.pos, self.open_pos]), comp=np.concatenate([self.comp, enc.data]),
+            offsets=np.concatenate([offsets, self.comp.size + enc.offsets]),
+            sizes=np.concatenate([self.sizes, enc.sizes]),
+            raw_nbytes=np.concatenate([self.raw_nbytes, np.full(k, row_bytes, dtype=self.raw_nbytes.dtype)]),
+            checksums=np.concatenate([self.checksums, enc.checksums.astype(self.checksums.dtype)]),
+            formats=np.concatenate([self.formats, np.full(k, codec.format_id, dtype=self.formats.dtype)]),
+            open_pos=self.open_pos[:0], open_raw=self.open_raw[:0])
+
+
+def codec_for(default: codecs.Codec, format_ids: np.ndarray) -> codecs.Codec:
+    """The codec that decodes blobs of these format ids (all must be one format): ``default``
+    when it reads their format."""
+    fmt = int(format_ids[0]) if format_ids.size else default.format_id
+    if fmt == default.format_id and (format_ids == fmt).all():
+        return default
+    if not (format_ids == fmt).all():
+        raise NotImplementedError("blobs of several codecs in one batch are not supported yet")
+    return codecs.codec_for_format_id(fmt)
+
+
+def decode_gathered(g: GatheredBlobs, dst: np.ndarray, codec: codecs.Codec, *, verify: bool) -> np.ndarray:
+    """Decode gathered blobs into ``dst`` (uint8, at least ``n_blobs * chunk_frames * frame_nbytes``):
+    one batched decode for the stored blobs, one copy for the open ones.
+
+    Returns:
+        The positions (into ``g.ids``) of blobs whose checksum failed when ``verify`` (then
+        nothing is decoded), else an empty array.
+    """
+    row_bytes = g.chunk_frames * g.frame_nbytes
+    sizes = g.sizes.astype(np.int64, copy=False)
+    # compact() leaves the offsets out: the blobs lie back to back
+    offsets = g.offsets if g.offsets.size == sizes.size else exclusive_cumsum(sizes)
+    if verify:
+        bad = np.flatnonzero(codecs.segment_checksums(g.comp, offsets, sizes) != g.checksums)
+        if bad.size:
+            return bad
+    dst[: g.n_blobs * row_bytes].reshape(g.n_blobs, g.chunk_frames, g.frame_nbytes)[g.open_pos] = g.open_raw
+    codec_for(codec, g.formats).decode(g.comp, offsets, sizes, dst, g.pos.astype(np.int64) * row_bytes,
+                                       g.raw_nbytes.astype(np.int64, copy=False))
+    return np.empty(0, dtype=np.int64)
+
+
+def blob_frames(layout: FieldLayout, fam: FrameFamily, fields: list[Field],
+                rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(unique blob ids, frame index)`` of ``rows`` over one family's ``fields``: the frame
+    index ``[len(rows), frames]`` points into the decoded ``[len(uniq) * chunk_frames]`` frames."""
+    blobs, slots = layout.blob_refs(fields, rows)
+    uniq, inv = np.unique(blobs, return_inverse=True)
+    return uniq, inv.reshape(blobs.shape) * fam.chunk_frames + slots
+
+
+def assemble_cells(fields: list[Field], flat: np.ndarray, frame_idx: np.ndarray, n: int,
+                   out: dict[Key, torch.Tensor]) -> None:
+    """Rebuild ``n`` rows' cells of ``fields`` from decoded frames ``flat`` ``[frames, frame_nbytes]``."""
+    col = 0
+    for f in fields:  # a loop over fields, not rows
+        width = f.frames_per_row
+        # numpy row gathers run at memcpy speed (torch's uint8 index_select is ~8x slower here)
+        out[f.key] = f.cells_from_frames(torch.from_numpy(flat[frame_idx[:, col:col + width].reshape(-1)]), n)
+        col += width
 
 
 class ReadPipeline(ABC):
@@ -195,36 +317,26 @@ class CpuReadPipeline(ReadPipeline):
     def read_family(self, layout: FieldLayout, family_id: int, fields: list[Field], rows: np.ndarray,
                     out: dict[Key, torch.Tensor]) -> None:
         fam = layout.families[family_id]
-        n = rows.size
-        blobs, slots = layout.blob_refs(fields, rows)
-        uniq, inv = np.unique(blobs, return_inverse=True)
-        frame_idx = inv.reshape(blobs.shape) * fam.chunk_frames + slots
+        uniq, frame_idx = blob_frames(layout, fam, fields, rows)
         flat = self.decode_blobs(layout, fam, uniq).reshape(-1, fam.frame_nbytes)  # reused buffer
-        col = 0
-        for f in fields:  # a loop over fields, not rows
-            width = f.frames_per_row
-            # numpy row gathers run at memcpy speed (torch's uint8 index_select is ~8x slower here)
-            out[f.key] = f.cells_from_frames(torch.from_numpy(flat[frame_idx[:, col:col + width].reshape(-1)]), n)
-            col += width
+        assemble_cells(fields, flat, frame_idx, rows.size, out)
 
-    def decode_blobs(self, layout: FieldLayout, fam: FrameFamily, uniq: np.ndarray) -> np.ndarray:
-        """Raw frames ``[len(uniq), chunk_frames, frame_nbytes]`` of the given blobs, in a reused buffer.
+    def gather_blobs(self, layout: FieldLayout, fam: FrameFamily, uniq: np.ndarray, *,
+                     copy: bool = False) -> GatheredBlobs:
+        """The bytes of blobs ``uniq`` of family ``fam``: compressed for stored blobs (read from
+        their tiers, checked when ``verify``), raw frames for open time chunks. The policy sees
+        the reads and may promote. ``copy=False`` leaves the compressed bytes in a reused buffer.
 
         Raises:
-            ChecksumError: a blob's stored bytes do not match their checksum (nothing decoded).
+            ChecksumError: a blob's stored bytes do not match their checksum.
         """
         idx = self.index
-        chunk, nb = fam.chunk_frames, fam.frame_nbytes
-        row_bytes = chunk * nb
-        dst = self._scratch.get(f"raw{fam.family_id}", uniq.size * row_bytes)
-        dst_t = dst.reshape(uniq.size, chunk, nb)
         state = idx.state[uniq]
         if (state == 0).any():
             raise AssertionError("a row references a freed blob: index is inconsistent")
         is_open = state == OPEN
         # no early exits on empty groups: the call count of get must not depend on the batch
-        pos = np.flatnonzero(is_open)
-        dst_t[pos] = fam.open_raw(uniq[pos], idx)
+        open_pos = np.flatnonzero(is_open)
         pos = np.flatnonzero(~is_open)
         ids = uniq[pos]
         sizes = idx.nbytes[ids]
@@ -237,22 +349,30 @@ class CpuReadPipeline(ReadPipeline):
             bad = np.flatnonzero(sums != idx.checksum[ids])
             if bad.size:
                 raise self.checksum_error(layout, ids[bad])
-        self.codec_for(idx.codec[ids]).decode(
-            comp, src_off, sizes, dst, pos.astype(np.int64) * row_bytes, idx.raw_nbytes[ids])
-        self.counters["blobs_decoded"] += int(ids.size)
         self.placement.note_reads(ids, from_tier)
         if self.promote:
             self.placement.promote(ids, from_tier, comp, src_off, sizes)
-        return dst_t
+        return GatheredBlobs(
+            n_blobs=uniq.size, chunk_frames=fam.chunk_frames, frame_nbytes=fam.frame_nbytes,
+            ids=ids, pos=pos, comp=comp.copy() if copy else comp, offsets=src_off, sizes=sizes,
+            raw_nbytes=idx.raw_nbytes[ids], checksums=idx.checksum[ids], formats=idx.codec[ids],
+            open_pos=open_pos, open_raw=fam.open_raw(uniq[open_pos], idx))
+
+    def decode_blobs(self, layout: FieldLayout, fam: FrameFamily, uniq: np.ndarray) -> np.ndarray:
+        """Raw frames ``[len(uniq), chunk_frames, frame_nbytes]`` of the given blobs, in a reused buffer.
+
+        Raises:
+            ChecksumError: a blob's stored bytes do not match their checksum (nothing decoded).
+        """
+        gathered = self.gather_blobs(layout, fam, uniq)
+        dst = self._scratch.get(f"raw{fam.family_id}", uniq.size * fam.chunk_frames * fam.frame_nbytes)
+        decode_gathered(gathered, dst, self.codec, verify=False)  # checked when gathered
+        self.counters["blobs_decoded"] += int(gathered.ids.size)
+        return dst.reshape(uniq.size, fam.chunk_frames, fam.frame_nbytes)
 
     def codec_for(self, format_ids: np.ndarray) -> codecs.Codec:
         """The codec that decodes blobs of these format ids (all must be one format)."""
-        fmt = int(format_ids[0]) if format_ids.size else self.codec.format_id
-        if fmt == self.codec.format_id and (format_ids == fmt).all():
-            return self.codec
-        if not (format_ids == fmt).all():
-            raise NotImplementedError("blobs of several codecs in one batch are not supported yet")
-        return codecs.codec_for_format_id(fmt)
+        return codec_for(self.codec, format_ids)
 
     def describe(self) -> dict[str, Any]:
         return {"backend": "cpu", "codec": self.codec.name}

@@ -1,0 +1,210 @@
+"""tiered.ray: bytes per batch across the actor boundary and samples/s with 1, 2 and 4 shards.
+
+Data: real Atari rows (``benchmarks/data/atari_frames.npz``: Pong, MsPacman, Breakout, 4x84x84
+uint8 stacks plus the next stacks), tiled ``--copies`` times (each copy's frames XOR-ed with its
+copy number so copies do not deduplicate). A local Ray cluster with ``--cpus`` CPUs (loopback,
+no dashboard) runs the shard actors.
+
+1. **Bytes per batch**: B=256 rows drawn uniformly; each shard's reply to a sample call is
+   pickled (protocol 5, what Ray's serializer moves for numpy arrays and tensors, out-of-band
+   buffers included) in both transports: ``decoded`` (a TensorDict) and ``compressed``
+   (:class:`~tiered.engine.transport.CompressedRows`). Summed over shards, averaged over batches.
+2. **Samples/s**: ``ShardedStore.sample(256)`` (uniform and prioritized, both transports) timed
+   over ``--batches`` batches after a warm-up, with 1, 2 and 4 shards. Anchors in the driver's
+   process, no Ray: one :class:`~tiered.TieredStore` (``get`` of 256 random rows) and TorchRL's
+   ``LazyTensorStorage`` (``ReplayBuffer.sample``) holding the same rows.
+
+Usage:
+    python benchmarks/bench_ray.py            # default (~2-4 min on 2 loaded cores)
+    python benchmarks/bench_ray.py --quick    # a short check that the script works
+    python benchmarks/bench_ray.py --codec zstd:9 --chunk-frames 8   # smaller blobs per batch
+
+What limits scaling on a small machine: every shard is a process, and the driver is one more.
+Per batch a shard gathers (and, with decoded transport, decodes) its rows and serializes the
+reply; the driver sends one call per shard, waits, decodes compressed replies and reorders the
+batch. With 2 cores, more shards only add processes, calls and copies competing for the same
+cores, so 1 shard is fastest; shards pay off when each has its own cores (or node).
+
+Results: a table on stdout and ``benchmarks/out/bench_ray.json`` / ``bench_ray.md`` (with a
+``_<codec>_k<chunk frames>`` suffix for other settings). Goal
+(printed PASS/FAIL, never the exit status): compressed transport moves >= 50x fewer bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pickle
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _harness import (  # noqa: E402
+    describe_load,
+    ensure_repo_on_path,
+    fmt_bytes,
+    fmt_rate,
+    fmt_ratio,
+    load_snapshot,
+    machine_facts,
+    markdown_table,
+    median,
+    write_output,
+)
+
+ensure_repo_on_path()
+
+FIXTURE = Path(__file__).resolve().parent / "data" / "atari_frames.npz"
+FRAMES = {"observation": 0}
+B = 256
+
+
+def atari_rows(copies: int) -> Any:
+    from tiered.atari import load_fixture
+
+    data = load_fixture(FIXTURE)
+    parts = []
+    top = int(data.get(("collector", "traj_ids")).max()) + 1
+    for k in range(copies):
+        part = data.clone()
+        if k:
+            for key in ("observation", ("next", "observation")):
+                part.set(key, part.get(key) ^ k)
+            part.set(("collector", "traj_ids"), part.get(("collector", "traj_ids")) + k * top)
+        parts.append(part)
+    return torch.cat(parts)
+
+
+def reply_bytes(store: Any, rng: np.random.Generator, transport: str) -> int:
+    """Pickled bytes of every shard's reply to one uniform B=256 sample call."""
+    import ray
+
+    sizes = np.array(store.shard_rows())
+    shard = np.searchsorted(np.cumsum(sizes), rng.integers(0, sizes.sum(), B), side="right")
+    total = 0
+    for s in np.unique(shard).tolist():
+        rows = rng.integers(0, sizes[s], int((shard == s).sum()))
+        reply = ray.get(store.actors[s].sample.remote(None, rows, None, transport))
+        total += len(pickle.dumps(reply, protocol=5))
+    return total
+
+
+def rate(fn: Any, batches: int, repeats: int = 3) -> float:
+    """Samples/s of ``fn`` (one B=256 batch per call): the median of ``repeats`` timings."""
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(batches):
+            fn()
+        times.append(time.perf_counter() - t0)
+    return B * batches / median(times)
+
+
+def anchors(data: Any, batches: int) -> dict[str, float]:
+    from torchrl.data import LazyTensorStorage, ReplayBuffer
+
+    from tiered import TieredStore
+
+    n = data.batch_size[0]
+    store = TieredStore(n, frames=FRAMES, hot_bytes=0)
+    for i in range(0, n, 1024):
+        store.extend(data[i:i + 1024])
+    rng = np.random.default_rng(0)
+    rb = ReplayBuffer(storage=LazyTensorStorage(n), batch_size=B)
+    rb.extend(data)
+    return {"TieredStore (local)": rate(lambda: store.get(rng.integers(0, n, B)), batches),
+            "LazyTensorStorage (local)": rate(rb.sample, batches)}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import ray
+
+    from tiered.ray import ShardedStore
+
+    data = atari_rows(args.copies)
+    n = data.batch_size[0]
+    ray.init(num_cpus=args.cpus, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
+             configure_logging=False)
+    results: dict[str, Any] = {"rows": n, "codec": args.codec, "chunk_frames": args.chunk_frames, "shards": {}}
+    try:
+        for k in args.shards:
+            store = ShardedStore(k, -(-n // k) + 1024, seed=0, actor_options={"num_cpus": 0}, frames=FRAMES,
+                                 hot_bytes=0, threads=args.threads, codec=args.codec, chunk_frames=args.chunk_frames)
+            for i in range(0, n, 2048):
+                store.extend(data[i:i + 2048])
+            rng = np.random.default_rng(1)
+            entry: dict[str, Any] = {"shard_rows": store.shard_rows()}
+            for transport in ("decoded", "compressed"):
+                entry[f"bytes_{transport}"] = float(np.mean([reply_bytes(store, rng, transport)
+                                                             for _ in range(args.byte_batches)]))
+                for prioritized in (False, True):
+                    name = f"{'per' if prioritized else 'uniform'}_{transport}"
+                    entry[name] = rate(lambda p=prioritized, t=transport, s=store: s.sample(B, prioritized=p, transport=t),
+                                       args.batches)
+            store.flush()  # closes the open time chunks: what a buffer between collector writes looks like
+            entry["bytes_compressed_flushed"] = float(np.mean([reply_bytes(store, rng, "compressed")
+                                                             for _ in range(args.byte_batches)]))
+            results["shards"][k] = entry
+            print(f"{k} shard(s): {json.dumps(entry)}", flush=True)
+            store.close()
+    finally:
+        ray.shutdown()
+    results["anchors"] = anchors(data, args.batches)
+    return results
+
+
+def report(res: dict[str, Any], facts: dict[str, Any], load: str) -> str:
+    one = res["shards"][min(res["shards"])]
+    rows = []
+    for k, e in res["shards"].items():
+        rows.append([k, fmt_bytes(e["bytes_decoded"]), fmt_bytes(e["bytes_compressed"]),
+                     fmt_ratio(e["bytes_decoded"] / e["bytes_compressed"]),
+                     fmt_ratio(e["bytes_decoded"] / e["bytes_compressed_flushed"])]
+                    + [f"{fmt_rate(e[c])} ({fmt_ratio(e[c] / one[c])})" for c in
+                       ("uniform_decoded", "uniform_compressed", "per_decoded", "per_compressed")])
+    table = markdown_table(["shards", "bytes/batch decoded", "bytes/batch compressed", "less", "less (flushed)",
+                            "uniform decoded /s", "uniform compressed /s", "PER decoded /s", "PER compressed /s"], rows)
+    anchor = markdown_table(["anchor (same rows, in-process, no Ray)", "samples/s", "1 shard compressed uniform vs it"],
+                            [[name, fmt_rate(v), fmt_ratio(one["uniform_compressed"] / v)]
+                             for name, v in res["anchors"].items()])
+    ratio = min(e["bytes_decoded"] / e["bytes_compressed"] for e in res["shards"].values())
+    goal = f"goal: compressed transport >= 50x fewer bytes: {'PASS' if ratio >= 50 else 'FAIL'} ({ratio:.1f}x)"
+    return (f"{facts['date']}: `{facts['command']}`; {res['rows']} rows; {facts['cpu_model']}, "
+            f"{facts['logical_cores']} cores; load before: {load}\n\n"
+            f"B={B}; codec {res['codec']}, chunk_frames {res['chunk_frames']}; bytes: pickled shard replies "
+            "(open time chunks compressed for the trip; 'flushed': after closing them); samples/s in "
+            f"brackets: ratio to 1 shard.\n\n{table}\n\n{anchor}\n\n{goal}\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--copies", type=int, default=4)
+    parser.add_argument("--shards", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--batches", type=int, default=10)
+    parser.add_argument("--byte-batches", type=int, default=5)
+    parser.add_argument("--cpus", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1, help="codec threads of each shard's store")
+    parser.add_argument("--codec", default="zstd", help="the shards' codec (zstd:9 compresses more)")
+    parser.add_argument("--chunk-frames", type=int, default=4, help="frames per blob in the shards")
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    if args.quick:
+        args.copies, args.batches, args.byte_batches, args.shards = 1, 2, 1, [1, 2]
+    facts = machine_facts()
+    load = describe_load(load_snapshot())
+    res = run(args)
+    text = report(res, facts, load)
+    print(text)
+    tag = "" if (args.codec, args.chunk_frames) == ("zstd", 4) else f"_{args.codec.replace(':', '')}_k{args.chunk_frames}"
+    write_output(f"bench_ray{tag}.json", json.dumps({"facts": facts, "load": load, **res}, indent=1, default=str))
+    write_output(f"bench_ray{tag}.md", text)
+
+
+if __name__ == "__main__":
+    main()
