@@ -532,9 +532,9 @@ def _add_import(sub: Any) -> None:
     s.add_argument(
         "--chunk-frames",
         type=int,
-        default=4,
+        default=None,
         metavar="K",
-        help="frames of one episode compressed together (default: %(default)s)",
+        help="frames of one episode compressed together (default: the store's, 8)",
     )
     s.add_argument(
         "--capacity", type=int, metavar="N", help="rows of the store (default: the dataset's rows)"
