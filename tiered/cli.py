@@ -527,7 +527,8 @@ def _add_import(sub: Any) -> None:
         action="append",
         metavar="KEY=DIM",
         help="KEY holds a stack of frames along DIM (e.g. observation=0 for [4, 84, 84] stacks): "
-        "each frame is stored once. Repeatable; nested keys as next/pixels",
+        "each frame is stored once. Repeatable; nested keys as next/pixels. Default: found in "
+        "the first slice (stacks whose rows share all but one frame)",
     )
     s.add_argument(
         "--chunk-frames",
