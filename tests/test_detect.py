@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from tensordict import TensorDict
 from torchrl.data import LazyTensorStorage, RandomSampler, ReplayBuffer, TensorDictReplayBuffer
 
 from tiered import TieredStore
-from tiered.engine.detect import stack_dim
+from tiered.engine.detect import detect_frames, stack_dim
+from tiered.schema import Schema
 from tiered.torchrl import TieredStorage
 
 OBS, NEXT_OBS = ("observation",), ("next", "observation")
@@ -155,3 +158,27 @@ def test_plain_tensor_buffer_detects(atari_pong):
     rb.extend(atari_pong["observation"][:128])
     assert rb.storage.store.schema.blob_fields[0].frame_dim == 0
     assert torch.equal(rb[torch.arange(128)], atari_pong["observation"][:128])
+
+
+def _python_calls(fn) -> int:
+    count = 0
+
+    def prof(frame, event, arg):
+        nonlocal count
+        if event in ("call", "c_call"):
+            count += 1
+
+    sys.setprofile(prof)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return count
+
+
+def test_detection_is_vectorized(atari_pong):
+    """The Python call count of detection does not grow with the rows compared."""
+    schema = Schema.infer(atari_pong[:256], frames={})
+    counts = [_python_calls(lambda b=b: detect_frames(atari_pong[:b], schema)) for b in (8, 256)]
+    assert counts[0] == counts[1], counts
+    assert detect_frames(atari_pong[:8], schema) == {OBS: 0}
