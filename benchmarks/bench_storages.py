@@ -3,8 +3,10 @@
 One run fills and samples, interleaved round by round on the same random indices:
 
 - ``tiered``: ``TieredStore(N, frames={"observation": 0})`` with its default ``chunk_frames``,
-  and the same with ``chunk_frames=1``; through TorchRL via ``tiered.torchrl.TieredStorage``
-  when that module exists (else those cells read n/a);
+  and the same with ``chunk_frames=1``; ``tiered (no options)``: ``TieredStore(N)`` /
+  ``TieredStorage(N)`` exactly as a user first writes it (the frame stacks are detected);
+  through TorchRL via ``tiered.torchrl.TieredStorage`` when that module exists (else those cells
+  read n/a);
 - TorchRL 0.14's ``LazyTensorStorage``, ``LazyMemmapStorage`` (in a temp dir) and
   ``CompressedListStorage`` (its default codec: zlib-3 below Python 3.14, zstd from 3.14).
 
@@ -123,7 +125,17 @@ class StoreSpec:
     note: str = ""
 
 
-EXTRA_K = (2, 8, 16)
+def _default_chunk_frames() -> int:
+    import inspect
+
+    import tiered
+
+    p = inspect.signature(tiered.TieredStore.__init__).parameters.get("chunk_frames")
+    return int(p.default) if p is not None and p.default is not inspect.Parameter.empty else -1
+
+
+_DEFAULT_K = _default_chunk_frames()
+EXTRA_K = tuple(k for k in (2, 4, 8, 16) if k != _DEFAULT_K)  # the default K is the 'tiered' row
 
 
 def build_specs(keys: list[str] | None) -> tuple[list[StoreSpec], str | None]:
@@ -135,19 +147,27 @@ def build_specs(keys: list[str] | None) -> tuple[list[StoreSpec], str | None]:
     frames = {"observation": 0}
 
     def tiered_raw(**kw: Any) -> Callable[[int, str], Any]:
-        return lambda n, tmp: tiered.TieredStore(n, frames=frames, **kw)
+        kw = {"frames": frames, **kw}
+        return lambda n, tmp: tiered.TieredStore(n, **kw)
 
     def tiered_rb(**kw: Any) -> Callable[[int, str], Any] | None:
         if adapter is None:
             return None
-        return lambda n, tmp: adapter(n, frames=frames, **kw)
+        kw = {"frames": frames, **kw}
+        return lambda n, tmp: adapter(n, **kw)
+
+    def no_options_raw(n: int, tmp: str) -> Any:
+        return tiered.TieredStore(n)
 
     def memmap(n: int, tmp: str) -> Any:
         return LazyMemmapStorage(n, scratch_dir=tempfile.mkdtemp(dir=tmp, prefix="lms_"))
 
-    default_k = _default_chunk_frames()
+    default_k = _DEFAULT_K
     specs = [
         StoreSpec("tiered", f"tiered (K={default_k}, default)", "tiered", tiered_raw(), tiered_rb()),
+        StoreSpec("tiered_auto", "tiered (no options)", "tiered", no_options_raw,
+                  None if adapter is None else (lambda n, tmp: adapter(n)),
+                  note="frame stacks detected on the first write"),
         StoreSpec("tiered_k1", "tiered (K=1)", "tiered",
                   tiered_raw(chunk_frames=1), tiered_rb(chunk_frames=1)),
         StoreSpec("lts", "LazyTensorStorage", "torchrl", lambda n, t: LazyTensorStorage(n),
@@ -162,15 +182,6 @@ def build_specs(keys: list[str] | None) -> tuple[list[StoreSpec], str | None]:
     keys = keys or [s.key for s in specs if s.key not in {f"tiered_k{k}" for k in EXTRA_K}]
     specs = [s for s in specs if s.key in keys]
     return specs, why
-
-
-def _default_chunk_frames() -> int:
-    import inspect
-
-    import tiered
-
-    p = inspect.signature(tiered.TieredStore.__init__).parameters.get("chunk_frames")
-    return int(p.default) if p is not None and p.default is not inspect.Parameter.empty else -1
 
 
 def dense(out: Any) -> TensorDictBase:
@@ -625,6 +636,16 @@ def thresholds(specs, res: Results, per_tr: dict[str, float | None],
     def add_vs_lts(k: str) -> float | None:
         return ratio(res.rate(k, "add1_rb"), res.rate("lts", "add1_rb"))
 
+    def no_options_vs_frames(what: str) -> Callable[[str], float | None]:
+        """The no-options row against the explicit frames= row (same K); other rows: n/a."""
+        def f(k: str) -> float | None:
+            if k != "tiered_auto":
+                return None
+            if what == "sample":
+                return ratio(sample_rate(k), sample_rate("tiered"))
+            return ratio(per_tr.get(k), per_tr.get("tiered"))
+        return f
+
     checks = [
         ("issue 2", "sample B=256 (rb) vs CompressedListStorage", sample_vs("cls"), 3.0, True, ">= 3x"),
         ("issue 2", "sample B=256 (rb) vs LazyTensorStorage", sample_vs("lts"), 0.5, True, ">= 0.5x"),
@@ -641,6 +662,12 @@ def thresholds(specs, res: Results, per_tr: dict[str, float | None],
         ("", "rb.sample B=256 overhead over TieredStore.get", rb_overhead(256), 0.10, False, "<= +10%"),
         ("", "rb.sample B=32 overhead over TieredStore.get", rb_overhead(32), 0.10, False, "<= +10%"),
         ("", "rb.add one transition vs LazyTensorStorage", add_vs_lts, 0.8, True, ">= 0.8x"),
+        ("issue 14", "sample B=256 (rb) vs LazyTensorStorage", sample_vs("lts"), 1.0, True, ">= 1x"),
+        ("issue 14", "bytes held vs LazyTensorStorage", bytes_fraction, 1 / 150, False, "<= 1/150"),
+        ("issue 14", "no options: sample B=256 (rb) vs frames=", no_options_vs_frames("sample"), 0.95, True,
+         ">= 0.95x"),
+        ("issue 14", "no options: bytes held vs frames=", no_options_vs_frames("bytes"), 1.05, False,
+         "<= 1.05x"),
     ]
     rows, raw = [], []
     for issue, what, fn, target, hib, label in checks:
@@ -821,7 +848,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="steps of add 1 + sample 256 after a prefill of min(2048, steps/2) rows (default 400; quick 100)")
     p.add_argument("--quick", action="store_true", help="small run (~1-2 min) to check the script works")
     p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads(N); 0 keeps torch's default")
-    p.add_argument("--stores", nargs="+", default=None, help="subset: tiered tiered_k1 lts lms cls; also tiered_k2 tiered_k8 tiered_k16")
+    p.add_argument("--stores", nargs="+", default=None, help="subset: tiered tiered_auto tiered_k1 lts lms cls; also tiered_kK for the K in (2, 4, 8, 16) that is not the default")
     p.add_argument("--profile", action="store_true", help="cProfile tiered get/extend at B=256 too")
     p.add_argument("--scale", type=int, default=2,
                    help="also fill tiered with scale x steps transitions (memory only; default 2)")

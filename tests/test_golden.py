@@ -145,6 +145,9 @@ def test_store_reads_bit_exactly(name: str, extracted: dict[str, Path]):
         schema = [{"key": list(f.key), "dtype": str(f.dtype).removeprefix("torch."), "shape": list(f.shape),
                    "kind": f.kind} for f in store.schema.values()]
         assert schema == [{k: f[k] for k in ("key", "dtype", "shape", "kind")} for f in expected["fields"]]
+        # the layout it was written with, whatever today's defaults (chunk_frames, frame detection)
+        assert store.options["chunk_frames"] == expected["chunk_frames"]
+        assert {"/".join(k): d for k, d in store.options["frames"].items()} == expected["frames"]
         rows = store.get(range(len(store)))
         # the same rows again in a shuffled order, as a sampler reads them
         order = np.random.default_rng(0).permutation(len(store))

@@ -64,6 +64,7 @@ def frames() -> TensorDict:
 
 def tiered_store(data: TensorDict, path: Path, *, hot_device: str, rows: int = 600, **kw) -> TieredStore:
     """A store with blobs in the hot arena, the warm arena, the cold file only, and an open chunk."""
+    kw = {"chunk_frames": 4, **kw}  # the tier spread and the open chunk below are sized for K=4
     store = TieredStore(rows + 64, path, frames={"observation": 0}, hot_device=hot_device,
                         hot_bytes="64MiB", warm_bytes="64MiB", promote=False, stage_rows=0, **kw)
     for i in range(0, rows, 50):
@@ -221,7 +222,7 @@ def test_cpu_stand_in_every_tier_bit_exact(frames, tmp_path, codec, chunk_frames
 def test_cpu_stand_in_exclusive_tiers_with_promotions(frames):
     data = frames[1000:2600]
     store = TieredStore(1200, frames={"observation": 0}, hot_device="cpu", hot_bytes="48KiB",
-                        warm_bytes="8MiB", policy="lru")
+                        warm_bytes="8MiB", policy="lru", chunk_frames=4)  # budgets sized for K=4
     reference = TieredStore(1200, frames={"observation": 0})
     dec = GpuDecoder("cpu").attach(store)
     rng = np.random.default_rng(1)

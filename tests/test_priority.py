@@ -85,7 +85,7 @@ def test_invalid_priorities_name_the_rows_and_change_nothing(pong) -> None:
 def test_the_warm_tier_keeps_the_high_priority_blobs(pong, tmp_path) -> None:
     """A store on disk with a warm cache of ~10% of its blobs: after reads, the cache holds the
     blobs of the high-priority rows, and its share of the sampling mass far exceeds 10%."""
-    store = TieredStore(600, tmp_path / "s", frames=FRAMES, policy="priority", hot_bytes=0)
+    store = TieredStore(600, tmp_path / "s", frames=FRAMES, policy="priority", hot_bytes=0, chunk_frames=4)
     for i in range(0, 600, 100):
         store.extend(pong[i:i + 100])
     store.flush()
@@ -134,7 +134,7 @@ def test_jittering_priorities_do_not_make_the_cache_thrash(pong) -> None:
 
 def test_lru_and_fifo_keep_their_decisions_and_still_report_the_mass(pong) -> None:
     for name in ("lru", "fifo"):
-        store = TieredStore(64, frames=FRAMES, policy=name)
+        store = TieredStore(64, frames=FRAMES, policy=name, chunk_frames=4)  # closed chunks in 48 rows
         store.extend(pong[:48])
         assert parts(store).placement.priorities.active is False  # nothing tracked until a set
         store.set_priority(np.arange(48), np.linspace(0, 1, 48))

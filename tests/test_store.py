@@ -317,14 +317,16 @@ def _count_calls(fn) -> int:
 
 @pytest.mark.parametrize("config", ["frames_k4", "frames_k1", "default"])
 def test_python_call_count_does_not_grow_with_batch(atari_mixed, config):
-    """No per-item Python loop on extend/get: the call count is the same at batch 16 and 1024.
+    """No per-item Python loop on extend/get: the call count is the same at batch 32 and 1024.
 
     Both stores are first filled past capacity (so the measured extend also overwrites rows and
-    frees blobs, and arenas have grown); the 1024-row window crosses episode ends and the 16-row
-    one does not, so trajectory handling must be vectorized too.
+    frees blobs, and arenas have grown); the 1024-row window crosses episode ends and the 32-row
+    one does not, so trajectory handling must be vectorized too. The small window still closes a
+    time chunk at the default K=8 (a window that closes none skips the encode branch entirely);
+    extend may differ by a few calls (data-dependent branches), a per-row loop would add ~1000.
     """
     counts = {}
-    for b in (16, 1024):
+    for b in (32, 1024):
         store = TieredStore(2048, threads=2, **CONFIGS[config])
         store.extend(atari_mixed[:1500])
         store.extend(atari_mixed[1500:3000])
@@ -335,8 +337,8 @@ def test_python_call_count_does_not_grow_with_batch(atari_mixed, config):
             idx = torch.randperm(len(store), generator=torch.Generator().manual_seed(rep))[:b]
             g = _count_calls(lambda: store.get(idx))  # noqa: B023
         counts[b] = (ext, g)
-    assert counts[16][1] == counts[1024][1], counts
-    assert counts[16][0] == counts[1024][0], counts
+    assert counts[32][1] == counts[1024][1], counts
+    assert abs(counts[32][0] - counts[1024][0]) <= 10, counts
 
 
 def test_get_returns_resolved_row_positions_under_index_key(atari_pong):

@@ -30,7 +30,7 @@ def test_exclusive_tiers_demote_and_promote_bit_exact(atari_mixed):
     """No path: tiny hot and warm budgets push every blob through demotions and promotions."""
     data = atari_mixed
     store = TieredStore(1500, frames={"observation": 0}, hot_device="cpu", hot_bytes="96KiB",
-                       warm_bytes="8MiB", policy="lru")
+                       warm_bytes="8MiB", policy="lru", chunk_frames=4)  # budgets sized for K=4 blobs
     model = {}
     rng = np.random.default_rng(0)
     pos = 0
@@ -72,7 +72,7 @@ def test_storage_full_names_budgets_and_writes_nothing(atari_pong):
 
 
 def test_budget_too_small_for_one_blob_is_storage_full(atari_raw):
-    store = TieredStore(100, warm_bytes=64)
+    store = TieredStore(100, warm_bytes=64, chunk_frames=1)  # every frame is a closed blob
     with pytest.raises(StorageFullError, match="warm=64"):
         store.extend(atari_raw[:4])
     assert len(store) == 0
@@ -83,7 +83,7 @@ def test_cold_tier_ten_times_the_memory_budgets(tmp_path, atari_mixed, backend):
     """A store holding 10x more compressed data than hot + warm samples bit-exactly."""
     data = atari_mixed
     store = TieredStore(4000, tmp_path / "s", frames={"observation": 0}, hot_device="cpu",
-                       hot_bytes="16KiB", warm_bytes="32KiB", backend=backend)
+                       hot_bytes="16KiB", warm_bytes="32KiB", backend=backend, chunk_frames=4)  # sized for K=4
     for i in range(0, 4000, 500):
         store.extend(data[i:i + 500])
     store.flush()

@@ -274,7 +274,7 @@ def test_index_entry_is_stored_like_lazy_tensor_storage(pong):
 # Reading: physical order, lazy views, decode economy
 # ----------------------------------------------------------------------------------------
 def test_full_slice_is_physical_order_and_lazy(pong):
-    rb = TensorDictReplayBuffer(storage=TieredStorage(10, **OPTS))
+    rb = TensorDictReplayBuffer(storage=TieredStorage(10, **OPTS, chunk_frames=4))  # K=4: closed chunks
     rb.extend(pong[:8])
     rb.extend(pong[8:14])  # rows 0-3 now hold transitions 10-13
     storage = rb.storage

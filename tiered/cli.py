@@ -527,14 +527,15 @@ def _add_import(sub: Any) -> None:
         action="append",
         metavar="KEY=DIM",
         help="KEY holds a stack of frames along DIM (e.g. observation=0 for [4, 84, 84] stacks): "
-        "each frame is stored once. Repeatable; nested keys as next/pixels",
+        "each frame is stored once. Repeatable; nested keys as next/pixels. Default: found in "
+        "the first slice (stacks whose rows share all but one frame)",
     )
     s.add_argument(
         "--chunk-frames",
         type=int,
-        default=4,
+        default=None,
         metavar="K",
-        help="frames of one episode compressed together (default: %(default)s)",
+        help="frames of one episode compressed together (default: the store's, 8)",
     )
     s.add_argument(
         "--capacity", type=int, metavar="N", help="rows of the store (default: the dataset's rows)"

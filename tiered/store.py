@@ -50,7 +50,7 @@ from .engine.read import CpuReadPipeline, ReadPipeline
 from .engine.rows import IndexLike, as_row_array
 from .engine.stats import store_stats
 from .engine.transport import CompressedRows, export_rows
-from .engine.write import WriteOptions
+from .engine.write import DEFAULT_CHUNK_FRAMES, WriteOptions
 from .errors import (
     InvalidArgumentError,
     ReadOnlyStoreError,
@@ -87,8 +87,9 @@ class TieredStore:
         codec: codec spec for blob fields (``"zstd"``, ``"zstd:9"``, ``"lz4"``, ``"raw"``).
         blob_min_bytes: cells at least this large become blob fields.
         blob_keys: keys forced to blob fields. dense_keys: keys forced to dense fields.
-        frames: per key, the cell dimension that is a stack of frames (e.g.
-            ``{"observation": 0}`` for ``[4, 84, 84]`` stacks); ``("next", X)`` follows ``X``.
+        frames: per key, the cell dimension that is a stack of frames (``{"observation": 0}``
+            for ``[4, 84, 84]`` stacks; ``("next", X)`` follows ``X``). ``None``: found by the first
+            write (:mod:`tiered.engine.detect`), then fixed as if passed. ``{}``: none.
         chunk_frames: frames of one trajectory compressed together per blob (K). 1 keeps single
             frames (least decode work per sample); larger compresses better.
         dedup: share equal frames between rows (exact, byte-confirmed).
@@ -119,7 +120,7 @@ class TieredStore:
         # the layout (fixed when the store is created)
         codec: str = "zstd", blob_min_bytes: int = 1024, blob_keys: Iterable[str | Key] | None = None,
         dense_keys: Iterable[str | Key] | None = None, frames: Mapping[str | Key, int] | None = None,
-        chunk_frames: int = 4, dedup: bool = True, traj_key: str | Key | None = None, backend: str = "memmap",
+        chunk_frames: int = DEFAULT_CHUNK_FRAMES, dedup: bool = True, traj_key: str | Key | None = None, backend: str = "memmap",
         # the runtime (may change when the store is reopened)
         hot_bytes: int | str | None = None, warm_bytes: int | str | None = None,
         hot_device: str | torch.device | None = None, device: str | torch.device | None = None,

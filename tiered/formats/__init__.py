@@ -171,7 +171,7 @@ def import_dataset(
     *,
     codec: str = "zstd",
     frames: dict[str | tuple[str, ...], int] | None = None,
-    chunk_frames: int = 4,
+    chunk_frames: int | None = None,
     capacity: int | None = None,
     backend: str = "memmap",
     chunk_rows: int | None = None,
@@ -185,8 +185,9 @@ def import_dataset(
         src: the dataset (file or directory, per format).
         dst: the new store's directory (must not exist unless ``force``).
         codec: codec of the blob fields (``"zstd"``, ``"zstd:9"``, ``"lz4"``, ``"raw"``).
-        frames: per key, the frame-stack dimension (``{"observation": 0}`` for ``[4, 84, 84]``).
-        chunk_frames: frames of one episode compressed together.
+        frames: per key, the frame-stack dimension (``{"observation": 0}`` for ``[4, 84, 84]``);
+            ``None``: found in the first slice, as :class:`~tiered.TieredStore` does; ``{}``: none.
+        chunk_frames: frames of one episode compressed together (``None``: the store's default).
         capacity: rows of the store (default: the dataset's rows; fewer keeps the last ones).
         backend: cold tier files, ``"memmap"`` or ``"hdf5"``.
         chunk_rows: rows per slice (default: 4096, fewer if a slice would pass 32 MiB).
@@ -225,7 +226,7 @@ def _import(
     *,
     codec: str,
     frames: Any,
-    chunk_frames: int,
+    chunk_frames: int | None,
     capacity: int | None,
     backend: str,
     chunk_rows: int | None,
@@ -252,7 +253,7 @@ def _import(
                 tmp,
                 codec=codec,
                 frames=frames,
-                chunk_frames=chunk_frames,
+                **({} if chunk_frames is None else {"chunk_frames": chunk_frames}),
                 backend=backend,
                 warm_bytes=0,
                 hot_bytes=0,
