@@ -170,7 +170,12 @@ def test_one_run_and_the_episode_flags(dataset: str, tmp_path) -> None:
         # the last row of each checkpoint ends a trajectory (the next rows are another buffer)
         assert done[CAPACITY - 1] and done[-1]
     shutil.copytree(logs, tmp_path / "logs")  # a replay_logs directory imports as one run too
-    assert import_dataset("dqn-replay", tmp_path / "logs", tmp_path / "logs.tiered").rows == 2 * CAPACITY
+    # recent Dopamine also pickles episode_end_indices: listed as not imported, never unpickled
+    with gzip.open(tmp_path / "logs" / "episode_end_indices_ckpt.0.gz", "wb") as f:
+        f.write(b"cos\nsystem\n(S'false'\ntR.")  # a pickle that would run a command
+    report = import_dataset("dqn-replay", tmp_path / "logs", tmp_path / "logs.tiered")
+    assert report.rows == 2 * CAPACITY
+    assert report.dropped == ["episode_end_indices_ckpt.0.gz"]
 
 
 def test_cli_import_export_and_help(dataset: str, tmp_path, capsys) -> None:

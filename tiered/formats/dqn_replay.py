@@ -421,7 +421,7 @@ class DQNReplaySource:
             ckpts = sorted(int(m.group(1)) for m in map(_CKPT.match, files) if m)
             known = {os.path.basename(_file_name(logs, p + a, c)) for c in ckpts
                      for p, a in [(STORE_PREFIX, x) for x in ARRAYS] + [("", e) for e in EXTRAS]}
-            self.dropped += [os.path.join(rel, f) for f in sorted(files) if f not in known]
+            self.dropped += [os.path.normpath(os.path.join(rel, f)) for f in sorted(files) if f not in known]
             for c in ckpts:
                 seg = _scan_segment(run_id, run_name, rel, logs, c, start, self.stack)
                 self.segments.append(seg)
