@@ -161,6 +161,45 @@ def _measure(game: str, steps: int, quick: bool) -> dict:
             "peak_rows_per_s": float(out[1]), "base_rss": int(out[2]), "export_exact": exact}
 
 
+def _write_tiled(logs: str, slots: dict[str, np.ndarray], total: int, level: int) -> None:
+    """One checkpoint of ``total`` slots, written as a stream: ``slots`` tiled, each tile's frames XORed
+    with the tile number (tiles neither dedup nor compress against each other)."""
+    from tiered.formats.dopamine import STORE_NAMES, save_checkpoint
+
+    n = slots["observation"].shape[0]
+    os.makedirs(logs, exist_ok=True)
+    for name in STORE_NAMES:
+        a = slots[name]
+        head = np.lib.format.header_data_from_array_1_0(a[:1])
+        head["shape"] = (total, *a.shape[1:])
+        path = os.path.join(logs, f"$store$_{name}_ckpt.0.gz")
+        with open(path, "wb") as f, gzip.GzipFile(fileobj=f, mode="wb", compresslevel=level) as out:
+            np.lib.format.write_array_header_1_0(out, head)
+            for lo in range(0, total, n):
+                tile = a[: min(n, total - lo)]
+                out.write((tile ^ np.uint8((lo // n) % 251)).tobytes() if name == "observation" else tile.tobytes())
+    small = {"add_count": np.array(total), "invalid_range": np.array([(0 - 1 + j) % total for j in range(5)])}
+    save_checkpoint(logs, 0, small)
+
+
+def _scale(game: str, steps: int, total: int) -> dict:
+    """Import memory and rate on one checkpoint of ``total`` slots (tiled real frames), in a fresh process."""
+    slots = _frames(game, steps)
+    tmp = tempfile.mkdtemp(prefix="bench-dqn-scale-")
+    try:
+        root = os.path.join(tmp, "run")
+        t0 = time.perf_counter()
+        _write_tiled(os.path.join(root, "replay_logs"), slots, total, level=1)
+        write_s = time.perf_counter() - t0
+        out = subprocess.run([sys.executable, "-c", _PEAK, root, os.path.join(tmp, "s")], check=True,
+                             capture_output=True, text=True).stdout.split()
+        store_bytes = dir_bytes(os.path.join(tmp, "s"))["allocated"]
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return {"slots": total, "raw_observation_bytes": total * 84 * 84, "write_s": write_s, "peak_rss": int(out[0]),
+            "base_rss": int(out[2]), "rows_per_s": float(out[1]), "store_bytes": store_bytes}
+
+
 def _report(m: dict) -> str:
     n, ref, gz = m["slots"], m["reference"], m["reference"]["dopamine_gz9_obs"]
     rows = [["Dopamine gz-9 (observation file)", f"{gz / n:.1f}", f"{ref['dopamine_gz9_all'] / n:.1f}", "1.00x",
@@ -185,14 +224,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=20000)
     p.add_argument("--games", default="Pong", help="comma-separated ALE games (default: %(default)s)")
     p.add_argument("--quick", action="store_true", help="K=4 and 16, zstd 3 and 19 only")
+    p.add_argument("--scale", type=str, default="",
+                   help="comma-separated slot counts: also import one checkpoint of each size (tiled frames, "
+                        "gzip level 1 to write it faster) and report the import's peak RSS, e.g. 20000,200000")
     add_output_arguments(p)
     args = p.parse_args(argv)
     runs = [_measure(g, args.steps, args.quick) for g in args.games.split(",")]
+    scale = [_scale(args.games.split(",")[0], args.steps, int(x)) for x in args.scale.split(",") if x]
     facts = machine_facts(argv)
-    text = "\n".join(_report(m) for m in runs) + f"\n{facts['date']} · {facts['cpu_model']} · `{facts['command']}`\n"
+    text = "\n".join(_report(m) for m in runs)
+    if scale:
+        rows = [[f"{r['slots']:,}", f"{r['raw_observation_bytes'] / 2**20:,.0f} MiB",
+                 f"{(r['peak_rss'] - r['base_rss']) / 2**20:,.0f} MiB", f"{r['rows_per_s']:,.0f}",
+                 f"{r['store_bytes'] / r['slots']:.1f}"] for r in scale]
+        text += ("\n### Import memory by checkpoint size (one checkpoint, tiled frames, fresh process)\n\n"
+                 + markdown_table(["slots", "observation array", "peak RSS growth", "rows/s", "store B/slot"], rows)
+                 + "\n")
+    text += f"\n{facts['date']} · {facts['cpu_model']} · `{facts['command']}`\n"
     print(text)
     write_output("bench_dqn_replay.md", text)
-    write_output("bench_dqn_replay.json", json.dumps({"runs": runs, "machine": facts}, indent=1))
+    write_output("bench_dqn_replay.json", json.dumps({"runs": runs, "scale": scale, "machine": facts}, indent=1))
     if wants_docs(args):
         write_doc_section("## DQN Replay: Dopamine's gz files and stores of the same frames (bench_dqn_replay.py)"
                           f"\n\n{text}\n{NOTE}", BEGIN, END)
