@@ -73,7 +73,12 @@ NOTE = """\
 files)": everything under the store directory as `du` counts it (row tables, dense columns, index,
 the first generation, the cold segment's preallocated step), per slot. Every tiered
 configuration is zstd, decoded by the GPU path at any level. Import rates are of one run on a
-shared 2-core machine and vary by tens of percent between runs.
+shared 2-core machine and vary by tens of percent between runs. "Import memory by checkpoint
+size": one checkpoint of that many slots (the rollout tiled, each tile XORed with its number;
+written at gzip level 1 to save time, which does not change what the reader holds), imported at
+default settings in a fresh process; peak RSS growth is its VmHWM minus its VmHWM before the
+import. The observation array is never held whole (it would show as GBs); the growth with the
+number of slots was not broken down here (the store keeps per-row tables in memory, O(capacity)).
 """
 
 
