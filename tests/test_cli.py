@@ -57,11 +57,11 @@ def test_top_level_help_and_version(capsys):
         ([], "required: COMMAND"),
         (["frobnicate"], "invalid choice: 'frobnicate'"),
         (["info"], "required: store"),
-        (["import", "hdf9", "a", "b"], "FORMAT is one of d4rl, minari, torchrl, npz"),
+        (["import", "hdf9", "a", "b"], "FORMAT is one of d4rl, minari, torchrl, npz, dqn-replay"),
         (["import", "a", "b", "--format", "hdf9"], "invalid choice: 'hdf9'"),
         (["export", "s", "d"], "required: --format"),
         (["import", "SRC", "DST", "--format", "d4rl", "--frames", "observation"], "--frames takes KEY=DIM"),
-        (["import", "SRC", "DST"], "needs --format FORMAT (one of d4rl, minari, torchrl, npz); "),
+        (["import", "SRC", "DST"], "needs --format FORMAT (one of d4rl, minari, torchrl, npz, dqn-replay); "),
     ],
 )
 def test_usage_errors_exit_2(argv, says, capsys, tmp_path):

@@ -4,8 +4,8 @@ Commands (``tiered COMMAND --help`` shows each one's options and examples)::
 
     tiered info STORE [--json]                 schema, rows, ratios, tier bytes, format version
     tiered verify STORE [--json] [--decode]    check every file and every blob checksum
-    tiered import SRC DST --format FORMAT      d4rl | minari | torchrl | npz -> a new store
-    tiered export STORE DST --format FORMAT    a store -> d4rl | minari | torchrl | npz
+    tiered import SRC DST --format FORMAT      d4rl | minari | torchrl | npz | dqn-replay -> a new store
+    tiered export STORE DST --format FORMAT    a store -> d4rl | minari | torchrl | npz | dqn-replay
     tiered demo                                Atari frames in a TorchRL replay buffer
 
 ``python -m tiered`` is the same command. ``--debug`` (show the traceback of an error) is
@@ -63,7 +63,7 @@ __all__ = [
 ]
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_CORRUPT, EXIT_FULL, EXIT_LOCKED, EXIT_VERSION = 0, 1, 2, 3, 4, 5, 6
-FORMATS = ("d4rl", "minari", "torchrl", "npz")  # = tiered.formats.FORMATS (not imported: keeps --help light)
+FORMATS = ("d4rl", "minari", "torchrl", "npz", "dqn-replay")  # = tiered.formats.FORMATS (not imported: keeps --help light)
 
 
 def exit_code_for(exc: BaseException) -> int:
@@ -312,6 +312,8 @@ def guess_format(path: str | os.PathLike[str]) -> tuple[str, str] | None:
             return "torchrl", "a TensorDict memmap directory (what TorchRL datasets and LazyMemmapStorage write)"
         if os.path.isfile(os.path.join(p, "storage", "meta.json")):
             return "torchrl", "a TorchRL replay-buffer checkpoint (rb.dumps)"
+        if _looks_like_dqn_replay(p):
+            return "dqn-replay", "a Dopamine replay directory (DQN Replay Dataset: <game>/<run>/replay_logs)"
         return None
     try:
         with open(p, "rb") as f:
@@ -323,6 +325,16 @@ def guess_format(path: str | os.PathLike[str]) -> tuple[str, str] | None:
     if head.startswith(_ZIP_MAGIC) and p.endswith(".npz"):
         return "npz", "a NumPy .npz archive"
     return None
+
+
+def _looks_like_dqn_replay(p: str) -> bool:
+    """A replay_logs directory, a run (``replay_logs/``) or a game (``*/replay_logs/``); names only."""
+    with contextlib.suppress(OSError):
+        names = os.listdir(p)
+        if any(n.startswith("$store$_observation_ckpt.") for n in names) or "replay_logs" in names:
+            return True
+        return any(os.path.isdir(os.path.join(p, n, "replay_logs")) for n in names[:1000])
+    return False
 
 
 def _import_command(src: str, fmt: str) -> str:
@@ -500,6 +512,11 @@ def _add_import(sub: Any) -> None:
               minari   a minari dataset directory (data/main_data.hdf5 + data/metadata.json)
               torchrl  a TensorDict memmap directory (TensorDict.memmap / TorchRL caches)
               npz      a .npz archive (D4RL names, or '/'-joined TorchRL keys)
+              dqn-replay  Dopamine's replay checkpoints (the DQN Replay Dataset): SRC is a game
+                       directory <game>/ (all its runs, told apart by the field 'run'), a run
+                       <game>/<run>/ or a replay_logs/ directory; every buffer slot becomes a row
+                       with Dopamine's 4-frame stacks (stored once per frame), and 'valid' marks
+                       the slots Dopamine's sampler draws (docs/cli.md)
 
             examples:
               tiered import hopper-medium-v2.hdf5 hopper.tiered --format d4rl
@@ -507,6 +524,7 @@ def _add_import(sub: Any) -> None:
               tiered import ~/.cache/torchrl/atari/Pong pong.tiered --format torchrl \\
                   --frames observation=0 --chunk-frames 8
               tiered import rollouts.npz rollouts.tiered --format npz --codec zstd:9
+              tiered import dqn/Pong pong.tiered --format dqn-replay --chunk-frames 8
 
             The older spelling 'tiered import FORMAT SRC DST' still works (with a warning).
             """,
@@ -574,11 +592,13 @@ def _add_export(sub: Any) -> None:
               tiered export pong.tiered pong-td --format torchrl
                   # then: TensorDict.load_memmap("pong-td")
               tiered export pong.tiered pong.npz --format npz --layout d4rl
+              tiered export pong.tiered dqn-again --format dqn-replay
+                  # Dopamine's files back, byte-identical once decompressed
             """,
     )
     s.add_argument("store", metavar="STORE", help="the store directory")
     s.add_argument("dst", metavar="DST",
-                   help="the output (file for d4rl/npz, directory for minari/torchrl; must not exist)")
+                   help="the output (file for d4rl/npz, directory for minari/torchrl/dqn-replay; must not exist)")
     s.add_argument("--format", required=True, choices=FORMATS, help="the output format")
     s.add_argument(
         "--layout",

@@ -9,6 +9,7 @@ d4rl       one flat HDF5 file (observations, actions, rewards, terminals, timeou
 minari     a dataset directory as the ``minari`` package writes it (``data/main_data.hdf5``)
 torchrl    a TensorDict memmap directory (``TensorDict.load_memmap``; TorchRL dataset caches)
 npz        a NumPy ``.npz`` archive (D4RL names or ``/``-joined TorchRL keys)
+dqn-replay Dopamine's replay checkpoints, the DQN Replay Dataset (``<game>/<run>/replay_logs/``)
 =========  =====================================================================================
 
 Both directions stream: a source is read, and an export written, in slices of rows (4096, or
@@ -49,7 +50,7 @@ from .common import (
 
 __all__ = ["FORMATS", "ImportReport", "ExportReport", "open_source", "import_dataset", "export_dataset"]
 
-FORMATS = ("d4rl", "minari", "torchrl", "npz")
+FORMATS = ("d4rl", "minari", "torchrl", "npz", "dqn-replay")
 
 #: Flush the store being imported every this many rows: closes the time chunks still open
 #: (their frames are held in memory until then) and spaces commits out, since each one writes
@@ -159,6 +160,10 @@ def _open_source(fmt: str, src: str | os.PathLike[str]) -> Any:
         from .torchrl_memmap import TorchRLSource
 
         return TorchRLSource(src)
+    if fmt == "dqn-replay":
+        from .dqn_replay import DQNReplaySource
+
+        return DQNReplaySource(src)
     from .npz import NpzSource
 
     return NpzSource(src)
@@ -181,12 +186,13 @@ def import_dataset(
     """Import a dataset into a new store at ``dst``.
 
     Args:
-        fmt: ``"d4rl"``, ``"minari"``, ``"torchrl"`` or ``"npz"``.
+        fmt: ``"d4rl"``, ``"minari"``, ``"torchrl"``, ``"npz"`` or ``"dqn-replay"``.
         src: the dataset (file or directory, per format).
         dst: the new store's directory (must not exist unless ``force``).
         codec: codec of the blob fields (``"zstd"``, ``"zstd:9"``, ``"lz4"``, ``"raw"``).
         frames: per key, the frame-stack dimension (``{"observation": 0}`` for ``[4, 84, 84]``);
-            ``None``: found in the first slice, as :class:`~tiered.TieredStore` does; ``{}``: none.
+            ``None``: found in the first slice, as :class:`~tiered.TieredStore` does (dqn-replay:
+            ``{"observation": 0}``); ``{}``: none.
         chunk_frames: frames of one episode compressed together (``None``: the store's default).
         capacity: rows of the store (default: the dataset's rows; fewer keeps the last ones).
         backend: cold tier files, ``"memmap"`` or ``"hdf5"``.
@@ -241,6 +247,8 @@ def _import(
         with _source_errors(fmt, src):
             n = source.num_rows
             attrs = source.attrs()
+        if frames is None:  # a format of frame stacks says which (dqn-replay)
+            frames = getattr(source, "frames", None)
         if n == 0:
             raise UnsupportedFormatError(f"{src}: the dataset has no rows")
         cap = n if capacity is None else int(capacity)
@@ -310,8 +318,8 @@ def export_dataset(
 
     Args:
         store_path: the store directory.
-        dst: the output file (d4rl, npz) or directory (minari, torchrl).
-        fmt: ``"d4rl"``, ``"minari"``, ``"torchrl"`` or ``"npz"``.
+        dst: the output file (d4rl, npz) or directory (minari, torchrl, dqn-replay).
+        fmt: ``"d4rl"``, ``"minari"``, ``"torchrl"``, ``"npz"`` or ``"dqn-replay"``.
         chunk_rows: rows per slice.
         progress: show a progress bar (``None``: only on a terminal).
         force: replace an existing ``dst`` (only once the new output is complete).
@@ -345,6 +353,10 @@ def export_dataset(
                     from .torchrl_memmap import write_torchrl
 
                     details = write_torchrl(store, rows, tmp, source, chunk_rows, bar)
+                elif fmt == "dqn-replay":
+                    from .dqn_replay import write_dqn_replay
+
+                    details = write_dqn_replay(store, rows, tmp, source, chunk_rows, bar)
                 else:
                     from .npz import write_npz
 

@@ -1,0 +1,293 @@
+"""``tiered import/export --format dqn-replay``: Dopamine's replay checkpoints (the DQN Replay Dataset).
+
+Fixtures are written in Dopamine's layout (``<game>/<run>/replay_logs/``, six gzipped ``np.save``
+files per checkpoint) from real ALE rollouts of two games, as Dopamine's buffer would hold them:
+zero padding before each episode, a circular buffer that wraps, a cursor with its invalid range.
+The oracle below restates Dopamine's sampler rules (``circular_replay_buffer.py``:
+``get_observation_stack``, ``is_valid_transition``) one index at a time.
+"""
+
+from __future__ import annotations
+
+import gzip
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from tiered import TieredStore
+from tiered.cli import main
+from tiered.errors import InvalidDatasetError, PickledDataError, UnsupportedFormatError
+from tiered.formats import export_dataset, import_dataset
+from tiered.formats.dopamine import buffer_checkpoint, padded_stream, save_checkpoint
+
+pytest.importorskip("ale_py")
+
+STACK = 4
+CAPACITY = 256
+# (game, rollout arguments): Breakout ends episodes with terminals, Pong by a time limit (an
+# episode end without a terminal: Dopamine pads the next episode all the same)
+GAMES = {"Breakout": {}, "Pong": {"max_episode_steps": 150}}
+
+
+def _write_game(root: str, game: str, runs: dict[str, int]) -> None:
+    from tiered.atari import rollout_frames
+
+    fr = rollout_frames(game, steps=500, seed=0, **GAMES[game])
+    obs = fr.frames[fr.first_frame + fr.step]  # the frame seen before each action
+    slots = padded_stream(obs, fr.action.astype(np.int32), fr.reward, fr.terminated.astype(np.uint8),
+                          fr.step == 0, STACK)
+    total = slots["observation"].shape[0]
+    for run, shift in runs.items():
+        logs = os.path.join(root, game, run, "replay_logs")
+        # checkpoint 0: a buffer not yet full; checkpoint 1: full and wrapped, the cursor mid-buffer
+        for ckpt, count in enumerate((200 - shift, total - shift)):
+            save_checkpoint(logs, ckpt, buffer_checkpoint(slots, count, CAPACITY, STACK))
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory: pytest.TempPathFactory) -> str:
+    root = str(tmp_path_factory.mktemp("dqn"))
+    _write_game(root, "Breakout", {"1": 0})
+    _write_game(root, "Pong", {"1": 0, "2": 37})
+    return root
+
+
+def _load(path: str) -> np.ndarray:
+    with gzip.open(path, "rb") as f:
+        return np.load(f, allow_pickle=False)
+
+
+def _checkpoints(logs: str) -> list[int]:
+    return sorted(int(f.split(".")[1]) for f in os.listdir(logs) if f.startswith("$store$_observation"))
+
+
+class DopamineOracle:
+    """Dopamine's sampler rules for one loaded checkpoint (update_horizon 1), index by index."""
+
+    def __init__(self, logs: str, ckpt: int) -> None:
+        self.store = {n: _load(os.path.join(logs, f"$store$_{n}_ckpt.{ckpt}.gz"))
+                      for n in ("observation", "action", "reward", "terminal")}
+        self.add_count = int(_load(os.path.join(logs, f"add_count_ckpt.{ckpt}.gz")))
+        self.invalid_range = _load(os.path.join(logs, f"invalid_range_ckpt.{ckpt}.gz"))
+        self.capacity = self.store["observation"].shape[0]
+
+    def cursor(self) -> int:
+        return self.add_count % self.capacity
+
+    def is_full(self) -> bool:
+        return self.add_count >= self.capacity
+
+    def get_range(self, array: np.ndarray, start: int, end: int) -> np.ndarray:
+        return array[[(start + i) % self.capacity for i in range(end - start)]]
+
+    def get_observation_stack(self, index: int) -> np.ndarray:
+        # Dopamine moves the stack axis last; the store keeps it first ([4, 84, 84], TorchRL's layout)
+        return self.get_range(self.store["observation"], index - STACK + 1, index + 1)
+
+    def is_valid_transition(self, index: int) -> bool:
+        if index < 0 or index >= self.capacity:
+            return False
+        if not self.is_full():
+            if index >= self.cursor() - 1:
+                return False
+            if index < STACK - 1:
+                return False
+        if index in set(self.invalid_range):
+            return False
+        return not self.get_range(self.store["terminal"], index - STACK + 1, index + 1)[:-1].any()
+
+
+def _rows_by_slot(store: TieredStore, run: int, ckpt: int) -> dict[str, np.ndarray]:
+    td = store.get(slice(0, len(store)))
+    sel = np.flatnonzero((td["run"].numpy() == run) & (td["checkpoint"].numpy() == ckpt))
+    sel = sel[np.argsort(td["index"].numpy()[sel])]
+    return {k: td[k].numpy()[sel] for k in ("observation", "action", "valid", "index")} | {
+        "row": sel,
+        "next": td["next", "observation"].numpy()[sel],
+        "reward": td["next", "reward"].numpy()[sel, 0],
+        "terminated": td["next", "terminated"].numpy()[sel, 0],
+    }
+
+
+@pytest.mark.parametrize("game", sorted(GAMES))
+def test_import_export_bit_exact(dataset: str, tmp_path, game: str) -> None:
+    src = os.path.join(dataset, game)
+    report = import_dataset("dqn-replay", src, tmp_path / "s.tiered")
+    runs = sorted(os.listdir(src))
+    assert report.rows == CAPACITY * 2 * len(runs)
+    assert {"observation", "next/observation", "valid", "run", "checkpoint", "index"} <= set(report.fields)
+    export_dataset(tmp_path / "s.tiered", tmp_path / "out", "dqn-replay")
+    for run in runs:
+        logs, back = os.path.join(src, run, "replay_logs"), tmp_path / "out" / run / "replay_logs"
+        assert sorted(os.listdir(back)) == sorted(os.listdir(logs))
+        for name in os.listdir(logs):
+            with gzip.open(os.path.join(logs, name)) as a, gzip.open(back / name) as b:
+                assert a.read() == b.read(), name  # the decompressed .npy bytes, header included
+
+
+@pytest.mark.parametrize("game, chunk_rows", [("Breakout", None), ("Pong", None), ("Pong", 7)])
+def test_stacks_are_the_ones_dopamine_samples(dataset: str, tmp_path, game: str, chunk_rows: int | None) -> None:
+    src = os.path.join(dataset, game)
+    # chunk_rows=7: the files are read 7 rows at a time, so stacks straddle many slices
+    import_dataset("dqn-replay", src, tmp_path / "s.tiered", chunk_rows=chunk_rows)
+    with TieredStore.open(tmp_path / "s.tiered", mode="r") as store:
+        for run in sorted(os.listdir(src)):
+            logs = os.path.join(src, run, "replay_logs")
+            for ckpt in _checkpoints(logs):
+                oracle, rows = DopamineOracle(logs, ckpt), _rows_by_slot(store, int(run), ckpt)
+                n = oracle.capacity
+                assert rows["index"].tolist() == list(range(n))
+                valid = np.array([oracle.is_valid_transition(i) for i in range(n)])
+                assert valid.any() and not valid.all()
+                np.testing.assert_array_equal(rows["valid"], valid)
+                for i in np.flatnonzero(valid):  # what sample_transition_batch returns for index i
+                    np.testing.assert_array_equal(rows["observation"][i], oracle.get_observation_stack(i))
+                    np.testing.assert_array_equal(rows["next"][i], oracle.get_observation_stack((i + 1) % n))
+                np.testing.assert_array_equal(rows["action"], oracle.store["action"])
+                np.testing.assert_array_equal(rows["reward"], oracle.store["reward"])
+                np.testing.assert_array_equal(rows["terminated"], oracle.store["terminal"] == 1)
+                # a batch drawn as Dopamine's sample_index_batch draws one (uniform over valid
+                # slots), read from the store by row: the same stacks
+                index = np.random.default_rng(ckpt).choice(np.flatnonzero(valid), 32)
+                batch = store.get(rows["row"][index])
+                for b, i in enumerate(index):
+                    np.testing.assert_array_equal(batch["observation"][b].numpy(), oracle.get_observation_stack(i))
+                    np.testing.assert_array_equal(batch["next", "observation"][b].numpy(),
+                                                  oracle.get_observation_stack((i + 1) % n))
+
+
+def test_one_run_and_the_episode_flags(dataset: str, tmp_path) -> None:
+    logs = os.path.join(dataset, "Breakout", "1", "replay_logs")
+    import_dataset("dqn-replay", os.path.join(dataset, "Breakout", "1"), tmp_path / "run.tiered")
+    with TieredStore.open(tmp_path / "run.tiered", mode="r") as store:
+        td = store.get(slice(0, len(store)))
+        assert set(td["run"].tolist()) == {1} and len(store) == 2 * CAPACITY
+        done, term = td["next", "done"].numpy()[:, 0], td["next", "terminated"].numpy()[:, 0]
+        assert (done >= term).all() and term.any()
+        np.testing.assert_array_equal(td["next", "truncated"].numpy()[:, 0], done & ~term)
+        # the last row of each checkpoint ends a trajectory (the next rows are another buffer)
+        assert done[CAPACITY - 1] and done[-1]
+    shutil.copytree(logs, tmp_path / "logs")  # a replay_logs directory imports as one run too
+    # recent Dopamine also pickles episode_end_indices: listed as not imported, never unpickled
+    with gzip.open(tmp_path / "logs" / "episode_end_indices_ckpt.0.gz", "wb") as f:
+        f.write(b"cos\nsystem\n(S'false'\ntR.")  # a pickle that would run a command
+    report = import_dataset("dqn-replay", tmp_path / "logs", tmp_path / "logs.tiered")
+    assert report.rows == 2 * CAPACITY
+    assert report.dropped == ["episode_end_indices_ckpt.0.gz"]
+
+
+def test_cli_import_export_and_help(dataset: str, tmp_path, capsys) -> None:
+    src = os.path.join(dataset, "Pong")
+    assert main(["import", src, str(tmp_path / "p.tiered"), "--format", "dqn-replay", "-q"]) == 0
+    assert main(["export", str(tmp_path / "p.tiered"), str(tmp_path / "o"), "--format", "dqn-replay", "-q"]) == 0
+    assert sorted(os.listdir(tmp_path / "o")) == ["1", "2"]
+    assert main(["import", "dqn-replay", src, str(tmp_path / "q.tiered"), "-q"]) == 0  # FORMAT SRC DST
+    assert main(["import", dataset, str(tmp_path / "r.tiered"), "--format", "dqn-replay", "-q"]) == 2
+    assert "several games" in capsys.readouterr().err
+    assert main(["import", "--help"]) == 0
+    assert "dqn-replay" in capsys.readouterr().out
+
+
+def test_export_needs_a_dqn_replay_store(tmp_path) -> None:
+    from tiered.atari import rollout
+
+    with TieredStore(16, tmp_path / "plain.tiered", frames={"observation": 0}) as store:
+        store.extend(rollout("Pong", steps=16, seed=0))
+    with pytest.raises(UnsupportedFormatError, match="imported from dqn-replay"):
+        export_dataset(tmp_path / "plain.tiered", tmp_path / "o", "dqn-replay")
+
+
+# ------------------------------------------------------------------------------------------ hostile
+
+
+def _damaged(dataset: str, tmp_path, name: str, data: bytes | None = None, array: np.ndarray | None = None,
+             pickle: bool = False) -> tuple[str, str]:
+    run = tmp_path / "d" / "Breakout" / "1"
+    shutil.copytree(os.path.join(dataset, "Breakout", "1"), run)
+    path = str(run / "replay_logs" / name)
+    if data is not None:
+        with open(path, "wb") as f:
+            f.write(data)
+    if array is not None:
+        with gzip.open(path, "wb") as f:
+            np.save(f, array, allow_pickle=pickle)
+    return str(run), path
+
+
+def _gz(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+@pytest.mark.parametrize("cut", [0.5, 0.999])
+def test_truncated_gz_is_refused_naming_the_file(dataset: str, tmp_path, cut: float) -> None:
+    name = "$store$_observation_ckpt.1.gz"
+    whole = _gz(os.path.join(dataset, "Breakout", "1", "replay_logs", name))
+    run, path = _damaged(dataset, tmp_path, name, data=whole[: int(len(whole) * cut)])
+    with pytest.raises(InvalidDatasetError, match=r"observation_ckpt\.1\.gz") as e:
+        import_dataset("dqn-replay", run, tmp_path / "s.tiered")
+    assert path in str(e.value)
+    assert not os.path.exists(tmp_path / "s.tiered")
+
+
+def test_corrupt_gz_is_refused(dataset: str, tmp_path) -> None:
+    name = "$store$_action_ckpt.0.gz"
+    whole = bytearray(_gz(os.path.join(dataset, "Breakout", "1", "replay_logs", name)))
+    whole[len(whole) // 2] ^= 0xFF
+    whole[-8] ^= 0xFF  # and the CRC
+    run, path = _damaged(dataset, tmp_path, name, data=bytes(whole))
+    with pytest.raises(InvalidDatasetError, match=r"action_ckpt\.0\.gz"):
+        import_dataset("dqn-replay", run, tmp_path / "s.tiered")
+
+
+@pytest.mark.parametrize(
+    "name, array, match",
+    [
+        ("$store$_action_ckpt.0.gz", np.zeros(CAPACITY, np.int64), r"expected <i4"),
+        ("$store$_reward_ckpt.0.gz", np.zeros((CAPACITY, 2), np.float32), r"expected 1 dimension"),
+        ("$store$_observation_ckpt.0.gz", np.zeros((CAPACITY, 84), np.uint8), r"expected 3 dimension"),
+        ("$store$_terminal_ckpt.0.gz", np.zeros(CAPACITY - 1, np.uint8), r"255 rows"),
+        ("$store$_terminal_ckpt.1.gz", np.full(CAPACITY, 7, np.uint8), r"must be 0 or 1"),
+        ("add_count_ckpt.0.gz", np.zeros(3, np.int64), r"one non-negative integer"),
+    ],
+)
+def test_wrong_shape_or_dtype_is_refused(dataset: str, tmp_path, name: str, array: np.ndarray, match: str) -> None:
+    run, path = _damaged(dataset, tmp_path, name, array=array)
+    with pytest.raises(InvalidDatasetError, match=match) as e:
+        import_dataset("dqn-replay", run, tmp_path / "s.tiered")
+    assert path in str(e.value)
+
+
+def test_pickled_object_array_is_refused(dataset: str, tmp_path) -> None:
+    run, path = _damaged(dataset, tmp_path, "$store$_reward_ckpt.0.gz",
+                         array=np.array([object()] * 3, dtype=object), pickle=True)
+    with pytest.raises(PickledDataError, match="never unpickles") as e:
+        import_dataset("dqn-replay", run, tmp_path / "s.tiered")
+    assert path in str(e.value)
+
+
+def test_header_claiming_more_than_the_file_holds(dataset: str, tmp_path) -> None:
+    name = "$store$_observation_ckpt.0.gz"
+    head = np.lib.format.header_data_from_array_1_0(np.zeros((1, 84, 84), np.uint8))
+    head["shape"] = (10**9, 84, 84)  # 7 TB claimed by a few bytes: refused before any allocation
+    import io
+
+    buf = io.BytesIO()
+    np.lib.format.write_array_header_1_0(buf, head)
+    run, path = _damaged(dataset, tmp_path, name, data=gzip.compress(buf.getvalue() + b"\0" * 1000))
+    with pytest.raises(InvalidDatasetError, match="more than a gzip file") as e:
+        import_dataset("dqn-replay", run, tmp_path / "s.tiered")
+    assert path in str(e.value)
+
+
+def test_missing_file_and_not_a_dataset(dataset: str, tmp_path) -> None:
+    run, path = _damaged(dataset, tmp_path, "invalid_range_ckpt.1.gz")
+    os.remove(path)
+    with pytest.raises(InvalidDatasetError, match="missing") as e:
+        import_dataset("dqn-replay", run, tmp_path / "s.tiered")
+    assert path in str(e.value)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UnsupportedFormatError, match="no replay_logs"):
+        import_dataset("dqn-replay", tmp_path / "empty", tmp_path / "s.tiered")

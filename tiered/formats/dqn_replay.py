@@ -1,0 +1,612 @@
+"""dqn-replay: the DQN Replay Dataset layout (Dopamine's replay-buffer checkpoints).
+
+A dataset root holds ``<game>/<run>/replay_logs/``; each checkpoint ``i`` of a run is six
+gzipped ``np.save`` files, as Dopamine's ``OutOfGraphReplayBuffer.save`` writes them::
+
+    $store$_observation_ckpt.<i>.gz   uint8   [N, 84, 84]   one frame per buffer slot
+    $store$_action_ckpt.<i>.gz        int32   [N]
+    $store$_reward_ckpt.<i>.gz        float32 [N]
+    $store$_terminal_ckpt.<i>.gz      uint8   [N]
+    add_count_ckpt.<i>.gz             int     []            transitions added (cursor = add_count % N)
+    invalid_range_ckpt.<i>.gz         int     [stack + update_horizon]   slots around the cursor
+
+A checkpoint is a circular buffer of ``N`` slots, with ``stack - 1`` zero slots before each
+episode. Dopamine's sampler builds the state of slot ``i`` from the slots ``i - 3 .. i``
+(modulo ``N``, oldest first) and the next state from ``i - 2 .. i + 1``; it samples slot ``i``
+only when it is *valid*: not in ``invalid_range``, no terminal among slots ``i - 3 .. i - 1``
+and, while the buffer is not full, ``stack - 1 <= i < cursor - 1``.
+
+Import makes one store row per slot, with the stacks built exactly so::
+
+    observation           uint8   [4, 84, 84]   slots i-3 .. i (stored once per frame: frames=)
+    ("next","observation") uint8  [4, 84, 84]   slots i-2 .. i+1
+    action                int32   []
+    ("next","reward")     float32 [1]
+    ("next","terminated") bool    [1]           terminal[i]
+    ("next","done")       bool    [1]           derived: terminated, or the buffer's time order
+                                                breaks after slot i (the newest slot, the end of
+                                                the checkpoint's rows, the unwritten tail)
+    ("next","truncated")  bool    [1]           derived: done and not terminated
+    valid                 bool    []            derived: Dopamine's sampler may draw slot i
+    run, checkpoint       int32   []            derived: which run and checkpoint
+    index                 int32   []            derived: the slot i
+
+Rows of one checkpoint are written in the order ``3, 4, ..., N - 1, 0, 1, 2``: the stacks of
+slots 0..2 wrap to the end of the buffer, so they come last and the reader never holds more
+than one slice of the files in memory. ``ROOT`` may be the dataset root (with one game), a game
+directory (all its runs go into one store, told apart by ``run``), a run directory or a
+``replay_logs`` directory (one run).
+
+Export (``tiered export STORE OUT --format dqn-replay``, stores imported from this format) writes
+the files back under ``OUT`` at the same relative paths. The decompressed ``.npy`` bytes are
+identical to the source's (the ``.npy`` headers and the two small files are kept verbatim); the
+gzip members are written at level 9 as Dopamine writes them, but with no file name and a
+modification time of 0 in their gzip header, so the ``.gz`` files themselves may differ.
+
+Reading is streaming and bounded: every file is decompressed as a stream and read a slice of
+rows at a time; sizes from a header are checked against the file before anything is allocated
+(deflate cannot expand data more than 1032 times); a ``.npy`` holding Python objects is refused
+(nothing is unpickled), and so are truncated, corrupt or mis-shaped files, naming the file.
+``episode_end_indices_ckpt.<i>.gz`` (a pickle written by recent Dopamine versions) is not read:
+``valid`` ignores the episode ends it lists (it matters only for episodes cut without a
+terminal and an update horizon above 1).
+
+Example:
+    >>> import tiered.formats as tf
+    >>> tf.import_dataset("dqn-replay", "dqn/Pong", "pong.tiered")  # doctest: +SKIP
+    ImportReport(rows=5000000, ...)
+    >>> tf.export_dataset("pong.tiered", "dqn-again", "dqn-replay")  # doctest: +SKIP
+    ExportReport(rows=5000000, ...)
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import gzip
+import io
+import os
+import re
+import struct
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from tensordict import TensorDict
+
+from .. import fileio
+from ..errors import InvalidDatasetError, PickledDataError, TieredError, UnsupportedFormatError
+from .common import chunk_rows_for, iter_store, writing
+from .keymap import ACTION, DONE, NEXT_OBS, OBS, REWARD, TERMINATED, TRUNCATED
+
+__all__ = [
+    "DQNReplaySource",
+    "write_dqn_replay",
+    "find_runs",
+    "NpyGzReader",
+    "STORE_PREFIX",
+    "ARRAYS",
+    "GZIP_LEVEL",
+    "STACK",
+]
+
+#: Prefix of the files of Dopamine's storage arrays.
+STORE_PREFIX = "$store$_"
+#: Storage arrays of a checkpoint: name -> (dtype, dimensions).
+ARRAYS: dict[str, tuple[np.dtype, int]] = {
+    "observation": (np.dtype(np.uint8), 3),
+    "action": (np.dtype(np.int32), 1),
+    "reward": (np.dtype(np.float32), 1),
+    "terminal": (np.dtype(np.uint8), 1),
+}
+#: Small members saved with ``np.save`` next to the arrays.
+EXTRAS = ("add_count", "invalid_range")
+#: Dopamine writes with ``gzip.GzipFile(fileobj=f, mode="wb")``: the default level, 9.
+GZIP_LEVEL = 9
+#: Frames per state in the DQN Replay Dataset.
+STACK = 4
+#: A frame side longer than this is not an Atari screen (refused before anything is allocated).
+MAX_SIDE = 4096
+#: Deflate's largest expansion: a member of ``c`` bytes decompresses to at most ~1032 * c bytes.
+MAX_DEFLATE_RATIO = 1032
+#: The small files (add_count, invalid_range) are read whole, up to this many bytes.
+MAX_SMALL_BYTES = 1 << 20
+_MAX_HEADER = 1 << 16
+_NPY_MAGIC = b"\x93NUMPY"
+_CKPT = re.compile(r"^\$store\$_observation_ckpt\.(\d+)\.gz$")
+_RUN_FIELDS = (("run",), ("checkpoint",), ("index",), ("valid",))
+_READ_ERRORS = (OSError, EOFError, zlib.error, ValueError, SyntaxError, struct.error, TypeError)
+
+
+def _file_name(logs: str, name: str, ckpt: int) -> str:
+    return os.path.join(logs, f"{name}_ckpt.{ckpt}.gz")
+
+
+@contextlib.contextmanager
+def _naming(path: str) -> Iterator[None]:
+    """Read errors of ``path`` (gzip, zlib, the .npy header parser) as InvalidDatasetError naming it."""
+    try:
+        yield
+    except (TieredError, FileNotFoundError, MemoryError):
+        raise
+    except _READ_ERRORS as e:
+        raise InvalidDatasetError(
+            f"{path}: cannot read it as a gzipped .npy file ({type(e).__name__}: {e}); the file is damaged, "
+            "truncated or not a Dopamine replay checkpoint") from e
+
+
+def _parse_npy_header(raw: bytes, path: str) -> tuple[tuple[int, ...], bool, np.dtype]:
+    """Shape, Fortran order and dtype of a complete ``.npy`` header (numpy's safe parser; no pickles)."""
+    f = io.BytesIO(raw)
+    version = np.lib.format.read_magic(f)
+    if version == (1, 0):
+        shape, fortran, dtype = np.lib.format.read_array_header_1_0(f, max_header_size=_MAX_HEADER)
+    elif version in ((2, 0), (3, 0)):
+        shape, fortran, dtype = np.lib.format.read_array_header_2_0(f, max_header_size=_MAX_HEADER)
+    else:
+        raise InvalidDatasetError(f"{path}: .npy version {version} is not one numpy writes")
+    if dtype.hasobject:
+        raise PickledDataError(
+            f"{path}: the array holds Python objects (a pickle); tiered never unpickles data. Dopamine "
+            "writes its arrays with np.save(..., allow_pickle=False): re-save them as plain arrays")
+    return tuple(int(d) for d in shape), bool(fortran), dtype
+
+
+class NpyGzReader:
+    """A gzipped ``.npy`` file read as a stream of row slices (nothing else held in memory).
+
+    Args:
+        path: the ``.gz`` file.
+        dtype: the dtype the array must have (``None``: any plain dtype).
+        ndim: the number of dimensions it must have (``None``: any).
+
+    Raises:
+        InvalidDatasetError: not a gzipped ``.npy``, another dtype or shape, a header larger than
+            the file could hold, or (on read) fewer rows than the header says.
+        PickledDataError: the array holds Python objects.
+
+    Example:
+        >>> import gzip, os, tempfile, numpy as np
+        >>> p = os.path.join(tempfile.mkdtemp(), "a.gz")
+        >>> with gzip.open(p, "wb") as f:
+        ...     np.save(f, np.arange(5, dtype=np.int32))
+        >>> r = NpyGzReader(p, np.dtype(np.int32), 1)
+        >>> r.shape, r.read(3).tolist(), r.read(2).tolist()
+        ((5,), [0, 1, 2], [3, 4])
+        >>> r.finish(); r.close()
+    """
+
+    def __init__(self, path: str, dtype: np.dtype | None = None, ndim: int | None = None) -> None:
+        self.path = path
+        self._gz: Any = None
+        self._gz = gzip.open(path, "rb")
+        try:
+            with _naming(path):
+                self.header = self._read_header()
+                self.shape, fortran, self.dtype = _parse_npy_header(self.header, path)
+            self._check(dtype, ndim, fortran)
+        except BaseException:
+            self.close()
+            raise
+        self.rows = self.shape[0] if self.shape else 1
+        self.row_bytes = int(np.prod(self.shape[1:], dtype=np.int64)) * self.dtype.itemsize
+        self.pos = 0
+
+    def _read_header(self) -> bytes:
+        head = self._exact(10)
+        if head[:6] != _NPY_MAGIC:
+            raise InvalidDatasetError(f"{self.path}: not a .npy file inside the gzip stream (magic {head[:6]!r})")
+        if head[6] == 1:
+            n = int.from_bytes(head[8:10], "little")
+            return bytes(head + self._exact(n))
+        more = self._exact(2)
+        n = int.from_bytes(head[8:10] + more, "little")
+        if n > _MAX_HEADER:
+            raise InvalidDatasetError(f"{self.path}: a .npy header of {n} bytes; numpy writes at most a few hundred")
+        return bytes(head + more + self._exact(n))
+
+    def _check(self, dtype: np.dtype | None, ndim: int | None, fortran: bool) -> None:
+        if dtype is not None and self.dtype != dtype:
+            raise InvalidDatasetError(
+                f"{self.path}: the array is {self.dtype.str}, expected {dtype.str} ({dtype}) as Dopamine writes it")
+        if ndim is not None and len(self.shape) != ndim:
+            raise InvalidDatasetError(
+                f"{self.path}: the array has shape {self.shape}, expected {ndim} dimension(s)")
+        if fortran and len(self.shape) > 1:
+            raise InvalidDatasetError(f"{self.path}: the array is Fortran-ordered; Dopamine writes C order")
+        if any(d > MAX_SIDE for d in self.shape[1:]) or any(d < 0 for d in self.shape):
+            raise InvalidDatasetError(f"{self.path}: implausible shape {self.shape} in the .npy header")
+        nbytes = int(np.prod(self.shape, dtype=np.float64)) * self.dtype.itemsize
+        limit = MAX_DEFLATE_RATIO * os.path.getsize(self.path) + (1 << 16)
+        if nbytes > limit:
+            raise InvalidDatasetError(
+                f"{self.path}: the header says {self.shape} ({nbytes:,} bytes), more than a gzip file of "
+                f"{os.path.getsize(self.path):,} bytes can hold; the file is truncated or its header is corrupt")
+
+    def _exact(self, n: int) -> bytearray:
+        buf = bytearray(n)
+        view, got = memoryview(buf), 0
+        with _naming(self.path):
+            while got < n:
+                k = self._gz.readinto(view[got:])
+                if not k:
+                    raise InvalidDatasetError(
+                        f"{self.path}: the file ends after {got} of {n} bytes expected; it is truncated")
+                got += k
+        return buf
+
+    def read(self, n: int) -> np.ndarray:
+        """The next ``n`` rows (fewer only past the end: never, for a complete file)."""
+        n = max(0, min(n, self.rows - self.pos))
+        raw = self._exact(n * self.row_bytes) if n else b""
+        self.pos += n
+        return np.frombuffer(raw, dtype=self.dtype).reshape(n, *self.shape[1:])
+
+    def read_all(self) -> np.ndarray:
+        """The whole array (for the small files only)."""
+        out = np.frombuffer(self._exact(self.rows * self.row_bytes if self.shape else self.dtype.itemsize),
+                            dtype=self.dtype)
+        self.pos = self.rows
+        return out.reshape(self.shape)
+
+    def finish(self) -> None:
+        """Check that the stream ends right after the array (trailing bytes would not round-trip)."""
+        with _naming(self.path):
+            extra = self._gz.read(1)
+        if extra:
+            raise InvalidDatasetError(f"{self.path}: bytes follow the array in the gzip stream; not an np.save file")
+
+    def close(self) -> None:
+        if self._gz is not None:
+            self._gz.close()
+            self._gz = None
+
+
+def _open_reader(path: str, dtype: np.dtype | None, ndim: int | None) -> NpyGzReader:
+    if not os.path.isfile(path):
+        raise InvalidDatasetError(f"{path}: missing; a Dopamine checkpoint has all six files {_six_files()}")
+    with _naming(path):
+        return NpyGzReader(path, dtype, ndim)
+
+
+def _six_files() -> str:
+    return ", ".join([f"{STORE_PREFIX}{a}_ckpt.<i>.gz" for a in ARRAYS] + [f"{e}_ckpt.<i>.gz" for e in EXTRAS])
+
+
+def _read_small(path: str) -> tuple[bytes, np.ndarray]:
+    """A small member (add_count, invalid_range): its decompressed bytes and its array."""
+    if not os.path.isfile(path):
+        raise InvalidDatasetError(f"{path}: missing; a Dopamine checkpoint has all six files {_six_files()}")
+    if os.path.getsize(path) > MAX_SMALL_BYTES:
+        raise InvalidDatasetError(f"{path}: {os.path.getsize(path):,} bytes; this file holds a few numbers")
+    r = _open_reader(path, None, None)
+    try:
+        if r.rows * r.row_bytes > MAX_SMALL_BYTES or r.dtype.kind not in "iuf":
+            raise InvalidDatasetError(f"{path}: expected a few integers, found {r.dtype} {r.shape}")
+        arr = r.read_all()
+        r.finish()
+        raw = r.header + arr.tobytes()
+    finally:
+        r.close()
+    return raw, arr
+
+
+def _sort_names(names: list[str]) -> list[str]:
+    return sorted(names, key=lambda s: (0, int(s), s) if s.isdigit() else (1, 0, s))
+
+
+def find_runs(root: str | os.PathLike[str]) -> tuple[str | None, list[tuple[str, str]]]:
+    """The game and the runs under ``root``: ``(game, [(run name, replay_logs path relative to root)])``.
+
+    Raises:
+        UnsupportedFormatError: ``root`` holds no replay_logs, or several games.
+
+    Example:
+        >>> import os, tempfile
+        >>> d = tempfile.mkdtemp(); os.makedirs(os.path.join(d, "Pong", "1", "replay_logs"))
+        >>> find_runs(d)
+        ('Pong', [('1', 'Pong/1/replay_logs')])
+    """
+    root = os.fspath(root)
+    if not os.path.isdir(root):
+        raise FileNotFoundError(f"{root}: no such directory (expected ROOT/<game>/<run>/replay_logs)")
+    name = os.path.basename(os.path.normpath(os.path.abspath(root)))
+    if any(_CKPT.match(f) for f in os.listdir(root)):  # a replay_logs directory itself
+        return None, [(os.path.basename(os.path.dirname(os.path.abspath(root))) or "0", ".")]
+    if os.path.isdir(os.path.join(root, "replay_logs")):  # a run
+        return None, [(name, "replay_logs")]
+    subs = _sort_names([d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d))])
+    runs = [(d, f"{d}/replay_logs") for d in subs if os.path.isdir(os.path.join(root, d, "replay_logs"))]
+    if runs:  # a game: all its runs
+        return name, runs
+    games = [g for g in subs if any(os.path.isdir(os.path.join(root, g, r, "replay_logs"))
+                                    for r in os.listdir(os.path.join(root, g)))]
+    if len(games) == 1:
+        _, inner = find_runs(os.path.join(root, games[0]))
+        return games[0], [(r, f"{games[0]}/{rel}") for r, rel in inner]
+    if games:
+        raise UnsupportedFormatError(
+            f"{root} holds several games ({', '.join(games)}); a store holds one game: import "
+            f"{os.path.join(root, games[0])} (all its runs) or {os.path.join(root, games[0], '1')} (one run)")
+    raise UnsupportedFormatError(
+        f"{root}: no replay_logs directory found (expected ROOT/<game>/<run>/replay_logs/ with "
+        f"{STORE_PREFIX}observation_ckpt.<i>.gz files)")
+
+
+@dataclass
+class _Segment:
+    """One checkpoint of one run: where its rows go in the store and what its files say."""
+
+    run: int
+    run_name: str
+    rel: str
+    logs: str
+    ckpt: int
+    rows: int
+    start: int
+    frame: tuple[int, int]
+    headers: dict[str, bytes]
+    extras: dict[str, bytes]
+    add_count: int
+    invalid: np.ndarray
+
+    def path(self, name: str) -> str:
+        return _file_name(self.logs, name, self.ckpt)
+
+
+def _scan_segment(run: int, run_name: str, rel: str, logs: str, ckpt: int, start: int, stack: int) -> _Segment:
+    """Read the headers and small files of one checkpoint and check that they agree."""
+    headers, shapes = {}, {}
+    for name, (dtype, ndim) in ARRAYS.items():
+        r = _open_reader(_file_name(logs, STORE_PREFIX + name, ckpt), dtype, ndim)
+        headers[name], shapes[name] = r.header, r.shape
+        r.close()
+    n = shapes["observation"][0]
+    for name, shape in shapes.items():
+        if shape[0] != n:
+            raise InvalidDatasetError(
+                f"{_file_name(logs, STORE_PREFIX + name, ckpt)}: {shape[0]} rows, but the observations of "
+                f"checkpoint {ckpt} have {n}; the checkpoint's files must have one row per buffer slot")
+    if n <= stack:
+        raise InvalidDatasetError(
+            f"{_file_name(logs, STORE_PREFIX + 'observation', ckpt)}: {n} slots; a buffer of {stack}-frame "
+            f"stacks needs more than {stack}")
+    extras, arrays = {}, {}
+    for name in EXTRAS:
+        extras[name], arrays[name] = _read_small(_file_name(logs, name, ckpt))
+    if arrays["add_count"].size != 1 or arrays["add_count"].dtype.kind not in "iu" or arrays["add_count"].item() < 0:
+        raise InvalidDatasetError(
+            f"{_file_name(logs, 'add_count', ckpt)}: expected one non-negative integer, found "
+            f"{arrays['add_count'].dtype} {arrays['add_count'].shape}")
+    frame = shapes["observation"][1:]
+    return _Segment(run, run_name, rel, logs, ckpt, n, start, (frame[0], frame[1]), headers, extras,
+                    int(arrays["add_count"].item()), arrays["invalid_range"].reshape(-1))
+
+
+def _b64(b: bytes) -> str:
+    return base64.b64encode(b).decode("ascii")
+
+
+class DQNReplaySource:
+    """A DQN Replay Dataset directory read as store rows (see the module docstring).
+
+    Args:
+        root: the dataset root with one game, a game, a run or a ``replay_logs`` directory.
+        stack: frames per state (4 in the dataset).
+
+    Raises:
+        UnsupportedFormatError: no checkpoints under ``root``, or several games.
+        InvalidDatasetError: a file is missing, damaged, or disagrees with the others.
+        PickledDataError: an array holds Python objects.
+    """
+
+    #: Frame-stack dimension of the stacked fields (the import stores each frame once).
+    frames = {OBS: 0}
+
+    def __init__(self, root: str | os.PathLike[str], stack: int = STACK) -> None:
+        self.root = os.path.abspath(os.fspath(root))
+        self.stack = int(stack)
+        self.game, runs = find_runs(self.root)
+        names = [r for r, _ in runs]
+        ids = [int(r) for r in names] if all(r.isdigit() and int(r) < 2**31 for r in names) else list(range(len(runs)))
+        self.segments: list[_Segment] = []
+        self.dropped: list[str] = []
+        start = 0
+        for (run_name, rel), run_id in zip(runs, ids, strict=True):
+            logs = os.path.normpath(os.path.join(self.root, rel))
+            files = os.listdir(logs)
+            ckpts = sorted(int(m.group(1)) for m in map(_CKPT.match, files) if m)
+            known = {os.path.basename(_file_name(logs, p + a, c)) for c in ckpts
+                     for p, a in [(STORE_PREFIX, x) for x in ARRAYS] + [("", e) for e in EXTRAS]}
+            self.dropped += [os.path.normpath(os.path.join(rel, f)) for f in sorted(files) if f not in known]
+            for c in ckpts:
+                seg = _scan_segment(run_id, run_name, rel, logs, c, start, self.stack)
+                self.segments.append(seg)
+                start += seg.rows
+        if not self.segments:
+            raise UnsupportedFormatError(f"{self.root}: no {STORE_PREFIX}observation_ckpt.<i>.gz file found")
+        frames = {s.frame for s in self.segments}
+        if len(frames) > 1:
+            raise InvalidDatasetError(f"{self.root}: checkpoints have frames of different sizes {sorted(frames)}")
+        self.num_rows = start
+
+    def attrs(self) -> dict[str, Any]:
+        """The import sidecar: what export needs to write the files back byte for byte."""
+        return {
+            "format": "dqn-replay",
+            "origin": self.root,
+            "game": self.game,
+            "stack": self.stack,
+            "rows": self.num_rows,
+            "derived": [DONE, TRUNCATED, *_RUN_FIELDS],
+            "dropped": self.dropped,
+            "gzip_level": GZIP_LEVEL,
+            "segments": [
+                {"run": s.run, "run_name": s.run_name, "path": s.rel, "checkpoint": s.ckpt,
+                 "rows": s.rows, "start": s.start, "add_count": s.add_count,
+                 "headers": {k: _b64(v) for k, v in s.headers.items()},
+                 "extras": {k: _b64(v) for k, v in s.extras.items()}}
+                for s in self.segments
+            ],
+        }
+
+    def chunks(self, chunk_rows: int | None = None) -> Iterator[TensorDict]:
+        """Store rows, segment by segment, in slices of at most ``chunk_rows`` rows."""
+        h, w = self.segments[0].frame
+        step = chunk_rows_for(2 * self.stack * h * w + 32, chunk_rows)
+        for seg in self.segments:
+            yield from _SegmentStream(seg, self.stack, step).rows()
+
+    def close(self) -> None:
+        """Nothing is held open between calls."""
+
+
+class _SegmentStream:
+    """The rows of one checkpoint, in the order ``stack-1, ..., N-1, 0, ..., stack-2``.
+
+    The files are read as one stream of slots ``0, 1, ..., N-1`` followed by slots ``0..stack-1``
+    again (kept from the start): emitted row ``k`` is slot ``i = (k + stack - 1) % N``, its state
+    the stream's items ``k .. k+stack-1`` and its next state ``k+1 .. k+stack``.
+    """
+
+    def __init__(self, seg: _Segment, stack: int, step: int) -> None:
+        self.seg, self.stack, self.step = seg, stack, step
+        n, a = seg.rows, seg.add_count
+        self.cursor, self.full = a % n, a >= n
+        # where the buffer's time order breaks after a slot: the newest slot, the unwritten tail
+        self.breaks = np.array([(self.cursor - 1) % n] if a else [], dtype=np.int64)
+        if not self.full:
+            self.breaks = np.append(self.breaks, n - 1)
+        self.invalid = seg.invalid
+
+    def _pieces(self, readers: dict[str, NpyGzReader]) -> Iterator[dict[str, np.ndarray]]:
+        s, n = self.stack, self.seg.rows
+        head = {k: r.read(s) for k, r in readers.items()}
+        yield head
+        while readers["observation"].pos < n:
+            yield {k: r.read(self.step) for k, r in readers.items()}
+        for r in readers.values():
+            r.finish()
+        yield head
+
+    def rows(self) -> Iterator[TensorDict]:
+        seg, s = self.seg, self.stack
+        readers: dict[str, NpyGzReader] = {}
+        try:
+            for name, (dtype, ndim) in ARRAYS.items():
+                readers[name] = _open_reader(seg.path(STORE_PREFIX + name), dtype, ndim)
+            buf: dict[str, np.ndarray] | None = None
+            k0 = 0
+            for piece in self._pieces(readers):
+                buf = piece if buf is None else {k: np.concatenate([buf[k], piece[k]]) for k in buf}
+                m = len(buf["observation"]) - s
+                if m <= 0:
+                    continue
+                yield self._batch(buf, k0, m)
+                buf = {k: v[m:].copy() for k, v in buf.items()}
+                k0 += m
+        finally:
+            for r in readers.values():
+                r.close()
+
+    def _batch(self, buf: dict[str, np.ndarray], k0: int, m: int) -> TensorDict:
+        s, seg, n = self.stack, self.seg, self.seg.rows
+        win = np.lib.stride_tricks.sliding_window_view(buf["observation"], s, axis=0)  # [m+1, H, W, s]
+        win = np.moveaxis(win, -1, 1)
+        index = (k0 + s - 1 + np.arange(m, dtype=np.int64)) % n
+        term = buf["terminal"][s - 1: s - 1 + m]
+        prior = np.lib.stride_tricks.sliding_window_view(buf["terminal"], s - 1)[:m].any(axis=1)
+        valid = ~prior & ~np.isin(index, self.invalid)
+        if not self.full:
+            valid &= (index >= s - 1) & (index < self.cursor - 1)
+        if np.any((term != 0) & (term != 1)):
+            raise InvalidDatasetError(
+                f"{seg.path(STORE_PREFIX + 'terminal')}: terminal flags must be 0 or 1, found "
+                f"{np.unique(term[(term != 0) & (term != 1)])[:3].tolist()}")
+        terminated = term.astype(bool)
+        done = terminated | np.isin(index, self.breaks)
+        if k0 + m == n:
+            done[-1] = True  # the checkpoint's last row: the next rows are another buffer
+        col = np.full(m, 0, dtype=np.int32)
+        return TensorDict(
+            {
+                OBS: torch.from_numpy(np.ascontiguousarray(win[:m])),
+                NEXT_OBS: torch.from_numpy(np.ascontiguousarray(win[1: m + 1])),
+                ACTION: torch.from_numpy(buf["action"][s - 1: s - 1 + m].copy()),
+                REWARD: torch.from_numpy(buf["reward"][s - 1: s - 1 + m].reshape(m, 1).copy()),
+                TERMINATED: torch.from_numpy(terminated.reshape(m, 1)),
+                DONE: torch.from_numpy(done.reshape(m, 1)),
+                TRUNCATED: torch.from_numpy((done & ~terminated).reshape(m, 1)),
+                ("valid",): torch.from_numpy(valid),
+                ("run",): torch.from_numpy(col + seg.run),
+                ("checkpoint",): torch.from_numpy(col + seg.ckpt),
+                ("index",): torch.from_numpy(index.astype(np.int32)),
+            },
+            batch_size=[m],
+        )
+
+
+def write_dqn_replay(
+    store: Any, rows: np.ndarray, tmp: str, source: dict[str, Any] | None, chunk_rows: int | None, progress: Any
+) -> dict[str, Any]:
+    """Write a store imported from dqn-replay back as the Dopamine files under the directory ``tmp``.
+
+    Raises:
+        UnsupportedFormatError: the store was not imported from dqn-replay, or was changed since
+            (another number of rows).
+    """
+    if not source or source.get("format") != "dqn-replay":
+        raise UnsupportedFormatError(
+            "export to dqn-replay needs a store imported from dqn-replay (tiered import ROOT DST --format "
+            "dqn-replay): Dopamine's files hold buffer slots that other stores do not record")
+    if len(store) != int(source["rows"]):
+        raise UnsupportedFormatError(
+            f"the store has {len(store)} rows, but its dqn-replay import had {source['rows']}; it was changed "
+            "since, and the checkpoints cannot be written back")
+    stack = int(source["stack"])
+    level = int(source.get("gzip_level", GZIP_LEVEL))
+    fileio.makedirs(tmp)
+    files = 0
+    for seg in source["segments"]:
+        logs = os.path.normpath(os.path.join(tmp, seg["path"]))
+        fileio.makedirs(logs)
+        _write_segment(store, seg, logs, stack, level, chunk_rows, progress)
+        files += len(ARRAYS) + len(EXTRAS)
+    return {"files": files, "rows": int(source["rows"]), "gzip_level": level}
+
+
+def _gz_writer(stack: contextlib.ExitStack, path: str, level: int) -> gzip.GzipFile:
+    raw = fileio.WritableFile(path)
+    stack.enter_context(writing(raw))
+    # no file name and mtime 0 in the gzip header: the same store exports the same bytes
+    return stack.enter_context(gzip.GzipFile(filename="", mode="wb", fileobj=raw, compresslevel=level, mtime=0))
+
+
+def _write_segment(
+    store: Any, seg: dict[str, Any], logs: str, stack: int, level: int, chunk_rows: int | None, progress: Any
+) -> None:
+    n, start, ckpt = int(seg["rows"]), int(seg["start"]), int(seg["checkpoint"])
+    # slot i is store row start + (i - stack + 1) % n (rows were written from slot stack - 1 on)
+    order = start + (np.arange(n, dtype=np.int64) - (stack - 1)) % n
+    headers = {k: base64.b64decode(v) for k, v in seg["headers"].items()}
+    keys = [OBS, ACTION, REWARD, TERMINATED]
+    with contextlib.ExitStack() as es:
+        out = {name: _gz_writer(es, _file_name(logs, STORE_PREFIX + name, ckpt), level) for name in ARRAYS}
+        for name, f in out.items():
+            f.write(headers[name])
+        frame = _parse_npy_header(headers["observation"], logs)[0][1:]
+        step = chunk_rows_for(stack * int(np.prod(frame)) + 16, chunk_rows)
+        for lo, hi, td in iter_store(store, order, step, keys=keys):
+            obs = td.get(OBS)[:, -1].contiguous().numpy()
+            out["observation"].write(memoryview(np.ascontiguousarray(obs)).cast("B"))
+            out["action"].write(td.get(ACTION).numpy().astype(np.int32, copy=False).tobytes())
+            out["reward"].write(td.get(REWARD).reshape(-1).numpy().astype(np.float32, copy=False).tobytes())
+            out["terminal"].write(td.get(TERMINATED).reshape(-1).numpy().astype(np.uint8).tobytes())
+            if progress is not None:
+                progress.update(hi - lo)
+    for name in EXTRAS:
+        with contextlib.ExitStack() as es:
+            _gz_writer(es, _file_name(logs, name, ckpt), level).write(base64.b64decode(seg["extras"][name]))
