@@ -48,6 +48,7 @@ from benchmarks._harness import (  # noqa: E402
     write_doc_section,
     write_output,
 )
+from tiered.engine.write import DEFAULT_CHUNK_FRAMES  # noqa: E402
 
 BEGIN, END = "<!-- bench_dqn_replay:begin -->", "<!-- bench_dqn_replay:end -->"
 
@@ -149,12 +150,12 @@ def _measure(game: str, steps: int, quick: bool) -> dict:
                "gz6_obs": _gz_bytes(slots["observation"], 6),
                "zstd3_stream_obs": len(zstandard.ZstdCompressor(level=3).compress(slots["observation"].tobytes()))}
         ks, levels = ((4, 16), (3, 19)) if quick else ((4, 8, 16), (3, 9, 19))
-        configs = [("default (zstd, K=4)", "zstd", 4)] + [(f"K={k} zstd:{lv}", f"zstd:{lv}", k)
+        configs = [(f"default (zstd, K={DEFAULT_CHUNK_FRAMES})", "zstd", DEFAULT_CHUNK_FRAMES)] + [(f"K={k} zstd:{lv}", f"zstd:{lv}", k)
                                                           for k in ks for lv in levels]
         results: list[dict] = []
         for label, codec, k in configs:
             dst = os.path.join(tmp, f"s-{k}-{codec.replace(':', '')}")
-            same_as_default = (k, codec) == (4, "zstd:3") and results  # zstd is zstd:3: measured once
+            same_as_default = (k, codec) == (DEFAULT_CHUNK_FRAMES, "zstd:3") and results  # zstd is zstd:3: measured once
             r = results[0] if same_as_default else _import(root, dst, codec, k)
             results.append(dict(r, label=label, codec=codec, k=k))
         out = subprocess.run([sys.executable, "-c", _PEAK, root, os.path.join(tmp, "peak")], check=True,
