@@ -113,6 +113,42 @@ def test_the_warm_tier_keeps_the_high_priority_blobs(pong, tmp_path) -> None:
     store.close()
 
 
+def test_set_priority_alone_moves_the_top_ranked_blobs_into_the_warm_tier(pong, tmp_path) -> None:
+    """No reads at all: the priorities a ``set_priority`` gives move the best blobs (sampling
+    weight per byte) up from the cold tier, a bounded share per call, until no blob left out
+    beats the weakest one held by more than the margin; a blob whose priority jumps gets in."""
+    store = TieredStore(600, tmp_path / "s", frames=FRAMES, policy="priority", hot_bytes=0)
+    store.extend(pong)
+    store.flush()
+    compressed = sum(f["stored_bytes"] for f in store.stats()["fields"].values() if f["kind"] == "blob")
+    store.close()
+    store = TieredStore.open(tmp_path / "s", mode="r", policy="priority", hot_bytes=0,
+                             warm_bytes=compressed // 10)
+    store.priority_alpha = 0.6
+    p = parts(store)
+    policy = p.placement.policy
+    assert policy.alpha == 0.6  # the store tells the policy the sampler's exponent
+    rng = np.random.default_rng(0)
+    priority = rng.pareto(1.2, 600) + 0.01
+    for _ in range(10):  # at most an eighth of the budget moves per call
+        store.set_priority(np.arange(600), priority)
+    warm = store.stats()["tiers"]["warm"]
+    assert warm["hits"] == 0 and warm["promotions"] > 0 and store.stats()["tiers"]["cold"]["hits"] == 0
+    live = p.index.live_ids()
+    held = p.index.loc[live, WARM] >= 0
+    rank = policy.priorities(live) ** 0.6 / p.index.nbytes[live]  # sizes align to a few bytes more
+    assert held.sum() >= 0.05 * live.size
+    assert rank[~held].max() <= rank[held].min() * (1 + policy.margin) * 1.2
+    assert warm["probability_mass"] > 0.2  # 10% of the bytes, well over 10% of the sampling mass
+    # one row's priority jumps: its blobs come in without being read
+    best = int(np.argmin(priority))
+    store.set_priority([best], 1e6)
+    row_blobs = np.unique(np.concatenate([t.blob[best] for t in p.layout.tables.values()]))
+    assert (p.index.loc[row_blobs, WARM] >= 0).all()
+    assert store.stats()["tiers"]["cold"]["hits"] == 0
+    store.close()
+
+
 def test_jittering_priorities_do_not_make_the_cache_thrash(pong) -> None:
     """Promotion needs a margin over the blob that would leave: priorities that jitter by a few
     percent around equal values promote nothing once the tier is full."""

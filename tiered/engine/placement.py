@@ -365,19 +365,57 @@ class Placement:
         if self.priorities is None:
             return
         if not self.priorities.active:
-            self.policy.set_priority(*self.priorities.activate(layout, stage))
-        self.policy.set_priority(*self.priorities.set(layout, rows, priority, stage))
+            self.tell_policy(*self.priorities.activate(layout, stage))
+        self.tell_policy(*self.priorities.set(layout, rows, priority, stage), move=True)
+
+    def tell_policy(self, ids: np.ndarray, maxima: np.ndarray, move: bool = False) -> None:
+        """Tell the policy blob priorities and sizes; with ``move`` (a ``set_priority``), a policy
+        that :attr:`~tiered.policy.Policy.promotes_on_priority` is asked to promote them now."""
+        self.policy.set_priority(ids, maxima)
+        self.policy.set_sizes(ids, align(self.index.nbytes[ids]))
+        if move and self.policy.promotes_on_priority and self.cold is not None and ids.size:
+            self.promote_from_cold(ids)
+
+    def promote_from_cold(self, ids: np.ndarray) -> None:
+        """Copy the blobs of ``ids`` the policy promotes into the caches, read from the cold tier
+        in one batched read per tier (blobs already cached there, or only in memory, are skipped)."""
+        idx = self.index
+        for t in (HOT, WARM):
+            if self.tiers[t] is None:
+                continue
+            loc = idx.loc[ids]
+            cand = ids[(loc[:, COLD] >= 0) & ~(loc[:, : t + 1] >= 0).any(1)]
+            if cand.size == 0:
+                continue
+            sizes = idx.nbytes[cand]
+            cand = cand[np.asarray(self.policy.promote(cand, align(sizes), self.tier_state(t)), dtype=bool)]
+            if cand.size == 0:
+                continue
+            sizes = idx.nbytes[cand]
+            offsets = exclusive_cumsum(sizes)
+            buf = np.empty(int(sizes.sum()), dtype=np.uint8)
+            self.cold.read(idx.loc[cand, COLD], sizes, buf, offsets)
+            if self.cache_into(t, cand, buf, offsets, sizes):
+                self.counts[TIER_NAMES[t]]["promotions"] += int(cand.size)
+        self._hot_written()
+
+    def set_alpha(self, alpha: float) -> None:
+        """The sampler's exponent, for the mass statistics and for a policy that ranks by it."""
+        if self.priorities is not None:
+            self.priorities.alpha = alpha
+        if hasattr(self.policy, "alpha"):
+            self.policy.alpha = alpha
 
     def rows_staged(self, layout: FieldLayout, rows: np.ndarray, stage: WriteStage) -> None:
         """``rows`` now wait in the write stage with new data (their blobs lose them)."""
         if self.priorities is not None and self.priorities.active:
-            self.policy.set_priority(*self.priorities.staged(layout, rows, stage))
+            self.tell_policy(*self.priorities.staged(layout, rows, stage))
 
     def rows_written(self, layout: FieldLayout, rows: np.ndarray, previous_blobs: np.ndarray,
                      stage: WriteStage | None) -> None:
         """The write path pointed ``rows`` at new blobs (``previous_blobs``: what they named)."""
         if self.priorities is not None and self.priorities.active:
-            self.policy.set_priority(*self.priorities.written(layout, rows, previous_blobs, stage))
+            self.tell_policy(*self.priorities.written(layout, rows, previous_blobs, stage))
 
     def rows_cleared(self) -> None:
         """Every row is gone (their blobs are released: the policy forgets them)."""
