@@ -492,6 +492,8 @@ class PriorityPolicy(Policy):
     name = "priority"
     wants_residents = True
     promotes_on_priority = True
+    #: the share of the budget that may move into a tier per admission or promotion call
+    share = 1 / 8
 
     def __init__(self, default: float = 1.0, margin: float = 0.25) -> None:
         super().__init__()
@@ -581,7 +583,7 @@ class PriorityPolicy(Policy):
         take = np.zeros(ids.shape, dtype=bool)
         if not tier.budget or ids.size == 0:
             return take
-        limit = tier.budget // 8  # a small share per call: the arena finds room for it (holes)
+        limit = int(tier.budget * self.share)  # a small share per call: the arena finds room for it
         key = self._keys(ids)
         best_first = np.argsort(-key, kind="stable")
         moved = np.cumsum(sizes[best_first])

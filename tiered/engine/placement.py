@@ -199,9 +199,34 @@ class Placement:
             try:
                 return tier.allocate(sizes)
             except StorageFullError:
+                if self.compact(t, need):
+                    return tier.allocate(sizes)
                 if attempt == rounds - 1:
                     raise
         raise AssertionError("unreachable")
+
+    def compact(self, t: int, need: int) -> bool:
+        """Move the blobs of the warm arena of a store with a cold tier to its start, so that
+        its holes become one free range, when ``need`` bytes fit its free bytes but not its
+        holes and at least an eighth of its budget is free (so a compaction, which copies the
+        bytes the arena holds, runs at most once per eighth of the budget freed). Returns
+        whether it ran. Pinned arenas wait for pending CUDA copies first."""
+        tier = self.tiers[t]
+        free = tier.budget - tier.bytes_used if tier.budget is not None else 0
+        if t != WARM or self.cold is None or free < max(need, tier.budget // 8):
+            return False
+        if getattr(tier, "pinned", False) and cuda_usable():
+            torch.cuda.synchronize()
+        ids = self.tier_ids(t)
+        sizes = self.index.nbytes[ids]
+        offsets = exclusive_cumsum(sizes)
+        buf = np.empty(int(sizes.sum()), dtype=np.uint8)
+        tier.read(self.index.loc[ids, t], sizes, buf, offsets)
+        tier.free(self.index.loc[ids, t], align(sizes))
+        loc = tier.allocate(sizes)
+        tier.write(loc, buf, offsets, sizes)
+        self.index.loc[ids, t] = loc
+        return True
 
     def make_room(self, t: int, need: int, protect: np.ndarray | None = None) -> None:
         """Move the policy's victims out of tier ``t`` until ``need`` more bytes fit its budget."""
