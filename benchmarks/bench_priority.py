@@ -15,11 +15,13 @@ cold tier on disk. Every batch:
    has a heavy-tailed "difficulty" (Pareto, shape 1.2) that shrinks by 10% when it is sampled, and
    its priority is the difficulty times a log-normal jitter (sigma 0.3) redrawn at every update;
    256 random rows also get a fresh difficulty (new surprises), so the high-priority set moves.
-   The new priorities go to all three stores (``set_priority``).
+   The new priorities go to all three stores (``set_priority``), each timed, with the page
+   cache dropped first and the ``read_bytes`` delta taken: the priority policy reads blobs up
+   from the cold tier there when their priority changed.
 
 Reported per policy, over the batches after the first quarter (warm-up): the memory-tier hit
-rate (blobs served by the warm tier / blobs read, from ``stats()``), disk bytes per batch,
-samples per second, and the warm tier's ``probability_mass`` at the end. The oracle: per batch,
+rate (blobs served by the warm tier / blobs read, from ``stats()``), disk bytes per batch (in
+``get`` and in ``set_priority``), samples per second (``get`` alone, and ``get`` + ``set_priority``), and the warm tier's ``probability_mass`` at the end. The oracle: per batch,
 the best set of blobs that fits the same budget for the current priorities (blobs ranked by
 their sampling mass per byte: the mass of a blob is the probability that a sampled row's frame
 comes from it); its hit rate on the batch's blobs, and its share of the mass. And the oracle as the
