@@ -115,7 +115,7 @@ def test_the_warm_tier_keeps_the_high_priority_blobs(pong, tmp_path) -> None:
 
 def test_set_priority_alone_moves_the_top_ranked_blobs_into_the_warm_tier(pong, tmp_path) -> None:
     """No reads at all: the priorities a ``set_priority`` gives move the best blobs (sampling
-    weight per byte) up from the cold tier, a bounded share per call, until no blob left out
+    weight per byte, the weight recounted exactly) up from the cold tier, a bounded share per call, until no blob left out
     beats the weakest one held by more than the margin; a blob whose priority jumps gets in."""
     store = TieredStore(600, tmp_path / "s", frames=FRAMES, policy="priority", hot_bytes=0)
     store.extend(pong)
@@ -136,7 +136,13 @@ def test_set_priority_alone_moves_the_top_ranked_blobs_into_the_warm_tier(pong, 
     assert warm["hits"] == 0 and warm["promotions"] > 0 and store.stats()["tiers"]["cold"]["hits"] == 0
     live = p.index.live_ids()
     held = p.index.loc[live, WARM] >= 0
-    rank = policy.priorities(live) ** 0.6 / p.index.nbytes[live]  # sizes align to a few bytes more
+    # the rank: each blob's share of the sampling weight (priority ** alpha of each row, split
+    # over the row's frame entries, summed over the entries naming the blob), per byte
+    refs = np.concatenate([t.blob[:600] for t in p.layout.tables.values()], axis=1)
+    share = np.repeat(store.priorities(np.arange(600)) ** 0.6 / refs.shape[1], refs.shape[1])
+    mass = np.bincount(refs.reshape(-1), weights=share, minlength=int(live.max()) + 1)[live]
+    np.testing.assert_allclose(p.placement.priorities.blob_mass(live), mass, rtol=1e-12)
+    rank = mass / p.index.nbytes[live]  # sizes align to a few bytes more
     assert held.sum() >= 0.05 * live.size
     assert rank[~held].max() <= rank[held].min() * (1 + policy.margin) * 1.2
     assert warm["probability_mass"] > 0.2  # 10% of the bytes, well over 10% of the sampling mass

@@ -14,7 +14,7 @@ of the tier.
   (an epoch counter), a CLOCK-like approximation that costs one vectorized store per call.
 * ``priority``: the caller passes row priorities (``store.set_priority(rows, p)``, or TorchRL's
   prioritized samplers through :class:`tiered.torchrl.TieredStorage`); blobs rank by sampling
-  weight per byte (``priority ** alpha / size``, the priority a blob's best row gives it), the
+  weight per byte (the ``priority ** alpha`` of the rows that name a blob, over its size), the
   lowest leave first, and a blob enters a full tier (admission, promotion, or at once when its
   priority changes) only when its rank beats the rank of the blobs it would push out by a
   margin (hysteresis: priorities that jitter do not make the hot set thrash).
@@ -192,6 +192,15 @@ class Policy(ABC):
         Example:
             >>> import numpy as np
             >>> get_policy("lru").set_sizes(np.array([0]), np.array([64]))  # lru ignores sizes
+        """
+
+    def set_mass(self, ids: np.ndarray, mass: np.ndarray) -> None:  # noqa: B027 - only priority cares
+        """The sampling weight of blobs (the sum of ``priority ** alpha`` over the table entries
+        that name them, each row's weight split over its entries), told with their priorities.
+
+        Example:
+            >>> import numpy as np
+            >>> get_policy("fifo").set_mass(np.array([0]), np.array([0.5]))  # fifo ignores it
         """
 
     @staticmethod
@@ -449,12 +458,14 @@ class PriorityPolicy(Policy):
     store keeps it exact across calls, overwrites, staged rows, shared frames and time chunks).
     A blob the store has not given a priority counts as ``default``.
 
-    The rank of a blob is ``priority ** alpha / size``: the sampling weight of its best row (rows
-    are sampled with probability ``priority ** alpha``) per byte it takes in a tier, so that a
-    byte budget holds as much of the sampling mass as it can (a small blob with a high priority
-    beats a large one with the same priority). The store tells the policy each blob's size
-    (:meth:`set_sizes`) and the sampler's ``alpha``; a blob whose size was never told counts as
-    one byte, so without sizes and with ``alpha`` 1 the rank is the priority itself.
+    The rank of a blob is its sampling weight per byte it takes in a tier, so that a byte budget
+    holds as much of the sampling mass as it can (a small blob beats a large one of the same
+    weight). The weight is what the store tells with :meth:`set_mass` (the sum of
+    ``priority ** alpha`` over the table entries that name the blob, each row's weight split
+    over its entries: rows are sampled with probability ``priority ** alpha``), or, for a blob
+    the store told no mass, ``priority ** alpha`` of its best row. The store also tells each
+    blob's size (:meth:`set_sizes`) and the sampler's ``alpha``; a blob whose size was never told
+    counts as one byte, so without sizes, masses and with ``alpha`` 1 the rank is the priority.
 
     Admission (new blobs, stores with a cold tier) and promotion follow one rule: candidates are
     taken best first; those that fit the tier's free space are taken; a candidate that needs room
@@ -504,6 +515,7 @@ class PriorityPolicy(Policy):
             raise ValueError(f"margin must be finite and >= 0, got {margin}")
         self._prio = _Column(np.float64, default)
         self._size = _Column(np.float64, 1.0)  # told by the store at every priority change; not saved
+        self._mass = _Column(np.float64, np.nan)  # likewise (NaN: never told)
         self._alpha = 1.0
         self.default = default
         self.margin = margin
@@ -531,6 +543,7 @@ class PriorityPolicy(Policy):
     def on_release(self, ids: np.ndarray) -> None:
         super().on_release(ids)
         self._size.set(_ids(ids), self._size.fill)
+        self._mass.set(_ids(ids), self._mass.fill)
 
     def set_priority(self, ids: np.ndarray, priority: np.ndarray | float) -> None:
         """Set the priority of blobs (the store passes, per blob, the max over its rows).
@@ -553,6 +566,14 @@ class PriorityPolicy(Policy):
         """The stored (aligned) sizes of blobs: the rank is per byte (0 counts as 1 byte)."""
         self._size.set(_ids(ids), np.maximum(np.asarray(sizes, dtype=np.float64).reshape(-1), 1.0))
 
+    def set_mass(self, ids: np.ndarray, mass: np.ndarray) -> None:
+        """The sampling weight of blobs: where told, the rank is ``mass / size`` (the share of
+        the samples a byte of the blob serves) instead of ``priority ** alpha / size``."""
+        mass = np.asarray(mass, dtype=np.float64).reshape(-1)
+        if mass.size and (~np.isfinite(mass) | (mass < 0)).any():
+            raise InvalidPriorityError(f"blob masses must be finite and >= 0, got {mass[:5].tolist()}")
+        self._mass.set(_ids(ids), mass)
+
     def priorities(self, ids: np.ndarray) -> np.ndarray:
         """The priority of each blob of ``ids`` (``default`` where none was set).
 
@@ -567,7 +588,12 @@ class PriorityPolicy(Policy):
 
     def _keys(self, ids: np.ndarray) -> np.ndarray:
         prio = self._prio.get(ids)
-        return (prio if self._alpha == 1.0 else prio ** self._alpha) / self._size.get(ids)
+        weight = prio if self._alpha == 1.0 else prio ** self._alpha
+        mass = self._mass.get(ids)
+        told = ~np.isnan(mass)
+        if told.any():
+            weight = np.where(told, mass, weight)
+        return weight / self._size.get(ids)
 
     def admit(self, ids: np.ndarray, sizes: np.ndarray, tier: TierState) -> np.ndarray:
         """New blobs enter by the rule of the class docstring (free space, or a better rank)."""

@@ -398,6 +398,7 @@ class Placement:
         that :attr:`~tiered.policy.Policy.promotes_on_priority` is asked to promote them now."""
         self.policy.set_priority(ids, maxima)
         self.policy.set_sizes(ids, align(self.index.nbytes[ids]))
+        self.policy.set_mass(ids, self.priorities.blob_mass(ids))
         if move and self.policy.promotes_on_priority and self.cold is not None and ids.size:
             self.promote_from_cold(ids)
 
@@ -424,12 +425,16 @@ class Placement:
                 self.counts[TIER_NAMES[t]]["promotions"] += int(cand.size)
         self._hot_written()
 
-    def set_alpha(self, alpha: float) -> None:
-        """The sampler's exponent, for the mass statistics and for a policy that ranks by it."""
-        if self.priorities is not None:
-            self.priorities.alpha = alpha
+    def set_alpha(self, alpha: float, layout: FieldLayout | None, stage: WriteStage | None) -> None:
+        """The sampler's exponent, for the mass statistics and for a policy that ranks by it; a
+        new value recounts the blobs' sampling weights (once: TorchRL sets it at every update)."""
         if hasattr(self.policy, "alpha"):
             self.policy.alpha = alpha
+        if self.priorities is None or float(alpha) == self.priorities.alpha:
+            return
+        self.priorities.alpha = alpha
+        if self.priorities.active:
+            self.tell_policy(*self.priorities.recount_all(layout, stage))
 
     def rows_staged(self, layout: FieldLayout, rows: np.ndarray, stage: WriteStage) -> None:
         """``rows`` now wait in the write stage with new data (their blobs lose them)."""
