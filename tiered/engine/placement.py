@@ -212,8 +212,9 @@ class Placement:
         bytes the arena holds, runs at most once per eighth of the budget freed). Returns
         whether it ran. Pinned arenas wait for pending CUDA copies first."""
         tier = self.tiers[t]
-        free = tier.budget - tier.bytes_used if tier.budget is not None else 0
-        if t != WARM or self.cold is None or free < max(need, tier.budget // 8):
+        if t != WARM or self.cold is None or tier.budget is None:
+            return False
+        if tier.budget - tier.bytes_used < max(need, tier.budget // 8):
             return False
         if getattr(tier, "pinned", False) and cuda_usable():
             torch.cuda.synchronize()
