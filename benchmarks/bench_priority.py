@@ -15,11 +15,13 @@ cold tier on disk. Every batch:
    has a heavy-tailed "difficulty" (Pareto, shape 1.2) that shrinks by 10% when it is sampled, and
    its priority is the difficulty times a log-normal jitter (sigma 0.3) redrawn at every update;
    256 random rows also get a fresh difficulty (new surprises), so the high-priority set moves.
-   The new priorities go to all three stores (``set_priority``).
+   The new priorities go to all three stores (``set_priority``), each timed, with the page
+   cache dropped first and the ``read_bytes`` delta taken: the priority policy reads blobs up
+   from the cold tier there when their priority changed.
 
 Reported per policy, over the batches after the first quarter (warm-up): the memory-tier hit
-rate (blobs served by the warm tier / blobs read, from ``stats()``), disk bytes per batch,
-samples per second, and the warm tier's ``probability_mass`` at the end. The oracle: per batch,
+rate (blobs served by the warm tier / blobs read, from ``stats()``), disk bytes per batch (in
+``get`` and in ``set_priority``), samples per second (``get`` alone, and ``get`` + ``set_priority``), and the warm tier's ``probability_mass`` at the end. The oracle: per batch,
 the best set of blobs that fits the same budget for the current priorities (blobs ranked by
 their sampling mass per byte: the mass of a blob is the probability that a sampled row's frame
 comes from it); its hit rate on the batch's blobs, and its share of the mass. And the oracle as the
@@ -133,7 +135,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     priority = difficulty * rng.lognormal(0, 0.3, n)
     for s in stores.values():
         s.set_priority(np.arange(n), priority)
-    per = {p: {"hits": [], "reads": [], "disk": [], "seconds": []} for p in POLICIES}
+    per = {p: {"hits": [], "reads": [], "disk": [], "seconds": [], "update_disk": [], "update_seconds": []}
+           for p in POLICIES}
     oracle_hits, oracle_mass, by_prio_hits, by_prio_mass = [], [], [], []
     policy_view = view.placement.policy
     warmup = args.batches // 4
@@ -181,8 +184,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         difficulty[fresh] = rng.pareto(1.2, fresh.size) + 0.01
         touched = np.concatenate([rows, fresh])
         priority[touched] = difficulty[touched] * rng.lognormal(0, 0.3, touched.size)
-        for s in stores.values():
-            s.set_priority(touched, priority[touched])
+        for p in (POLICIES if b % 2 else POLICIES[::-1]):  # a policy may read blobs up here: count it
+            drop_page_cache(path)
+            io0 = read_io()
+            t = time.perf_counter()
+            stores[p].set_priority(touched, priority[touched])
+            seconds = time.perf_counter() - t
+            io1 = read_io()
+            if b >= warmup:
+                per[p]["update_disk"].append(io1.get("read_bytes", 0) - io0.get("read_bytes", 0))
+                per[p]["update_seconds"].append(seconds)
     results = {}
     for p in POLICIES:
         r = per[p]
@@ -190,7 +201,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         results[p] = {
             "hit_rate": sum(r["hits"]) / max(sum(r["reads"]), 1),
             "disk_bytes_per_batch": float(np.mean(r["disk"])),
+            "update_disk_bytes_per_batch": float(np.mean(r["update_disk"])),
             "samples_per_s": args.batch * len(r["seconds"]) / sum(r["seconds"]),
+            "samples_per_s_with_update": args.batch * len(r["seconds"]) / (sum(r["seconds"]) + sum(r["update_seconds"])),
             "warm_probability_mass": stats["tiers"]["warm"]["probability_mass"],
             "warm_bytes_used": stats["tiers"]["warm"]["bytes_used"],
             "promotions": stats["tiers"]["warm"]["promotions"],
@@ -209,14 +222,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def report(res: dict[str, Any]) -> str:
     pol, oracle = res["policies"], res["oracle"]
     rows = [[p, f"{pol[p]['hit_rate']:.1%}", f"{pol[p]['disk_bytes_per_batch'] / 1024:.0f} KiB",
-             f"{pol[p]['samples_per_s']:.0f}", f"{pol[p]['warm_probability_mass']:.1%}", pol[p]["promotions"]]
+             f"{pol[p]['update_disk_bytes_per_batch'] / 1024:.0f} KiB",
+             f"{pol[p]['samples_per_s']:.0f}", f"{pol[p]['samples_per_s_with_update']:.0f}",
+             f"{pol[p]['warm_probability_mass']:.1%}", pol[p]["promotions"]]
             for p in POLICIES]
     by_prio = res["oracle_by_priority"]
-    rows.append(["oracle: top 10% of bytes by blob priority", f"{by_prio['hit_rate']:.1%}", "", "",
+    rows.append(["oracle: top 10% of bytes by blob priority", f"{by_prio['hit_rate']:.1%}", "", "", "", "",
                  f"{by_prio['mass']:.1%}", ""])
-    rows.append(["oracle: best 10% by sampling mass per byte", f"{oracle['hit_rate']:.1%}", "", "",
+    rows.append(["oracle: best 10% by sampling mass per byte", f"{oracle['hit_rate']:.1%}", "", "", "", "",
                  f"{oracle['mass']:.1%}", ""])
-    table = markdown_table(["policy", "warm hit rate", "disk bytes / batch", "samples/s",
+    table = markdown_table(["policy", "warm hit rate", "disk bytes / batch (get)", "disk bytes / batch "
+                            "(set_priority)", "samples/s (get)", "samples/s (get + set_priority)",
                             "warm probability mass", "promotions"], rows)
     pr, lru = pol["priority"]["hit_rate"], pol["lru"]["hit_rate"]
     goals = [

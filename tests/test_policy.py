@@ -107,6 +107,24 @@ class TestPriorityPolicy(PolicyTests):
             p.set_priority(np.array([0, 1]), np.array([0.0, bad]))
         assert order(p, 0, 1) == [1, 0]
 
+    def test_blobs_rank_by_sampling_weight_per_byte_when_the_store_tells_sizes_and_masses(self) -> None:
+        p = self.make_policy()
+        p.on_insert(np.arange(4))
+        p.set_priority(np.arange(4), np.array([4.0, 1.0, 1.0, 2.0]))
+        assert order(p, 0, 1, 2, 3) == [1, 2, 3, 0]  # nothing told: by priority, ties by age
+        p.alpha = 0.5
+        p.set_sizes(np.arange(4), np.array([64, 16, 32, 16]))  # 2/64, 1/16, 1/32, 1.41/16
+        assert order(p, 0, 1, 2, 3) == [0, 2, 1, 3]
+        p.set_mass(np.array([0, 2]), np.array([8.0, 0.1]))  # told masses replace priority ** alpha
+        assert order(p, 0, 1, 2, 3) == [2, 1, 3, 0]  # 0.1/32, 1/16, 1.41/16, 8/64
+        assert p.priorities(np.arange(4)).tolist() == [4.0, 1.0, 1.0, 2.0]  # priorities stay the max
+        with pytest.raises(InvalidPriorityError, match="masses"):
+            p.set_mass(np.array([1]), np.array([np.nan]))
+        p.on_release(np.array([0]))  # a released id forgets its size and mass
+        p.on_insert(np.array([0]))
+        p.set_priority(np.array([0]), 4.0)
+        assert p.priorities(np.array([0])).tolist() == [4.0] and order(p, 0, 1, 2, 3)[-1] == 0  # 2/1 byte
+
     @pytest.mark.parametrize("bad", [np.nan, -1.0])
     def test_the_default_priority_is_validated(self, bad: float) -> None:
         with pytest.raises(InvalidPriorityError, match="default priority"):

@@ -113,6 +113,75 @@ def test_the_warm_tier_keeps_the_high_priority_blobs(pong, tmp_path) -> None:
     store.close()
 
 
+def test_set_priority_alone_moves_the_top_ranked_blobs_into_the_warm_tier(pong, tmp_path) -> None:
+    """No reads at all: the priorities a ``set_priority`` gives move the best blobs (sampling
+    weight per byte, the weight recounted exactly) up from the cold tier, a bounded share per call, until no blob left out
+    beats the weakest one held by more than the margin; a blob whose priority jumps gets in."""
+    store = TieredStore(600, tmp_path / "s", frames=FRAMES, policy="priority", hot_bytes=0)
+    store.extend(pong)
+    store.flush()
+    compressed = sum(f["stored_bytes"] for f in store.stats()["fields"].values() if f["kind"] == "blob")
+    store.close()
+    store = TieredStore.open(tmp_path / "s", mode="r", policy="priority", hot_bytes=0,
+                             warm_bytes=compressed // 10)
+    store.priority_alpha = 0.6
+    p = parts(store)
+    policy = p.placement.policy
+    assert policy.alpha == 0.6  # the store tells the policy the sampler's exponent
+    rng = np.random.default_rng(0)
+    priority = rng.pareto(1.2, 600) + 0.01
+    for _ in range(10):  # at most an eighth of the budget moves per call
+        store.set_priority(np.arange(600), priority)
+    warm = store.stats()["tiers"]["warm"]
+    assert warm["hits"] == 0 and warm["promotions"] > 0 and store.stats()["tiers"]["cold"]["hits"] == 0
+    live = p.index.live_ids()
+    held = p.index.loc[live, WARM] >= 0
+    # the rank: each blob's share of the sampling weight (priority ** alpha of each row, split
+    # over the row's frame entries, summed over the entries naming the blob), per byte
+    refs = np.concatenate([t.blob[:600] for t in p.layout.tables.values()], axis=1)
+    share = np.repeat(store.priorities(np.arange(600)) ** 0.6 / refs.shape[1], refs.shape[1])
+    mass = np.bincount(refs.reshape(-1), weights=share, minlength=int(live.max()) + 1)[live]
+    np.testing.assert_allclose(p.placement.priorities.blob_mass(live), mass, rtol=1e-12)
+    rank = mass / p.index.nbytes[live]  # sizes align to a few bytes more
+    assert held.sum() >= 0.05 * live.size
+    assert rank[~held].max() <= rank[held].min() * (1 + policy.margin) * 1.2
+    assert warm["probability_mass"] > 0.2  # 10% of the bytes, well over 10% of the sampling mass
+    # one row's priority jumps: its blobs come in without being read
+    best = int(np.argmin(priority))
+    store.set_priority([best], 1e6)
+    row_blobs = np.unique(np.concatenate([t.blob[best] for t in p.layout.tables.values()]))
+    assert (p.index.loc[row_blobs, WARM] >= 0).all()
+    assert store.stats()["tiers"]["cold"]["hits"] == 0
+    store.close()
+
+
+def test_a_churning_warm_cache_stays_full_and_reads_back_exactly(pong, tmp_path) -> None:
+    """Priorities that move every call make the warm cache swap blobs of many sizes: its holes
+    are compacted (blobs moved to the start of the arena) instead of leaving it half empty, and
+    every row reads back as written."""
+    store = TieredStore(600, tmp_path / "s", frames=FRAMES, policy="priority", hot_bytes=0)
+    store.extend(pong)
+    store.flush()
+    compressed = sum(f["stored_bytes"] for f in store.stats()["fields"].values() if f["kind"] == "blob")
+    store.close()
+    store = TieredStore.open(tmp_path / "s", mode="r", policy="priority", hot_bytes=0,
+                             warm_bytes=compressed // 10)
+    rng = np.random.default_rng(1)
+    fill = []
+    for _ in range(40):
+        store.set_priority(np.arange(600), rng.pareto(1.2, 600) + 0.01)
+        warm = store.stats()["tiers"]["warm"]
+        fill.append(warm["bytes_used"] / warm["budget"])
+    assert warm["demotions"] > 20  # the cache churned
+    assert np.mean(fill[10:]) > 0.7
+    rows = rng.choice(600, 200, replace=False)
+    got = store.get(rows)
+    assert (store.stats()["tiers"]["warm"]["hits"]) > 0
+    for key in ("observation", ("next", "observation")):
+        assert torch.equal(got.get(key), pong[rows].get(key))
+    store.close()
+
+
 def test_jittering_priorities_do_not_make_the_cache_thrash(pong) -> None:
     """Promotion needs a margin over the blob that would leave: priorities that jitter by a few
     percent around equal values promote nothing once the tier is full."""

@@ -588,3 +588,26 @@ def test_many_scattered_runs_are_read_on_several_threads(tmp_path):
     assert len(idents) > 1, idents  # the tasks ran on more than the calling thread
     assert np.array_equal(out, np.concatenate([data[src[i]:src[i] + sizes[i]] for i in pick]))
     tier.close()
+
+
+def test_a_full_bounded_arena_fits_a_batch_into_its_holes_on_a_second_pass() -> None:
+    # 1024 bytes, all used, then every other 128-byte blob freed: four holes of 128 bytes and no
+    # room at the end. Laid end to end over the holes, two blobs of the batch straddle two holes;
+    # a second pass puts them into the holes left, largest first.
+    a = ExtentAllocator(1024)
+    offsets = a.allocate(np.full(8, 128))
+    a.free(offsets[::2], np.full(4, 128))
+    assert a.free_bytes == 512 and a.high_water == 1024
+    sizes = np.array([64, 128, 128, 64])
+    got = a.allocate(sizes)
+    assert (got >= 0).all() and (got + sizes <= 1024).all()
+    spans = sorted(zip(got.tolist(), (got + sizes).tolist(), strict=True)) + \
+        sorted((int(o), int(o) + 128) for o in offsets[1::2])
+    spans.sort()
+    assert all(end <= nxt for (_, end), (nxt, _) in zip(spans, spans[1:], strict=False))  # no overlap
+    assert a.free_bytes == 128
+    # a batch the holes cannot hold still fails as a whole and changes nothing
+    before = a.extents
+    with pytest.raises(StorageFullError):
+        a.allocate(np.array([64, 128]))
+    assert all(np.array_equal(x, y) for x, y in zip(a.extents, before, strict=True)) and a.free_bytes == 128

@@ -13,10 +13,11 @@ of the tier.
 * ``lru``: the least recently read blobs leave first. Recency is counted per ``get`` call
   (an epoch counter), a CLOCK-like approximation that costs one vectorized store per call.
 * ``priority``: the caller passes row priorities (``store.set_priority(rows, p)``, or TorchRL's
-  prioritized samplers through :class:`tiered.torchrl.TieredStorage`); blobs whose priority is
-  lowest leave first, and a blob enters a full tier (admission, promotion) only when its priority
-  beats the priority of the blobs it would push out by a margin (hysteresis: priorities that
-  jitter do not make the hot set thrash).
+  prioritized samplers through :class:`tiered.torchrl.TieredStorage`); blobs rank by sampling
+  weight per byte (the ``priority ** alpha`` of the rows that name a blob, over its size), the
+  lowest leave first, and a blob enters a full tier (admission, promotion, or at once when its
+  priority changes) only when its rank beats the rank of the blobs it would push out by a
+  margin (hysteresis: priorities that jitter do not make the hot set thrash).
 
 Ties are broken by age (the blob written first leaves first), then by the order of the ids the
 store passed. A policy's state (:meth:`Policy.state_arrays`) is plain numpy arrays, saved with
@@ -141,6 +142,9 @@ class Policy(ABC):
     name: str
     #: whether :meth:`admit` and :meth:`promote` need :attr:`TierState.ids` (the tier's blobs)
     wants_residents: bool = False
+    #: whether the store asks :meth:`promote` about blobs whose priority changed (not only about
+    #: blobs just read), and copies the chosen ones up from the cold tier at once
+    promotes_on_priority: bool = False
 
     def __init__(self) -> None:
         self._clock = 0
@@ -181,6 +185,23 @@ class Policy(ABC):
             tiered.errors.InvalidPriorityError: priorities must be finite and >= 0, got [nan]; ...
         """
         self._checked_priorities(ids, priority)
+
+    def set_sizes(self, ids: np.ndarray, sizes: np.ndarray) -> None:  # noqa: B027 - only priority cares
+        """The stored (aligned) sizes of blobs, told along with their priorities.
+
+        Example:
+            >>> import numpy as np
+            >>> get_policy("lru").set_sizes(np.array([0]), np.array([64]))  # lru ignores sizes
+        """
+
+    def set_mass(self, ids: np.ndarray, mass: np.ndarray) -> None:  # noqa: B027 - only priority cares
+        """The sampling weight of blobs (the sum of ``priority ** alpha`` over the table entries
+        that name them, each row's weight split over its entries), told with their priorities.
+
+        Example:
+            >>> import numpy as np
+            >>> get_policy("fifo").set_mass(np.array([0]), np.array([0.5]))  # fifo ignores it
+        """
 
     @staticmethod
     def _checked_priorities(ids: np.ndarray, priority: np.ndarray | float) -> np.ndarray:
@@ -430,20 +451,32 @@ class LruPolicy(Policy):
 
 
 class PriorityPolicy(Policy):
-    """Lowest priority first; a blob enters a full tier only by beating its victims by a margin.
+    """Lowest sampling mass per byte first; a blob enters a full tier only by beating its victims
+    by a margin.
 
     Priorities come from the store: each blob's maximum over the rows that reference it (the
     store keeps it exact across calls, overwrites, staged rows, shared frames and time chunks).
     A blob the store has not given a priority counts as ``default``.
 
-    Admission (new blobs, stores with a cold tier) and promotion (blobs just read from a slower
-    tier) follow one rule: candidates are taken best first; those that fit the tier's free space
-    are taken; a candidate that needs room is taken only when its priority is more than
-    ``1 + margin`` times the priority of the last blob that would leave for it (the tier's
-    lowest-priority blobs leave first, as :meth:`victims` orders them). The margin is the
-    hysteresis that keeps jittering priorities from swapping blobs in and out on every call.
-    At most an eighth of the budget moves per call, so that the arena finds room for the batch
-    in its holes without pushing out more than the policy chose.
+    The rank of a blob is its sampling weight per byte it takes in a tier, so that a byte budget
+    holds as much of the sampling mass as it can (a small blob beats a large one of the same
+    weight). The weight is what the store tells with :meth:`set_mass` (the sum of
+    ``priority ** alpha`` over the table entries that name the blob, each row's weight split
+    over its entries: rows are sampled with probability ``priority ** alpha``), or, for a blob
+    the store told no mass, ``priority ** alpha`` of its best row. The store also tells each
+    blob's size (:meth:`set_sizes`) and the sampler's ``alpha``; a blob whose size was never told
+    counts as one byte, so without sizes, masses and with ``alpha`` 1 the rank is the priority.
+
+    Admission (new blobs, stores with a cold tier) and promotion follow one rule: candidates are
+    taken best first; those that fit the tier's free space are taken; a candidate that needs room
+    is taken only when its rank is more than ``1 + margin`` times the rank of the last blob that
+    would leave for it (the tier's lowest-ranked blobs leave first, as :meth:`victims` orders
+    them). The margin is the hysteresis that keeps jittering priorities from swapping blobs in
+    and out on every call. At most an eighth of the budget moves per call, so that the arena
+    finds room for the batch in its holes without pushing out more than the policy chose.
+    :attr:`promotes_on_priority` is set: a store with a cold tier asks :meth:`promote` about the
+    blobs whose priority a ``set_priority`` changed, not only about the blobs a read met, so a
+    blob whose priority jumps moves up before it is sampled.
 
     Args:
         default: the priority of a blob no :meth:`set_priority` call has named (finite, >= 0).
@@ -456,15 +489,22 @@ class PriorityPolicy(Policy):
         >>> p.set_priority(np.array([0, 0, 2]), np.array([0.5, 3.0, 0.5]))  # blob 0 gets the max
         >>> p.order(np.array([0, 1, 2])).tolist()  # 2 (0.5), 1 (default 1.0), 0 (3.0)
         [2, 1, 0]
-        >>> p.on_insert(np.array([3, 4])); p.set_priority(np.array([3, 4]), np.array([1.1, 4.0]))
-        >>> big = TierState("warm", budget=512, bytes_used=512, exclusive=False,
-        ...                 ids=np.array([0, 1]), sizes=np.array([256, 256]))
-        >>> p.promote(np.array([3, 4]), np.array([32, 32]), big).tolist()  # 4 beats blob 1 (1.0)
+        >>> p.set_sizes(np.array([0, 1, 2]), np.array([512, 64, 16]))  # per byte: 0 is the largest
+        >>> p.order(np.array([0, 1, 2])).tolist()  # 3.0/512, 1.0/64, 0.5/16
+        [0, 1, 2]
+        >>> p.on_insert(np.array([3, 4])); p.set_priority(np.array([3, 4]), np.array([0.01, 4.0]))
+        >>> p.set_sizes(np.array([1, 2, 3, 4]), np.array([256, 256, 32, 32]))
+        >>> full = TierState("warm", budget=512, bytes_used=512, exclusive=False,
+        ...                  ids=np.array([1, 2]), sizes=np.array([256, 256]))
+        >>> p.promote(np.array([3, 4]), np.array([32, 32]), full).tolist()  # 4.0/32 beats 0.5/256
         [False, True]
     """
 
     name = "priority"
     wants_residents = True
+    promotes_on_priority = True
+    #: the share of the budget that may move into a tier per admission or promotion call
+    share = 1 / 8
 
     def __init__(self, default: float = 1.0, margin: float = 0.25) -> None:
         super().__init__()
@@ -474,11 +514,36 @@ class PriorityPolicy(Policy):
         if not np.isfinite(margin) or margin < 0:
             raise ValueError(f"margin must be finite and >= 0, got {margin}")
         self._prio = _Column(np.float64, default)
+        self._size = _Column(np.float64, 1.0)  # told by the store at every priority change; not saved
+        self._mass = _Column(np.float64, np.nan)  # likewise (NaN: never told)
+        self._alpha = 1.0
         self.default = default
         self.margin = margin
 
+    @property
+    def alpha(self) -> float:
+        """The sampler's exponent: a blob ranks by ``priority ** alpha / size`` (1.0 until set).
+
+        Example:
+            >>> p = PriorityPolicy(); p.alpha = 0.6; p.alpha
+            0.6
+        """
+        return self._alpha
+
+    @alpha.setter
+    def alpha(self, value: float) -> None:
+        value = float(value)
+        if not np.isfinite(value) or value < 0:
+            raise ValueError(f"alpha must be finite and >= 0, got {value}")
+        self._alpha = value
+
     # on_insert keeps the priority column as it is: a new id holds the fill value (``default``;
     # on_release restores it), and an open time chunk that closes keeps the max its rows gave it.
+
+    def on_release(self, ids: np.ndarray) -> None:
+        super().on_release(ids)
+        self._size.set(_ids(ids), self._size.fill)
+        self._mass.set(_ids(ids), self._mass.fill)
 
     def set_priority(self, ids: np.ndarray, priority: np.ndarray | float) -> None:
         """Set the priority of blobs (the store passes, per blob, the max over its rows).
@@ -497,6 +562,18 @@ class PriorityPolicy(Policy):
             self._prio.data[ids] = -np.inf
             np.maximum.at(self._prio.data, ids, priority)
 
+    def set_sizes(self, ids: np.ndarray, sizes: np.ndarray) -> None:
+        """The stored (aligned) sizes of blobs: the rank is per byte (0 counts as 1 byte)."""
+        self._size.set(_ids(ids), np.maximum(np.asarray(sizes, dtype=np.float64).reshape(-1), 1.0))
+
+    def set_mass(self, ids: np.ndarray, mass: np.ndarray) -> None:
+        """The sampling weight of blobs: where told, the rank is ``mass / size`` (the share of
+        the samples a byte of the blob serves) instead of ``priority ** alpha / size``."""
+        mass = np.asarray(mass, dtype=np.float64).reshape(-1)
+        if mass.size and (~np.isfinite(mass) | (mass < 0)).any():
+            raise InvalidPriorityError(f"blob masses must be finite and >= 0, got {mass[:5].tolist()}")
+        self._mass.set(_ids(ids), mass)
+
     def priorities(self, ids: np.ndarray) -> np.ndarray:
         """The priority of each blob of ``ids`` (``default`` where none was set).
 
@@ -510,14 +587,20 @@ class PriorityPolicy(Policy):
         return self._prio.get(_ids(ids)).copy()
 
     def _keys(self, ids: np.ndarray) -> np.ndarray:
-        return self._prio.get(ids)
+        prio = self._prio.get(ids)
+        weight = prio if self._alpha == 1.0 else prio ** self._alpha
+        mass = self._mass.get(ids)
+        told = ~np.isnan(mass)
+        if told.any():
+            weight = np.where(told, mass, weight)
+        return weight / self._size.get(ids)
 
     def admit(self, ids: np.ndarray, sizes: np.ndarray, tier: TierState) -> np.ndarray:
-        """New blobs enter by the rule of the class docstring (free space, or a better priority)."""
+        """New blobs enter by the rule of the class docstring (free space, or a better rank)."""
         return self._replacing(ids, sizes, tier)
 
     def promote(self, ids: np.ndarray, sizes: np.ndarray, tier: TierState) -> np.ndarray:
-        """Read blobs move up by the rule of the class docstring (free space, or a better priority)."""
+        """Blobs move up by the rule of the class docstring (free space, or a better rank)."""
         return self._replacing(ids, sizes, tier)
 
     def _replacing(self, ids: np.ndarray, sizes: np.ndarray, tier: TierState) -> np.ndarray:
@@ -526,24 +609,39 @@ class PriorityPolicy(Policy):
         take = np.zeros(ids.shape, dtype=bool)
         if not tier.budget or ids.size == 0:
             return take
-        prio = self._prio.get(ids)
-        best_first = np.argsort(-prio, kind="stable")
+        limit = int(tier.budget * self.share)  # a small share per call: the arena finds room for it
+        key = self._keys(ids)
+        best_first = np.argsort(-key, kind="stable")
         moved = np.cumsum(sizes[best_first])
         displaced = moved - max(int(tier.budget) - int(tier.bytes_used), 0)  # bytes that must leave
         fits = displaced <= 0
         if tier.ids is not None and tier.ids.size:
-            held = _ids(tier.ids)
-            leave_order = self._eviction_permutation(held)  # what victims() would pick, in order
-            left = np.cumsum(align(np.asarray(tier.sizes, dtype=np.int64).reshape(-1))[leave_order])
+            held, held_sizes = self._lowest(_ids(tier.ids), align(np.asarray(tier.sizes, dtype=np.int64)), limit)
+            left = np.cumsum(held_sizes)
             last = np.searchsorted(left, displaced)  # the last blob that leaves for each prefix
             bar = np.full(ids.shape, np.inf)
             ok = last < held.size
-            bar[ok] = self._prio.get(held[leave_order[last[ok]]]) * (1.0 + self.margin)
-            fits |= prio[best_first] > bar
-        # a small share per call: the arena finds room for it without emptying itself (holes)
-        limit = tier.budget // 8
+            bar[ok] = self._keys(held[last[ok]]) * (1.0 + self.margin)
+            fits |= key[best_first] > bar
         take[best_first[np.logical_and.accumulate(fits & (moved <= limit))]] = True
         return take
+
+    def _lowest(self, held: np.ndarray, sizes: np.ndarray, limit: int) -> tuple[np.ndarray, np.ndarray]:
+        """The tier's first blobs in eviction order, enough to free ``limit`` bytes, and their sizes.
+
+        A partial selection: ``np.argpartition`` picks the ``m`` lowest-ranked blobs, where ``m``
+        blobs of the smallest size already hold ``limit`` bytes, and only those ``m`` are sorted:
+        O(residents + m log m), not a sort of the tier (nor of the store).
+        """
+        m = min(held.size, int(limit // max(int(sizes.min()), 1)) + 1)
+        if m < held.size:
+            keys = self._keys(held)
+            # ties at the cut: take every blob whose key equals the m-th lowest, so the order stays exact
+            cut = keys[np.argpartition(keys, m - 1)[m - 1]]
+            pick = np.flatnonzero(keys <= cut)
+            held, sizes = held[pick], sizes[pick]
+        perm = self._eviction_permutation(held)
+        return held[perm], sizes[perm]
 
     def _columns(self) -> dict[str, _Column]:
         return {**super()._columns(), "priority": self._prio}

@@ -434,13 +434,14 @@ class TieredStore:
     @property
     def priority_alpha(self) -> float:
         """The exponent of the sampling distribution, ``P(row) ~ priority ** alpha``, that
-        :meth:`stats` uses for ``probability_mass`` (1.0 by default; TorchRL's prioritized samplers
-        set theirs through :class:`~tiered.torchrl.TieredStorage`)."""
+        :meth:`stats` uses for ``probability_mass`` and the ``priority`` policy to rank blobs (1.0
+        by default; TorchRL's prioritized samplers set theirs through ``TieredStorage``)."""
         return self._placement.priorities.alpha
 
     @priority_alpha.setter
     def priority_alpha(self, value: float) -> None:
-        self._placement.priorities.alpha = value
+        with self._lock:
+            self._placement.set_alpha(value, self._write.layout, self._write.stage)
 
     def stats(self) -> dict[str, Any]:
         """Memory and traffic figures: rows, blobs, per field its bytes and ratios, per tier its

@@ -321,7 +321,7 @@ def load_priorities(placement: Placement, body: dict[str, Any], load: ArrayLoade
         priorities.load_state_arrays({k[len("priority."):]: np.array(load(k)) for k in names}, where=path)
         priorities.active = True  # someone set them (only then does a commit save them)
     if priorities.active and write.layout is not None:
-        placement.policy.set_priority(*priorities.recount_all(write.layout, None))
+        placement.tell_policy(*priorities.recount_all(write.layout, None))
 
 
 def check_consistency(path: str, rows: RowSpace, layout: FieldLayout | None, index: BlobIndex,

@@ -199,9 +199,35 @@ class Placement:
             try:
                 return tier.allocate(sizes)
             except StorageFullError:
+                if self.compact(t, need):
+                    return tier.allocate(sizes)
                 if attempt == rounds - 1:
                     raise
         raise AssertionError("unreachable")
+
+    def compact(self, t: int, need: int) -> bool:
+        """Move the blobs of the warm arena of a store with a cold tier to its start, so that
+        its holes become one free range, when ``need`` bytes fit its free bytes but not its
+        holes and at least an eighth of its budget is free (so a compaction, which copies the
+        bytes the arena holds, runs at most once per eighth of the budget freed). Returns
+        whether it ran. Pinned arenas wait for pending CUDA copies first."""
+        tier = self.tiers[t]
+        if t != WARM or self.cold is None or tier.budget is None:
+            return False
+        if tier.budget - tier.bytes_used < max(need, tier.budget // 8):
+            return False
+        if getattr(tier, "pinned", False) and cuda_usable():
+            torch.cuda.synchronize()
+        ids = self.tier_ids(t)
+        sizes = self.index.nbytes[ids]
+        offsets = exclusive_cumsum(sizes)
+        buf = np.empty(int(sizes.sum()), dtype=np.uint8)
+        tier.read(self.index.loc[ids, t], sizes, buf, offsets)
+        tier.free(self.index.loc[ids, t], align(sizes))
+        loc = tier.allocate(sizes)
+        tier.write(loc, buf, offsets, sizes)
+        self.index.loc[ids, t] = loc
+        return True
 
     def make_room(self, t: int, need: int, protect: np.ndarray | None = None) -> None:
         """Move the policy's victims out of tier ``t`` until ``need`` more bytes fit its budget."""
@@ -365,19 +391,62 @@ class Placement:
         if self.priorities is None:
             return
         if not self.priorities.active:
-            self.policy.set_priority(*self.priorities.activate(layout, stage))
-        self.policy.set_priority(*self.priorities.set(layout, rows, priority, stage))
+            self.tell_policy(*self.priorities.activate(layout, stage))
+        self.tell_policy(*self.priorities.set(layout, rows, priority, stage), move=True)
+
+    def tell_policy(self, ids: np.ndarray, maxima: np.ndarray, move: bool = False) -> None:
+        """Tell the policy blob priorities and sizes; with ``move`` (a ``set_priority``), a policy
+        that :attr:`~tiered.policy.Policy.promotes_on_priority` is asked to promote them now."""
+        self.policy.set_priority(ids, maxima)
+        self.policy.set_sizes(ids, align(self.index.nbytes[ids]))
+        self.policy.set_mass(ids, self.priorities.blob_mass(ids))
+        if move and self.policy.promotes_on_priority and self.cold is not None and ids.size:
+            self.promote_from_cold(ids)
+
+    def promote_from_cold(self, ids: np.ndarray) -> None:
+        """Copy the blobs of ``ids`` the policy promotes into the caches, read from the cold tier
+        in one batched read per tier (blobs already cached there, or only in memory, are skipped)."""
+        idx = self.index
+        for t in (HOT, WARM):
+            if self.tiers[t] is None:
+                continue
+            loc = idx.loc[ids]
+            cand = ids[(loc[:, COLD] >= 0) & ~(loc[:, : t + 1] >= 0).any(1)]
+            if cand.size == 0:
+                continue
+            sizes = idx.nbytes[cand]
+            cand = cand[np.asarray(self.policy.promote(cand, align(sizes), self.tier_state(t)), dtype=bool)]
+            if cand.size == 0:
+                continue
+            sizes = idx.nbytes[cand]
+            offsets = exclusive_cumsum(sizes)
+            buf = np.empty(int(sizes.sum()), dtype=np.uint8)
+            self.cold.read(idx.loc[cand, COLD], sizes, buf, offsets)
+            if self.cache_into(t, cand, buf, offsets, sizes):
+                self.counts[TIER_NAMES[t]]["promotions"] += int(cand.size)
+        self._hot_written()
+
+    def set_alpha(self, alpha: float, layout: FieldLayout | None, stage: WriteStage | None) -> None:
+        """The sampler's exponent, for the mass statistics and for a policy that ranks by it; a
+        new value recounts the blobs' sampling weights (once: TorchRL sets it at every update)."""
+        if hasattr(self.policy, "alpha"):
+            self.policy.alpha = alpha
+        if self.priorities is None or float(alpha) == self.priorities.alpha:
+            return
+        self.priorities.alpha = alpha
+        if self.priorities.active:
+            self.tell_policy(*self.priorities.recount_all(layout, stage))
 
     def rows_staged(self, layout: FieldLayout, rows: np.ndarray, stage: WriteStage) -> None:
         """``rows`` now wait in the write stage with new data (their blobs lose them)."""
         if self.priorities is not None and self.priorities.active:
-            self.policy.set_priority(*self.priorities.staged(layout, rows, stage))
+            self.tell_policy(*self.priorities.staged(layout, rows, stage))
 
     def rows_written(self, layout: FieldLayout, rows: np.ndarray, previous_blobs: np.ndarray,
                      stage: WriteStage | None) -> None:
         """The write path pointed ``rows`` at new blobs (``previous_blobs``: what they named)."""
         if self.priorities is not None and self.priorities.active:
-            self.policy.set_priority(*self.priorities.written(layout, rows, previous_blobs, stage))
+            self.tell_policy(*self.priorities.written(layout, rows, previous_blobs, stage))
 
     def rows_cleared(self) -> None:
         """Every row is gone (their blobs are released: the policy forgets them)."""

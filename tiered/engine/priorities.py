@@ -117,6 +117,7 @@ class RowPriorities:
         self._held = np.zeros(self.capacity, dtype=bool)  # staged rows that keep their priority
         self._alpha = 1.0
         self._blob = np.full(1024, self.default, dtype=np.float64)  # blob maxima by id
+        self._mass = np.zeros(1024, dtype=np.float64)  # blob sampling weights by id
         self._clear_reverse_index()
 
     @property
@@ -229,7 +230,13 @@ class RowPriorities:
             hit = (blobs[pos] == refs) & counts[:, None]
             values = np.broadcast_to(self.row[rows][:, None], refs.shape)
             np.maximum.at(maxima, pos[hit], values[hit])
+            share = np.broadcast_to((self.row[rows] ** self._alpha / refs.shape[1])[:, None], refs.shape)
+            mass = np.bincount(pos[hit], weights=share[hit], minlength=blobs.size)
+        else:
+            mass = np.zeros(blobs.size, dtype=np.float64)
         self._store_blob(blobs, maxima)
+        self._mass = self._grown(self._mass, blobs, 0.0)
+        self._mass[blobs] = mass
         return blobs, maxima
 
     def _rows_naming(self, layout: FieldLayout, blobs: np.ndarray) -> np.ndarray:
@@ -258,11 +265,27 @@ class RowPriorities:
         self._n_recent = 0
 
     def _store_blob(self, blobs: np.ndarray, maxima: np.ndarray) -> None:
-        if blobs.size and int(blobs[-1]) >= self._blob.shape[0]:
-            grown = np.full(max(int(blobs[-1]) + 1, 2 * self._blob.shape[0]), self.default, dtype=np.float64)
-            grown[: self._blob.shape[0]] = self._blob
-            self._blob = grown
+        self._blob = self._grown(self._blob, blobs, self.default)
         self._blob[blobs] = maxima
+
+    @staticmethod
+    def _grown(column: np.ndarray, blobs: np.ndarray, fill: float) -> np.ndarray:
+        """``column`` long enough for the sorted ids ``blobs``."""
+        if blobs.size and int(blobs[-1]) >= column.shape[0]:
+            grown = np.full(max(int(blobs[-1]) + 1, 2 * column.shape[0]), fill, dtype=np.float64)
+            grown[: column.shape[0]] = column
+            return grown
+        return column
+
+    def blob_mass(self, ids: np.ndarray) -> np.ndarray:
+        """Each blob's sampling weight: the sum over the table entries that name it of their
+        row's ``priority ** alpha`` split over the row's entries (as :meth:`tier_mass` splits
+        it; not normalized), as of the last recount of the blob; 0 for blobs never recounted."""
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        out = np.zeros(ids.shape, dtype=np.float64)
+        known = ids < self._mass.shape[0]
+        out[known] = self._mass[ids[known]]
+        return out
 
     def recount_all(self, layout: FieldLayout | None, stage: WriteStage | None) -> tuple[np.ndarray, np.ndarray]:
         """Recount every live blob (after an open: the saved row priorities decide)."""

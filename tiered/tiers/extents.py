@@ -128,9 +128,22 @@ class ExtentAllocator:
             StorageFullError: the batch does not fit now.
         """
         sizes = align(np.asarray(sizes).reshape(-1))
-        n = sizes.size
-        if n == 0:
+        if sizes.size == 0:
             return _EMPTY.copy()
+        snap = self.snapshot()
+        try:
+            return self._allocate(sizes, retries=8)
+        except StorageFullError:
+            self.restore(snap)  # all or nothing: undo the passes that fitted part of the batch
+            raise
+
+    def _allocate(self, sizes: np.ndarray, retries: int, largest_first: bool = False) -> np.ndarray:
+        """One vectorized pass over the free extents, then the bump region. When a bounded tier's
+        bump region cannot take the blobs that straddled two extents, the ones that fitted are
+        kept and the rest, largest first, get another pass over the holes left, largest first (at
+        most ``retries`` more passes, each placing at least one blob): a fragmented cache still
+        takes a batch its holes hold."""
+        n = sizes.size
         if int(sizes.min()) < 0:
             raise ValueError(f"blob sizes must be >= 0, got {int(sizes.min())}")
         biggest = int(sizes.max())
@@ -153,7 +166,9 @@ class ExtentAllocator:
         #    blobs end to end on the same line; a blob that starts and ends inside one extent
         #    goes there. The number of Python calls does not depend on the batch or on how
         #    fragmented the free space is (no loop over blobs or extents).
-        ext_off, ext_len = self._free_off, self._free_len
+        perm = (np.argsort(-self._free_len, kind="stable") if largest_first
+                else np.arange(self._free_len.size))
+        ext_off, ext_len = self._free_off[perm], self._free_len[perm]
         cap = np.cumsum(ext_len)
         cap0 = cap - ext_len
         excl = exclusive_cumsum(sizes)
@@ -180,11 +195,23 @@ class ExtentAllocator:
 
         # 2. The rest (straddlers, or no free space) bump at the end of the used region.
         rest = np.flatnonzero(~inside)
-        pos, bump_gaps = self._bump(sizes[rest], offsets, rest, total)
+        try:
+            pos, bump_gaps = self._bump(sizes[rest], offsets, rest, total)
+        except StorageFullError:
+            if retries <= 0 or not inside.any():
+                raise
+            unpermuted = np.empty_like(taken)
+            unpermuted[perm] = taken
+            self._commit(unpermuted, gaps_off.tolist(), gaps_len.tolist(), self._end, int(sizes[inside].sum()))
+            rest = rest[np.argsort(-sizes[rest], kind="stable")]
+            offsets[rest] = self._allocate(sizes[rest], retries - 1, largest_first=True)
+            return offsets
         gaps_off = np.concatenate([gaps_off, np.asarray([g[0] for g in bump_gaps], dtype=_I64)])
         gaps_len = np.concatenate([gaps_len, np.asarray([g[1] for g in bump_gaps], dtype=_I64)])
         # taken bytes of the extents: [lead, used_end) is consumed; [0, lead) is re-listed as a gap
-        self._commit(taken, gaps_off.tolist(), gaps_len.tolist(), pos, total)
+        unpermuted = np.empty_like(taken)
+        unpermuted[perm] = taken
+        self._commit(unpermuted, gaps_off.tolist(), gaps_len.tolist(), pos, total)
         return offsets
 
     def _bump(self, sizes: np.ndarray, offsets: np.ndarray, which: np.ndarray,
