@@ -117,7 +117,8 @@ def test_set_priority_alone_moves_the_top_ranked_blobs_into_the_warm_tier(pong, 
     """No reads at all: the priorities a ``set_priority`` gives move the best blobs (sampling
     weight per byte, the weight recounted exactly) up from the cold tier, a bounded share per call, until no blob left out
     beats the weakest one held by more than the margin; a blob whose priority jumps gets in."""
-    store = TieredStore(600, tmp_path / "s", frames=FRAMES, policy="priority", hot_bytes=0)
+    # chunk_frames=4: the budgets below are sized for 4-frame blobs
+    store = TieredStore(600, tmp_path / "s", frames=FRAMES, policy="priority", hot_bytes=0, chunk_frames=4)
     store.extend(pong)
     store.flush()
     compressed = sum(f["stored_bytes"] for f in store.stats()["fields"].values() if f["kind"] == "blob")
@@ -159,7 +160,8 @@ def test_a_churning_warm_cache_stays_full_and_reads_back_exactly(pong, tmp_path)
     """Priorities that move every call make the warm cache swap blobs of many sizes: its holes
     are compacted (blobs moved to the start of the arena) instead of leaving it half empty, and
     every row reads back as written."""
-    store = TieredStore(600, tmp_path / "s", frames=FRAMES, policy="priority", hot_bytes=0)
+    # chunk_frames=4: the budgets below are sized for 4-frame blobs
+    store = TieredStore(600, tmp_path / "s", frames=FRAMES, policy="priority", hot_bytes=0, chunk_frames=4)
     store.extend(pong)
     store.flush()
     compressed = sum(f["stored_bytes"] for f in store.stats()["fields"].values() if f["kind"] == "blob")
