@@ -364,6 +364,30 @@ def load_atari(games: Sequence[str], n: int, per_game_rollout: int) -> Any:
     return data[:n].clone() if data.batch_size[0] > n else data
 
 
+#: the committed real Atari rows (Pong, MsPacman, Breakout) that several benchmarks tile
+ATARI_FIXTURE = Path(__file__).resolve().parent / "data" / "atari_frames.npz"
+
+
+def tiled_atari_rows(copies: int, fixture: Path = ATARI_FIXTURE) -> Any:
+    """The fixture's rows ``copies`` times; copy ``k`` has its frames XORed with ``k`` and its
+    trajectory ids moved past the others, so copies neither deduplicate nor share trajectories."""
+    import torch
+
+    from tiered.atari import load_fixture
+
+    data = load_fixture(fixture)
+    parts = []
+    top = int(data.get(("collector", "traj_ids")).max()) + 1
+    for k in range(copies):
+        part = data.clone()
+        if k:
+            for key in ("observation", ("next", "observation")):
+                part.set(key, part.get(key) ^ k)
+            part.set(("collector", "traj_ids"), part.get(("collector", "traj_ids")) + k * top)
+        parts.append(part)
+    return torch.cat(parts)
+
+
 def row_bytes(data: Any) -> int:
     """Logical (uncompressed) bytes of one transition of a TensorDict ``[n]``."""
     return sum(v.numel() * v.element_size() for v in data.values(True, True)) // data.batch_size[0]

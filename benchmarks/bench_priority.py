@@ -47,10 +47,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import ensure_repo_on_path, machine_facts, markdown_table  # noqa: E402
+from _harness import ensure_repo_on_path, machine_facts, markdown_table, tiled_atari_rows  # noqa: E402
 
 ensure_repo_on_path()
 
@@ -80,22 +79,6 @@ def drop_page_cache(path: str) -> None:
                 os.close(fd)
 
 
-def atari_rows(copies: int) -> Any:
-    from tiered.atari import load_fixture
-
-    data = load_fixture(FIXTURE)
-    parts = []
-    top = int(data.get(("collector", "traj_ids")).max()) + 1
-    for k in range(copies):
-        part = data.clone()
-        if k:
-            for key in ("observation", ("next", "observation")):
-                part.set(key, part.get(key) ^ k)
-            part.set(("collector", "traj_ids"), part.get(("collector", "traj_ids")) + k * top)
-        parts.append(part)
-    return torch.cat(parts)
-
-
 def build(data: Any, path: str) -> int:
     """The store on disk; returns its compressed blob bytes."""
     from tiered import TieredStore
@@ -115,7 +98,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from tiered.testing import parts
 
     rng = np.random.default_rng(args.seed)
-    data = atari_rows(args.copies)
+    data = tiled_atari_rows(args.copies, FIXTURE)
     n = data.batch_size[0]
     tmp = tempfile.mkdtemp(prefix="bench-priority-", dir=args.tmp)
     path = os.path.join(tmp, "store")

@@ -41,7 +41,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import (  # noqa: E402
@@ -54,30 +53,17 @@ from _harness import (  # noqa: E402
     machine_facts,
     markdown_table,
     median,
+    tiled_atari_rows,
     write_output,
 )
 
 ensure_repo_on_path()
 
+from tiered.engine.write import DEFAULT_CHUNK_FRAMES  # noqa: E402
+
 FIXTURE = Path(__file__).resolve().parent / "data" / "atari_frames.npz"
 FRAMES = {"observation": 0}
 B = 256
-
-
-def atari_rows(copies: int) -> Any:
-    from tiered.atari import load_fixture
-
-    data = load_fixture(FIXTURE)
-    parts = []
-    top = int(data.get(("collector", "traj_ids")).max()) + 1
-    for k in range(copies):
-        part = data.clone()
-        if k:
-            for key in ("observation", ("next", "observation")):
-                part.set(key, part.get(key) ^ k)
-            part.set(("collector", "traj_ids"), part.get(("collector", "traj_ids")) + k * top)
-        parts.append(part)
-    return torch.cat(parts)
 
 
 def reply_bytes(store: Any, rng: np.random.Generator, transport: str) -> int:
@@ -127,7 +113,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     from tiered.ray import ShardedStore
 
-    data = atari_rows(args.copies)
+    data = tiled_atari_rows(args.copies, FIXTURE)
     n = data.batch_size[0]
     ray.init(num_cpus=args.cpus, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
              configure_logging=False)
@@ -191,7 +177,8 @@ def main() -> None:
     parser.add_argument("--cpus", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1, help="codec threads of each shard's store")
     parser.add_argument("--codec", default="zstd", help="the shards' codec (zstd:9 compresses more)")
-    parser.add_argument("--chunk-frames", type=int, default=4, help="frames per blob in the shards")
+    parser.add_argument("--chunk-frames", type=int, default=DEFAULT_CHUNK_FRAMES,
+                        help="frames per blob in the shards (default: the store's)")
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     if args.quick:
@@ -201,7 +188,7 @@ def main() -> None:
     res = run(args)
     text = report(res, facts, load)
     print(text)
-    tag = "" if (args.codec, args.chunk_frames) == ("zstd", 4) else f"_{args.codec.replace(':', '')}_k{args.chunk_frames}"
+    tag = "" if (args.codec, args.chunk_frames) == ("zstd", DEFAULT_CHUNK_FRAMES) else f"_{args.codec.replace(':', '')}_k{args.chunk_frames}"
     write_output(f"bench_ray{tag}.json", json.dumps({"facts": facts, "load": load, **res}, indent=1, default=str))
     write_output(f"bench_ray{tag}.md", text)
 
