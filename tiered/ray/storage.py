@@ -96,7 +96,24 @@ class ShardedStorage(Storage):
         raise InvalidArgumentError("a ShardedStorage cannot be emptied from the learner; close the store")
 
 
-class ShardedSampler(Sampler):
+class _StatelessParts:
+    """Checkpoint hooks of the TorchRL parts that hold no state of their own: the shards'
+    directories hold everything (:meth:`ShardedStore.flush`)."""
+
+    def dumps(self, path: Any) -> None:
+        return None
+
+    def loads(self, path: Any) -> None:
+        return None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        return None
+
+
+class ShardedSampler(_StatelessParts, Sampler):
     """Uniform or exact global prioritized sampling by the shards (with :class:`ShardedStorage`).
 
     Args:
@@ -132,20 +149,9 @@ class ShardedSampler(Sampler):
     def _empty(self) -> None:
         return None
 
-    def dumps(self, path: Any) -> None:
-        return None  # the shards' directories hold everything (ShardedStore.flush)
-
-    def loads(self, path: Any) -> None:
-        return None
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        return None
 
 
-class ShardedWriter(Writer):
+class ShardedWriter(_StatelessParts, Writer):
     """``rb.extend`` / ``rb.add`` through :meth:`ShardedStore.extend` (routed by trajectory)."""
 
     def __init__(self, store: ShardedStore) -> None:
@@ -161,17 +167,6 @@ class ShardedWriter(Writer):
     def _empty(self, empty_write_count: bool = True) -> None:
         return None
 
-    def dumps(self, path: Any) -> None:
-        return None
-
-    def loads(self, path: Any) -> None:
-        return None
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        return None
 
 
 class ShardedReplayBuffer(TensorDictReplayBuffer):
