@@ -113,18 +113,22 @@ def test_the_warm_tier_keeps_the_high_priority_blobs(pong, tmp_path) -> None:
     store.close()
 
 
-def test_set_priority_alone_moves_the_top_ranked_blobs_into_the_warm_tier(pong, tmp_path) -> None:
-    """No reads at all: the priorities a ``set_priority`` gives move the best blobs (sampling
-    weight per byte, the weight recounted exactly) up from the cold tier, a bounded share per call, until no blob left out
-    beats the weakest one held by more than the margin; a blob whose priority jumps gets in."""
-    # chunk_frames=4: the budgets below are sized for 4-frame blobs
+def _reopened_with_a_tenth_warm(pong, tmp_path) -> TieredStore:
+    """The Pong rows committed to disk, reopened read-only with a warm tier that holds a tenth
+    of the compressed blob bytes (4-frame blobs: the budgets of the tests below are sized for them)."""
     store = TieredStore(600, tmp_path / "s", frames=FRAMES, policy="priority", hot_bytes=0, chunk_frames=4)
     store.extend(pong)
     store.flush()
     compressed = sum(f["stored_bytes"] for f in store.stats()["fields"].values() if f["kind"] == "blob")
     store.close()
-    store = TieredStore.open(tmp_path / "s", mode="r", policy="priority", hot_bytes=0,
-                             warm_bytes=compressed // 10)
+    return TieredStore.open(tmp_path / "s", mode="r", policy="priority", hot_bytes=0, warm_bytes=compressed // 10)
+
+
+def test_set_priority_alone_moves_the_top_ranked_blobs_into_the_warm_tier(pong, tmp_path) -> None:
+    """No reads at all: the priorities a ``set_priority`` gives move the best blobs (sampling
+    weight per byte, the weight recounted exactly) up from the cold tier, a bounded share per call, until no blob left out
+    beats the weakest one held by more than the margin; a blob whose priority jumps gets in."""
+    store = _reopened_with_a_tenth_warm(pong, tmp_path)
     store.priority_alpha = 0.6
     p = parts(store)
     policy = p.placement.policy
@@ -160,14 +164,7 @@ def test_a_churning_warm_cache_stays_full_and_reads_back_exactly(pong, tmp_path)
     """Priorities that move every call make the warm cache swap blobs of many sizes: its holes
     are compacted (blobs moved to the start of the arena) instead of leaving it half empty, and
     every row reads back as written."""
-    # chunk_frames=4: the budgets below are sized for 4-frame blobs
-    store = TieredStore(600, tmp_path / "s", frames=FRAMES, policy="priority", hot_bytes=0, chunk_frames=4)
-    store.extend(pong)
-    store.flush()
-    compressed = sum(f["stored_bytes"] for f in store.stats()["fields"].values() if f["kind"] == "blob")
-    store.close()
-    store = TieredStore.open(tmp_path / "s", mode="r", policy="priority", hot_bytes=0,
-                             warm_bytes=compressed // 10)
+    store = _reopened_with_a_tenth_warm(pong, tmp_path)
     rng = np.random.default_rng(1)
     fill = []
     for _ in range(40):
