@@ -390,6 +390,25 @@ class Schema(Mapping[Key, Field]):
             want.extend(x for x in sub if x not in want)
         return want
 
+    def same_keys(self, td: TensorDictBase) -> bool:
+        """Whether ``td`` holds exactly the schema's fields as tensors: no key more, none less.
+
+        One small set comparison per nesting level, not a listing of ``td``'s nested leaves
+        (the check a single-row write can afford). Example:
+
+            >>> from tensordict import TensorDict
+            >>> s = Schema([Field(("x",), torch.float32, (2,), "dense")])
+            >>> s.same_keys(TensorDict({"x": torch.zeros(3, 2)}, [3]))
+            True
+            >>> s.same_keys(TensorDict({"x": torch.zeros(3, 2), "y": torch.zeros(3)}, [3]))
+            False
+        """
+        for prefix, names in self._levels.items():
+            sub = td.get(prefix, None) if prefix else td
+            if not isinstance(sub, TensorDictBase) or set(sub.keys()) != names:
+                return False
+        return all(isinstance(td.get(key), torch.Tensor) for key in self._fields)
+
     def match(self, td: TensorDictBase, batch_dims: int) -> dict[Key, torch.Tensor] | None:
         """The cells of ``td`` per key when it matches the schema exactly, else ``None``.
 

@@ -508,10 +508,10 @@ class TieredStorage(_RowReads, TensorStorage):
             old_len = len(store)
             new_len = min(old_len + numel, self.max_size) if set_cursor else old_len
             schema = store.schema
-            present = [_as_key(k) for k in td.keys(include_nested=True, leaves_only=True)]
-            if schema is None:
+            if schema is None or schema.same_keys(td):  # the common case: the stored fields, no others
                 store.set(int(rows[0]) if scalar else rows, td, length=new_len)
             else:
+                present = [_as_key(k) for k in td.keys(include_nested=True, leaves_only=True)]
                 side = {k: td.get(k) for k in present if k not in schema}
                 if len(side) < len(present):
                     cells = td.exclude(*side) if side else td
