@@ -590,7 +590,7 @@ def _add_export(sub: Any) -> None:
               tiered export door.tiered door-minari --format minari \\
                   --dataset-id D4RL/door/human-v2
               tiered export pong.tiered pong-td --format torchrl
-                  # then: TensorDict.load_memmap("pong-td")
+                  # then: TensorDict.load_memmap("pong-td", allow_pickle=False)
               tiered export pong.tiered pong.npz --format npz --layout d4rl
               tiered export pong.tiered dqn-again --format dqn-replay
                   # Dopamine's files back, byte-identical once decompressed

@@ -178,8 +178,8 @@ def write_torchrl(
 ) -> dict[str, Any]:
     """Write a store's rows as a TensorDict memmap directory at ``tmp``.
 
-    ``TensorDict.load_memmap(dst)`` reads it back; ``TensorStorage(TensorDict.load_memmap(dst))``
-    serves it in a TorchRL replay buffer. tensordict writes ``meta.json`` (and creates empty
+    ``TensorDict.load_memmap(dst, allow_pickle=False)`` reads it back (or :func:`load_tensordict_memmap`);
+    ``TensorStorage(...)`` of that serves it in a TorchRL replay buffer. tensordict writes ``meta.json`` (and creates empty
     files), the rows go in with ``pwrite`` through :mod:`tiered.fileio`.
 
     Returns:

@@ -295,6 +295,7 @@ class CodecTests:
         assert get_codec(codec.name) == codec
         assert hash(get_codec(codec.name)) == hash(codec)
         assert get_codec(codec) is codec
+        # stores travel to DataLoader workers pickled: the bytes are the ones made on this line, never a file's
         clone = pickle.loads(pickle.dumps(codec))
         assert clone == codec and type(clone) is type(codec)
         sizes = np.array([300, 0, 500], dtype=np.int64)
