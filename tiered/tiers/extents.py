@@ -130,14 +130,16 @@ class ExtentAllocator:
         sizes = align(np.asarray(sizes).reshape(-1))
         if sizes.size == 0:
             return _EMPTY.copy()
-        snap = self.snapshot()
+        undo: list[tuple[Any, ...]] = []  # filled by the first pass that keeps part of the batch
         try:
-            return self._allocate(sizes, retries=8)
+            return self._allocate(sizes, retries=8, undo=undo)
         except StorageFullError:
-            self.restore(snap)  # all or nothing: undo the passes that fitted part of the batch
+            if undo:
+                self.restore(undo[0])  # all or nothing: undo the passes that fitted part of the batch
             raise
 
-    def _allocate(self, sizes: np.ndarray, retries: int, largest_first: bool = False) -> np.ndarray:
+    def _allocate(self, sizes: np.ndarray, retries: int, undo: list[tuple[Any, ...]],
+                  largest_first: bool = False) -> np.ndarray:
         """One vectorized pass over the free extents, then the bump region. When a bounded tier's
         bump region cannot take the blobs that straddled two extents, the ones that fitted are
         kept and the rest, largest first, get another pass over the holes left, largest first (at
@@ -200,11 +202,13 @@ class ExtentAllocator:
         except StorageFullError:
             if retries <= 0 or not inside.any():
                 raise
+            if not undo:  # only a batch that needs a second pass pays for the undo token
+                undo.append(self.snapshot())
             unpermuted = np.empty_like(taken)
             unpermuted[perm] = taken
             self._commit(unpermuted, gaps_off.tolist(), gaps_len.tolist(), self._end, int(sizes[inside].sum()))
             rest = rest[np.argsort(-sizes[rest], kind="stable")]
-            offsets[rest] = self._allocate(sizes[rest], retries - 1, largest_first=True)
+            offsets[rest] = self._allocate(sizes[rest], retries - 1, undo, largest_first=True)
             return offsets
         gaps_off = np.concatenate([gaps_off, np.asarray([g[0] for g in bump_gaps], dtype=_I64)])
         gaps_len = np.concatenate([gaps_len, np.asarray([g[1] for g in bump_gaps], dtype=_I64)])
