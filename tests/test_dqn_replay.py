@@ -118,6 +118,8 @@ def test_import_export_bit_exact(dataset: str, tmp_path, game: str) -> None:
     runs = sorted(os.listdir(src))
     assert report.rows == CAPACITY * 2 * len(runs)
     assert {"observation", "next/observation", "valid", "run", "checkpoint", "index"} <= set(report.fields)
+    with TieredStore.open(tmp_path / "s.tiered", mode="r") as store:  # stored frame by frame, not as whole stacks
+        assert store.options["frames"] == {("observation",): 0}
     export_dataset(tmp_path / "s.tiered", tmp_path / "out", "dqn-replay")
     for run in runs:
         logs, back = os.path.join(src, run, "replay_logs"), tmp_path / "out" / run / "replay_logs"

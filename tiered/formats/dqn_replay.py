@@ -79,6 +79,7 @@ from tensordict import TensorDict
 
 from .. import fileio
 from ..errors import InvalidDatasetError, PickledDataError, TieredError, UnsupportedFormatError
+from ..util.batch import isin
 from .common import chunk_rows_for, iter_store, writing
 from .keymap import ACTION, DONE, NEXT_OBS, OBS, REWARD, TERMINATED, TRUNCATED
 
@@ -480,7 +481,7 @@ class _SegmentStream:
         self.breaks = np.array([(self.cursor - 1) % n] if a else [], dtype=np.int64)
         if not self.full:
             self.breaks = np.append(self.breaks, n - 1)
-        self.invalid = seg.invalid
+        self.invalid = seg.invalid.astype(np.int64)
 
     def _pieces(self, readers: dict[str, NpyGzReader]) -> Iterator[dict[str, np.ndarray]]:
         s, n = self.stack, self.seg.rows
@@ -519,7 +520,7 @@ class _SegmentStream:
         index = (k0 + s - 1 + np.arange(m, dtype=np.int64)) % n
         term = buf["terminal"][s - 1: s - 1 + m]
         prior = np.lib.stride_tricks.sliding_window_view(buf["terminal"], s - 1)[:m].any(axis=1)
-        valid = ~prior & ~np.isin(index, self.invalid)
+        valid = ~prior & ~isin(index, self.invalid)
         if not self.full:
             valid &= (index >= s - 1) & (index < self.cursor - 1)
         if np.any((term != 0) & (term != 1)):
@@ -527,7 +528,7 @@ class _SegmentStream:
                 f"{seg.path(STORE_PREFIX + 'terminal')}: terminal flags must be 0 or 1, found "
                 f"{np.unique(term[(term != 0) & (term != 1)])[:3].tolist()}")
         terminated = term.astype(bool)
-        done = terminated | np.isin(index, self.breaks)
+        done = terminated | isin(index, self.breaks)
         if k0 + m == n:
             done[-1] = True  # the checkpoint's last row: the next rows are another buffer
         col = np.full(m, 0, dtype=np.int32)
