@@ -194,6 +194,13 @@ class Policy(ABC):
             >>> get_policy("lru").set_sizes(np.array([0]), np.array([64]))  # lru ignores sizes
         """
 
+    def set_alpha(self, alpha: float) -> None:  # noqa: B027 - only priority cares
+        """The sampler's exponent (rows are drawn with probability ``priority ** alpha``).
+
+        Example:
+            >>> get_policy("lru").set_alpha(0.6)  # lru ignores it
+        """
+
     def set_mass(self, ids: np.ndarray, mass: np.ndarray) -> None:  # noqa: B027 - only priority cares
         """The sampling weight of blobs (the sum of ``priority ** alpha`` over the table entries
         that name them, each row's weight split over its entries), told with their priorities.
@@ -529,6 +536,9 @@ class PriorityPolicy(Policy):
             0.6
         """
         return self._alpha
+
+    def set_alpha(self, alpha: float) -> None:
+        self.alpha = alpha
 
     @alpha.setter
     def alpha(self, value: float) -> None:

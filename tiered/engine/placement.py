@@ -429,8 +429,7 @@ class Placement:
     def set_alpha(self, alpha: float, layout: FieldLayout | None, stage: WriteStage | None) -> None:
         """The sampler's exponent, for the mass statistics and for a policy that ranks by it; a
         new value recounts the blobs' sampling weights (once: TorchRL sets it at every update)."""
-        if hasattr(self.policy, "alpha"):
-            self.policy.alpha = alpha
+        self.policy.set_alpha(alpha)
         if self.priorities is None or float(alpha) == self.priorities.alpha:
             return
         self.priorities.alpha = alpha
