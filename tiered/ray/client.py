@@ -50,6 +50,7 @@ import numpy as np
 import torch
 from tensordict import TensorDictBase
 
+from ..engine.priorities import checked_row_priorities
 from ..engine.transport import CompressedRows, decode_rows
 from ..errors import InvalidArgumentError, ShardFailedError
 from ..schema import normalize_key
@@ -215,8 +216,8 @@ class ShardedStore:
     def update_priority(self, ids: Any, priority: Any) -> None:
         """Set raw priorities of global row ids (each shard gets its rows)."""
         shard, rows = split_ids(ids)
-        p = torch.as_tensor(priority).detach().double().cpu().numpy().reshape(-1)
-        p = np.broadcast_to(p, rows.shape)
+        # checked before any state changes, the error naming the global ids
+        p = checked_row_priorities((shard << SHARD_SHIFT) | rows, priority)
         if p.size:
             self._max_priority = max(self._max_priority, float(p.max()))
         parts = _group(shard, self.num_shards)

@@ -76,6 +76,7 @@ class ShardServer:
             self.store = _open_when_unlocked(path, runtime)
         else:
             self.store = TieredStore(capacity, path, **options)
+        self.store.priority_alpha = self.alpha  # the store ranks and reports mass by p ** alpha, as sampled
         self.tree = SumMinTree(self.store.capacity)
         n = len(self.store)
         raw = self.store.priorities(np.arange(n)) if n else np.empty(0)
