@@ -80,7 +80,7 @@ def test_routing_keeps_trajectories_in_one_shard(filled):
     assert np.unique(gids.numpy()).size == gids.numel()
 
 
-@pytest.mark.parametrize("transport", ["decoded", "compressed"])
+@pytest.mark.parametrize("transport", ["decoded", "compressed", "repacked"])
 @pytest.mark.parametrize("prioritized", [False, True])
 def test_samples_bit_exact_against_one_store(filled, transport, prioritized):
     td, single, store, gids = filled
@@ -94,16 +94,34 @@ def test_samples_bit_exact_against_one_store(filled, transport, prioritized):
     assert (counts > 0).all()  # every shard took part
 
 
-def test_compressed_transport_is_smaller_and_decodes_the_same(filled):
-    _, _, store, gids = filled
-    sel = gids[::3].numpy()
-    shard, rows = split_ids(sel)
-    packed = ray.get(store.actors[0].get.remote(rows[shard == 0], None, True))
-    decoded = ray.get(store.actors[0].get.remote(rows[shard == 0], None, False))
-    raw = sum(v.numel() * v.element_size() for v in decoded.values(True, True))
-    assert packed.nbytes < raw
+@pytest.mark.parametrize("transport", ["compressed", "repacked"])
+def test_shard_replies_carry_exactly_the_frames_the_rows_use(filled, transport):
     from tiered.engine.transport import decode_rows
+
+    td, _, store, gids = filled
+    sel = gids[:120:3]  # rows of episodes(): 5 trajectories of 24 steps
+    shard, rows = split_ids(sel)
+    mine = rows[shard == 0]
+    packed = ray.get(store.actors[0].get.remote(mine, None, transport))
+    decoded = ray.get(store.actors[0].get.remote(mine, None, "decoded"))
     assert_same(decode_rows(packed), decoded)
+    row_bytes = sum(v[0].numel() * v.element_size() for v in td.values(True, True))
+    assert sum(v.numel() * v.element_size() for v in decoded.values(True, True)) == mine.size * row_bytes
+    # stack t of a trajectory holds its frames t..t+3 and the next stack adds t+4; each frame is
+    # stored once per trajectory, in time chunks of 4 frames from the trajectory's start
+    pos = positions(sel[torch.from_numpy(shard == 0)], gids).numpy()
+    traj, step = pos // 24, pos % 24
+    frames = {(int(a), int(b) + k) for a, b in zip(traj, step, strict=True) for k in range(5)}
+    (fam,) = packed.families
+    frame_nbytes = 16 * 16
+    assert fam.blobs.frame_nbytes == frame_nbytes
+    sent = int(fam.blobs.raw_nbytes.astype(np.int64).sum())
+    if transport == "repacked":  # each needed frame once
+        assert sent == len(frames) * frame_nbytes
+    else:  # every chunk that holds one of them, whole
+        chunks = {(a, f // 4) for a, f in frames}
+        assert fam.blobs.n_blobs == len(chunks) and sent == len(chunks) * 4 * frame_nbytes
+    assert packed.staged_pos.size == 0 and fam.frame_idx.dtype == np.uint16
 
 
 def test_global_per_matches_torchrl_prioritized_sampler(filled):
@@ -216,8 +234,13 @@ def test_torchrl_replay_buffer_over_the_shards(filled, prioritized):
     td, single, store, gids = filled
     rb = sharded_replay_buffer(store, batch_size=32, prioritized=prioritized, transport="compressed",
                                priority_key="td_error")
+    calls = dict(store.calls)
     batch = rb.sample()
     index = batch["index"]
+    # ids and rows came in one round trip: one sample call per shard drawn, no get
+    made = {op: n - calls.get(op, 0) for op, n in store.calls.items() if n != calls.get(op, 0)}
+    assert made == {"sample": np.unique(split_ids(index)[0]).size}
+    assert rb.storage.last is None  # the rows were handed over, once
     assert_same(batch.exclude("index", "priority_weight"), single.get(positions(index, gids)))
     if prioritized:
         torch.testing.assert_close(batch["priority_weight"], store.probabilities(index)[1].to(batch["priority_weight"].dtype))

@@ -49,7 +49,7 @@ from .engine.priorities import checked_row_priorities
 from .engine.read import CpuReadPipeline, ReadPipeline
 from .engine.rows import IndexLike, as_row_array
 from .engine.stats import store_stats
-from .engine.transport import CompressedRows, export_rows
+from .engine.transport import REPACK_FRAMES, CompressedRows, export_rows
 from .engine.write import DEFAULT_CHUNK_FRAMES, WriteOptions
 from .errors import (
     InvalidArgumentError,
@@ -358,12 +358,13 @@ class TieredStore:
             td = self._reader.get_rows(self._rows, self._write, index, rows, keys, index_key, copy, self._device)
             return td[0] if scalar else td
 
-    def get_compressed(self, index: IndexLike, keys: Iterable[str | Key] | None = None) -> CompressedRows:
-        """The rows :meth:`get` reads, with blob fields still compressed (staged rows are compressed
-        first), for another process to decode with :func:`tiered.engine.transport.decode_rows`."""
+    def get_compressed(self, index: IndexLike, keys: Iterable[str | Key] | None = None, *, repack: bool = False,
+                       repack_frames: int = REPACK_FRAMES) -> CompressedRows:
+        """:meth:`get`'s rows with blob fields still compressed: :func:`tiered.engine.transport.export_rows`."""
         with self._lock:
             self._check_open()
-            return export_rows(self._cpu_reader, self._rows, self._write, self._resolve_read(index)[0], keys)
+            args = (self._cpu_reader, self._rows, self._write, self._resolve_read(index)[0], keys)
+            return export_rows(*args, repack=repack, repack_frames=repack_frames)
 
     def _resolve_read(self, index: IndexLike) -> tuple[np.ndarray, bool]:
         stage = self._write.stage
@@ -444,9 +445,8 @@ class TieredStore:
             self._placement.set_alpha(value, self._write.layout, self._write.stage)
 
     def stats(self) -> dict[str, Any]:
-        """Memory and traffic figures: rows, blobs, per field its bytes and ratios, per tier its
-        bytes, budget, hits, moves and share of the sampling probability (the keys are listed in
-        :func:`tiered.engine.stats.store_stats`)."""
+        """Memory and traffic figures: rows, blobs, per field its bytes and ratios, per tier its bytes,
+        budget, hits, moves and probability share (keys: :func:`tiered.engine.stats.store_stats`)."""
         with self._lock:
             return store_stats(self._rows, self._write.layout, self._index, self._placement, self._write.stage,
                                self._codec.name, self._counters, self._gpu.stats() if self._gpu else None)

@@ -48,19 +48,19 @@ from typing import Any
 
 import numpy as np
 import torch
-from tensordict import TensorDictBase
+from tensordict import TensorDict, TensorDictBase
 
 from ..engine.priorities import checked_row_priorities
-from ..engine.transport import CompressedRows, decode_rows
+from ..engine.transport import CompressedRows, decode_batch
 from ..errors import InvalidArgumentError, ShardFailedError
-from ..schema import normalize_key
+from ..schema import as_bits, normalize_key
 from .shard import ShardServer, ShardStatus
 
 __all__ = ["ShardedStore", "ShardFailure", "global_ids", "split_ids", "require_ray", "SHARD_SHIFT"]
 
 #: global id = shard << SHARD_SHIFT | row (a store holds at most 2**40 rows)
 SHARD_SHIFT = 40
-_TRANSPORTS = ("decoded", "compressed")
+_TRANSPORTS = ("decoded", "compressed", "repacked")
 
 
 def require_ray() -> Any:
@@ -145,6 +145,8 @@ class ShardedStore:
         self.dead: set[int] = set()
         self.closed = False
         self.failures: list[ShardFailure] = []
+        #: Ray calls made to shards, by operation (one per shard asked): what a call costs in round trips
+        self.calls: dict[str, int] = {}
         self.actors = [self._start(i, reopen=False) for i in range(num_shards)]
         self._status: list[ShardStatus] = self._ray.get([a.status.remote() for a in self.actors])
 
@@ -260,7 +262,7 @@ class ShardedStore:
         if gone:
             raise ShardFailedError(f"get: shard {gone[0]} is dead and had no path: its rows are gone "
                                    f"({len(parts[gone[0]])} of the ids asked for)", shard=gone[0])
-        refs = {s: self.actors[s].get.remote(rows[pos], keys, transport == "compressed") for s, pos in parts.items()}
+        refs = {s: self.actors[s].get.remote(rows[pos], keys, transport) for s, pos in parts.items()}
         replies = self._run(refs, "get", read=False, unpack=None)
         return self._assemble({s: replies[s] for s in parts}, parts, rows.size)
 
@@ -345,19 +347,27 @@ class ShardedStore:
         return data, info
 
     def _assemble(self, pieces: dict[int, Any], parts: dict[int, np.ndarray], n: int) -> TensorDictBase:
-        """One TensorDict in the requested order from per-shard pieces (compressed ones decoded here)."""
+        """One TensorDict in the requested order from per-shard pieces, each written once into it
+        (compressed pieces decoded straight into their places: no concatenation, no reorder)."""
         shards = sorted(pieces)
-        tds = [decode_rows(pieces[s]) if isinstance(pieces[s], CompressedRows) else pieces[s] for s in shards]
-        order = np.concatenate([parts[s] for s in shards])
-        whole = tds[0] if len(tds) == 1 else torch.cat(tds, 0)
-        inverse = np.empty(n, dtype=np.int64)
-        inverse[order] = np.arange(n)
-        return whole[torch.from_numpy(inverse)]
+        if all(isinstance(pieces[s], CompressedRows) for s in shards):
+            return decode_batch([pieces[s] for s in shards], [parts[s] for s in shards])
+        first = pieces[shards[0]]
+        if len(shards) == 1 and np.array_equal(parts[shards[0]], np.arange(n)):
+            return first
+        keys = list(first.keys(True, True))
+        cells = {k: torch.empty((n, *first.get(k).shape[1:]), dtype=first.get(k).dtype) for k in keys}
+        for s in shards:  # a loop over shards and fields, not rows
+            at = torch.from_numpy(parts[s])
+            for k in keys:  # as same-size integers: torch cannot index_put uint16/32/64 and float8
+                as_bits(cells[k])[at] = as_bits(pieces[s].get(k))
+        return TensorDict(cells, [n])
 
     # -- failures ---------------------------------------------------------------------------------
     def _run(self, refs: dict[int, Any], op: str, *, read: bool, unpack: Any = "status") -> dict[int, Any]:
         """Wait for every shard's reply; note each new status; handle dead shards (see the module)."""
         replies, failed = {}, []
+        self.calls[op] = self.calls.get(op, 0) + len(refs)
         for s, ref in refs.items():
             try:
                 replies[s] = self._ray.get(ref)

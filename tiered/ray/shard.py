@@ -137,11 +137,15 @@ class ShardServer:
                 f"shard {self.shard_id} holds rows [0, {n}); asked for rows {rows[(rows < 0) | (rows >= n)][:5].tolist()}"
                 " (global ids from another store, or from before a restart that lost rows?)")
 
-    def get(self, rows: np.ndarray, keys: Any = None, compressed: bool = False) -> TensorDictBase | CompressedRows:
-        """Rows decoded (a TensorDict) or, with ``compressed``, as :class:`~tiered.engine.transport.CompressedRows`."""
+    def get(self, rows: np.ndarray, keys: Any = None, transport: str = "decoded") -> TensorDictBase | CompressedRows:
+        """Rows decoded (``"decoded"``: a TensorDict) or as :class:`~tiered.engine.transport.CompressedRows`:
+        the stored blobs (``"compressed"``) or only the frames the rows use, compressed again
+        (``"repacked"``)."""
         rows = np.asarray(rows, dtype=np.int64)
         self.check_rows(rows)
-        return self.store.get_compressed(rows, keys) if compressed else self.store.get(rows, keys)
+        if transport == "decoded":
+            return self.store.get(rows, keys)
+        return self.store.get_compressed(rows, keys, repack=transport == "repacked")
 
     def find(self, mass: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The rows that masses in ``[0, total)`` fall on, and their leaves."""
@@ -151,14 +155,14 @@ class ShardServer:
     def sample(self, mass: np.ndarray | None, rows: np.ndarray | None, keys: Any = None,
                transport: str | None = "decoded") -> tuple[np.ndarray, np.ndarray, Any, ShardStatus]:
         """Rows by priority mass (``mass``) or given (``rows``), their leaves, their data
-        (``transport``: ``"decoded"``, ``"compressed"`` or None for none) and the status."""
+        (``transport``: ``"decoded"``, ``"compressed"``, ``"repacked"`` or None for none) and the status."""
         if mass is not None:
             rows, leaves = self.find(mass)
         else:
             rows = np.asarray(rows, dtype=np.int64)
             self.check_rows(rows)
             leaves = self.tree.leaves(rows)
-        data = None if transport is None else self.get(rows, keys, compressed=transport == "compressed")
+        data = None if transport is None else self.get(rows, keys, transport)
         return rows, leaves, data, self.status()
 
 
