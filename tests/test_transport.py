@@ -133,3 +133,23 @@ def test_damage_on_the_way_is_caught(repack):
     packed.families[0].blobs.comp[5] ^= 0xFF
     with pytest.raises(ChecksumError, match="after transport"):
         decode_rows(packed)
+
+
+def test_dense_cells_and_frame_tables_travel_packed_and_checked():
+    store = TieredStore(100, frames={"obs": 0})
+    data = rows(40)
+    data["flag"] = torch.arange(40) % 3 == 0          # bool cells
+    data["half"] = torch.rand(40, 3).to(torch.bfloat16)  # a dtype numpy lacks
+    store.extend(data)
+    packed = store.get_compressed([1, 2, 30, 2], repack=True)
+    state = packed.__getstate__()
+    keys, (spec, buf, checksum) = state["dense"]
+    assert set(keys) == set(packed.dense) and all(f.frame_idx.size == 0 for f in state["families"])
+    assert len(spec) == len(packed.families) + len(packed.dense)  # one buffer for all of them
+    again = pickle.loads(pickle.dumps(packed))
+    assert_same(decode_rows(again), store.get([1, 2, 30, 2]))
+    for f, g in zip(again.families, packed.families, strict=True):
+        assert f.frame_idx.dtype == g.frame_idx.dtype and np.array_equal(f.frame_idx, g.frame_idx)
+    buf[len(buf) // 2] ^= 0xFF
+    with pytest.raises(ChecksumError, match="dense cells"):
+        type(packed).__new__(type(packed)).__setstate__(state)

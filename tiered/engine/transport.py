@@ -35,6 +35,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -46,6 +47,7 @@ from tensordict import TensorDict
 from .. import codecs
 from ..errors import ChecksumError, InvalidArgumentError
 from ..schema import Field, Key, as_bits
+from ..util.batch import exclusive_cumsum
 from .read import GatheredBlobs, as_tensordict, assemble_cells, blob_frames, decode_gathered
 
 if TYPE_CHECKING:
@@ -112,6 +114,60 @@ class CompressedRows:
     def blob_nbytes(self) -> int:
         """Compressed bytes of the blobs alone (the rest are tables, dense and staged cells)."""
         return sum(int(f.blobs.comp.nbytes) for f in self.families)
+
+    # Crossing a process (pickle, as Ray moves it), the dense cells and the row -> frame tables
+    # travel as one zstd buffer with a checksum instead of many small tensors and arrays.
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        arrays = [*(torch.from_numpy(f.frame_idx) for f in self.families), *self.dense.values()]
+        state["dense"] = (list(self.dense), _pack([a.contiguous() for a in arrays]))
+        state["families"] = [FamilyBlobs(f.fields, np.empty(0, f.frame_idx.dtype), f.blobs) for f in self.families]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        keys, packed = state["dense"]
+        arrays = _unpack(*packed)
+        if arrays is None:
+            raise ChecksumError("the dense cells and frame tables of compressed rows failed their checksum after "
+                                "transport: the bytes were damaged on the way")
+        families = state["families"]
+        state["families"] = [FamilyBlobs(f.fields, a.numpy(), f.blobs) for f, a in zip(families, arrays, strict=False)]
+        state["dense"] = dict(zip(keys, arrays[len(families):], strict=True))
+        self.__dict__.update(state)
+
+
+@functools.cache
+def _pack_codec() -> codecs.Codec:
+    return codecs.get_codec("zstd")
+
+
+def _pack(arrays: list[torch.Tensor]) -> tuple[list[tuple[torch.dtype, tuple[int, ...]]], np.ndarray, int]:
+    """Tensors as one compressed buffer: ``(dtype and shape of each, bytes, checksum)``; each
+    tensor's bytes start at a multiple of 8 (so they can be viewed as their dtype again)."""
+    nbytes = np.array([a.numel() * a.element_size() for a in arrays], dtype=np.int64)
+    starts = exclusive_cumsum(-(-nbytes // 8) * 8)
+    raw = np.zeros(int(starts[-1] + nbytes[-1]) if arrays else 0, dtype=np.uint8)
+    for a, lo, n in zip(arrays, starts.tolist(), nbytes.tolist(), strict=True):  # a loop over fields
+        raw[lo:lo + n] = a.reshape(-1).view(torch.uint8).numpy()
+    enc = _pack_codec().encode(raw, np.zeros(1, dtype=np.int64), np.array([raw.size], dtype=np.int64))
+    return [(a.dtype, tuple(a.shape)) for a in arrays], enc.data, int(enc.checksums[0])
+
+
+def _unpack(spec: list[tuple[torch.dtype, tuple[int, ...]]], data: np.ndarray,
+            checksum: int) -> list[torch.Tensor] | None:
+    """The tensors :func:`_pack` packed (views of one buffer), or None when the checksum fails."""
+    one = np.zeros(1, dtype=np.int64)
+    size = np.array([data.size], dtype=np.int64)
+    if int(codecs.segment_checksums(data, one, size)[0]) != checksum:
+        return None
+    dtypes = [torch.empty(0, dtype=d).element_size() for d, _ in spec]
+    nbytes = np.array([int(np.prod(shape)) * w for (_, shape), w in zip(spec, dtypes, strict=True)], dtype=np.int64)
+    starts = exclusive_cumsum(-(-nbytes // 8) * 8)
+    raw = np.empty(int(starts[-1] + nbytes[-1]) if spec else 0, dtype=np.uint8)
+    _pack_codec().decode(data, one, size, raw, one, np.array([raw.size], dtype=np.int64))
+    buf = torch.from_numpy(raw)
+    return [buf[lo:lo + n].view(d).reshape(shape)
+            for (d, shape), lo, n in zip(spec, starts.tolist(), nbytes.tolist(), strict=True)]
 
 
 def export_rows(reader: CpuReadPipeline, space: RowSpace, write: WritePath, rows: np.ndarray,
