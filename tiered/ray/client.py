@@ -10,9 +10,11 @@
   ``B`` masses in ``[0, total)``, gives each shard the masses that fall in its range, and
   computes probabilities ``leaf / total`` and weights ``(leaf / min leaf) ** -beta`` from the
   global figures, as one TorchRL ``PrioritizedSampler`` over every row would.
-* **Transport**: a shard returns decoded TensorDicts, or (``transport="compressed"``) the
-  compressed blobs of the batch plus the row -> frame tables, decoded in the caller's process by
-  the store's own decoder (:func:`tiered.engine.transport.decode_rows`).
+* **Transport**: a shard returns decoded TensorDicts; or (``transport="compressed"``) the
+  stored blobs of the batch plus the row -> frame tables; or (``"repacked"``) only the frames
+  the batch uses, compressed again by the shard. Compressed replies are decoded in the caller's
+  process by the store's own decoder, straight into one batch in the requested order
+  (:func:`tiered.engine.transport.decode_batch`).
 * **Failures**: a dead shard is detected on the next call to it; with a path it is restarted
   from its last commit (rows written since its last flush are lost and counted); then the call
   raises :class:`~tiered.errors.ShardFailedError` (``on_shard_failure="raise"``) or, for reads,
@@ -112,7 +114,8 @@ class ShardedStore:
         path: a directory; shard ``i`` keeps its store in ``path/shard-i`` (``None``: memory).
             On a multi-node cluster the path must be on each shard's node (local disk).
         alpha, beta, eps: prioritized sampling as TorchRL's ``PrioritizedSampler``.
-        transport: ``"decoded"`` or ``"compressed"``: how shards return data by default.
+        transport: ``"decoded"``, ``"compressed"`` or ``"repacked"``: how shards return data by
+            default (see the module docstring).
         on_shard_failure: ``"raise"`` or ``"skip"`` (reads go on with the live shards).
         traj_key: key of the trajectory ids that route rows to shards.
         seed: seed of the driver's sampling generator.
