@@ -177,6 +177,10 @@ def test_bad_arguments_are_refused():
         ShardedStore(2, 16, transport="zip")
     with pytest.raises(InvalidArgumentError, match="on_shard_failure"):
         ShardedStore(2, 16, on_shard_failure="ignore")
+    from tiered.ray.shard import ShardServer
+
+    with pytest.raises(InvalidArgumentError, match="transport must be"):
+        ShardServer(0, 16).get(np.array([], dtype=np.int64), transport="zip")
 
 
 def test_killed_shard_restarts_from_its_files_and_skip_goes_on(tmp_path):

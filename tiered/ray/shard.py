@@ -35,7 +35,7 @@ import numpy as np
 from tensordict import TensorDictBase
 
 from ..engine.transport import CompressedRows
-from ..errors import IndexOutOfRangeError, StoreLockedError
+from ..errors import IndexOutOfRangeError, InvalidArgumentError, StoreLockedError
 from ..store import TieredStore
 from .sumtree import SumMinTree
 
@@ -141,6 +141,8 @@ class ShardServer:
         """Rows decoded (``"decoded"``: a TensorDict) or as :class:`~tiered.engine.transport.CompressedRows`:
         the stored blobs (``"compressed"``) or only the frames the rows use, compressed again
         (``"repacked"``)."""
+        if transport not in ("decoded", "compressed", "repacked"):
+            raise InvalidArgumentError(f"transport must be 'decoded', 'compressed' or 'repacked', got {transport!r}")
         rows = np.asarray(rows, dtype=np.int64)
         self.check_rows(rows)
         if transport == "decoded":
