@@ -190,6 +190,23 @@ def test_zstd_output_does_not_depend_on_threads(rng: np.random.Generator) -> Non
     )
 
 
+def test_codec_threads_keep_no_batch_after_returning(rng: np.random.Generator) -> None:
+    # The worker threads must not hold the caller's buffers between batches (a write's raw
+    # frames, a sample's output): they would stay in memory until the next batch.
+    import weakref
+
+    sizes = rng.integers(1000, 9000, 64)
+    data, offsets = packed_batch(sizes, rng, "compressible")
+    codec = ZstdCodec(3, threads=2)
+    enc = codec.encode(data, offsets, sizes)
+    out = np.empty(int(sizes.sum()), np.uint8)
+    codec.decode(enc.data, enc.offsets, enc.sizes, out, offsets, sizes)
+    assert out.tobytes() == data.tobytes()
+    refs = [weakref.ref(a) for a in (data, out, enc.data)]
+    del data, out, enc
+    assert [r() is None for r in refs] == [True, True, True]
+
+
 def test_zstd_decodes_frames_from_a_plain_compressor(rng: np.random.Generator) -> None:
     sizes = rng.integers(1, 5000, 30)
     data, offsets = packed_batch(sizes, rng, "compressible")

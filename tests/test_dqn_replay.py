@@ -129,10 +129,11 @@ def test_import_export_bit_exact(dataset: str, tmp_path, game: str) -> None:
                 assert a.read() == b.read(), name  # the decompressed .npy bytes, header included
 
 
-@pytest.mark.parametrize("game, chunk_rows", [("Breakout", None), ("Pong", None), ("Pong", 7)])
+@pytest.mark.parametrize("game, chunk_rows", [("Breakout", None), ("Pong", None), ("Pong", 7), ("Pong", 2)])
 def test_stacks_are_the_ones_dopamine_samples(dataset: str, tmp_path, game: str, chunk_rows: int | None) -> None:
     src = os.path.join(dataset, game)
-    # chunk_rows=7: the files are read 7 rows at a time, so stacks straddle many slices
+    # chunk_rows=7: the files are read 7 rows at a time, so stacks straddle many slices; 2: fewer
+    # rows per slice than frames per stack (the frames carried to the next slice overlap)
     import_dataset("dqn-replay", src, tmp_path / "s.tiered", chunk_rows=chunk_rows)
     with TieredStore.open(tmp_path / "s.tiered", mode="r") as store:
         for run in sorted(os.listdir(src)):

@@ -33,7 +33,7 @@ from tensordict import TensorDict
 
 import tiered
 from tiered.cli import main
-from tiered.errors import StorageFullError, UnsupportedFormatError
+from tiered.errors import PickledDataError, StorageFullError, UnsupportedFormatError
 from tiered.formats import export_dataset, import_dataset
 from tiered.formats.keymap import DONE, NEXT_OBS, TRAJ
 
@@ -355,6 +355,16 @@ def test_npz_compressed_ted_names_round_trip(atari_pong, tmp_path):
     with np.load(tmp_path / "c.npz") as c:
         assert np.array_equal(c["observations"], src["observation"])
         assert np.array_equal(c["rewards"], src["next/reward"][:, 0])
+
+
+def test_npz_member_of_python_objects_is_refused_unread(tmp_path):
+    # numpy's header parser is shared with dqn-replay: an object array is refused from its header,
+    # before any byte of its pickle is read
+    np.savez(tmp_path / "a.npz", observation=np.zeros((4, 3), np.float32),
+             info=np.array([{"a": 1}] * 4, dtype=object))
+    with pytest.raises(PickledDataError, match=r"a\.npz: info\.npy: the array holds Python objects"):
+        import_dataset("npz", tmp_path / "a.npz", tmp_path / "s")
+    assert not (tmp_path / "s").exists()
 
 
 # -------------------------------------------------------------------------------------- across formats

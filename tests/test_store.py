@@ -168,6 +168,47 @@ def test_frames_shared_across_extend_boundaries(atari_pong, stage_rows):
     assert_td_equal(store.get(slice(None)), data)
 
 
+def _expected_unique_frames(data: TensorDict, pieces: list[int], tail_rows: int = 8) -> int:
+    """Frames a store keeps when ``data`` is written in ``pieces``: a frame is shared with an equal
+    one earlier in its own write or in the last ``tail_rows`` rows of the previous write."""
+    obs, nxt = data["observation"].numpy(), data["next", "observation"].numpy()
+    count, start, tail = 0, 0, set()
+    for c in pieces:
+        seen = set(tail)
+        for r in range(start, start + c):
+            for f in (*obs[r], *nxt[r]):
+                if f.tobytes() not in seen:
+                    seen.add(f.tobytes())
+                    count += 1
+        tail = {f.tobytes() for r in range(max(start, start + c - tail_rows), start + c) for f in (*obs[r], *nxt[r])}
+        start += c
+    return count
+
+
+def test_tail_keeps_each_frame_once_and_dedups_as_a_single_write(atari_mixed):
+    """The frames kept for the next write's dedup are distinct (8 rows of two 4-frame stacks are
+    ~12 frames, not 64) and still share every frame the last rows of a write held."""
+    data = atari_mixed[400:1400]  # Pong, then MsPacman: an episode end and a change of game
+    cuts = [1, 2, 9, 3, 100, 7, 256, 1, 121, 500]
+    whole = TieredStore(1000, frames={"observation": 0}, stage_rows=0)
+    whole.extend(data)
+    pieces = TieredStore(1000, frames={"observation": 0}, stage_rows=0)
+    frame_nbytes = data["observation"][0, 0].numel()
+    start = 0
+    for c in cuts:
+        pieces.extend(data[start:start + c])
+        start += c
+        fam = parts(pieces).layout.families[0]
+        assert fam.tail_frames.shape[0] == fam.tail_blob.size == np.unique(fam.tail_hash).size
+        assert pieces.stats()["memory"]["tail"] <= 16 * frame_nbytes
+        check_refcounts(pieces)
+    assert whole.stats()["fields"]["observation"]["unique_frames"] == _expected_unique_frames(data, [len(data)])
+    assert pieces.stats()["fields"]["observation"]["unique_frames"] == _expected_unique_frames(data, cuts)
+    assert_td_equal(pieces.get(slice(None)), data)
+    pieces.flush()
+    check_refcounts(pieces)
+
+
 def test_frames_differing_in_one_byte_are_never_shared(atari_pong):
     data = atari_pong[:20].clone()
     base = data["observation"][10].clone()

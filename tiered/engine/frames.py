@@ -194,8 +194,9 @@ class FrameFamily:
         self.open_blob = np.empty(0, dtype=np.int64)
         self.open_fill = np.empty(0, dtype=np.int64)
         # Raw frames of open chunks: open_frames[s] holds chunk_frames frames; index.open_slot[blob] = s.
-        # one open chunk per live trajectory; grows (doubling) with the number of environments
-        self.open_frames = np.empty((8 if self.chunk_frames > 1 else 0, self.chunk_frames, self.frame_nbytes),
+        # one open chunk per live trajectory; starts with room for one environment's and grows
+        # (doubling) with the number of environments
+        self.open_frames = np.empty((1 if self.chunk_frames > 1 else 0, self.chunk_frames, self.frame_nbytes),
                                     dtype=np.uint8)
         self._free_open_slots = np.arange(self.open_frames.shape[0], dtype=np.int64)
         # Raw frames of the previous write's last rows (pins their blobs in the index).
@@ -250,8 +251,7 @@ class FrameFamily:
         else:
             open_traj, open_blob, open_fill = self._open_after(chunks, untouched)
         to_open = np.flatnonzero(~chunks.closes[chunks.frame_chunk])  # new frames of open chunks
-        tail_pos = np.flatnonzero(np.asarray(tail_mask, dtype=bool))
-        tail_frames = frames.take(tail_pos)
+        tail_frames, tail_blob, tail_slot = self._next_tail(rep_new, tail_mask, roots, root_frames, blob, slot)
         return FramePlan(
             blob=blob, slot=slot, new_ids=chunks.new_ids, closed_ids=closed_ids, closed_raw=closed_raw,
             closed_nframes=closed_nframes.astype(np.int64),
@@ -261,8 +261,26 @@ class FrameFamily:
             open_writes_frame=root_frames[unique_root[to_open]],
             reopened_closed=reopened_closed,
             tail_frames=tail_frames, tail_hash=frame_hashes(tail_frames, self._coeffs),
-            tail_blob=blob[tail_pos], tail_slot=slot[tail_pos], unique_new=unique_pos.size,
+            tail_blob=tail_blob, tail_slot=tail_slot, unique_new=unique_pos.size,
         )
+
+    def _next_tail(self, rep_new: np.ndarray, tail_mask: np.ndarray, roots: np.ndarray, root_frames: np.ndarray,
+                   blob: np.ndarray, slot: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(frames, blob ids, slots)`` of the next write's tail: the distinct frames of the
+        incoming frames ``tail_mask`` marks, each once (the tail only serves hash matches, so
+        the 8 rows of 2 x 4-frame stacks it covers keep ~11 frames, not 64)."""
+        n_tail = self.tail_frames.shape[0]
+        keep = np.unique(rep_new[np.flatnonzero(np.asarray(tail_mask, dtype=bool))])  # in [tail; frames]
+        old = keep < n_tail
+        new = keep[~old] - n_tail  # incoming dedup roots
+        frames = np.empty((keep.size, self.frame_nbytes), dtype=np.uint8)
+        frames[old] = self.tail_frames[keep[old]]
+        frames[~old] = root_frames[np.searchsorted(roots, new)]
+        tail_blob = np.empty(keep.size, dtype=np.int64)
+        tail_slot = np.empty(keep.size, dtype=np.int64)
+        tail_blob[old], tail_slot[old] = self.tail_blob[keep[old]], self.tail_slot[keep[old]]
+        tail_blob[~old], tail_slot[~old] = blob[new], slot[new]
+        return frames, tail_blob, tail_slot
 
     def _assign_chunks(self, unique_traj: np.ndarray, ended_traj: np.ndarray, close_all: bool,
                        index: BlobIndex) -> _Chunks:

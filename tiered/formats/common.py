@@ -13,14 +13,14 @@ import os
 import shutil
 import uuid
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 import torch
 from tensordict import TensorDictBase
 
 from .. import fileio
-from ..errors import UnsupportedFormatError
+from ..errors import InvalidDatasetError, PickledDataError, UnsupportedFormatError
 
 __all__ = [
     "SOURCE_FILE",
@@ -37,6 +37,8 @@ __all__ = [
     "numpy_dtype",
     "np_to_torch",
     "to_numpy",
+    "read_npy_header",
+    "NPY_MAX_HEADER",
     "DEFAULT_CHUNK_BYTES",
     "DEFAULT_CHUNK_ROWS",
 ]
@@ -50,6 +52,46 @@ SOURCE_FILE = "source.json"
 #: working copies of a batch), so the byte limit is what bounds it.
 DEFAULT_CHUNK_ROWS = 4096
 DEFAULT_CHUNK_BYTES = 32 << 20
+#: The longest ``.npy`` header a source may have (numpy writes a few hundred bytes).
+NPY_MAX_HEADER = 1 << 16
+
+
+def read_npy_header(f: BinaryIO, where: str,
+                    max_header_size: int = NPY_MAX_HEADER) -> tuple[tuple[int, ...], bool, np.dtype]:
+    """Shape, Fortran order and dtype of the ``.npy`` header at the position of the stream ``f``,
+    which is left at the first byte of the array's data.
+
+    numpy's own header parser (it evaluates literals only): nothing is unpickled, and an array of
+    Python objects is refused before any of its bytes are read.
+
+    Args:
+        f: a binary stream (a file, a zip member, a gzip stream, a ``BytesIO``).
+        where: how error messages name the array (its file, or archive and member).
+        max_header_size: the longest header accepted.
+
+    Raises:
+        InvalidDatasetError: a ``.npy`` version numpy does not write.
+        PickledDataError: the array holds Python objects.
+        ValueError: a damaged header (numpy's parser: bad magic, dict or length).
+
+    Example:
+        >>> import io
+        >>> buf = io.BytesIO(); np.save(buf, np.zeros((2, 3), np.int32)); _ = buf.seek(0)
+        >>> read_npy_header(buf, "a.npy"), buf.tell()
+        (((2, 3), False, dtype('int32')), 128)
+    """
+    version = np.lib.format.read_magic(f)
+    if version == (1, 0):
+        shape, fortran, dtype = np.lib.format.read_array_header_1_0(f, max_header_size=max_header_size)
+    elif version in ((2, 0), (3, 0)):
+        shape, fortran, dtype = np.lib.format.read_array_header_2_0(f, max_header_size=max_header_size)
+    else:
+        raise InvalidDatasetError(f"{where}: .npy version {version} is not one numpy writes")
+    if dtype.hasobject:
+        raise PickledDataError(
+            f"{where}: the array holds Python objects (a pickle); tiered never unpickles data: save it as "
+            "a plain array (np.save(..., allow_pickle=False))")
+    return tuple(int(d) for d in shape), bool(fortran), dtype
 
 
 def read_source(store_path: str | os.PathLike[str]) -> dict[str, Any] | None:

@@ -78,9 +78,9 @@ import torch
 from tensordict import TensorDict
 
 from .. import fileio
-from ..errors import InvalidDatasetError, PickledDataError, TieredError, UnsupportedFormatError
+from ..errors import InvalidDatasetError, TieredError, UnsupportedFormatError
 from ..util.batch import isin
-from .common import chunk_rows_for, iter_store, writing
+from .common import NPY_MAX_HEADER, chunk_rows_for, iter_store, read_npy_header, writing
 from .keymap import ACTION, DONE, NEXT_OBS, OBS, REWARD, TERMINATED, TRUNCATED
 
 __all__ = [
@@ -115,7 +115,6 @@ MAX_SIDE = 4096
 MAX_DEFLATE_RATIO = 1032
 #: The small files (add_count, invalid_range) are read whole, up to this many bytes.
 MAX_SMALL_BYTES = 1 << 20
-_MAX_HEADER = 1 << 16
 _NPY_MAGIC = b"\x93NUMPY"
 _CKPT = re.compile(r"^\$store\$_observation_ckpt\.(\d+)\.gz$")
 _RUN_FIELDS = (("run",), ("checkpoint",), ("index",), ("valid",))
@@ -137,23 +136,6 @@ def _naming(path: str) -> Iterator[None]:
         raise InvalidDatasetError(
             f"{path}: cannot read it as a gzipped .npy file ({type(e).__name__}: {e}); the file is damaged, "
             "truncated or not a Dopamine replay checkpoint") from e
-
-
-def _parse_npy_header(raw: bytes, path: str) -> tuple[tuple[int, ...], bool, np.dtype]:
-    """Shape, Fortran order and dtype of a complete ``.npy`` header (numpy's safe parser; no pickles)."""
-    f = io.BytesIO(raw)
-    version = np.lib.format.read_magic(f)
-    if version == (1, 0):
-        shape, fortran, dtype = np.lib.format.read_array_header_1_0(f, max_header_size=_MAX_HEADER)
-    elif version in ((2, 0), (3, 0)):
-        shape, fortran, dtype = np.lib.format.read_array_header_2_0(f, max_header_size=_MAX_HEADER)
-    else:
-        raise InvalidDatasetError(f"{path}: .npy version {version} is not one numpy writes")
-    if dtype.hasobject:
-        raise PickledDataError(
-            f"{path}: the array holds Python objects (a pickle); tiered never unpickles data. Dopamine "
-            "writes its arrays with np.save(..., allow_pickle=False): re-save them as plain arrays")
-    return tuple(int(d) for d in shape), bool(fortran), dtype
 
 
 class NpyGzReader:
@@ -187,7 +169,7 @@ class NpyGzReader:
         try:
             with _naming(path):
                 self.header = self._read_header()
-                self.shape, fortran, self.dtype = _parse_npy_header(self.header, path)
+                self.shape, fortran, self.dtype = read_npy_header(io.BytesIO(self.header), path)
             self._check(dtype, ndim, fortran)
         except BaseException:
             self.close()
@@ -205,7 +187,7 @@ class NpyGzReader:
             return bytes(head + self._exact(n))
         more = self._exact(2)
         n = int.from_bytes(head[8:10] + more, "little")
-        if n > _MAX_HEADER:
+        if n > NPY_MAX_HEADER:
             raise InvalidDatasetError(f"{self.path}: a .npy header of {n} bytes; numpy writes at most a few hundred")
         return bytes(head + more + self._exact(n))
 
@@ -229,7 +211,11 @@ class NpyGzReader:
 
     def _exact(self, n: int) -> bytearray:
         buf = bytearray(n)
-        view, got = memoryview(buf), 0
+        self._fill(memoryview(buf))
+        return buf
+
+    def _fill(self, view: memoryview) -> None:
+        n, got = len(view), 0
         with _naming(self.path):
             while got < n:
                 k = self._gz.readinto(view[got:])
@@ -237,7 +223,6 @@ class NpyGzReader:
                     raise InvalidDatasetError(
                         f"{self.path}: the file ends after {got} of {n} bytes expected; it is truncated")
                 got += k
-        return buf
 
     def read(self, n: int) -> np.ndarray:
         """The next ``n`` rows (fewer only past the end: never, for a complete file)."""
@@ -245,6 +230,15 @@ class NpyGzReader:
         raw = self._exact(n * self.row_bytes) if n else b""
         self.pos += n
         return np.frombuffer(raw, dtype=self.dtype).reshape(n, *self.shape[1:])
+
+    def read_into(self, out: np.ndarray) -> int:
+        """Read the next rows into ``out`` (C-contiguous, this array's dtype and row shape), as many
+        as it holds or as are left; return how many."""
+        n = max(0, min(out.shape[0], self.rows - self.pos))
+        if n:
+            self._fill(memoryview(out[:n].reshape(-1).view(np.uint8)))
+        self.pos += n
+        return n
 
     def read_all(self) -> np.ndarray:
         """The whole array (for the small files only)."""
@@ -483,32 +477,36 @@ class _SegmentStream:
             self.breaks = np.append(self.breaks, n - 1)
         self.invalid = seg.invalid.astype(np.int64)
 
-    def _pieces(self, readers: dict[str, NpyGzReader]) -> Iterator[dict[str, np.ndarray]]:
-        s, n = self.stack, self.seg.rows
-        head = {k: r.read(s) for k, r in readers.items()}
-        yield head
-        while readers["observation"].pos < n:
-            yield {k: r.read(self.step) for k, r in readers.items()}
-        for r in readers.values():
-            r.finish()
-        yield head
-
     def rows(self) -> Iterator[TensorDict]:
-        seg, s = self.seg, self.stack
+        seg, s, n = self.seg, self.stack, self.seg.rows
         readers: dict[str, NpyGzReader] = {}
         try:
             for name, (dtype, ndim) in ARRAYS.items():
                 readers[name] = _open_reader(seg.path(STORE_PREFIX + name), dtype, ndim)
-            buf: dict[str, np.ndarray] | None = None
-            k0 = 0
-            for piece in self._pieces(readers):
-                buf = piece if buf is None else {k: np.concatenate([buf[k], piece[k]]) for k in buf}
-                m = len(buf["observation"]) - s
+            # per array one buffer of stack + step items: the last `stack` items of a slice move to
+            # its start and the next slice is read in behind them (no concatenation, no copy of a slice)
+            step = max(self.step, s)
+            buf = {k: np.empty((s + step, *r.shape[1:]), r.dtype) for k, r in readers.items()}
+            for k, r in readers.items():
+                r.read_into(buf[k][:s])
+            head = {k: v[:s].copy() for k, v in buf.items()}  # slots 0..stack-1, again after slot N-1
+            fill, k0, wrapped = s, 0, False
+            while not wrapped:
+                if readers["observation"].pos < n:
+                    got = {k: r.read_into(buf[k][fill:]) for k, r in readers.items()}
+                    fill += got["observation"]  # the four files have the same rows (checked)
+                else:
+                    for k, r in readers.items():
+                        r.finish()
+                        buf[k][fill:fill + s] = head[k]
+                    fill, wrapped = fill + s, True
+                m = fill - s
                 if m <= 0:
                     continue
-                yield self._batch(buf, k0, m)
-                buf = {k: v[m:].copy() for k, v in buf.items()}
-                k0 += m
+                yield self._batch({k: v[:fill] for k, v in buf.items()}, k0, m)
+                for v in buf.values():
+                    v[:s] = v[m:fill].copy()  # the two ranges overlap when m < stack
+                fill, k0 = s, k0 + m
         finally:
             for r in readers.values():
                 r.close()
@@ -532,10 +530,13 @@ class _SegmentStream:
         if k0 + m == n:
             done[-1] = True  # the checkpoint's last row: the next rows are another buffer
         col = np.full(m, 0, dtype=np.int32)
+        # the m + 1 stacks once (a copy: the caller's buffer is reused); the state of row j is
+        # stack j and its next state stack j + 1, two views of the same bytes
+        stacks = torch.from_numpy(win[: m + 1].copy())
         return TensorDict(
             {
-                OBS: torch.from_numpy(np.ascontiguousarray(win[:m])),
-                NEXT_OBS: torch.from_numpy(np.ascontiguousarray(win[1: m + 1])),
+                OBS: stacks[:m],
+                NEXT_OBS: stacks[1:],
                 ACTION: torch.from_numpy(buf["action"][s - 1: s - 1 + m].copy()),
                 REWARD: torch.from_numpy(buf["reward"][s - 1: s - 1 + m].reshape(m, 1).copy()),
                 TERMINATED: torch.from_numpy(terminated.reshape(m, 1)),
@@ -598,7 +599,7 @@ def _write_segment(
         out = {name: _gz_writer(es, _file_name(logs, STORE_PREFIX + name, ckpt), level) for name in ARRAYS}
         for name, f in out.items():
             f.write(headers[name])
-        frame = _parse_npy_header(headers["observation"], logs)[0][1:]
+        frame = read_npy_header(io.BytesIO(headers["observation"]), logs)[0][1:]
         step = chunk_rows_for(stack * int(np.prod(frame)) + 16, chunk_rows)
         for lo, hi, td in iter_store(store, order, step, keys=keys):
             obs = td.get(OBS)[:, -1].contiguous().numpy()

@@ -35,7 +35,7 @@ import numpy as np
 
 from .. import fileio
 from ..errors import UnsupportedFormatError
-from .common import chunk_rows_for, iter_store, row_nbytes, to_numpy, writing
+from .common import chunk_rows_for, iter_store, read_npy_header, row_nbytes, to_numpy, writing
 from .d4rl import FlatSource, plan_flat_columns
 
 __all__ = ["NpzSource", "write_npz"]
@@ -47,21 +47,11 @@ class _Member:
     def __init__(self, zf: zipfile.ZipFile, info: zipfile.ZipInfo, path: str) -> None:
         self._zf, self._info, self._path = zf, info, path
         with zf.open(info) as f:
-            version = np.lib.format.read_magic(f)
-            if version == (1, 0):
-                shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
-            elif version in ((2, 0), (3, 0)):
-                shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
-            else:
-                raise UnsupportedFormatError(f"{path}: {info.filename} has .npy version {version}")
+            shape, fortran, dtype = read_npy_header(f, f"{path}: {info.filename}")
             self._data_start = f.tell()
         if fortran and len(shape) > 1:
             raise UnsupportedFormatError(f"{path}: {info.filename} is Fortran-ordered; save it C-ordered")
-        if dtype.hasobject:
-            raise UnsupportedFormatError(
-                f"{path}: {info.filename} holds Python objects, which cannot be stored"
-            )
-        self.shape, self.dtype = tuple(shape), dtype
+        self.shape, self.dtype = shape, dtype
         self._row = int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize
         self._start: int | None = None  # file offset of the rows of a stored member
         self._fd = -1

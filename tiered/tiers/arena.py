@@ -23,6 +23,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import mmap
 from collections.abc import Iterator
 from typing import Any
 
@@ -41,6 +42,9 @@ __all__ = ["ArenaTier", "HostTier", "DeviceTier", "default_budgets", "inject_oom
 
 # Smallest arena buffer: growing 64 KiB -> budget takes ~log2(budget / 64 KiB) copies.
 _MIN_ARENA = 1 << 16
+# Private anonymous maps (POSIX); 0 where the platform has none (then torch.empty).
+_ANON_PRIVATE = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0) \
+    if hasattr(mmap, "MAP_PRIVATE") and hasattr(mmap, "MAP_ANONYMOUS") else 0
 
 
 def cuda_usable() -> bool:
@@ -113,6 +117,9 @@ def inject_oom(after: int = 0) -> Iterator[None]:
 def new_buffer(nbytes: int, device: str | torch.device, pinned: bool = False) -> torch.Tensor:
     """An uninitialized uint8 tensor of ``nbytes`` on ``device`` (page-locked host memory if ``pinned``).
 
+    Plain host memory of 64 KiB or more is an anonymous memory map of its own, so
+    the pages that are never written (an arena's room to grow) are never held: from the heap,
+    they could be pages an earlier, freed allocation had written, held from the start.
     Inside :func:`inject_oom` it raises ``torch.OutOfMemoryError`` once the allowed growths are
     used up, as a real allocation would.
 
@@ -126,6 +133,14 @@ def new_buffer(nbytes: int, device: str | torch.device, pinned: bool = False) ->
         _oom_after[-1] -= 1
     if pinned:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    if _ANON_PRIVATE and nbytes >= _MIN_ARENA and torch.device(device).type == "cpu":
+        try:
+            # private: counted as the process's own (anonymous) memory, like any heap allocation
+            region = mmap.mmap(-1, nbytes, flags=_ANON_PRIVATE)
+        except OSError as e:  # ENOMEM: the arena turns this into StorageFullError
+            raise MemoryError(f"cannot map {nbytes} bytes of host memory: {e}") from e
+        # the tensor holds a reference to the map: unmapped when the tensor goes
+        return torch.frombuffer(region, dtype=torch.uint8)
     return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
 

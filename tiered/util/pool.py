@@ -56,6 +56,10 @@ class WorkerPool:
             except BaseException as e:  # noqa: BLE001 - re-raised in the calling thread
                 errors.append(e)
             finally:
+                # drop the task before waiting for the next one: its arguments are the caller's
+                # buffers (a write's raw frames, a sample's output), which an idle thread would
+                # otherwise keep alive until the next batch
+                del fn, args, errors
                 done.release()
 
 
