@@ -161,9 +161,9 @@ def test_set_priority_alone_moves_the_top_ranked_blobs_into_the_warm_tier(pong, 
 
 
 def test_a_churning_warm_cache_stays_full_and_reads_back_exactly(pong, tmp_path) -> None:
-    """Priorities that move every call make the warm cache swap blobs of many sizes: its holes
-    are compacted (blobs moved to the start of the arena) instead of leaving it half empty, and
-    every row reads back as written."""
+    """Priorities that move every call make the warm cache swap blobs of many sizes: the blobs
+    that fit its holes are taken, and its holes are compacted (blobs moved to the start of the
+    arena, in place) instead of leaving it part empty, and every row reads back as written."""
     store = _reopened_with_a_tenth_warm(pong, tmp_path)
     rng = np.random.default_rng(1)
     fill = []
@@ -171,8 +171,9 @@ def test_a_churning_warm_cache_stays_full_and_reads_back_exactly(pong, tmp_path)
         store.set_priority(np.arange(600), rng.pareto(1.2, 600) + 0.01)
         warm = store.stats()["tiers"]["warm"]
         fill.append(warm["bytes_used"] / warm["budget"])
-    assert warm["demotions"] > 20  # the cache churned
-    assert np.mean(fill[10:]) > 0.7
+    assert warm["demotions"] >= 15  # the cache churned (more than its ~15 blobs left it)
+    assert parts(store).placement.compactions > 0
+    assert np.mean(fill[10:]) > 0.85
     rows = rng.choice(600, 200, replace=False)
     got = store.get(rows)
     assert (store.stats()["tiers"]["warm"]["hits"]) > 0
