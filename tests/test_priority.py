@@ -182,6 +182,24 @@ def test_a_churning_warm_cache_stays_full_and_reads_back_exactly(pong, tmp_path)
     store.close()
 
 
+def test_a_read_from_disk_only_to_cache_needs_a_priority_jump() -> None:
+    """``promote`` (blobs a read already brought into memory) takes a blob that beats the one
+    it displaces by the margin; ``prefetch`` (a ``set_priority`` would read the blob from disk
+    just to cache it) only one that beats it by ``prefetch_margin``; free space is filled
+    either way."""
+    policy = PriorityPolicy(margin=0.25, prefetch_margin=3.0)
+    held, cand = np.arange(16), np.arange(16, 20)
+    policy.set_priority(np.arange(20), np.r_[np.ones(16), 1.5, 3.0, 4.5, 9.0])
+    full = TierState("warm", budget=512, bytes_used=512, exclusive=False, ids=held, sizes=np.full(16, 32))
+    assert policy.promote(cand, np.full(4, 16), full).tolist() == [True] * 4
+    assert policy.prefetch(cand, np.full(4, 16), full).tolist() == [False, False, True, True]
+    empty = TierState("warm", budget=512, bytes_used=0, exclusive=False, ids=np.empty(0, np.int64),
+                      sizes=np.empty(0, np.int64))
+    assert policy.prefetch(cand, np.full(4, 16), empty).tolist() == [True] * 4
+    with pytest.raises(ValueError, match="prefetch_margin"):
+        PriorityPolicy(prefetch_margin=-1.0)
+
+
 def test_jittering_priorities_do_not_make_the_cache_thrash(pong) -> None:
     """Promotion needs a margin over the blob that would leave: priorities that jitter by a few
     percent around equal values promote nothing once the tier is full."""

@@ -419,7 +419,8 @@ class Placement:
 
     def tell_policy(self, ids: np.ndarray, maxima: np.ndarray, move: bool = False) -> None:
         """Tell the policy blob priorities and sizes; with ``move`` (a ``set_priority``), a policy
-        that :attr:`~tiered.policy.Policy.promotes_on_priority` is asked to promote them now."""
+        that :attr:`~tiered.policy.Policy.promotes_on_priority` is asked which to read up now
+        (:meth:`~tiered.policy.Policy.prefetch`)."""
         self.policy.set_priority(ids, maxima)
         self.policy.set_sizes(ids, align(self.index.nbytes[ids]))
         self.policy.set_mass(ids, self.priorities.blob_mass(ids))
@@ -427,7 +428,7 @@ class Placement:
             self.promote_from_cold(ids)
 
     def promote_from_cold(self, ids: np.ndarray) -> None:
-        """Copy the blobs of ``ids`` the policy promotes into the caches, read from the cold tier
+        """Copy the blobs of ``ids`` the policy prefetches into the caches, read from the cold tier
         in one batched read per tier (blobs already cached there, or only in memory, are skipped)."""
         idx = self.index
         for t in (HOT, WARM):
@@ -438,7 +439,7 @@ class Placement:
             if cand.size == 0:
                 continue
             sizes = idx.nbytes[cand]
-            cand = cand[np.asarray(self.policy.promote(cand, align(sizes), self.tier_state(t)), dtype=bool)]
+            cand = cand[np.asarray(self.policy.prefetch(cand, align(sizes), self.tier_state(t)), dtype=bool)]
             if cand.size == 0:
                 continue
             sizes = idx.nbytes[cand]
