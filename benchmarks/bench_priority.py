@@ -20,8 +20,9 @@ cold tier on disk. Every batch:
    from the cold tier there when their priority changed.
 
 Reported per policy, over the batches after the first quarter (warm-up): the memory-tier hit
-rate (blobs served by the warm tier / blobs read, from ``stats()``), disk bytes per batch (in
-``get`` and in ``set_priority``), samples per second (``get`` alone, and ``get`` + ``set_priority``), and the warm tier's ``probability_mass`` at the end. The oracle: per batch,
+rate (blobs served by the warm tier / blobs read, from ``stats()``), the compressed bytes of the
+blobs ``get`` asked of the cold tier, disk bytes per batch (in ``get`` and in ``set_priority``:
+block-device reads, whole pages, so a missed blob of a few hundred bytes costs a page or more), samples per second (``get`` alone, and ``get`` + ``set_priority``), and the warm tier's ``probability_mass`` at the end. The oracle: per batch,
 the best set of blobs that fits the same budget for the current priorities (blobs ranked by
 their sampling mass per byte: the mass of a blob is the probability that a sampled row's frame
 comes from it); its hit rate on the batch's blobs, and its share of the mass. And the oracle as the
@@ -118,8 +119,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     priority = difficulty * rng.lognormal(0, 0.3, n)
     for s in stores.values():
         s.set_priority(np.arange(n), priority)
-    per = {p: {"hits": [], "reads": [], "disk": [], "seconds": [], "update_disk": [], "update_seconds": []}
-           for p in POLICIES}
+    per = {p: {"hits": [], "reads": [], "disk": [], "missed_bytes": [], "seconds": [], "update_disk": [],
+               "update_seconds": []} for p in POLICIES}
+    warm_col = 1  # the blob index's location column of the warm tier
     oracle_hits, oracle_mass, by_prio_hits, by_prio_mass = [], [], [], []
     policy_view = view.placement.policy
     warmup = args.batches // 4
@@ -146,6 +148,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             by_prio_mass.append(float(mass[top].sum() / mass.sum()))
         for p in (POLICIES if b % 2 else POLICIES[::-1]):  # alternate the order: no store always first
             store = stores[p]
+            batch_blobs = np.unique(refs[rows])
+            missed = batch_blobs[parts(store).index.loc[batch_blobs, warm_col] < 0]
             drop_page_cache(path)
             before = store.stats()["tiers"]
             io0 = read_io()
@@ -160,6 +164,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 per[p]["hits"].append(warm)
                 per[p]["reads"].append(warm + cold)
                 per[p]["disk"].append(io1.get("read_bytes", 0) - io0.get("read_bytes", 0))
+                per[p]["missed_bytes"].append(int(nbytes[missed].sum()))
                 per[p]["seconds"].append(seconds)
         # TD-error-like update: sampled rows were learned from (difficulty shrinks), priorities jitter
         difficulty[rows] *= 0.9
@@ -184,12 +189,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         results[p] = {
             "hit_rate": sum(r["hits"]) / max(sum(r["reads"]), 1),
             "disk_bytes_per_batch": float(np.mean(r["disk"])),
+            "cold_blob_bytes_per_batch": float(np.mean(r["missed_bytes"])),
             "update_disk_bytes_per_batch": float(np.mean(r["update_disk"])),
             "samples_per_s": args.batch * len(r["seconds"]) / sum(r["seconds"]),
             "samples_per_s_with_update": args.batch * len(r["seconds"]) / (sum(r["seconds"]) + sum(r["update_seconds"])),
             "warm_probability_mass": stats["tiers"]["warm"]["probability_mass"],
             "warm_bytes_used": stats["tiers"]["warm"]["bytes_used"],
             "promotions": stats["tiers"]["warm"]["promotions"],
+            "compactions": parts(stores[p]).placement.compactions,
         }
         stores[p].close()
     return {
@@ -204,17 +211,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def report(res: dict[str, Any]) -> str:
     pol, oracle = res["policies"], res["oracle"]
-    rows = [[p, f"{pol[p]['hit_rate']:.1%}", f"{pol[p]['disk_bytes_per_batch'] / 1024:.0f} KiB",
+    rows = [[p, f"{pol[p]['hit_rate']:.1%}", f"{pol[p]['cold_blob_bytes_per_batch'] / 1024:.0f} KiB",
+             f"{pol[p]['disk_bytes_per_batch'] / 1024:.0f} KiB",
              f"{pol[p]['update_disk_bytes_per_batch'] / 1024:.0f} KiB",
              f"{pol[p]['samples_per_s']:.0f}", f"{pol[p]['samples_per_s_with_update']:.0f}",
              f"{pol[p]['warm_probability_mass']:.1%}", pol[p]["promotions"]]
             for p in POLICIES]
     by_prio = res["oracle_by_priority"]
-    rows.append(["oracle: top 10% of bytes by blob priority", f"{by_prio['hit_rate']:.1%}", "", "", "", "",
+    rows.append(["oracle: top 10% of bytes by blob priority", f"{by_prio['hit_rate']:.1%}", "", "", "", "", "",
                  f"{by_prio['mass']:.1%}", ""])
-    rows.append(["oracle: best 10% by sampling mass per byte", f"{oracle['hit_rate']:.1%}", "", "", "", "",
+    rows.append(["oracle: best 10% by sampling mass per byte", f"{oracle['hit_rate']:.1%}", "", "", "", "", "",
                  f"{oracle['mass']:.1%}", ""])
-    table = markdown_table(["policy", "warm hit rate", "disk bytes / batch (get)", "disk bytes / batch "
+    table = markdown_table(["policy", "warm hit rate", "blob bytes from cold / batch (get)",
+                            "disk bytes / batch (get)", "disk bytes / batch "
                             "(set_priority)", "samples/s (get)", "samples/s (get + set_priority)",
                             "warm probability mass", "promotions"], rows)
     pr, lru = pol["priority"]["hit_rate"], pol["lru"]["hit_rate"]

@@ -611,3 +611,88 @@ def test_a_full_bounded_arena_fits_a_batch_into_its_holes_on_a_second_pass() -> 
     with pytest.raises(StorageFullError):
         a.allocate(np.array([64, 128]))
     assert all(np.array_equal(x, y) for x, y in zip(a.extents, before, strict=True)) and a.free_bytes == 128
+
+
+def _live_spans(offsets: np.ndarray, sizes: np.ndarray) -> list[tuple[int, int]]:
+    return sorted((int(o), int(o) + int(s)) for o, s in zip(offsets, align(sizes), strict=True))
+
+
+def _no_overlap(spans: list[tuple[int, int]]) -> bool:
+    spans = sorted(spans)
+    return all(end <= nxt for (_, end), (nxt, _) in zip(spans, spans[1:], strict=False))
+
+
+def test_a_full_arena_takes_the_blobs_that_fit_and_marks_the_rest() -> None:
+    # four 128-byte holes and no room at the end: a 64 and a 128 fit, the 256 nowhere
+    a = ExtentAllocator(1024)
+    offsets = a.allocate(np.full(8, 128))
+    a.free(offsets[::2], np.full(4, 128))
+    got = a.allocate(np.array([64, 256, 128]), partial=True)
+    assert got[1] == -1 and (got[[0, 2]] >= 0).all()
+    assert _no_overlap(_live_spans(np.r_[offsets[1::2], got[[0, 2]]], np.r_[np.full(4, 128), 64, 128]))
+    assert a.bytes_used == 512 + 64 + 128 and a.free_bytes == 1024 - a.bytes_used
+    with pytest.raises(ValueError, match="boundary"):
+        ExtentAllocator(1024, boundary=512).allocate(np.array([16]), partial=True)
+    # an arena: the same, and what fits can be written and read back
+    t = HostTier(1024, pinned=False)
+    first = t.allocate(np.full(8, 128))
+    t.free(first[::2], np.full(4, 128))
+    got = t.allocate_fitting(np.array([976, 128]))  # a blob no hole holds does not block the others
+    assert got[0] == -1 and got[1] in first[::2]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_partial_allocation_never_overlaps_live_blobs(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    a = ExtentAllocator(1 << 14)
+    live: dict[int, int] = {}
+    for _ in range(60):
+        if live and rng.random() < 0.5:
+            gone = rng.choice(list(live), size=rng.integers(1, len(live) + 1), replace=False)
+            a.free(np.array(gone), np.array([live.pop(int(o)) for o in gone]))
+        sizes = rng.integers(1, 1500, rng.integers(1, 12))
+        got = a.allocate(sizes, partial=True)
+        placed = got >= 0
+        live.update(zip(got[placed].tolist(), sizes[placed].tolist(), strict=True))
+        spans = _live_spans(np.array(list(live)), np.array(list(live.values())))
+        assert _no_overlap(spans) and all(end <= 1 << 14 for _, end in spans)
+        assert a.bytes_used == int(align(np.array(list(live.values()))).sum()) if live else a.bytes_used == 0
+
+
+@pytest.mark.parametrize("step", [1, 700, 1 << 20])
+def test_arena_compaction_moves_the_blobs_to_the_start_in_place(step: int) -> None:
+    """Blobs of many sizes, every other group freed: compaction packs the live blobs from byte
+    0 in address order, in the same arena buffer (no second arena), through moves whose
+    sources and destinations overlap, and every blob reads back as written."""
+    rng = np.random.default_rng(5)
+    t = HostTier(1 << 16, pinned=False)
+    data, src_off, sizes = batch(rng, 120, 1, 900)
+    off = t.allocate(sizes)
+    t.write(off, data, src_off, sizes)
+    gone = rng.random(sizes.size) < 0.4
+    gone[:3] = False  # a packed prefix that stays where it is
+    t.free(off[gone], sizes[gone])
+    keep = np.flatnonzero(~gone)
+    expected = blobs_of(data, src_off[keep], sizes[keep])
+    buf, capacity = t.buffer.data_ptr(), t.capacity
+    moved = t.compact_bytes
+    assert 0 < moved < t.bytes_used
+    new = t.compact(off[keep], sizes[keep], step=step)
+    assert t.buffer.data_ptr() == buf and t.capacity == capacity  # moved within the one arena
+    assert new[:3].tolist() == off[keep][:3].tolist()
+    assert new.tolist() == (np.cumsum(align(sizes[keep])) - align(sizes[keep])).tolist()
+    assert t.fragmentation == 0.0 and t.stats()["high_water"] == t.bytes_used and t.compact_bytes == 0
+    assert read_back(t, new, sizes[keep]) == expected
+    more = t.allocate(np.array([4000]))  # the free space is one range past the blobs
+    assert more.tolist() == [t.bytes_used - 4000]
+
+
+def test_arena_compaction_needs_every_live_blob() -> None:
+    t = HostTier(1 << 12, pinned=False)
+    off = t.allocate(np.array([64, 64, 64]))
+    t.free(off[:1], np.array([64]))
+    with pytest.raises(ValueError, match="every live blob"):
+        t.compact(off[1:2], np.array([64]))
+    with pytest.raises(ValueError, match="overlapping"):
+        t.compact(np.array([off[1], off[1]]), np.array([64, 64]))
+    assert t.bytes_used == 128 and t.compact_bytes == 128

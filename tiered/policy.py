@@ -308,6 +308,28 @@ class Policy(ABC):
         limit = tier.budget // 4 if tier.exclusive else tier.budget // 2
         return np.cumsum(sizes) <= limit
 
+    def prefetch(self, ids: np.ndarray, sizes: np.ndarray, tier: TierState) -> np.ndarray:
+        """Which blobs whose priority a ``set_priority`` changed to read up from the cold tier
+        into cache ``tier`` now, before any sample asks for them (the store asks only a policy
+        that :attr:`promotes_on_priority`). Unlike :meth:`promote`, whose blobs were just read
+        anyway, every blob taken here costs a read from disk.
+
+        Args:
+            ids: the blobs (in the cold tier, not in ``tier``).
+            sizes: their sizes in bytes.
+            tier: the cache they could be copied into.
+
+        Returns:
+            A bool mask over ``ids``. The default: what :meth:`promote` would take.
+
+        Example:
+            >>> import numpy as np
+            >>> cache = TierState("warm", budget=256, bytes_used=0, exclusive=False)
+            >>> get_policy("lru").prefetch(np.array([4, 5]), np.array([32, 32]), cache).tolist()
+            [True, True]
+        """
+        return self.promote(ids, sizes, tier)
+
     # -- state --------------------------------------------------------------------------------
 
     def _columns(self) -> dict[str, _Column]:
@@ -481,13 +503,19 @@ class PriorityPolicy(Policy):
     them). The margin is the hysteresis that keeps jittering priorities from swapping blobs in
     and out on every call. At most an eighth of the budget moves per call, so that the arena
     finds room for the batch in its holes without pushing out more than the policy chose.
-    :attr:`promotes_on_priority` is set: a store with a cold tier asks :meth:`promote` about the
-    blobs whose priority a ``set_priority`` changed, not only about the blobs a read met, so a
-    blob whose priority jumps moves up before it is sampled.
+    :attr:`promotes_on_priority` is set: a store with a cold tier asks :meth:`prefetch` about
+    the blobs whose priority a ``set_priority`` changed, not only :meth:`promote` about the
+    blobs a read met, so a blob whose priority jumps moves up before it is sampled. Such a read
+    from disk is paid whether or not the blob is then sampled, while a blob a read met is
+    already in memory: into a full tier, :meth:`prefetch` takes a blob only when it beats the
+    blob that would leave by ``1 + prefetch_margin`` (4x by default: its priority jumped, not
+    merely changed). Free space is filled best first either way.
 
     Args:
         default: the priority of a blob no :meth:`set_priority` call has named (finite, >= 0).
         margin: the relative advantage a candidate needs over the blobs it displaces (>= 0).
+        prefetch_margin: the same for a blob read from the cold tier only to be cached, when
+            its priority changed (>= 0).
 
     Example:
         >>> import numpy as np
@@ -513,19 +541,21 @@ class PriorityPolicy(Policy):
     #: the share of the budget that may move into a tier per admission or promotion call
     share = 1 / 8
 
-    def __init__(self, default: float = 1.0, margin: float = 0.25) -> None:
+    def __init__(self, default: float = 1.0, margin: float = 0.25, prefetch_margin: float = 3.0) -> None:
         super().__init__()
-        default, margin = float(default), float(margin)
+        default, margin, prefetch_margin = float(default), float(margin), float(prefetch_margin)
         if not np.isfinite(default) or default < 0:
             raise InvalidPriorityError(f"the default priority must be finite and >= 0, got {default}")
-        if not np.isfinite(margin) or margin < 0:
-            raise ValueError(f"margin must be finite and >= 0, got {margin}")
+        for name, value in (("margin", margin), ("prefetch_margin", prefetch_margin)):
+            if not np.isfinite(value) or value < 0:
+                raise ValueError(f"{name} must be finite and >= 0, got {value}")
         self._prio = _Column(np.float64, default)
         self._size = _Column(np.float64, 1.0)  # told by the store at every priority change; not saved
         self._mass = _Column(np.float64, np.nan)  # likewise (NaN: never told)
         self._alpha = 1.0
         self.default = default
         self.margin = margin
+        self.prefetch_margin = prefetch_margin
 
     @property
     def alpha(self) -> float:
@@ -613,7 +643,24 @@ class PriorityPolicy(Policy):
         """Blobs move up by the rule of the class docstring (free space, or a better rank)."""
         return self._replacing(ids, sizes, tier)
 
-    def _replacing(self, ids: np.ndarray, sizes: np.ndarray, tier: TierState) -> np.ndarray:
+    def prefetch(self, ids: np.ndarray, sizes: np.ndarray, tier: TierState) -> np.ndarray:
+        """Blobs whose priority changed are read up by the same rule with ``prefetch_margin``.
+
+        Example:
+            >>> import numpy as np
+            >>> p = PriorityPolicy()
+            >>> p.set_priority(np.arange(18), np.r_[np.ones(16), 2.0, 8.0])
+            >>> full = TierState("warm", budget=256, bytes_used=256, exclusive=False,
+            ...                  ids=np.arange(16), sizes=np.full(16, 16))
+            >>> p.promote(np.array([16, 17]), np.array([16, 16]), full).tolist()  # 2x, 8x beat 1.25x
+            [True, True]
+            >>> p.prefetch(np.array([16, 17]), np.array([16, 16]), full).tolist()  # only 8x beats 4x
+            [False, True]
+        """
+        return self._replacing(ids, sizes, tier, self.prefetch_margin)
+
+    def _replacing(self, ids: np.ndarray, sizes: np.ndarray, tier: TierState,
+                   margin: float | None = None) -> np.ndarray:
         ids = _ids(ids)
         sizes = align(np.asarray(sizes, dtype=np.int64).reshape(-1))
         take = np.zeros(ids.shape, dtype=bool)
@@ -631,7 +678,7 @@ class PriorityPolicy(Policy):
             last = np.searchsorted(left, displaced)  # the last blob that leaves for each prefix
             bar = np.full(ids.shape, np.inf)
             ok = last < held.size
-            bar[ok] = self._keys(held[last[ok]]) * (1.0 + self.margin)
+            bar[ok] = self._keys(held[last[ok]]) * (1.0 + (self.margin if margin is None else margin))
             fits |= key[best_first] > bar
         take[best_first[np.logical_and.accumulate(fits & (moved <= limit))]] = True
         return take

@@ -93,6 +93,9 @@ class Placement:
             :mod:`tiered.engine.priorities`); ``None`` keeps every blob at the policy's default.
     """
 
+    #: the share of the warm budget that must be free before a compaction may run (see :meth:`compact`)
+    compact_share = 1 / 8
+
     def __init__(self, tiers: list[Tier | None], index: BlobIndex, policy: Policy,
                  priorities: RowPriorities | None = None) -> None:
         self.tiers = tiers
@@ -101,6 +104,9 @@ class Placement:
         self.priorities = priorities
         self.counts = {name: {"hits": 0, "promotions": 0, "demotions": 0} for name in TIER_NAMES}
         self.oom_skipped_promotions = 0
+        self.compactions = 0
+        #: bytes the cold tier read since the last compaction (see :meth:`compact`)
+        self.cold_read_bytes = 0
         #: called after bytes were written into the hot arena (a GPU decoder fences its streams)
         self.on_hot_write: Callable[[], None] | None = None
 
@@ -176,21 +182,20 @@ class Placement:
         if not admitted.any():
             return False
         if admitted.all():
-            return self.cache_into(t, ids, data, offsets, sizes)
-        return self.cache_into(t, ids[admitted], data, offsets[admitted], sizes[admitted])
+            return bool(self.cache_into(t, ids, data, offsets, sizes).any())
+        return bool(self.cache_into(t, ids[admitted], data, offsets[admitted], sizes[admitted]).any())
 
-    def allocate_in(self, t: int, sizes: np.ndarray, protect: np.ndarray | None = None,
-                    rounds: int = 4) -> np.ndarray:
-        """Allocate in tier ``t``, moving policy victims out first.
+    def allocate_in(self, t: int, sizes: np.ndarray, protect: np.ndarray | None = None) -> np.ndarray:
+        """Allocate in tier ``t``, moving policy victims out first (every blob or none).
 
         Enough free *bytes* may still not hold a batch when the free space is in small holes;
         then more victims leave (four times the batch, then sixteen times, then the whole budget)
         until the holes coalesce. A bounded number of rounds, never a loop over blobs. A cache
-        (``cache_into``) stops after two rounds: emptying a cache to fit one batch would throw
-        away the blobs the policy chose to keep.
+        does not come here (:meth:`cache_into` takes what fits instead of evicting more).
         """
         tier = self.tiers[t]
         need = int(align(sizes).sum())
+        rounds = 4
         for attempt in range(rounds):
             room = need if attempt == 0 or tier.budget is None else min(tier.budget, need << (2 * attempt))
             if attempt == 3 and tier.budget is not None:
@@ -206,27 +211,29 @@ class Placement:
         raise AssertionError("unreachable")
 
     def compact(self, t: int, need: int) -> bool:
-        """Move the blobs of the warm arena of a store with a cold tier to its start, so that
-        its holes become one free range, when ``need`` bytes fit its free bytes but not its
-        holes and at least an eighth of its budget is free (so a compaction, which copies the
-        bytes the arena holds, runs at most once per eighth of the budget freed). Returns
-        whether it ran. Pinned arenas wait for pending CUDA copies first."""
+        """Move the blobs of the warm arena of a store with a cold tier to its start, in place
+        (:meth:`~tiered.tiers.ArenaTier.compact`), so that its holes become one free range.
+
+        It runs when ``need`` bytes fit the arena's free bytes and the copy is cheap next to the
+        work around it: it moves no more bytes than the cold tier read since the previous
+        compaction (a read from disk costs far more per byte than a copy in memory), or at least
+        :attr:`compact_share` of the budget is free (so a large arena under little traffic is
+        compacted at most once per that share of its budget freed, and its fill never sinks much
+        below ``1 - compact_share``). Returns whether it ran. Pinned arenas wait for pending
+        CUDA copies first."""
         tier = self.tiers[t]
         if t != WARM or self.cold is None or tier.budget is None:
             return False
-        if tier.budget - tier.bytes_used < max(need, tier.budget // 8):
+        free = tier.budget - tier.bytes_used
+        if free < need or (tier.compact_bytes > self.cold_read_bytes
+                           and free < int(tier.budget * self.compact_share)):
             return False
         if getattr(tier, "pinned", False) and cuda_usable():
             torch.cuda.synchronize()
         ids = self.tier_ids(t)
-        sizes = self.index.nbytes[ids]
-        offsets = exclusive_cumsum(sizes)
-        buf = np.empty(int(sizes.sum()), dtype=np.uint8)
-        tier.read(self.index.loc[ids, t], sizes, buf, offsets)
-        tier.free(self.index.loc[ids, t], align(sizes))
-        loc = tier.allocate(sizes)
-        tier.write(loc, buf, offsets, sizes)
-        self.index.loc[ids, t] = loc
+        self.index.loc[ids, t] = tier.compact(self.index.loc[ids, t], self.index.nbytes[ids])
+        self.compactions += 1
+        self.cold_read_bytes = 0
         return True
 
     def make_room(self, t: int, need: int, protect: np.ndarray | None = None) -> None:
@@ -271,20 +278,35 @@ class Placement:
         idx.loc[ids, t] = -1
         self.counts[TIER_NAMES[t]]["demotions"] += int(ids.size)
 
-    def cache_into(self, t: int, ids, data, offsets, sizes) -> bool:
-        """Copy blobs into cache tier ``t`` (stores with a path), evicting by policy. Best effort:
-        False when the tier cannot take them (full of unevictable blobs, GPU out of memory)."""
+    def cache_into(self, t: int, ids, data, offsets, sizes) -> np.ndarray:
+        """Copy blobs into cache tier ``t`` (stores with a path), evicting by policy; return a
+        bool mask over ``ids`` of the blobs cached.
+
+        The policy's victims leave until the batch fits the budget's bytes; the blobs that then
+        fit the arena (its holes and the room past its used region, or one free range after a
+        :meth:`compact`) are cached, the others skipped: no further victims leave for them (a
+        cache that emptied itself to fit one batch would lose the blobs the policy chose to
+        keep, and holes left now take later blobs). Best effort: nothing is cached when the
+        tier cannot take the batch (full of unevictable blobs, GPU out of memory).
+        """
         tier = self.tiers[t]
         try:
-            loc = self.allocate_in(t, sizes, rounds=2)
+            need = int(align(sizes).sum())
+            self.make_room(t, need)
+            loc = tier.allocate_fitting(sizes)
+            if (loc < 0).any():  # give the room back (nothing written yet); compact, then place again
+                tier.free(loc[loc >= 0], align(sizes[loc >= 0]))
+                self.compact(t, need)
+                loc = tier.allocate_fitting(sizes)
         except (StorageFullError, ValueError):
-            return False
+            return np.zeros(np.shape(ids), dtype=bool)
         except torch.cuda.OutOfMemoryError:
             self.oom_skipped_promotions += 1
-            return False
-        tier.write(loc, data, offsets, sizes)
-        self.index.loc[ids, t] = loc
-        return True
+            return np.zeros(np.shape(ids), dtype=bool)
+        ok = loc >= 0
+        tier.write(loc[ok], data, offsets[ok], sizes[ok])
+        self.index.loc[ids[ok], t] = loc[ok]
+        return ok
 
     def free_in_tiers(self, ids: np.ndarray, *, defer: bool) -> None:
         """Free ``ids`` in every tier that holds them (``defer`` matters to cold tiers only).
@@ -330,6 +352,7 @@ class Placement:
             sel = from_tier == t if skip is None else (from_tier == t) & ~skip
             if sel.any():
                 tier.read(loc[sel, t], sizes[sel], out, out_offsets[sel])
+        self.cold_read_bytes += int(sizes[from_tier == COLD].sum())
 
     def note_reads(self, ids: np.ndarray, from_tier: np.ndarray) -> None:
         """Count tier hits and tell the policy which blobs were read."""
@@ -358,9 +381,9 @@ class Placement:
             if cand.size == 0:
                 continue
             if self.cold is not None:
-                if self.cache_into(t, ids[cand], comp, src_off[cand], sizes[cand]):
-                    from_tier[cand] = t
-                    self.counts[TIER_NAMES[t]]["promotions"] += int(cand.size)
+                cand = cand[self.cache_into(t, ids[cand], comp, src_off[cand], sizes[cand])]
+                from_tier[cand] = t
+                self.counts[TIER_NAMES[t]]["promotions"] += int(cand.size)
                 continue
             # Exclusive tiers: copy up, switch the index, then free below. Victims of the faster
             # tier move down first (policy order).
@@ -396,7 +419,8 @@ class Placement:
 
     def tell_policy(self, ids: np.ndarray, maxima: np.ndarray, move: bool = False) -> None:
         """Tell the policy blob priorities and sizes; with ``move`` (a ``set_priority``), a policy
-        that :attr:`~tiered.policy.Policy.promotes_on_priority` is asked to promote them now."""
+        that :attr:`~tiered.policy.Policy.promotes_on_priority` is asked which to read up now
+        (:meth:`~tiered.policy.Policy.prefetch`)."""
         self.policy.set_priority(ids, maxima)
         self.policy.set_sizes(ids, align(self.index.nbytes[ids]))
         self.policy.set_mass(ids, self.priorities.blob_mass(ids))
@@ -404,7 +428,7 @@ class Placement:
             self.promote_from_cold(ids)
 
     def promote_from_cold(self, ids: np.ndarray) -> None:
-        """Copy the blobs of ``ids`` the policy promotes into the caches, read from the cold tier
+        """Copy the blobs of ``ids`` the policy prefetches into the caches, read from the cold tier
         in one batched read per tier (blobs already cached there, or only in memory, are skipped)."""
         idx = self.index
         for t in (HOT, WARM):
@@ -415,15 +439,15 @@ class Placement:
             if cand.size == 0:
                 continue
             sizes = idx.nbytes[cand]
-            cand = cand[np.asarray(self.policy.promote(cand, align(sizes), self.tier_state(t)), dtype=bool)]
+            cand = cand[np.asarray(self.policy.prefetch(cand, align(sizes), self.tier_state(t)), dtype=bool)]
             if cand.size == 0:
                 continue
             sizes = idx.nbytes[cand]
             offsets = exclusive_cumsum(sizes)
             buf = np.empty(int(sizes.sum()), dtype=np.uint8)
             self.cold.read(idx.loc[cand, COLD], sizes, buf, offsets)
-            if self.cache_into(t, cand, buf, offsets, sizes):
-                self.counts[TIER_NAMES[t]]["promotions"] += int(cand.size)
+            self.cold_read_bytes += int(sizes.sum())
+            self.counts[TIER_NAMES[t]]["promotions"] += int(self.cache_into(t, cand, buf, offsets, sizes).sum())
         self._hot_written()
 
     def set_alpha(self, alpha: float, layout: FieldLayout | None, stage: WriteStage | None) -> None:

@@ -32,9 +32,10 @@ import psutil
 import torch
 
 from ..errors import StorageFullError
+from ..util.batch import exclusive_cumsum
 from ..util.buffers import as_int64
 from ..util.copy import copy_blobs
-from ..util.units import format_bytes, parse_bytes
+from ..util.units import align, format_bytes, parse_bytes
 from .base import Tier
 from .extents import ExtentAllocator
 
@@ -45,6 +46,9 @@ _MIN_ARENA = 1 << 16
 # Private anonymous maps (POSIX); 0 where the platform has none (then torch.empty).
 _ANON_PRIVATE = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0) \
     if hasattr(mmap, "MAP_PRIVATE") and hasattr(mmap, "MAP_ANONYMOUS") else 0
+
+#: Bytes an arena compaction moves per step (its staging buffer; a larger blob moves alone).
+COMPACT_STEP = 4 << 20
 
 
 def cuda_usable() -> bool:
@@ -217,8 +221,26 @@ class ArenaTier(Tier):
             StorageFullError: the batch does not fit now, or the arena cannot grow (out of
                 memory); the tier is unchanged.
         """
+        return self._allocated(sizes, partial=False)
+
+    def allocate_fitting(self, sizes: np.ndarray) -> np.ndarray:
+        """Best effort: space for the blobs of ``sizes`` that fit now (in the holes, or under the
+        budget past the used region), the offset -1 for the others (a cache skips those).
+
+        Raises:
+            ValueError: a blob larger than the whole budget.
+            StorageFullError: the arena cannot grow (out of memory); the tier is unchanged.
+
+        Example:
+            >>> t = HostTier(96, pinned=False)
+            >>> t.allocate_fitting(np.array([32, 48, 32])).tolist()  # the third does not fit
+            [0, 32, -1]
+        """
+        return self._allocated(sizes, partial=True)
+
+    def _allocated(self, sizes: np.ndarray, partial: bool) -> np.ndarray:
         snapshot = self._alloc.snapshot()
-        offsets = self._alloc.allocate(sizes)
+        offsets = self._alloc.allocate(sizes, partial=partial)
         need = self._alloc.high_water
         try:
             self._grow(need)
@@ -234,6 +256,85 @@ class ArenaTier(Tier):
                 f"{format_bytes(self.budget)}): {e}. Lower the {self.name} budget or free memory"
             ) from e
         return offsets
+
+    @property
+    def compact_bytes(self) -> int:
+        """The bytes :meth:`compact` would move now: the live bytes past the first hole.
+
+        Example:
+            >>> t = HostTier(1 << 10, pinned=False)
+            >>> off = t.allocate(np.array([16, 32, 48]))
+            >>> t.compact_bytes, t.free(off[:1], np.array([16])), t.compact_bytes
+            (0, None, 80)
+        """
+        free_off, free_len = self._alloc.extents
+        if free_off.size == 0:
+            return 0
+        return self._alloc.high_water - int(free_off[0]) - int(free_len.sum())
+
+    def compact(self, offsets: np.ndarray, sizes: np.ndarray, *, step: int = COMPACT_STEP) -> np.ndarray:
+        """Move every blob of the arena to its start, in place; return their new offsets.
+
+        ``offsets`` and ``sizes`` must name every live blob (their aligned sizes add up to
+        :attr:`bytes_used`): afterwards they lie back to back from byte 0 in the order of their
+        offsets, and the free space is one range at the end. Blobs move toward the start in
+        address order, the blobs that start in one ``step`` of the packed layout (default
+        :data:`COMPACT_STEP`; at least the largest blob) at a time, through a staging buffer of
+        about that size: a group's destinations end before the next group's sources begin, so
+        no byte is overwritten before it has moved, and no second arena-sized buffer is needed.
+        The packed prefix (blobs already in place) is not copied. One batched copy in and one
+        out per step, never a loop over blobs.
+
+        Raises:
+            ValueError: the blobs are not every live blob of the arena.
+
+        Example:
+            >>> t = HostTier(1 << 10, pinned=False)
+            >>> off = t.allocate(np.array([16, 16, 16]))
+            >>> t.write(off, np.frombuffer(b"a" * 16 + b"b" * 16 + b"c" * 16, np.uint8),
+            ...         np.array([0, 16, 32]), np.array([16, 16, 16]))
+            >>> t.free(off[:1], np.array([16]))
+            >>> new = t.compact(off[1:], np.array([16, 16])); new.tolist()
+            [0, 16]
+            >>> out = np.zeros(32, np.uint8); t.read(new, np.array([16, 16]), out, np.array([0, 16]))
+            >>> out.tobytes() == b"b" * 16 + b"c" * 16, t.fragmentation, t.stats()["high_water"]
+            (True, 0.0, 32)
+        """
+        offsets = as_int64(offsets).reshape(-1)
+        sizes = align(as_int64(sizes).reshape(-1))
+        if offsets.shape != sizes.shape:
+            raise ValueError(f"offsets and sizes differ in length: {offsets.size} != {sizes.size}")
+        if int(sizes.sum()) != self.bytes_used:
+            raise ValueError(
+                f"compact needs every live blob of the {self.name} arena: got {int(sizes.sum())} bytes in "
+                f"{sizes.size} blobs, the arena holds {self.bytes_used}")
+        order = np.argsort(offsets, kind="stable")
+        src, size = offsets[order], sizes[order]
+        dst = exclusive_cumsum(size)
+        self._check_live(src, size)
+        if src.size > 1 and bool((src[1:] < src[:-1] + size[:-1]).any()):
+            raise ValueError(f"compact was given overlapping blobs of the {self.name} arena")
+        moving = np.flatnonzero(dst != src)
+        if moving.size:
+            src, size, dst_m = src[moving[0]:], size[moving[0]:], dst[moving[0]:]
+            rel = dst_m - dst_m[0]
+            step = max(int(step), int(size.max()), 1)
+            group = rel // step  # a group: the blobs that start in one step of the packed layout
+            bounds = np.flatnonzero(np.diff(group)) + 1
+            starts = np.concatenate([[0], bounds]).tolist()
+            stops = np.concatenate([bounds, [size.size]]).tolist()
+            stage = torch.empty(min(step + int(size.max()), int(rel[-1] + size[-1])), dtype=torch.uint8,
+                                device=self.device)
+            for a, b in zip(starts, stops, strict=True):  # one iteration per step of bytes, not per blob
+                stage_off = rel[a:b] - rel[a]
+                copy_blobs(self.buffer, src[a:b], stage, stage_off, size[a:b])
+                copy_blobs(stage, stage_off, self.buffer, dst_m[a:b], size[a:b])
+        self._alloc = ExtentAllocator(self.budget)
+        if sizes.size:
+            self._alloc.allocate(sizes[order])  # an empty allocator bumps: back to back from 0, in order
+        new = np.empty_like(offsets)
+        new[order] = dst
+        return new
 
     def _check_live(self, offsets: np.ndarray, sizes: np.ndarray) -> None:
         if offsets.size and int((offsets + sizes).max()) > self._alloc.high_water:

@@ -116,20 +116,31 @@ class ExtentAllocator:
             f"{self._free_len.size} extents below the high-water mark {self._end}"
         )
 
-    def allocate(self, sizes: np.ndarray) -> np.ndarray:
+    def allocate(self, sizes: np.ndarray, *, partial: bool = False) -> np.ndarray:
         """Reserve ranges for blobs of ``sizes`` bytes; return their int64 offsets.
 
         All or nothing: if the batch does not fit, raise
-        :class:`~tiered.errors.StorageFullError` and change nothing.
+        :class:`~tiered.errors.StorageFullError` and change nothing. With ``partial`` (an
+        allocator without a ``boundary``: the memory arenas), best effort instead: the blobs
+        that fit now get their ranges, the others the offset -1, and nothing is raised for room.
 
         Raises:
             ValueError: a negative size, or one blob larger than the capacity (or boundary):
-                it could never fit.
-            StorageFullError: the batch does not fit now.
+                it could never fit; ``partial`` with a ``boundary``.
+            StorageFullError: the batch does not fit now (not with ``partial``).
+
+        Example:
+            >>> a = ExtentAllocator(64)
+            >>> a.allocate(np.array([32, 48]), partial=True).tolist()  # the 48 bytes do not fit
+            [0, -1]
         """
         sizes = align(np.asarray(sizes).reshape(-1))
         if sizes.size == 0:
             return _EMPTY.copy()
+        if partial:
+            if self.boundary is not None:
+                raise ValueError("partial allocation is for allocators without a boundary (memory arenas)")
+            return self._allocate(sizes, retries=8, undo=[], partial=True)
         undo: list[tuple[Any, ...]] = []  # filled by the first pass that keeps part of the batch
         try:
             return self._allocate(sizes, retries=8, undo=undo)
@@ -139,12 +150,12 @@ class ExtentAllocator:
             raise
 
     def _allocate(self, sizes: np.ndarray, retries: int, undo: list[tuple[Any, ...]],
-                  largest_first: bool = False) -> np.ndarray:
+                  largest_first: bool = False, partial: bool = False) -> np.ndarray:
         """One vectorized pass over the free extents, then the bump region. When a bounded tier's
         bump region cannot take the blobs that straddled two extents, the ones that fitted are
         kept and the rest, largest first, get another pass over the holes left, largest first (at
         most ``retries`` more passes, each placing at least one blob): a fragmented cache still
-        takes a batch its holes hold."""
+        takes a batch its holes hold. With ``partial`` the blobs no pass places get -1."""
         n = sizes.size
         if int(sizes.min()) < 0:
             raise ValueError(f"blob sizes must be >= 0, got {int(sizes.min())}")
@@ -161,7 +172,15 @@ class ExtentAllocator:
             )
         total = int(sizes.sum())
         room = None if self.capacity is None else self.capacity - self._end
-        if room is not None and total > self.free_bytes + room:
+        if partial and room is not None:  # a blob larger than every hole and the room left: out
+            roomiest = max(room, int(self._free_len.max()) if self._free_len.size else 0)
+            if int(sizes.max()) > roomiest:
+                offsets = np.full(n, -1, dtype=_I64)
+                fits = np.flatnonzero(sizes <= roomiest)
+                if fits.size:
+                    offsets[fits] = self._allocate(sizes[fits], retries, undo, largest_first, partial=True)
+                return offsets
+        if room is not None and total > self.free_bytes + room and not partial:
             raise StorageFullError(f"cannot allocate {total} bytes for {n} blobs: {self._describe()}")
 
         # 1. Free extents, vectorized: lay the free extents end to end on a virtual line and the
@@ -197,6 +216,9 @@ class ExtentAllocator:
 
         # 2. The rest (straddlers, or no free space) bump at the end of the used region.
         rest = np.flatnonzero(~inside)
+        if partial:
+            return self._place_rest(sizes, offsets, inside, rest, perm, taken, gaps_off, gaps_len, retries,
+                                    largest_first)
         try:
             pos, bump_gaps = self._bump(sizes[rest], offsets, rest, total)
         except StorageFullError:
@@ -216,6 +238,25 @@ class ExtentAllocator:
         unpermuted = np.empty_like(taken)
         unpermuted[perm] = taken
         self._commit(unpermuted, gaps_off.tolist(), gaps_len.tolist(), pos, total)
+        return offsets
+
+    def _place_rest(self, sizes: np.ndarray, offsets: np.ndarray, inside: np.ndarray, rest: np.ndarray,
+                    perm: np.ndarray, taken: np.ndarray, gaps_off: np.ndarray, gaps_len: np.ndarray,
+                    retries: int, largest_first: bool) -> np.ndarray:
+        """``partial``: keep the blobs the pass put in extents, bump the longest prefix of the rest
+        that fits under the capacity (no boundary: nothing to skip), and give what is left more
+        passes over the holes, largest first, while a pass places something; -1 for the others."""
+        ends = self._end + np.cumsum(sizes[rest])
+        k = rest.size if self.capacity is None else int(np.searchsorted(ends, self.capacity, side="right"))
+        bumped, left = rest[:k], rest[k:]
+        offsets[bumped] = ends[:k] - sizes[bumped]
+        unpermuted = np.empty_like(taken)
+        unpermuted[perm] = taken
+        self._commit(unpermuted, gaps_off.tolist(), gaps_len.tolist(), int(ends[k - 1]) if k else self._end,
+                     int(sizes[inside].sum()) + int(sizes[bumped].sum()))
+        if left.size and retries > 0 and self._free_len.size and (inside.any() or k or not largest_first):
+            left = left[np.argsort(-sizes[left], kind="stable")]
+            offsets[left] = self._allocate(sizes[left], retries - 1, [], largest_first=True, partial=True)
         return offsets
 
     def _bump(self, sizes: np.ndarray, offsets: np.ndarray, which: np.ndarray,
