@@ -14,8 +14,10 @@ from _store_model import MACHINES, RUN_COUNTS
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import run_state_machine_as_test
 
-# examples x steps per store kind; the whole module runs in well under a minute on 2 cores
-BUDGET = {"memory": (50, 30), "memmap": (30, 30), "hdf5": (30, 30)}
+# examples x steps per store kind; the whole module runs in well under a minute on 2 cores.
+# Derandomized runs still differ with what the process imported before (seen: 53 vs 61 examples of
+# the memory machine), so its budget is large enough to reach promotions in every order seen.
+BUDGET = {"memory": (80, 30), "memmap": (30, 30), "hdf5": (30, 30)}
 
 
 @pytest.mark.parametrize("kind", list(MACHINES))
