@@ -356,6 +356,8 @@ class TieredStore:
             self._check_open()
             rows, scalar = self._resolve_read(index)
             td = self._reader.get_rows(self._rows, self._write, index, rows, keys, index_key, copy, self._device)
+            if self._files is not None:
+                self._files.check_fresh()  # what was read is the commit this store opened
             return td[0] if scalar else td
 
     def get_compressed(self, index: IndexLike, keys: Iterable[str | Key] | None = None) -> CompressedRows:
@@ -363,7 +365,10 @@ class TieredStore:
         first), for another process to decode with :func:`tiered.engine.transport.decode_rows`."""
         with self._lock:
             self._check_open()
-            return export_rows(self._cpu_reader, self._rows, self._write, self._resolve_read(index)[0], keys)
+            out = export_rows(self._cpu_reader, self._rows, self._write, self._resolve_read(index)[0], keys)
+            if self._files is not None:
+                self._files.check_fresh()
+            return out
 
     def _resolve_read(self, index: IndexLike) -> tuple[np.ndarray, bool]:
         stage = self._write.stage

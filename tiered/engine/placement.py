@@ -139,6 +139,7 @@ class Placement:
             except BaseException:
                 cold.free(loc, align(sizes), defer=False)  # never committed: reusable at once
                 raise
+            idx.dirty.mark(ids)
             idx.loc[ids, COLD] = loc
             # best effort: cache the blobs the policy admits in the fastest memory tier with room
             for t in (HOT, WARM):
@@ -157,6 +158,7 @@ class Placement:
                 errors.append(f"{tier.name}: {e}")
                 continue
             tier.write(loc, data, offsets, sizes)
+            idx.dirty.mark(ids)
             idx.loc[ids, t] = loc
             self._hot_written()
             return
@@ -226,6 +228,7 @@ class Placement:
         tier.free(self.index.loc[ids, t], align(sizes))
         loc = tier.allocate(sizes)
         tier.write(loc, buf, offsets, sizes)
+        self.index.dirty.mark(ids)
         self.index.loc[ids, t] = loc
         return True
 
@@ -254,6 +257,7 @@ class Placement:
         sizes = idx.nbytes[ids]
         if self.cold is not None:  # cold holds every blob: dropping a cached copy is free
             tier.free(idx.loc[ids, t], align(sizes))
+            idx.dirty.mark(ids)
             idx.loc[ids, t] = -1
             self.counts[TIER_NAMES[t]]["demotions"] += int(ids.size)
             return
@@ -266,6 +270,7 @@ class Placement:
         u = lower[0]
         loc = self.allocate_in(u, sizes)  # copy, switch the index, then free
         self.tiers[u].write(loc, buf, buf_off, sizes)
+        idx.dirty.mark(ids)
         idx.loc[ids, u] = loc
         tier.free(idx.loc[ids, t], align(sizes))
         idx.loc[ids, t] = -1
@@ -283,6 +288,7 @@ class Placement:
             self.oom_skipped_promotions += 1
             return False
         tier.write(loc, data, offsets, sizes)
+        self.index.dirty.mark(ids)
         self.index.loc[ids, t] = loc
         return True
 
@@ -296,10 +302,13 @@ class Placement:
                 continue
             sel = ids[idx.loc[ids, t] >= 0]
             tier.free(idx.loc[sel, t], align(idx.nbytes[sel]), defer=defer)
+        idx.dirty.mark(ids)
         idx.loc[ids] = -1
 
     def drop_memory_copies(self) -> None:
         """Forget every hot and warm location (after an open: the arenas start empty)."""
+        held = self.index.loc[: self.index.size, HOT:WARM + 1]
+        self.index.dirty.mark(np.flatnonzero((held >= 0).any(1)))
         self.index.loc[:, HOT] = -1
         self.index.loc[:, WARM] = -1
 
@@ -379,6 +388,7 @@ class Placement:
                 if m.any() and self.tiers[u] is not None:
                     self.tiers[u].free(self.index.loc[moved[m], u], align(sizes[cand][m]))
                     self.index.loc[moved[m], u] = -1
+            self.index.dirty.mark(moved)
             self.index.loc[moved, t] = loc
             from_tier[cand] = t
             self.counts[TIER_NAMES[t]]["promotions"] += int(cand.size)
