@@ -43,6 +43,7 @@ import torch
 from tensordict import TensorDictBase
 
 from . import codecs
+from .engine.manifest import FORMAT_VERSION
 from .engine.parts import build_parts
 from .engine.persistence import StoreFiles, commit_parts, open_commit, restore_commit
 from .engine.priorities import checked_row_priorities
@@ -213,6 +214,13 @@ class TieredStore:
     def generation(self) -> int:
         """The commit this store last wrote or opened (0 for an in-memory store)."""
         return self._files.generation if self._files is not None else 0
+
+    @property
+    def format_version(self) -> int:
+        """The on-disk format version of the store's last commit (docs/format.md; in-memory
+        stores: the current one). A format-1 store is written as the current format at its next
+        commit."""
+        return self._files.version if self._files is not None else FORMAT_VERSION
 
     @property
     def gpu_decoder(self) -> GpuDecoder | None:
@@ -456,11 +464,16 @@ class TieredStore:
             return store_stats(self._rows, self._write.layout, self._index, self._placement, self._write.stage,
                                self._codec.name, self._counters, self._gpu.stats() if self._gpu else None)
 
-    def flush(self) -> None:
-        """Close open time chunks (compress and place them); with a path, commit durably."""
+    def flush(self, *, force: bool = False) -> None:
+        """Close open time chunks (compress and place them); with a path, commit durably.
+
+        Args:
+            force: commit even if nothing changed (``tiered upgrade`` rewrites a format-1 store
+                as the current format this way).
+        """
         with self._lock:
             self._check_writable()
-            if self._files is not None and not self._changed:
+            if self._files is not None and not self._changed and not force:
                 return  # nothing to commit: an unchanged store gets no new generation
             self._write.flush_stage()
             self._write.close_open_chunks()
