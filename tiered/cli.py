@@ -529,7 +529,8 @@ def _upgrade(args: argparse.Namespace) -> int:
     with TieredStore.open(args.store, mode="r+", warm_bytes=0, hot_bytes=0) as store:
         print(f"{args.store}: writing the arrays of generation {store.generation + 1} ...", flush=True)
         store.flush(force=True)
-        print(f"{args.store}: format {store.format_version}, generation {store.generation}: upgraded")
+    print(f"{args.store}: format {read_manifest(os.fspath(args.store))['format_version']}, "
+          f"generation {store.generation}: upgraded")
     return EXIT_OK
 
 

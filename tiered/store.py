@@ -43,9 +43,8 @@ import torch
 from tensordict import TensorDictBase
 
 from . import codecs
-from .engine.manifest import FORMAT_VERSION
 from .engine.parts import build_parts
-from .engine.persistence import StoreFiles, commit_parts, open_commit, restore_commit
+from .engine.persistence import StoreFiles, commit_parts, open_commit, read_fresh, restore_commit
 from .engine.priorities import checked_row_priorities
 from .engine.read import CpuReadPipeline, ReadPipeline
 from .engine.rows import IndexLike, as_row_array
@@ -216,13 +215,6 @@ class TieredStore:
         return self._files.generation if self._files is not None else 0
 
     @property
-    def format_version(self) -> int:
-        """The on-disk format version of the store's last commit (docs/format.md; in-memory
-        stores: the current one). A format-1 store is written as the current format at its next
-        commit."""
-        return self._files.version if self._files is not None else FORMAT_VERSION
-
-    @property
     def gpu_decoder(self) -> GpuDecoder | None:
         """The :class:`~tiered.gpu.GpuDecoder` the store reads through (None: the CPU pipeline)."""
         return self._gpu
@@ -364,9 +356,7 @@ class TieredStore:
             self._check_open()
             rows, scalar = self._resolve_read(index)
             td = self._reader.get_rows(self._rows, self._write, index, rows, keys, index_key, copy, self._device)
-            if self._files is not None:
-                self._files.check_fresh()  # what was read is the commit this store opened
-            return td[0] if scalar else td
+            return read_fresh(self._files, td[0] if scalar else td)
 
     def get_compressed(self, index: IndexLike, keys: Iterable[str | Key] | None = None) -> CompressedRows:
         """The rows :meth:`get` reads, with blob fields still compressed (staged rows are compressed
@@ -374,9 +364,7 @@ class TieredStore:
         with self._lock:
             self._check_open()
             out = export_rows(self._cpu_reader, self._rows, self._write, self._resolve_read(index)[0], keys)
-            if self._files is not None:
-                self._files.check_fresh()
-            return out
+            return read_fresh(self._files, out)
 
     def _resolve_read(self, index: IndexLike) -> tuple[np.ndarray, bool]:
         stage = self._write.stage
@@ -465,12 +453,8 @@ class TieredStore:
                                self._codec.name, self._counters, self._gpu.stats() if self._gpu else None)
 
     def flush(self, *, force: bool = False) -> None:
-        """Close open time chunks (compress and place them); with a path, commit durably.
-
-        Args:
-            force: commit even if nothing changed (``tiered upgrade`` rewrites a format-1 store
-                as the current format this way).
-        """
+        """Close open time chunks (compress and place them); with a path, commit durably (with
+        ``force``, even if nothing changed: ``tiered upgrade`` rewrites a format-1 store so)."""
         with self._lock:
             self._check_writable()
             if self._files is not None and not self._changed and not force:

@@ -376,7 +376,7 @@ class _StoreCheck:
         missing = [
             n
             for n in need
-            if n not in self.arrays and not any(p.file and p.file.endswith(n + ".npy") for p in report.problems)
+            if n not in self.arrays and not any(p.file == self.file_of(n) for p in report.problems)
         ]
         if missing:
             report.add("manifest", f"the manifest lists no {missing} arrays", file=self.manifest_file)

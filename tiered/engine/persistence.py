@@ -58,7 +58,7 @@ from .write import WritePath
 
 T = TypeVar("T")
 
-__all__ = ["StoreFiles", "BACKENDS", "CHECKSUMS", "array_path", "open_commit", "restore_commit", "commit_parts",
+__all__ = ["StoreFiles", "BACKENDS", "CHECKSUMS", "array_path", "read_fresh", "open_commit", "restore_commit", "commit_parts",
            "snapshot_arrays", "check_consistency", "check_bounds", "check_references", "page_checksums_of"]
 
 #: Manifest entry holding the page checksums of the generation's arrays (absent: an older store).
@@ -279,6 +279,17 @@ class StoreFiles:
     def release_lock(self) -> None:
         release(self.writer_lock)
         self.writer_lock = None
+
+
+def read_fresh(files: StoreFiles | None, out: T) -> T:
+    """``out``, once known to be read from the commit a read-only store opened.
+
+    Raises:
+        ChecksumError: a writer may have overwritten that commit's arrays (reopen the store).
+    """
+    if files is not None:
+        files.check_fresh()
+    return out
 
 
 def open_commit(path: str, mode: str, build: Callable[[dict[str, Any], Any], T]) -> T:
