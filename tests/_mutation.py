@@ -141,9 +141,11 @@ def file_kind(rel: Path) -> str:
     """The kind of a store file, for counting: manifest, lock, index.*, rows.*.blob, dense, ..."""
     if rel.parts[0] == "cold":
         return "cold segment"
-    if rel.name in ("manifest.json", "lock"):
+    if rel.name in ("manifest.json", "lock", "commit.intent"):
         return rel.name
     name = rel.name[: -len(".npy")]
+    if rel.parts[0] == "arrays":  # format 2: <name>.<copy>.npy
+        name = name.rsplit(".", 1)[0]
     if name.startswith("rows."):
         return "rows.*." + name.rsplit(".", 1)[1]
     if name.startswith("dense."):
