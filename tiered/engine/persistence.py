@@ -64,9 +64,9 @@ __all__ = ["StoreFiles", "BACKENDS", "CHECKSUMS", "array_path", "read_fresh", "o
 #: Manifest entry holding the page checksums of the generation's arrays (absent: an older store).
 CHECKSUMS = "checksums"
 
-#: Arrays at least this large get all their never-written copies at their first write (smaller
-#: ones are cheaper to rewrite whole once than to seed).
-_SEED_BYTES = 4 * PAGE_BYTES
+#: Arrays larger than this get all their never-written copies at their first write (one page
+#: or less costs the same to rewrite whole as to rewrite in part).
+_SEED_BYTES = PAGE_BYTES + 1
 
 BACKENDS: dict[str, type[MemmapTier]] = {"memmap": MemmapTier, "hdf5": HDF5Tier}
 ArrayLoader = Callable[[str], np.ndarray]
