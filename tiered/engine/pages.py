@@ -144,8 +144,9 @@ def write_copy(path: str, arr: np.ndarray, blocks: np.ndarray | None, base: Copy
         if blocks is not None and _reusable(fd, path, base, hlen):
             assert base is not None
             todo = _dirty_pages(arr, hlen, size, blocks, n_pages)
-            todo[:1] = True  # the header
-            todo[min(size, base.size) // PAGE_BYTES:] = True  # a tail that grew or shrank
+            if size != base.size or os.pread(fd, hlen, 0) != head:
+                todo[:1] = True  # the header
+                todo[min(size, base.size) // PAGE_BYTES:] = True  # a tail that grew or shrank
             crcs = list(base.crcs[:n_pages]) + [0] * max(0, n_pages - len(base.crcs))
             if size < base.size:
                 fileio.truncate(fd, size)
