@@ -19,8 +19,9 @@ subprocess** that samples its own anonymous resident memory (``RssAnon``) every 
   (``posix_fadvise(DONTNEED)`` on every file of the store before each batch; pages the process
   has mapped stay cached, which flatters the cold rate of mapped metadata).
 
-Bytes on disk per transition are counted over all files, and over one generation (the newest
-``gen-*`` folder and the segments; a commit keeps the previous generation until the next one).
+Bytes on disk per transition are counted over all files, and over one generation (the segments
+and the array files of the last commit: format 1's newest ``gen-*`` folder, format 2's published
+copy of each array; format 2 keeps three copies of each array, format 1 two generations).
 Side by side on the same frames: the Dopamine checkpoint layout (``np.save`` of the per-step
 frames, action int32, reward float32 and terminal uint8, each gzipped the way Dopamine's
 ``circular_replay_buffer`` writes them: ``gzip.GzipFile``'s default level 9), measured on the
@@ -146,6 +147,10 @@ def disk_bytes(path: Path) -> dict[str, int]:
     files = store_files(path)
     gens = sorted(p for p in path.glob("gen-*") if p.is_dir())
     older = {p for g in gens[:-1] for p in g.rglob("*") if p.is_file()}
+    body = json.loads((path / "manifest.json").read_text())["body"]
+    if body.get("format_version", 1) >= 2:  # format 2: the copies the last commit did not publish
+        current = {path / "arrays" / f"{n}.{c}.npy" for n, c in body["copy"].items()}
+        older |= {p for p in (path / "arrays").glob("*.npy") if p not in current}
     return {"all": sum(p.stat().st_size for p in files),
             "one_generation": sum(p.stat().st_size for p in files if p not in older),
             "blocks": sum(p.stat().st_blocks * 512 for p in files)}

@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from helpers import gen_files
 from tensordict import TensorDict
 
 import tiered
@@ -78,8 +79,26 @@ def build_store(path: Path, backend: str, data: TensorDict) -> Store:
     with tiered.open(path) as ro:
         rows = ro.get(torch.arange(len(ro)))
     files = sorted(p.relative_to(path) for p in path.rglob("*") if p.is_file())
-    files = [p for p in files if not p.parts[0].startswith("gen-") or p.parts[0] == _current_gen(path)]
+    current = {p.relative_to(path) for p in _current_arrays(path)}
+    files = [p for p in files if not p.parts[0].startswith(("gen-", "arrays")) or p.parts[0] == _current_gen(path)
+             or p in current]
     return Store(path, backend, rows, older_rows, older_manifest, older_len, files)
+
+
+def _current_arrays(path: Path) -> list[Path]:
+    """The array files the last commit names (format 2: one copy of each array)."""
+    body = json.loads((path / "manifest.json").read_text())["body"]
+    files = gen_files(path, body)
+    return [files / f"{name}.npy" for name in body["files"]]
+
+
+def _older_copy(path: Path, rel: Path) -> Path | None:
+    """The same array in the copy the commit before the last wrote (format 2), if any."""
+    if rel.parts[0] != "arrays":
+        return None
+    name, c, _ = rel.name.rsplit(".", 2)
+    older = Path("arrays") / f"{name}.{(int(c) - 1) % 3}.npy"
+    return older if (path / older).exists() else None
 
 
 def _current_gen(path: Path) -> str:
@@ -122,9 +141,11 @@ def file_kind(rel: Path) -> str:
     """The kind of a store file, for counting: manifest, lock, index.*, rows.*.blob, dense, ..."""
     if rel.parts[0] == "cold":
         return "cold segment"
-    if rel.name in ("manifest.json", "lock"):
+    if rel.name in ("manifest.json", "lock", "commit.intent"):
         return rel.name
     name = rel.name[: -len(".npy")]
+    if rel.parts[0] == "arrays":  # format 2: <name>.<copy>.npy
+        name = name.rsplit(".", 1)[0]
     if name.startswith("rows."):
         return "rows.*." + name.rsplit(".", 1)[1]
     if name.startswith("dense."):
@@ -171,6 +192,8 @@ def mutations(store: Store, flips: int, seed: int, thorough: bool) -> Iterator[M
             yield Mutation(rel, "swap", 0, rng.choice(others))
         if rel.parts[0].startswith("gen-") and (older_gen / rel.name).exists():
             yield Mutation(rel, "older-copy", 0, older_gen.relative_to(store.path) / rel.name)
+        elif _older_copy(store.path, rel) is not None:
+            yield Mutation(rel, "older-copy", 0, _older_copy(store.path, rel))
     yield Mutation(Path("manifest.json"), "older-manifest")
 
 

@@ -8,6 +8,11 @@ Without ale-py and without a cache file, tests that use them are skipped with th
 
 from __future__ import annotations
 
+import os
+
+# every commit of the tests checks that its incremental writes left each array file equal to memory
+os.environ.setdefault("TIERED_CHECK_COMMITS", "1")
+
 import pytest
 import torch
 from tensordict import TensorDict

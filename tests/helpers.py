@@ -31,3 +31,28 @@ def check_refcounts(store: TieredStore) -> None:
     assert np.array_equal(counts[live], idx.refcount[: idx.size][live])
     assert (counts[~live] == 0).all(), "a row references a freed blob"
     assert (counts[live] > 0).all(), "a live blob is referenced by nothing (leak)"
+
+
+class GenFiles:
+    """The array files of a store's last commit, addressed as ``files / "name.npy"`` whatever the
+    format: ``gen-<g>/name.npy`` (format 1) or the copy ``arrays/name.<c>.npy`` (format 2)."""
+
+    def __init__(self, path, body=None) -> None:
+        import json
+        from pathlib import Path
+
+        self.path = Path(path)
+        self.body = body if body is not None else json.loads((self.path / "manifest.json").read_text())["body"]
+
+    def __truediv__(self, fname: str):
+        from pathlib import Path
+
+        from tiered.engine.persistence import array_path
+
+        assert fname.endswith(".npy"), fname
+        return Path(array_path(str(self.path), self.body, fname[:-4]))
+
+
+def gen_files(path, body=None) -> GenFiles:
+    """:class:`GenFiles` of the store at ``path`` (its manifest's ``body`` unless given)."""
+    return GenFiles(path, body)

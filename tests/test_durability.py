@@ -32,6 +32,7 @@ import numpy as np
 import pytest
 import torch
 from _store_dataset import StoreDataset
+from helpers import gen_files
 
 import tiered
 from tiered import TieredStore, fileio
@@ -256,7 +257,7 @@ def damaged_base(request, pong, tmp_path):
 def _blob_location(path: Path, row: int, field: str = "observation") -> tuple[Path, int, int, int]:
     """(segment file, byte offset of the blob in it, its size, blob id) of a row's first frame."""
     body = json.loads((path / "manifest.json").read_text())["body"]
-    g = path / f"gen-{body['generation']:08d}"
+    g = gen_files(path, body)
     fi = next(i for i, f in enumerate(body["schema"]) if "/".join(f["key"]) == field)
     blob = int(np.load(g / f"rows.{fi}.blob.npy")[row, 0])
     off = int(np.load(g / "index.loc.npy")[blob, 2])
@@ -332,7 +333,7 @@ def test_damaged_manifest_is_a_corruption_error(damaged_base, how, capsys):
 
 def test_truncated_generation_array_is_a_corruption_error(damaged_base):
     body = json.loads((damaged_base / "manifest.json").read_text())["body"]
-    f = damaged_base / f"gen-{body['generation']:08d}" / "index.nbytes.npy"
+    f = gen_files(damaged_base, body) / "index.nbytes.npy"
     os.truncate(f, os.path.getsize(f) - 5)
     with pytest.raises(CorruptionError, match="index.nbytes"):
         tiered.open(damaged_base)
@@ -385,7 +386,7 @@ def _rewrite(path: Path, fn) -> None:
     m = path / "manifest.json"
     doc = json.loads(m.read_text())
     body = copy.deepcopy(doc["body"])
-    fn(body, path / f"gen-{body['generation']:08d}")
+    fn(body, gen_files(path, body))
     digest = hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
     m.write_text(json.dumps({"body": body, "sha256": digest}))
 

@@ -22,6 +22,7 @@ import h5py
 import numpy as np
 import pytest
 import torch
+from helpers import gen_files
 from tensordict import NonTensorData, TensorDict
 
 import tiered
@@ -139,7 +140,7 @@ def test_planted_pickle_in_a_store_array_never_runs(tmp_path):
     path = tmp_path / "s"
     with tiered.TieredStore(10, path) as s:
         s.extend(_rows())
-    gen = next(p for p in path.iterdir() if p.name.startswith("gen-"))
+    gen = gen_files(path)
     obj = np.empty(1, dtype=object)
     obj[0] = _Payload(marker)
     np.save(gen / "written.npy", obj, allow_pickle=True)

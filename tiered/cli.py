@@ -435,7 +435,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="show the traceback of an error")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_parser_with(debug))
     sub.required = True
-    for add_command in (_add_info, _add_verify, _add_import, _add_export, _add_demo):
+    for add_command in (_add_info, _add_verify, _add_upgrade, _add_import, _add_export, _add_demo):
         add_command(sub)
     return p
 
@@ -495,6 +495,43 @@ def _add_verify(sub: Any) -> None:
     s.add_argument("--decode", action="store_true", help="also decompress every blob (slower)")
     s.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     s.set_defaults(func=_verify)
+
+
+def _add_upgrade(sub: Any) -> None:
+    s = _command(
+        sub,
+        "upgrade",
+        help="rewrite a format-1 store in the current format",
+        description="Rewrite a store's arrays in the current on-disk format (format 2: arrays "
+        "in rotating copies, commits that write only what changed). Takes the writer lock and "
+        "commits once; a crash at any point leaves the old or the new commit, both readable. "
+        "A store already in the current format is left as it is.",
+        epilog="""
+            examples:
+              tiered upgrade pong.tiered
+            """,
+    )
+    s.add_argument("store", help="the store directory")
+    s.set_defaults(func=_upgrade)
+
+
+def _upgrade(args: argparse.Namespace) -> int:
+    from .engine.manifest import FORMAT_VERSION, read_manifest
+    from .store import TieredStore
+
+    with _suggest_import(args.store):
+        body = read_manifest(os.fspath(args.store))
+    old = body.get("format_version")
+    if old == FORMAT_VERSION:
+        print(f"{args.store}: already format {FORMAT_VERSION}, generation {body.get('generation')}; nothing to do")
+        return EXIT_OK
+    print(f"{args.store}: format {old} -> {FORMAT_VERSION}: opening (checks every array) ...", flush=True)
+    with TieredStore.open(args.store, mode="r+", warm_bytes=0, hot_bytes=0) as store:
+        print(f"{args.store}: writing the arrays of generation {store.generation + 1} ...", flush=True)
+        store.flush(force=True)
+    print(f"{args.store}: format {read_manifest(os.fspath(args.store))['format_version']}, "
+          f"generation {store.generation}: upgraded")
+    return EXIT_OK
 
 
 def _add_import(sub: Any) -> None:

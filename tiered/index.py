@@ -37,6 +37,8 @@ from typing import Any
 
 import numpy as np
 
+from .util.dirty import DirtyBlocks
+
 __all__ = ["BlobIndex", "RowTable", "FREE", "OPEN", "STORED", "HOT", "WARM", "COLD"]
 
 FREE, OPEN, STORED = 0, 1, 2
@@ -64,6 +66,8 @@ class BlobIndex:
     def __init__(self, initial: int = 1024):
         self.size = 0  # ids [0, size) have been handed out at least once
         self._free_ids = np.empty(0, dtype=np.int64)
+        #: ids whose entries changed since the last commit (a commit rewrites only their pages)
+        self.dirty = DirtyBlocks()
         for name, (dtype, extra, fill) in _COLUMNS.items():
             setattr(self, name, np.full((initial, *extra), fill, dtype=dtype))
 
@@ -92,6 +96,7 @@ class BlobIndex:
         self._grow(self.size + (n - take))
         self.size += n - take
         ids = np.concatenate([reused, fresh])
+        self.dirty.mark(ids)
         self.state[ids] = STORED
         self.refcount[ids] = 0
         self.loc[ids] = -1
@@ -100,6 +105,7 @@ class BlobIndex:
 
     def release(self, ids: np.ndarray) -> None:
         """Return ids to the pool (their tier space must already be freed)."""
+        self.dirty.mark(ids)
         self.state[ids] = FREE
         self.loc[ids] = -1
         self.open_slot[ids] = -1
@@ -110,12 +116,14 @@ class BlobIndex:
     def incref(self, ids: np.ndarray) -> None:
         """Add one reference per occurrence of each id (duplicates count several times)."""
         ids = np.asarray(ids, dtype=np.int64).ravel()
+        self.dirty.mark(ids)
         np.add.at(self.refcount, ids[ids >= 0], 1)
 
     def decref(self, ids: np.ndarray) -> np.ndarray:
         """Drop one reference per occurrence; return the unique ids whose count reached zero."""
         ids = np.asarray(ids, dtype=np.int64).ravel()
         ids = ids[ids >= 0]
+        self.dirty.mark(ids)
         np.subtract.at(self.refcount, ids, 1)
         uniq = np.unique(ids)
         if (self.refcount[uniq] < 0).any():

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .errors import CorruptionError, InvalidPriorityError
+from .util.dirty import DirtyBlocks, union
 from .util.units import align
 
 __all__ = [
@@ -92,6 +93,7 @@ class _Column:
         self.fill = fill
         self.data = np.full(1024, fill, dtype=dtype)
         self.size = 0
+        self.dirty = DirtyBlocks()  # ids changed since the last commit
 
     def ensure(self, max_id: int) -> None:
         if max_id >= self.data.shape[0]:
@@ -108,6 +110,7 @@ class _Column:
     def set(self, ids: np.ndarray, values: np.ndarray | float) -> None:
         if ids.size:
             self.reserve(ids)
+            self.dirty.mark(ids)
             self.data[ids] = values
 
     def get(self, ids: np.ndarray) -> np.ndarray:
@@ -360,6 +363,25 @@ class Policy(ABC):
         return {"clock": np.array(self._clock, dtype=np.int64),
                 **{key: column.export(n) for key, column in columns.items()}}
 
+    def state_views(self) -> dict[str, np.ndarray]:
+        """:meth:`state_arrays` without copies: views of the columns, valid until the next change
+        (what a commit writes from)."""
+        columns = self._columns()
+        n = max(column.size for column in columns.values())
+        for column in columns.values():
+            column.ensure(n - 1)
+        return {"clock": np.array(self._clock, dtype=np.int64),
+                **{key: column.data[:n] for key, column in columns.items()}}
+
+    def take_dirty(self) -> np.ndarray:
+        """The bitmap of blob-id blocks (:class:`~tiered.util.dirty.DirtyBlocks`) whose state
+        changed since the last call, and start over."""
+        return union([column.dirty.take() for column in self._columns().values()])
+
+    def merge_dirty(self, bits: np.ndarray) -> None:
+        """Mark again what :meth:`take_dirty` returned (its commit failed)."""
+        self._birth.dirty.merge(bits)
+
     def load_state_arrays(self, arrays: Mapping[str, np.ndarray]) -> None:
         """Restore the state :meth:`state_arrays` returned (by a policy of the same kind).
 
@@ -599,6 +621,7 @@ class PriorityPolicy(Policy):
         if ids.size:
             # Several references may name one blob: keep the max (np.maximum.at handles duplicates).
             self._prio.reserve(ids)
+            self._prio.dirty.mark(ids)
             self._prio.data[ids] = -np.inf
             np.maximum.at(self._prio.data, ids, priority)
 

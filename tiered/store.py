@@ -44,7 +44,7 @@ from tensordict import TensorDictBase
 
 from . import codecs
 from .engine.parts import build_parts
-from .engine.persistence import StoreFiles, commit_parts, open_commit, restore_commit
+from .engine.persistence import StoreFiles, commit_parts, open_commit, read_fresh, restore_commit
 from .engine.priorities import checked_row_priorities
 from .engine.read import CpuReadPipeline, ReadPipeline
 from .engine.rows import IndexLike, as_row_array
@@ -356,7 +356,7 @@ class TieredStore:
             self._check_open()
             rows, scalar = self._resolve_read(index)
             td = self._reader.get_rows(self._rows, self._write, index, rows, keys, index_key, copy, self._device)
-            return td[0] if scalar else td
+            return read_fresh(self._files, td[0] if scalar else td)
 
     def get_compressed(self, index: IndexLike, keys: Iterable[str | Key] | None = None, *, repack: bool = False,
                        repack_frames: int = REPACK_FRAMES) -> CompressedRows:
@@ -364,7 +364,7 @@ class TieredStore:
         with self._lock:
             self._check_open()
             args = (self._cpu_reader, self._rows, self._write, self._resolve_read(index)[0], keys)
-            return export_rows(*args, repack=repack, repack_frames=repack_frames)
+            return read_fresh(self._files, export_rows(*args, repack=repack, repack_frames=repack_frames))
 
     def _resolve_read(self, index: IndexLike) -> tuple[np.ndarray, bool]:
         stage = self._write.stage
@@ -451,11 +451,12 @@ class TieredStore:
             return store_stats(self._rows, self._write.layout, self._index, self._placement, self._write.stage,
                                self._codec.name, self._counters, self._gpu.stats() if self._gpu else None)
 
-    def flush(self) -> None:
-        """Close open time chunks (compress and place them); with a path, commit durably."""
+    def flush(self, *, force: bool = False) -> None:
+        """Close open time chunks (compress and place them); with a path, commit durably (with
+        ``force``, even if nothing changed: ``tiered upgrade`` rewrites a format-1 store so)."""
         with self._lock:
             self._check_writable()
-            if self._files is not None and not self._changed:
+            if self._files is not None and not self._changed and not force:
                 return  # nothing to commit: an unchanged store gets no new generation
             self._write.flush_stage()
             self._write.close_open_chunks()

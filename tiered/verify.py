@@ -48,7 +48,8 @@ import numpy as np
 
 from . import fileio
 from .engine.manifest import MANIFEST, arrays_verified, gen_dir_name, load_npy, read_manifest
-from .engine.persistence import page_checksums_of
+from .engine.pages import ARRAYS_DIR
+from .engine.persistence import array_path, page_checksums_of
 from .errors import ChecksumError, CorruptionError, FormatVersionError, NotATieredStoreError, TieredError
 from .store import TieredStore
 
@@ -261,7 +262,8 @@ class _StoreCheck:
     def run(self) -> None:
         if not self.read_manifest():
             return
-        self.gen_dir = os.path.join(self.path, gen_dir_name(self.report.generation))
+        self.gen_dir = (os.path.join(self.path, gen_dir_name(self.report.generation))
+                        if self.report.format_version == 1 else os.path.join(self.path, ARRAYS_DIR))
         if not self.load_arrays():
             return
         segments = self.check_segments()
@@ -279,6 +281,13 @@ class _StoreCheck:
             with arrays_verified(self.verified_files):  # checked above: not read a second time
                 self.check_open()
 
+    def file_of(self, name: str) -> str:
+        """The file of array ``name`` in the commit verified."""
+        try:
+            return array_path(self.path, self.body, name)
+        except CorruptionError:
+            return os.path.join(self.gen_dir, name + ".npy")
+
     # 1. manifest -------------------------------------------------------------------------------
     def read_manifest(self) -> bool:
         report, path = self.report, self.path
@@ -288,7 +297,7 @@ class _StoreCheck:
             raise
         except NotATieredStoreError:
             looks_like_store = os.path.isdir(path) and any(
-                n == "cold" or n.startswith("gen-") for n in os.listdir(path)
+                n in ("cold", ARRAYS_DIR) or n.startswith("gen-") for n in os.listdir(path)
             )
             if not looks_like_store:
                 raise
@@ -344,7 +353,7 @@ class _StoreCheck:
         if not sums:
             self.unchecked_arrays = True  # an older store: its arrays carry no checksums
         for name, size in sorted(self.files.items()):
-            f = os.path.join(self.gen_dir, name + ".npy")
+            f = self.file_of(name)
             try:
                 actual = os.path.getsize(f)
             except OSError:  # missing, a dangling symlink or a symlink loop
@@ -367,7 +376,7 @@ class _StoreCheck:
         missing = [
             n
             for n in need
-            if n not in self.arrays and not any(p.file and p.file.endswith(n + ".npy") for p in report.problems)
+            if n not in self.arrays and not any(p.file == self.file_of(n) for p in report.problems)
         ]
         if missing:
             report.add("manifest", f"the manifest lists no {missing} arrays", file=self.manifest_file)
@@ -555,7 +564,7 @@ class _StoreCheck:
                 "index",
                 f"{int(wrong.sum())} blobs record an impossible raw size or frame family "
                 f"(first: blob {int(live[wrong][0])}, raw size {int(raw_nbytes[wrong][0])})",
-                file=os.path.join(self.gen_dir, "index.raw_nbytes.npy"),
+                file=self.file_of("index.raw_nbytes"),
             )
 
     # 5. rows -> blobs -------------------------------------------------------------------------------
@@ -568,7 +577,7 @@ class _StoreCheck:
             report.add(
                 "index",
                 f"'written' has shape {written.shape}, expected ({report.capacity},)",
-                file=os.path.join(self.gen_dir, "written.npy"),
+                file=self.file_of("written"),
             )
             return False
         for fi, spec in enumerate(self.schema):
@@ -576,7 +585,7 @@ class _StoreCheck:
             if spec.get("kind") != "blob" or name not in self.arrays:
                 continue
             fname = "/".join(spec.get("key", [f"field{fi}"]))
-            file = os.path.join(self.gen_dir, name + ".npy")
+            file = self.file_of(name)
             table = np.asarray(self.arrays[name])
             if table.ndim != 2 or table.shape[0] != written.shape[0]:
                 report.add(
@@ -676,7 +685,7 @@ def _check_index_pools(c: _StoreCheck) -> None:
     """Step 4b of a verify pass: the free-id pool lists exactly the free ids, and the cold tier's free and deferred
     extents overlap neither the stored blobs nor each other (a write would overwrite them)."""
     a, report, n = c.arrays, c.report, c.state.shape[0]
-    file = os.path.join(c.gen_dir, "index.free_ids.npy")
+    file = c.file_of("index.free_ids")
     if "index.free_ids" in a:
         free = np.asarray(a["index.free_ids"])
         is_free = c.state == 0
@@ -703,7 +712,7 @@ def _check_index_pools(c: _StoreCheck) -> None:
     o, e = o[keep], e[keep]
     if o.size > 1 and bool((o[1:] < np.maximum.accumulate(e)[:-1]).any()):
         report.add("index", "the cold tier's free or deferred extents overlap stored blobs or each other",
-                   file=os.path.join(c.gen_dir, "cold.free_offsets.npy"))
+                   file=c.file_of("cold.free_offsets"))
 
 def _check_references(c: _StoreCheck) -> None:
     """Step 5b of a verify pass: every written row's frames name a stored blob of the field's family, at a slot inside
@@ -733,7 +742,7 @@ def _check_references(c: _StoreCheck) -> None:
         fname = "/".join(spec.get("key", [f"field{fi}"]))
         if table.size and (int(table.min()) < -1 or int(table.max()) >= n):
             report.add("index", f"row table of {fname!r} names blob ids outside [-1, {n})",
-                       file=os.path.join(c.gen_dir, name + ".npy"))
+                       file=c.file_of(name))
             continue
         ids = table[written]
         ok = ids >= 0
@@ -752,7 +761,7 @@ def _check_references(c: _StoreCheck) -> None:
             r = np.flatnonzero(written)[bad.any(1)]
             report.add("index", f"{r.size} written rows of {fname!r} name a frame outside their blob or a "
                        "blob of another field", field=fname, rows=r[:_MAX_ROWS_LISTED].tolist(),
-                       n_rows=int(r.size), file=os.path.join(c.gen_dir, slot_name + ".npy"))
+                       n_rows=int(r.size), file=c.file_of(slot_name))
     if "index.refcount" in a:
         stored = np.asarray(a["index.refcount"]).astype(np.int64)
         live = c.state == _STORED
@@ -760,7 +769,7 @@ def _check_references(c: _StoreCheck) -> None:
             b = int(np.flatnonzero((live & (stored < counts)) | (~live & (stored != 0)))[0])
             report.add("index", f"reference counts disagree with a recount of the row tables (first: blob {b}, "
                        f"stored {int(stored[b])}, counted {int(counts[b])})",
-                       file=os.path.join(c.gen_dir, "index.refcount.npy"), blob=b)
+                       file=c.file_of("index.refcount"), blob=b)
 
 
 def _progress_bar(progress: bool | None, total: int) -> Any:

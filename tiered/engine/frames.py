@@ -486,6 +486,8 @@ class FrameFamily:
     def commit(self, plan: FramePlan, index: BlobIndex) -> np.ndarray:
         """Apply a plan after its closed chunks were placed; return blob ids to delete (tail unpins)."""
         # free open-buffer slots of chunks that closed
+        index.dirty.mark(plan.reopened_closed)
+        index.dirty.mark(plan.open_blob)
         slots = index.open_slot[plan.reopened_closed]
         self._free_open_slots = np.concatenate([self._free_open_slots, slots])
         index.open_slot[plan.reopened_closed] = -1

@@ -32,35 +32,41 @@ from typing import Any, TypeVar
 import numpy as np
 
 from .. import fileio
-from ..errors import CorruptionError, StoreExistsError, TieredError
+from ..errors import ChecksumError, CorruptionError, StoreExistsError, TieredError
 from ..index import COLD, FREE, STORED, BlobIndex, RowTable
 from ..policy import Policy
 from ..schema import Schema, key_to_str
 from ..tiers import HDF5Tier, MemmapTier, Tier
+from ..util.dirty import blocks_of_ranges, ranges_of, union
 from ..util.units import align
 from .layout import FieldLayout
 from .lock import acquire_writer_lock, release
 from .manifest import (
+    FORMAT_VERSION,
     MANIFEST,
     PAGE_BYTES,
     gen_dir_name,
     load_npy,
     read_manifest,
     read_npy_header,
-    write_array,
     write_manifest,
 )
+from .pages import ARRAYS_DIR, NCOPIES, CopyState, copy_path, kind_of, read_intent, write_copy, write_intent
 from .placement import Placement
 from .rows import RowSpace
 from .write import WritePath
 
 T = TypeVar("T")
 
-__all__ = ["StoreFiles", "BACKENDS", "CHECKSUMS", "open_commit", "restore_commit", "commit_parts",
+__all__ = ["StoreFiles", "BACKENDS", "CHECKSUMS", "array_path", "read_fresh", "open_commit", "restore_commit", "commit_parts",
            "snapshot_arrays", "check_consistency", "check_bounds", "check_references", "page_checksums_of"]
 
 #: Manifest entry holding the page checksums of the generation's arrays (absent: an older store).
 CHECKSUMS = "checksums"
+
+#: Arrays larger than this get all their never-written copies at their first write (one page
+#: or less costs the same to rewrite whole as to rewrite in part).
+_SEED_BYTES = PAGE_BYTES + 1
 
 BACKENDS: dict[str, type[MemmapTier]] = {"memmap": MemmapTier, "hdf5": HDF5Tier}
 ArrayLoader = Callable[[str], np.ndarray]
@@ -82,6 +88,15 @@ class StoreFiles:
         self.generation = 0
         self.read_only = False
         self.writer_lock: Any = None
+        #: format version of the last commit (a new store: the current one)
+        self.version = FORMAT_VERSION
+        #: per array: the copy the last commit published, and what each copy file holds
+        self.current: dict[str, int] = {}
+        self.copies: dict[str, dict[int, CopyState]] = {}
+        #: ``(generation, dirty row blocks, dirty blob blocks)`` of the last commits
+        self.changes: list[tuple[int, np.ndarray, np.ndarray]] = []
+        #: bytes of array pages the last commit wrote
+        self.last_commit_bytes = 0
 
     # -- creating and opening -----------------------------------------------------------------
     def create(self) -> Tier:
@@ -106,16 +121,58 @@ class StoreFiles:
 
     def arrays(self, body: dict[str, Any]) -> ArrayLoader:
         """A loader of the arrays the commit ``body`` lists (memory-mapped, sizes checked)."""
-        gdir = os.path.join(self.path, gen_dir_name(body["generation"]))
         files = body["files"]
         sums = page_checksums_of(body)
 
         def load(name: str) -> np.ndarray:
             if name not in files:
                 raise CorruptionError(f"{self.path}: the manifest lists no {name!r} array; the store is damaged")
-            return load_npy(os.path.join(gdir, name + ".npy"), files[name], pages=sums.get(name))
+            return load_npy(array_path(self.path, body, name), files[name], pages=sums.get(name))
 
         return load
+
+    def adopt_copies(self, body: dict[str, Any], mode: str) -> None:
+        """Learn which copy of each array the commit ``body`` published and what the other copies
+        hold (format 2). A writer that finds a commit died while writing copies (its intent is not
+        this commit) forgets the other copies: its next commit rewrites them whole."""
+        self.version = int(body["format_version"])
+        self.current, self.copies, self.changes = {}, {}, []
+        if self.version < 2:
+            return
+        g = int(body["generation"])
+        sums = page_checksums_of(body)
+        for name, c in body["copy"].items():
+            self.current[name] = c
+            self.copies[name] = {c: CopyState(g, int(body["files"][name]), list(sums.get(name, [])))}
+        if mode == "r" or read_intent(self.path) != g:
+            return
+        try:
+            for name, entries in body.get("spares", {}).items():
+                for c, gen, size, crcs in entries:
+                    if name in self.copies and c != self.current[name]:
+                        self.copies[name][int(c)] = CopyState(int(gen), int(size), [int(x) for x in crcs])
+            self.changes = [(int(gen), blocks_of_ranges(r), blocks_of_ranges(b))
+                            for gen, r, b in body.get("changes", [])]
+        except (TypeError, ValueError):  # a garbled hint: the next commit writes every copy whole
+            self.copies = {n: {c: v for c, v in d.items() if c == self.current[n]} for n, d in self.copies.items()}
+            self.changes = []
+
+    def check_fresh(self) -> None:
+        """For a read-only store: raise if a writer may have overwritten the array copies it
+        reads (it started its third commit after this store's; docs/format.md).
+
+        Raises:
+            ChecksumError: saying to reopen the store.
+        """
+        if not self.read_only or self.version < 2:
+            return
+        intent = read_intent(self.path)
+        if intent is not None and intent >= self.generation + NCOPIES:
+            raise ChecksumError(
+                f"{self.path}: this store was opened read-only at commit {self.generation}; a writer has "
+                f"since committed up to generation {intent} and reused the files of older commits. "
+                "The files are most likely not damaged: reopen the store (tiered.open(path)) to read the "
+                "latest commit, and run `tiered verify` if the error stays after that.")
 
     def blob_index(self, body: dict[str, Any]) -> BlobIndex:
         """The blob index the commit ``body`` saved (its ``index.*`` arrays)."""
@@ -131,28 +188,73 @@ class StoreFiles:
         return state
 
     # -- committing ---------------------------------------------------------------------------
-    def commit(self, cold: Tier, arrays: dict[str, np.ndarray], body: dict[str, Any]) -> None:
-        """Durably publish a new generation (see the module docstring for the order of writes)."""
+    def commit(self, cold: Tier, arrays: dict[str, np.ndarray], body: dict[str, Any],
+               dirty: tuple[np.ndarray, np.ndarray]) -> None:
+        """Durably publish a new generation (see the module docstring for the order of writes).
+
+        Args:
+            dirty: bitmaps of the row blocks and blob-id blocks changed since the last commit.
+        """
         cold.flush()
         g = self.generation + 1
-        gdir = os.path.join(self.path, gen_dir_name(g))
-        if os.path.isdir(gdir):  # left over by a crash before its manifest was published
-            for name in os.listdir(gdir):
-                fileio.remove(os.path.join(gdir, name))
-        os.makedirs(gdir, exist_ok=True)
+        adir = os.path.join(self.path, ARRAYS_DIR)
+        if not os.path.isdir(adir):
+            fileio.makedirs(adir)
+            fileio.fsync_dir(self.path)
         cold_state = cold.state()
         arrays = {**arrays, **{f"cold.{k}": v for k, v in cold_state.items() if isinstance(v, np.ndarray)}}
-        written = {name: write_array(os.path.join(gdir, name + ".npy"), arr) for name, arr in arrays.items()}
-        fileio.fsync_dir(gdir)
-        fileio.fsync_dir(self.path)
-        write_manifest(self.path, {
-            **body, "generation": g, "backend": self.backend,
-            "cold": {k: v for k, v in cold_state.items() if not isinstance(v, np.ndarray)},
-            "files": {name: a.size for name, a in written.items()},
-            CHECKSUMS: {"algorithm": "crc32", "page_bytes": PAGE_BYTES,
-                        "files": {name: a.pages for name, a in written.items()}}})
-        # Keep the previous generation one commit longer: a reader (or `tiered verify`) that read
-        # the old manifest an instant ago can still load its arrays.
+        history = [c for c in self.changes if c[0] > g - NCOPIES] + [(g, *dirty)]
+        known = {c[0]: c for c in history}
+        target = {name: (self.current[name] + 1) % NCOPIES if name in self.current else 0 for name in arrays}
+        written: dict[str, CopyState] = {}
+        seeded: dict[str, dict[int, CopyState]] = {}
+        write_intent(self.path, g)  # from here on, copies of older commits are being overwritten
+        try:
+            for name, arr in arrays.items():  # a loop over arrays (a few dozen), not rows
+                t = target[name]
+                base = self.copies.get(name, {}).get(t)
+                blocks = None
+                kind = kind_of(name)
+                if base is not None and kind != "whole" and all(x in known for x in range(base.generation + 1, g + 1)):
+                    blocks = union([known[x][1 if kind == "rows" else 2] for x in range(base.generation + 1, g + 1)])
+                written[name] = write_copy(copy_path(self.path, name, t), arr, blocks, base, g)
+                if blocks is None and kind != "whole" and arr.nbytes >= _SEED_BYTES:
+                    # copies never written yet start as this one: the next commits are incremental
+                    for c in range(NCOPIES):  # three at most
+                        if c not in (t, self.current.get(name)) and not os.path.exists(copy_path(self.path, name, c)):
+                            seeded.setdefault(name, {})[c] = write_copy(copy_path(self.path, name, c), arr, None, None, g)
+            fileio.fsync_dir(adir)
+            sums = {name: a.crcs for name, a in written.items()}
+            for name, extra in seeded.items():
+                self.copies.setdefault(name, {}).update(extra)
+            spares = {name: [cs.to_json(c) for c, cs in sorted(self.copies.get(name, {}).items()) if c != target[name]]
+                      for name in arrays}
+            write_manifest(self.path, {
+                **body, "generation": g, "backend": self.backend,
+                "cold": {k: v for k, v in cold_state.items() if not isinstance(v, np.ndarray)},
+                "files": {name: a.size for name, a in written.items()},
+                CHECKSUMS: {"algorithm": "crc32", "page_bytes": PAGE_BYTES, "files": sums},
+                "copy": target, "spares": spares,
+                "changes": [[gen, ranges_of(r), ranges_of(b)] for gen, r, b in history[-(NCOPIES - 1):]]})
+        except BaseException:
+            for name in arrays:  # copies this commit may have partly written hold nothing known
+                for c in [target[name], *seeded.get(name, {})]:
+                    self.copies.get(name, {}).pop(c, None)
+            raise
+        for name, state in written.items():
+            self.copies.setdefault(name, {})[target[name]] = state
+        if os.environ.get("TIERED_CHECK_COMMITS"):  # tests: every copy written equals the array in memory
+            for name, arr in arrays.items():
+                disk = load_npy(copy_path(self.path, name, target[name]), mmap=False)
+                if disk.shape != arr.shape or disk.tobytes() != np.ascontiguousarray(arr).tobytes():
+                    raise AssertionError(f"incremental commit {g} left array {name!r} different from memory")
+        self.current = target
+        self.changes = history[-(NCOPIES - 1):]
+        self.version = FORMAT_VERSION
+        self.last_commit_bytes = sum(a.written for a in written.values()) + sum(
+            a.written for extra in seeded.values() for a in extra.values())
+        # a format-1 generation directory is kept one commit longer: a reader (or `tiered verify`)
+        # that read the old manifest an instant ago can still load its arrays
         old = os.path.join(self.path, gen_dir_name(self.generation - 1))
         self.generation = g
         if os.path.isdir(old):
@@ -177,6 +279,17 @@ class StoreFiles:
     def release_lock(self) -> None:
         release(self.writer_lock)
         self.writer_lock = None
+
+
+def read_fresh(files: StoreFiles | None, out: T) -> T:
+    """``out``, once known to be read from the commit a read-only store opened.
+
+    Raises:
+        ChecksumError: a writer may have overwritten that commit's arrays (reopen the store).
+    """
+    if files is not None:
+        files.check_fresh()
+    return out
 
 
 def open_commit(path: str, mode: str, build: Callable[[dict[str, Any], Any], T]) -> T:
@@ -232,6 +345,7 @@ def restore_commit(files: StoreFiles, body: dict[str, Any], mode: str, rows: Row
     load = files.arrays(body)
     index = write.index
     files.generation = int(body["generation"])
+    files.adopt_copies(body, mode)
     placement.drop_memory_copies()
     rows.load_state(body, load("written"))
     live = index.live_ids()
@@ -278,15 +392,27 @@ def commit_parts(files: StoreFiles, rows: RowSpace, write: WritePath, placement:
                      for f in (layout.families if layout is not None else [])],
     }
     arrays = snapshot_arrays(rows, layout, write.index, placement.policy)
-    if placement.priorities is not None:
-        arrays.update({f"priority.{k}": v for k, v in placement.priorities.state_arrays().items()})
-    files.commit(placement.cold, arrays, body)
+    priorities = placement.priorities
+    if priorities is not None:
+        arrays.update({f"priority.{k}": v for k, v in priorities.state_arrays().items()})
+    row_bits = [rows.dirty.take()] + ([priorities.dirty.take()] if priorities is not None else [])
+    blob_bits = [write.index.dirty.take(), placement.policy.take_dirty()]
+    try:
+        files.commit(placement.cold, arrays, body, (union(row_bits), union(blob_bits)))
+    except BaseException:  # what this commit should have written is still to be written
+        rows.dirty.merge(row_bits[0])
+        if priorities is not None:
+            priorities.dirty.merge(row_bits[1])
+        write.index.dirty.merge(blob_bits[0])
+        placement.policy.merge_dirty(blob_bits[1])
+        raise
 
 
 def snapshot_arrays(rows: RowSpace, layout: FieldLayout | None, index: BlobIndex,
                     policy: Policy) -> dict[str, np.ndarray]:
     """The arrays of a commit, by file name (format v1 names; the cold tier adds ``cold.*``)."""
     arrays = {f"index.{k}": v for k, v in index.state_arrays().items()}
+    arrays.update({f"policy.{policy.name}.{k}": v for k, v in policy.state_views().items()})
     arrays["written"] = rows.written
     if layout is not None:
         for i, f in enumerate(layout.schema.values()):
@@ -295,7 +421,6 @@ def snapshot_arrays(rows: RowSpace, layout: FieldLayout | None, index: BlobIndex
             else:
                 arrays[f"rows.{i}.blob"] = layout.tables[f.key].blob
                 arrays[f"rows.{i}.slot"] = layout.tables[f.key].slot
-    arrays.update({f"policy.{policy.name}.{k}": v for k, v in policy.state_arrays().items()})
     return arrays
 
 
@@ -390,9 +515,26 @@ def _int(body: dict[str, Any], key: str, low: int, high: int | None = None) -> i
     return v
 
 
-def _header(gdir: str, name: str, files: dict[str, Any]) -> Any:
+def array_path(store: str, body: dict[str, Any], name: str) -> str:
+    """The file holding array ``name`` of the commit ``body`` of the store ``store``: format 1,
+    ``gen-<generation>/<name>.npy``; format 2, the copy ``arrays/<name>.<copy>.npy`` it names.
+
+    Raises:
+        CorruptionError: a format-2 manifest names no valid copy for the array.
+    """
+    if body.get("format_version") == 1:
+        return os.path.join(store, gen_dir_name(body["generation"]), name + ".npy")
+    copies = body.get("copy")
+    c = copies.get(name) if isinstance(copies, dict) else None
+    if not isinstance(c, int) or isinstance(c, bool) or not 0 <= c < NCOPIES:
+        raise CorruptionError(f"{os.path.join(store, MANIFEST)}: the manifest names no copy of array {name!r} "
+                              f"(got {c!r}, expected 0..{NCOPIES - 1}); the store is damaged")
+    return copy_path(store, name, c)
+
+
+def _header(store: str, body: dict[str, Any], name: str, files: dict[str, Any]) -> Any:
     """The checked ``.npy`` header of array ``name`` (no data read)."""
-    path = os.path.join(gdir, name + ".npy")
+    path = array_path(store, body, name)
     if name not in files:
         raise CorruptionError(f"{path}: the manifest lists no {name!r} array; the store is damaged")
     try:
@@ -418,7 +560,7 @@ def check_bounds(path: str, body: dict[str, Any]) -> None:
     """
     manifest = os.path.join(path, MANIFEST)
     try:
-        generation = _int(body, "generation", 0)
+        _int(body, "generation", 0)
         capacity = _int(body, "capacity", 1)
         _int(body, "len", 0, capacity)
         _int(body, "cursor", 0, capacity - 1)
@@ -432,33 +574,32 @@ def check_bounds(path: str, body: dict[str, Any]) -> None:
         page_checksums_of(body)
     except CorruptionError as e:
         raise CorruptionError(f"{manifest}: {e}. The store is damaged; run `tiered verify {path}`.") from None
-    gdir = os.path.join(path, gen_dir_name(generation))
     problems = []
 
     def expect(name: str, shape: tuple[int, ...], dtype: Any = None) -> Any:
-        h = _header(gdir, name, files)
+        h = _header(path, body, name, files)
         if h.shape != shape or (dtype is not None and h.dtype != np.dtype(dtype)):
-            problems.append(f"{os.path.join(gdir, name + '.npy')} holds {h.dtype}{list(h.shape)}, the manifest "
+            problems.append(f"{array_path(path, body, name)} holds {h.dtype}{list(h.shape)}, the manifest "
                             f"implies {np.dtype(dtype) if dtype is not None else h.dtype}{list(shape)}")
         return h
 
     expect("written", (capacity,), np.bool_)
-    state = _header(gdir, "index.state", files)
+    state = _header(path, body, "index.state", files)
     n_blobs = state.shape[0] if len(state.shape) == 1 else -1
     for name in [k for k in files if k.startswith("index.") and k not in ("index.free_ids", "index.meta")]:
-        h = _header(gdir, name, files)
+        h = _header(path, body, name, files)
         if not h.shape or h.shape[0] != n_blobs:
             problems.append(f"{name} has shape {list(h.shape)}, index.state has {n_blobs} entries")
     meta = expect("index.meta", (2,), np.int64)
     if meta.shape == (2,) and meta.dtype == np.dtype(np.int64):
-        fd = fileio.open_for_read(os.path.join(gdir, "index.meta.npy"))
+        fd = fileio.open_for_read(array_path(path, body, "index.meta"))
         try:
             size = int(np.frombuffer(os.pread(fd, 8, meta.offset), dtype=meta.dtype)[0])
         finally:
             os.close(fd)
         if not 0 <= size <= max(n_blobs, 0):
             problems.append(f"index.meta says {size} blob ids, index.state holds {n_blobs}")
-    free = _header(gdir, "index.free_ids", files)
+    free = _header(path, body, "index.free_ids", files)
     if len(free.shape) != 1 or free.shape[0] > max(n_blobs, 0):
         problems.append(f"index.free_ids has shape {list(free.shape)} for an index of {n_blobs} blobs")
     if body.get("schema") is not None:

@@ -145,6 +145,7 @@ class Placement:
             except BaseException:
                 cold.free(loc, align(sizes), defer=False)  # never committed: reusable at once
                 raise
+            idx.dirty.mark(ids)
             idx.loc[ids, COLD] = loc
             # best effort: cache the blobs the policy admits in the fastest memory tier with room
             for t in (HOT, WARM):
@@ -163,6 +164,7 @@ class Placement:
                 errors.append(f"{tier.name}: {e}")
                 continue
             tier.write(loc, data, offsets, sizes)
+            idx.dirty.mark(ids)
             idx.loc[ids, t] = loc
             self._hot_written()
             return
@@ -231,6 +233,7 @@ class Placement:
         if getattr(tier, "pinned", False) and cuda_usable():
             torch.cuda.synchronize()
         ids = self.tier_ids(t)
+        self.index.dirty.mark(ids)
         self.index.loc[ids, t] = tier.compact(self.index.loc[ids, t], self.index.nbytes[ids])
         self.compactions += 1
         self.cold_read_bytes = 0
@@ -261,6 +264,7 @@ class Placement:
         sizes = idx.nbytes[ids]
         if self.cold is not None:  # cold holds every blob: dropping a cached copy is free
             tier.free(idx.loc[ids, t], align(sizes))
+            idx.dirty.mark(ids)
             idx.loc[ids, t] = -1
             self.counts[TIER_NAMES[t]]["demotions"] += int(ids.size)
             return
@@ -273,6 +277,7 @@ class Placement:
         u = lower[0]
         loc = self.allocate_in(u, sizes)  # copy, switch the index, then free
         self.tiers[u].write(loc, buf, buf_off, sizes)
+        idx.dirty.mark(ids)
         idx.loc[ids, u] = loc
         tier.free(idx.loc[ids, t], align(sizes))
         idx.loc[ids, t] = -1
@@ -305,6 +310,7 @@ class Placement:
             return np.zeros(np.shape(ids), dtype=bool)
         ok = loc >= 0
         tier.write(loc[ok], data, offsets[ok], sizes[ok])
+        self.index.dirty.mark(ids[ok])
         self.index.loc[ids[ok], t] = loc[ok]
         return ok
 
@@ -318,10 +324,13 @@ class Placement:
                 continue
             sel = ids[idx.loc[ids, t] >= 0]
             tier.free(idx.loc[sel, t], align(idx.nbytes[sel]), defer=defer)
+        idx.dirty.mark(ids)
         idx.loc[ids] = -1
 
     def drop_memory_copies(self) -> None:
         """Forget every hot and warm location (after an open: the arenas start empty)."""
+        held = self.index.loc[: self.index.size, HOT:WARM + 1]
+        self.index.dirty.mark(np.flatnonzero((held >= 0).any(1)))
         self.index.loc[:, HOT] = -1
         self.index.loc[:, WARM] = -1
 
@@ -402,6 +411,7 @@ class Placement:
                 if m.any() and self.tiers[u] is not None:
                     self.tiers[u].free(self.index.loc[moved[m], u], align(sizes[cand][m]))
                     self.index.loc[moved[m], u] = -1
+            self.index.dirty.mark(moved)
             self.index.loc[moved, t] = loc
             from_tier[cand] = t
             self.counts[TIER_NAMES[t]]["promotions"] += int(cand.size)

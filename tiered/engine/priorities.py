@@ -54,6 +54,7 @@ import numpy as np
 from ..errors import CorruptionError, InvalidPriorityError
 from ..index import FREE, STORED, BlobIndex
 from ..util.batch import isin, ranges
+from ..util.dirty import DirtyBlocks
 from .layout import FieldLayout
 from .stage import WriteStage
 
@@ -118,6 +119,8 @@ class RowPriorities:
         self._alpha = 1.0
         self._blob = np.full(1024, self.default, dtype=np.float64)  # blob maxima by id
         self._mass = np.zeros(1024, dtype=np.float64)  # blob sampling weights by id
+        #: rows whose priority changed since the last commit
+        self.dirty = DirtyBlocks()
         self._clear_reverse_index()
 
     @property
@@ -162,6 +165,7 @@ class RowPriorities:
         """
         rev_unique, rev_first = np.unique(rows[::-1], return_index=True)
         self.row[rev_unique] = priority[::-1][rev_first]
+        self.dirty.mark(rev_unique)
         return self.recount(layout, self.blobs_of(layout, rev_unique), stage)
 
     def activate(self, layout: FieldLayout | None, stage: WriteStage | None) -> tuple[np.ndarray, np.ndarray]:
@@ -176,6 +180,7 @@ class RowPriorities:
         """``rows`` now wait in the stage with new data: they get ``default`` and keep whatever
         they are given until the flush; the blobs their (stale) entries name are recounted."""
         self.row[rows] = self.default
+        self.dirty.mark(rows)
         self._held[rows] = True
         return self.recount(layout, self.blobs_of(layout, rows), stage)
 
@@ -185,6 +190,7 @@ class RowPriorities:
         they named before). ``rows`` count as unstaged even if the stage still lists them."""
         direct = rows[~self._held[rows]]
         self.row[direct] = self.default
+        self.dirty.mark(direct)
         self._held[rows] = False
         fresh = rows[~self._recent[rows]]
         self._recent[fresh] = True
@@ -196,6 +202,7 @@ class RowPriorities:
         """Every row is gone: every row priority goes back to ``default``."""
         if self._row is not None:
             self._row[:] = self.default
+            self.dirty.mark_range(0, self.capacity)
         self._held[:] = False
         self._clear_reverse_index()
 

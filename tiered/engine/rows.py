@@ -27,6 +27,7 @@ from tensordict import TensorDictBase
 from ..errors import CorruptionError, IndexOutOfRangeError, SchemaMismatchError, UnwrittenRowError
 from ..schema import Field, Key, Schema, as_bits, bits_dtype, key_to_str
 from ..util.batch import exclusive_cumsum
+from ..util.dirty import DirtyBlocks
 
 __all__ = ["RowSpace", "IndexLike", "as_row_array", "index_shape", "DONE_KEYS"]
 
@@ -122,6 +123,8 @@ class RowSpace:
         self.dense: dict[Key, torch.Tensor] = {}
         #: trajectory id the next write without a trajectory-id field starts from
         self.next_trajectory = 0
+        #: rows changed since the last commit (what an incremental commit rewrites)
+        self.dirty = DirtyBlocks()
 
     def __len__(self) -> int:
         return self.length
@@ -155,10 +158,12 @@ class RowSpace:
 
     def mark_written(self, rows: np.ndarray) -> None:
         self.written[rows] = True
+        self.dirty.mark(rows)
 
     def reset(self) -> None:
         """Forget every row (the dense columns keep their bytes; no row is readable)."""
         self.written[:] = False
+        self.dirty.mark_range(0, self.capacity)
         self.length = self.cursor = 0
 
     # -- index resolution -------------------------------------------------------------------
@@ -240,6 +245,7 @@ class RowSpace:
     def write_dense(self, schema: Schema, rows: np.ndarray, data: TensorDictBase) -> None:
         rows_t = torch.from_numpy(rows)
         n = rows.size
+        self.dirty.mark(rows)
         for f in schema.dense_fields:  # a loop over fields, not rows
             # as same-size integers: torch has no index_copy_ for uint16/32/64 and float8
             as_bits(self.dense[f.key]).index_copy_(0, rows_t, as_bits(data.get(f.key).detach().reshape(n, *f.shape)))
@@ -247,6 +253,7 @@ class RowSpace:
     def write_dense_cells(self, schema: Schema, rows: np.ndarray, cells: dict[Key, torch.Tensor]) -> None:
         """Write the dense cells of a small write (one row: cells without a batch dimension)."""
         n = rows.size
+        self.dirty.mark(rows)
         with torch.no_grad():  # stored values never carry autograd history
             if n == 1:
                 r = int(rows[0])

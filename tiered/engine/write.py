@@ -327,6 +327,7 @@ class WritePath:
         raw_sizes = nframes * fam.frame_nbytes
         enc = self.codec.encode(raw.reshape(-1), exclusive_cumsum(raw_sizes), raw_sizes)
         idx = self.index
+        idx.dirty.mark(ids)
         idx.nbytes[ids] = enc.sizes
         idx.raw_nbytes[ids] = raw_sizes
         idx.checksum[ids] = enc.checksums
@@ -340,6 +341,7 @@ class WritePath:
         idx = self.index
         # never committed: their space is reusable at once
         self.placement.free_in_tiers(np.concatenate([plan.new_ids, plan.reopened_closed]), defer=False)
+        idx.dirty.mark(plan.reopened_closed)
         idx.state[plan.reopened_closed] = OPEN
         idx.release(plan.new_ids)
 

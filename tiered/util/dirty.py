@@ -1,0 +1,109 @@
+"""Which blocks of ids (rows, blob ids) changed since a commit: what an incremental commit writes.
+
+A :class:`DirtyBlocks` is a bitmap over blocks of :data:`BLOCK` consecutive ids. Marking is one
+vectorized shift and scatter per call (no per-id loop), its memory is one byte per block, and a
+commit turns the blocks into the byte ranges of each array it saves (docs/format.md, format 2).
+
+Example:
+    >>> import numpy as np
+    >>> d = DirtyBlocks()
+    >>> d.mark(np.array([3, 5000, -1]))
+    >>> d.blocks().tolist()
+    [0, 1]
+    >>> d.take().nonzero()[0].tolist(), d.blocks().tolist()
+    ([0, 1], [])
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["BLOCK", "BLOCK_SHIFT", "DirtyBlocks", "union", "ranges_of", "blocks_of_ranges"]
+
+#: Ids per block (a power of two).
+BLOCK_SHIFT = 12
+BLOCK = 1 << BLOCK_SHIFT
+
+
+class DirtyBlocks:
+    """A growable bitmap of the :data:`BLOCK`-id blocks that changed."""
+
+    def __init__(self) -> None:
+        self.bits = np.zeros(0, dtype=bool)
+
+    def _grow(self, top_block: int) -> None:
+        if top_block >= self.bits.shape[0]:
+            new = np.zeros(max(top_block + 1, 2 * self.bits.shape[0]), dtype=bool)
+            new[: self.bits.shape[0]] = self.bits
+            self.bits = new
+
+    def mark(self, ids: np.ndarray) -> None:
+        """Mark the blocks of ``ids`` (any shape; negative ids are ignored)."""
+        ids = np.asarray(ids).reshape(-1)
+        if not ids.size:
+            return
+        blocks = ids[ids >= 0].astype(np.int64) >> BLOCK_SHIFT
+        if blocks.size:
+            self._grow(int(blocks.max()))
+            self.bits[blocks] = True
+
+    def mark_range(self, lo: int, hi: int) -> None:
+        """Mark the blocks of ids ``[lo, hi)``."""
+        if hi > lo:
+            self._grow((hi - 1) >> BLOCK_SHIFT)
+            self.bits[lo >> BLOCK_SHIFT:((hi - 1) >> BLOCK_SHIFT) + 1] = True
+
+    def merge(self, bits: np.ndarray) -> None:
+        """Mark again the blocks of a bitmap :meth:`take` returned (a commit that failed)."""
+        if bits.shape[0]:
+            self._grow(bits.shape[0] - 1)
+            self.bits[: bits.shape[0]] |= bits
+
+    def blocks(self) -> np.ndarray:
+        """The marked block numbers, ascending."""
+        return np.flatnonzero(self.bits)
+
+    def take(self) -> np.ndarray:
+        """The bitmap so far, and start over with nothing marked."""
+        out, self.bits = self.bits, np.zeros(0, dtype=bool)
+        return out
+
+
+def union(bitmaps: list[np.ndarray]) -> np.ndarray:
+    """The union of bitmaps of any lengths.
+
+    Example:
+        >>> union([np.array([True]), np.array([False, False, True])]).tolist()
+        [True, False, True]
+    """
+    out = np.zeros(max([b.shape[0] for b in bitmaps] + [0]), dtype=bool)
+    for b in bitmaps:  # a handful: one per commit or component
+        out[: b.shape[0]] |= b
+    return out
+
+
+def ranges_of(bits: np.ndarray) -> list[int]:
+    """Runs of set bits as a flat ``[lo0, hi0, lo1, hi1, ...]`` list (what a manifest stores).
+
+    Example:
+        >>> ranges_of(np.array([0, 1, 1, 0, 1], dtype=bool))
+        [1, 3, 4, 5]
+    """
+    b = np.concatenate([[False], np.asarray(bits, dtype=bool), [False]])
+    edges = np.flatnonzero(b[1:] != b[:-1])
+    return [int(x) for x in edges]
+
+
+def blocks_of_ranges(flat: list[int]) -> np.ndarray:
+    """The bitmap :func:`ranges_of` describes (the inverse).
+
+    Example:
+        >>> blocks_of_ranges([1, 3, 4, 5]).tolist()
+        [False, True, True, False, True]
+    """
+    edges = np.asarray(flat, dtype=np.int64).reshape(-1, 2)
+    top = int(edges[:, 1].max()) if edges.size else 0
+    diff = np.zeros(top + 1, dtype=np.int64)
+    np.add.at(diff, edges[:, 0], 1)
+    np.add.at(diff, edges[:, 1], -1)
+    return np.cumsum(diff)[:top] > 0
