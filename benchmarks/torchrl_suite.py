@@ -197,6 +197,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--targets", nargs="+", default=list(TARGETS), choices=TARGETS)
     p.add_argument("--files", nargs="*", default=[], help="test files under test/rb/ (default: all)")
     p.add_argument("--no-baseline", action="store_true", help="reuse the last baseline log")
+    p.add_argument("--baseline-only", action="store_true", help="run only the baseline (no substitution)")
     p.add_argument("--report-only", action="store_true", help="only compare the last logs")
     p.add_argument("--timeout", type=int, default=120, help="per-test timeout in seconds")
     p.add_argument("-k", default=None, help="pytest -k expression")
@@ -205,7 +206,7 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"{args.checkout} has no test/rb/: pass the root of a pytorch/rl checkout")
     extra = ["-k", args.k] if args.k else []
     if not args.report_only:
-        runs = ([] if args.no_baseline else ["none"]) + list(args.targets)
+        runs = ([] if args.no_baseline else ["none"]) + ([] if args.baseline_only else list(args.targets))
         for target in runs:
             secs = _run(args.checkout, target, args.files, extra, args.timeout)
             print(f"[{target}] {secs:.0f} s", flush=True)

@@ -13,7 +13,7 @@ import pickle
 import numpy as np
 import pytest
 import torch
-from tensordict import TensorDict, TensorDictBase, tensorclass
+from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase, tensorclass
 from torchrl.data import (
     LazyMemmapStorage,
     LazyTensorStorage,
@@ -30,7 +30,7 @@ from torchrl.data.replay_buffers.checkpointers import (
     NestedStorageCheckpointer,
 )
 
-from tiered.errors import NotSharedError
+from tiered.errors import NotSharedError, RaggedDataError
 from tiered.torchrl import TieredStorage
 
 OPTS = {"frames": {"observation": 0}}
@@ -207,6 +207,33 @@ def test_ndim2_slice_sampler_stays_in_trajectories(pong):
         match = (data[env]["action"].unfold(0, 8, 1) == s["action"]).all(-1).any()
         assert bool(match)
     assert flat.shape[0] == 160
+
+
+def test_ndim2_item_assignment_writes_through(pong):
+    data = pong[:60].reshape(2, 30)
+    rbs = [ReplayBuffer(storage=s) for s in (TieredStorage(62, ndim=2, **OPTS), LazyTensorStorage(62, ndim=2))]
+    patch = pong[100:101]
+    for rb in rbs:
+        rb.extend(data)
+        rb[0, 3:4] = patch  # ReplayBuffer routes a 2-tuple through rb[:][index] = value
+        rb[:, 7:8] = patch.expand(2, 1)
+        rb[:, 10:13] = pong[200:203]  # broadcast over the environments
+    assert_same(rbs[0][:], rbs[1][:], "rb[i, j] = td on an ndim=2 storage")
+    assert torch.equal(rbs[0][0, 3:4]["observation"], patch["observation"])
+    assert rbs[0].writer._cursor == rbs[1].writer._cursor and len(rbs[0]) == len(rbs[1])
+
+
+def test_ragged_rows_are_refused_with_ragged_data_error(pong):
+    rb = ReplayBuffer(storage=TieredStorage(10, **OPTS))
+    obs = pong["observation"][:2]
+    with pytest.raises(RaggedDataError, match="Stacking the elements of the list"):
+        rb.extend([obs[0], obs[1, :2]])
+    ragged = LazyStackedTensorDict(pong[:3].select("observation"),
+                                   TensorDict(observation=obs[:1, :2].expand(3, 2, 84, 84), batch_size=[3]),
+                                   stack_dim=1)
+    with pytest.raises(RaggedDataError, match="LazyStackStorage"):
+        ReplayBuffer(storage=TieredStorage(10, **OPTS)).extend(ragged)
+    assert len(rb) == 0
 
 
 # ----------------------------------------------------------------------------------------
