@@ -282,6 +282,19 @@ def test_compilable_is_accepted(pong):
     rb = TensorDictReplayBuffer(storage=TieredStorage(20, compilable=True, **OPTS), batch_size=4, compilable=True)
     rb.extend(pong[:10])
     assert rb.sample()["observation"].shape == (4, 4, 84, 84)
+    ours, oracle = _pair(n=20, compilable=True)
+    rb = ReplayBuffer(storage=ours, batch_size=4, compilable=True)
+
+    @torch.compile(backend="eager")  # the storage runs eagerly inside compiled code (a graph break)
+    def step(data):
+        rb.extend(data)
+        return rb.sample()
+
+    for i in range(3):
+        assert step(pong[i * 8:(i + 1) * 8])["observation"].shape == (4, 4, 84, 84)
+        oracle.set(torch.arange(i * 8, (i + 1) * 8) % 20, pong[i * 8:(i + 1) * 8])
+    assert len(ours) == 20
+    assert_same(ours.get(np.arange(20)), oracle.get(np.arange(20)), "compiled extend")
 
 
 # ----------------------------------------------------------------------------------------

@@ -88,6 +88,7 @@ class _RowReads:
             return rows, torch.Size(index.shape)
         return rows, torch.Size([] if as_row_array(index)[1] else [rows.size])
 
+    @torch.compiler.disable  # decoding compressed rows cannot be traced: run eagerly
     def get(self, index: Any) -> Any:
         """Read rows, decoded in one batched call (a slice returns a lazy view, see ``__getitem__``).
 
@@ -115,6 +116,7 @@ class _RowReads:
             td = td.reshape(shape)
         return self._form.from_rows(_unfold_row_batch(td, self._form.row_batch))
 
+    @torch.compiler.disable
     def __getitem__(self, index: Any) -> Any:
         """Like :meth:`get`, but slices and tuples (how TorchRL's samplers read) return lazy views.
 
@@ -431,6 +433,7 @@ class TieredStorage(_RowReads, TensorStorage):
                 f"device={self.device}, store={self._store!r})")
 
     # -- writing ---------------------------------------------------------------------------------
+    @torch.compiler.disable  # decoding and encoding compressed rows cannot be traced: run eagerly
     def set(self, cursor: Any, data: Any, *, set_cursor: bool = True) -> None:
         """Write rows at ``cursor`` (int, 0-d/1-D tensor on any device, slice, range, list, 1-tuple;
         for ``ndim>1``, any index of the grid's first dimension).
