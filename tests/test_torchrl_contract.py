@@ -22,6 +22,7 @@ from torchrl.data import (
     RoundRobinWriter,
     SliceSampler,
     TensorDictMaxValueWriter,
+    TensorDictPrioritizedReplayBuffer,
     TensorDictReplayBuffer,
 )
 from torchrl.data.replay_buffers.checkpointers import (
@@ -221,6 +222,21 @@ def test_ndim2_item_assignment_writes_through(pong):
     assert_same(rbs[0][:], rbs[1][:], "rb[i, j] = td on an ndim=2 storage")
     assert torch.equal(rbs[0][0, 3:4]["observation"], patch["observation"])
     assert rbs[0].writer._cursor == rbs[1].writer._cursor and len(rbs[0]) == len(rbs[1])
+
+
+def test_ndim2_prioritized_buffer_matches(pong):
+    data = pong[:24].reshape(4, 6)
+    rbs = [TensorDictPrioritizedReplayBuffer(storage=s, batch_size=4, alpha=0.9, beta=1.1)
+           for s in (TieredStorage(60, ndim=2, **OPTS), LazyTensorStorage(60, ndim=2))]
+    index = torch.tensor([[0, 1], [5, 3], [2, 0]])  # grid coordinates, as samplers return them
+    for rb in rbs:
+        rb.extend(data)  # the writer marks [n, 2] coordinates
+        rb.update_priority(index, torch.tensor([5.0, 2.0, 3.0]))
+    trees = [rb.sampler._sum_tree[torch.arange(24)] for rb in rbs]
+    assert torch.equal(trees[0], trees[1])
+    stored = rbs[0].storage.grid_cells[tuple(index.unbind(-1))].numpy()
+    assert rbs[0].storage.store.priorities(stored).tolist() == [5.0, 2.0, 3.0]
+    assert rbs[0].sample()["observation"].shape == (4, 4, 84, 84)
 
 
 def test_ragged_rows_are_refused_with_ragged_data_error(pong):

@@ -372,6 +372,11 @@ class TieredStorage(_RowReads, TensorStorage):
         """An ``ndim>1`` storage's grid (``[max_size // n_envs, n_envs]``), once the first write fixed it."""
         return tuple(self._grid.shape) if self._grid is not None else None
 
+    @property
+    def grid_cells(self) -> torch.Tensor | None:
+        """An ``ndim>1`` storage's grid: the stored row of each cell (None before the first write)."""
+        return self._grid
+
     def restore_layout(self, form: DataForm | None, grid_shape: list[int] | tuple[int, ...] | None) -> None:
         """Take the data form and ``ndim>1`` grid of a checkpoint before its rows are loaded."""
         if form is not None:
@@ -730,7 +735,12 @@ class _PriorityForwarder:
         self.storage = storage
 
     def __call__(self, index: Any, priority: Any, *, storage: Any = None) -> None:
-        if self.storage.ndim > 1:  # the sampler names grid cells; the store numbers them row-major
+        ndim = self.storage.ndim
+        if ndim > 1 and isinstance(index, torch.Tensor) and index.ndim > 1 and index.shape[-1] == ndim:
+            # coordinates of grid cells, one per row (what writers and samplers pass for ndim>1)
+            grid = self.storage.grid_cells
+            rows = grid[tuple(c.detach().to("cpu", torch.long) for c in index.unbind(-1))]
+        elif ndim > 1:  # the sampler names grid cells; the store numbers them row-major
             rows = torch.from_numpy(self.storage._write_rows(index)[0])
         else:
             rows = torch.as_tensor(index).detach().to("cpu", torch.long)
