@@ -279,6 +279,20 @@ def test_in_place_writes_go_through(pong):
     assert torch.equal(rbs[0][:]["action"], torch.arange(20))
 
 
+def test_mutation_revision_moves_as_lazy_tensor_storage(pong):
+    revisions = []
+    for storage in _pair(n=8):
+        rb = TensorDictReplayBuffer(storage=storage)
+        rb.extend(pong[:4])
+        rb[0] = pong[4]
+        rb.set_at_("action", torch.tensor([1]), torch.tensor([1]))
+        rb.set_("action", torch.arange(4))
+        rb.update_({"action": torch.arange(4) + 1})
+        rb.empty()
+        revisions.append(int(storage._mutation_revision))
+    assert revisions[0] == revisions[1] == 6
+
+
 def test_update_if_present_writes_live_rows(pong):
     rbs = [TensorDictReplayBuffer(storage=s, writer=RoundRobinWriter(track_generations=True))
            for s in _pair(n=10)]

@@ -22,6 +22,7 @@ from __future__ import annotations
 import inspect
 import os
 import shutil
+from functools import partial
 from multiprocessing.context import get_spawning_popen
 from typing import Any
 
@@ -160,7 +161,8 @@ class _RowReads:
                 else self._side.read(rows)
             for k, v in side.items():
                 view.set(k, v.reshape(*shape, *v.shape[1:]).to(view.device))
-        view.bind(rows.reshape(shape) if len(shape) else rows, self.write_fields)
+        # rb.set_at_/set_/update_ bump the revision themselves, once per call, as for TorchRL's storages
+        view.bind(rows.reshape(shape) if len(shape) else rows, partial(self.write_fields, bump_revision=False))
         return form.from_rows(view)
 
     # -- conditional updates (rb.update_if_present) ------------------------------------------------
@@ -556,10 +558,11 @@ class TieredStorage(_RowReads, TensorStorage):
             cells.set(k, v[0] if scalar else v.to(self._store.device))
         return cells
 
-    def write_fields(self, rows: np.ndarray, values: dict[Key, torch.Tensor]) -> None:
+    def write_fields(self, rows: np.ndarray, values: dict[Key, torch.Tensor], *, bump_revision: bool = True) -> None:
         """Overwrite some fields of stored rows (``values[key]`` has one cell per row); the other
         fields keep their values and the length does not change. ``rb.set_at_``, ``rb.set_``,
-        ``rb.update_`` and ``rb.update_if_present`` write through this.
+        ``rb.update_`` and ``rb.update_if_present`` write through this. The mutation revision goes up
+        once (``bump_revision=False``: not at all; the buffer methods bump it themselves).
 
         Example:
             >>> import numpy as np, torch
@@ -573,7 +576,8 @@ class TieredStorage(_RowReads, TensorStorage):
         rows = np.asarray(rows, dtype=np.int64).reshape(-1)
         td = TensorDict({k: v for k, v in values.items()}, batch_size=[rows.size])
         self._write(rows, td, scalar=False, set_cursor=False, numel=0)
-        self._bump_mutation_revision()
+        if bump_revision:
+            self._bump_mutation_revision()
 
     def _make_grid(self, td: TensorDictBase, scalar: bool) -> None:
         """Fix an ``ndim>1`` storage's grid from its first write, as ``LazyTensorStorage._init`` does."""
