@@ -31,7 +31,7 @@ from torchrl.data.replay_buffers.checkpointers import (
     NestedStorageCheckpointer,
 )
 
-from tiered.errors import NotSharedError, RaggedDataError
+from tiered.errors import NotSharedError, RaggedDataError, SchemaMismatchError
 from tiered.torchrl import TieredStorage
 
 OPTS = {"frames": {"observation": 0}}
@@ -82,6 +82,15 @@ def test_get_key_reads_a_column_and_sequence_units_sample(pong):
     rb.extend(pong[:200])
     sample = rb.sample()
     assert sample["observation"].shape == (32, 4, 84, 84)
+
+
+def test_column_read_of_tensor_data_is_a_type_error(pong):
+    storage = TieredStorage(10)
+    storage.set(range(3), pong["action"][:3])
+    with pytest.raises(SchemaMismatchError, match="needs TensorDict data"):
+        storage.get(("next", "done"))
+    with pytest.raises(TypeError, match="TensorDict"):  # what TorchRL's Sequence unit expects
+        storage["done"]
 
 
 def test_user_field_named_index_is_kept(pong):

@@ -131,7 +131,9 @@ class _RowReads:
 
     def _column(self, key: Any) -> torch.Tensor:
         if self._form.kind != "tensordict":
-            raise KeyError(f"this storage holds {self._form.kind} data; read fields of rows instead of {key!r}")
+            raise SchemaMismatchError(
+                f"reading the field {key!r} of every row needs TensorDict data; this storage holds "
+                f"{self._form.kind} data: read rows (storage[index]) instead")
         value = self._view(slice(None)).get(key)
         return value.materialize() if isinstance(value, LazyColumn) else value
 
