@@ -93,6 +93,18 @@ def test_column_read_of_tensor_data_is_a_type_error(pong):
         storage["done"]
 
 
+def test_storage_attribute_reads_the_written_rows(pong):
+    ours, oracle = _pair()
+    assert ours._storage is None
+    for s in (ours, oracle):
+        s.set(range(12), pong[:12])
+    index = torch.tensor([3, 0, 11])
+    assert_same(ours._storage[index], oracle._storage[index], "storage._storage[index]")
+    assert ours._storage.batch_size == (12,)  # the written rows, not max_size of them
+    with pytest.raises(AttributeError, match="set()"):
+        ours._storage = pong[:12]
+
+
 def test_user_field_named_index_is_kept(pong):
     data = pong[:10].clone()
     data["index"] = torch.arange(100, 110)
