@@ -64,6 +64,19 @@ class _RowReads:
     _side: SideColumns
     _grid: torch.Tensor | None
 
+    @property
+    def _storage(self) -> Any:
+        # TorchRL's code and tests read ``storage._storage`` as "the rows": None before the first
+        # write, then the written rows as a lazy view (storage[:]; frames decode only when used)
+        if not self.initialized or not len(self._store):
+            return None
+        return self[tuple(slice(None) for _ in range(self.ndim))] if self._grid is not None else self[:]
+
+    @_storage.setter
+    def _storage(self, value: Any) -> None:
+        if value is not None:
+            raise AttributeError("TieredStorage keeps its rows in its store; write them with set()")
+
     # -- reading ---------------------------------------------------------------------------------
     def _check_initialized(self) -> None:
         if not self.initialized:
@@ -270,19 +283,6 @@ class TieredStorage(_RowReads, TensorStorage):
 
     _default_checkpointer = TieredStorageCheckpointer
     supports_conditional_update = True
-
-    @property
-    def _storage(self) -> Any:
-        # TorchRL's code and tests read ``storage._storage`` as "the rows": None before the first
-        # write, then the written rows as a lazy view (storage[:]; frames decode only when used)
-        if not self.initialized or not len(self._store):
-            return None
-        return self[tuple(slice(None) for _ in range(self.ndim))] if self._grid is not None else self[:]
-
-    @_storage.setter
-    def _storage(self, value: Any) -> None:
-        if value is not None:
-            raise AttributeError("TieredStorage keeps its rows in its store; write them with set()")
 
     def __init__(
         self,
