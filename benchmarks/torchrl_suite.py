@@ -18,6 +18,7 @@ Usage::
     python benchmarks/torchrl_suite.py /path/to/pytorch-rl                  # baseline + both targets
     python benchmarks/torchrl_suite.py /path/to/rl --targets lazy_tensor --files test_storages.py
     python benchmarks/torchrl_suite.py /path/to/rl --report-only            # re-read the last logs
+    python benchmarks/torchrl_suite.py /path/to/rl --rerun-failed           # rerun the last failures only
 
 Logs go to ``benchmarks/out/torchrl_suite/<target>.jsonl``.
 
@@ -135,15 +136,18 @@ def pytest_runtest_logreport(report) -> None:  # pragma: no cover
 # ----------------------------------------------------------------------------------------
 # The script half
 # ----------------------------------------------------------------------------------------
-def _run(checkout: Path, target: str, files: list[str], extra: list[str], timeout: int) -> float:
+def _run(checkout: Path, target: str, files: list[str], extra: list[str], timeout: int,
+         ids: list[str] | None = None) -> float:
     OUT.mkdir(parents=True, exist_ok=True)
-    log = OUT / f"{target}.jsonl"
+    log = OUT / (f"{target}.rerun.jsonl" if ids is not None else f"{target}.jsonl")
     log.unlink(missing_ok=True)
     env = dict(os.environ)
     env[_ENV_TARGET] = target
     env[_ENV_LOG] = str(log)
     env["PYTHONPATH"] = os.pathsep.join([str(HERE), str(HERE.parent), env.get("PYTHONPATH", "")])
     paths = [str(checkout / "test" / "rb" / f) for f in files] if files else [str(checkout / "test" / "rb")]
+    if ids is not None:
+        paths = ids
     cmd = [sys.executable, "-m", "pytest", *paths, "-q", "-p", "torchrl_suite", "-p", "no:cacheprovider",
            "--timeout", str(timeout), *extra]
     start = time.perf_counter()
@@ -153,14 +157,20 @@ def _run(checkout: Path, target: str, files: list[str], extra: list[str], timeou
 
 
 def _load(target: str) -> dict[str, dict]:
-    log = OUT / f"{target}.jsonl"
-    if not log.exists():
-        return {}
+    """A run's outcomes per test id; a later rerun of some of them (``--rerun-failed``) wins."""
     out = {}
-    for line in log.read_text().splitlines():
-        rec = json.loads(line)
-        out[rec["id"]] = rec
+    for log in (OUT / f"{target}.jsonl", OUT / f"{target}.rerun.jsonl"):
+        if log.exists():
+            for line in log.read_text().splitlines():
+                rec = json.loads(line)
+                out[rec["id"]] = rec
     return out
+
+
+def _failed_ids(target: str) -> list[str]:
+    base, got = _load("none"), _load(target)
+    return sorted(i for i, r in got.items() if r["built"] and r["outcome"] != "passed"
+                  and base.get(i, {}).get("outcome") == "passed")
 
 
 def report(targets: list[str]) -> dict:
@@ -197,15 +207,26 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--targets", nargs="+", default=list(TARGETS), choices=TARGETS)
     p.add_argument("--files", nargs="*", default=[], help="test files under test/rb/ (default: all)")
     p.add_argument("--no-baseline", action="store_true", help="reuse the last baseline log")
+    p.add_argument("--baseline-only", action="store_true", help="run only the baseline (no substitution)")
     p.add_argument("--report-only", action="store_true", help="only compare the last logs")
+    p.add_argument("--rerun-failed", action="store_true",
+                   help="rerun only the failures of each target's last run (logged to <target>.rerun.jsonl, "
+                   "whose outcomes then replace them in the report)")
     p.add_argument("--timeout", type=int, default=120, help="per-test timeout in seconds")
     p.add_argument("-k", default=None, help="pytest -k expression")
     args = p.parse_args(argv)
     if not (args.checkout / "test" / "rb").is_dir():
         p.error(f"{args.checkout} has no test/rb/: pass the root of a pytorch/rl checkout")
     extra = ["-k", args.k] if args.k else []
-    if not args.report_only:
-        runs = ([] if args.no_baseline else ["none"]) + list(args.targets)
+    if args.rerun_failed:
+        for target in args.targets:
+            (OUT / f"{target}.rerun.jsonl").unlink(missing_ok=True)
+            ids = _failed_ids(target)
+            if ids:
+                secs = _run(args.checkout, target, [], extra, args.timeout, ids=ids)
+                print(f"[{target}] reran {len(ids)} failures: {secs:.0f} s", flush=True)
+    elif not args.report_only:
+        runs = ([] if args.no_baseline else ["none"]) + ([] if args.baseline_only else list(args.targets))
         for target in runs:
             secs = _run(args.checkout, target, args.files, extra, args.timeout)
             print(f"[{target}] {secs:.0f} s", flush=True)

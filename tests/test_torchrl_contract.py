@@ -13,7 +13,7 @@ import pickle
 import numpy as np
 import pytest
 import torch
-from tensordict import TensorDict, TensorDictBase, tensorclass
+from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase, tensorclass
 from torchrl.data import (
     LazyMemmapStorage,
     LazyTensorStorage,
@@ -22,6 +22,7 @@ from torchrl.data import (
     RoundRobinWriter,
     SliceSampler,
     TensorDictMaxValueWriter,
+    TensorDictPrioritizedReplayBuffer,
     TensorDictReplayBuffer,
 )
 from torchrl.data.replay_buffers.checkpointers import (
@@ -30,7 +31,7 @@ from torchrl.data.replay_buffers.checkpointers import (
     NestedStorageCheckpointer,
 )
 
-from tiered.errors import NotSharedError
+from tiered.errors import NotSharedError, RaggedDataError, SchemaMismatchError
 from tiered.torchrl import TieredStorage
 
 OPTS = {"frames": {"observation": 0}}
@@ -81,6 +82,27 @@ def test_get_key_reads_a_column_and_sequence_units_sample(pong):
     rb.extend(pong[:200])
     sample = rb.sample()
     assert sample["observation"].shape == (32, 4, 84, 84)
+
+
+def test_column_read_of_tensor_data_is_a_type_error(pong):
+    storage = TieredStorage(10)
+    storage.set(range(3), pong["action"][:3])
+    with pytest.raises(SchemaMismatchError, match="needs TensorDict data"):
+        storage.get(("next", "done"))
+    with pytest.raises(TypeError, match="TensorDict"):  # what TorchRL's Sequence unit expects
+        storage["done"]
+
+
+def test_storage_attribute_reads_the_written_rows(pong):
+    ours, oracle = _pair()
+    assert ours._storage is None
+    for s in (ours, oracle):
+        s.set(range(12), pong[:12])
+    index = torch.tensor([3, 0, 11])
+    assert_same(ours._storage[index], oracle._storage[index], "storage._storage[index]")
+    assert ours._storage.batch_size == (12,)  # the written rows, not max_size of them
+    with pytest.raises(AttributeError, match="set()"):
+        ours._storage = pong[:12]
 
 
 def test_user_field_named_index_is_kept(pong):
@@ -209,6 +231,48 @@ def test_ndim2_slice_sampler_stays_in_trajectories(pong):
     assert flat.shape[0] == 160
 
 
+def test_ndim2_item_assignment_writes_through(pong):
+    data = pong[:60].reshape(2, 30)
+    rbs = [ReplayBuffer(storage=s) for s in (TieredStorage(62, ndim=2, **OPTS), LazyTensorStorage(62, ndim=2))]
+    patch = pong[100:101]
+    for rb in rbs:
+        rb.extend(data)
+        rb[0, 3:4] = patch  # ReplayBuffer routes a 2-tuple through rb[:][index] = value
+        rb[:, 7:8] = patch.expand(2, 1)
+        rb[:, 10:13] = pong[200:203]  # broadcast over the environments
+    assert_same(rbs[0][:], rbs[1][:], "rb[i, j] = td on an ndim=2 storage")
+    assert torch.equal(rbs[0][0, 3:4]["observation"], patch["observation"])
+    assert rbs[0].writer._cursor == rbs[1].writer._cursor and len(rbs[0]) == len(rbs[1])
+
+
+def test_ndim2_prioritized_buffer_matches(pong):
+    data = pong[:24].reshape(4, 6)
+    rbs = [TensorDictPrioritizedReplayBuffer(storage=s, batch_size=4, alpha=0.9, beta=1.1)
+           for s in (TieredStorage(60, ndim=2, **OPTS), LazyTensorStorage(60, ndim=2))]
+    index = torch.tensor([[0, 1], [5, 3], [2, 0]])  # grid coordinates, as samplers return them
+    for rb in rbs:
+        rb.extend(data)  # the writer marks [n, 2] coordinates
+        rb.update_priority(index, torch.tensor([5.0, 2.0, 3.0]))
+    trees = [rb.sampler._sum_tree[torch.arange(24)] for rb in rbs]
+    assert torch.equal(trees[0], trees[1])
+    stored = rbs[0].storage.grid_cells[tuple(index.unbind(-1))].numpy()
+    assert rbs[0].storage.store.priorities(stored).tolist() == [5.0, 2.0, 3.0]
+    assert rbs[0].sample()["observation"].shape == (4, 4, 84, 84)
+
+
+def test_ragged_rows_are_refused_with_ragged_data_error(pong):
+    rb = ReplayBuffer(storage=TieredStorage(10, **OPTS))
+    obs = pong["observation"][:2]
+    with pytest.raises(RaggedDataError, match="Stacking the elements of the list"):
+        rb.extend([obs[0], obs[1, :2]])
+    ragged = LazyStackedTensorDict(pong[:3].select("observation"),
+                                   TensorDict(observation=obs[:1, :2].expand(3, 2, 84, 84), batch_size=[3]),
+                                   stack_dim=1)
+    with pytest.raises(RaggedDataError, match="LazyStackStorage"):
+        ReplayBuffer(storage=TieredStorage(10, **OPTS)).extend(ragged)
+    assert len(rb) == 0
+
+
 # ----------------------------------------------------------------------------------------
 # Priority 4: schema evolution, write-through, conditional updates, compilable
 # ----------------------------------------------------------------------------------------
@@ -236,6 +300,20 @@ def test_in_place_writes_go_through(pong):
     assert torch.equal(rbs[0][:]["action"], torch.arange(20))
 
 
+def test_mutation_revision_moves_as_lazy_tensor_storage(pong):
+    revisions = []
+    for storage in _pair(n=8):
+        rb = TensorDictReplayBuffer(storage=storage)
+        rb.extend(pong[:4])
+        rb[0] = pong[4]
+        rb.set_at_("action", torch.tensor([1]), torch.tensor([1]))
+        rb.set_("action", torch.arange(4))
+        rb.update_({"action": torch.arange(4) + 1})
+        rb.empty()
+        revisions.append(int(storage._mutation_revision))
+    assert revisions[0] == revisions[1] == 6
+
+
 def test_update_if_present_writes_live_rows(pong):
     rbs = [TensorDictReplayBuffer(storage=s, writer=RoundRobinWriter(track_generations=True))
            for s in _pair(n=10)]
@@ -255,6 +333,19 @@ def test_compilable_is_accepted(pong):
     rb = TensorDictReplayBuffer(storage=TieredStorage(20, compilable=True, **OPTS), batch_size=4, compilable=True)
     rb.extend(pong[:10])
     assert rb.sample()["observation"].shape == (4, 4, 84, 84)
+    ours, oracle = _pair(n=20, compilable=True)
+    rb = ReplayBuffer(storage=ours, batch_size=4, compilable=True)
+
+    @torch.compile(backend="eager")  # the storage runs eagerly inside compiled code (a graph break)
+    def step(data):
+        rb.extend(data)
+        return rb.sample()
+
+    for i in range(3):
+        assert step(pong[i * 8:(i + 1) * 8])["observation"].shape == (4, 4, 84, 84)
+        oracle.set(torch.arange(i * 8, (i + 1) * 8) % 20, pong[i * 8:(i + 1) * 8])
+    assert len(ours) == 20
+    assert_same(ours.get(np.arange(20)), oracle.get(np.arange(20)), "compiled extend")
 
 
 # ----------------------------------------------------------------------------------------

@@ -41,6 +41,7 @@ __all__ = [
     "PickledDataError",
     "NotSharedError",
     "ShardFailedError",
+    "RaggedDataError",
 ]
 
 
@@ -131,6 +132,13 @@ class InvalidDatasetError(UnsupportedFormatError):
 class PickledDataError(UnsupportedFormatError):
     """A source holds pickled Python objects. tiered never unpickles data (unpickling can run
     arbitrary code), so the source is refused; convert those fields to tensors or remove them."""
+
+
+class RaggedDataError(SchemaMismatchError, RuntimeError):
+    """Rows of one write do not share one shape: a list whose elements have different tree
+    structures or leaf shapes, or a lazy stack of differently shaped tensordicts. Every stored
+    row has the same fields and cell shapes; pad the rows, or keep ragged data in TorchRL's
+    ``ListStorage`` / ``LazyStackStorage``."""
 
 
 class NotSharedError(TieredError, RuntimeError):

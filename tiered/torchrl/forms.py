@@ -43,7 +43,7 @@ from torch.utils._pytree import (
     treespec_loads,
 )
 
-from ..errors import SchemaMismatchError
+from ..errors import RaggedDataError, SchemaMismatchError
 
 __all__ = ["DataForm", "TENSOR_KEY", "flip_list", "is_key"]
 
@@ -63,13 +63,17 @@ def flip_list(data: list) -> Any:
     if not data:
         raise SchemaMismatchError("an empty list holds no rows; extend with at least one element")
     first = data[0]
-    if is_tensor_collection(first):
-        return torch.stack(list(data))
-    if isinstance(first, torch.Tensor):
-        return torch.stack(list(data))
-    if isinstance(first, (int, float, bool)):
-        return torch.as_tensor(data)
-    return tree_map(lambda *leaves: torch.stack([torch.as_tensor(x) for x in leaves]), *data)
+    try:
+        if is_tensor_collection(first) or isinstance(first, torch.Tensor):
+            return torch.stack(list(data))
+        if isinstance(first, (int, float, bool)):
+            return torch.as_tensor(data)
+        return tree_map(lambda *leaves: torch.stack([torch.as_tensor(x) for x in leaves]), *data)
+    except (RuntimeError, ValueError, TypeError) as e:
+        raise RaggedDataError(
+            f"Stacking the elements of the list resulted in an error ({e}): every element of a list "
+            "passed to extend is one row, and all rows need the same tree structure and leaf shapes. "
+            "Pad them, pass a compact batch as a tuple, or use ListStorage for ragged rows") from e
 
 
 def _path_name(entry: Any) -> str:
@@ -122,7 +126,12 @@ class DataForm:
                     f"this storage holds TensorDicts; got a {type(data).__name__}. Write the same form "
                     "every time (or empty the buffer first)")
             if isinstance(data, LazyStackedTensorDict):
-                data = data.contiguous()  # rows of a lazy stack are stored like any other rows
+                try:
+                    data = data.contiguous()  # rows of a lazy stack are stored like any other rows
+                except RuntimeError as e:
+                    raise RaggedDataError(
+                        f"a lazy stack whose tensordicts have different shapes cannot be stored as rows of "
+                        f"one schema ({e}); pad them to one shape, or use TorchRL's LazyStackStorage") from e
             return data
         if self.kind == "tensorclass":
             if not is_tensorclass(data):

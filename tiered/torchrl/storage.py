@@ -22,6 +22,7 @@ from __future__ import annotations
 import inspect
 import os
 import shutil
+from functools import partial
 from multiprocessing.context import get_spawning_popen
 from typing import Any
 
@@ -63,6 +64,19 @@ class _RowReads:
     _side: SideColumns
     _grid: torch.Tensor | None
 
+    @property
+    def _storage(self) -> Any:
+        # TorchRL's code and tests read ``storage._storage`` as "the rows": None before the first
+        # write, then the written rows as a lazy view (storage[:]; frames decode only when used)
+        if not self.initialized or not len(self._store):
+            return None
+        return self[tuple(slice(None) for _ in range(self.ndim))] if self._grid is not None else self[:]
+
+    @_storage.setter
+    def _storage(self, value: Any) -> None:
+        if value is not None:
+            raise AttributeError("TieredStorage keeps its rows in its store; write them with set()")
+
     # -- reading ---------------------------------------------------------------------------------
     def _check_initialized(self) -> None:
         if not self.initialized:
@@ -88,6 +102,7 @@ class _RowReads:
             return rows, torch.Size(index.shape)
         return rows, torch.Size([] if as_row_array(index)[1] else [rows.size])
 
+    @torch.compiler.disable  # decoding compressed rows cannot be traced: run eagerly
     def get(self, index: Any) -> Any:
         """Read rows, decoded in one batched call (a slice returns a lazy view, see ``__getitem__``).
 
@@ -115,6 +130,7 @@ class _RowReads:
             td = td.reshape(shape)
         return self._form.from_rows(_unfold_row_batch(td, self._form.row_batch))
 
+    @torch.compiler.disable
     def __getitem__(self, index: Any) -> Any:
         """Like :meth:`get`, but slices and tuples (how TorchRL's samplers read) return lazy views.
 
@@ -128,7 +144,9 @@ class _RowReads:
 
     def _column(self, key: Any) -> torch.Tensor:
         if self._form.kind != "tensordict":
-            raise KeyError(f"this storage holds {self._form.kind} data; read fields of rows instead of {key!r}")
+            raise SchemaMismatchError(
+                f"reading the field {key!r} of every row needs TensorDict data; this storage holds "
+                f"{self._form.kind} data: read rows (storage[index]) instead")
         value = self._view(slice(None)).get(key)
         return value.materialize() if isinstance(value, LazyColumn) else value
 
@@ -158,7 +176,8 @@ class _RowReads:
                 else self._side.read(rows)
             for k, v in side.items():
                 view.set(k, v.reshape(*shape, *v.shape[1:]).to(view.device))
-        view.bind(rows.reshape(shape) if len(shape) else rows, self.write_fields)
+        # rb.set_at_/set_/update_ bump the revision themselves, once per call, as for TorchRL's storages
+        view.bind(rows.reshape(shape) if len(shape) else rows, partial(self.write_fields, bump_revision=False))
         return form.from_rows(view)
 
     # -- conditional updates (rb.update_if_present) ------------------------------------------------
@@ -264,7 +283,6 @@ class TieredStorage(_RowReads, TensorStorage):
 
     _default_checkpointer = TieredStorageCheckpointer
     supports_conditional_update = True
-    _storage = None
 
     def __init__(
         self,
@@ -370,6 +388,11 @@ class TieredStorage(_RowReads, TensorStorage):
         """An ``ndim>1`` storage's grid (``[max_size // n_envs, n_envs]``), once the first write fixed it."""
         return tuple(self._grid.shape) if self._grid is not None else None
 
+    @property
+    def grid_cells(self) -> torch.Tensor | None:
+        """An ``ndim>1`` storage's grid: the stored row of each cell (None before the first write)."""
+        return self._grid
+
     def restore_layout(self, form: DataForm | None, grid_shape: list[int] | tuple[int, ...] | None) -> None:
         """Take the data form and ``ndim>1`` grid of a checkpoint before its rows are loaded."""
         if form is not None:
@@ -431,6 +454,7 @@ class TieredStorage(_RowReads, TensorStorage):
                 f"device={self.device}, store={self._store!r})")
 
     # -- writing ---------------------------------------------------------------------------------
+    @torch.compiler.disable  # decoding and encoding compressed rows cannot be traced: run eagerly
     def set(self, cursor: Any, data: Any, *, set_cursor: bool = True) -> None:
         """Write rows at ``cursor`` (int, 0-d/1-D tensor on any device, slice, range, list, 1-tuple;
         for ``ndim>1``, any index of the grid's first dimension).
@@ -548,10 +572,11 @@ class TieredStorage(_RowReads, TensorStorage):
             cells.set(k, v[0] if scalar else v.to(self._store.device))
         return cells
 
-    def write_fields(self, rows: np.ndarray, values: dict[Key, torch.Tensor]) -> None:
+    def write_fields(self, rows: np.ndarray, values: dict[Key, torch.Tensor], *, bump_revision: bool = True) -> None:
         """Overwrite some fields of stored rows (``values[key]`` has one cell per row); the other
         fields keep their values and the length does not change. ``rb.set_at_``, ``rb.set_``,
-        ``rb.update_`` and ``rb.update_if_present`` write through this.
+        ``rb.update_`` and ``rb.update_if_present`` write through this. The mutation revision goes up
+        once (``bump_revision=False``: not at all; the buffer methods bump it themselves).
 
         Example:
             >>> import numpy as np, torch
@@ -565,7 +590,8 @@ class TieredStorage(_RowReads, TensorStorage):
         rows = np.asarray(rows, dtype=np.int64).reshape(-1)
         td = TensorDict({k: v for k, v in values.items()}, batch_size=[rows.size])
         self._write(rows, td, scalar=False, set_cursor=False, numel=0)
-        self._bump_mutation_revision()
+        if bump_revision:
+            self._bump_mutation_revision()
 
     def _make_grid(self, td: TensorDictBase, scalar: bool) -> None:
         """Fix an ``ndim>1`` storage's grid from its first write, as ``LazyTensorStorage._init`` does."""
@@ -727,7 +753,12 @@ class _PriorityForwarder:
         self.storage = storage
 
     def __call__(self, index: Any, priority: Any, *, storage: Any = None) -> None:
-        if self.storage.ndim > 1:  # the sampler names grid cells; the store numbers them row-major
+        ndim = self.storage.ndim
+        if ndim > 1 and isinstance(index, torch.Tensor) and index.ndim > 1 and index.shape[-1] == ndim:
+            # coordinates of grid cells, one per row (what writers and samplers pass for ndim>1)
+            grid = self.storage.grid_cells
+            rows = grid[tuple(c.detach().to("cpu", torch.long) for c in index.unbind(-1))]
+        elif ndim > 1:  # the sampler names grid cells; the store numbers them row-major
             rows = torch.from_numpy(self.storage._write_rows(index)[0])
         else:
             rows = torch.as_tensor(index).detach().to("cpu", torch.long)

@@ -147,6 +147,38 @@ class RowsView(TensorDict):
         nd = rows.ndim
         write(np.asarray(rows).reshape(-1), {k: v.reshape(-1, *v.shape[nd:]) for k, v in values.items()})
 
+    def transpose(self, dim0, dim1):
+        """The transposed view; writes through it still reach the storage (``ReplayBuffer`` with
+        ``dim_extend`` hands out transposed views of ``ndim>1`` storages)."""
+        out = super().transpose(dim0, dim1)
+        rows = getattr(self, "_tiered_rows", None)
+        if isinstance(out, RowsView) and rows is not None and rows.ndim >= self.batch_dims:
+            d0, d1 = (d % self.batch_dims for d in (dim0, dim1))
+            out.bind(np.swapaxes(rows, d0, d1), self._tiered_write)
+        return out
+
+    def __setitem__(self, index, value):
+        """``view[index] = rows`` writes the rows' fields through to the storage, then into the view
+        (``rb[i, j] = td`` on an ``ndim>1`` buffer routes through ``rb[:][i, j] = td``)."""
+        if getattr(self, "_tiered_write", None) is None or isinstance(index, str) or (
+                isinstance(index, tuple) and index and all(isinstance(i, str) for i in index)):
+            return super().__setitem__(index, value)
+        sub_shape = torch.empty(0).new_zeros(self.batch_size, dtype=torch.bool)[_as_torch_index(index)].shape
+        if not isinstance(value, TensorDictBase):
+            value = TensorDict(value, batch_size=[])
+        nd = value.batch_dims
+        values = {}
+        for key, leaf in value.items(include_nested=True, leaves_only=True):
+            cell = self.get(key, None)
+            dtype = cell.dtype if cell is not None else leaf.dtype
+            values[_key(key)] = torch.as_tensor(leaf, dtype=dtype).expand(*sub_shape, *leaf.shape[nd:])
+        self._write_through(index, values)
+        for key, v in values.items():
+            cell = self.get(key, None)
+            if cell is None:
+                cell = v.new_zeros((*self.batch_size, *v.shape[len(sub_shape):]))
+            self._replace_column(key, cell, index, v)
+
     def set_at_(self, key, value, index, **kwargs):
         cell = self.get(key)
         value = torch.as_tensor(value, dtype=cell.dtype)
