@@ -9,6 +9,8 @@ files with its lost rows counted, and sampling goes on with ``on_shard_failure="
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -50,6 +52,19 @@ def positions(gids: torch.Tensor, order_gids: torch.Tensor) -> torch.Tensor:
     """Position in the original data of each global id (one sort, no loop)."""
     sorter = torch.argsort(order_gids)
     return sorter[torch.searchsorted(order_gids[sorter], gids)]
+
+
+def kill(actor) -> None:
+    """Kill a shard actor and wait until Ray reports it dead: ``ray.kill`` only asks, and a call
+    sent an instant later may still be answered by the live actor."""
+    ray.kill(actor)
+    for _ in range(200):
+        try:
+            ray.get(actor.status.remote(), timeout=5)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            return
+        time.sleep(0.05)
+    raise AssertionError("the killed actor still answers")
 
 
 def assert_same(a: TensorDict, b: TensorDict) -> None:
@@ -193,7 +208,7 @@ def test_killed_shard_restarts_from_its_files_and_skip_goes_on(tmp_path):
         ids = store.extend(second)
         unflushed = int((split_ids(ids)[0] == 1).sum())
         rows_before = store.shard_rows()
-        ray.kill(store.actors[1])
+        kill(store.actors[1])
         with pytest.raises(ShardFailedError, match=r"shard 1 .*shard-1.*restarted.* (\d+) row") as err:
             store.sample(32)
         assert err.value.shard == 1 and err.value.restarted and err.value.lost_rows == unflushed == 16
@@ -207,7 +222,7 @@ def test_killed_shard_restarts_from_its_files_and_skip_goes_on(tmp_path):
         assert_same(data[mine], first[16 + torch.from_numpy(rows[shard == 1])])  # trajectory 1: rows 16..31
         # with "skip", a killed shard does not stop sampling
         store.on_shard_failure = "skip"
-        ray.kill(store.actors[0])
+        kill(store.actors[0])
         with pytest.warns(RuntimeWarning, match="shard 0"):
             data, info = store.sample(48)
         assert data.shape[0] == 48 and len(store.failures) == 2
@@ -220,7 +235,7 @@ def test_in_memory_dead_shard_is_left_out_with_skip():
     store = ShardedStore(2, 32, on_shard_failure="skip", seed=2, actor_options=ACTOR, **OPTIONS)
     try:
         store.extend(td)
-        ray.kill(store.actors[0])
+        kill(store.actors[0])
         with pytest.warns(RuntimeWarning, match="no path"):
             data, info = store.sample(20, prioritized=True)
         assert (split_ids(info["index"])[0] == 1).all() and data.shape[0] == 20
