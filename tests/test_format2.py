@@ -60,3 +60,26 @@ def test_a_commit_writes_what_changed(tmp_path):
         got = r.get(torch.arange(300))
     assert torch.equal(got["observation"], obs[:300]) and torch.equal(got["action"], torch.arange(300))
     assert verify_store(path, progress=False).ok
+
+
+def test_writes_through_dense_views_are_committed(tmp_path):
+    """``get(copy=False)`` hands out views of the dense columns, and writing to them writes to the
+    store (its docstring says so): every commit while such a view is alive saves its rows, so
+    nothing written through it is lost at reopen, however many commits later it was written."""
+    n = 10_000  # more than one dirty block of rows, so a missed mark would leave rows behind
+    path = tmp_path / "s"
+    with TieredStore(n, path) as s:
+        s.extend(TensorDict({"reward": torch.zeros(n), "step": torch.arange(n)}, [n]))
+        s.flush()
+        view = s.get(slice(0, n), copy=False)
+        view["reward"] += 1.0  # before the next commit
+        s.flush()
+        s.extend(TensorDict({"reward": torch.zeros(1), "step": torch.zeros(1, dtype=torch.int64)}, [1]))
+        s.flush()
+        view["reward"][-5000:] += 1.0  # two commits after the view was taken
+    with tiered.open(path) as s:
+        reward = s.get(slice(0, n))["reward"]
+    expected = torch.ones(n)
+    expected[0] = 0.0  # overwritten by the ring's 10,001st row
+    expected[-5000:] += 1.0
+    assert torch.equal(reward, expected)

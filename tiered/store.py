@@ -456,7 +456,7 @@ class TieredStore:
         ``force``, even if nothing changed: ``tiered upgrade`` rewrites a format-1 store so)."""
         with self._lock:
             self._check_writable()
-            if self._files is not None and not self._changed and not force:
+            if self._files is not None and not (self._changed or self._rows.live_views()) and not force:
                 return  # nothing to commit: an unchanged store gets no new generation
             self._write.flush_stage()
             self._write.close_open_chunks()

@@ -395,6 +395,7 @@ def commit_parts(files: StoreFiles, rows: RowSpace, write: WritePath, placement:
     priorities = placement.priorities
     if priorities is not None:
         arrays.update({f"priority.{k}": v for k, v in priorities.state_arrays().items()})
+    rows.mark_views()
     row_bits = [rows.dirty.take()] + ([priorities.dirty.take()] if priorities is not None else [])
     blob_bits = [write.index.dirty.take(), placement.policy.take_dirty()]
     try:

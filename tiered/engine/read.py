@@ -282,7 +282,12 @@ class ReadPipeline(ABC):
             self.counters["gets"] += 1
         td = as_tensordict(out, rows, index_key, device)
         shape = index_shape(index)
-        return td if shape is None else td.reshape(shape)
+        td = td if shape is None else td.reshape(shape)
+        if layout is not None and span is not None:
+            for f in fields:
+                if f.kind == "dense":
+                    space.remember_view(td.get(f.key), *span)
+        return td
 
     @abstractmethod
     def read_family(self, layout: FieldLayout, family_id: int, fields: list[Field], rows: np.ndarray,

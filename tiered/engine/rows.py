@@ -17,6 +17,7 @@ Example:
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -125,6 +126,9 @@ class RowSpace:
         self.next_trajectory = 0
         #: rows changed since the last commit (what an incremental commit rewrites)
         self.dirty = DirtyBlocks()
+        # dense views handed out by get(copy=False), with their rows: a write through one is a
+        # change no write path sees, so every commit while one is alive saves its rows
+        self.views: list[tuple[weakref.ref, int, int]] = []
 
     def __len__(self) -> int:
         return self.length
@@ -268,6 +272,23 @@ class RowSpace:
         """A dense column's cells of ``rows`` (a copy), or a view of ``span = (start, n)`` rows."""
         col = self.dense[key]
         return col.narrow(0, *span) if span else col.index_select(0, torch.from_numpy(rows))
+
+    def remember_view(self, view: torch.Tensor, start: int, n: int) -> None:
+        """Note that ``view`` shows rows ``[start, start + n)`` of a dense column to a caller."""
+        if len(self.views) >= 64:
+            self.views = [v for v in self.views if v[0]() is not None]
+        self.views.append((weakref.ref(view), start, n))
+
+    def live_views(self) -> bool:
+        """Whether a dense view handed out is still alive (a commit must then look at its rows)."""
+        self.views = [v for v in self.views if v[0]() is not None]
+        return bool(self.views)
+
+    def mark_views(self) -> None:
+        """Mark the rows of the dense views still alive (a commit saves what they may have written)."""
+        self.views = [v for v in self.views if v[0]() is not None]
+        for _, start, n in self.views:  # one entry per live view, not per row
+            self.dirty.mark_range(start, start + n)
 
     def dense_array(self, key: Key) -> np.ndarray:
         """A dense column as the numpy array a commit saves (a view; dtypes numpy lacks, such as
