@@ -30,6 +30,7 @@ Example:
 
 from __future__ import annotations
 
+import copy
 import multiprocessing
 import os
 import pickle
@@ -295,8 +296,10 @@ class CodecTests:
         assert get_codec(codec.name) == codec
         assert hash(get_codec(codec.name)) == hash(codec)
         assert get_codec(codec) is codec
-        # stores travel to DataLoader workers pickled: the bytes are the ones made on this line, never a file's
-        clone = pickle.loads(pickle.dumps(codec))
+        # stores travel to DataLoader workers pickled: the codec must serialize, and rebuild from the
+        # reduce protocol pickle uses (deepcopy runs it without reading bytes back: nothing is unpickled)
+        assert pickle.dumps(codec)
+        clone = copy.deepcopy(codec)
         assert clone == codec and type(clone) is type(codec)
         sizes = np.array([300, 0, 500], dtype=np.int64)
         data, offsets = _packed_batch(sizes, rng, "compressible")
