@@ -9,7 +9,8 @@ and its first four pixels set to ``t``'s bytes, so tiles neither deduplicate nor
 while every frame stays a real, equally compressible screen. Each step runs in a **fresh
 subprocess** that samples its own anonymous resident memory (``RssAnon``) every 10 ms:
 
-- ``build``: ``TieredStore(n, path, frames={"observation": 0}, hot_bytes=0, warm_bytes=0)``,
+- ``build``: ``TieredStore(n, path, frames={"observation": 0}, hot_bytes=0, warm_bytes=0,
+  chunk_frames=K, codec=CODEC)`` (``--chunk-frames``, default 8; ``--codec``, default zstd),
   extended in slices of ``--slice`` rows, then ``close()``: rows/s and peak RssAnon growth;
 - ``commit``: ``tiered.open(path, "r+")``, extend ``--commit-rows`` new rows, time ``flush()``
   and count the bytes it wrote (``/proc/self/io`` ``write_bytes``);
@@ -21,7 +22,8 @@ subprocess** that samples its own anonymous resident memory (``RssAnon``) every 
 
 Bytes on disk per transition are counted over all files, and over one generation (the segments
 and the array files of the last commit: format 1's newest ``gen-*`` folder, format 2's published
-copy of each array; format 2 keeps three copies of each array, format 1 two generations).
+copy of each array; format 2 keeps three copies of each array, format 1 two generations); "arrays"
+is the part of one generation that is metadata (row tables, dense columns, blob index).
 Side by side on the same frames: the Dopamine checkpoint layout (``np.save`` of the per-step
 frames, action int32, reward float32 and terminal uint8, each gzipped the way Dopamine's
 ``circular_replay_buffer`` writes them: ``gzip.GzipFile``'s default level 9), measured on the
@@ -151,19 +153,22 @@ def disk_bytes(path: Path) -> dict[str, int]:
     if body.get("format_version", 1) >= 2:  # format 2: the copies the last commit did not publish
         current = {path / "arrays" / f"{n}.{c}.npy" for n, c in body["copy"].items()}
         older |= {p for p in (path / "arrays").glob("*.npy") if p not in current}
+    arrays = {p for p in files if p.parent.name == "arrays"}  # format 2: row tables, dense columns, index
     return {"all": sum(p.stat().st_size for p in files),
             "one_generation": sum(p.stat().st_size for p in files if p not in older),
+            "one_generation_arrays": sum(p.stat().st_size for p in files if p in arrays and p not in older),
             "blocks": sum(p.stat().st_blocks * 512 for p in files)}
 
 
 # -- steps, each run in its own process -------------------------------------------------------
-def step_build(path: Path, rows: int, slice_rows: int) -> dict[str, Any]:
+def step_build(path: Path, rows: int, slice_rows: int, chunk_frames: int, codec: str) -> dict[str, Any]:
     from tiered import TieredStore
 
     base = base_rollout()
     meter = AnonPeak()
     t0 = time.perf_counter()
-    store = TieredStore(rows, str(path), frames={"observation": 0}, hot_bytes=0, warm_bytes=0)
+    store = TieredStore(rows, str(path), frames={"observation": 0}, hot_bytes=0, warm_bytes=0,
+                        chunk_frames=chunk_frames, codec=codec)
     making = 0.0
     for lo in range(0, rows, slice_rows):
         m = time.perf_counter()
@@ -275,7 +280,8 @@ def measure(rows: int, workdir: Path, args: argparse.Namespace) -> dict[str, Any
         shutil.rmtree(path)
     res: dict[str, Any] = {"rows": rows}
     print(f"{rows:,} rows: building {path}", file=sys.stderr, flush=True)
-    res.update(run_step("build", path=path, rows=rows, slice_rows=args.slice))
+    res.update(run_step("build", path=path, rows=rows, slice_rows=args.slice, chunk_frames=args.chunk_frames,
+                        codec=args.codec))
     res.update({f"disk_{k}": v for k, v in disk_bytes(path).items()})
     res.update(run_step("commit", path=path, rows=rows, new_rows=args.commit_rows))
     res.update(run_step("reopen", path=path))
@@ -288,11 +294,12 @@ def measure(rows: int, workdir: Path, args: argparse.Namespace) -> dict[str, Any
 def report(results: list[dict[str, Any]], dop: dict[str, Any], facts: dict[str, Any], load: str,
            args: argparse.Namespace) -> str:
     lms = 2 * 4 * FRAME + 8 + 4 + 4 * 1 + 8  # frames, action, reward, flags, trajectory id
-    head = ["rows", "build rows/s", "build peak anon", "disk B/transition (all)", "one generation",
+    head = ["rows", "K, codec", "build rows/s", "build peak anon", "disk B/transition (all)", "one generation (arrays)",
             f"commit after {args.commit_rows:,} rows", "commit wrote", "reopen", "anon after reopen",
             "sample B=256 warm", "cold", "cold/warm"]
-    body = [[f"{r['rows']:,}", f"{r['build_rows_per_s']:,.0f}", f"{r['build_peak_anon'] / 2**20:,.0f} MiB",
-             f"{r['disk_all'] / r['rows']:.0f}", f"{r['disk_one_generation'] / r['rows']:.0f}",
+    body = [[f"{r['rows']:,}", f"{args.chunk_frames}, {args.codec}", f"{r['build_rows_per_s']:,.0f}", f"{r['build_peak_anon'] / 2**20:,.0f} MiB",
+             f"{r['disk_all'] / r['rows']:.0f}", f"{r['disk_one_generation'] / r['rows']:.0f} "
+             f"({r.get('disk_one_generation_arrays', 0) / r['rows']:.0f} arrays)",
              f"{r['commit_s']:.3f} s", f"{r['commit_bytes_written'] / 2**20:,.1f} MiB",
              f"{r['reopen_s']:.2f} s", f"{r['reopen_anon'] / 2**20:,.0f} MiB",
              f"{r['sample_warm_per_s']:,.0f}/s", f"{r['sample_cold_per_s']:,.0f}/s",
@@ -319,6 +326,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep", action="store_true", help="keep the stores")
     p.add_argument("--slice", type=int, default=5_000, help="rows per extend while building (the slice itself takes 56 KB a row)")
     p.add_argument("--commit-rows", type=int, default=10_000)
+    p.add_argument("--chunk-frames", type=int, default=8, help="the stores' chunk_frames (K; default: %(default)s)")
+    p.add_argument("--codec", default="zstd", help="the stores' codec, e.g. zstd:9 (default: %(default)s)")
     p.add_argument("--batches", type=int, default=20, help="B=256 batches per sample mode")
     p.add_argument("--dopamine-rows", type=int, default=100_000)
     p.add_argument("--step", choices=STEPS, help=argparse.SUPPRESS)
