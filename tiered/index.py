@@ -19,7 +19,10 @@ open_slot  int64   OPEN blobs: slot in the family's open-chunk buffer (file ``in
 ========== ======= ================================================================
 
 A :class:`RowTable` maps each row of a blob field to ``frames_per_row`` (blob id, slot)
-pairs: the frame ``j`` of row ``r`` is frame ``slot[r, j]`` inside blob ``blob[r, j]``.
+pairs: the frame ``j`` of row ``r`` is frame ``slot[r, j]`` inside blob ``blob[r, j]``. Blob
+ids are ``int32`` (-1: none; an index holds at most :data:`MAX_BLOB_IDS` ids) and slots
+``uint16`` (a chunk holds at most 65536 frames), 6 bytes per frame reference; whoever does
+arithmetic on them widens to ``int64`` first.
 
 Example:
     >>> import numpy as np
@@ -37,9 +40,18 @@ from typing import Any
 
 import numpy as np
 
+from .errors import StorageFullError
 from .util.dirty import DirtyBlocks
 
-__all__ = ["BlobIndex", "RowTable", "FREE", "OPEN", "STORED", "HOT", "WARM", "COLD"]
+__all__ = ["BlobIndex", "RowTable", "FREE", "OPEN", "STORED", "HOT", "WARM", "COLD", "MAX_BLOB_IDS",
+           "BLOB_DTYPE", "SLOT_DTYPE", "check_blob_ids"]
+
+#: dtype of the blob ids in row tables (-1: no blob)
+BLOB_DTYPE = np.dtype(np.int32)
+#: dtype of the frame slots in row tables (a chunk holds at most ``1 << 16`` frames)
+SLOT_DTYPE = np.dtype(np.uint16)
+#: The most blob ids an index hands out: row tables store them as int32.
+MAX_BLOB_IDS = int(np.iinfo(BLOB_DTYPE).max)
 
 FREE, OPEN, STORED = 0, 1, 2
 HOT, WARM, COLD = 0, 1, 2
@@ -58,6 +70,26 @@ _COLUMNS: dict[str, tuple[Any, tuple[int, ...], int]] = {
 }
 # Format v1 names of the columns whose attribute names changed.
 _FILE_NAMES = {"open_slot": "aux"}
+
+
+def check_blob_ids(size: int, more: int) -> None:
+    """Refuse to hand out ids beyond :data:`MAX_BLOB_IDS` (``size`` ids exist, ``more`` are asked for).
+
+    Raises:
+        StorageFullError: saying how many blob ids the store holds and what to change.
+
+    Example:
+        >>> check_blob_ids(10, 5)
+        >>> check_blob_ids(MAX_BLOB_IDS, 1)
+        Traceback (most recent call last):
+        ...
+        tiered.errors.StorageFullError: ...
+    """
+    if size + more > MAX_BLOB_IDS:
+        raise StorageFullError(
+            f"this write needs {more:,} new blob ids but the store already holds {size:,}; a store holds at "
+            f"most {MAX_BLOB_IDS:,} blobs (its row tables name them with 32-bit ids). Raise chunk_frames "
+            "(fewer, larger blobs), lower the capacity, or split the data over several stores; nothing was written")
 
 
 class BlobIndex:
@@ -92,6 +124,7 @@ class BlobIndex:
         take = min(n, self._free_ids.shape[0])
         reused = self._free_ids[:take]
         self._free_ids = self._free_ids[take:]
+        check_blob_ids(self.size, n - take)
         fresh = np.arange(self.size, self.size + (n - take), dtype=np.int64)
         self._grow(self.size + (n - take))
         self.size += n - take
@@ -166,15 +199,36 @@ class BlobIndex:
 
 
 class RowTable:
-    """Row -> (blob id, slot) table of one blob field: ``[capacity, frames_per_row]`` each."""
+    """Row -> (blob id, slot) table of one blob field: ``[capacity, frames_per_row]`` each
+    (``int32`` blob ids, -1: none; ``uint16`` slots)."""
 
     def __init__(self, capacity: int, frames_per_row: int):
-        self.blob = np.full((capacity, frames_per_row), -1, dtype=np.int64)
-        self.slot = np.zeros((capacity, frames_per_row), dtype=np.int32)
+        self.blob = np.full((capacity, frames_per_row), -1, dtype=BLOB_DTYPE)
+        self.slot = np.zeros((capacity, frames_per_row), dtype=SLOT_DTYPE)
 
     @classmethod
     def from_arrays(cls, blob: np.ndarray, slot: np.ndarray) -> RowTable:
+        """A table over saved arrays, kept as they are (a store written before 32-bit tables has
+        ``int64`` ids and ``int32`` slots: :meth:`compact` converts them once they are checked)."""
         table = cls.__new__(cls)
         table.blob = blob
         table.slot = slot
         return table
+
+    def compact(self) -> None:
+        """Convert saved tables of wider dtypes to ``int32`` ids and ``uint16`` slots.
+
+        Call it once the ids are known to lie in ``[-1, MAX_BLOB_IDS)``; slots outside
+        ``[0, 65536)`` (only unwritten rows may hold them) become 0.
+
+        Raises:
+            ValueError: a blob id does not fit 32 bits.
+        """
+        if self.blob.dtype != BLOB_DTYPE:
+            if self.blob.size and (int(self.blob.min()) < -1 or int(self.blob.max()) >= MAX_BLOB_IDS):
+                raise ValueError(f"row table blob ids span [{int(self.blob.min())}, {int(self.blob.max())}], "
+                                 f"outside [-1, {MAX_BLOB_IDS})")
+            self.blob = self.blob.astype(BLOB_DTYPE)
+        if self.slot.dtype != SLOT_DTYPE:
+            hi = int(np.iinfo(SLOT_DTYPE).max)
+            self.slot = np.where((self.slot >= 0) & (self.slot <= hi), self.slot, 0).astype(SLOT_DTYPE)

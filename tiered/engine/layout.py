@@ -64,9 +64,10 @@ class FieldLayout:
         return groups
 
     def blob_refs(self, fields: list[Field], rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """``[len(rows), frames]`` blob ids and slots of ``rows`` over ``fields`` (one gather each)."""
-        blobs = np.concatenate([self.tables[f.key].blob[rows] for f in fields], axis=1)
-        slots = np.concatenate([self.tables[f.key].slot[rows] for f in fields], axis=1)
+        """``[len(rows), frames]`` blob ids and slots of ``rows`` over ``fields`` (one gather each),
+        widened to int64 (callers do index arithmetic with them)."""
+        blobs = np.concatenate([self.tables[f.key].blob[rows] for f in fields], axis=1, dtype=np.int64)
+        slots = np.concatenate([self.tables[f.key].slot[rows] for f in fields], axis=1, dtype=np.int64)
         return blobs, slots
 
     def rows_using(self, blob_ids: np.ndarray, limit: int = 5) -> list[str]:
@@ -87,7 +88,7 @@ class FieldLayout:
         if not self.tables:
             return np.empty(0, np.int64), np.empty(0, np.float64)
         blobs = [t.blob[rows] for t in self.tables.values()]
-        ids = np.concatenate([b.reshape(-1) for b in blobs])
+        ids = np.concatenate([b.reshape(-1) for b in blobs], dtype=np.int64)
         per_blob = np.concatenate([np.repeat(priority, b.shape[1]) for b in blobs])
         keep = ids >= 0
         return ids[keep], per_blob[keep]
@@ -96,5 +97,5 @@ class FieldLayout:
         """Every blob id the written rows reference, once per reference (for reference counts)."""
         if not self.tables:
             return np.empty(0, np.int64)
-        refs = np.concatenate([t.blob[written].reshape(-1) for t in self.tables.values()])
+        refs = np.concatenate([t.blob[written].reshape(-1) for t in self.tables.values()], dtype=np.int64)
         return refs[refs >= 0]

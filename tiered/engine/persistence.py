@@ -33,7 +33,7 @@ import numpy as np
 
 from .. import fileio
 from ..errors import ChecksumError, CorruptionError, StoreExistsError, TieredError
-from ..index import COLD, FREE, STORED, BlobIndex, RowTable
+from ..index import BLOB_DTYPE, COLD, FREE, SLOT_DTYPE, STORED, BlobIndex, RowTable
 from ..policy import Policy
 from ..schema import Schema, key_to_str
 from ..tiers import HDF5Tier, MemmapTier, Tier
@@ -59,7 +59,7 @@ from .write import WritePath
 T = TypeVar("T")
 
 __all__ = ["StoreFiles", "BACKENDS", "CHECKSUMS", "array_path", "read_fresh", "open_commit", "restore_commit", "commit_parts",
-           "snapshot_arrays", "check_consistency", "check_bounds", "check_references", "page_checksums_of"]
+           "snapshot_arrays", "check_consistency", "check_bounds", "row_table_dtypes", "check_references", "page_checksums_of"]
 
 #: Manifest entry holding the page checksums of the generation's arrays (absent: an older store).
 CHECKSUMS = "checksums"
@@ -362,6 +362,8 @@ def restore_commit(files: StoreFiles, body: dict[str, Any], mode: str, rows: Row
         if problems:
             raise CorruptionError(f"{files.path}: the store is damaged: " + "; ".join(problems[:5])
                                   + f". Run `tiered verify {files.path}` for details.")
+        for table in layout.tables.values():  # stores before format 3: int64 ids, int32 slots
+            table.compact()
         refs = layout.referenced(rows.written)
         index.refcount[: index.size] = np.bincount(refs, minlength=index.size)[: index.size].astype(np.int32)
         load_policy(placement.policy, body, load, live)
@@ -551,6 +553,19 @@ def _header(store: str, body: dict[str, Any], name: str, files: dict[str, Any]) 
         os.close(fd)
 
 
+def row_table_dtypes(version: int) -> tuple[np.dtype, np.dtype]:
+    """``(blob id, slot)`` dtypes of the row tables a commit of format ``version`` saved: int32
+    and uint16 since format 3, int64 and int32 before (read, then converted on open).
+
+    Example:
+        >>> [str(d) for d in row_table_dtypes(3)], [str(d) for d in row_table_dtypes(2)]
+        (['int32', 'uint16'], ['int64', 'int32'])
+    """
+    if version >= 3:
+        return BLOB_DTYPE, SLOT_DTYPE
+    return np.dtype(np.int64), np.dtype(np.int32)
+
+
 def check_bounds(path: str, body: dict[str, Any]) -> None:
     """Check every size the manifest gives against what its files hold, before anything sized by
     them is allocated: a lie (capacity 5e7 for a 100-row store, an index of 1e9 blobs) is refused
@@ -612,8 +627,9 @@ def check_bounds(path: str, body: dict[str, Any]) -> None:
                 if f.kind == "dense":
                     expect(f"dense.{i}", (capacity, *f.shape))
                 else:
-                    expect(f"rows.{i}.blob", (capacity, f.frames_per_row), np.int64)
-                    expect(f"rows.{i}.slot", (capacity, f.frames_per_row), np.int32)
+                    blob_dtype, slot_dtype = row_table_dtypes(body["format_version"])
+                    expect(f"rows.{i}.blob", (capacity, f.frames_per_row), blob_dtype)
+                    expect(f"rows.{i}.slot", (capacity, f.frames_per_row), slot_dtype)
     if problems:
         raise CorruptionError(f"{path}: the store is damaged: " + "; ".join(problems[:5])
                               + f". Run `tiered verify {path}` for details.")

@@ -212,7 +212,7 @@ class RowPriorities:
         """Every blob id ``rows``' table entries name (with repeats; -1 entries dropped)."""
         if layout is None or not layout.tables:
             return np.empty(0, dtype=np.int64)
-        refs = np.concatenate([t.blob[rows].reshape(-1) for t in layout.tables.values()])
+        refs = np.concatenate([t.blob[rows].reshape(-1) for t in layout.tables.values()], dtype=np.int64)
         return refs[refs >= 0]
 
     def recount(self, layout: FieldLayout | None, blobs: np.ndarray, stage: WriteStage | None,

@@ -415,8 +415,8 @@ def check_layout_fits(schema: Schema, capacity: int, chunk_frames: int) -> None:
                 f"a chunk of {chunk_frames} frames of {key_to_str(f.key)!r} ({f.frame_nbytes:,} bytes each) "
                 f"would hold {chunk_frames * f.frame_nbytes:,} bytes, more than a blob may ({MAX_CHUNK_BYTES:,}); "
                 "lower chunk_frames or split the field into frames (frames={key: dim})")
-    # row tables: an int64 blob id and an int32 slot per frame; dense columns: their cells
-    per_row = 1 + sum(f.cell_nbytes for f in schema.dense_fields) + sum(12 * f.frames_per_row
+    # row tables: an int32 blob id and a uint16 slot per frame; dense columns: their cells
+    per_row = 1 + sum(f.cell_nbytes for f in schema.dense_fields) + sum(6 * f.frames_per_row
                                                                       for f in schema.blob_fields)
     memory = psutil.virtual_memory().total
     if capacity * per_row > memory:
