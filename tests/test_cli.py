@@ -83,7 +83,7 @@ def test_info_shows_schema_ratios_tiers_and_format(pong_store, capsys):
     assert main(["info", str(pong_store)]) == 0
     out = capsys.readouterr().out
     for text in (
-        "tiered v2",
+        "tiered v3",
         "generation",
         "zstd:3",
         "2,000 of capacity 2,000",

@@ -29,10 +29,11 @@ from tensordict import TensorDict
 
 import tiered
 from tiered import TieredStore
+from tiered.atari import concat_rollouts
 from tiered.engine.manifest import FORMAT_VERSION, PAGE_BYTES
 from tiered.engine.pages import write_copy
 from tiered.errors import StorageFullError
-from tiered.index import MAX_BLOB_IDS, BlobIndex, check_blob_ids
+from tiered.index import MAX_BLOB_IDS, BlobIndex, DerivedRowTable, RowTable, check_blob_ids
 from tiered.testing.inspection import parts
 from tiered.verify import verify_store
 
@@ -68,18 +69,24 @@ def _extract(tmp_path: Path) -> Path:
     return tmp_path / "pong_format2"
 
 
+def _dtypes(store: TieredStore) -> set[str]:
+    return {str(a.dtype) for t in parts(store).layout.tables.values() for name, a in t.state_arrays().items()
+            if name != "exc_rows"}
+
+
 def test_a_new_store_writes_32_bit_row_tables(tmp_path, atari_pong):
     path = tmp_path / "s"
     with TieredStore(256, path, chunk_frames=8) as s:
         s.extend(atari_pong[:300])
-        tables = parts(s).layout.tables
-        assert {(str(t.blob.dtype), str(t.slot.dtype)) for t in tables.values()} == {("int32", "uint16")}
-        # 4-frame observation and next observation: 2 x 4 x (4 + 2) bytes per row
-        assert s.stats()["memory"]["row_tables"] == 256 * 2 * 4 * 6
+        assert _dtypes(s) == {"int32", "uint16"}
+        # observation 4 x (4 + 2) bytes per row, its next stack only its last frame (derived)
+        assert s.stats()["memory"]["row_tables"] == 256 * 5 * 6
+        index_of = {k: i for i, k in enumerate(s.schema)}
         s.flush()
-    assert _body(path)["format_version"] == FORMAT_VERSION == 3
-    dtypes = {d for _, d in _table_dtypes(path)}
-    assert dtypes == {"int32", "uint16"}
+    body = _body(path)
+    assert body["format_version"] == FORMAT_VERSION == 3
+    assert body["derived_tables"] == {str(index_of[("next", "observation")]): index_of[("observation",)]}
+    assert {d for _, d in _table_dtypes(path)} == {"int32", "uint16"}
     with tiered.open(path) as s:
         r = np.arange(256)
         _assert_same(s.get(torch.arange(256)), atari_pong[torch.as_tensor(np.where(r < 44, 256 + r, r))])
@@ -96,8 +103,10 @@ def test_a_format2_store_reads_the_same_and_upgrades_at_its_next_commit(tmp_path
     with tiered.open(path) as s:  # read-only: converted in memory, nothing written
         assert len(s) == ROWS
         _assert_same(s.get(torch.arange(ROWS)), expected)
-        assert {str(t.blob.dtype) for t in parts(s).layout.tables.values()} == {"int32"}
-        assert s.stats()["memory"]["row_tables"] == CAPACITY * 2 * 4 * 6  # was 2 x 4 x 12
+        assert _dtypes(s) == {"int32", "uint16"}
+        table = parts(s).layout.tables[("next", "observation")]
+        assert table.derived and table.exc_rows.size == 0  # the explicit next table went derived
+        assert s.stats()["memory"]["row_tables"] == CAPACITY * 5 * 6  # was 2 x 4 x 12
     assert {p.name: p.read_bytes() for p in (path / "arrays").iterdir()} == before
     assert verify_store(path, progress=False).ok
     # a writer: its commits write format 3, the copies left by format 2 are rewritten whole
@@ -152,3 +161,80 @@ def test_an_array_whose_dtype_changed_is_rewritten_whole(tmp_path):
     disk = np.load(path)
     assert disk.dtype == np.int32 and np.array_equal(disk, new)
     assert state.written == state.size
+
+
+def _stacks_mismatch(td: TensorDict) -> np.ndarray:
+    """Rows whose next stack is not their observation stack shifted by one frame (bytes)."""
+    nxt, obs = td["next", "observation"], td["observation"]
+    return (nxt[:, :-1] != obs[:, 1:]).flatten(1).any(1).numpy()
+
+
+def test_derived_next_tables_read_like_the_data_where_the_rule_fails_too(tmp_path, atari_pong, atari_mspacman,
+                                                                         monkeypatch):
+    """Real frame stacks over a truncation (Pong, step 500), game overs (MsPacman), a game switch,
+    a ring that wraps, out-of-order writes, staged small writes, and rows whose next stack is
+    another row's (the rule fails there: those rows, and only those, are exceptions)."""
+    monkeypatch.setenv("TIERED_CHECK_COMMITS", "1")
+    data = concat_rollouts([atari_pong[400:700], atari_mspacman[:300]]).clone()
+    odd = torch.tensor([10, 11, 250, 420, 599])
+    data["next", "observation"][odd] = data["next", "observation"][odd - 7]
+    cap, key = 256, ("next", "observation")
+    truth = data[:cap].clone()
+    written = np.zeros(cap, dtype=bool)
+    path = tmp_path / "s"
+    with TieredStore(cap, path, chunk_frames=8) as s:
+        for a in range(0, 600, 50):  # rows 0..87 are overwritten
+            s.extend(data[a:a + 50])
+            rows = torch.arange(a, a + 50) % cap
+            truth[rows] = data[a:a + 50]
+            written[rows.numpy()] = True
+        rows = torch.tensor([5, 200, 17, 3])  # out of order, through the batched path
+        s.set(rows, data[torch.tensor([420, 421, 10, 599])])
+        truth[rows] = data[torch.tensor([420, 421, 10, 599])]
+        for r, t in ((30, 250), (31, 0)):  # small writes: staged, then flushed by the next read
+            s.set(r, data[t])
+            truth[r] = data[t]
+        s.flush()
+        got = s.get(torch.arange(cap))
+        _assert_same(got, truth)
+        table = parts(s).layout.tables[key]
+        assert table.derived
+        bad = np.flatnonzero(_stacks_mismatch(truth) & written)
+        assert bad.size >= 5 and table.exc_rows.tolist() == bad.tolist()
+        stats = s.stats()["memory"]["row_tables"]
+        assert stats == cap * 5 * 6 + bad.size * (8 + 3 * 6)
+        # error messages name the next field for a blob only its last frames use
+        b = int(table.ids(np.array([100]))[0, -1])
+        assert "next/observation" in parts(s).layout.rows_using(np.array([b]))[0]
+    assert verify_store(path, progress=False).ok
+    with tiered.open(path) as s:
+        _assert_same(s.get(torch.arange(cap)), truth)
+        assert parts(s).layout.tables[key].exc_rows.tolist() == bad.tolist()
+    with tiered.open(path, mode="r+") as s:
+        s.clear()
+        assert parts(s).layout.tables[key].exc_rows.size == 0
+        s.extend(data[:20])
+        _assert_same(s.get(torch.arange(20)), data[:20])
+
+
+def test_a_derived_table_keeps_many_exceptions_exactly_and_says_when_it_is_crowded(atari_pong):
+    base = RowTable(10_000, 4)
+    base.put(np.arange(10_000), np.arange(40_000).reshape(10_000, 4), np.zeros((10_000, 4)))
+    table = DerivedRowTable(base)
+    ids = np.arange(40_000).reshape(10_000, 4) + 1  # frame j of next = frame j + 1 of base: no exception
+    table.put(np.arange(10_000), ids, np.zeros((10_000, 4)))
+    assert table.exc_rows.size == 0 and np.array_equal(table.full()[0], ids) and not table.crowded
+    ids[::2, 0] = 7  # every other row breaks the rule
+    table.put(np.arange(10_000), ids, np.zeros((10_000, 4)))
+    assert table.exc_rows.tolist() == list(range(0, 10_000, 2)) and table.crowded
+    assert np.array_equal(table.full()[0], ids)
+    table.unset(np.arange(0, 10_000, 4))
+    assert table.exc_rows.tolist() == list(range(2, 10_000, 4))
+    # in a store: next stacks that are not the shifted observation (reversed stacks)
+    data = atari_pong[:300].clone()
+    data["next", "observation"] = data["observation"].flip(1)
+    with TieredStore(300, chunk_frames=8) as s:
+        s.extend(data)
+        t = parts(s).layout.tables[("next", "observation")]
+        assert t.derived and t.exc_rows.tolist() == np.flatnonzero(_stacks_mismatch(data)).tolist()
+        _assert_same(s.get(torch.arange(300)), data)
