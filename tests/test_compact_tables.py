@@ -18,7 +18,9 @@ reading: fix the code, never the fixture.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 import tarfile
 from pathlib import Path
 
@@ -30,10 +32,12 @@ from tensordict import TensorDict
 import tiered
 from tiered import TieredStore
 from tiered.atari import concat_rollouts
+from tiered.engine.layout import FieldLayout
 from tiered.engine.manifest import FORMAT_VERSION, PAGE_BYTES
 from tiered.engine.pages import write_copy
-from tiered.errors import StorageFullError
+from tiered.errors import CorruptionError, StorageFullError
 from tiered.index import MAX_BLOB_IDS, BlobIndex, DerivedRowTable, RowTable, check_blob_ids
+from tiered.schema import Schema
 from tiered.testing.inspection import parts
 from tiered.verify import verify_store
 
@@ -238,3 +242,49 @@ def test_a_derived_table_keeps_many_exceptions_exactly_and_says_when_it_is_crowd
         t = parts(s).layout.tables[("next", "observation")]
         assert t.derived and t.exc_rows.tolist() == np.flatnonzero(_stacks_mismatch(data)).tolist()
         _assert_same(s.get(torch.arange(300)), data)
+
+
+def test_a_layout_turns_a_crowded_derived_table_explicit_and_keeps_its_entries():
+    td = TensorDict({"observation": torch.zeros(2, 4, 8, 8, dtype=torch.uint8),
+                     ("next", "observation"): torch.zeros(2, 4, 8, 8, dtype=torch.uint8)}, [2])
+    cap, key = 10_000, ("next", "observation")
+    layout = FieldLayout(Schema.infer(td, blob_min_bytes=1, frames={"observation": 0}), cap, chunk_frames=4,
+                         dedup=True)
+    assert layout.derived_from == {key: ("observation",)} and layout.tables[key].derived
+    rows = np.arange(cap)
+    rng = np.random.default_rng(0)
+    blob, slot = rng.integers(0, 1000, (cap, 8)), rng.integers(0, 4, (cap, 8))
+    blob[:, 4:7], slot[:, 4:7] = blob[:, 1:4], slot[:, 1:4]  # every row follows the rule
+    layout.put_family(0, rows, blob, slot, np.zeros(cap, dtype=bool))
+    assert layout.tables[key].derived and layout.tables[key].exc_rows.size == 0
+    assert np.array_equal(layout.ids(rows), blob)
+    blob2 = blob.copy()
+    blob2[::2, 4] += 1  # half the rows break it: 5,000 exceptions, more than max(4096, cap / 256)
+    old = layout.put_family(0, rows, blob2, slot, np.ones(cap, dtype=bool))
+    assert [o.tolist() for o in old] == [blob[:, :4].tolist(), blob[:, 4:].tolist()]
+    assert not layout.tables[key].derived
+    assert np.array_equal(layout.ids(rows), blob2)
+    blobs, slots = layout.blob_refs(list(layout.schema.values()), rows[::7])
+    assert np.array_equal(blobs, blob2[::7]) and np.array_equal(slots, slot[::7])
+
+
+def test_a_damaged_exception_list_is_refused_naming_its_file(tmp_path, atari_pong):
+    data = atari_pong[:100].clone()
+    data["next", "observation"][[5, 50]] = data["next", "observation"][[70, 90]]
+    path = tmp_path / "s"
+    with TieredStore(100, path, chunk_frames=8) as s:
+        s.extend(data)
+        assert parts(s).layout.tables[("next", "observation")].exc_rows.tolist() == [5, 50]
+    doc = json.loads((path / "manifest.json").read_text())
+    body = doc["body"]
+    (i,) = body["derived_tables"]
+    name = f"next.{i}.rows"
+    f = path / "arrays" / f"{name}.{body['copy'][name]}.npy"
+    raw = f.read_bytes()
+    f.write_bytes(raw[:-16] + raw[-8:] + raw[-16:-8])  # [50, 5]: not sorted
+    body.pop("checksums")  # as a store without page checksums: the content check must catch it
+    doc["sha256"] = hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    (path / "manifest.json").write_text(json.dumps(doc))
+    with pytest.raises(CorruptionError, match=re.escape(f.name)):
+        tiered.open(path)
+    assert not verify_store(path, progress=False).ok

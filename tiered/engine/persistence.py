@@ -364,8 +364,12 @@ def restore_commit(files: StoreFiles, body: dict[str, Any], mode: str, rows: Row
             elif i not in derived:
                 layout.tables[f.key] = RowTable.from_arrays(load(f"rows.{i}.blob"), load(f"rows.{i}.slot"))
         for i, j in derived.items():
-            layout.tables[fields[i].key] = DerivedRowTable.from_state(
-                layout.tables[fields[j].key], {s: load(table_file(i, s)) for s in _DERIVED_SUFFIXES})
+            try:
+                layout.tables[fields[i].key] = DerivedRowTable.from_state(
+                    layout.tables[fields[j].key], {s: load(table_file(i, s)) for s in _DERIVED_SUFFIXES})
+            except ValueError as e:
+                raise CorruptionError(f"{array_path(files.path, body, table_file(i, 'exc_rows'))}: {e}; the store "
+                                      f"is damaged. Run `tiered verify {files.path}` for details.") from None
         # before the tables are used as indices (a flipped id must not size a bincount)
         problems = check_references(rows, layout, index)
         if problems:
@@ -776,21 +780,19 @@ def check_references(rows: RowSpace, layout: FieldLayout, index: BlobIndex) -> l
         return problems
     cap, n = rows.capacity, index.size
     written = rows.written
-    # explicit tables first: a derived table is rebuilt from its base's
+    # explicit tables first: a derived table's first frames are its base's, checked there; its
+    # own arrays (last frames, exceptions) are checked as they are, never rebuilt whole
     for key, t in sorted(layout.tables.items(), key=lambda kv: kv[1].derived):
         name = key_to_str(key)
-        if t.derived and problems:
-            break
-        blob, slot = t.full()
-        if blob.shape != (cap, layout.schema[key].frames_per_row) or slot.shape != blob.shape:
-            problems.append(f"row table of {name!r} has shape {blob.shape}")
+        if (t.capacity, t.frames) != (cap, layout.schema[key].frames_per_row):
+            problems.append(f"row table of {name!r} has shape {(t.capacity, t.frames)}")
             continue
-        if blob.size and (int(blob.min()) < -1 or int(blob.max()) >= n):
-            problems.append(f"row table of {name!r} names blob ids outside [-1, {n})")
-            continue
-        every = bool(written.all())  # the usual full ring: no copy of the tables
-        ids = blob if every else blob[written]
-        if not ids.size:
+        part = t.state_arrays()
+        groups = [(part["blob"], part["slot"], None)]
+        if t.derived:
+            groups.append((part["exc_blob"], part["exc_slot"], part["exc_rows"]))
+        elif part["slot"].shape != part["blob"].shape:
+            problems.append(f"row table of {name!r} has slots of shape {part['slot'].shape}")
             continue
         fam = layout.family_of[key]
         frame_nbytes = layout.families[fam].frame_nbytes
@@ -798,13 +800,34 @@ def check_references(rows: RowSpace, layout: FieldLayout, index: BlobIndex) -> l
         # then one gather per table entry
         frames_in = np.where((index.state[:n] == STORED) & (index.family[:n] == fam),
                              index.raw_nbytes[:n] // max(frame_nbytes, 1), 0)
-        slots = slot if every else slot[written]
-        bad = (ids < 0) | (slots < 0) | (slots >= frames_in[np.maximum(ids, 0)] if n else True)
-        if bad.any():
-            r = np.flatnonzero(written)[bad.any(1)]
-            problems.append(f"{r.size} written rows of {name!r} point at no stored blob of their field or at a "
-                            f"frame outside it (first: row {int(r[0])})")
+        for blob, slot, at in groups:  # one or two
+            problem = _check_entries(name, blob, slot, at, written, frames_in, n)
+            if problem:
+                problems.append(problem)
+                break
     return problems
+
+
+def _check_entries(name: str, blob: np.ndarray, slot: np.ndarray, at: np.ndarray | None, written: np.ndarray,
+                   frames_in: np.ndarray, n: int) -> str | None:
+    """The problem with table entries ``blob``/``slot`` of rows ``at`` (None: every row), if any."""
+    if blob.size and (int(blob.min()) < -1 or int(blob.max()) >= n):
+        return f"row table of {name!r} names blob ids outside [-1, {n})"
+    if at is None:
+        every = bool(written.all())  # the usual full ring: no copy of the tables
+        where = np.flatnonzero(written)
+        ids, slots = (blob, slot) if every else (blob[written], slot[written])
+    else:
+        keep = written[at]
+        where, ids, slots = at[keep], blob[keep], slot[keep]
+    if not ids.size:
+        return None
+    bad = (ids < 0) | (slots < 0) | (slots >= frames_in[np.maximum(ids, 0)] if n else True)
+    if bad.any():
+        r = where[bad.any(1)]
+        return (f"{r.size} written rows of {name!r} point at no stored blob of their field or at a "
+                f"frame outside it (first: row {int(r[0])})")
+    return None
 
 
 def _check_cold_space(cold: Any, loc: np.ndarray, nbytes: np.ndarray) -> list[str]:
