@@ -83,7 +83,7 @@ def test_info_shows_schema_ratios_tiers_and_format(pong_store, capsys):
     assert main(["info", str(pong_store)]) == 0
     out = capsys.readouterr().out
     for text in (
-        "tiered v2",
+        "tiered v3",
         "generation",
         "zstd:3",
         "2,000 of capacity 2,000",
@@ -97,7 +97,7 @@ def test_info_shows_schema_ratios_tiers_and_format(pong_store, capsys):
         assert text in out, (text, out)
     assert main(["info", str(pong_store), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert doc["format_version"] == 2 and doc["rows"] == doc["capacity"] == 2000
+    assert doc["format_version"] == 3 and doc["rows"] == doc["capacity"] == 2000
     assert doc["codec"] == "zstd:3" and doc["generation"] >= 1
     assert doc["fields"]["observation"]["ratio"] > 20
     assert doc["tiers"]["cold"]["bytes_used"] > 0

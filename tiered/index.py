@@ -19,7 +19,10 @@ open_slot  int64   OPEN blobs: slot in the family's open-chunk buffer (file ``in
 ========== ======= ================================================================
 
 A :class:`RowTable` maps each row of a blob field to ``frames_per_row`` (blob id, slot)
-pairs: the frame ``j`` of row ``r`` is frame ``slot[r, j]`` inside blob ``blob[r, j]``.
+pairs: the frame ``j`` of row ``r`` is frame ``slot[r, j]`` inside blob ``blob[r, j]``. Blob
+ids are ``int32`` (-1: none; an index holds at most :data:`MAX_BLOB_IDS` ids) and slots
+``uint16`` (a chunk holds at most 65536 frames), 6 bytes per frame reference; whoever does
+arithmetic on them widens to ``int64`` first.
 
 Example:
     >>> import numpy as np
@@ -37,9 +40,18 @@ from typing import Any
 
 import numpy as np
 
+from .errors import StorageFullError
 from .util.dirty import DirtyBlocks
 
-__all__ = ["BlobIndex", "RowTable", "FREE", "OPEN", "STORED", "HOT", "WARM", "COLD"]
+__all__ = ["BlobIndex", "RowTable", "DerivedRowTable", "FREE", "OPEN", "STORED", "HOT", "WARM", "COLD", "MAX_BLOB_IDS",
+           "BLOB_DTYPE", "SLOT_DTYPE", "check_blob_ids"]
+
+#: dtype of the blob ids in row tables (-1: no blob)
+BLOB_DTYPE = np.dtype(np.int32)
+#: dtype of the frame slots in row tables (a chunk holds at most ``1 << 16`` frames)
+SLOT_DTYPE = np.dtype(np.uint16)
+#: The most blob ids an index hands out: row tables store them as int32.
+MAX_BLOB_IDS = int(np.iinfo(BLOB_DTYPE).max)
 
 FREE, OPEN, STORED = 0, 1, 2
 HOT, WARM, COLD = 0, 1, 2
@@ -58,6 +70,26 @@ _COLUMNS: dict[str, tuple[Any, tuple[int, ...], int]] = {
 }
 # Format v1 names of the columns whose attribute names changed.
 _FILE_NAMES = {"open_slot": "aux"}
+
+
+def check_blob_ids(size: int, more: int) -> None:
+    """Refuse to hand out ids beyond :data:`MAX_BLOB_IDS` (``size`` ids exist, ``more`` are asked for).
+
+    Raises:
+        StorageFullError: saying how many blob ids the store holds and what to change.
+
+    Example:
+        >>> check_blob_ids(10, 5)
+        >>> check_blob_ids(MAX_BLOB_IDS, 1)
+        Traceback (most recent call last):
+        ...
+        tiered.errors.StorageFullError: ...
+    """
+    if size + more > MAX_BLOB_IDS:
+        raise StorageFullError(
+            f"this write needs {more:,} new blob ids but the store already holds {size:,}; a store holds at "
+            f"most {MAX_BLOB_IDS:,} blobs (its row tables name them with 32-bit ids). Raise chunk_frames "
+            "(fewer, larger blobs), lower the capacity, or split the data over several stores; nothing was written")
 
 
 class BlobIndex:
@@ -92,6 +124,7 @@ class BlobIndex:
         take = min(n, self._free_ids.shape[0])
         reused = self._free_ids[:take]
         self._free_ids = self._free_ids[take:]
+        check_blob_ids(self.size, n - take)
         fresh = np.arange(self.size, self.size + (n - take), dtype=np.int64)
         self._grow(self.size + (n - take))
         self.size += n - take
@@ -165,16 +198,253 @@ class BlobIndex:
         return index
 
 
+def _row_ids(rows: Any) -> np.ndarray:
+    """Row indices (an int array) of ``rows``: an int array or a bool mask over the rows."""
+    rows = np.asarray(rows)
+    return np.flatnonzero(rows) if rows.dtype == np.bool_ else rows.reshape(-1)
+
+
 class RowTable:
-    """Row -> (blob id, slot) table of one blob field: ``[capacity, frames_per_row]`` each."""
+    """Row -> (blob id, slot) table of one blob field: ``[capacity, frames_per_row]`` each
+    (``int32`` blob ids, -1: none; ``uint16`` slots).
+
+    Every user goes through :meth:`ids`, :meth:`refs`, :meth:`full`, :meth:`put` and
+    :meth:`unset`, so a :class:`DerivedRowTable` can stand in for it.
+
+    Example:
+        >>> t = RowTable(4, 2)
+        >>> t.put(np.array([1]), np.array([[7, 8]]), np.array([[0, 1]]))
+        >>> t.ids(np.array([0, 1])).tolist(), t.nbytes
+        ([[-1, -1], [7, 8]], 48)
+    """
+
+    derived = False
 
     def __init__(self, capacity: int, frames_per_row: int):
-        self.blob = np.full((capacity, frames_per_row), -1, dtype=np.int64)
-        self.slot = np.zeros((capacity, frames_per_row), dtype=np.int32)
+        self.blob = np.full((capacity, frames_per_row), -1, dtype=BLOB_DTYPE)
+        self.slot = np.zeros((capacity, frames_per_row), dtype=SLOT_DTYPE)
 
     @classmethod
     def from_arrays(cls, blob: np.ndarray, slot: np.ndarray) -> RowTable:
+        """A table over saved arrays, kept as they are (a store written before 32-bit tables has
+        ``int64`` ids and ``int32`` slots: :meth:`compact` converts them once they are checked)."""
         table = cls.__new__(cls)
         table.blob = blob
         table.slot = slot
         return table
+
+    @property
+    def capacity(self) -> int:
+        return int(self.blob.shape[0])
+
+    @property
+    def frames(self) -> int:
+        return int(self.blob.shape[1])
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of memory the table takes."""
+        return int(self.blob.nbytes + self.slot.nbytes)
+
+    def ids(self, rows: Any) -> np.ndarray:
+        """``[len(rows), frames]`` blob ids of ``rows`` (an int array or a bool mask)."""
+        return self.blob[rows]
+
+    def refs(self, rows: Any) -> tuple[np.ndarray, np.ndarray]:
+        """``([len(rows), frames]`` blob ids, slots) of ``rows``."""
+        return self.blob[rows], self.slot[rows]
+
+    def full(self) -> tuple[np.ndarray, np.ndarray]:
+        """The whole ``[capacity, frames]`` blob ids and slots (views: do not write them)."""
+        return self.blob, self.slot
+
+    def put(self, rows: np.ndarray, blob: np.ndarray, slot: np.ndarray) -> None:
+        """Set the entries of ``rows`` (distinct)."""
+        self.blob[rows] = blob
+        self.slot[rows] = slot
+
+    def unset(self, rows: Any) -> None:
+        """Mark ``rows`` unwritten (blob id -1)."""
+        self.blob[rows] = -1
+
+    def state_arrays(self) -> dict[str, np.ndarray]:
+        """The arrays a commit saves, by suffix (``rows.<i>.<suffix>``)."""
+        return {"blob": self.blob, "slot": self.slot}
+
+    def compact(self) -> None:
+        """Convert saved tables of wider dtypes to ``int32`` ids and ``uint16`` slots.
+
+        Call it once the ids are known to lie in ``[-1, MAX_BLOB_IDS)``; slots outside
+        ``[0, 65536)`` (only unwritten rows may hold them) become 0.
+
+        Raises:
+            ValueError: a blob id does not fit 32 bits.
+        """
+        if self.blob.dtype != BLOB_DTYPE:
+            if self.blob.size and (int(self.blob.min()) < -1 or int(self.blob.max()) >= MAX_BLOB_IDS):
+                raise ValueError(f"row table blob ids span [{int(self.blob.min())}, {int(self.blob.max())}], "
+                                 f"outside [-1, {MAX_BLOB_IDS})")
+            self.blob = self.blob.astype(BLOB_DTYPE)
+        if self.slot.dtype != SLOT_DTYPE:
+            hi = int(np.iinfo(SLOT_DTYPE).max)
+            self.slot = np.where((self.slot >= 0) & (self.slot <= hi), self.slot, 0).astype(SLOT_DTYPE)
+
+
+class DerivedRowTable(RowTable):
+    """The row table of a stacked ``("next", X)`` field, derived from ``X``'s table ``base``.
+
+    Frame ``j < F - 1`` of a next stack is, as a rule, frame ``j + 1`` of the row's ``X`` stack
+    (the stack shifted by one step), so only the last frame column is kept per row, plus an
+    exception list: the sorted rows where the rule does not hold, with their first ``F - 1``
+    entries. Reads rebuild ``[rows, F]`` with index arithmetic (no per-row loops). The caller
+    writes ``base``'s rows before this table's (:meth:`put` compares with them).
+
+    Example:
+        >>> x = RowTable(3, 2)
+        >>> x.put(np.arange(3), np.array([[0, 1], [1, 2], [5, 6]]), np.zeros((3, 2)))
+        >>> nxt = DerivedRowTable(x)
+        >>> nxt.put(np.arange(3), np.array([[1, 9], [2, 9], [4, 9]]), np.zeros((3, 2)))
+        >>> nxt.ids(np.arange(3)).tolist(), nxt.exc_rows.tolist()
+        ([[1, 9], [2, 9], [4, 9]], [2])
+    """
+
+    derived = True
+
+    def __init__(self, base: RowTable):
+        cap, frames = base.capacity, base.frames
+        if frames < 2:
+            raise ValueError(f"a derived row table needs stacks of 2 frames or more, got {frames}")
+        self.base = base
+        self._frames = frames
+        self.last_blob = np.full(cap, -1, dtype=BLOB_DTYPE)
+        self.last_slot = np.zeros(cap, dtype=SLOT_DTYPE)
+        self.exc_rows = np.empty(0, dtype=np.int64)
+        self.exc_blob = np.empty((0, frames - 1), dtype=BLOB_DTYPE)
+        self.exc_slot = np.empty((0, frames - 1), dtype=SLOT_DTYPE)
+
+    @classmethod
+    def from_state(cls, base: RowTable, arrays: dict[str, np.ndarray]) -> DerivedRowTable:
+        """A table over the arrays :meth:`state_arrays` saved.
+
+        Raises:
+            ValueError: the arrays' shapes, dtypes or exception rows are not what a commit writes.
+        """
+        table = cls(base)
+        cap, frames = base.capacity, base.frames
+        last_blob, last_slot = arrays["blob"], arrays["slot"]
+        rows, eb, es = arrays["exc_rows"], arrays["exc_blob"], arrays["exc_slot"]
+        k = rows.shape[0] if rows.ndim == 1 else -1
+        if (last_blob.shape != (cap, 1) or last_slot.shape != (cap, 1) or eb.shape != (k, frames - 1)
+                or es.shape != (k, frames - 1) or last_blob.dtype != BLOB_DTYPE or eb.dtype != BLOB_DTYPE
+                or last_slot.dtype != SLOT_DTYPE or es.dtype != SLOT_DTYPE or rows.dtype != np.int64):
+            raise ValueError(f"derived row table arrays of shapes {last_blob.shape} {last_slot.shape} {rows.shape} "
+                             f"{eb.shape} {es.shape} do not fit a table of {cap} rows of {frames} frames")
+        if k and (int(rows[0]) < 0 or int(rows[-1]) >= cap or (k > 1 and bool((np.diff(rows) <= 0).any()))):
+            raise ValueError(f"derived row table exception rows are not sorted distinct rows in [0, {cap})")
+        table.last_blob, table.last_slot = last_blob.reshape(cap), last_slot.reshape(cap)
+        table.exc_rows, table.exc_blob, table.exc_slot = np.asarray(rows), np.asarray(eb), np.asarray(es)
+        return table
+
+    @classmethod
+    def derive(cls, base: RowTable, table: RowTable) -> DerivedRowTable:
+        """The derived form of the explicit ``table`` (same entries)."""
+        out = cls(base)
+        out.put(np.arange(table.capacity), *table.full())
+        return out
+
+    @property
+    def blob(self) -> np.ndarray:  # type: ignore[override]
+        """The whole ``[capacity, frames]`` blob ids, rebuilt (a copy, O(capacity): for
+        inspection; the store itself uses :meth:`ids`)."""
+        return self.ids(np.arange(self.capacity))
+
+    @property
+    def slot(self) -> np.ndarray:  # type: ignore[override]
+        """The whole ``[capacity, frames]`` slots, rebuilt (a copy; see :attr:`blob`)."""
+        return self.full()[1]
+
+    @property
+    def capacity(self) -> int:
+        return int(self.last_blob.shape[0])
+
+    @property
+    def frames(self) -> int:
+        return self._frames
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.last_blob.nbytes + self.last_slot.nbytes + self.exc_rows.nbytes + self.exc_blob.nbytes
+                   + self.exc_slot.nbytes)
+
+    def _exceptions(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(position in the exception list, whether the row has one)`` per row."""
+        if not self.exc_rows.size:
+            return np.zeros(rows.shape, np.int64), np.zeros(rows.shape, bool)
+        pos = np.minimum(np.searchsorted(self.exc_rows, rows), self.exc_rows.size - 1)
+        return pos, self.exc_rows[pos] == rows
+
+    def refs(self, rows: Any) -> tuple[np.ndarray, np.ndarray]:
+        rows = _row_ids(rows)
+        b, s = self.base.refs(rows)
+        blob = np.empty((rows.size, self._frames), dtype=BLOB_DTYPE)
+        slot = np.empty((rows.size, self._frames), dtype=SLOT_DTYPE)
+        blob[:, :-1], slot[:, :-1] = b[:, 1:], s[:, 1:]
+        blob[:, -1], slot[:, -1] = self.last_blob[rows], self.last_slot[rows]
+        pos, hit = self._exceptions(rows)
+        if hit.any():
+            blob[hit, :-1], slot[hit, :-1] = self.exc_blob[pos[hit]], self.exc_slot[pos[hit]]
+        return blob, slot
+
+    def ids(self, rows: Any) -> np.ndarray:
+        rows = _row_ids(rows)
+        blob = np.empty((rows.size, self._frames), dtype=BLOB_DTYPE)
+        blob[:, :-1] = self.base.ids(rows)[:, 1:]
+        blob[:, -1] = self.last_blob[rows]
+        pos, hit = self._exceptions(rows)
+        if hit.any():
+            blob[hit, :-1] = self.exc_blob[pos[hit]]
+        return blob
+
+    def full(self) -> tuple[np.ndarray, np.ndarray]:
+        return self.refs(np.arange(self.capacity))
+
+    def put(self, rows: np.ndarray, blob: np.ndarray, slot: np.ndarray) -> None:
+        rows = _row_ids(rows)
+        blob, slot = np.asarray(blob), np.asarray(slot)
+        self.last_blob[rows], self.last_slot[rows] = blob[:, -1], slot[:, -1]
+        b, s = self.base.refs(rows)
+        bad = ((blob[:, :-1] != b[:, 1:]) | (slot[:, :-1] != s[:, 1:])).any(1)
+        self._replace(rows, rows[bad], blob[bad, :-1], slot[bad, :-1])
+
+    def unset(self, rows: Any) -> None:
+        rows = _row_ids(rows)
+        self.last_blob[rows] = -1
+        self._replace(rows, rows[:0], self.exc_blob[:0], self.exc_slot[:0])
+
+    def _replace(self, rows: np.ndarray, new_rows: np.ndarray, new_blob: np.ndarray, new_slot: np.ndarray) -> None:
+        """Drop the exceptions of ``rows``, then add ``new_rows``' (a subset of ``rows``)."""
+        drop = np.zeros(self.exc_rows.size, dtype=bool)
+        if self.exc_rows.size:
+            pos, hit = self._exceptions(rows)
+            drop[pos[hit]] = True
+        if not drop.any() and not new_rows.size:
+            return
+        keep = ~drop
+        rows_all = np.concatenate([self.exc_rows[keep], new_rows.astype(np.int64)])
+        order = np.argsort(rows_all, kind="stable")
+        self.exc_rows = rows_all[order]
+        self.exc_blob = np.concatenate([self.exc_blob[keep], new_blob.astype(BLOB_DTYPE)])[order]
+        self.exc_slot = np.concatenate([self.exc_slot[keep], new_slot.astype(SLOT_DTYPE)])[order]
+
+    @property
+    def crowded(self) -> bool:
+        """Whether so many rows break the rule that an explicit table serves better (the
+        exception list is rebuilt at every write and rewritten whole at every commit)."""
+        return self.exc_rows.size > max(4096, self.capacity // 256)
+
+    def state_arrays(self) -> dict[str, np.ndarray]:
+        return {"blob": self.last_blob[:, None], "slot": self.last_slot[:, None], "exc_rows": self.exc_rows,
+                "exc_blob": self.exc_blob, "exc_slot": self.exc_slot}
+
+    def compact(self) -> None:
+        """Saved derived tables are already compact."""

@@ -49,7 +49,7 @@ import numpy as np
 from . import fileio
 from .engine.manifest import MANIFEST, arrays_verified, gen_dir_name, load_npy, read_manifest
 from .engine.pages import ARRAYS_DIR
-from .engine.persistence import array_path, page_checksums_of
+from .engine.persistence import array_path, expand_derived, page_checksums_of
 from .errors import ChecksumError, CorruptionError, FormatVersionError, NotATieredStoreError, TieredError
 from .store import TieredStore
 
@@ -273,6 +273,8 @@ class _StoreCheck:
         self.checksum_blobs(blobs, segments)
         self.check_raw_sizes()
         _check_index_pools(self)
+        for problem in expand_derived(self.body, [spec.get("kind") for spec in self.schema], self.arrays):
+            self.report.add("index", problem, file=self.manifest_file)
         if not self.check_rows():
             return
         _check_references(self)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..index import RowTable
+from ..index import DerivedRowTable, RowTable
 from ..schema import Field, Key, Schema, key_to_str
 from .frames import FrameFamily, layout_rules
 
@@ -54,6 +54,30 @@ class FieldLayout:
                 self.tables[f.key] = RowTable(capacity, f.frames_per_row)
         self.rules = [layout_rules([(f.key, f.frames_per_row, f.frame_dim is not None) for f in fields])
                       for fields in self.fields_of]
+        #: ("next", X) field -> X, for the tables kept derived from X's (dedup shares their frames)
+        self.derived_from: dict[Key, Key] = {f.key: b for f in schema.blob_fields
+                                             if dedup and (b := self.derivable(f)) is not None}
+        for key, base in self.derived_from.items():
+            self.tables[key] = DerivedRowTable(self.tables[base])
+
+    def derivable(self, f: Field) -> Key | None:
+        """The field whose table ``f``'s may be derived from: ``X`` for a stacked ``("next", X)``
+        of ``X``'s family and stack length (2 frames or more), else None."""
+        if len(f.key) < 2 or f.key[0] != "next" or f.frame_dim is None or f.frames_per_row < 2:
+            return None
+        base = f.key[1:]
+        if base[0] == "next" or base not in self.schema:  # no chains of derived tables
+            return None
+        b = self.schema[base]
+        ok = (b.kind == "blob" and b.frame_dim is not None and b.frames_per_row == f.frames_per_row
+              and self.family_of.get(base) == self.family_of.get(f.key))
+        return base if ok else None
+
+    def explicit(self, key: Key) -> None:
+        """Keep ``key``'s table explicit from now on (its derived form has too many exceptions)."""
+        table = self.tables[key]
+        if table.derived:
+            self.tables[key] = RowTable.from_arrays(*table.full())
 
     def by_family(self, fields: list[Field]) -> dict[int, list[Field]]:
         """The blob fields among ``fields``, grouped by family id (schema order kept)."""
@@ -63,20 +87,51 @@ class FieldLayout:
                 groups.setdefault(self.family_of[f.key], []).append(f)
         return groups
 
+    def put_family(self, fid: int, rows: np.ndarray, blob: np.ndarray, slot: np.ndarray,
+                   written: np.ndarray) -> list[np.ndarray]:
+        """Set the entries of ``rows`` (distinct) for every field of family ``fid`` from the
+        ``[len(rows), per_row]`` columns ``blob``/``slot`` (fields in layout order); returns the
+        blob ids the ``written`` rows named before, per field (for reference counts)."""
+        fields = self.fields_of[fid]
+        old = [self.tables[f.key].ids(rows[written]) for f in fields]  # before any table changes
+        edges = np.cumsum([0] + [f.frames_per_row for f in fields])
+        # explicit tables first: a derived one compares with its base's new entries
+        for f, a, b in sorted(zip(fields, edges[:-1], edges[1:], strict=True),
+                              key=lambda x: self.tables[x[0].key].derived):  # a loop over fields
+            table = self.tables[f.key]
+            table.put(rows, blob[:, a:b], slot[:, a:b])
+            if table.derived and table.crowded:
+                self.explicit(f.key)
+        return old
+
+    def unset(self, rows: np.ndarray) -> list[np.ndarray]:
+        """Mark ``rows`` unwritten in every table; returns the blob ids they named, per field."""
+        old = [t.ids(rows) for t in self.tables.values()]
+        for t in self.tables.values():
+            t.unset(rows)
+        return old
+
     def blob_refs(self, fields: list[Field], rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """``[len(rows), frames]`` blob ids and slots of ``rows`` over ``fields`` (one gather each)."""
-        blobs = np.concatenate([self.tables[f.key].blob[rows] for f in fields], axis=1)
-        slots = np.concatenate([self.tables[f.key].slot[rows] for f in fields], axis=1)
+        """``[len(rows), frames]`` blob ids and slots of ``rows`` over ``fields`` (one gather each),
+        widened to int64 (callers do index arithmetic with them)."""
+        refs = [self.tables[f.key].refs(rows) for f in fields]
+        blobs = np.concatenate([r[0] for r in refs], axis=1, dtype=np.int64)
+        slots = np.concatenate([r[1] for r in refs], axis=1, dtype=np.int64)
         return blobs, slots
+
+    def ids(self, rows: np.ndarray) -> np.ndarray:
+        """``[len(rows), all frames]``: the blob ids of ``rows`` over every table (int64)."""
+        return np.concatenate([t.ids(rows) for t in self.tables.values()], axis=1, dtype=np.int64)
 
     def rows_using(self, blob_ids: np.ndarray, limit: int = 5) -> list[str]:
         """Per blob id, the fields and first rows that reference it (for error messages)."""
 
         out = []
+        full = {key: table.full()[0] for key, table in self.tables.items()}
         for b in blob_ids[:limit]:
             refs = []
-            for key, table in self.tables.items():
-                r = np.flatnonzero((table.blob == b).any(1))
+            for key, blob in full.items():
+                r = np.flatnonzero((blob == b).any(1))
                 if r.size:
                     refs.append(f"{key_to_str(key)!r} rows {r[:5].tolist()}")
             out.append("; ".join(refs) or "no row")
@@ -86,8 +141,8 @@ class FieldLayout:
         """``(blob ids, priorities)``: each row's priority repeated over every blob it references."""
         if not self.tables:
             return np.empty(0, np.int64), np.empty(0, np.float64)
-        blobs = [t.blob[rows] for t in self.tables.values()]
-        ids = np.concatenate([b.reshape(-1) for b in blobs])
+        blobs = [t.ids(rows) for t in self.tables.values()]
+        ids = np.concatenate([b.reshape(-1) for b in blobs], dtype=np.int64)
         per_blob = np.concatenate([np.repeat(priority, b.shape[1]) for b in blobs])
         keep = ids >= 0
         return ids[keep], per_blob[keep]
@@ -96,5 +151,5 @@ class FieldLayout:
         """Every blob id the written rows reference, once per reference (for reference counts)."""
         if not self.tables:
             return np.empty(0, np.int64)
-        refs = np.concatenate([t.blob[written].reshape(-1) for t in self.tables.values()])
+        refs = np.concatenate([t.ids(written).reshape(-1) for t in self.tables.values()], dtype=np.int64)
         return refs[refs >= 0]

@@ -113,17 +113,20 @@ def _dirty_pages(arr: np.ndarray, hlen: int, size: int, blocks: np.ndarray, n_pa
     return np.cumsum(pages)[:n_pages] > 0
 
 
-def _reusable(fd: int, path: str, base: CopyState | None, hlen: int) -> bool:
-    """Whether the copy on disk is the one ``base`` describes, with a header of ``hlen`` bytes."""
+def _reusable(fd: int, path: str, base: CopyState | None, hlen: int, arr: np.ndarray) -> bool:
+    """Whether the copy on disk is the one ``base`` describes, with a header of ``hlen`` bytes and
+    the dtype and row shape of ``arr`` (an array whose dtype changed, as row tables did in format
+    3, has every page moved: it is rewritten whole)."""
     if base is None:
         return False
     size = os.fstat(fd).st_size
     if size != base.size or len(base.crcs) != -(-size // PAGE_BYTES):
         return False
     try:
-        return read_npy_header(fd, path, size).offset == hlen
+        head = read_npy_header(fd, path, size)
     except CorruptionError:
         return False
+    return head.offset == hlen and head.dtype == arr.dtype and tuple(head.shape[1:]) == arr.shape[1:]
 
 
 def write_copy(path: str, arr: np.ndarray, blocks: np.ndarray | None, base: CopyState | None,
@@ -141,7 +144,7 @@ def write_copy(path: str, arr: np.ndarray, blocks: np.ndarray | None, base: Copy
     n_pages = -(-size // PAGE_BYTES)
     fd = fileio.open_for_write(path)
     try:
-        if blocks is not None and _reusable(fd, path, base, hlen):
+        if blocks is not None and _reusable(fd, path, base, hlen, arr):
             assert base is not None
             todo = _dirty_pages(arr, hlen, size, blocks, n_pages)
             if size != base.size or os.pread(fd, hlen, 0) != head:

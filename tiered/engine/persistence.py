@@ -33,7 +33,7 @@ import numpy as np
 
 from .. import fileio
 from ..errors import ChecksumError, CorruptionError, StoreExistsError, TieredError
-from ..index import COLD, FREE, STORED, BlobIndex, RowTable
+from ..index import BLOB_DTYPE, COLD, FREE, SLOT_DTYPE, STORED, BlobIndex, DerivedRowTable, RowTable
 from ..policy import Policy
 from ..schema import Schema, key_to_str
 from ..tiers import HDF5Tier, MemmapTier, Tier
@@ -59,7 +59,8 @@ from .write import WritePath
 T = TypeVar("T")
 
 __all__ = ["StoreFiles", "BACKENDS", "CHECKSUMS", "array_path", "read_fresh", "open_commit", "restore_commit", "commit_parts",
-           "snapshot_arrays", "check_consistency", "check_bounds", "check_references", "page_checksums_of"]
+           "snapshot_arrays", "check_consistency", "check_bounds", "row_table_dtypes", "derived_tables", "table_file",
+           "expand_derived", "check_references", "page_checksums_of"]
 
 #: Manifest entry holding the page checksums of the generation's arrays (absent: an older store).
 CHECKSUMS = "checksums"
@@ -352,16 +353,36 @@ def restore_commit(files: StoreFiles, body: dict[str, Any], mode: str, rows: Row
     dead = np.empty(0, np.int64)
     if body["schema"] is not None:
         layout = write.adopt_schema(Schema.from_json(body["schema"]))
-        for i, f in enumerate(layout.schema.values()):
+        fields = list(layout.schema.values())
+        derived = derived_tables(body, [f.kind for f in fields])
+        if any(layout.derived_from.get(fields[i].key) != fields[j].key for i, j in derived.items()):
+            raise CorruptionError(f"{files.path}: the manifest's derived_tables {body.get('derived_tables')} do not "
+                                  "fit the schema; the store is damaged")
+        for i, f in enumerate(fields):
             if f.kind == "dense":
                 rows.load_dense(f, load(f"dense.{i}"))
-            else:
+            elif i not in derived:
                 layout.tables[f.key] = RowTable.from_arrays(load(f"rows.{i}.blob"), load(f"rows.{i}.slot"))
+        for i, j in derived.items():
+            try:
+                layout.tables[fields[i].key] = DerivedRowTable.from_state(
+                    layout.tables[fields[j].key], {s: load(table_file(i, s)) for s in _DERIVED_SUFFIXES})
+            except ValueError as e:
+                raise CorruptionError(f"{array_path(files.path, body, table_file(i, 'exc_rows'))}: {e}; the store "
+                                      f"is damaged. Run `tiered verify {files.path}` for details.") from None
         # before the tables are used as indices (a flipped id must not size a bincount)
         problems = check_references(rows, layout, index)
         if problems:
             raise CorruptionError(f"{files.path}: the store is damaged: " + "; ".join(problems[:5])
                                   + f". Run `tiered verify {files.path}` for details.")
+        for table in layout.tables.values():  # stores before format 3: int64 ids, int32 slots
+            table.compact()
+        for key, base in layout.derived_from.items():  # explicit next tables (older stores) go derived
+            table = layout.tables[key]
+            if not table.derived:
+                table = DerivedRowTable.derive(layout.tables[base], table)
+                if not table.crowded:
+                    layout.tables[key] = table
         refs = layout.referenced(rows.written)
         index.refcount[: index.size] = np.bincount(refs, minlength=index.size)[: index.size].astype(np.int32)
         load_policy(placement.policy, body, load, live)
@@ -391,6 +412,10 @@ def commit_parts(files: StoreFiles, rows: RowSpace, write: WritePath, placement:
         "families": [{"frame_nbytes": f.frame_nbytes, "chunk_frames": f.chunk_frames}
                      for f in (layout.families if layout is not None else [])],
     }
+    if layout is not None:
+        index_of = {key: i for i, key in enumerate(layout.schema)}
+        body["derived_tables"] = {str(index_of[key]): index_of[layout.derived_from[key]]
+                                  for key, t in layout.tables.items() if t.derived}
     arrays = snapshot_arrays(rows, layout, write.index, placement.policy)
     priorities = placement.priorities
     if priorities is not None:
@@ -420,9 +445,67 @@ def snapshot_arrays(rows: RowSpace, layout: FieldLayout | None, index: BlobIndex
             if f.kind == "dense":
                 arrays[f"dense.{i}"] = rows.dense_array(f.key)
             else:
-                arrays[f"rows.{i}.blob"] = layout.tables[f.key].blob
-                arrays[f"rows.{i}.slot"] = layout.tables[f.key].slot
+                for suffix, arr in layout.tables[f.key].state_arrays().items():
+                    arrays[table_file(i, suffix)] = arr
     return arrays
+
+
+#: What a derived row table saves (:meth:`~tiered.index.DerivedRowTable.state_arrays`).
+_DERIVED_SUFFIXES = ("blob", "slot", "exc_rows", "exc_blob", "exc_slot")
+
+
+def table_file(i: int, suffix: str) -> str:
+    """The array name of part ``suffix`` of blob field ``i``'s row table: ``rows.<i>.blob`` and
+    ``rows.<i>.slot`` (indexed by row), ``next.<i>.rows|blob|slot`` (a derived table's exceptions).
+
+    Example:
+        >>> table_file(3, "slot"), table_file(3, "exc_rows")
+        ('rows.3.slot', 'next.3.rows')
+    """
+    if suffix.startswith("exc_"):
+        return f"next.{i}.{suffix[4:]}"
+    return f"rows.{i}.{suffix}"
+
+
+def derived_tables(body: dict[str, Any], kinds: list[str]) -> dict[int, int]:
+    """``{field index: base field index}`` of the row tables the commit ``body`` saved derived
+    (format 3; none before); ``kinds``: the kind of each schema field.
+
+    Raises:
+        CorruptionError: the entry is not such a map over the schema's blob fields.
+    """
+    entry = body.get("derived_tables", {})
+    try:
+        out = {int(i): int(j) for i, j in entry.items()}
+    except (AttributeError, TypeError, ValueError):
+        raise CorruptionError(f"the manifest's derived_tables is {entry!r}, expected a map of field indexes") from None
+    n = len(kinds)
+    if not all(0 <= i < n and 0 <= j < n and i != j and j not in out and kinds[i] == kinds[j] == "blob"
+               for i, j in out.items()):
+        raise CorruptionError(f"the manifest's derived_tables {entry!r} names fields that are not blob fields")
+    return out
+
+
+def expand_derived(body: dict[str, Any], kinds: list[str], arrays: dict[str, np.ndarray]) -> list[str]:
+    """Replace, in ``arrays`` (a commit's arrays by name), each derived row table's saved parts by
+    its whole ``rows.<i>.blob`` / ``rows.<i>.slot`` (for checks that read the files directly).
+
+    Returns:
+        The problems found, in words (a derived table whose arrays do not fit).
+    """
+    try:
+        derived = derived_tables(body, kinds)
+    except CorruptionError as e:
+        return [str(e)]
+    problems = []
+    for i, j in derived.items():
+        try:
+            base = RowTable.from_arrays(np.asarray(arrays[f"rows.{j}.blob"]), np.asarray(arrays[f"rows.{j}.slot"]))
+            table = DerivedRowTable.from_state(base, {s: np.asarray(arrays[table_file(i, s)]) for s in _DERIVED_SUFFIXES})
+            arrays[f"rows.{i}.blob"], arrays[f"rows.{i}.slot"] = table.full()
+        except (KeyError, ValueError, IndexError) as e:
+            problems.append(f"the derived row table of field {i}: {e}")
+    return problems
 
 
 def load_policy(policy: Policy, body: dict[str, Any], load: ArrayLoader, live: np.ndarray) -> None:
@@ -465,10 +548,11 @@ def check_consistency(path: str, rows: RowSpace, layout: FieldLayout | None, ind
         problems.append(f"len {rows.length} / cursor {rows.cursor} do not fit capacity {cap}")
     if layout is not None:
         for key, t in layout.tables.items():
-            if t.blob.shape != (cap, layout.schema[key].frames_per_row) or t.slot.shape != t.blob.shape:
-                problems.append(f"row table of {key_to_str(key)!r} has shape {t.blob.shape}")
-            elif t.blob.size and int(t.blob.max()) >= index.size:
-                problems.append(f"row table of {key_to_str(key)!r} names blob {int(t.blob.max())} "
+            ids = [a for name, a in t.state_arrays().items() if name in ("blob", "exc_blob") and a.size]
+            if (t.capacity, t.frames) != (cap, layout.schema[key].frames_per_row):
+                problems.append(f"row table of {key_to_str(key)!r} has shape {(t.capacity, t.frames)}")
+            elif ids and max(int(a.max()) for a in ids) >= index.size:
+                problems.append(f"row table of {key_to_str(key)!r} names blob {max(int(a.max()) for a in ids)} "
                                 f"of an index of {index.size}")
         for key, col in rows.dense.items():
             if tuple(col.shape) != (cap, *layout.schema[key].shape):
@@ -551,6 +635,19 @@ def _header(store: str, body: dict[str, Any], name: str, files: dict[str, Any]) 
         os.close(fd)
 
 
+def row_table_dtypes(version: int) -> tuple[np.dtype, np.dtype]:
+    """``(blob id, slot)`` dtypes of the row tables a commit of format ``version`` saved: int32
+    and uint16 since format 3, int64 and int32 before (read, then converted on open).
+
+    Example:
+        >>> [str(d) for d in row_table_dtypes(3)], [str(d) for d in row_table_dtypes(2)]
+        (['int32', 'uint16'], ['int64', 'int32'])
+    """
+    if version >= 3:
+        return BLOB_DTYPE, SLOT_DTYPE
+    return np.dtype(np.int64), np.dtype(np.int32)
+
+
 def check_bounds(path: str, body: dict[str, Any]) -> None:
     """Check every size the manifest gives against what its files hold, before anything sized by
     them is allocated: a lie (capacity 5e7 for a 100-row store, an index of 1e9 blobs) is refused
@@ -608,12 +705,26 @@ def check_bounds(path: str, body: dict[str, Any]) -> None:
             problems.append("the manifest's schema is not a list of fields")
         else:
             schema = Schema.from_json(body["schema"])
-            for i, f in enumerate(schema.values()):
+            fields = list(schema.values())
+            try:
+                derived = derived_tables(body, [f.kind for f in fields])
+            except CorruptionError as e:
+                problems.append(str(e))
+                derived = {}
+            blob_dtype, slot_dtype = row_table_dtypes(body["format_version"])
+            for i, f in enumerate(fields):
                 if f.kind == "dense":
                     expect(f"dense.{i}", (capacity, *f.shape))
                 else:
-                    expect(f"rows.{i}.blob", (capacity, f.frames_per_row), np.int64)
-                    expect(f"rows.{i}.slot", (capacity, f.frames_per_row), np.int32)
+                    width = 1 if i in derived else f.frames_per_row
+                    expect(f"rows.{i}.blob", (capacity, width), blob_dtype)
+                    expect(f"rows.{i}.slot", (capacity, width), slot_dtype)
+            for i in derived:
+                exc = _header(path, body, table_file(i, "exc_rows"), files)
+                k = exc.shape[0] if len(exc.shape) == 1 else -1
+                expect(table_file(i, "exc_rows"), (k,), np.int64)
+                expect(table_file(i, "exc_blob"), (k, fields[i].frames_per_row - 1), blob_dtype)
+                expect(table_file(i, "exc_slot"), (k, fields[i].frames_per_row - 1), slot_dtype)
     if problems:
         raise CorruptionError(f"{path}: the store is damaged: " + "; ".join(problems[:5])
                               + f". Run `tiered verify {path}` for details.")
@@ -669,17 +780,19 @@ def check_references(rows: RowSpace, layout: FieldLayout, index: BlobIndex) -> l
         return problems
     cap, n = rows.capacity, index.size
     written = rows.written
-    for key, t in layout.tables.items():
+    # explicit tables first: a derived table's first frames are its base's, checked there; its
+    # own arrays (last frames, exceptions) are checked as they are, never rebuilt whole
+    for key, t in sorted(layout.tables.items(), key=lambda kv: kv[1].derived):
         name = key_to_str(key)
-        if t.blob.shape != (cap, layout.schema[key].frames_per_row) or t.slot.shape != t.blob.shape:
-            problems.append(f"row table of {name!r} has shape {t.blob.shape}")
+        if (t.capacity, t.frames) != (cap, layout.schema[key].frames_per_row):
+            problems.append(f"row table of {name!r} has shape {(t.capacity, t.frames)}")
             continue
-        if t.blob.size and (int(t.blob.min()) < -1 or int(t.blob.max()) >= n):
-            problems.append(f"row table of {name!r} names blob ids outside [-1, {n})")
-            continue
-        every = bool(written.all())  # the usual full ring: no copy of the tables
-        ids = t.blob if every else t.blob[written]
-        if not ids.size:
+        part = t.state_arrays()
+        groups = [(part["blob"], part["slot"], None)]
+        if t.derived:
+            groups.append((part["exc_blob"], part["exc_slot"], part["exc_rows"]))
+        elif part["slot"].shape != part["blob"].shape:
+            problems.append(f"row table of {name!r} has slots of shape {part['slot'].shape}")
             continue
         fam = layout.family_of[key]
         frame_nbytes = layout.families[fam].frame_nbytes
@@ -687,13 +800,34 @@ def check_references(rows: RowSpace, layout: FieldLayout, index: BlobIndex) -> l
         # then one gather per table entry
         frames_in = np.where((index.state[:n] == STORED) & (index.family[:n] == fam),
                              index.raw_nbytes[:n] // max(frame_nbytes, 1), 0)
-        slots = t.slot if every else t.slot[written]
-        bad = (ids < 0) | (slots < 0) | (slots >= frames_in[np.maximum(ids, 0)] if n else True)
-        if bad.any():
-            r = np.flatnonzero(written)[bad.any(1)]
-            problems.append(f"{r.size} written rows of {name!r} point at no stored blob of their field or at a "
-                            f"frame outside it (first: row {int(r[0])})")
+        for blob, slot, at in groups:  # one or two
+            problem = _check_entries(name, blob, slot, at, written, frames_in, n)
+            if problem:
+                problems.append(problem)
+                break
     return problems
+
+
+def _check_entries(name: str, blob: np.ndarray, slot: np.ndarray, at: np.ndarray | None, written: np.ndarray,
+                   frames_in: np.ndarray, n: int) -> str | None:
+    """The problem with table entries ``blob``/``slot`` of rows ``at`` (None: every row), if any."""
+    if blob.size and (int(blob.min()) < -1 or int(blob.max()) >= n):
+        return f"row table of {name!r} names blob ids outside [-1, {n})"
+    if at is None:
+        every = bool(written.all())  # the usual full ring: no copy of the tables
+        where = np.flatnonzero(written)
+        ids, slots = (blob, slot) if every else (blob[written], slot[written])
+    else:
+        keep = written[at]
+        where, ids, slots = at[keep], blob[keep], slot[keep]
+    if not ids.size:
+        return None
+    bad = (ids < 0) | (slots < 0) | (slots >= frames_in[np.maximum(ids, 0)] if n else True)
+    if bad.any():
+        r = where[bad.any(1)]
+        return (f"{r.size} written rows of {name!r} point at no stored blob of their field or at a "
+                f"frame outside it (first: row {int(r[0])})")
+    return None
 
 
 def _check_cold_space(cold: Any, loc: np.ndarray, nbytes: np.ndarray) -> list[str]:

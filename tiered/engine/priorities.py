@@ -212,7 +212,7 @@ class RowPriorities:
         """Every blob id ``rows``' table entries name (with repeats; -1 entries dropped)."""
         if layout is None or not layout.tables:
             return np.empty(0, dtype=np.int64)
-        refs = np.concatenate([t.blob[rows].reshape(-1) for t in layout.tables.values()])
+        refs = layout.ids(rows).reshape(-1)
         return refs[refs >= 0]
 
     def recount(self, layout: FieldLayout | None, blobs: np.ndarray, stage: WriteStage | None,
@@ -227,7 +227,7 @@ class RowPriorities:
         maxima = np.zeros(blobs.size, dtype=np.float64)
         if blobs.size and layout is not None and layout.tables:
             rows = self._rows_naming(layout, blobs)
-            refs = np.concatenate([t.blob[rows] for t in layout.tables.values()], axis=1)
+            refs = layout.ids(rows)
             counts = np.ones(rows.size, dtype=bool)
             if stage is not None and stage.count:
                 counts = stage.staged(rows) < 0
@@ -255,14 +255,14 @@ class RowPriorities:
         from_index = self._sorted_row[ranges(lo, hi - lo)]
         recent = np.flatnonzero(self._recent)
         if recent.size:
-            refs = np.concatenate([t.blob[recent] for t in layout.tables.values()], axis=1)
+            refs = layout.ids(recent)
             recent = recent[isin(refs.reshape(-1), blobs).reshape(refs.shape).any(1)]
         return np.unique(np.concatenate([from_index, recent]))
 
     def _build(self, layout: FieldLayout) -> None:
         """Sort every table entry by blob id (one argsort over ``capacity x frames per row``)."""
-        blob = np.concatenate([t.blob.reshape(-1) for t in layout.tables.values()])
-        row = np.concatenate([np.repeat(np.arange(self.capacity, dtype=np.int64), t.blob.shape[1])
+        blob = np.concatenate([t.full()[0].reshape(-1) for t in layout.tables.values()])
+        row = np.concatenate([np.repeat(np.arange(self.capacity, dtype=np.int64), t.frames)
                               for t in layout.tables.values()])
         keep = blob >= 0
         blob, row = blob[keep], row[keep]
@@ -323,7 +323,7 @@ class RowPriorities:
         total = float(weight.sum())
         if total <= 0:
             return shares
-        refs = np.concatenate([t.blob[rows] for t in layout.tables.values()], axis=1)
+        refs = layout.ids(rows)
         place = np.full(refs.shape, 3, dtype=np.int64)  # 3: raw in memory
         stored = refs >= 0
         stored[stored] = self.index.state[refs[stored]] == STORED

@@ -102,7 +102,7 @@ def store_stats(rows: RowSpace, layout: FieldLayout | None, index: BlobIndex, pl
             "open_chunks": sum(int(f.open_frames.nbytes) for f in families),
             "tail": sum(int(f.tail_frames.nbytes) for f in families),
             "index": index.nbytes_held,
-            "row_tables": sum(t.blob.nbytes + t.slot.nbytes for t in tables),
+            "row_tables": sum(t.nbytes for t in tables),
             "dense": sum(v.numel() * v.element_size() for v in rows.dense.values()),
         },
         "counters": {**counters, **({"oom_skipped_promotions": placement.oom_skipped_promotions}

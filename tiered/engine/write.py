@@ -299,14 +299,7 @@ class WritePath:
             dead.append(fam.commit(plan, self.index))
             per_row = plan.blob.size // n
             blob, slot = plan.blob.reshape(n, per_row), plan.slot.reshape(n, per_row)
-            col, old_refs = 0, []
-            for f in layout.fields_of[fid]:  # a loop over the family's fields, not rows
-                width = f.frames_per_row
-                table = layout.tables[f.key]
-                old_refs.append(table.blob[rows][written])
-                table.blob[rows] = blob[:, col:col + width]
-                table.slot[rows] = slot[:, col:col + width]
-                col += width
+            old_refs = layout.put_family(fid, rows, blob, slot, written)
             # count the new references before dropping the old: frames both share must survive
             self.index.incref(blob)
             dead += [self.index.decref(old) for old in old_refs]
@@ -385,9 +378,7 @@ class WritePath:
         if self.stage is not None:
             self.stage.reset()  # staged rows go with the rest
         written = np.flatnonzero(self.rows.written)
-        dead = [self.index.decref(t.blob[written]) for t in self.layout.tables.values()]
-        for t in self.layout.tables.values():
-            t.blob[written] = -1
+        dead = [self.index.decref(ids) for ids in self.layout.unset(written)]
         dead += [fam.release_tail(self.index) for fam in self.layout.families]
         self.rows.reset()
         self.placement.rows_cleared()
@@ -415,8 +406,8 @@ def check_layout_fits(schema: Schema, capacity: int, chunk_frames: int) -> None:
                 f"a chunk of {chunk_frames} frames of {key_to_str(f.key)!r} ({f.frame_nbytes:,} bytes each) "
                 f"would hold {chunk_frames * f.frame_nbytes:,} bytes, more than a blob may ({MAX_CHUNK_BYTES:,}); "
                 "lower chunk_frames or split the field into frames (frames={key: dim})")
-    # row tables: an int64 blob id and an int32 slot per frame; dense columns: their cells
-    per_row = 1 + sum(f.cell_nbytes for f in schema.dense_fields) + sum(12 * f.frames_per_row
+    # row tables: an int32 blob id and a uint16 slot per frame; dense columns: their cells
+    per_row = 1 + sum(f.cell_nbytes for f in schema.dense_fields) + sum(6 * f.frames_per_row
                                                                       for f in schema.blob_fields)
     memory = psutil.virtual_memory().total
     if capacity * per_row > memory:

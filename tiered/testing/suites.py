@@ -807,8 +807,9 @@ def recounted_blob_priorities(store: Any) -> tuple[np.ndarray, np.ndarray]:
     position = {int(b): i for i, b in enumerate(live.tolist())}
     priority = store.priorities(rows) if rows.size else np.empty(0)
     for table in layout.tables.values():  # the reference is a plain loop on purpose
-        for r, p_row in zip(rows.tolist(), priority.tolist(), strict=True):
-            for b in table.blob[r].tolist():
+        ids = table.ids(rows).tolist()
+        for r_ids, p_row in zip(ids, priority.tolist(), strict=True):
+            for b in r_ids:
                 if b >= 0:
                     expected[position[b]] = max(expected[position[b]], p_row)
     return live, expected

@@ -1,0 +1,290 @@
+"""Compact row tables (format 3): int32 blob ids and uint16 slots, stores written with the int64 /
+int32 tables of formats 1 and 2 still open, read the same rows and are rewritten compact at
+their next commit.
+
+``tests/fixtures/format2/pong_format2.tar.xz`` is a format-2 store written by tiered before
+format 3 (``FORMAT_VERSION == 2``), 200 rows of real Pong frames, with::
+
+    td = cached_rollout(game="Pong", steps=2000, seed=0, max_episode_steps=500)
+    with tiered.TieredStore(40_000, "pong_format2", chunk_frames=8) as s:
+        for a in range(400, 600, 50):
+            s.extend(td[a:a + 50])
+        s.flush()
+
+(an episode boundary, step 500, lies inside; the capacity makes each row table more than one
+1 MiB page, so commits rewrite them page by page). A failure here means old stores stopped
+reading: fix the code, never the fixture.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from tensordict import TensorDict
+
+import tiered
+from tiered import TieredStore
+from tiered.atari import concat_rollouts
+from tiered.engine.layout import FieldLayout
+from tiered.engine.manifest import FORMAT_VERSION, PAGE_BYTES
+from tiered.engine.pages import write_copy
+from tiered.errors import CorruptionError, StorageFullError
+from tiered.index import MAX_BLOB_IDS, BlobIndex, DerivedRowTable, RowTable, check_blob_ids
+from tiered.schema import Schema
+from tiered.testing.inspection import parts
+from tiered.verify import verify_store
+
+FIXTURE = Path(__file__).parent / "fixtures" / "format2" / "pong_format2.tar.xz"
+CAPACITY, ROWS = 40_000, 200
+FIRST = 400  # row r of the fixture holds transition FIRST + r of the Pong rollout
+
+
+def _body(path: Path) -> dict:
+    return json.loads((path / "manifest.json").read_text())["body"]
+
+
+def _table_dtypes(path: Path) -> set[tuple[str, str]]:
+    """``(name, dtype)`` of every row table array the last commit published."""
+    body = _body(path)
+    out = set()
+    for name, copy in body["copy"].items():
+        if name.startswith("rows."):
+            out.add((name, str(np.load(path / "arrays" / f"{name}.{copy}.npy", mmap_mode="r").dtype)))
+    return out
+
+
+def _assert_same(a: TensorDict, b: TensorDict) -> None:
+    keys = sorted(a.keys(True, True), key=str)
+    assert keys == sorted(b.keys(True, True), key=str)
+    for k in keys:
+        assert torch.equal(a.get(k), b.get(k)), k
+
+
+def _extract(tmp_path: Path) -> Path:
+    with tarfile.open(FIXTURE) as tar:
+        tar.extractall(tmp_path, filter="data")
+    return tmp_path / "pong_format2"
+
+
+def _dtypes(store: TieredStore) -> set[str]:
+    return {str(a.dtype) for t in parts(store).layout.tables.values() for name, a in t.state_arrays().items()
+            if name != "exc_rows"}
+
+
+def test_a_new_store_writes_32_bit_row_tables(tmp_path, atari_pong):
+    path = tmp_path / "s"
+    with TieredStore(256, path, chunk_frames=8) as s:
+        s.extend(atari_pong[:300])
+        assert _dtypes(s) == {"int32", "uint16"}
+        # observation 4 x (4 + 2) bytes per row, its next stack only its last frame (derived)
+        assert s.stats()["memory"]["row_tables"] == 256 * 5 * 6
+        index_of = {k: i for i, k in enumerate(s.schema)}
+        s.flush()
+    body = _body(path)
+    assert body["format_version"] == FORMAT_VERSION == 3
+    assert body["derived_tables"] == {str(index_of[("next", "observation")]): index_of[("observation",)]}
+    assert {d for _, d in _table_dtypes(path)} == {"int32", "uint16"}
+    with tiered.open(path) as s:
+        r = np.arange(256)
+        _assert_same(s.get(torch.arange(256)), atari_pong[torch.as_tensor(np.where(r < 44, 256 + r, r))])
+    assert verify_store(path, progress=False).ok
+
+
+def test_a_format2_store_reads_the_same_and_upgrades_at_its_next_commit(tmp_path, atari_pong, monkeypatch):
+    monkeypatch.setenv("TIERED_CHECK_COMMITS", "1")  # every copy a commit writes equals memory
+    path = _extract(tmp_path)
+    assert _body(path)["format_version"] == 2
+    assert {d for _, d in _table_dtypes(path)} == {"int64", "int32"}
+    expected = atari_pong[FIRST:FIRST + ROWS]
+    before = {p.name: p.read_bytes() for p in (path / "arrays").iterdir()}
+    with tiered.open(path) as s:  # read-only: converted in memory, nothing written
+        assert len(s) == ROWS
+        _assert_same(s.get(torch.arange(ROWS)), expected)
+        assert _dtypes(s) == {"int32", "uint16"}
+        table = parts(s).layout.tables[("next", "observation")]
+        assert table.derived and table.exc_rows.size == 0  # the explicit next table went derived
+        assert s.stats()["memory"]["row_tables"] == CAPACITY * 5 * 6  # was 2 x 4 x 12
+    assert {p.name: p.read_bytes() for p in (path / "arrays").iterdir()} == before
+    assert verify_store(path, progress=False).ok
+    # a writer: its commits write format 3, the copies left by format 2 are rewritten whole
+    with tiered.open(path, mode="r+") as s:
+        for a in (600, 610, 620):  # three commits: every copy of every array is rewritten once
+            s.extend(atari_pong[a:a + 10])
+            s.flush(force=True)
+            assert _body(path)["format_version"] == 3
+            assert {d for _, d in _table_dtypes(path)} == {"int32", "uint16"}
+    with tiered.open(path) as s:
+        assert len(s) == ROWS + 30
+        _assert_same(s.get(torch.arange(ROWS + 30)), atari_pong[FIRST:FIRST + ROWS + 30])
+    assert verify_store(path, progress=False).ok
+
+
+def test_a_write_needing_more_blob_ids_than_32_bits_hold_is_refused(atari_pong):
+    with pytest.raises(StorageFullError, match="2,147,483,647"):
+        check_blob_ids(MAX_BLOB_IDS - 3, 4)
+    check_blob_ids(MAX_BLOB_IDS - 4, 4)
+    index = BlobIndex()
+    index.size = MAX_BLOB_IDS - 1  # a seam: pretend the ids below were handed out
+    with pytest.raises(StorageFullError, match="32-bit"):
+        index.allocate(2)
+    assert index.size == MAX_BLOB_IDS - 1 and index.capacity == 1024  # nothing grown
+    # through a store: the write is refused before anything changes
+    with TieredStore(64, chunk_frames=4) as s:
+        s.extend(atari_pong[:20])
+        before = s.get(torch.arange(20))
+        idx = parts(s).index
+        size = idx.size
+        idx.size = MAX_BLOB_IDS - 1
+        with pytest.raises(StorageFullError, match="nothing was written"):
+            s.extend(atari_pong[20:40])
+        idx.size = size
+        assert len(s) == 20
+        _assert_same(s.get(torch.arange(20)), before)
+        s.extend(atari_pong[20:40])
+        _assert_same(s.get(torch.arange(20, 40)), atari_pong[20:40])
+
+
+def test_an_array_whose_dtype_changed_is_rewritten_whole(tmp_path):
+    """A copy holding a format-2 int64 table is not patched page by page with int32 rows (every
+    page moved): the commit rewrites it whole."""
+    path = str(tmp_path / "rows.0.blob.0.npy")
+    old = np.arange(3 * PAGE_BYTES // 8 * 4, dtype=np.int64).reshape(-1, 4)  # int32: 6 pages
+    base = write_copy(path, old, None, None, 1)
+    new = old.astype(np.int32)
+    new[0] = -1
+    blocks = np.zeros(1, dtype=bool)
+    blocks[0] = True  # only the first block of rows changed
+    state = write_copy(path, new, blocks, base, 2)
+    disk = np.load(path)
+    assert disk.dtype == np.int32 and np.array_equal(disk, new)
+    assert state.written == state.size
+
+
+def _stacks_mismatch(td: TensorDict) -> np.ndarray:
+    """Rows whose next stack is not their observation stack shifted by one frame (bytes)."""
+    nxt, obs = td["next", "observation"], td["observation"]
+    return (nxt[:, :-1] != obs[:, 1:]).flatten(1).any(1).numpy()
+
+
+def test_derived_next_tables_read_like_the_data_where_the_rule_fails_too(tmp_path, atari_pong, atari_mspacman,
+                                                                         monkeypatch):
+    """Real frame stacks over a truncation (Pong, step 500), game overs (MsPacman), a game switch,
+    a ring that wraps, out-of-order writes, staged small writes, and rows whose next stack is
+    another row's (the rule fails there: those rows, and only those, are exceptions)."""
+    monkeypatch.setenv("TIERED_CHECK_COMMITS", "1")
+    data = concat_rollouts([atari_pong[400:700], atari_mspacman[:300]]).clone()
+    odd = torch.tensor([10, 11, 250, 420, 599])
+    data["next", "observation"][odd] = data["next", "observation"][odd - 7]
+    cap, key = 256, ("next", "observation")
+    truth = data[:cap].clone()
+    written = np.zeros(cap, dtype=bool)
+    path = tmp_path / "s"
+    with TieredStore(cap, path, chunk_frames=8) as s:
+        for a in range(0, 600, 50):  # rows 0..87 are overwritten
+            s.extend(data[a:a + 50])
+            rows = torch.arange(a, a + 50) % cap
+            truth[rows] = data[a:a + 50]
+            written[rows.numpy()] = True
+        rows = torch.tensor([5, 200, 17, 3])  # out of order, through the batched path
+        s.set(rows, data[torch.tensor([420, 421, 10, 599])])
+        truth[rows] = data[torch.tensor([420, 421, 10, 599])]
+        for r, t in ((30, 250), (31, 0)):  # small writes: staged, then flushed by the next read
+            s.set(r, data[t])
+            truth[r] = data[t]
+        s.flush()
+        got = s.get(torch.arange(cap))
+        _assert_same(got, truth)
+        table = parts(s).layout.tables[key]
+        assert table.derived
+        bad = np.flatnonzero(_stacks_mismatch(truth) & written)
+        assert bad.size >= 5 and table.exc_rows.tolist() == bad.tolist()
+        stats = s.stats()["memory"]["row_tables"]
+        assert stats == cap * 5 * 6 + bad.size * (8 + 3 * 6)
+        # error messages name the next field for a blob only its last frames use
+        b = int(table.ids(np.array([100]))[0, -1])
+        assert "next/observation" in parts(s).layout.rows_using(np.array([b]))[0]
+    assert verify_store(path, progress=False).ok
+    with tiered.open(path) as s:
+        _assert_same(s.get(torch.arange(cap)), truth)
+        assert parts(s).layout.tables[key].exc_rows.tolist() == bad.tolist()
+    with tiered.open(path, mode="r+") as s:
+        s.clear()
+        assert parts(s).layout.tables[key].exc_rows.size == 0
+        s.extend(data[:20])
+        _assert_same(s.get(torch.arange(20)), data[:20])
+
+
+def test_a_derived_table_keeps_many_exceptions_exactly_and_says_when_it_is_crowded(atari_pong):
+    base = RowTable(10_000, 4)
+    base.put(np.arange(10_000), np.arange(40_000).reshape(10_000, 4), np.zeros((10_000, 4)))
+    table = DerivedRowTable(base)
+    ids = np.arange(40_000).reshape(10_000, 4) + 1  # frame j of next = frame j + 1 of base: no exception
+    table.put(np.arange(10_000), ids, np.zeros((10_000, 4)))
+    assert table.exc_rows.size == 0 and np.array_equal(table.full()[0], ids) and not table.crowded
+    ids[::2, 0] = 7  # every other row breaks the rule
+    table.put(np.arange(10_000), ids, np.zeros((10_000, 4)))
+    assert table.exc_rows.tolist() == list(range(0, 10_000, 2)) and table.crowded
+    assert np.array_equal(table.full()[0], ids)
+    table.unset(np.arange(0, 10_000, 4))
+    assert table.exc_rows.tolist() == list(range(2, 10_000, 4))
+    # in a store: next stacks that are not the shifted observation (reversed stacks)
+    data = atari_pong[:300].clone()
+    data["next", "observation"] = data["observation"].flip(1)
+    with TieredStore(300, chunk_frames=8) as s:
+        s.extend(data)
+        t = parts(s).layout.tables[("next", "observation")]
+        assert t.derived and t.exc_rows.tolist() == np.flatnonzero(_stacks_mismatch(data)).tolist()
+        _assert_same(s.get(torch.arange(300)), data)
+
+
+def test_a_layout_turns_a_crowded_derived_table_explicit_and_keeps_its_entries():
+    td = TensorDict({"observation": torch.zeros(2, 4, 8, 8, dtype=torch.uint8),
+                     ("next", "observation"): torch.zeros(2, 4, 8, 8, dtype=torch.uint8)}, [2])
+    cap, key = 10_000, ("next", "observation")
+    layout = FieldLayout(Schema.infer(td, blob_min_bytes=1, frames={"observation": 0}), cap, chunk_frames=4,
+                         dedup=True)
+    assert layout.derived_from == {key: ("observation",)} and layout.tables[key].derived
+    rows = np.arange(cap)
+    rng = np.random.default_rng(0)
+    blob, slot = rng.integers(0, 1000, (cap, 8)), rng.integers(0, 4, (cap, 8))
+    blob[:, 4:7], slot[:, 4:7] = blob[:, 1:4], slot[:, 1:4]  # every row follows the rule
+    layout.put_family(0, rows, blob, slot, np.zeros(cap, dtype=bool))
+    assert layout.tables[key].derived and layout.tables[key].exc_rows.size == 0
+    assert np.array_equal(layout.ids(rows), blob)
+    blob2 = blob.copy()
+    blob2[::2, 4] += 1  # half the rows break it: 5,000 exceptions, more than max(4096, cap / 256)
+    old = layout.put_family(0, rows, blob2, slot, np.ones(cap, dtype=bool))
+    assert [o.tolist() for o in old] == [blob[:, :4].tolist(), blob[:, 4:].tolist()]
+    assert not layout.tables[key].derived
+    assert np.array_equal(layout.ids(rows), blob2)
+    blobs, slots = layout.blob_refs(list(layout.schema.values()), rows[::7])
+    assert np.array_equal(blobs, blob2[::7]) and np.array_equal(slots, slot[::7])
+
+
+def test_a_damaged_exception_list_is_refused_naming_its_file(tmp_path, atari_pong):
+    data = atari_pong[:100].clone()
+    data["next", "observation"][[5, 50]] = data["next", "observation"][[70, 90]]
+    path = tmp_path / "s"
+    with TieredStore(100, path, chunk_frames=8) as s:
+        s.extend(data)
+        assert parts(s).layout.tables[("next", "observation")].exc_rows.tolist() == [5, 50]
+    doc = json.loads((path / "manifest.json").read_text())
+    body = doc["body"]
+    (i,) = body["derived_tables"]
+    name = f"next.{i}.rows"
+    f = path / "arrays" / f"{name}.{body['copy'][name]}.npy"
+    raw = f.read_bytes()
+    f.write_bytes(raw[:-16] + raw[-8:] + raw[-16:-8])  # [50, 5]: not sorted
+    body.pop("checksums")  # as a store without page checksums: the content check must catch it
+    doc["sha256"] = hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    (path / "manifest.json").write_text(json.dumps(doc))
+    with pytest.raises(CorruptionError, match=re.escape(f.name)):
+        tiered.open(path)
+    assert not verify_store(path, progress=False).ok
