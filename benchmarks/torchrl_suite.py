@@ -49,7 +49,7 @@ _ENV_LOG = "TIERED_SUITE_LOG"
 
 # Causes, first match wins: (name, pattern searched in "test id + failure message").
 CAUSES: list[tuple[str, str]] = [
-    ("not supported: several writer processes", r"share|shared_init|SharedStorageInit|multiproc|mp_|processes"),
+    ("not supported: several writer processes", r"share|shared_init|SharedStorageInit|(?i:multiproc)|(?<![a-z])mp_|processes"),
     ("LazyMemmapStorage API (scratch_dir, existsok, cleanup)", r"scratch_dir|existsok|cleanup|memmap_(?:path|dir)"),
     ("ndim>1 storages", r"ndim|\[.*-2-|dim_extend|env_per_collector|parallel_env"),
     ("compilable=True", r"compil"),
