@@ -78,6 +78,7 @@ def classify(test_id: str, message: str) -> str:
 # The pytest plugin half (imported by pytest with -p torchrl_suite)
 # ----------------------------------------------------------------------------------------
 _built = False
+_NAMES = {"lazy_tensor": "LazyTensorStorage", "lazy_memmap": "LazyMemmapStorage"}
 
 
 def _substitute(target: str) -> None:
@@ -87,7 +88,7 @@ def _substitute(target: str) -> None:
 
     from tiered.torchrl import TieredStorage
 
-    name = {"lazy_tensor": "LazyTensorStorage", "lazy_memmap": "LazyMemmapStorage"}[target]
+    name = _NAMES[target]
 
     def init(self, max_size=None, *, device="cpu", ndim=1, compilable=False, scratch_dir=None,
              existsok=False, shared_init=False, auto_cleanup=None, consolidated=False,
@@ -106,6 +107,19 @@ def _substitute(target: str) -> None:
     globals()[name] = sub  # picklable by name (spawned workers import this plugin module)
     for mod in (torchrl.data, torchrl.data.replay_buffers, storages_mod):
         setattr(mod, name, sub)
+
+
+def __getattr__(name: str):
+    """The substitute class, made on first use in a process that did not configure pytest.
+
+    A child process that unpickles a substitute (spawned writers) imports this module afresh and
+    looks the class up here by name.
+    """
+    target = os.environ.get(_ENV_TARGET, "none")
+    if target != "none" and name == _NAMES[target]:
+        _substitute(target)
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def pytest_configure(config) -> None:  # pragma: no cover - runs inside the suite's pytest
