@@ -19,6 +19,7 @@ Usage::
     python benchmarks/torchrl_suite.py /path/to/rl --targets lazy_tensor --files test_storages.py
     python benchmarks/torchrl_suite.py /path/to/rl --report-only            # re-read the last logs
     python benchmarks/torchrl_suite.py /path/to/rl --rerun-failed           # rerun the last failures only
+    python benchmarks/torchrl_suite.py /path/to/rl --only-missing           # finish a stopped run
 
 Logs go to ``benchmarks/out/torchrl_suite/<target>.jsonl``.
 
@@ -48,7 +49,7 @@ _ENV_LOG = "TIERED_SUITE_LOG"
 
 # Causes, first match wins: (name, pattern searched in "test id + failure message").
 CAUSES: list[tuple[str, str]] = [
-    ("not supported: several writer processes", r"share|shared_init|SharedStorageInit|multiproc|mp_|processes"),
+    ("not supported: several writer processes", r"share|shared_init|SharedStorageInit|(?i:multiproc)|(?<![a-z])mp_|processes"),
     ("LazyMemmapStorage API (scratch_dir, existsok, cleanup)", r"scratch_dir|existsok|cleanup|memmap_(?:path|dir)"),
     ("ndim>1 storages", r"ndim|\[.*-2-|dim_extend|env_per_collector|parallel_env"),
     ("compilable=True", r"compil"),
@@ -77,6 +78,7 @@ def classify(test_id: str, message: str) -> str:
 # The pytest plugin half (imported by pytest with -p torchrl_suite)
 # ----------------------------------------------------------------------------------------
 _built = False
+_NAMES = {"lazy_tensor": "LazyTensorStorage", "lazy_memmap": "LazyMemmapStorage"}
 
 
 def _substitute(target: str) -> None:
@@ -86,7 +88,7 @@ def _substitute(target: str) -> None:
 
     from tiered.torchrl import TieredStorage
 
-    name = {"lazy_tensor": "LazyTensorStorage", "lazy_memmap": "LazyMemmapStorage"}[target]
+    name = _NAMES[target]
 
     def init(self, max_size=None, *, device="cpu", ndim=1, compilable=False, scratch_dir=None,
              existsok=False, shared_init=False, auto_cleanup=None, consolidated=False,
@@ -105,6 +107,19 @@ def _substitute(target: str) -> None:
     globals()[name] = sub  # picklable by name (spawned workers import this plugin module)
     for mod in (torchrl.data, torchrl.data.replay_buffers, storages_mod):
         setattr(mod, name, sub)
+
+
+def __getattr__(name: str):
+    """The substitute class, made on first use in a process that did not configure pytest.
+
+    A child process that unpickles a substitute (spawned writers) imports this module afresh and
+    looks the class up here by name.
+    """
+    target = os.environ.get(_ENV_TARGET, "none")
+    if target != "none" and name == _NAMES[target]:
+        _substitute(target)
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def pytest_configure(config) -> None:  # pragma: no cover - runs inside the suite's pytest
@@ -136,16 +151,29 @@ def pytest_runtest_logreport(report) -> None:  # pragma: no cover
 # ----------------------------------------------------------------------------------------
 # The script half
 # ----------------------------------------------------------------------------------------
-def _run(checkout: Path, target: str, files: list[str], extra: list[str], timeout: int,
-         ids: list[str] | None = None) -> float:
-    OUT.mkdir(parents=True, exist_ok=True)
-    log = OUT / (f"{target}.rerun.jsonl" if ids is not None else f"{target}.jsonl")
-    log.unlink(missing_ok=True)
+def _env(target: str, log: Path | None) -> dict[str, str]:
     env = dict(os.environ)
     env[_ENV_TARGET] = target
-    env[_ENV_LOG] = str(log)
+    env.pop(_ENV_LOG, None)
+    if log is not None:
+        env[_ENV_LOG] = str(log)
     env["PYTHONPATH"] = os.pathsep.join([str(HERE), str(HERE.parent), env.get("PYTHONPATH", "")])
-    paths = [str(checkout / "test" / "rb" / f) for f in files] if files else [str(checkout / "test" / "rb")]
+    return env
+
+
+def _paths(checkout: Path, files: list[str]) -> list[str]:
+    return [str(checkout / "test" / "rb" / f) for f in files] if files else [str(checkout / "test" / "rb")]
+
+
+def _run(checkout: Path, target: str, files: list[str], extra: list[str], timeout: int,
+         ids: list[str] | None = None, kind: str = "rerun") -> float:
+    """Run the suite (or only ``ids``, logged to ``<target>.<kind>.jsonl``) for one target."""
+    OUT.mkdir(parents=True, exist_ok=True)
+    log = OUT / (f"{target}.{kind}.jsonl" if ids is not None else f"{target}.jsonl")
+    if kind != "missing":  # a missing-tests log grows: a stopped --only-missing run is resumed
+        log.unlink(missing_ok=True)
+    env = _env(target, log)
+    paths = _paths(checkout, files)
     if ids is not None:
         paths = ids
     cmd = [sys.executable, "-m", "pytest", *paths, "-q", "-p", "torchrl_suite", "-p", "no:cacheprovider",
@@ -156,10 +184,26 @@ def _run(checkout: Path, target: str, files: list[str], extra: list[str], timeou
     return time.perf_counter() - start
 
 
+def _missing_ids(checkout: Path, target: str, files: list[str], extra: list[str]) -> list[str]:
+    """The test ids pytest collects (with ``target`` substituted) that no log of ``target`` holds."""
+    cmd = [sys.executable, "-m", "pytest", *_paths(checkout, files), "-q", "--collect-only",
+           "-p", "torchrl_suite", "-p", "no:cacheprovider", *extra]
+    res = subprocess.run(cmd, cwd=checkout, env=_env(target, None), capture_output=True, text=True)
+    collected = [line.strip() for line in res.stdout.splitlines() if "::" in line]
+    if not collected:
+        raise SystemExit(f"[{target}] pytest collected no tests (exit {res.returncode}):\n{res.stdout[-2000:]}")
+    done = _load(target)
+    return [i for i in collected if i not in done]
+
+
 def _load(target: str) -> dict[str, dict]:
-    """A run's outcomes per test id; a later rerun of some of them (``--rerun-failed``) wins."""
+    """A run's outcomes per test id.
+
+    The tests that ``--only-missing`` ran complete it, and a later rerun of some of them
+    (``--rerun-failed``) wins.
+    """
     out = {}
-    for log in (OUT / f"{target}.jsonl", OUT / f"{target}.rerun.jsonl"):
+    for log in (OUT / f"{target}.jsonl", OUT / f"{target}.missing.jsonl", OUT / f"{target}.rerun.jsonl"):
         if log.exists():
             for line in log.read_text().splitlines():
                 rec = json.loads(line)
@@ -212,13 +256,25 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rerun-failed", action="store_true",
                    help="rerun only the failures of each target's last run (logged to <target>.rerun.jsonl, "
                    "whose outcomes then replace them in the report)")
+    p.add_argument("--only-missing", action="store_true",
+                   help="run only the tests that no log of a target (or of the baseline, with --baseline-only) "
+                   "holds, e.g. those a stopped run did not reach (logged to <target>.missing.jsonl, which "
+                   "then completes its run in the report)")
     p.add_argument("--timeout", type=int, default=120, help="per-test timeout in seconds")
     p.add_argument("-k", default=None, help="pytest -k expression")
     args = p.parse_args(argv)
     if not (args.checkout / "test" / "rb").is_dir():
         p.error(f"{args.checkout} has no test/rb/: pass the root of a pytorch/rl checkout")
     extra = ["-k", args.k] if args.k else []
-    if args.rerun_failed:
+    if args.only_missing:
+        runs = ["none"] if args.baseline_only else ([] if args.no_baseline else ["none"]) + list(args.targets)
+        for target in runs:
+            ids = _missing_ids(args.checkout, target, args.files, extra)
+            print(f"[{target}] {len(ids)} tests not in its logs", flush=True)
+            if ids:
+                secs = _run(args.checkout, target, [], extra, args.timeout, ids=ids, kind="missing")
+                print(f"[{target}] ran {len(ids)} missing tests: {secs:.0f} s", flush=True)
+    elif args.rerun_failed:
         for target in args.targets:
             (OUT / f"{target}.rerun.jsonl").unlink(missing_ok=True)
             ids = _failed_ids(target)
