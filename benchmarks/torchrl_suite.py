@@ -107,6 +107,16 @@ def _substitute(target: str) -> None:
         setattr(mod, name, sub)
 
 
+def __getattr__(name: str):
+    """The substitute class in a spawned worker (TorchRL sets the ``spawn`` start method): pickle
+    finds it by name here, before any ``pytest_configure`` ran in that process."""
+    target = os.environ.get(_ENV_TARGET, "none")
+    if target != "none" and name == {"lazy_tensor": "LazyTensorStorage", "lazy_memmap": "LazyMemmapStorage"}[target]:
+        _substitute(target)
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def pytest_configure(config) -> None:  # pragma: no cover - runs inside the suite's pytest
     target = os.environ.get(_ENV_TARGET, "none")
     if target != "none":

@@ -8,6 +8,7 @@ real files in ``tmp_path``; the crash case kills a child with the package's faul
 from __future__ import annotations
 
 import multiprocessing as mp
+import pickle
 import signal
 
 import numpy as np
@@ -197,3 +198,13 @@ def test_spawned_writer(tmp_path):
     proc.join(timeout=60)
     assert proc.exitcode == 0 and index.tolist() == [5, 6, 7, 8, 9]
     assert len(rb) == 10 and rb[:]["x"].tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 10.0, 11.0, 12.0, 13.0, 14.0]
+
+
+def test_in_memory_storage_pickles_while_a_view_is_alive(pong):
+    """storage[:] hands out views of the dense columns; a copy must not try to take them along
+    (TorchRL's Sequence sample unit keeps one while the buffer goes to a spawned process)."""
+    storage = TieredStorage(50, **OPTS)
+    storage.set(range(20), pong[:20])
+    view = storage[:]
+    copy = pickle.loads(pickle.dumps(storage))
+    _same_rows(copy[:], view, "rows of the copy")

@@ -251,8 +251,8 @@ _TORCHRL_ONLY_KEYWORDS = {
     "to keep the store in memory",
     "cleanup_memmap": "a store at path= is kept: remove its directory when done, or leave path=None "
     "to keep the store in memory",
-    "shared_init": "other processes read the store by path (tiered.open(path, mode='r')) or by pickling "
-    "the storage",
+    "shared_init": "give the storage a path (TieredStorage(max_size, path=DIR)): it is then shared with the "
+    "processes it goes to, and any of them may write first",
     "consolidated": "rows are stored compressed per field; there is nothing to consolidate",
     "compression_fn": "choose the codec with codec= (e.g. codec='zstd:9' or 'lz4')",
     "decompression_fn": "choose the codec with codec= (e.g. codec='zstd:9' or 'lz4')",
