@@ -34,6 +34,7 @@ def _same_rows(got: TensorDict, want: TensorDict, what: str) -> None:
 
 
 def _child_extends(rb, data, queue) -> None:
+    torch.set_num_threads(1)  # as DataLoader workers do: an OpenMP pool does not survive a fork
     written = [rb.extend(data[: ROWS // 2]), rb.extend(data[ROWS // 2:])]
     queue.put(torch.cat(written).numpy())
 
@@ -82,6 +83,7 @@ def test_forked_writers_extend_one_buffer(pong, tmp_path):
 
 
 def _child_then_check(rb, queue_in, queue_out) -> None:
+    torch.set_num_threads(1)  # as DataLoader workers do: an OpenMP pool does not survive a fork
     rb.extend(TensorDict({"a": torch.ones(10), "b": torch.ones(10, 2)}, [10]))
     queue_out.put("extended")
     assert queue_in.get(timeout=30) == "extended"
@@ -109,6 +111,7 @@ def test_writes_go_both_ways_without_share_call(tmp_path):
 
 
 def _child_killed_mid_write(rb, data, kill_on: int) -> None:
+    torch.set_num_threads(1)  # as DataLoader workers do: an OpenMP pool does not survive a fork
     with fileio.inject_faults(kill_on=kill_on):
         rb.extend(data)
     raise SystemExit(7)  # not killed: kill_on was past this write's last file event
@@ -143,6 +146,7 @@ def test_writer_killed_mid_write_leaves_the_store_whole(pong, tmp_path, kill_on)
 
 
 def _child_writes(rb, queue) -> None:
+    torch.set_num_threads(1)  # as DataLoader workers do: an OpenMP pool does not survive a fork
     try:
         rb.extend(TensorDict({"x": torch.ones(2)}, [2]))
         queue.put("wrote")
