@@ -124,7 +124,8 @@ def open(path, mode: str = "r", **options) -> TieredStore:  # noqa: A001 - mirro
     Args:
         path: the store's directory.
         mode: ``"r"`` (read-only; any number of readers) or ``"r+"`` (one writer).
-        **options: runtime options (``warm_bytes``, ``hot_bytes``, ``device``, ``verify``, ...).
+        **options: ``shared=True`` with ``mode="r+"`` opens a store that several processes write
+            (:meth:`TieredStore.share`); the others are runtime options (``warm_bytes``, ``hot_bytes``, ``device``, ``verify``, ...).
     """
     from .store import TieredStore
 

@@ -43,6 +43,8 @@ import torch
 from tensordict import TensorDictBase
 
 from . import codecs
+from .engine.lock import SharedWriterLock
+from .engine.manifest import MANIFEST
 from .engine.parts import build_parts
 from .engine.persistence import StoreFiles, commit_parts, open_commit, read_fresh, restore_commit
 from .engine.priorities import checked_row_priorities
@@ -77,7 +79,204 @@ _RUNTIME_DEFAULTS: dict[str, Any] = dict(hot_bytes=None, warm_bytes=None, hot_de
 _OPEN_OPTIONS = frozenset(_RUNTIME_DEFAULTS)
 
 
-class TieredStore:
+class _SharedSection:
+    """The lock of a store that several processes write (:meth:`TieredStore.share`).
+
+    It stands in for the store's thread lock. The outermost ``with`` of a call takes the
+    store's :class:`~tiered.engine.lock.SharedWriterLock`, reloads the latest commit if another
+    process committed since this one last looked, and on the way out commits what the call
+    changed before the lock is given back. Nested ``with`` blocks (a method calling another)
+    only take the thread lock.
+    """
+
+    def __init__(self, store: _StoreSharing, lock: SharedWriterLock) -> None:
+        self.store = store
+        self.lock = lock
+        self.rlock = threading.RLock()
+        self.depth = 0
+
+    def __enter__(self) -> _SharedSection:
+        self.rlock.acquire()
+        if self.depth == 0:
+            try:
+                self.lock.acquire()
+                try:
+                    self.store._sync()
+                except BaseException:
+                    self.lock.release()
+                    raise
+            except BaseException:
+                self.rlock.release()
+                raise
+        self.depth += 1
+        return self
+
+    def __exit__(self, exc_type: Any, *exc: object) -> None:
+        try:
+            if self.depth == 1:
+                try:
+                    self.store._publish(failed=exc_type is not None)
+                finally:
+                    self.lock.release()
+        finally:
+            self.depth -= 1
+            self.rlock.release()
+
+
+def _manifest_stamp(path: str) -> tuple[int, int, int]:
+    """What changes when a commit lands (the manifest is replaced by a rename each time)."""
+    st = os.stat(os.path.join(path, MANIFEST))
+    return st.st_ino, st.st_mtime_ns, st.st_size
+
+
+class _StoreSharing:
+    """TieredStore's several-process writing (:meth:`share`) and pickling; a part of
+    :class:`TieredStore`, kept apart to keep each class short."""
+
+    _lock: Any
+    _files: StoreFiles | None
+    _changed: bool
+    _shared: bool
+    _closed: bool
+    _runtime: dict[str, Any]
+    _counters: dict[str, int]
+
+    def share(self) -> TieredStore:
+        """Let other processes write this store too, each through its own open of the path.
+
+        The store commits, gives up the writer lock it held since it was opened, and from then on
+        takes it for the span of each call instead (waiting while another process holds it). A
+        call first reloads the latest commit if another process committed since this one last
+        looked, and a call that changed the store commits before it returns. So every process
+        sees every other's writes, at the cost of a commit per writing call and a reload after
+        another process's commit. Open the store in the other processes with
+        ``tiered.open(path, mode="r+", shared=True)``, or pickle it to them (a shared store
+        travels as "reopen shared"; a ``fork``ed child may use its copy directly). A process
+        killed during a call leaves the last commit intact: the others go on from it.
+
+        Returns:
+            This store.
+
+        Raises:
+            InvalidArgumentError: an in-memory store (there is no path to share).
+            ReadOnlyStoreError, StoreClosedError: as for writes.
+
+        Example:
+            >>> import tempfile, torch, tiered
+            >>> from tensordict import TensorDict
+            >>> d = tempfile.mkdtemp() + "/s"
+            >>> a = TieredStore(8, d).share()
+            >>> b = tiered.open(d, mode="r+", shared=True)   # another process would do the same
+            >>> _ = a.extend(TensorDict({"x": torch.arange(3.0)}, [3]))
+            >>> len(b), b.get(2)["x"].item()
+            (3, 2.0)
+            >>> _ = b.extend(TensorDict({"x": torch.ones(2)}, [2]))
+            >>> len(a), a.cursor
+            (5, 5)
+        """
+        with self._lock:
+            if self._shared:
+                return self  # type: ignore[return-value]
+            self._check_writable()
+            if self._files is None:
+                raise InvalidArgumentError(
+                    "an in-memory store cannot be shared with other processes: create it with a path "
+                    "(TieredStore(capacity, path)) and share() that")
+            self.flush()
+            self._files.release_lock()
+            self._become_shared(SharedWriterLock(self._files.path))
+        return self  # type: ignore[return-value]
+
+    @property
+    def shared(self) -> bool:
+        """Whether the store is written by several processes (:meth:`share`)."""
+        return self._shared
+
+    def _become_shared(self, lock: SharedWriterLock) -> None:
+        self._shared = True
+        self._stale_state = False
+        self._seen = _manifest_stamp(self._files.path)
+        self._lock = _SharedSection(self, lock)
+
+    def _fresh(self) -> None:
+        """Bring a shared store up to the latest commit (nothing for a store of one process)."""
+        if self._shared:
+            with self._lock:
+                pass
+
+    def _sync(self) -> None:
+        """(Shared, under the lock) reload the latest commit if another process made one."""
+        if self._closed:
+            return
+        if self._stale_state or _manifest_stamp(self._files.path) != self._seen:
+            self._reload()
+
+    def _reload(self) -> None:
+        section, counters = self._lock, dict(self._counters)
+        other = self._open(self._files.path, "r+", self._runtime, take_lock=False)
+        self._placement.close()
+        self.__dict__.update(other.__dict__)
+        self._counters.update(counters)
+        self._lock = section
+        self._shared, self._stale_state = True, False
+        self._seen = _manifest_stamp(self._files.path)
+
+    def _publish(self, *, failed: bool) -> None:
+        """(Shared, at the end of a call, under the lock) commit what the call changed; after a
+        call that failed, reload the last commit at the next call instead."""
+        if self._closed or not self._changed:
+            return
+        if failed:
+            self._stale_state = True
+            return
+        try:
+            self.flush()
+        except BaseException:
+            self._stale_state = True
+            raise
+        self._seen = _manifest_stamp(self._files.path)
+
+    @classmethod
+    def _open(cls, path: str, mode: str, options: dict[str, Any], *, take_lock: bool) -> TieredStore:
+        def build(body: dict[str, Any], lock: Any) -> TieredStore:
+            files = StoreFiles(path, body.get("backend", "memmap"))
+            runtime = {**_RUNTIME_DEFAULTS, "policy": body.get("policy", "lru"), **options}
+            self = cls.__new__(cls)
+            self._build(int(body["capacity"]), body["codec"], WriteOptions.from_json(body["options"]),
+                        files.blob_index(body), runtime)
+            self._files, self._backend = files, files.backend
+            restore_commit(files, body, mode, self._rows, self._write, self._placement)
+            files.writer_lock = lock
+            self._changed = False
+            return self
+
+        return open_commit(path, mode, build, take_lock=take_lock)
+
+    # Pickling: a store with a path travels as "reopen this path" (shared: for writing) ---------
+    def __getstate__(self) -> dict[str, Any]:
+        if self._files is not None:
+            if not self.read_only and not self._closed:
+                self.flush()
+            return {"__reopen__": self._files.path, "shared": self._shared,
+                    "options": {"verify": self._runtime["verify"]}}
+        # the lock and the read pipelines are rebuilt on unpickling (a GPU decoder stays behind)
+        return {k: v for k, v in self.__dict__.items() if k not in ("_lock", "_gpu", "_reader", "_cpu_reader")}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        if "__reopen__" in state:
+            shared = state.get("shared", False)
+            other = TieredStore.open(state["__reopen__"], mode="r+" if shared else "r", shared=shared,
+                                     **state["options"])
+            self.__dict__.update(other.__dict__)
+            if shared:
+                self._lock.store = self
+            return
+        self.__dict__.update(state)
+        self._lock = threading.RLock()
+        self._make_readers()
+
+
+class TieredStore(_StoreSharing):
     """A fixed-capacity ring of rows with compressed, tiered blob fields.
 
     Args:
@@ -152,6 +351,7 @@ class TieredStore:
         self._codec, self._device, self._rows, self._index, self._placement, self._write = build_parts(
             capacity, codec, options, index, **runtime)
         self._lock = threading.RLock()
+        self._shared = False  # share(): written by several processes
         self._closed = False
         #: whether anything changed since the last commit (a flush of an unchanged store writes nothing)
         self._changed = True
@@ -183,6 +383,7 @@ class TieredStore:
     @property
     def schema(self) -> Schema | None:
         """The schema, fixed by the first write (``None`` before it)."""
+        self._fresh()
         return self._write.schema
 
     @property
@@ -196,6 +397,7 @@ class TieredStore:
     @property
     def cursor(self) -> int:
         """Row index the next :meth:`extend` writes first."""
+        self._fresh()
         return self._rows.cursor
 
     @cursor.setter
@@ -251,6 +453,7 @@ class TieredStore:
             self._changed = True
 
     def __len__(self) -> int:
+        self._fresh()
         return self._rows.length
 
     def __repr__(self) -> str:
@@ -476,6 +679,8 @@ class TieredStore:
                 self._closed = True
                 if self._files is not None:
                     self._files.release_lock()
+                if self._shared:
+                    self._lock.lock.close()
 
     # -- The durable format (docs/format.md; tiered/engine/persistence.py) -------------------------
     def _commit(self) -> None:
@@ -484,48 +689,29 @@ class TieredStore:
             commit_parts(self._files, self._rows, self._write, self._placement, self._codec.name)
 
     @classmethod
-    def open(cls, path: str | os.PathLike, mode: str = "r", **options: Any) -> TieredStore:
+    def open(cls, path: str | os.PathLike, mode: str = "r", *, shared: bool = False, **options: Any) -> TieredStore:
         """Open an existing store (see :func:`tiered.open`).
 
         ``mode="r+"`` takes the store's writer lock (:class:`~tiered.errors.StoreLockedError` if
         another writer holds it); ``"r"`` takes none, so any number of readers can open it.
+        ``shared=True`` (with ``"r+"``) opens a store that several processes write: see :meth:`share`.
         A manifest or array that is damaged or inconsistent raises
         :class:`~tiered.errors.CorruptionError` naming the store, never a raw ``KeyError``.
         """
         _check_open_options(options)
         path = os.fspath(path)
-
-        def build(body: dict[str, Any], lock: Any) -> TieredStore:
-            files = StoreFiles(path, body.get("backend", "memmap"))
-            runtime = {**_RUNTIME_DEFAULTS, "policy": body.get("policy", "lru"), **options}
-            self = cls.__new__(cls)
-            self._build(int(body["capacity"]), body["codec"], WriteOptions.from_json(body["options"]),
-                        files.blob_index(body), runtime)
-            self._files, self._backend = files, files.backend
-            restore_commit(files, body, mode, self._rows, self._write, self._placement)
-            files.writer_lock = lock
-            self._changed = False
-            return self
-
-        return open_commit(path, mode, build)
-
-    # Pickling: a store with a path travels as "reopen this path read-only" -----------------
-    def __getstate__(self) -> dict[str, Any]:
-        if self._files is not None:
-            if not self.read_only and not self._closed:
-                self.flush()
-            return {"__reopen__": self.path, "options": {"verify": self._runtime["verify"]}}
-        # the lock and the read pipelines are rebuilt on unpickling (a GPU decoder stays behind)
-        return {k: v for k, v in self.__dict__.items() if k not in ("_lock", "_gpu", "_reader", "_cpu_reader")}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        if "__reopen__" in state:
-            other = TieredStore.open(state["__reopen__"], mode="r", **state["options"])
-            self.__dict__.update(other.__dict__)
-            return
-        self.__dict__.update(state)
-        self._lock = threading.RLock()
-        self._make_readers()
+        if not shared:
+            return cls._open(path, mode, options, take_lock=True)
+        if mode != "r+":
+            raise InvalidArgumentError(f"shared=True opens a store for writing: pass mode='r+', not {mode!r}")
+        lock = SharedWriterLock(path)
+        lock.acquire()
+        try:
+            store = cls._open(path, mode, options, take_lock=False)
+            store._become_shared(lock)
+        finally:
+            lock.release()
+        return store
 
 
 def _check_sizes(capacity: Any, chunk_frames: Any, stage_rows: Any) -> None:

@@ -47,13 +47,14 @@ import json
 import os
 import socket
 import sys
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from .. import fileio
 from ..errors import StoreLockedError, TieredError
 
-__all__ = ["LOCK_FILE", "WriterLock", "acquire_writer_lock", "release", "read_holder"]
+__all__ = ["LOCK_FILE", "WriterLock", "SharedWriterLock", "acquire_writer_lock", "release", "read_holder"]
 
 #: Name of the lock file inside a store directory.
 LOCK_FILE = "lock"
@@ -200,3 +201,80 @@ def release(handle: WriterLock | None) -> None:
         fcntl.flock(fd, fcntl.LOCK_UN)
     finally:
         fileio.close(fd)
+
+
+class SharedWriterLock:
+    """The writer lock of a store that several processes write (:meth:`TieredStore.share`).
+
+    Each process takes the same ``flock`` as :func:`acquire_writer_lock`, but only for the span
+    of one operation (:meth:`acquire` ... :meth:`release`), waiting for the other processes
+    instead of failing. Each process opens the lock file itself: a ``fork``ed child must not
+    use its parent's descriptor (a ``flock`` belongs to the open file description, which the
+    two would share, so neither would exclude the other). A process killed while holding the
+    lock loses it with its descriptors, as for the one-writer lock.
+
+    Args:
+        directory: the store directory.
+        timeout: seconds :meth:`acquire` waits before raising :class:`StoreLockedError` (a
+            one-writer open of the store holds the lock until it closes).
+
+    Example:
+        >>> import tempfile
+        >>> d = tempfile.mkdtemp()
+        >>> lock = SharedWriterLock(d)
+        >>> lock.acquire(); lock.held
+        True
+        >>> lock.release(); lock.held
+        False
+    """
+
+    def __init__(self, directory: str | os.PathLike[str], timeout: float = 600.0) -> None:
+        self.directory = os.path.abspath(os.fspath(directory))
+        self.timeout = timeout
+        self.fd = -1
+        self.pid = -1
+        self.held = False
+
+    def _descriptor(self) -> int:
+        if self.pid != os.getpid():  # first use, or a forked copy: open our own description
+            self.fd, self.pid, self.held = fileio.open_for_write(os.path.join(self.directory, LOCK_FILE)), os.getpid(), False
+        return self.fd
+
+    def acquire(self) -> None:
+        """Take the lock, waiting while another process holds it.
+
+        Raises:
+            StoreLockedError: it stayed held for ``timeout`` seconds (naming the holder).
+        """
+        fd = self._descriptor()
+        deadline = time.monotonic() + self.timeout
+        pause = 0.0005
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError as e:
+                if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                    raise
+            if time.monotonic() > deadline:
+                raise StoreLockedError(
+                    f"{self.directory} stayed locked for {self.timeout:.0f} s by "
+                    f"{_describe(read_holder(self.directory))}. A store written by several processes "
+                    "is locked for one operation at a time; a writer that opened it alone (mode='r+' "
+                    "without share()) holds the lock until it closes: close it, or share() it too")
+            time.sleep(pause)
+            pause = min(pause * 2, 0.02)
+        self.held = True
+
+    def release(self) -> None:
+        """Give the lock back (a no-op when not held)."""
+        if self.held and self.pid == os.getpid():
+            self.held = False
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+
+    def close(self) -> None:
+        """Release and close this process's descriptor."""
+        self.release()
+        if self.fd >= 0 and self.pid == os.getpid():
+            fileio.close(self.fd)
+        self.fd, self.pid = -1, -1

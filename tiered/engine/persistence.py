@@ -293,11 +293,12 @@ def read_fresh(files: StoreFiles | None, out: T) -> T:
     return out
 
 
-def open_commit(path: str, mode: str, build: Callable[[dict[str, Any], Any], T]) -> T:
+def open_commit(path: str, mode: str, build: Callable[[dict[str, Any], Any], T], *, take_lock: bool = True) -> T:
     """Open the last complete commit of ``path``: ``build(body, lock)`` makes the store from it.
 
     ``mode="r+"`` takes the writer lock first (``build`` hands it to the store's files once the
-    store is whole). A writer may commit twice between our read of the manifest and of its arrays
+    store is whole); with ``take_lock=False`` the caller holds it (a store shared by processes takes
+    it per operation, :class:`~tiered.engine.lock.SharedWriterLock`). A writer may commit twice between our read of the manifest and of its arrays
     (its old generation is then gone): the newer manifest is read and tried again; damage that
     persists is raised.
 
@@ -308,7 +309,7 @@ def open_commit(path: str, mode: str, build: Callable[[dict[str, Any], Any], T])
     if mode not in ("r", "r+"):
         raise ValueError(f"mode must be 'r' or 'r+', got {mode!r}")
     read_manifest(path)  # "not a store" before touching the directory (no lock file)
-    lock = acquire_writer_lock(path) if mode == "r+" else None
+    lock = acquire_writer_lock(path) if mode == "r+" and take_lock else None
     try:
         body = read_manifest(path)  # under the lock: the last complete commit
         try:

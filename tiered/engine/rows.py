@@ -133,6 +133,11 @@ class RowSpace:
     def __len__(self) -> int:
         return self.length
 
+    def __getstate__(self) -> dict:
+        # the views handed out stay with this process (weak references do not pickle): a copy's
+        # columns are its own, so no view of them exists yet
+        return {**self.__dict__, "views": []}
+
     # -- the ring ---------------------------------------------------------------------------
     def next_rows(self, n: int) -> np.ndarray:
         """The ``n`` positions an append writes, from the cursor, wrapping around."""

@@ -19,9 +19,11 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import shutil
+import weakref
 from functools import partial
 from multiprocessing.context import get_spawning_popen
 from typing import Any
@@ -41,7 +43,13 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 
 from ..engine.manifest import MANIFEST
 from ..engine.priorities import checked_row_priorities
-from ..errors import IndexOutOfRangeError, InvalidArgumentError, NotSharedError, SchemaMismatchError
+from ..errors import (
+    IndexOutOfRangeError,
+    InvalidArgumentError,
+    NotSharedError,
+    SchemaMismatchError,
+    TieredError,
+)
 from ..schema import Key
 from ..store import TieredStore, as_row_array
 from .checkpoint import TieredStorageCheckpointer, dumps_with, loads_with
@@ -81,6 +89,13 @@ class _RowReads:
     def _check_initialized(self) -> None:
         if not self.initialized:
             raise RuntimeError("Cannot get elements out of a non-initialized storage.")
+        if self._form is None:  # another process wrote first (a store shared by processes)
+            self._form = DataForm("tensor" if list(self._store.schema) == [(TENSOR_KEY,)] else "tensordict")
+
+    def _one_call(self) -> Any:
+        """A block whose store calls see one state: for a store written by several processes, the
+        store's lock (no other process commits in between); nothing otherwise."""
+        return self._store.locked() if self._store.shared else contextlib.nullcontext()
 
     def _read_rows(self, index: Any) -> tuple[np.ndarray, torch.Size]:
         """The stored rows an index reads (checked), and the shape of the result's batch."""
@@ -116,13 +131,14 @@ class _RowReads:
             The rows in the form they were written (a TensorDict, tensor, tensorclass or pytree) on
             ``device``.
         """
-        self._check_initialized()
-        if is_key(index):
-            return self._column(index)
-        if isinstance(index, slice):
-            return self._view(index)
-        rows, shape = self._read_rows(index)
-        td = self._store.get(int(rows[0]) if len(shape) == 0 else rows)
+        with self._one_call():
+            self._check_initialized()
+            if is_key(index):
+                return self._column(index)
+            if isinstance(index, slice):
+                return self._view(index)
+            rows, shape = self._read_rows(index)
+            td = self._store.get(int(rows[0]) if len(shape) == 0 else rows)
         if len(self._side):
             for k, v in self._side.read(rows).items():
                 td.set(k, v[0] if len(shape) == 0 else v.to(td.device))
@@ -138,8 +154,9 @@ class _RowReads:
         its blob columns (frames) only when one of them is used, in one batched call.
         """
         if isinstance(index, (slice, tuple)) and not is_key(index):
-            self._check_initialized()
-            return self._view(index)
+            with self._one_call():
+                self._check_initialized()
+                return self._view(index)
         return self.get(index)
 
     def _column(self, key: Any) -> torch.Tensor:
@@ -180,6 +197,27 @@ class _RowReads:
         view.bind(rows.reshape(shape) if len(shape) else rows, partial(self.write_fields, bump_revision=False))
         return form.from_rows(view)
 
+    def _fill_missing(self, rows: np.ndarray, cells: TensorDictBase, missing: list[Key], old_len: int,
+                      scalar: bool) -> TensorDictBase:
+        """``cells`` plus the stored values of the fields it leaves out (zeros for rows never written)."""
+        schema = self._store.schema
+        cells = cells.clone(recurse=False)
+        n = rows.size
+        values = {k: torch.zeros((n, *schema[k].shape), dtype=schema[k].dtype) for k in missing}
+        known = rows < old_len
+        if known.any():
+            try:
+                old = self._store.get(rows[known], keys=missing)
+            except IndexOutOfRangeError:
+                old = None  # rows below the length that were never written (write_at) read zeros
+            if old is not None:
+                mask = torch.from_numpy(known)
+                for k in missing:
+                    values[k][mask] = old.get(k).to(values[k].device)
+        for k, v in values.items():
+            cells.set(k, v[0] if scalar else v.to(self._store.device))
+        return cells
+
     # -- conditional updates (rb.update_if_present) ------------------------------------------------
     def _conditional_patch_leaf(self, key: Any) -> torch.Tensor:
         if not self.initialized:
@@ -213,8 +251,8 @@ _TORCHRL_ONLY_KEYWORDS = {
     "to keep the store in memory",
     "cleanup_memmap": "a store at path= is kept: remove its directory when done, or leave path=None "
     "to keep the store in memory",
-    "shared_init": "other processes read the store by path (tiered.open(path, mode='r')) or by pickling "
-    "the storage",
+    "shared_init": "give the storage a path (TieredStorage(max_size, path=DIR)): it is then shared with the "
+    "processes it goes to, and any of them may write first",
     "consolidated": "rows are stored compressed per field; there is nothing to consolidate",
     "compression_fn": "choose the codec with codec= (e.g. codec='zstd:9' or 'lz4')",
     "decompression_fn": "choose the codec with codec= (e.g. codec='zstd:9' or 'lz4')",
@@ -237,7 +275,70 @@ def _check_storage_keywords(store_options: dict[str, Any]) -> None:
             f"({', '.join(p for p in inspect.signature(TieredStore).parameters if p not in ('capacity', 'path', 'device'))})")
 
 
-class TieredStorage(_RowReads, TensorStorage):
+# Storages with a path whose store goes shared when the process forks (see _ProcessSharing)
+_AUTO_SHARED: weakref.WeakSet = weakref.WeakSet()
+
+
+def _share_before_fork() -> None:
+    """Before a ``fork``: share the path stores of this process's storages (``shared=None``), so
+    that the child's writes reach the parent and the parent's reach the child."""
+    pid = os.getpid()
+    for storage in list(_AUTO_SHARED):
+        storage.share_with_children(pid)
+
+
+os.register_at_fork(before=_share_before_fork)
+
+
+class _ProcessSharing:
+    """TieredStorage across processes: sharing a path store with the processes the storage goes
+    to, refusing writes to copies, pickling. A part of :class:`TieredStorage`."""
+
+    _store: TieredStore
+    _snapshot: bool
+    _owner_pid: int
+    _shared: bool | None
+
+    def _track_sharing(self, shared: bool | None) -> None:
+        store = self._store
+        self._shared = shared
+        self._snapshot = False  # a copy another process received (see __getstate__)
+        self._owner_pid = os.getpid()
+        if store.path is None or store.read_only or shared is False:
+            return
+        if shared:
+            store.share()
+        else:
+            _AUTO_SHARED.add(self)
+
+    def share_with_children(self, pid: int) -> None:
+        """Share the store (:meth:`TieredStore.share`) now, as a ``fork`` or pickling to a spawned
+        process does for a storage with a path (``shared=None``); nothing for other storages."""
+        if self._shared is False or self._owner_pid != pid or self._store.shared:
+            return
+        try:
+            self._store.share()
+        except TieredError:  # closed, read-only or in memory: nothing to share
+            pass
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Storage's version handles the shared counters; the store pickles itself (a store with a
+        # path is flushed and travels as "reopen", for writing once shared; no file handles).
+        state = Storage.__getstate__(self)
+        if get_spawning_popen() is not None:
+            if self._store.path is None:
+                state["_snapshot"] = True  # the receiving process gets a copy: refuse its writes
+            else:
+                self.share_with_children(os.getpid())
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        Storage.__setstate__(self, state)
+        if self._store.shared and self._shared is None:
+            _AUTO_SHARED.add(self)
+
+
+class TieredStorage(_RowReads, _ProcessSharing, TensorStorage):
     """A TorchRL storage whose rows live in a compressed, tiered :class:`~tiered.TieredStore`.
 
     It is a ``TensorStorage`` (so TorchRL picks the identity collate function, and SliceSampler's
@@ -265,6 +366,11 @@ class TieredStorage(_RowReads, TensorStorage):
             grid, indexed exactly as TorchRL's storage is.
         compilable: accepted for TorchRL's compiled buffers; it makes TorchRL keep its counters as
             plain numbers. Reads and writes still run eagerly (the decode is not traced).
+        shared: several writer processes. ``None`` (default): a storage with a ``path`` shares its
+            store (:meth:`TieredStore.share`) when it goes to another process (``fork``, or
+            pickled to a spawned one), so every process writes and reads the same rows. ``True``:
+            shared from the start. ``False``: never (the owner keeps its one-process speed; copies
+            in other processes cannot write). An in-memory storage is never shared.
         **store_options: passed to :class:`~tiered.TieredStore` unchanged (``frames``,
             ``chunk_frames``, ``codec``, ``warm_bytes``, ``hot_bytes``, ``dedup``, ...).
 
@@ -294,6 +400,7 @@ class TieredStorage(_RowReads, TensorStorage):
         checkpointer: StorageCheckpointerBase | None = None,
         ndim: int = 1,
         compilable: bool = False,
+        shared: bool | None = None,
         **store_options: Any,
     ):
         _check_storage_keywords(store_options)
@@ -319,7 +426,7 @@ class TieredStorage(_RowReads, TensorStorage):
             store = TieredStore(int(max_size), path, device=device, **store_options)
             # an ndim>1 storage learns its grid (and so its capacity) from the first write
             rebuild = {"path": path, "device": device, **store_options}
-        self._setup(store, checkpointer, ndim=ndim, compilable=compilable)
+        self._setup(store, checkpointer, ndim=ndim, compilable=compilable, shared=shared)
         self._rebuild = rebuild
 
     @classmethod
@@ -349,7 +456,7 @@ class TieredStorage(_RowReads, TensorStorage):
         return self
 
     def _setup(self, store: TieredStore, checkpointer: StorageCheckpointerBase | None, *, ndim: int = 1,
-               compilable: bool = False) -> None:
+               compilable: bool = False, shared: bool | None = None) -> None:
         self._store = store
         Storage.__init__(self, store.capacity, checkpointer=checkpointer, compilable=compilable)
         self.ndim = ndim
@@ -357,7 +464,7 @@ class TieredStorage(_RowReads, TensorStorage):
         self._last_cursor = None
         self.__dict__["_storage_keys"] = None
         self._side = SideColumns(store.capacity)
-        self._snapshot = False  # a copy another process received (see __getstate__)
+        self._track_sharing(shared)
         self._grid: torch.Tensor | None = None  # ndim>1: stored row of each grid cell
         self._form: DataForm | None = None
         if store.schema is not None:
@@ -522,12 +629,14 @@ class TieredStorage(_RowReads, TensorStorage):
     def _write(self, rows: np.ndarray, td: TensorDictBase, *, scalar: bool, set_cursor: bool, numel: int) -> None:
         """Write the rows of ``td`` (batch ``[n]``, or ``[]`` for one row): the store's fields to the
         store (fields left out keep their stored values), the others to the side columns."""
-        if self._snapshot:
+        store = self._store
+        if self._snapshot or (os.getpid() != self._owner_pid and not store.shared):
             raise NotSharedError(
                 "this TieredStorage is a copy that another process received: its writes would never reach "
-                "the original. Write from the process that owns the storage (e.g. collect in workers and "
-                "extend in the main process), or give it a path and open it read-only elsewhere")
-        store = self._store
+                "the original, which keeps its rows in its own memory. To write from several processes, "
+                "give the storage a directory (TieredStorage(max_size, path=DIR)): a storage with a path is "
+                "shared with the processes it is passed to (not with shared=False). Or write from the "
+                "process that owns the storage (e.g. collect in workers and extend in the main process)")
         with store.locked():  # readers never see the length between the write and TorchRL's rule
             old_len = len(store)
             new_len = min(old_len + numel, self.max_size) if set_cursor else old_len
@@ -550,27 +659,6 @@ class TieredStorage(_RowReads, TensorStorage):
                                             for k, v in side.items()})
             if set_cursor and rows.size:
                 store.cursor = int((rows[-1] + 1) % self.max_size)
-
-    def _fill_missing(self, rows: np.ndarray, cells: TensorDictBase, missing: list[Key], old_len: int,
-                      scalar: bool) -> TensorDictBase:
-        """``cells`` plus the stored values of the fields it leaves out (zeros for rows never written)."""
-        schema = self._store.schema
-        cells = cells.clone(recurse=False)
-        n = rows.size
-        values = {k: torch.zeros((n, *schema[k].shape), dtype=schema[k].dtype) for k in missing}
-        known = rows < old_len
-        if known.any():
-            try:
-                old = self._store.get(rows[known], keys=missing)
-            except IndexOutOfRangeError:
-                old = None  # rows below the length that were never written (write_at) read zeros
-            if old is not None:
-                mask = torch.from_numpy(known)
-                for k in missing:
-                    values[k][mask] = old.get(k).to(values[k].device)
-        for k, v in values.items():
-            cells.set(k, v[0] if scalar else v.to(self._store.device))
-        return cells
 
     def write_fields(self, rows: np.ndarray, values: dict[Key, torch.Tensor], *, bump_revision: bool = True) -> None:
         """Overwrite some fields of stored rows (``values[key]`` has one cell per row); the other
@@ -675,16 +763,6 @@ class TieredStorage(_RowReads, TensorStorage):
                     vars(sampler).get("update_priority"), _PriorityForwarder):
                 sampler.update_priority = _PriorityForwarder(sampler, self)
 
-    def __getstate__(self) -> dict[str, Any]:
-        # Storage's version handles the shared counters; the store pickles itself (a store with a
-        # path is flushed and travels as "reopen read-only"; file handles are not pickled).
-        state = Storage.__getstate__(self)
-        if get_spawning_popen() is not None and self._store.path is None:
-            state["_snapshot"] = True  # the receiving process gets a copy: refuse its writes
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        Storage.__setstate__(self, state)
 
 
 # ----------------------------------------------------------------------------------------
