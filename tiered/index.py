@@ -171,10 +171,14 @@ class RowTable:
     def __init__(self, capacity: int, frames_per_row: int):
         self.blob = np.full((capacity, frames_per_row), -1, dtype=np.int64)
         self.slot = np.zeros((capacity, frames_per_row), dtype=np.int32)
+        #: for tables memory-mapped from a store: checks the pages of rows before their first use
+        #: (``rows(rows)``, ``all()``); None for tables built in memory
+        self.guard: Any = None
 
     @classmethod
     def from_arrays(cls, blob: np.ndarray, slot: np.ndarray) -> RowTable:
         table = cls.__new__(cls)
         table.blob = blob
         table.slot = slot
+        table.guard = None
         return table

@@ -63,8 +63,21 @@ class FieldLayout:
                 groups.setdefault(self.family_of[f.key], []).append(f)
         return groups
 
+    def check_rows(self, rows: np.ndarray | None, fields: list[Field] | None = None) -> None:
+        """Check the row table pages holding ``rows`` (None: every row) of ``fields`` (None: every
+        blob field) before their first use, for tables memory-mapped from a store.
+
+        Raises:
+            ChecksumError, CorruptionError: a damaged page, or rows naming impossible blobs.
+        """
+        tables = self.tables.values() if fields is None else [self.tables[f.key] for f in fields]
+        for t in tables:  # a loop over fields
+            if t.guard is not None:
+                t.guard.all() if rows is None else t.guard.rows(rows)
+
     def blob_refs(self, fields: list[Field], rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``[len(rows), frames]`` blob ids and slots of ``rows`` over ``fields`` (one gather each)."""
+        self.check_rows(rows, fields)
         blobs = np.concatenate([self.tables[f.key].blob[rows] for f in fields], axis=1)
         slots = np.concatenate([self.tables[f.key].slot[rows] for f in fields], axis=1)
         return blobs, slots
@@ -73,6 +86,7 @@ class FieldLayout:
         """Per blob id, the fields and first rows that reference it (for error messages)."""
 
         out = []
+        self.check_rows(None)
         for b in blob_ids[:limit]:
             refs = []
             for key, table in self.tables.items():
@@ -86,6 +100,7 @@ class FieldLayout:
         """``(blob ids, priorities)``: each row's priority repeated over every blob it references."""
         if not self.tables:
             return np.empty(0, np.int64), np.empty(0, np.float64)
+        self.check_rows(rows)
         blobs = [t.blob[rows] for t in self.tables.values()]
         ids = np.concatenate([b.reshape(-1) for b in blobs])
         per_blob = np.concatenate([np.repeat(priority, b.shape[1]) for b in blobs])
@@ -96,5 +111,6 @@ class FieldLayout:
         """Every blob id the written rows reference, once per reference (for reference counts)."""
         if not self.tables:
             return np.empty(0, np.int64)
+        self.check_rows(None)
         refs = np.concatenate([t.blob[written].reshape(-1) for t in self.tables.values()])
         return refs[refs >= 0]

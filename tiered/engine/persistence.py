@@ -25,6 +25,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -40,6 +41,7 @@ from ..tiers import HDF5Tier, MemmapTier, Tier
 from ..util.dirty import blocks_of_ranges, ranges_of, union
 from ..util.units import align
 from .layout import FieldLayout
+from .lazy import PageChecks, RowCheck, map_checked
 from .lock import acquire_writer_lock, release
 from .manifest import (
     FORMAT_VERSION,
@@ -59,7 +61,8 @@ from .write import WritePath
 T = TypeVar("T")
 
 __all__ = ["StoreFiles", "BACKENDS", "CHECKSUMS", "array_path", "read_fresh", "open_commit", "restore_commit", "commit_parts",
-           "snapshot_arrays", "check_consistency", "check_bounds", "check_references", "page_checksums_of"]
+           "snapshot_arrays", "check_consistency", "check_bounds", "check_references", "check_table_rows", "unpin",
+           "page_checksums_of"]
 
 #: Manifest entry holding the page checksums of the generation's arrays (absent: an older store).
 CHECKSUMS = "checksums"
@@ -97,6 +100,8 @@ class StoreFiles:
         self.changes: list[tuple[int, np.ndarray, np.ndarray]] = []
         #: bytes of array pages the last commit wrote
         self.last_commit_bytes = 0
+        #: per array opened lazily: its page checks and the address of its first element
+        self.lazy: dict[str, tuple[PageChecks, int]] = {}
 
     # -- creating and opening -----------------------------------------------------------------
     def create(self) -> Tier:
@@ -120,7 +125,8 @@ class StoreFiles:
         return cls(directory) if state is None else cls.open(directory, state, mode)
 
     def arrays(self, body: dict[str, Any]) -> ArrayLoader:
-        """A loader of the arrays the commit ``body`` lists (memory-mapped, sizes checked)."""
+        """A loader of the arrays the commit ``body`` lists (memory-mapped, sizes checked, every
+        page's checksum checked before the loader returns)."""
         files = body["files"]
         sums = page_checksums_of(body)
 
@@ -130,6 +136,17 @@ class StoreFiles:
             return load_npy(array_path(self.path, body, name), files[name], pages=sums.get(name))
 
         return load
+
+    def lazy_array(self, body: dict[str, Any], name: str) -> tuple[np.ndarray, PageChecks]:
+        """A per-row array of the commit ``body``, memory-mapped, whose pages are checked on first
+        use (:mod:`tiered.engine.lazy`); a commit checks the pages it copies that no use checked."""
+        files = body["files"]
+        if name not in files:
+            raise CorruptionError(f"{self.path}: the manifest lists no {name!r} array; the store is damaged")
+        arr, pages = map_checked(array_path(self.path, body, name), files[name], page_checksums_of(body).get(name),
+                                 stale=self.check_fresh)
+        self.lazy[name] = (pages, arr.__array_interface__["data"][0])
+        return arr, pages
 
     def adopt_copies(self, body: dict[str, Any], mode: str) -> None:
         """Learn which copy of each array the commit ``body`` published and what the other copies
@@ -217,12 +234,14 @@ class StoreFiles:
                 kind = kind_of(name)
                 if base is not None and kind != "whole" and all(x in known for x in range(base.generation + 1, g + 1)):
                     blocks = union([known[x][1 if kind == "rows" else 2] for x in range(base.generation + 1, g + 1)])
-                written[name] = write_copy(copy_path(self.path, name, t), arr, blocks, base, g)
+                before = self.unchecked_pages(name, arr)
+                written[name] = write_copy(copy_path(self.path, name, t), arr, blocks, base, g, before)
                 if blocks is None and kind != "whole" and arr.nbytes >= _SEED_BYTES:
                     # copies never written yet start as this one: the next commits are incremental
                     for c in range(NCOPIES):  # three at most
                         if c not in (t, self.current.get(name)) and not os.path.exists(copy_path(self.path, name, c)):
-                            seeded.setdefault(name, {})[c] = write_copy(copy_path(self.path, name, c), arr, None, None, g)
+                            seeded.setdefault(name, {})[c] = write_copy(copy_path(self.path, name, c), arr, None, None,
+                                                                        g, before)
             fileio.fsync_dir(adir)
             sums = {name: a.crcs for name, a in written.items()}
             for name, extra in seeded.items():
@@ -264,6 +283,16 @@ class StoreFiles:
         # Space freed by overwritten rows before the previous commit is reusable only now: a
         # read-only open of the commit before that one may read it until this commit lands.
         cold.release_deferred(hold_last=True)
+
+    def unchecked_pages(self, name: str, arr: np.ndarray) -> Callable[[int, int], None] | None:
+        """What checks the pages of ``arr`` a commit copies (array bytes ``[lo, hi)``), when it is
+        the memory map of an array opened lazily: a page no use checked is checked before its
+        bytes go into a new copy with a new checksum."""
+        entry = self.lazy.get(name)
+        if entry is None or entry[1] != arr.__array_interface__["data"][0]:
+            return None
+        pages = entry[0]
+        return lambda lo, hi: pages.check_bytes(pages.offset + lo, pages.offset + hi)
 
     def newer_generation(self) -> tuple[int, int] | None:
         """For a read-only store: ``(opened, newer)`` when a writer has committed at least twice
@@ -352,18 +381,32 @@ def restore_commit(files: StoreFiles, body: dict[str, Any], mode: str, rows: Row
     dead = np.empty(0, np.int64)
     if body["schema"] is not None:
         layout = write.adopt_schema(Schema.from_json(body["schema"]))
+        # the per-row arrays are memory-mapped and checked on first use: a page's checksum, then
+        # the references of its rows, before any of their bytes is used (docs/durability.md)
         for i, f in enumerate(layout.schema.values()):
             if f.kind == "dense":
-                rows.load_dense(f, load(f"dense.{i}"))
+                col, pages = files.lazy_array(body, f"dense.{i}")
+                rows.load_dense(f, col, RowCheck([pages], rows.capacity))
             else:
-                layout.tables[f.key] = RowTable.from_arrays(load(f"rows.{i}.blob"), load(f"rows.{i}.slot"))
-        # before the tables are used as indices (a flipped id must not size a bincount)
-        problems = check_references(rows, layout, index)
+                blob, blob_pages = files.lazy_array(body, f"rows.{i}.blob")
+                slot, slot_pages = files.lazy_array(body, f"rows.{i}.slot")
+                table = RowTable.from_arrays(blob, slot)
+                table.guard = RowCheck([blob_pages, slot_pages], rows.capacity,
+                                       functools.partial(check_table_rows, files.path, f.key, rows, layout, index))
+                layout.tables[f.key] = table
+        if "pins" in body["files"]:  # saved counts, less the pins of the writer's tail (gone now)
+            problems = check_index(index, [(f.frame_nbytes, f.chunk_frames) for f in layout.families])
+            problems += unpin(index, np.asarray(load("pins")))
+        else:  # a commit that saved no pins: recount every reference
+            layout.check_rows(None)
+            # before the tables are used as indices (a flipped id must not size a bincount)
+            problems = check_references(rows, layout, index)
+            if not problems:
+                refs = layout.referenced(rows.written)
+                index.refcount[: index.size] = np.bincount(refs, minlength=index.size)[: index.size].astype(np.int32)
         if problems:
             raise CorruptionError(f"{files.path}: the store is damaged: " + "; ".join(problems[:5])
                                   + f". Run `tiered verify {files.path}` for details.")
-        refs = layout.referenced(rows.written)
-        index.refcount[: index.size] = np.bincount(refs, minlength=index.size)[: index.size].astype(np.int32)
         load_policy(placement.policy, body, load, live)
         dead = live[index.refcount[live] == 0]
     placement.tiers[COLD] = files.cold_tier(files.cold_state(body, load), mode)
@@ -422,6 +465,9 @@ def snapshot_arrays(rows: RowSpace, layout: FieldLayout | None, index: BlobIndex
             else:
                 arrays[f"rows.{i}.blob"] = layout.tables[f.key].blob
                 arrays[f"rows.{i}.slot"] = layout.tables[f.key].slot
+        # the blobs the writer's tails pin, once per pin: the saved reference counts include
+        # them, an open takes them off (no row table is read to recount)
+        arrays["pins"] = np.concatenate([np.empty(0, np.int64), *(f.tail_blob for f in layout.families)])
     return arrays
 
 
@@ -450,6 +496,53 @@ def load_priorities(placement: Placement, body: dict[str, Any], load: ArrayLoade
         placement.tell_policy(*priorities.recount_all(write.layout, None))
 
 
+def unpin(index: BlobIndex, pins: np.ndarray) -> list[str]:
+    """Take the writer's tail pins (blob ids, once per pin) off the saved reference counts.
+
+    Returns:
+        The problems found, in words (empty: the counts are now the row tables' references).
+    """
+    n = index.size
+    if pins.ndim != 1 or pins.dtype.kind not in "iu" or (pins.size and (int(pins.min()) < 0 or int(pins.max()) >= n)):
+        return [f"the tail pins hold {pins.dtype}{list(pins.shape)} values outside the blob ids [0, {n})"]
+    counts = index.refcount[:n] - np.bincount(pins.astype(np.int64), minlength=n)[:n].astype(np.int32)
+    stored = index.state[:n] == STORED
+    if (counts < 0).any() or (counts[~stored] != 0).any():
+        return ["reference counts of the blob index are negative or name free blobs"]
+    index.refcount[:n] = counts
+    return []
+
+
+def check_table_rows(path: str, key: Any, rows: RowSpace, layout: FieldLayout, index: BlobIndex,
+                     at: np.ndarray) -> None:
+    """Check the row table entries of field ``key`` at rows ``at`` (sorted), as
+    :func:`check_references` checks a whole table: called when their pages are first checked.
+
+    Raises:
+        CorruptionError: naming the store, the field and the first bad row.
+    """
+    t = layout.tables[key]
+    n = index.size
+    ids = t.blob[at]
+    if ids.size and (int(ids.min()) < -1 or int(ids.max()) >= n):
+        r = int(at[((ids < -1) | (ids >= n)).any(1)][0])
+        raise CorruptionError(f"{path}: the store is damaged: row table of {key_to_str(key)!r} names blob ids "
+                              f"outside [-1, {n}) (first: row {r}). Run `tiered verify {path}` for details.")
+    w = rows.written[at]
+    ids, slots = ids[w], t.slot[at][w]
+    fam = layout.family_of[key]
+    safe = np.maximum(ids, 0)
+    frames_in = np.where((index.state[safe] == STORED) & (index.family[safe] == fam),
+                         index.raw_nbytes[safe] // max(layout.families[fam].frame_nbytes, 1), 0)
+    bad = (ids < 0) | (slots < 0) | (slots >= frames_in)
+    if bad.any():
+        r = at[w][bad.any(1)]
+        raise CorruptionError(
+            f"{path}: the store is damaged: {r.size} written rows of {key_to_str(key)!r} point at no stored blob "
+            f"of their field or at a frame outside it (first: row {int(r[0])}). Run `tiered verify {path}` "
+            "for details.")
+
+
 def check_consistency(path: str, rows: RowSpace, layout: FieldLayout | None, index: BlobIndex,
                       cold: Tier | None) -> None:
     """Cheap, vectorized checks that a commit's arrays agree with its manifest.
@@ -467,7 +560,7 @@ def check_consistency(path: str, rows: RowSpace, layout: FieldLayout | None, ind
         for key, t in layout.tables.items():
             if t.blob.shape != (cap, layout.schema[key].frames_per_row) or t.slot.shape != t.blob.shape:
                 problems.append(f"row table of {key_to_str(key)!r} has shape {t.blob.shape}")
-            elif t.blob.size and int(t.blob.max()) >= index.size:
+            elif getattr(t, "guard", None) is None and t.blob.size and int(t.blob.max()) >= index.size:
                 problems.append(f"row table of {key_to_str(key)!r} names blob {int(t.blob.max())} "
                                 f"of an index of {index.size}")
         for key, col in rows.dense.items():

@@ -255,6 +255,7 @@ class WritePath:
         stage = self.stage
         if stage is None or stage.count == 0:
             return
+        self.rows.check_dense(stage.rows[:stage.count])
         rows, data = stage.batch(self.rows.dense)
         self.write_rows(rows, data)
         stage.reset()
@@ -270,6 +271,9 @@ class WritePath:
         layout, n = self.layout, rows.size
         if n == 0:
             return
+        # the pages these rows overwrite are checked first: a page keeps the other rows' bytes
+        layout.check_rows(rows)
+        self.rows.check_dense(rows)
         if data.device is None or data.device.type != "cpu":
             # device=None may still hold CUDA leaves: .numpy() below needs every leaf on the CPU
             data = data.to("cpu")
@@ -385,6 +389,7 @@ class WritePath:
         if self.stage is not None:
             self.stage.reset()  # staged rows go with the rest
         written = np.flatnonzero(self.rows.written)
+        self.layout.check_rows(None)
         dead = [self.index.decref(t.blob[written]) for t in self.layout.tables.values()]
         for t in self.layout.tables.values():
             t.blob[written] = -1
