@@ -22,8 +22,8 @@ Example:
     >>> check = RowCheck([pages], arr.shape[0])
     >>> check.rows(np.array([5, 999_999])); int(arr[5])
     5
-    >>> int(pages.checked.sum())  # the first and the last page
-    2
+    >>> int(pages.checked.sum())  # the pages of the two units of rows read (of 8)
+    3
 """
 
 from __future__ import annotations

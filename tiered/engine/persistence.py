@@ -377,9 +377,11 @@ def restore_commit(files: StoreFiles, body: dict[str, Any], mode: str, rows: Row
                    placement: Placement) -> None:
     """Point freshly built parts at the commit ``body``'s arrays (memory-mapped) and open its cold tier.
 
-    The blob index must already be the commit's (``BlobIndex.from_arrays``). Reference counts are
-    recomputed from the row tables; blobs that only the previous writer's tail pinned are freed
-    (``r+``) or forgotten (``r``).
+    The blob index must already be the commit's (``BlobIndex.from_arrays``). The row tables and
+    dense columns are checked page by page on first use (:mod:`tiered.engine.lazy`). Reference
+    counts are the saved ones less the writer's tail pins (a commit without pins: recounted from
+    the row tables); blobs that only the previous writer's tail pinned are freed (``r+``) or
+    forgotten (``r``).
     """
     load = files.arrays(body)
     index = write.index
