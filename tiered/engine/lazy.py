@@ -17,8 +17,8 @@ Example:
     >>> p = os.path.join(tempfile.mkdtemp(), "a.npy")
     >>> f = write_array(p, np.arange(1_000_000, dtype=np.int64))
     >>> arr, pages = map_checked(p, f.size, f.pages)
-    >>> int(pages.checked.sum())  # nothing read yet
-    0
+    >>> int(pages.checked.sum())  # only the header's page so far
+    1
     >>> check = RowCheck([pages], arr.shape[0])
     >>> check.rows(np.array([5, 999_999])); int(arr[5])
     5
