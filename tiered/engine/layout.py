@@ -38,9 +38,12 @@ class FieldLayout:
         capacity: rows in the ring (length of each row table).
         chunk_frames: frames of one trajectory compressed together per blob.
         dedup: share equal frames between rows.
+        tables: make empty row tables (False: the caller sets ``tables``, e.g. memory-mapped
+            from a store).
     """
 
-    def __init__(self, schema: Schema, capacity: int, *, chunk_frames: int, dedup: bool) -> None:
+    def __init__(self, schema: Schema, capacity: int, *, chunk_frames: int, dedup: bool,
+                 tables: bool = True) -> None:
         self.schema = schema
         #: blob fields per family, in family-id order (first appearance in the schema)
         self.fields_of: list[list[Field]] = list(schema.families().values())
@@ -51,7 +54,8 @@ class FieldLayout:
             self.families.append(FrameFamily(fid, fields[0].frame_nbytes, chunk_frames, dedup=dedup))
             for f in fields:
                 self.family_of[f.key] = fid
-                self.tables[f.key] = RowTable(capacity, f.frames_per_row)
+                if tables:
+                    self.tables[f.key] = RowTable(capacity, f.frames_per_row)
         self.rules = [layout_rules([(f.key, f.frames_per_row, f.frame_dim is not None) for f in fields])
                       for fields in self.fields_of]
 

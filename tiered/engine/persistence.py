@@ -392,7 +392,7 @@ def restore_commit(files: StoreFiles, body: dict[str, Any], mode: str, rows: Row
     live = index.live_ids()
     dead = np.empty(0, np.int64)
     if body["schema"] is not None:
-        layout = write.adopt_schema(Schema.from_json(body["schema"]))
+        layout = write.adopt_schema(Schema.from_json(body["schema"]), allocate=False)
         # the per-row arrays are memory-mapped and checked on first use: a page's checksum, then
         # the references of its rows, before any of their bytes is used (docs/durability.md)
         for i, f in enumerate(layout.schema.values()):

@@ -161,11 +161,13 @@ class WritePath:
             return n
         return self.layout.schema.validate(data)
 
-    def adopt_schema(self, schema: Schema) -> FieldLayout:
-        """Build the layout and dense columns of ``schema`` (first write, or open)."""
+    def adopt_schema(self, schema: Schema, allocate: bool = True) -> FieldLayout:
+        """Build the layout and dense columns of ``schema`` (first write, or open: with
+        ``allocate=False``, no row table or dense column is made; the caller sets them all)."""
         self.layout = FieldLayout(schema, self.rows.capacity, chunk_frames=self.options.chunk_frames,
-                                  dedup=self.options.dedup)
-        self.rows.init_dense(schema)
+                                  dedup=self.options.dedup, tables=allocate)
+        if allocate:
+            self.rows.init_dense(schema)
         return self.layout
 
     # -- appends and overwrites ----------------------------------------------------------------
