@@ -410,10 +410,11 @@ def restore_commit(files: StoreFiles, body: dict[str, Any], mode: str, rows: Row
             problems = check_index(index, [(f.frame_nbytes, f.chunk_frames) for f in layout.families])
             problems += unpin(index, np.asarray(load("pins")))
         else:  # a commit that saved no pins: recount every reference
-            layout.check_rows(None)
-            # before the tables are used as indices (a flipped id must not size a bincount)
-            problems = check_references(rows, layout, index)
+            problems = check_index(index, [(f.frame_nbytes, f.chunk_frames) for f in layout.families])
             if not problems:
+                # every page and every row's references, before the tables are used as indices
+                # (a flipped id must not size a bincount)
+                layout.check_rows(None)
                 refs = layout.referenced(rows.written)
                 index.refcount[: index.size] = np.bincount(refs, minlength=index.size)[: index.size].astype(np.int32)
         if problems:
@@ -535,17 +536,24 @@ def check_table_rows(path: str, key: Any, rows: RowSpace, layout: FieldLayout, i
     """
     t = layout.tables[key]
     n = index.size
-    ids = t.blob[at]
+    whole = at.size and int(at[-1]) - int(at[0]) + 1 == at.size  # one run of rows: slices, no gathers
+    pick = slice(int(at[0]), int(at[-1]) + 1) if whole else at
+    ids = t.blob[pick]
     if ids.size and (int(ids.min()) < -1 or int(ids.max()) >= n):
         r = int(at[((ids < -1) | (ids >= n)).any(1)][0])
         raise CorruptionError(f"{path}: the store is damaged: row table of {key_to_str(key)!r} names blob ids "
                               f"outside [-1, {n}) (first: row {r}). Run `tiered verify {path}` for details.")
-    w = rows.written[at]
-    ids, slots = ids[w], t.slot[at][w]
+    w = rows.written[pick]
+    every = bool(w.all())
+    ids, slots = (ids, t.slot[pick]) if every else (ids[w], t.slot[pick][w])
     fam = layout.family_of[key]
     safe = np.maximum(ids, 0)
-    frames_in = np.where((index.state[safe] == STORED) & (index.family[safe] == fam),
-                         index.raw_nbytes[safe] // max(layout.families[fam].frame_nbytes, 1), 0)
+    if ids.size > n:  # frames each blob may hold, then one gather per entry
+        frames_in = np.where((index.state[:n] == STORED) & (index.family[:n] == fam),
+                             index.raw_nbytes[:n] // max(layout.families[fam].frame_nbytes, 1), 0)[safe]
+    else:
+        frames_in = np.where((index.state[safe] == STORED) & (index.family[safe] == fam),
+                             index.raw_nbytes[safe] // max(layout.families[fam].frame_nbytes, 1), 0)
     bad = (ids < 0) | (slots < 0) | (slots >= frames_in)
     if bad.any():
         r = at[w][bad.any(1)]
