@@ -518,11 +518,11 @@ def unpin(index: BlobIndex, pins: np.ndarray) -> list[str]:
     n = index.size
     if pins.ndim != 1 or pins.dtype.kind not in "iu" or (pins.size and (int(pins.min()) < 0 or int(pins.max()) >= n)):
         return [f"the tail pins hold {pins.dtype}{list(pins.shape)} values outside the blob ids [0, {n})"]
-    counts = index.refcount[:n] - np.bincount(pins.astype(np.int64), minlength=n)[:n].astype(np.int32)
-    stored = index.state[:n] == STORED
-    if (counts < 0).any() or (counts[~stored] != 0).any():
+    pinned, times = np.unique(pins.astype(np.int64), return_counts=True)
+    left = index.refcount[pinned] - times
+    if (left < 0).any() or (index.refcount[:n][index.state[:n] != STORED] != 0).any() or (index.refcount[:n] < 0).any():
         return ["reference counts of the blob index are negative or name free blobs"]
-    index.refcount[:n] = counts
+    index.refcount[pinned] = left  # only those: pages of a mapped index stay unwritten
     return []
 
 
