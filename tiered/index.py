@@ -190,9 +190,18 @@ class BlobIndex:
         short = [k for k in ("state", *(_FILE_NAMES.get(n, n) for n in _COLUMNS)) if arrays[k].shape[0] < size]
         if size < 0 or short:  # before allocating columns of `size` rows: a size lie fails here
             raise ValueError(f"index.meta says {size} blob ids but the index columns {short} hold fewer")
-        index = cls(initial=max(size, 16))
-        for name in _COLUMNS:
-            getattr(index, name)[:size] = arrays[_FILE_NAMES.get(name, name)][:size]
+        columns = {name: arrays[_FILE_NAMES.get(name, name)] for name in _COLUMNS}
+        if size and all(a.shape[0] == size and a.flags.writeable and a.dtype == np.dtype(_COLUMNS[name][0])
+                        and a.shape[1:] == _COLUMNS[name][1] for name, a in columns.items()):
+            # private memory maps of a store: used as they are (pages are read on use and
+            # copied only when written; growing the index copies them)
+            index = cls(initial=0)
+            for name, a in columns.items():
+                setattr(index, name, a)
+        else:
+            index = cls(initial=max(size, 16))
+            for name in _COLUMNS:
+                getattr(index, name)[:size] = columns[name][:size]
         index.size = size
         index._free_ids = np.array(arrays["free_ids"], dtype=np.int64)
         return index
@@ -219,10 +228,14 @@ class RowTable:
     """
 
     derived = False
+    guard: Any = None
 
     def __init__(self, capacity: int, frames_per_row: int):
         self.blob = np.full((capacity, frames_per_row), -1, dtype=BLOB_DTYPE)
         self.slot = np.zeros((capacity, frames_per_row), dtype=SLOT_DTYPE)
+        #: for tables memory-mapped from a store: checks the pages of rows before their first use
+        #: (``rows(rows)``, ``all()``); None for tables built in memory
+        self.guard: Any = None
 
     @classmethod
     def from_arrays(cls, blob: np.ndarray, slot: np.ndarray) -> RowTable:
@@ -231,6 +244,7 @@ class RowTable:
         table = cls.__new__(cls)
         table.blob = blob
         table.slot = slot
+        table.guard = None
         return table
 
     @property

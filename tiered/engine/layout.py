@@ -38,9 +38,12 @@ class FieldLayout:
         capacity: rows in the ring (length of each row table).
         chunk_frames: frames of one trajectory compressed together per blob.
         dedup: share equal frames between rows.
+        tables: make empty row tables (False: the caller sets ``tables``, e.g. memory-mapped
+            from a store).
     """
 
-    def __init__(self, schema: Schema, capacity: int, *, chunk_frames: int, dedup: bool) -> None:
+    def __init__(self, schema: Schema, capacity: int, *, chunk_frames: int, dedup: bool,
+                 tables: bool = True) -> None:
         self.schema = schema
         #: blob fields per family, in family-id order (first appearance in the schema)
         self.fields_of: list[list[Field]] = list(schema.families().values())
@@ -51,13 +54,14 @@ class FieldLayout:
             self.families.append(FrameFamily(fid, fields[0].frame_nbytes, chunk_frames, dedup=dedup))
             for f in fields:
                 self.family_of[f.key] = fid
-                self.tables[f.key] = RowTable(capacity, f.frames_per_row)
+                if tables:
+                    self.tables[f.key] = RowTable(capacity, f.frames_per_row)
         self.rules = [layout_rules([(f.key, f.frames_per_row, f.frame_dim is not None) for f in fields])
                       for fields in self.fields_of]
         #: ("next", X) field -> X, for the tables kept derived from X's (dedup shares their frames)
         self.derived_from: dict[Key, Key] = {f.key: b for f in schema.blob_fields
                                              if dedup and (b := self.derivable(f)) is not None}
-        for key, base in self.derived_from.items():
+        for key, base in self.derived_from.items() if tables else ():
             self.tables[key] = DerivedRowTable(self.tables[base])
 
     def derivable(self, f: Field) -> Key | None:
@@ -77,6 +81,9 @@ class FieldLayout:
         """Keep ``key``'s table explicit from now on (its derived form has too many exceptions)."""
         table = self.tables[key]
         if table.derived:
+            for guard in (table.base.guard, table.guard):  # every row is read: every page checked first
+                if guard is not None:
+                    guard.all()
             self.tables[key] = RowTable.from_arrays(*table.full())
 
     def by_family(self, fields: list[Field]) -> dict[int, list[Field]]:
@@ -86,6 +93,20 @@ class FieldLayout:
             if f.kind == "blob":
                 groups.setdefault(self.family_of[f.key], []).append(f)
         return groups
+
+    def check_rows(self, rows: np.ndarray | None, fields: list[Field] | None = None) -> None:
+        """Check the row table pages holding ``rows`` (None: every row) of ``fields`` (None: every
+        blob field) before their first use, for tables memory-mapped from a store.
+
+        Raises:
+            ChecksumError, CorruptionError: a damaged page, or rows naming impossible blobs.
+        """
+        tables = self.tables.values() if fields is None else [self.tables[f.key] for f in fields]
+        for t in tables:  # a loop over fields
+            # a derived table's reads gather its base's rows too: those pages first
+            for guard in ((t.base.guard, t.guard) if t.derived else (t.guard,)):
+                if guard is not None:
+                    guard.all() if rows is None else guard.rows(rows)
 
     def put_family(self, fid: int, rows: np.ndarray, blob: np.ndarray, slot: np.ndarray,
                    written: np.ndarray) -> list[np.ndarray]:
@@ -106,6 +127,7 @@ class FieldLayout:
 
     def unset(self, rows: np.ndarray) -> list[np.ndarray]:
         """Mark ``rows`` unwritten in every table; returns the blob ids they named, per field."""
+        self.check_rows(rows)
         old = [t.ids(rows) for t in self.tables.values()]
         for t in self.tables.values():
             t.unset(rows)
@@ -114,6 +136,7 @@ class FieldLayout:
     def blob_refs(self, fields: list[Field], rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``[len(rows), frames]`` blob ids and slots of ``rows`` over ``fields`` (one gather each),
         widened to int64 (callers do index arithmetic with them)."""
+        self.check_rows(rows, fields)
         refs = [self.tables[f.key].refs(rows) for f in fields]
         blobs = np.concatenate([r[0] for r in refs], axis=1, dtype=np.int64)
         slots = np.concatenate([r[1] for r in refs], axis=1, dtype=np.int64)
@@ -127,6 +150,7 @@ class FieldLayout:
         """Per blob id, the fields and first rows that reference it (for error messages)."""
 
         out = []
+        self.check_rows(None)
         full = {key: table.full()[0] for key, table in self.tables.items()}
         for b in blob_ids[:limit]:
             refs = []
@@ -141,6 +165,7 @@ class FieldLayout:
         """``(blob ids, priorities)``: each row's priority repeated over every blob it references."""
         if not self.tables:
             return np.empty(0, np.int64), np.empty(0, np.float64)
+        self.check_rows(rows)
         blobs = [t.ids(rows) for t in self.tables.values()]
         ids = np.concatenate([b.reshape(-1) for b in blobs], dtype=np.int64)
         per_blob = np.concatenate([np.repeat(priority, b.shape[1]) for b in blobs])
@@ -151,5 +176,6 @@ class FieldLayout:
         """Every blob id the written rows reference, once per reference (for reference counts)."""
         if not self.tables:
             return np.empty(0, np.int64)
+        self.check_rows(None)
         refs = np.concatenate([t.ids(written).reshape(-1) for t in self.tables.values()], dtype=np.int64)
         return refs[refs >= 0]

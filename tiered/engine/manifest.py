@@ -44,6 +44,7 @@ from ..util.pool import run_parallel
 
 __all__ = ["FORMAT_NAME", "FORMAT_VERSION", "MANIFEST", "PAGE_BYTES", "ArrayFile", "NpyHeader", "save_npy",
            "write_array", "load_npy", "read_npy_header", "page_checksums", "check_pages", "arrays_verified",
+           "already_verified",
            "write_manifest", "read_manifest", "gen_dir_name"]
 
 FORMAT_NAME = "tiered"
@@ -227,6 +228,12 @@ def arrays_verified(paths: list[str]) -> Iterator[None]:
 
 def _identity(st: os.stat_result) -> tuple[int, ...]:
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def already_verified(st: os.stat_result) -> bool:
+    """Whether the file of ``st`` is one whose pages :func:`arrays_verified` says were just checked."""
+    verified = _verified.get()
+    return bool(verified) and _identity(st) in verified
 
 
 def load_npy(path: str, expected_size: int | None = None, mmap: bool = True,

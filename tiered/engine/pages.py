@@ -36,6 +36,7 @@ from __future__ import annotations
 import io
 import os
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -130,11 +131,13 @@ def _reusable(fd: int, path: str, base: CopyState | None, hlen: int, arr: np.nda
 
 
 def write_copy(path: str, arr: np.ndarray, blocks: np.ndarray | None, base: CopyState | None,
-               generation: int = 0) -> CopyState:
+               generation: int = 0, before: Callable[[int, int], None] | None = None) -> CopyState:
     """Write ``arr`` as the ``.npy`` file ``path``, which holds ``base`` (None: unknown), rewriting
     only the pages of the dirty id ``blocks`` (None: every page), the header page and a changed
     tail; fsync it. Returns what the file now holds, with the CRC-32 of every page (those not
-    rewritten are ``base``'s)."""
+    rewritten are ``base``'s). ``before(lo, hi)`` is called with each range of ``arr``'s bytes
+    before they are read (to check bytes memory-mapped from a file whose pages are checked on
+    first use)."""
     if not (arr.flags.c_contiguous or arr.ndim == 1):
         arr = np.ascontiguousarray(arr)
     head = _header(arr)
@@ -165,6 +168,8 @@ def write_copy(path: str, arr: np.ndarray, blocks: np.ndarray | None, base: Copy
             if b0 < hlen:
                 parts.append(memoryview(head)[b0:min(b1, hlen)])
             if b1 > hlen:
+                if before is not None:
+                    before(max(b0, hlen) - hlen, b1 - hlen)
                 e0, e1 = (max(b0, hlen) - hlen) // item, (b1 - hlen) // item
                 parts.append(memoryview(np.ascontiguousarray(flat[e0:e1]).reshape(-1).view(np.uint8)))
             at = b0

@@ -25,6 +25,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -40,6 +41,7 @@ from ..tiers import HDF5Tier, MemmapTier, Tier
 from ..util.dirty import blocks_of_ranges, ranges_of, union
 from ..util.units import align
 from .layout import FieldLayout
+from .lazy import PageChecks, RowCheck, map_checked
 from .lock import acquire_writer_lock, release
 from .manifest import (
     FORMAT_VERSION,
@@ -60,7 +62,7 @@ T = TypeVar("T")
 
 __all__ = ["StoreFiles", "BACKENDS", "CHECKSUMS", "array_path", "read_fresh", "open_commit", "restore_commit", "commit_parts",
            "snapshot_arrays", "check_consistency", "check_bounds", "row_table_dtypes", "derived_tables", "table_file",
-           "expand_derived", "check_references", "page_checksums_of"]
+           "expand_derived", "check_references", "check_table_rows", "unpin", "page_checksums_of"]
 
 #: Manifest entry holding the page checksums of the generation's arrays (absent: an older store).
 CHECKSUMS = "checksums"
@@ -98,6 +100,8 @@ class StoreFiles:
         self.changes: list[tuple[int, np.ndarray, np.ndarray]] = []
         #: bytes of array pages the last commit wrote
         self.last_commit_bytes = 0
+        #: per array opened lazily: its page checks and the address of its first element
+        self.lazy: dict[str, tuple[PageChecks, int]] = {}
 
     # -- creating and opening -----------------------------------------------------------------
     def create(self) -> Tier:
@@ -121,7 +125,8 @@ class StoreFiles:
         return cls(directory) if state is None else cls.open(directory, state, mode)
 
     def arrays(self, body: dict[str, Any]) -> ArrayLoader:
-        """A loader of the arrays the commit ``body`` lists (memory-mapped, sizes checked)."""
+        """A loader of the arrays the commit ``body`` lists (memory-mapped, sizes checked, every
+        page's checksum checked before the loader returns)."""
         files = body["files"]
         sums = page_checksums_of(body)
 
@@ -131,6 +136,17 @@ class StoreFiles:
             return load_npy(array_path(self.path, body, name), files[name], pages=sums.get(name))
 
         return load
+
+    def lazy_array(self, body: dict[str, Any], name: str) -> tuple[np.ndarray, PageChecks]:
+        """A per-row array of the commit ``body``, memory-mapped, whose pages are checked on first
+        use (:mod:`tiered.engine.lazy`); a commit checks the pages it copies that no use checked."""
+        files = body["files"]
+        if name not in files:
+            raise CorruptionError(f"{self.path}: the manifest lists no {name!r} array; the store is damaged")
+        arr, pages = map_checked(array_path(self.path, body, name), files[name], page_checksums_of(body).get(name),
+                                 stale=self.check_fresh)
+        self.lazy[name] = (pages, arr.__array_interface__["data"][0])
+        return arr, pages
 
     def adopt_copies(self, body: dict[str, Any], mode: str) -> None:
         """Learn which copy of each array the commit ``body`` published and what the other copies
@@ -218,12 +234,14 @@ class StoreFiles:
                 kind = kind_of(name)
                 if base is not None and kind != "whole" and all(x in known for x in range(base.generation + 1, g + 1)):
                     blocks = union([known[x][1 if kind == "rows" else 2] for x in range(base.generation + 1, g + 1)])
-                written[name] = write_copy(copy_path(self.path, name, t), arr, blocks, base, g)
+                before = self.unchecked_pages(name, arr)
+                written[name] = write_copy(copy_path(self.path, name, t), arr, blocks, base, g, before)
                 if blocks is None and kind != "whole" and arr.nbytes >= _SEED_BYTES:
                     # copies never written yet start as this one: the next commits are incremental
                     for c in range(NCOPIES):  # three at most
                         if c not in (t, self.current.get(name)) and not os.path.exists(copy_path(self.path, name, c)):
-                            seeded.setdefault(name, {})[c] = write_copy(copy_path(self.path, name, c), arr, None, None, g)
+                            seeded.setdefault(name, {})[c] = write_copy(copy_path(self.path, name, c), arr, None, None,
+                                                                        g, before)
             fileio.fsync_dir(adir)
             sums = {name: a.crcs for name, a in written.items()}
             for name, extra in seeded.items():
@@ -247,7 +265,17 @@ class StoreFiles:
         if os.environ.get("TIERED_CHECK_COMMITS"):  # tests: every copy written equals the array in memory
             for name, arr in arrays.items():
                 disk = load_npy(copy_path(self.path, name, target[name]), mmap=False)
-                if disk.shape != arr.shape or disk.tobytes() != np.ascontiguousarray(arr).tobytes():
+                lazy = self.unchecked_pages(name, arr) and self.lazy[name][0]
+                if lazy and not lazy.checked.all():  # pages no use read hold what the file held
+                    ok = lazy.checked.copy()
+                    ok[0] = False  # the header page's head may differ; compare only array bytes
+                    keep = np.repeat(ok, PAGE_BYTES)[lazy.offset:lazy.offset + arr.nbytes]
+                    same = disk.shape == arr.shape and np.array_equal(
+                        disk.reshape(-1).view(np.uint8)[keep[:disk.nbytes]],
+                        np.ascontiguousarray(arr).reshape(-1).view(np.uint8)[keep])
+                    if not same:
+                        raise AssertionError(f"incremental commit {g} left array {name!r} different from memory")
+                elif disk.shape != arr.shape or disk.tobytes() != np.ascontiguousarray(arr).tobytes():
                     raise AssertionError(f"incremental commit {g} left array {name!r} different from memory")
         self.current = target
         self.changes = history[-(NCOPIES - 1):]
@@ -265,6 +293,16 @@ class StoreFiles:
         # Space freed by overwritten rows before the previous commit is reusable only now: a
         # read-only open of the commit before that one may read it until this commit lands.
         cold.release_deferred(hold_last=True)
+
+    def unchecked_pages(self, name: str, arr: np.ndarray) -> Callable[[int, int], None] | None:
+        """What checks the pages of ``arr`` a commit copies (array bytes ``[lo, hi)``), when it is
+        the memory map of an array opened lazily: a page no use checked is checked before its
+        bytes go into a new copy with a new checksum."""
+        entry = self.lazy.get(name)
+        if entry is None or entry[1] != arr.__array_interface__["data"][0]:
+            return None
+        pages = entry[0]
+        return lambda lo, hi: pages.check_bytes(pages.offset + lo, pages.offset + hi)
 
     def newer_generation(self) -> tuple[int, int] | None:
         """For a read-only store: ``(opened, newer)`` when a writer has committed at least twice
@@ -340,9 +378,11 @@ def restore_commit(files: StoreFiles, body: dict[str, Any], mode: str, rows: Row
                    placement: Placement) -> None:
     """Point freshly built parts at the commit ``body``'s arrays (memory-mapped) and open its cold tier.
 
-    The blob index must already be the commit's (``BlobIndex.from_arrays``). Reference counts are
-    recomputed from the row tables; blobs that only the previous writer's tail pinned are freed
-    (``r+``) or forgotten (``r``).
+    The blob index must already be the commit's (``BlobIndex.from_arrays``). The row tables and
+    dense columns are checked page by page on first use (:mod:`tiered.engine.lazy`). Reference
+    counts are the saved ones less the writer's tail pins (a commit without pins: recounted from
+    the row tables); blobs that only the previous writer's tail pinned are freed (``r+``) or
+    forgotten (``r``).
     """
     load = files.arrays(body)
     index = write.index
@@ -353,39 +393,61 @@ def restore_commit(files: StoreFiles, body: dict[str, Any], mode: str, rows: Row
     live = index.live_ids()
     dead = np.empty(0, np.int64)
     if body["schema"] is not None:
-        layout = write.adopt_schema(Schema.from_json(body["schema"]))
+        layout = write.adopt_schema(Schema.from_json(body["schema"]), allocate=False)
         fields = list(layout.schema.values())
         derived = derived_tables(body, [f.kind for f in fields])
         if any(layout.derived_from.get(fields[i].key) != fields[j].key for i, j in derived.items()):
             raise CorruptionError(f"{files.path}: the manifest's derived_tables {body.get('derived_tables')} do not "
                                   "fit the schema; the store is damaged")
+        # the per-row arrays are memory-mapped and checked on first use: a page's checksum, then
+        # the references of its rows, before any of their bytes is used (docs/durability.md)
         for i, f in enumerate(fields):
             if f.kind == "dense":
-                rows.load_dense(f, load(f"dense.{i}"))
+                col, pages = files.lazy_array(body, f"dense.{i}")
+                rows.load_dense(f, col, RowCheck([pages], rows.capacity))
             elif i not in derived:
-                layout.tables[f.key] = RowTable.from_arrays(load(f"rows.{i}.blob"), load(f"rows.{i}.slot"))
+                blob, blob_pages = files.lazy_array(body, f"rows.{i}.blob")
+                slot, slot_pages = files.lazy_array(body, f"rows.{i}.slot")
+                table = RowTable.from_arrays(blob, slot)
+                table.guard = RowCheck([blob_pages, slot_pages], rows.capacity,
+                                       functools.partial(check_table_rows, files.path, f.key, rows, layout, index))
+                layout.tables[f.key] = table
         for i, j in derived.items():
+            # the last frame column per row is mapped like a table; the exception lists are small
+            # and read (checked) whole
+            (blob, blob_pages), (slot, slot_pages) = (files.lazy_array(body, table_file(i, s)) for s in ("blob", "slot"))
+            parts = {"blob": blob, "slot": slot, **{s: load(table_file(i, s)) for s in _DERIVED_SUFFIXES[2:]}}
             try:
-                layout.tables[fields[i].key] = DerivedRowTable.from_state(
-                    layout.tables[fields[j].key], {s: load(table_file(i, s)) for s in _DERIVED_SUFFIXES})
+                table = DerivedRowTable.from_state(layout.tables[fields[j].key], parts)
             except ValueError as e:
                 raise CorruptionError(f"{array_path(files.path, body, table_file(i, 'exc_rows'))}: {e}; the store "
                                       f"is damaged. Run `tiered verify {files.path}` for details.") from None
-        # before the tables are used as indices (a flipped id must not size a bincount)
-        problems = check_references(rows, layout, index)
+            table.guard = RowCheck([blob_pages, slot_pages], rows.capacity,
+                                   functools.partial(check_table_rows, files.path, fields[i].key, rows, layout, index))
+            layout.tables[fields[i].key] = table
+        older = int(body["format_version"]) < 3  # int64 ids and int32 slots, explicit next tables
+        problems = check_index(index, [(f.frame_nbytes, f.chunk_frames) for f in layout.families])
+        if "pins" in body["files"] and not older:  # saved counts, less the pins of the writer's tail (gone now)
+            problems += unpin(index, np.asarray(load("pins")))
+        elif not problems:  # a commit that saved no pins, or an older format: recount every reference
+            # every page and every row's references, before the tables are used as indices
+            # (a flipped id must not size a bincount)
+            layout.check_rows(None)
+            if older:
+                for table in layout.tables.values():  # to int32 ids and uint16 slots (copies, checked)
+                    table.compact()
+                    table.guard = None
+                for key, base in layout.derived_from.items():  # explicit next tables go derived
+                    table = layout.tables[key]
+                    if not table.derived:
+                        table = DerivedRowTable.derive(layout.tables[base], table)
+                        if not table.crowded:
+                            layout.tables[key] = table
+            refs = layout.referenced(rows.written)
+            index.refcount[: index.size] = np.bincount(refs, minlength=index.size)[: index.size].astype(np.int32)
         if problems:
             raise CorruptionError(f"{files.path}: the store is damaged: " + "; ".join(problems[:5])
                                   + f". Run `tiered verify {files.path}` for details.")
-        for table in layout.tables.values():  # stores before format 3: int64 ids, int32 slots
-            table.compact()
-        for key, base in layout.derived_from.items():  # explicit next tables (older stores) go derived
-            table = layout.tables[key]
-            if not table.derived:
-                table = DerivedRowTable.derive(layout.tables[base], table)
-                if not table.crowded:
-                    layout.tables[key] = table
-        refs = layout.referenced(rows.written)
-        index.refcount[: index.size] = np.bincount(refs, minlength=index.size)[: index.size].astype(np.int32)
         load_policy(placement.policy, body, load, live)
         dead = live[index.refcount[live] == 0]
     placement.tiers[COLD] = files.cold_tier(files.cold_state(body, load), mode)
@@ -448,6 +510,9 @@ def snapshot_arrays(rows: RowSpace, layout: FieldLayout | None, index: BlobIndex
             else:
                 for suffix, arr in layout.tables[f.key].state_arrays().items():
                     arrays[table_file(i, suffix)] = arr
+        # the blobs the writer's tails pin, once per pin: the saved reference counts include
+        # them, an open takes them off (no row table is read to recount)
+        arrays["pins"] = np.concatenate([np.empty(0, np.int64), *(f.tail_blob for f in layout.families)])
     return arrays
 
 
@@ -534,6 +599,74 @@ def load_priorities(placement: Placement, body: dict[str, Any], load: ArrayLoade
         placement.tell_policy(*priorities.recount_all(write.layout, None))
 
 
+def unpin(index: BlobIndex, pins: np.ndarray) -> list[str]:
+    """Take the writer's tail pins (blob ids, once per pin) off the saved reference counts.
+
+    Returns:
+        The problems found, in words (empty: the counts are now the row tables' references).
+    """
+    n = index.size
+    if pins.ndim != 1 or pins.dtype.kind not in "iu" or (pins.size and (int(pins.min()) < 0 or int(pins.max()) >= n)):
+        return [f"the tail pins hold {pins.dtype}{list(pins.shape)} values outside the blob ids [0, {n})"]
+    pinned, times = np.unique(pins.astype(np.int64), return_counts=True)
+    left = index.refcount[pinned] - times
+    if (left < 0).any() or (index.refcount[:n][index.state[:n] != STORED] != 0).any() or (index.refcount[:n] < 0).any():
+        return ["reference counts of the blob index are negative or name free blobs"]
+    index.refcount[pinned] = left  # only those: pages of a mapped index stay unwritten
+    return []
+
+
+def check_table_rows(path: str, key: Any, rows: RowSpace, layout: FieldLayout, index: BlobIndex,
+                     at: np.ndarray) -> None:
+    """Check the row table entries of field ``key`` at rows ``at`` (sorted), as
+    :func:`check_references` checks a whole table: called when their pages are first checked.
+    A derived table checks its own entries (last frames, and the exceptions of those rows); the
+    entries it shares with its base table are checked by the base's own checks.
+
+    Raises:
+        CorruptionError: naming the store, the field and the first bad row.
+    """
+    t = layout.tables[key]
+    whole = at.size and int(at[-1]) - int(at[0]) + 1 == at.size  # one run of rows: slices, no gathers
+    pick = slice(int(at[0]), int(at[-1]) + 1) if whole else at
+    if not t.derived:
+        _check_row_entries(path, key, rows, layout, index, at, t.blob[pick], t.slot[pick], rows.written[pick])
+        return
+    _check_row_entries(path, key, rows, layout, index, at, t.last_blob[pick][:, None], t.last_slot[pick][:, None],
+                   rows.written[pick])
+    lo, hi = np.searchsorted(t.exc_rows, [int(at[0]), int(at[-1]) + 1])
+    if hi > lo:
+        exc = t.exc_rows[lo:hi]
+        _check_row_entries(path, key, rows, layout, index, exc, t.exc_blob[lo:hi], t.exc_slot[lo:hi], rows.written[exc])
+
+
+def _check_row_entries(path: str, key: Any, rows: RowSpace, layout: FieldLayout, index: BlobIndex, at: np.ndarray,
+                   ids: np.ndarray, slots: np.ndarray, w: np.ndarray) -> None:
+    """Check ``[len(at), k]`` entries ``ids``/``slots`` of rows ``at`` (``w``: which are written)."""
+    n = index.size
+    if ids.size and (int(ids.min()) < -1 or int(ids.max()) >= n):
+        r = int(at[((ids < -1) | (ids >= n)).any(1)][0])
+        raise CorruptionError(f"{path}: the store is damaged: row table of {key_to_str(key)!r} names blob ids "
+                              f"outside [-1, {n}) (first: row {r}). Run `tiered verify {path}` for details.")
+    every = bool(w.all())
+    ids, slots = (ids, slots) if every else (ids[w], slots[w])
+    fam = layout.family_of[key]
+    safe = np.maximum(ids, 0)
+    if ids.size > n:  # frames each blob may hold, then one gather per entry
+        frames_in = np.where((index.state[:n] == STORED) & (index.family[:n] == fam),
+                             index.raw_nbytes[:n] // max(layout.families[fam].frame_nbytes, 1), 0)[safe]
+    else:
+        frames_in = np.where((index.state[safe] == STORED) & (index.family[safe] == fam),
+                             index.raw_nbytes[safe] // max(layout.families[fam].frame_nbytes, 1), 0)
+    bad = (ids < 0) | (slots < 0) | (slots >= frames_in)
+    if bad.any():
+        r = at[w][bad.any(1)]
+        raise CorruptionError(
+            f"{path}: the store is damaged: {r.size} written rows of {key_to_str(key)!r} point at no stored blob "
+            f"of their field or at a frame outside it (first: row {int(r[0])}). Run `tiered verify {path}` "
+            "for details.")
+
+
 def check_consistency(path: str, rows: RowSpace, layout: FieldLayout | None, index: BlobIndex,
                       cold: Tier | None) -> None:
     """Cheap, vectorized checks that a commit's arrays agree with its manifest.
@@ -552,7 +685,7 @@ def check_consistency(path: str, rows: RowSpace, layout: FieldLayout | None, ind
             ids = [a for name, a in t.state_arrays().items() if name in ("blob", "exc_blob") and a.size]
             if (t.capacity, t.frames) != (cap, layout.schema[key].frames_per_row):
                 problems.append(f"row table of {key_to_str(key)!r} has shape {(t.capacity, t.frames)}")
-            elif ids and max(int(a.max()) for a in ids) >= index.size:
+            elif t.guard is None and ids and max(int(a.max()) for a in ids) >= index.size:
                 problems.append(f"row table of {key_to_str(key)!r} names blob {max(int(a.max()) for a in ids)} "
                                 f"of an index of {index.size}")
         for key, col in rows.dense.items():

@@ -329,10 +329,9 @@ class Placement:
 
     def drop_memory_copies(self) -> None:
         """Forget every hot and warm location (after an open: the arenas start empty)."""
-        held = self.index.loc[: self.index.size, HOT:WARM + 1]
-        self.index.dirty.mark(np.flatnonzero((held >= 0).any(1)))
-        self.index.loc[:, HOT] = -1
-        self.index.loc[:, WARM] = -1
+        held = np.flatnonzero((self.index.loc[:, HOT:WARM + 1] >= 0).any(1))
+        self.index.dirty.mark(held[held < self.index.size])
+        self.index.loc[held, HOT:WARM + 1] = -1  # only those: pages of a mapped index stay unwritten
 
     # -- reading -----------------------------------------------------------------------------
     def locate(self, ids: np.ndarray) -> np.ndarray:

@@ -212,6 +212,7 @@ class RowPriorities:
         """Every blob id ``rows``' table entries name (with repeats; -1 entries dropped)."""
         if layout is None or not layout.tables:
             return np.empty(0, dtype=np.int64)
+        layout.check_rows(rows)
         refs = layout.ids(rows).reshape(-1)
         return refs[refs >= 0]
 
@@ -227,6 +228,7 @@ class RowPriorities:
         maxima = np.zeros(blobs.size, dtype=np.float64)
         if blobs.size and layout is not None and layout.tables:
             rows = self._rows_naming(layout, blobs)
+            layout.check_rows(rows)
             refs = layout.ids(rows)
             counts = np.ones(rows.size, dtype=bool)
             if stage is not None and stage.count:
@@ -255,12 +257,14 @@ class RowPriorities:
         from_index = self._sorted_row[ranges(lo, hi - lo)]
         recent = np.flatnonzero(self._recent)
         if recent.size:
+            layout.check_rows(recent)
             refs = layout.ids(recent)
             recent = recent[isin(refs.reshape(-1), blobs).reshape(refs.shape).any(1)]
         return np.unique(np.concatenate([from_index, recent]))
 
     def _build(self, layout: FieldLayout) -> None:
         """Sort every table entry by blob id (one argsort over ``capacity x frames per row``)."""
+        layout.check_rows(None)
         blob = np.concatenate([t.full()[0].reshape(-1) for t in layout.tables.values()])
         row = np.concatenate([np.repeat(np.arange(self.capacity, dtype=np.int64), t.frames)
                               for t in layout.tables.values()])
@@ -323,6 +327,7 @@ class RowPriorities:
         total = float(weight.sum())
         if total <= 0:
             return shares
+        layout.check_rows(rows)
         refs = layout.ids(rows)
         place = np.full(refs.shape, 3, dtype=np.int64)  # 3: raw in memory
         stored = refs >= 0

@@ -122,6 +122,8 @@ class RowSpace:
         self.length = 0
         self.written = np.zeros(self.capacity, dtype=bool)
         self.dense: dict[Key, torch.Tensor] = {}
+        #: dense columns memory-mapped from a store: what checks their pages before first use
+        self.dense_checks: dict[Key, Any] = {}
         #: trajectory id the next write without a trajectory-id field starts from
         self.next_trajectory = 0
         #: rows changed since the last commit (what an incremental commit rewrites)
@@ -250,8 +252,25 @@ class RowSpace:
     def init_dense(self, schema: Schema) -> None:
         for f in schema.dense_fields:
             self.dense[f.key] = torch.zeros((self.capacity, *f.shape), dtype=f.dtype)
+            self.dense_checks.pop(f.key, None)
+
+    def check_dense(self, rows: np.ndarray | None, span: tuple[int, int] | None = None) -> None:
+        """Check the pages of the dense columns holding ``rows`` (or the ``span = (start, n)``;
+        None for both: every row) before their first use, for columns memory-mapped from a store.
+
+        Raises:
+            ChecksumError: a damaged page.
+        """
+        for check in self.dense_checks.values():  # a loop over columns
+            if span is not None:
+                check.span(*span)
+            elif rows is None:
+                check.all()
+            else:
+                check.rows(rows)
 
     def write_dense(self, schema: Schema, rows: np.ndarray, data: TensorDictBase) -> None:
+        self.check_dense(rows)
         rows_t = torch.from_numpy(rows)
         n = rows.size
         self.dirty.mark(rows)
@@ -261,6 +280,7 @@ class RowSpace:
 
     def write_dense_cells(self, schema: Schema, rows: np.ndarray, cells: dict[Key, torch.Tensor]) -> None:
         """Write the dense cells of a small write (one row: cells without a batch dimension)."""
+        self.check_dense(rows)
         n = rows.size
         self.dirty.mark(rows)
         with torch.no_grad():  # stored values never carry autograd history
@@ -276,6 +296,9 @@ class RowSpace:
     def read_dense(self, key: Key, rows: np.ndarray, span: tuple[int, int] | None = None) -> torch.Tensor:
         """A dense column's cells of ``rows`` (a copy), or a view of ``span = (start, n)`` rows."""
         col = self.dense[key]
+        check = self.dense_checks.get(key)
+        if check is not None:
+            check.span(*span) if span else check.rows(rows)
         return col.narrow(0, *span) if span else col.index_select(0, torch.from_numpy(rows))
 
     def remember_view(self, view: torch.Tensor, start: int, n: int) -> None:
@@ -300,8 +323,10 @@ class RowSpace:
         bfloat16 and float8, as the integers of their size: the manifest records the dtype)."""
         return as_bits(self.dense[key]).numpy()
 
-    def load_dense(self, field: Field, array: np.ndarray) -> None:
-        """Use a saved column (:meth:`dense_array`'s form) as ``field``'s column, without a copy.
+    def load_dense(self, field: Field, array: np.ndarray, check: Any = None) -> None:
+        """Use a saved column (:meth:`dense_array`'s form) as ``field``'s column, without a copy;
+        ``check`` checks its pages before their first use (``rows(rows)``, ``span(start, n)``,
+        ``all()``).
 
         Raises:
             CorruptionError: the array's dtype is not the one the field is saved as.
@@ -312,6 +337,8 @@ class RowSpace:
                 f"dense column {key_to_str(field.key)!r} is saved as {col.dtype}, but its field is "
                 f"{field.dtype} (saved as {bits_dtype(field.dtype)}); the store is damaged")
         self.dense[field.key] = col if col.dtype == field.dtype else col.view(field.dtype)
+        if check is not None:
+            self.dense_checks[field.key] = check
 
     # -- trajectories -----------------------------------------------------------------------
     def trajectory_ids(self, schema: Schema, data: TensorDictBase, n: int,
@@ -341,4 +368,4 @@ class RowSpace:
 
     def load_state(self, body: dict[str, Any], written: np.ndarray) -> None:
         self.length, self.cursor, self.next_trajectory = int(body["len"]), int(body["cursor"]), int(body["traj_base"])
-        self.written = np.array(written)
+        self.written = written if written.flags.writeable else np.array(written)  # a private map: no copy

@@ -161,11 +161,13 @@ class WritePath:
             return n
         return self.layout.schema.validate(data)
 
-    def adopt_schema(self, schema: Schema) -> FieldLayout:
-        """Build the layout and dense columns of ``schema`` (first write, or open)."""
+    def adopt_schema(self, schema: Schema, allocate: bool = True) -> FieldLayout:
+        """Build the layout and dense columns of ``schema`` (first write, or open: with
+        ``allocate=False``, no row table or dense column is made; the caller sets them all)."""
         self.layout = FieldLayout(schema, self.rows.capacity, chunk_frames=self.options.chunk_frames,
-                                  dedup=self.options.dedup)
-        self.rows.init_dense(schema)
+                                  dedup=self.options.dedup, tables=allocate)
+        if allocate:
+            self.rows.init_dense(schema)
         return self.layout
 
     # -- appends and overwrites ----------------------------------------------------------------
@@ -255,6 +257,7 @@ class WritePath:
         stage = self.stage
         if stage is None or stage.count == 0:
             return
+        self.rows.check_dense(stage.rows[:stage.count])
         rows, data = stage.batch(self.rows.dense)
         self.write_rows(rows, data)
         stage.reset()
@@ -270,6 +273,9 @@ class WritePath:
         layout, n = self.layout, rows.size
         if n == 0:
             return
+        # the pages these rows overwrite are checked first: a page keeps the other rows' bytes
+        layout.check_rows(rows)
+        self.rows.check_dense(rows)
         if data.device is None or data.device.type != "cpu":
             # device=None may still hold CUDA leaves: .numpy() below needs every leaf on the CPU
             data = data.to("cpu")
@@ -378,6 +384,7 @@ class WritePath:
         if self.stage is not None:
             self.stage.reset()  # staged rows go with the rest
         written = np.flatnonzero(self.rows.written)
+        self.layout.check_rows(None)
         dead = [self.index.decref(ids) for ids in self.layout.unset(written)]
         dead += [fam.release_tail(self.index) for fam in self.layout.families]
         self.rows.reset()

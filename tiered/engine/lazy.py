@@ -1,0 +1,200 @@
+"""Array files checked on first use: memory-mapped, each page's CRC-32 checked the first time a
+read or a write touches it.
+
+A store's per-row arrays (row tables, dense columns) are as large as the store; reading every
+page at open to check its checksum would make opening cost the size of the store. Instead they
+are memory-mapped copy-on-write (reads are served from the page cache, a write makes a private
+page) and :class:`RowCheck` checks the pages holding a set of rows before their bytes are used:
+the pages not yet checked are read and compared with the commit's CRC-32 (a loop over pages,
+never rows), and the rows they hold are then handed to a callback (the reference checks of the
+row tables). A damaged page raises :class:`~tiered.errors.ChecksumError` at the first read or
+write that touches it (docs/durability.md).
+
+Example:
+    >>> import os, tempfile
+    >>> import numpy as np
+    >>> from tiered.engine.manifest import write_array
+    >>> p = os.path.join(tempfile.mkdtemp(), "a.npy")
+    >>> f = write_array(p, np.arange(1_000_000, dtype=np.int64))
+    >>> arr, pages = map_checked(p, f.size, f.pages)
+    >>> int(pages.checked.sum())  # only the header's page so far
+    1
+    >>> check = RowCheck([pages], arr.shape[0])
+    >>> check.rows(np.array([5, 999_999])); int(arr[5])
+    5
+    >>> int(pages.checked.sum())  # the pages of the two units of rows read (of 8)
+    3
+"""
+
+from __future__ import annotations
+
+import math
+import mmap as mmap_module
+import os
+import zlib
+from collections.abc import Callable
+
+import numpy as np
+
+from .. import fileio
+from ..errors import ChecksumError, CorruptionError
+from .manifest import PAGE_BYTES, already_verified, read_npy_header
+
+__all__ = ["PageChecks", "RowCheck", "map_checked"]
+
+
+class PageChecks:
+    """The pages of one memory-mapped array file and which of them were checked.
+
+    Args:
+        path: the file (for messages).
+        view: the file's bytes (the memory map).
+        crcs: the commit's CRC-32 of each :data:`PAGE_BYTES` page.
+        offset: where the array's elements start in the file.
+        row_bytes: bytes of one row (first-axis entry) of the array.
+        stale: called before a mismatch is reported; raises its own error when the bytes were
+            replaced by a newer commit rather than damaged (a read-only store a writer moved past).
+    """
+
+    def __init__(self, path: str, view: memoryview, crcs: list[int], offset: int, row_bytes: int,
+                 stale: Callable[[], None] | None = None) -> None:
+        self.path, self.view, self.crcs = path, view, crcs
+        self.offset, self.row_bytes, self.stale = offset, max(row_bytes, 1), stale
+        self.size = view.nbytes
+        #: per page: its CRC-32 was compared with the commit's
+        self.checked = np.zeros(len(crcs), dtype=bool)
+
+    def rows_pages(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+        """The sorted pages holding the bytes of the row ranges ``[lo, hi)`` (``hi > lo``)."""
+        first = (self.offset + lo * self.row_bytes) // PAGE_BYTES
+        last = (self.offset + hi * self.row_bytes - 1) // PAGE_BYTES
+        span = last - first + 1
+        if int(span.max(initial=0)) <= 1:
+            return np.unique(first)
+        pages = np.repeat(first - np.cumsum(span) + span, span) + np.arange(int(span.sum()))
+        return np.unique(pages)
+
+    def check(self, pages: np.ndarray) -> None:
+        """Check the pages (sorted page numbers) not checked yet.
+
+        Raises:
+            ChecksumError: naming the file and the first damaged byte range.
+        """
+        todo = pages[~self.checked[pages]]
+        for p in todo.tolist():  # one CRC per 1 MiB page: the unit of work here
+            lo = p * PAGE_BYTES
+            got = zlib.crc32(self.view[lo:min(self.size, lo + PAGE_BYTES)])
+            if got != self.crcs[p]:
+                if self.stale is not None:
+                    self.stale()
+                raise ChecksumError(
+                    f"{self.path}: checksum mismatch at bytes {lo}..{min(self.size, lo + PAGE_BYTES)} "
+                    f"(stored crc32 {self.crcs[p]:#010x}, computed {got:#010x}), found when the page was "
+                    "first read; the stored bytes are damaged. Restore the store from a copy; run "
+                    "`tiered verify` for details.")
+            self.checked[p] = True
+
+    def check_bytes(self, lo: int, hi: int) -> None:
+        """Check the pages holding file bytes ``[lo, hi)``."""
+        if hi > lo:
+            self.check(np.arange(lo // PAGE_BYTES, (hi - 1) // PAGE_BYTES + 1))
+
+
+class RowCheck:
+    """Checks the rows of one or more memory-mapped arrays of ``capacity`` rows before use.
+
+    Rows are checked in units of rows that span about a page of the widest array; the first
+    use of a unit checks the pages of every array that hold it, then calls ``on_rows`` with the
+    unit's rows (for checks of their values).
+
+    Args:
+        pages: the arrays' :class:`PageChecks` (the same rows of each).
+        capacity: rows of each array.
+        on_rows: called with the sorted row numbers of newly checked units.
+    """
+
+    def __init__(self, pages: list[PageChecks], capacity: int,
+                 on_rows: Callable[[np.ndarray], None] | None = None) -> None:
+        self.pages, self.capacity, self.on_rows = pages, int(capacity), on_rows
+        self.unit = max(1, PAGE_BYTES // max((p.row_bytes for p in pages), default=1))
+        self.done = np.zeros(-(-self.capacity // self.unit), dtype=bool)
+
+    def rows(self, rows: np.ndarray) -> None:
+        """Check the units holding ``rows`` (any int array of rows in ``[0, capacity)``)."""
+        rows = np.asarray(rows)
+        if rows.dtype == np.bool_:
+            rows = np.flatnonzero(rows)
+        if rows.size:
+            self._units(np.unique(rows.reshape(-1) // self.unit))
+
+    def span(self, start: int, n: int) -> None:
+        """Check the units holding rows ``[start, start + n)``."""
+        if n > 0:
+            self._units(np.arange(start // self.unit, (start + n - 1) // self.unit + 1))
+
+    def all(self) -> None:
+        """Check every unit (a whole-array use)."""
+        self._units(np.arange(self.done.size))
+
+    def _units(self, units: np.ndarray) -> None:
+        todo = units[~self.done[units]]
+        if not todo.size:
+            return
+        lo = todo * self.unit
+        hi = np.minimum(lo + self.unit, self.capacity)
+        for p in self.pages:  # a few arrays
+            p.check(p.rows_pages(lo, hi))
+        if self.on_rows is not None:
+            span = hi - lo
+            self.on_rows(np.repeat(lo - np.cumsum(span) + span, span) + np.arange(int(span.sum())))
+        self.done[todo] = True
+
+
+def map_checked(path: str, expected_size: int, crcs: list[int] | None,
+                stale: Callable[[], None] | None = None) -> tuple[np.ndarray, PageChecks]:
+    """Memory-map (copy-on-write) a ``.npy`` array file whose pages are checked on first use.
+
+    Checked now: the file is a regular file of ``expected_size`` bytes and its header is valid
+    and accounts for the file's size, and the header's page (the first). The others are checked
+    by a :class:`RowCheck` over the returned :class:`PageChecks` (all pages count as checked
+    when ``crcs`` is None, a store written before page checksums, or inside
+    :func:`~tiered.engine.manifest.arrays_verified`).
+
+    Raises:
+        CorruptionError (its subclass ChecksumError for a page mismatch): naming the file.
+    """
+    try:
+        fd = fileio.open_for_read(path)
+    except FileNotFoundError:
+        raise CorruptionError(f"{path}: file named by the manifest is missing; the store is damaged "
+                              "(restore it from a copy)") from None
+    try:
+        st = os.fstat(fd)
+        size = st.st_size
+        if size != expected_size:
+            raise CorruptionError(f"{path}: expected {expected_size} bytes, found {size} (truncated or overwritten)")
+        head = read_npy_header(fd, path, size)
+        if not head.shape or head.fortran_order or size == 0:
+            raise CorruptionError(f"{path}: not a row array of a tiered store (shape {head.shape}); "
+                                  "the store is damaged")
+        whole = mmap_module.mmap(fd, size, flags=mmap_module.MAP_PRIVATE,
+                                 prot=mmap_module.PROT_READ | mmap_module.PROT_WRITE)
+    except OSError as e:
+        raise CorruptionError(f"{path}: cannot be read ({e}); the store is damaged") from None
+    finally:
+        os.close(fd)
+    n_pages = -(-size // PAGE_BYTES)
+    if crcs is not None and len(crcs) != n_pages:
+        raise ChecksumError(f"{path}: the commit records {len(crcs)} checksummed pages, the file has "
+                            f"{n_pages}; the store is damaged. Run `tiered verify` for details.")
+    rows = head.shape[0]
+    row_bytes = math.prod(head.shape[1:]) * head.dtype.itemsize
+    pages = PageChecks(path, memoryview(whole), list(crcs) if crcs is not None else [0] * n_pages,
+                       head.offset, row_bytes, stale)
+    if crcs is None or already_verified(st):
+        pages.checked[:] = True
+    pages.check(np.zeros(1, np.int64))  # the header
+    if rows * row_bytes == 0:
+        return np.empty(head.shape, head.dtype), pages
+    arr = np.frombuffer(whole, dtype=head.dtype, count=rows * (row_bytes // head.dtype.itemsize), offset=head.offset)
+    return arr.reshape(head.shape), pages
