@@ -284,7 +284,11 @@ def _share_before_fork() -> None:
     that the child's writes reach the parent and the parent's reach the child."""
     pid = os.getpid()
     for storage in list(_AUTO_SHARED):
-        storage.share_with_children(pid)
+        try:
+            storage.share_with_children(pid)
+        except Exception:  # noqa: BLE001 - a fork hook must not stop at one storage (a closed or
+            # broken one); a storage left unshared refuses its child's writes with NotSharedError
+            continue
 
 
 os.register_at_fork(before=_share_before_fork)
