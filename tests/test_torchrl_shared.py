@@ -212,3 +212,27 @@ def test_in_memory_storage_pickles_while_a_view_is_alive(pong):
     view = storage[:]
     copy = pickle.loads(pickle.dumps(storage))
     _same_rows(copy[:], view, "rows of the copy")
+
+
+def _child_reports_write_error(storage, data, queue) -> None:
+    torch.set_num_threads(1)
+    try:
+        storage.set(torch.arange(2), data)
+        queue.put("wrote")
+    except NotSharedError as e:
+        queue.put(str(e))
+
+
+def test_a_storage_that_could_not_be_shared_says_why_in_the_child(pong, tmp_path):
+    # its store is read-only: the fork hook cannot share it; the child's write must say so, and why
+    owner = TieredStorage(200, tmp_path / "rb", **OPTS)
+    owner.set(torch.arange(4), pong[:4])
+    owner.close()
+    storage = TieredStorage(200, tmp_path / "rb", mode="r")
+    storage.share_with_children(storage._owner_pid)  # noqa: SLF001 - what the fork hook calls
+    queue = FORK.Queue()
+    child = FORK.Process(target=_child_reports_write_error, args=(storage, pong[:2], queue))
+    child.start()
+    child.join(timeout=120)
+    message = queue.get(timeout=5)
+    assert "could not be shared" in message and "ReadOnlyStoreError" in message

@@ -286,9 +286,9 @@ def _share_before_fork() -> None:
     for storage in list(_AUTO_SHARED):
         try:
             storage.share_with_children(pid)
-        except Exception:  # noqa: BLE001 - a fork hook must not stop at one storage (a closed or
+        except Exception as e:  # noqa: BLE001 - a fork hook must not stop at one storage (a closed or
             # broken one); a storage left unshared refuses its child's writes with NotSharedError
-            continue
+            storage._share_error = f"{type(e).__name__}: {e}"
 
 
 os.register_at_fork(before=_share_before_fork)
@@ -322,8 +322,9 @@ class _ProcessSharing:
             return
         try:
             self._store.share()
-        except TieredError:  # closed, read-only or in memory: nothing to share
-            pass
+        except TieredError as e:  # closed, read-only or in memory: nothing to share
+            # kept (as text: it may be pickled) for the error a child's write raises
+            self._share_error = f"{type(e).__name__}: {e}"
 
     def __getstate__(self) -> dict[str, Any]:
         # Storage's version handles the shared counters; the store pickles itself (a store with a
@@ -635,7 +636,10 @@ class TieredStorage(_RowReads, _ProcessSharing, TensorStorage):
         store (fields left out keep their stored values), the others to the side columns."""
         store = self._store
         if self._snapshot or (os.getpid() != self._owner_pid and not store.shared):
+            why = getattr(self, "_share_error", None)
             raise NotSharedError(
+                (f"this storage's store could not be shared when it went to this process ({why}); "
+                 if why is not None and store.path is not None else "") +
                 "this TieredStorage is a copy that another process received: its writes would never reach "
                 "the original, which keeps its rows in its own memory. To write from several processes, "
                 "give the storage a directory (TieredStorage(max_size, path=DIR)): a storage with a path is "
