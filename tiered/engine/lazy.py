@@ -29,16 +29,13 @@ Example:
 from __future__ import annotations
 
 import math
-import mmap as mmap_module
-import os
 import zlib
 from collections.abc import Callable
 
 import numpy as np
 
-from .. import fileio
 from ..errors import ChecksumError, CorruptionError
-from .manifest import PAGE_BYTES, already_verified, read_npy_header
+from .manifest import PAGE_BYTES, already_verified, map_npy
 
 __all__ = ["PageChecks", "RowCheck", "map_checked"]
 
@@ -163,26 +160,11 @@ def map_checked(path: str, expected_size: int, crcs: list[int] | None,
     Raises:
         CorruptionError (its subclass ChecksumError for a page mismatch): naming the file.
     """
-    try:
-        fd = fileio.open_for_read(path)
-    except FileNotFoundError:
-        raise CorruptionError(f"{path}: file named by the manifest is missing; the store is damaged "
-                              "(restore it from a copy)") from None
-    try:
-        st = os.fstat(fd)
-        size = st.st_size
-        if size != expected_size:
-            raise CorruptionError(f"{path}: expected {expected_size} bytes, found {size} (truncated or overwritten)")
-        head = read_npy_header(fd, path, size)
-        if not head.shape or head.fortran_order or size == 0:
-            raise CorruptionError(f"{path}: not a row array of a tiered store (shape {head.shape}); "
-                                  "the store is damaged")
-        whole = mmap_module.mmap(fd, size, flags=mmap_module.MAP_PRIVATE,
-                                 prot=mmap_module.PROT_READ | mmap_module.PROT_WRITE)
-    except OSError as e:
-        raise CorruptionError(f"{path}: cannot be read ({e}); the store is damaged") from None
-    finally:
-        os.close(fd)
+    whole, st, head = map_npy(path, expected_size)
+    size = st.st_size
+    if not head.shape or head.fortran_order:
+        raise CorruptionError(f"{path}: not a row array of a tiered store (shape {head.shape}); "
+                              "the store is damaged")
     n_pages = -(-size // PAGE_BYTES)
     if crcs is not None and len(crcs) != n_pages:
         raise ChecksumError(f"{path}: the commit records {len(crcs)} checksummed pages, the file has "

@@ -44,7 +44,7 @@ from ..util.pool import run_parallel
 
 __all__ = ["FORMAT_NAME", "FORMAT_VERSION", "MANIFEST", "PAGE_BYTES", "ArrayFile", "NpyHeader", "save_npy",
            "write_array", "load_npy", "read_npy_header", "page_checksums", "check_pages", "arrays_verified",
-           "already_verified",
+           "already_verified", "map_npy",
            "write_manifest", "read_manifest", "gen_dir_name"]
 
 FORMAT_NAME = "tiered"
@@ -236,16 +236,13 @@ def already_verified(st: os.stat_result) -> bool:
     return bool(verified) and _identity(st) in verified
 
 
-def load_npy(path: str, expected_size: int | None = None, mmap: bool = True,
-             pages: list[int] | None = None) -> np.ndarray:
-    """Memory-map (copy-on-write) a ``.npy`` file written by :func:`write_array`, checking it.
-
-    Checks, before anything is allocated: the file is a regular file of ``expected_size`` bytes,
-    its header is valid and accounts for the file's size exactly, and (with ``pages``, the
-    commit's page checksums) every page's CRC-32.
+def map_npy(path: str, expected_size: int | None = None) -> tuple[mmap_module.mmap, os.stat_result, NpyHeader]:
+    """Open and memory-map (copy-on-write) a ``.npy`` file written by :func:`write_array`:
+    ``(map, stat, header)``, after checking, before anything is allocated, that it is a regular
+    file of ``expected_size`` bytes whose header is valid and accounts for the file's size.
 
     Raises:
-        CorruptionError (its subclass ChecksumError for a page mismatch): naming the file.
+        CorruptionError: naming the file.
     """
     try:
         fd = fileio.open_for_read(path)
@@ -262,21 +259,34 @@ def load_npy(path: str, expected_size: int | None = None, mmap: bool = True,
         head = read_npy_header(fd, path, size)
         whole = mmap_module.mmap(fd, size, flags=mmap_module.MAP_PRIVATE,
                                  prot=mmap_module.PROT_READ | mmap_module.PROT_WRITE)
-        view = memoryview(whole)
-        verified = _verified.get()
-        if pages is not None and not (verified and _identity(st) in verified):
-            check_pages(path, view, pages)
-        count = math.prod(head.shape)
-        order = "F" if head.fortran_order else "C"
-        if count == 0:
-            return np.empty(head.shape, head.dtype, order=order)
-        arr = np.frombuffer(whole, dtype=head.dtype, count=count, offset=head.offset)
-        arr = arr.reshape(head.shape, order=order)
-        return arr if mmap else arr.copy()
     except OSError as e:
         raise CorruptionError(f"{path}: cannot be read ({e}); the store is damaged") from None
     finally:
         os.close(fd)
+    return whole, st, head
+
+
+def load_npy(path: str, expected_size: int | None = None, mmap: bool = True,
+             pages: list[int] | None = None) -> np.ndarray:
+    """Memory-map (copy-on-write) a ``.npy`` file written by :func:`write_array`, checking it.
+
+    Checks, before anything is allocated: the file is a regular file of ``expected_size`` bytes,
+    its header is valid and accounts for the file's size exactly, and (with ``pages``, the
+    commit's page checksums) every page's CRC-32.
+
+    Raises:
+        CorruptionError (its subclass ChecksumError for a page mismatch): naming the file.
+    """
+    whole, st, head = map_npy(path, expected_size)
+    if pages is not None and not already_verified(st):
+        check_pages(path, memoryview(whole), pages)
+    count = math.prod(head.shape)
+    order = "F" if head.fortran_order else "C"
+    if count == 0:
+        return np.empty(head.shape, head.dtype, order=order)
+    arr = np.frombuffer(whole, dtype=head.dtype, count=count, offset=head.offset)
+    arr = arr.reshape(head.shape, order=order)
+    return arr if mmap else arr.copy()
 
 
 def check_pages(path: str, view: memoryview, pages: list[int]) -> None:
