@@ -85,18 +85,59 @@ def perturb(frames: np.ndarray, tile: np.ndarray) -> np.ndarray:
     return out
 
 
-def tile_slice(base: dict[str, np.ndarray], lo: int, hi: int):
+class Tiles:
+    """The tiled dataset, made fast: each distinct screen of the base rollout once, perturbed once
+    per tile, and the stacks gathered from those (one copy per row, not three)."""
+
+    def __init__(self, base: dict[str, np.ndarray]) -> None:
+        self.base = base
+        self.n = base["observation"].shape[0]
+        stacks = np.concatenate([base["observation"], base["next_observation"]], axis=1)  # [n, 2F, 84, 84]
+        flat = np.ascontiguousarray(stacks).reshape(-1, FRAME)
+        keys = flat.view(np.dtype((np.void, FRAME))).ravel()
+        _, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
+        self.frames = flat[first]  # distinct screens [u, FRAME]
+        self.index = inverse.reshape(self.n, -1)  # [n, 2F] into frames
+        self.stack = base["observation"].shape[1]
+        self._tile = -1
+        self._perturbed = self.frames
+
+    def perturbed(self, tile: int) -> np.ndarray:
+        if tile != self._tile:
+            self._perturbed = perturb(self.frames[:, None], np.full(self.frames.shape[0], tile))[:, 0]
+            self._tile = tile
+        return self._perturbed
+
+    def frames_of(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+        """``[hi - lo, F, 84, 84]`` observation and next observation stacks of rows ``lo:hi``."""
+        m, f = hi - lo, self.stack
+        obs = np.empty((m, f, FRAME), np.uint8)
+        nxt = np.empty((m, f, FRAME), np.uint8)
+        row = lo
+        while row < hi:  # a loop over the (at most a few) tiles of the slice
+            tile, pos = divmod(row, self.n)
+            end = min(hi, (tile + 1) * self.n)
+            pf, idx = self.perturbed(tile), self.index[pos: pos + end - row]
+            np.take(pf, idx[:, :f], axis=0, out=obs[row - lo: end - lo], mode="clip")  # "raise" buffers the copy
+            np.take(pf, idx[:, f:], axis=0, out=nxt[row - lo: end - lo], mode="clip")
+            row = end
+        return obs.reshape(m, f, 84, 84), nxt.reshape(m, f, 84, 84)
+
+
+def tile_slice(base: dict[str, np.ndarray] | Tiles, lo: int, hi: int):
     """Rows ``lo:hi`` of the tiled dataset as a TensorDict in TorchRL's layout."""
     import torch
     from tensordict import TensorDict
 
-    n = base["observation"].shape[0]
+    tiles = base if isinstance(base, Tiles) else Tiles(base)
+    base = tiles.base
+    n = tiles.n
     idx = np.arange(lo, hi)
     tile, pos = idx // n, idx % n
     traj_span = int(base["traj"].max()) + 1
+    obs, nxt = tiles.frames_of(lo, hi)
     t = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in {
-        "observation": perturb(base["observation"][pos], tile),
-        "next_observation": perturb(base["next_observation"][pos], tile),
+        "observation": obs, "next_observation": nxt,
         "action": base["action"][pos], "reward": base["reward"][pos],
         "terminated": base["terminated"][pos], "truncated": base["truncated"][pos],
         "done": base["done"][pos], "traj": base["traj"][pos] + tile * traj_span}.items()}
@@ -106,6 +147,15 @@ def tile_slice(base: dict[str, np.ndarray], lo: int, hi: int):
         "next": {"observation": t["next_observation"], "reward": t["reward"], "done": t["done"],
                  "terminated": t["terminated"], "truncated": t["truncated"]},
     }, [hi - lo])
+
+
+def tile_slice_reference(base: dict[str, np.ndarray], lo: int, hi: int) -> dict[str, np.ndarray]:
+    """The slow, obvious form of :func:`tile_slice`'s frames (for checking it)."""
+    n = base["observation"].shape[0]
+    idx = np.arange(lo, hi)
+    tile, pos = idx // n, idx % n
+    return {"observation": perturb(base["observation"][pos], tile),
+            "next_observation": perturb(base["next_observation"][pos], tile)}
 
 
 class AnonPeak:
@@ -164,7 +214,7 @@ def disk_bytes(path: Path) -> dict[str, int]:
 def step_build(path: Path, rows: int, slice_rows: int, chunk_frames: int, codec: str) -> dict[str, Any]:
     from tiered import TieredStore
 
-    base = base_rollout()
+    base = Tiles(base_rollout())
     meter = AnonPeak()
     t0 = time.perf_counter()
     store = TieredStore(rows, str(path), frames={"observation": 0}, hot_bytes=0, warm_bytes=0,
@@ -186,7 +236,7 @@ def step_build(path: Path, rows: int, slice_rows: int, chunk_frames: int, codec:
 def step_commit(path: Path, rows: int, new_rows: int) -> dict[str, Any]:
     import tiered
 
-    base = base_rollout()
+    base = Tiles(base_rollout())
     store = tiered.open(str(path), "r+")
     # new rows from tiles past the end, so they are new frames too
     store.extend(tile_slice(base, rows, rows + new_rows))
