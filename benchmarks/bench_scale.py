@@ -29,7 +29,9 @@ frames, action int32, reward float32 and terminal uint8, each gzipped the way Do
 ``circular_replay_buffer`` writes them: ``gzip.GzipFile``'s default level 9), measured on the
 first ``--dopamine-rows`` rows and given per transition, and ``LazyMemmapStorage``'s bytes
 (its arrays are dense, so they are computed from the shapes: 2 x 4 x 84 x 84 B of frames per
-transition plus the small columns).
+transition plus the small columns). With ``--lms-rows N`` a real ``LazyMemmapStorage`` of the
+first ``N`` rows is also built (56 KB a row on disk: pick the largest ``N`` the disk holds) and
+sampled warm and cold the same way, and tiered's rates are given as ratios to it.
 
 Results go to ``benchmarks/out/bench_scale.json`` and ``benchmarks/out/bench_scale.md``. Not
 part of CI (minutes and GBs at the default size).
@@ -294,6 +296,46 @@ def step_sample(path: Path, rows: int, batches: int, batch: int) -> dict[str, An
     return out
 
 
+def step_lms(path: Path, rows: int, slice_rows: int, batches: int, batch: int) -> dict[str, Any]:
+    """The anchor: TorchRL's ``LazyMemmapStorage`` of the same rows: build, bytes on disk, sample."""
+    import torch
+    from torchrl.data import LazyMemmapStorage
+
+    tiles = Tiles(base_rollout())
+    storage = LazyMemmapStorage(rows, scratch_dir=str(path), existsok=True)
+    making, t0 = 0.0, time.perf_counter()
+    for lo in range(0, rows, slice_rows):
+        m = time.perf_counter()
+        hi = min(rows, lo + slice_rows)
+        td = tile_slice(tiles, lo, hi)
+        making += time.perf_counter() - m
+        storage.set(torch.arange(lo, hi), td)
+    os.sync()  # on disk, as tiered's close() leaves its store (and not competing with the sampling)
+    seconds = time.perf_counter() - t0 - making
+    files = store_files(path)
+    out: dict[str, Any] = {"lms_rows": rows, "lms_build_rows_per_s": rows / seconds,
+                           "lms_disk_bytes": sum(p.stat().st_blocks * 512 for p in files)}
+    rng = np.random.default_rng(0)
+    for mode in ("warm", "cold"):
+        storage.get(torch.from_numpy(rng.integers(0, rows, batch)))
+        spent = 0.0
+        for _ in range(batches):
+            idx = torch.from_numpy(rng.integers(0, rows, batch))
+            if mode == "cold":
+                for name in files:
+                    fd = os.open(name, os.O_RDONLY)
+                    try:
+                        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                    finally:
+                        os.close(fd)
+            t = time.perf_counter()
+            td = storage.get(idx)
+            td["observation"].sum()  # touch the bytes (a memory-mapped storage may hand out lazy views)
+            spent += time.perf_counter() - t
+        out[f"lms_sample_{mode}_per_s"] = batches * batch / spent
+    return out
+
+
 def dopamine_bytes(rows: int) -> dict[str, Any]:
     """Bytes per transition of the Dopamine checkpoint layout of the first ``rows`` rows."""
     base = base_rollout()
@@ -313,7 +355,7 @@ def dopamine_bytes(rows: int) -> dict[str, Any]:
 
 
 STEPS = {"build": step_build, "commit": step_commit, "reopen": step_reopen, "sample": step_sample,
-         "dopamine": dopamine_bytes}
+         "dopamine": dopamine_bytes, "lms": step_lms}
 
 
 def run_step(name: str, **kw: Any) -> dict[str, Any]:
@@ -342,7 +384,7 @@ def measure(rows: int, workdir: Path, args: argparse.Namespace) -> dict[str, Any
 
 
 def report(results: list[dict[str, Any]], dop: dict[str, Any], facts: dict[str, Any], load: str,
-           args: argparse.Namespace) -> str:
+           args: argparse.Namespace, lms_run: dict[str, Any] | None = None) -> str:
     lms = 2 * 4 * FRAME + 8 + 4 + 4 * 1 + 8  # frames, action, reward, flags, trajectory id
     head = ["rows", "K, codec", "build rows/s", "build peak anon", "disk B/transition (all)", "one generation (arrays)",
             f"commit after {args.commit_rows:,} rows", "commit wrote", "reopen", "anon after reopen",
@@ -362,6 +404,17 @@ def report(results: list[dict[str, Any]], dop: dict[str, Any], facts: dict[str, 
              f"first {dop['dopamine_rows']:,} rows) **{dop['dopamine_bytes_per_transition']:.0f}** "
              f"({dop['dopamine_frame_bytes']:.0f} of them frames); LazyMemmapStorage {lms:,} (dense, from the shapes).",
              ""]
+    if lms_run:
+        n = lms_run["lms_rows"]
+        lines += [f"LazyMemmapStorage of the first {n:,} rows, built and sampled the same way: "
+                  f"{lms_run['lms_disk_bytes'] / n:,.0f} B/transition on disk, build {lms_run['lms_build_rows_per_s']:,.0f} "
+                  f"rows/s, sample B=256 warm {lms_run['lms_sample_warm_per_s']:,.0f}/s, cold "
+                  f"{lms_run['lms_sample_cold_per_s']:,.0f}/s."]
+        for r in results:
+            lines.append(f"tiered at {r['rows']:,} rows against it: {lms_run['lms_disk_bytes'] / n / (r['disk_all'] / r['rows']):,.0f}x "
+                         f"fewer bytes per transition, sample warm {r['sample_warm_per_s'] / lms_run['lms_sample_warm_per_s']:.2f}x, "
+                         f"cold {r['sample_cold_per_s'] / lms_run['lms_sample_cold_per_s']:.2f}x.")
+        lines.append("")
     if len(results) > 1:
         a, b = results[0], results[-1]
         lines.append(f"Commit after {args.commit_rows:,} new rows: {b['commit_s'] / a['commit_s']:.2f}x as long "
@@ -371,7 +424,7 @@ def report(results: list[dict[str, Any]], dop: dict[str, Any], facts: dict[str, 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rows", type=int, nargs="+", default=[1_000_000])
+    p.add_argument("--rows", type=int, nargs="*", default=[1_000_000])
     p.add_argument("--workdir", help="where to build the stores (default: a temporary directory)")
     p.add_argument("--keep", action="store_true", help="keep the stores")
     p.add_argument("--slice", type=int, default=5_000, help="rows per extend while building (the slice itself takes 56 KB a row)")
@@ -380,6 +433,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--codec", default="zstd", help="the stores' codec, e.g. zstd:9 (default: %(default)s)")
     p.add_argument("--batches", type=int, default=20, help="B=256 batches per sample mode")
     p.add_argument("--dopamine-rows", type=int, default=100_000)
+    p.add_argument("--lms-rows", type=int, default=0,
+                   help="also build TorchRL's LazyMemmapStorage of this many rows (56 KB each on disk) and sample it")
     p.add_argument("--step", choices=STEPS, help=argparse.SUPPRESS)
     p.add_argument("--step-args", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -392,10 +447,18 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="bench_scale_"))
     workdir.mkdir(parents=True, exist_ok=True)
     results = [measure(n, workdir, args) for n in args.rows]
+    lms_run = None
+    if args.lms_rows:
+        lms_path = workdir / f"lms_{args.lms_rows}"
+        print(f"LazyMemmapStorage, {args.lms_rows:,} rows: building {lms_path}", file=sys.stderr, flush=True)
+        lms_run = run_step("lms", path=lms_path, rows=args.lms_rows, slice_rows=args.slice, batches=args.batches,
+                           batch=256)
+        shutil.rmtree(lms_path, ignore_errors=True)
     dop = run_step("dopamine", rows=args.dopamine_rows)
-    text = report(results, dop, machine_facts(), describe_load(before), args)
+    text = report(results, dop, machine_facts(), describe_load(before), args, lms_run)
     OUT_DIR.mkdir(parents=True, exist_ok=True)
-    (OUT_DIR / "bench_scale.json").write_text(json.dumps({"results": results, "dopamine": dop}, indent=1))
+    (OUT_DIR / "bench_scale.json").write_text(json.dumps({"results": results, "dopamine": dop, "lms": lms_run},
+                                                         indent=1))
     (OUT_DIR / "bench_scale.md").write_text(text)
     print(text)
     if not args.workdir and not args.keep:
