@@ -563,12 +563,11 @@ class ShiftedRowTable(_LastColumnTable):
             return blob, slot
         pos = np.searchsorted(self.exc_rows, rows, side="right") - 1  # -1: the last one, a lap before
         d = rows - self.exc_rows[pos] + np.where(pos < 0, cap, 0)
-        near = np.flatnonzero(d < f - 1)
-        if near.size:
-            col = np.arange(f - 1)[None, :] + d[near, None]  # [m, F - 1]: the exception's column of frame j
-            i, j = np.nonzero(col < f - 1)
-            at, p, c = near[i], pos[near][i], col[i, j]
-            blob[at, j], slot[at, j] = self.exc_blob[p, c], self.exc_slot[p, c]
+        near = np.flatnonzero(d < f - 1)  # rows within F - 1 of their exception (no branch on it:
+        col = np.arange(f - 1)[None, :] + d[near, None]  # the same calls for every batch)
+        i, j = np.nonzero(col < f - 1)  # [m, F - 1]: the exception's column of frame j, where it has one
+        at, p, c = near[i], pos[near][i], col[i, j]
+        blob[at, j], slot[at, j] = self.exc_blob[p, c], self.exc_slot[p, c]
         return blob, slot
 
     def put(self, rows: np.ndarray, blob: np.ndarray, slot: np.ndarray) -> None:
