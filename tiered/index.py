@@ -579,7 +579,14 @@ class ShiftedRowTable(_LastColumnTable):
         slot = np.broadcast_to(np.asarray(slot), (rows.size, self._frames)).astype(SLOT_DTYPE)
         f, cap = self._frames, self.capacity
         # the rows whose exception status may change: the written ones and the F - 1 after each
-        touched = np.unique(np.concatenate([rows, ((rows[:, None] + np.arange(1, f)) % cap).reshape(-1)]))
+        if rows.size * f < cap // 64:
+            touched = np.sort(np.concatenate([rows, ((rows[:, None] + np.arange(1, f)) % cap).reshape(-1)]))
+            touched = touched[np.concatenate([[True], touched[1:] != touched[:-1]])]
+        else:  # a large share of the ring (a whole table at open): a mask, not a sort
+            mask = np.zeros(cap, dtype=bool)
+            for k in range(f):  # a loop over the frames of a stack
+                mask[(rows + k) % cap] = True
+            touched = np.flatnonzero(mask)
         prev = (touched - 1) % cap
         at_row = np.searchsorted(touched, rows)
         is_row = np.zeros(touched.size, dtype=bool)
