@@ -703,9 +703,10 @@ def check_table_rows(path: str, key: Any, rows: RowSpace, layout: FieldLayout, i
                      at: np.ndarray) -> None:
     """Check the row table entries of field ``key`` at rows ``at`` (sorted), as
     :func:`check_references` checks a whole table: called when their pages are first checked.
-    A derived or shifted table checks its own entries (last frames, and the exceptions of those
-    rows); the entries it shares with its base table or with the rows before are checked by
-    their own checks.
+    A derived table checks its own entries (last frames, and the exceptions of those rows); the
+    entries it shares with its base table are checked by the base's own checks. A shifted table
+    checks the whole stacks of the written rows (their first frames are the last frames of the
+    rows before, which a read of them checks first).
 
     Raises:
         CorruptionError: naming the store, the field and the first bad row.
@@ -713,7 +714,11 @@ def check_table_rows(path: str, key: Any, rows: RowSpace, layout: FieldLayout, i
     t = layout.tables[key]
     whole = at.size and int(at[-1]) - int(at[0]) + 1 == at.size  # one run of rows: slices, no gathers
     pick = slice(int(at[0]), int(at[-1]) + 1) if whole else at
-    if not (t.derived or t.shifted):
+    if t.shifted:  # every written row's whole stack: its first frames are the rows' before
+        blob, slot = t.refs(at)
+        _check_row_entries(path, key, rows, layout, index, at, blob, slot, rows.written[pick])
+        return
+    if not t.derived:
         _check_row_entries(path, key, rows, layout, index, at, t.blob[pick], t.slot[pick], rows.written[pick])
         return
     _check_row_entries(path, key, rows, layout, index, at, t.last_blob[pick][:, None], t.last_slot[pick][:, None],
