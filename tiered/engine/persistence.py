@@ -424,7 +424,7 @@ def restore_commit(files: StoreFiles, body: dict[str, Any], mode: str, rows: Row
                 blob, blob_pages = files.lazy_array(body, f"rows.{i}.blob")
                 slot, slot_pages = files.lazy_array(body, f"rows.{i}.slot")
                 if i in shifted:
-                    table = _compact_table(files, body, i, lambda p, f=f: ShiftedRowTable.from_state(
+                    table = _compact_table(files, body, i, True, lambda p, f=f: ShiftedRowTable.from_state(
                         rows.capacity, f.frames_per_row, p), blob, slot)
                 else:
                     table = RowTable.from_arrays(blob, slot)
@@ -435,8 +435,8 @@ def restore_commit(files: StoreFiles, body: dict[str, Any], mode: str, rows: Row
             # the last frame column per row is mapped like a table; the exception lists are small
             # and read (checked) whole
             (blob, blob_pages), (slot, slot_pages) = (files.lazy_array(body, table_file(i, s)) for s in ("blob", "slot"))
-            table = _compact_table(files, body, i, functools.partial(DerivedRowTable.from_state,
-                                                                     layout.tables[fields[j].key]), blob, slot)
+            table = _compact_table(files, body, i, False, functools.partial(
+                DerivedRowTable.from_state, layout.tables[fields[j].key]), blob, slot)
             table.guard = RowCheck([blob_pages, slot_pages], rows.capacity,
                                    functools.partial(check_table_rows, files.path, fields[i].key, rows, layout, index))
             layout.tables[fields[i].key] = table
@@ -553,15 +553,14 @@ def table_file(i: int, suffix: str, shifted: bool = False) -> str:
     return f"rows.{i}.{suffix}"
 
 
-def _compact_table(files: StoreFiles, body: dict[str, Any], i: int, make: Callable[[dict[str, np.ndarray]], T],
-                   blob: np.ndarray, slot: np.ndarray) -> T:
+def _compact_table(files: StoreFiles, body: dict[str, Any], i: int, shifted: bool,
+                   make: Callable[[dict[str, np.ndarray]], T], blob: np.ndarray, slot: np.ndarray) -> T:
     """Field ``i``'s derived or shifted table over its mapped last column and its exception
     lists, read (page-checked) whole and checked before use.
 
     Raises:
         CorruptionError: naming the exception file.
     """
-    shifted = i in set(body.get("shifted_tables") or [])
     load = files.arrays(body)
     parts = {"blob": blob, "slot": slot, **{s: load(table_file(i, s, shifted)) for s in _DERIVED_SUFFIXES[2:]}}
     try:
