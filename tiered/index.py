@@ -22,7 +22,11 @@ A :class:`RowTable` maps each row of a blob field to ``frames_per_row`` (blob id
 pairs: the frame ``j`` of row ``r`` is frame ``slot[r, j]`` inside blob ``blob[r, j]``. Blob
 ids are ``int32`` (-1: none; an index holds at most :data:`MAX_BLOB_IDS` ids) and slots
 ``uint16`` (a chunk holds at most 65536 frames), 6 bytes per frame reference; whoever does
-arithmetic on them widens to ``int64`` first.
+arithmetic on them widens to ``int64`` first. Stacked fields keep compact forms that rebuild the
+same entries: a :class:`ShiftedRowTable` keeps each row's newest frame (the rest of a stack is
+the previous row's, shifted by one step), a :class:`DerivedRowTable` a ``("next", X)`` stack's
+newest frame (the rest is ``X``'s stack of the row, shifted), each with a list of the rows where
+that rule fails.
 
 Example:
     >>> import numpy as np
