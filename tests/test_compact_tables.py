@@ -83,13 +83,16 @@ def test_a_new_store_writes_32_bit_row_tables(tmp_path, atari_pong):
     with TieredStore(256, path, chunk_frames=8) as s:
         s.extend(atari_pong[:300])
         assert _dtypes(s) == {"int32", "uint16"}
-        # observation 4 x (4 + 2) bytes per row, its next stack only its last frame (derived)
-        assert s.stats()["memory"]["row_tables"] == 256 * 5 * 6
+        # observation and its next stack keep only their last frame per row (shifted, derived),
+        # plus one exception of the observation: row 44, whose stack does not follow row 43's
+        assert parts(s).layout.tables[("observation",)].exc_rows.tolist() == [44]
+        assert s.stats()["memory"]["row_tables"] == 256 * 2 * 6 + (8 + 3 * 6)
         index_of = {k: i for i, k in enumerate(s.schema)}
         s.flush()
     body = _body(path)
-    assert body["format_version"] == FORMAT_VERSION == 3
+    assert body["format_version"] == FORMAT_VERSION == 4
     assert body["derived_tables"] == {str(index_of[("next", "observation")]): index_of[("observation",)]}
+    assert body["shifted_tables"] == [index_of[("observation",)]]
     assert {d for _, d in _table_dtypes(path)} == {"int32", "uint16"}
     with tiered.open(path) as s:
         r = np.arange(256)
@@ -110,15 +113,18 @@ def test_a_format2_store_reads_the_same_and_upgrades_at_its_next_commit(tmp_path
         assert _dtypes(s) == {"int32", "uint16"}
         table = parts(s).layout.tables[("next", "observation")]
         assert table.derived and table.exc_rows.size == 0  # the explicit next table went derived
-        assert s.stats()["memory"]["row_tables"] == CAPACITY * 5 * 6  # was 2 x 4 x 12
+        # was 2 x 4 x 12 B per row; the observation went shifted too: rows 0, 100 (an episode
+        # start) and 200 (the first unwritten row) break the rule
+        assert parts(s).layout.tables[("observation",)].exc_rows.tolist() == [0, 100, 200]
+        assert s.stats()["memory"]["row_tables"] == CAPACITY * 2 * 6 + 3 * (8 + 3 * 6)
     assert {p.name: p.read_bytes() for p in (path / "arrays").iterdir()} == before
     assert verify_store(path, progress=False).ok
-    # a writer: its commits write format 3, the copies left by format 2 are rewritten whole
+    # a writer: its commits write the current format, the copies left by format 2 are rewritten whole
     with tiered.open(path, mode="r+") as s:
         for a in (600, 610, 620):  # three commits: every copy of every array is rewritten once
             s.extend(atari_pong[a:a + 10])
             s.flush(force=True)
-            assert _body(path)["format_version"] == 3
+            assert _body(path)["format_version"] == FORMAT_VERSION
             assert {d for _, d in _table_dtypes(path)} == {"int32", "uint16"}
     with tiered.open(path) as s:
         assert len(s) == ROWS + 30
@@ -206,7 +212,8 @@ def test_derived_next_tables_read_like_the_data_where_the_rule_fails_too(tmp_pat
         bad = np.flatnonzero(_stacks_mismatch(truth) & written)
         assert bad.size >= 5 and table.exc_rows.tolist() == bad.tolist()
         stats = s.stats()["memory"]["row_tables"]
-        assert stats == cap * 5 * 6 + bad.size * (8 + 3 * 6)
+        shifted = parts(s).layout.tables[("observation",)].exc_rows.size
+        assert stats == cap * 2 * 6 + (bad.size + shifted) * (8 + 3 * 6)
         # error messages name the next field for a blob only its last frames use
         b = int(table.ids(np.array([100]))[0, -1])
         assert "next/observation" in parts(s).layout.rows_using(np.array([b]))[0]

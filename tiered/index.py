@@ -22,7 +22,11 @@ A :class:`RowTable` maps each row of a blob field to ``frames_per_row`` (blob id
 pairs: the frame ``j`` of row ``r`` is frame ``slot[r, j]`` inside blob ``blob[r, j]``. Blob
 ids are ``int32`` (-1: none; an index holds at most :data:`MAX_BLOB_IDS` ids) and slots
 ``uint16`` (a chunk holds at most 65536 frames), 6 bytes per frame reference; whoever does
-arithmetic on them widens to ``int64`` first.
+arithmetic on them widens to ``int64`` first. Stacked fields keep compact forms that rebuild the
+same entries: a :class:`ShiftedRowTable` keeps each row's newest frame (the rest of a stack is
+the previous row's, shifted by one step), a :class:`DerivedRowTable` a ``("next", X)`` stack's
+newest frame (the rest is ``X``'s stack of the row, shifted), each with a list of the rows where
+that rule fails.
 
 Example:
     >>> import numpy as np
@@ -43,7 +47,7 @@ import numpy as np
 from .errors import StorageFullError
 from .util.dirty import DirtyBlocks
 
-__all__ = ["BlobIndex", "RowTable", "DerivedRowTable", "FREE", "OPEN", "STORED", "HOT", "WARM", "COLD", "MAX_BLOB_IDS",
+__all__ = ["BlobIndex", "RowTable", "DerivedRowTable", "ShiftedRowTable", "FREE", "OPEN", "STORED", "HOT", "WARM", "COLD", "MAX_BLOB_IDS",
            "BLOB_DTYPE", "SLOT_DTYPE", "check_blob_ids"]
 
 #: dtype of the blob ids in row tables (-1: no blob)
@@ -228,6 +232,7 @@ class RowTable:
     """
 
     derived = False
+    shifted = False
     guard: Any = None
 
     def __init__(self, capacity: int, frames_per_row: int):
@@ -263,6 +268,10 @@ class RowTable:
     def ids(self, rows: Any) -> np.ndarray:
         """``[len(rows), frames]`` blob ids of ``rows`` (an int array or a bool mask)."""
         return self.blob[rows]
+
+    def reach(self, rows: Any) -> Any:
+        """The rows whose stored entries a read or a write of ``rows`` uses (for page checks)."""
+        return rows
 
     def refs(self, rows: Any) -> tuple[np.ndarray, np.ndarray]:
         """``([len(rows), frames]`` blob ids, slots) of ``rows``."""
@@ -304,67 +313,46 @@ class RowTable:
             self.slot = np.where((self.slot >= 0) & (self.slot <= hi), self.slot, 0).astype(SLOT_DTYPE)
 
 
-class DerivedRowTable(RowTable):
-    """The row table of a stacked ``("next", X)`` field, derived from ``X``'s table ``base``.
+class _LastColumnTable(RowTable):
+    """What the compact tables share: the last frame column per row (``last_blob``,
+    ``last_slot``) and a sorted exception list (``exc_rows``, with the first ``F - 1`` entries of
+    each exception row in ``exc_blob``/``exc_slot``). Subclasses say how the first ``F - 1``
+    frames of the other rows are found."""
 
-    Frame ``j < F - 1`` of a next stack is, as a rule, frame ``j + 1`` of the row's ``X`` stack
-    (the stack shifted by one step), so only the last frame column is kept per row, plus an
-    exception list: the sorted rows where the rule does not hold, with their first ``F - 1``
-    entries. Reads rebuild ``[rows, F]`` with index arithmetic (no per-row loops). The caller
-    writes ``base``'s rows before this table's (:meth:`put` compares with them).
+    #: the list is crowded beyond ``max(4096, capacity // crowd_divisor)`` exception rows
+    crowd_divisor = 256
+    kind = "compact"
 
-    Example:
-        >>> x = RowTable(3, 2)
-        >>> x.put(np.arange(3), np.array([[0, 1], [1, 2], [5, 6]]), np.zeros((3, 2)))
-        >>> nxt = DerivedRowTable(x)
-        >>> nxt.put(np.arange(3), np.array([[1, 9], [2, 9], [4, 9]]), np.zeros((3, 2)))
-        >>> nxt.ids(np.arange(3)).tolist(), nxt.exc_rows.tolist()
-        ([[1, 9], [2, 9], [4, 9]], [2])
-    """
-
-    derived = True
-
-    def __init__(self, base: RowTable):
-        cap, frames = base.capacity, base.frames
+    def _empty(self, capacity: int, frames: int) -> None:
         if frames < 2:
-            raise ValueError(f"a derived row table needs stacks of 2 frames or more, got {frames}")
-        self.base = base
+            raise ValueError(f"a {self.kind} row table needs stacks of 2 frames or more, got {frames}")
         self._frames = frames
-        self.last_blob = np.full(cap, -1, dtype=BLOB_DTYPE)
-        self.last_slot = np.zeros(cap, dtype=SLOT_DTYPE)
+        self.guard = None
+        self.last_blob = np.full(capacity, -1, dtype=BLOB_DTYPE)
+        self.last_slot = np.zeros(capacity, dtype=SLOT_DTYPE)
         self.exc_rows = np.empty(0, dtype=np.int64)
         self.exc_blob = np.empty((0, frames - 1), dtype=BLOB_DTYPE)
         self.exc_slot = np.empty((0, frames - 1), dtype=SLOT_DTYPE)
 
-    @classmethod
-    def from_state(cls, base: RowTable, arrays: dict[str, np.ndarray]) -> DerivedRowTable:
-        """A table over the arrays :meth:`state_arrays` saved.
+    def _load(self, arrays: dict[str, np.ndarray]) -> None:
+        """Take the arrays :meth:`state_arrays` saved, once checked.
 
         Raises:
             ValueError: the arrays' shapes, dtypes or exception rows are not what a commit writes.
         """
-        table = cls(base)
-        cap, frames = base.capacity, base.frames
+        cap, frames = self.capacity, self._frames
         last_blob, last_slot = arrays["blob"], arrays["slot"]
         rows, eb, es = arrays["exc_rows"], arrays["exc_blob"], arrays["exc_slot"]
         k = rows.shape[0] if rows.ndim == 1 else -1
         if (last_blob.shape != (cap, 1) or last_slot.shape != (cap, 1) or eb.shape != (k, frames - 1)
                 or es.shape != (k, frames - 1) or last_blob.dtype != BLOB_DTYPE or eb.dtype != BLOB_DTYPE
                 or last_slot.dtype != SLOT_DTYPE or es.dtype != SLOT_DTYPE or rows.dtype != np.int64):
-            raise ValueError(f"derived row table arrays of shapes {last_blob.shape} {last_slot.shape} {rows.shape} "
-                             f"{eb.shape} {es.shape} do not fit a table of {cap} rows of {frames} frames")
+            raise ValueError(f"{self.kind} row table arrays of shapes {last_blob.shape} {last_slot.shape} "
+                             f"{rows.shape} {eb.shape} {es.shape} do not fit a table of {cap} rows of {frames} frames")
         if k and (int(rows[0]) < 0 or int(rows[-1]) >= cap or (k > 1 and bool((np.diff(rows) <= 0).any()))):
-            raise ValueError(f"derived row table exception rows are not sorted distinct rows in [0, {cap})")
-        table.last_blob, table.last_slot = last_blob.reshape(cap), last_slot.reshape(cap)
-        table.exc_rows, table.exc_blob, table.exc_slot = np.asarray(rows), np.asarray(eb), np.asarray(es)
-        return table
-
-    @classmethod
-    def derive(cls, base: RowTable, table: RowTable) -> DerivedRowTable:
-        """The derived form of the explicit ``table`` (same entries)."""
-        out = cls(base)
-        out.put(np.arange(table.capacity), *table.full())
-        return out
+            raise ValueError(f"{self.kind} row table exception rows are not sorted distinct rows in [0, {cap})")
+        self.last_blob, self.last_slot = last_blob.reshape(cap), last_slot.reshape(cap)
+        self.exc_rows, self.exc_blob, self.exc_slot = np.asarray(rows), np.asarray(eb), np.asarray(es)
 
     @property
     def blob(self) -> np.ndarray:  # type: ignore[override]
@@ -397,6 +385,84 @@ class DerivedRowTable(RowTable):
         pos = np.minimum(np.searchsorted(self.exc_rows, rows), self.exc_rows.size - 1)
         return pos, self.exc_rows[pos] == rows
 
+    def ids(self, rows: Any) -> np.ndarray:
+        return self.refs(rows)[0]
+
+    def full(self) -> tuple[np.ndarray, np.ndarray]:
+        return self.refs(np.arange(self.capacity))
+
+    def _replace(self, rows: np.ndarray, new_rows: np.ndarray, new_blob: np.ndarray, new_slot: np.ndarray) -> None:
+        """Drop the exceptions of ``rows``, then add ``new_rows``' (a subset of ``rows``)."""
+        drop = np.zeros(self.exc_rows.size, dtype=bool)
+        if self.exc_rows.size:
+            pos, hit = self._exceptions(rows)
+            drop[pos[hit]] = True
+        if not drop.any() and not new_rows.size:
+            return
+        keep = ~drop
+        rows_all = np.concatenate([self.exc_rows[keep], new_rows.astype(np.int64)])
+        order = np.argsort(rows_all, kind="stable")
+        self.exc_rows = rows_all[order]
+        self.exc_blob = np.concatenate([self.exc_blob[keep], new_blob.astype(BLOB_DTYPE)])[order]
+        self.exc_slot = np.concatenate([self.exc_slot[keep], new_slot.astype(SLOT_DTYPE)])[order]
+
+    @property
+    def crowded(self) -> bool:
+        """Whether so many rows break the rule that an explicit table serves better (the
+        exception list is rebuilt at every write and rewritten whole at every commit)."""
+        return self.exc_rows.size > max(4096, self.capacity // self.crowd_divisor)
+
+    def state_arrays(self) -> dict[str, np.ndarray]:
+        return {"blob": self.last_blob[:, None], "slot": self.last_slot[:, None], "exc_rows": self.exc_rows,
+                "exc_blob": self.exc_blob, "exc_slot": self.exc_slot}
+
+    def compact(self) -> None:
+        """Saved compact tables are already compact."""
+
+
+class DerivedRowTable(_LastColumnTable):
+    """The row table of a stacked ``("next", X)`` field, derived from ``X``'s table ``base``.
+
+    Frame ``j < F - 1`` of a next stack is, as a rule, frame ``j + 1`` of the row's ``X`` stack
+    (the stack shifted by one step), so only the last frame column is kept per row, plus an
+    exception list: the sorted rows where the rule does not hold, with their first ``F - 1``
+    entries. Reads rebuild ``[rows, F]`` with index arithmetic (no per-row loops). The caller
+    writes ``base``'s rows before this table's (:meth:`put` compares with them).
+
+    Example:
+        >>> x = RowTable(3, 2)
+        >>> x.put(np.arange(3), np.array([[0, 1], [1, 2], [5, 6]]), np.zeros((3, 2)))
+        >>> nxt = DerivedRowTable(x)
+        >>> nxt.put(np.arange(3), np.array([[1, 9], [2, 9], [4, 9]]), np.zeros((3, 2)))
+        >>> nxt.ids(np.arange(3)).tolist(), nxt.exc_rows.tolist()
+        ([[1, 9], [2, 9], [4, 9]], [2])
+    """
+
+    derived = True
+    kind = "derived"
+
+    def __init__(self, base: RowTable):
+        self.base = base
+        self._empty(base.capacity, base.frames)
+
+    @classmethod
+    def from_state(cls, base: RowTable, arrays: dict[str, np.ndarray]) -> DerivedRowTable:
+        """A table over the arrays :meth:`state_arrays` saved.
+
+        Raises:
+            ValueError: the arrays' shapes, dtypes or exception rows are not what a commit writes.
+        """
+        table = cls(base)
+        table._load(arrays)
+        return table
+
+    @classmethod
+    def derive(cls, base: RowTable, table: RowTable) -> DerivedRowTable:
+        """The derived form of the explicit ``table`` (same entries)."""
+        out = cls(base)
+        out.put(np.arange(table.capacity), *table.full())
+        return out
+
     def refs(self, rows: Any) -> tuple[np.ndarray, np.ndarray]:
         rows = _row_ids(rows)
         b, s = self.base.refs(rows)
@@ -419,9 +485,6 @@ class DerivedRowTable(RowTable):
             blob[hit, :-1] = self.exc_blob[pos[hit]]
         return blob
 
-    def full(self) -> tuple[np.ndarray, np.ndarray]:
-        return self.refs(np.arange(self.capacity))
-
     def put(self, rows: np.ndarray, blob: np.ndarray, slot: np.ndarray) -> None:
         rows = _row_ids(rows)
         blob, slot = np.asarray(blob), np.asarray(slot)
@@ -435,30 +498,120 @@ class DerivedRowTable(RowTable):
         self.last_blob[rows] = -1
         self._replace(rows, rows[:0], self.exc_blob[:0], self.exc_slot[:0])
 
-    def _replace(self, rows: np.ndarray, new_rows: np.ndarray, new_blob: np.ndarray, new_slot: np.ndarray) -> None:
-        """Drop the exceptions of ``rows``, then add ``new_rows``' (a subset of ``rows``)."""
-        drop = np.zeros(self.exc_rows.size, dtype=bool)
-        if self.exc_rows.size:
-            pos, hit = self._exceptions(rows)
-            drop[pos[hit]] = True
-        if not drop.any() and not new_rows.size:
+
+class ShiftedRowTable(_LastColumnTable):
+    """The row table of a stacked field ``X`` (frame stacks of ``F`` frames) kept as its newest
+    frames only.
+
+    Frame ``j < F - 1`` of row ``r`` is, as a rule, frame ``j + 1`` of row ``r - 1`` (the ring's
+    previous row, mod capacity): the stack shifted by one step. Only the last frame column is
+    kept per row, plus an exception list: the sorted rows where the rule does not hold (episode
+    starts, the first row after a gap or a rewrite, rows written out of order), with their first
+    ``F - 1`` entries. Frame ``j`` of row ``r`` is then, with ``e`` the nearest exception row at
+    or before ``r`` (around the ring) and ``d = r - e``: ``exc[e][j + d]`` if ``j + d < F - 1``,
+    else ``last[r - (F - 1 - j)]``; a read of any rows is a gather and a ``searchsorted``.
+    A write keeps every other row's stack as it was (rows after the written ones whose stacks
+    no longer follow become exceptions).
+
+    Example:
+        >>> t = ShiftedRowTable(6, 3)
+        >>> stacks = np.array([[0, 0, 0], [0, 0, 1], [0, 1, 2], [1, 2, 3], [7, 7, 7], [7, 7, 8]])
+        >>> t.put(np.arange(6), stacks, np.zeros((6, 3)))
+        >>> t.ids(np.arange(6)).tolist() == stacks.tolist(), t.exc_rows.tolist(), t.last_blob.tolist()
+        (True, [0, 4], [0, 1, 2, 3, 7, 8])
+        >>> t.put(np.array([2]), np.array([[5, 5, 5]]), np.zeros((1, 3)))  # rows 3 and 4 keep their stacks
+        >>> t.ids(np.arange(6))[2:5].tolist(), t.exc_rows.tolist()
+        ([[5, 5, 5], [1, 2, 3], [7, 7, 7]], [0, 2, 3, 4])
+    """
+
+    shifted = True
+    kind = "shifted"
+    crowd_divisor = 32
+
+    def __init__(self, capacity: int, frames: int):
+        self._empty(capacity, frames)
+
+    @classmethod
+    def from_state(cls, capacity: int, frames: int, arrays: dict[str, np.ndarray]) -> ShiftedRowTable:
+        """A table over the arrays :meth:`state_arrays` saved.
+
+        Raises:
+            ValueError: the arrays' shapes, dtypes or exception rows are not what a commit writes.
+        """
+        table = cls(capacity, frames)
+        table._load(arrays)
+        return table
+
+    @classmethod
+    def shift(cls, table: RowTable) -> ShiftedRowTable:
+        """The shifted form of the explicit ``table`` (same entries)."""
+        out = cls(table.capacity, table.frames)
+        out.put(np.arange(table.capacity), *table.full())
+        return out
+
+    def reach(self, rows: np.ndarray) -> np.ndarray:
+        """Rows whose entries a read or a write of ``rows`` may use: ``rows - F .. rows + F - 1``
+        around the ring (for page checks: the ends suffice when a unit of checked rows is wider)."""
+        rows = _row_ids(rows).astype(np.int64)
+        f, cap = self._frames, self.capacity
+        unit = getattr(self.guard, "unit", 1)
+        steps = np.array([-f, 0, f - 1]) if unit >= 2 * f else np.arange(-f, f)
+        return ((rows[:, None] + steps) % cap).reshape(-1)
+
+    def refs(self, rows: Any) -> tuple[np.ndarray, np.ndarray]:
+        rows = _row_ids(rows).astype(np.int64)
+        f, cap = self._frames, self.capacity
+        src = (rows[:, None] - np.arange(f - 1, -1, -1)) % cap  # the rows whose last frames make the stack
+        blob, slot = self.last_blob[src], self.last_slot[src]
+        if not self.exc_rows.size or not rows.size:
+            return blob, slot
+        pos = np.searchsorted(self.exc_rows, rows, side="right") - 1  # -1: the last one, a lap before
+        d = rows - self.exc_rows[pos] + np.where(pos < 0, cap, 0)
+        near = np.flatnonzero(d < f - 1)  # rows within F - 1 of their exception (no branch on it:
+        col = np.arange(f - 1)[None, :] + d[near, None]  # the same calls for every batch)
+        i, j = np.nonzero(col < f - 1)  # [m, F - 1]: the exception's column of frame j, where it has one
+        at, p, c = near[i], pos[near][i], col[i, j]
+        blob[at, j], slot[at, j] = self.exc_blob[p, c], self.exc_slot[p, c]
+        return blob, slot
+
+    def put(self, rows: np.ndarray, blob: np.ndarray, slot: np.ndarray) -> None:
+        """Set the entries of ``rows`` (distinct, any order); every other row keeps its stack."""
+        rows = _row_ids(rows).astype(np.int64)
+        if not rows.size:
             return
-        keep = ~drop
-        rows_all = np.concatenate([self.exc_rows[keep], new_rows.astype(np.int64)])
-        order = np.argsort(rows_all, kind="stable")
-        self.exc_rows = rows_all[order]
-        self.exc_blob = np.concatenate([self.exc_blob[keep], new_blob.astype(BLOB_DTYPE)])[order]
-        self.exc_slot = np.concatenate([self.exc_slot[keep], new_slot.astype(SLOT_DTYPE)])[order]
+        blob = np.broadcast_to(np.asarray(blob), (rows.size, self._frames)).astype(BLOB_DTYPE)
+        slot = np.broadcast_to(np.asarray(slot), (rows.size, self._frames)).astype(SLOT_DTYPE)
+        f, cap = self._frames, self.capacity
+        # the rows whose exception status may change: the written ones and the F - 1 after each
+        if rows.size * f < cap // 64:
+            touched = np.sort(np.concatenate([rows, ((rows[:, None] + np.arange(1, f)) % cap).reshape(-1)]))
+            touched = touched[np.concatenate([[True], touched[1:] != touched[:-1]])]
+        else:  # a large share of the ring (a whole table at open): a mask, not a sort
+            mask = np.zeros(cap, dtype=bool)
+            for k in range(f):  # a loop over the frames of a stack
+                mask[(rows + k) % cap] = True
+            touched = np.flatnonzero(mask)
+        prev = (touched - 1) % cap
+        at_row = np.searchsorted(touched, rows)
+        is_row = np.zeros(touched.size, dtype=bool)
+        is_row[at_row] = True
+        at_prev = np.minimum(np.searchsorted(touched, prev), touched.size - 1)
+        prev_in = touched[at_prev] == prev
+        # the entries every touched row and every untouched previous row hold now (before any change)
+        keep_rows, outside = touched[~is_row], prev[~prev_in]
+        cur_b, cur_s = self.refs(np.concatenate([keep_rows, outside]))
+        want_b = np.empty((touched.size, f), dtype=BLOB_DTYPE)
+        want_s = np.empty((touched.size, f), dtype=SLOT_DTYPE)
+        want_b[at_row], want_s[at_row] = blob, slot
+        want_b[~is_row], want_s[~is_row] = cur_b[:keep_rows.size], cur_s[:keep_rows.size]
+        prev_b, prev_s = want_b[at_prev], want_s[at_prev]
+        prev_b[~prev_in], prev_s[~prev_in] = cur_b[keep_rows.size:], cur_s[keep_rows.size:]
+        bad = ((want_b[:, :-1] != prev_b[:, 1:]) | (want_s[:, :-1] != prev_s[:, 1:])).any(1)
+        self.last_blob[rows], self.last_slot[rows] = blob[:, -1], slot[:, -1]
+        self._replace(touched, touched[bad], want_b[bad, :-1], want_s[bad, :-1])
 
-    @property
-    def crowded(self) -> bool:
-        """Whether so many rows break the rule that an explicit table serves better (the
-        exception list is rebuilt at every write and rewritten whole at every commit)."""
-        return self.exc_rows.size > max(4096, self.capacity // 256)
-
-    def state_arrays(self) -> dict[str, np.ndarray]:
-        return {"blob": self.last_blob[:, None], "slot": self.last_slot[:, None], "exc_rows": self.exc_rows,
-                "exc_blob": self.exc_blob, "exc_slot": self.exc_slot}
-
-    def compact(self) -> None:
-        """Saved derived tables are already compact."""
+    def unset(self, rows: Any) -> None:
+        """Mark ``rows`` unwritten (blob id -1, slot 0); every other row keeps its stack."""
+        rows = _row_ids(rows)
+        self.put(rows, np.full((rows.size, self._frames), -1, BLOB_DTYPE), np.zeros((rows.size, self._frames),
+                                                                                     SLOT_DTYPE))

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..index import DerivedRowTable, RowTable
+from ..index import DerivedRowTable, RowTable, ShiftedRowTable
 from ..schema import Field, Key, Schema, key_to_str
 from .frames import FrameFamily, layout_rules
 
@@ -61,6 +61,12 @@ class FieldLayout:
         #: ("next", X) field -> X, for the tables kept derived from X's (dedup shares their frames)
         self.derived_from: dict[Key, Key] = {f.key: b for f in schema.blob_fields
                                              if dedup and (b := self.derivable(f)) is not None}
+        #: the other stacked fields, whose tables keep only each row's newest frame (dedup gives
+        #: consecutive rows the same frames)
+        self.shifted: set[Key] = {f.key for f in schema.blob_fields if dedup and f.frame_dim is not None
+                                  and f.frames_per_row >= 2 and f.key not in self.derived_from}
+        for key in self.shifted if tables else ():
+            self.tables[key] = ShiftedRowTable(capacity, self.tables[key].frames)
         for key, base in self.derived_from.items() if tables else ():
             self.tables[key] = DerivedRowTable(self.tables[base])
 
@@ -78,13 +84,17 @@ class FieldLayout:
         return base if ok else None
 
     def explicit(self, key: Key) -> None:
-        """Keep ``key``'s table explicit from now on (its derived form has too many exceptions)."""
+        """Keep ``key``'s table explicit from now on (its derived or shifted form has too many
+        exceptions); a table derived from it reads the new one."""
         table = self.tables[key]
-        if table.derived:
-            for guard in (table.base.guard, table.guard):  # every row is read: every page checked first
-                if guard is not None:
+        if table.derived or table.shifted:
+            for guard in ((table.base.guard, table.guard) if table.derived else (table.guard,)):
+                if guard is not None:  # every row is read: every page checked first
                     guard.all()
-            self.tables[key] = RowTable.from_arrays(*table.full())
+            self.tables[key] = new = RowTable.from_arrays(*table.full())
+            for other in self.tables.values():  # a loop over fields
+                if other.derived and other.base is table:
+                    other.base = new
 
     def by_family(self, fields: list[Field]) -> dict[int, list[Field]]:
         """The blob fields among ``fields``, grouped by family id (schema order kept)."""
@@ -103,10 +113,11 @@ class FieldLayout:
         """
         tables = self.tables.values() if fields is None else [self.tables[f.key] for f in fields]
         for t in tables:  # a loop over fields
-            # a derived table's reads gather its base's rows too: those pages first
-            for guard in ((t.base.guard, t.guard) if t.derived else (t.guard,)):
-                if guard is not None:
-                    guard.all() if rows is None else guard.rows(rows)
+            # a derived table's reads gather its base's rows too: those pages first; a shifted
+            # table's, the rows before (and a write's, after) each row
+            for table in (t.base, t) if t.derived else (t,):
+                if table.guard is not None:
+                    table.guard.all() if rows is None else table.guard.rows(table.reach(rows))
 
     def put_family(self, fid: int, rows: np.ndarray, blob: np.ndarray, slot: np.ndarray,
                    written: np.ndarray) -> list[np.ndarray]:
@@ -116,12 +127,12 @@ class FieldLayout:
         fields = self.fields_of[fid]
         old = [self.tables[f.key].ids(rows[written]) for f in fields]  # before any table changes
         edges = np.cumsum([0] + [f.frames_per_row for f in fields])
-        # explicit tables first: a derived one compares with its base's new entries
+        # explicit and shifted tables first: a derived one compares with its base's new entries
         for f, a, b in sorted(zip(fields, edges[:-1], edges[1:], strict=True),
                               key=lambda x: self.tables[x[0].key].derived):  # a loop over fields
             table = self.tables[f.key]
             table.put(rows, blob[:, a:b], slot[:, a:b])
-            if table.derived and table.crowded:
+            if (table.derived or table.shifted) and table.crowded:
                 self.explicit(f.key)
         return old
 

@@ -34,7 +34,17 @@ import numpy as np
 
 from .. import fileio
 from ..errors import ChecksumError, CorruptionError, StoreExistsError, TieredError
-from ..index import BLOB_DTYPE, COLD, FREE, SLOT_DTYPE, STORED, BlobIndex, DerivedRowTable, RowTable
+from ..index import (
+    BLOB_DTYPE,
+    COLD,
+    FREE,
+    SLOT_DTYPE,
+    STORED,
+    BlobIndex,
+    DerivedRowTable,
+    RowTable,
+    ShiftedRowTable,
+)
 from ..policy import Policy
 from ..schema import Schema, key_to_str
 from ..tiers import HDF5Tier, MemmapTier, Tier
@@ -61,7 +71,8 @@ from .write import WritePath
 T = TypeVar("T")
 
 __all__ = ["StoreFiles", "BACKENDS", "CHECKSUMS", "array_path", "read_fresh", "open_commit", "restore_commit", "commit_parts",
-           "snapshot_arrays", "check_consistency", "check_bounds", "row_table_dtypes", "derived_tables", "table_file",
+           "snapshot_arrays", "check_consistency", "check_bounds", "row_table_dtypes", "derived_tables", "shifted_tables",
+           "table_file",
            "expand_derived", "check_references", "check_table_rows", "unpin", "page_checksums_of"]
 
 #: Manifest entry holding the page checksums of the generation's arrays (absent: an older store).
@@ -396,8 +407,12 @@ def restore_commit(files: StoreFiles, body: dict[str, Any], mode: str, rows: Row
         layout = write.adopt_schema(Schema.from_json(body["schema"]), allocate=False)
         fields = list(layout.schema.values())
         derived = derived_tables(body, [f.kind for f in fields])
+        shifted = shifted_tables(body, [f.kind for f in fields])
         if any(layout.derived_from.get(fields[i].key) != fields[j].key for i, j in derived.items()):
             raise CorruptionError(f"{files.path}: the manifest's derived_tables {body.get('derived_tables')} do not "
+                                  "fit the schema; the store is damaged")
+        if any(fields[i].key not in layout.shifted for i in shifted):
+            raise CorruptionError(f"{files.path}: the manifest's shifted_tables {body.get('shifted_tables')} do not "
                                   "fit the schema; the store is damaged")
         # the per-row arrays are memory-mapped and checked on first use: a page's checksum, then
         # the references of its rows, before any of their bytes is used (docs/durability.md)
@@ -408,7 +423,11 @@ def restore_commit(files: StoreFiles, body: dict[str, Any], mode: str, rows: Row
             elif i not in derived:
                 blob, blob_pages = files.lazy_array(body, f"rows.{i}.blob")
                 slot, slot_pages = files.lazy_array(body, f"rows.{i}.slot")
-                table = RowTable.from_arrays(blob, slot)
+                if i in shifted:
+                    table = _compact_table(files, body, i, True, lambda p, f=f: ShiftedRowTable.from_state(
+                        rows.capacity, f.frames_per_row, p), blob, slot)
+                else:
+                    table = RowTable.from_arrays(blob, slot)
                 table.guard = RowCheck([blob_pages, slot_pages], rows.capacity,
                                        functools.partial(check_table_rows, files.path, f.key, rows, layout, index))
                 layout.tables[f.key] = table
@@ -416,12 +435,8 @@ def restore_commit(files: StoreFiles, body: dict[str, Any], mode: str, rows: Row
             # the last frame column per row is mapped like a table; the exception lists are small
             # and read (checked) whole
             (blob, blob_pages), (slot, slot_pages) = (files.lazy_array(body, table_file(i, s)) for s in ("blob", "slot"))
-            parts = {"blob": blob, "slot": slot, **{s: load(table_file(i, s)) for s in _DERIVED_SUFFIXES[2:]}}
-            try:
-                table = DerivedRowTable.from_state(layout.tables[fields[j].key], parts)
-            except ValueError as e:
-                raise CorruptionError(f"{array_path(files.path, body, table_file(i, 'exc_rows'))}: {e}; the store "
-                                      f"is damaged. Run `tiered verify {files.path}` for details.") from None
+            table = _compact_table(files, body, i, False, functools.partial(
+                DerivedRowTable.from_state, layout.tables[fields[j].key]), blob, slot)
             table.guard = RowCheck([blob_pages, slot_pages], rows.capacity,
                                    functools.partial(check_table_rows, files.path, fields[i].key, rows, layout, index))
             layout.tables[fields[i].key] = table
@@ -445,6 +460,8 @@ def restore_commit(files: StoreFiles, body: dict[str, Any], mode: str, rows: Row
                             layout.tables[key] = table
             refs = layout.referenced(rows.written)
             index.refcount[: index.size] = np.bincount(refs, minlength=index.size)[: index.size].astype(np.int32)
+        if not problems and int(body["format_version"]) < 4:  # stacked tables of older formats go shifted
+            _shift_tables(layout)
         if problems:
             raise CorruptionError(f"{files.path}: the store is damaged: " + "; ".join(problems[:5])
                                   + f". Run `tiered verify {files.path}` for details.")
@@ -479,6 +496,7 @@ def commit_parts(files: StoreFiles, rows: RowSpace, write: WritePath, placement:
         index_of = {key: i for i, key in enumerate(layout.schema)}
         body["derived_tables"] = {str(index_of[key]): index_of[layout.derived_from[key]]
                                   for key, t in layout.tables.items() if t.derived}
+        body["shifted_tables"] = sorted(index_of[key] for key, t in layout.tables.items() if t.shifted)
     arrays = snapshot_arrays(rows, layout, write.index, placement.policy)
     priorities = placement.priorities
     if priorities is not None:
@@ -508,8 +526,9 @@ def snapshot_arrays(rows: RowSpace, layout: FieldLayout | None, index: BlobIndex
             if f.kind == "dense":
                 arrays[f"dense.{i}"] = rows.dense_array(f.key)
             else:
-                for suffix, arr in layout.tables[f.key].state_arrays().items():
-                    arrays[table_file(i, suffix)] = arr
+                table = layout.tables[f.key]
+                for suffix, arr in table.state_arrays().items():
+                    arrays[table_file(i, suffix, table.shifted)] = arr
         # the blobs the writer's tails pin, once per pin: the saved reference counts include
         # them, an open takes them off (no row table is read to recount)
         arrays["pins"] = np.concatenate([np.empty(0, np.int64), *(f.tail_blob for f in layout.families)])
@@ -520,17 +539,71 @@ def snapshot_arrays(rows: RowSpace, layout: FieldLayout | None, index: BlobIndex
 _DERIVED_SUFFIXES = ("blob", "slot", "exc_rows", "exc_blob", "exc_slot")
 
 
-def table_file(i: int, suffix: str) -> str:
+def table_file(i: int, suffix: str, shifted: bool = False) -> str:
     """The array name of part ``suffix`` of blob field ``i``'s row table: ``rows.<i>.blob`` and
-    ``rows.<i>.slot`` (indexed by row), ``next.<i>.rows|blob|slot`` (a derived table's exceptions).
+    ``rows.<i>.slot`` (indexed by row), ``next.<i>.rows|blob|slot`` (a derived table's
+    exceptions), ``shift.<i>.rows|blob|slot`` (a shifted table's).
 
     Example:
-        >>> table_file(3, "slot"), table_file(3, "exc_rows")
-        ('rows.3.slot', 'next.3.rows')
+        >>> table_file(3, "slot"), table_file(3, "exc_rows"), table_file(0, "exc_blob", shifted=True)
+        ('rows.3.slot', 'next.3.rows', 'shift.0.blob')
     """
     if suffix.startswith("exc_"):
-        return f"next.{i}.{suffix[4:]}"
+        return f"{'shift' if shifted else 'next'}.{i}.{suffix[4:]}"
     return f"rows.{i}.{suffix}"
+
+
+def _compact_table(files: StoreFiles, body: dict[str, Any], i: int, shifted: bool,
+                   make: Callable[[dict[str, np.ndarray]], T], blob: np.ndarray, slot: np.ndarray) -> T:
+    """Field ``i``'s derived or shifted table over its mapped last column and its exception
+    lists, read (page-checked) whole and checked before use.
+
+    Raises:
+        CorruptionError: naming the exception file.
+    """
+    load = files.arrays(body)
+    parts = {"blob": blob, "slot": slot, **{s: load(table_file(i, s, shifted)) for s in _DERIVED_SUFFIXES[2:]}}
+    try:
+        return make(parts)
+    except ValueError as e:
+        raise CorruptionError(f"{array_path(files.path, body, table_file(i, 'exc_rows', shifted))}: {e}; the store "
+                              f"is damaged. Run `tiered verify {files.path}` for details.") from None
+
+
+def _shift_tables(layout: FieldLayout) -> None:
+    """Turn the explicit tables of stacked fields a store of format 1..3 saved into shifted
+    ones (same entries; every page checked first), unless too many rows break the rule."""
+    for key in layout.shifted:  # a loop over fields
+        table = layout.tables[key]
+        if table.shifted or table.derived:
+            continue
+        layout.check_rows(None, [layout.schema[key]])
+        new = ShiftedRowTable.shift(table)
+        if new.crowded:
+            continue
+        layout.tables[key] = new
+        for other in layout.tables.values():  # derived tables read their base's new form
+            if other.derived and other.base is table:
+                other.base = new
+
+
+def shifted_tables(body: dict[str, Any], kinds: list[str]) -> set[int]:
+    """The field indexes of the row tables the commit ``body`` saved shifted (format 4; none
+    before); ``kinds``: the kind of each schema field.
+
+    Raises:
+        CorruptionError: the entry is not a list of the schema's blob fields.
+    """
+    entry = body.get("shifted_tables", [])
+    try:
+        out = {int(i) for i in entry}
+    except (TypeError, ValueError):
+        raise CorruptionError(f"the manifest's shifted_tables is {entry!r}, expected a list of field indexes") from None
+    derived = body.get("derived_tables", {})
+    if not isinstance(derived, dict) or not all(0 <= i < len(kinds) and kinds[i] == "blob" and str(i) not in derived
+                                                for i in out):
+        raise CorruptionError(f"the manifest's shifted_tables {entry!r} names fields that are not blob fields")
+    return out
 
 
 def derived_tables(body: dict[str, Any], kinds: list[str]) -> dict[int, int]:
@@ -561,9 +634,18 @@ def expand_derived(body: dict[str, Any], kinds: list[str], arrays: dict[str, np.
     """
     try:
         derived = derived_tables(body, kinds)
+        shifted = shifted_tables(body, kinds)
     except CorruptionError as e:
         return [str(e)]
     problems = []
+    for i in sorted(shifted):  # first: a derived table's base may be shifted
+        try:
+            parts = {s: np.asarray(arrays[table_file(i, s, True)]) for s in _DERIVED_SUFFIXES}
+            width = parts["exc_blob"].shape[1] + 1 if parts["exc_blob"].ndim == 2 else -1
+            table = ShiftedRowTable.from_state(parts["blob"].shape[0], width, parts)
+            arrays[f"rows.{i}.blob"], arrays[f"rows.{i}.slot"] = table.full()
+        except (KeyError, ValueError, IndexError) as e:
+            problems.append(f"the shifted row table of field {i}: {e}")
     for i, j in derived.items():
         try:
             base = RowTable.from_arrays(np.asarray(arrays[f"rows.{j}.blob"]), np.asarray(arrays[f"rows.{j}.slot"]))
@@ -621,7 +703,9 @@ def check_table_rows(path: str, key: Any, rows: RowSpace, layout: FieldLayout, i
     """Check the row table entries of field ``key`` at rows ``at`` (sorted), as
     :func:`check_references` checks a whole table: called when their pages are first checked.
     A derived table checks its own entries (last frames, and the exceptions of those rows); the
-    entries it shares with its base table are checked by the base's own checks.
+    entries it shares with its base table are checked by the base's own checks. A shifted table
+    checks the whole stacks of the written rows (their first frames are the last frames of the
+    rows before, which a read of them checks first).
 
     Raises:
         CorruptionError: naming the store, the field and the first bad row.
@@ -629,6 +713,10 @@ def check_table_rows(path: str, key: Any, rows: RowSpace, layout: FieldLayout, i
     t = layout.tables[key]
     whole = at.size and int(at[-1]) - int(at[0]) + 1 == at.size  # one run of rows: slices, no gathers
     pick = slice(int(at[0]), int(at[-1]) + 1) if whole else at
+    if t.shifted:  # every written row's whole stack: its first frames are the rows' before
+        blob, slot = t.refs(at)
+        _check_row_entries(path, key, rows, layout, index, at, blob, slot, rows.written[pick])
+        return
     if not t.derived:
         _check_row_entries(path, key, rows, layout, index, at, t.blob[pick], t.slot[pick], rows.written[pick])
         return
@@ -842,23 +930,24 @@ def check_bounds(path: str, body: dict[str, Any]) -> None:
             fields = list(schema.values())
             try:
                 derived = derived_tables(body, [f.kind for f in fields])
+                shifted = shifted_tables(body, [f.kind for f in fields])
             except CorruptionError as e:
                 problems.append(str(e))
-                derived = {}
+                derived, shifted = {}, set()
             blob_dtype, slot_dtype = row_table_dtypes(body["format_version"])
             for i, f in enumerate(fields):
                 if f.kind == "dense":
                     expect(f"dense.{i}", (capacity, *f.shape))
                 else:
-                    width = 1 if i in derived else f.frames_per_row
+                    width = 1 if i in derived or i in shifted else f.frames_per_row
                     expect(f"rows.{i}.blob", (capacity, width), blob_dtype)
                     expect(f"rows.{i}.slot", (capacity, width), slot_dtype)
-            for i in derived:
-                exc = _header(path, body, table_file(i, "exc_rows"), files)
+            for i in [*derived, *sorted(shifted)]:
+                exc = _header(path, body, table_file(i, "exc_rows", i in shifted), files)
                 k = exc.shape[0] if len(exc.shape) == 1 else -1
-                expect(table_file(i, "exc_rows"), (k,), np.int64)
-                expect(table_file(i, "exc_blob"), (k, fields[i].frames_per_row - 1), blob_dtype)
-                expect(table_file(i, "exc_slot"), (k, fields[i].frames_per_row - 1), slot_dtype)
+                expect(table_file(i, "exc_rows", i in shifted), (k,), np.int64)
+                expect(table_file(i, "exc_blob", i in shifted), (k, fields[i].frames_per_row - 1), blob_dtype)
+                expect(table_file(i, "exc_slot", i in shifted), (k, fields[i].frames_per_row - 1), slot_dtype)
     if problems:
         raise CorruptionError(f"{path}: the store is damaged: " + "; ".join(problems[:5])
                               + f". Run `tiered verify {path}` for details.")
@@ -925,6 +1014,8 @@ def check_references(rows: RowSpace, layout: FieldLayout, index: BlobIndex) -> l
         groups = [(part["blob"], part["slot"], None)]
         if t.derived:
             groups.append((part["exc_blob"], part["exc_slot"], part["exc_rows"]))
+        elif t.shifted:  # every written row's whole stack (its first frames are other rows' last)
+            groups = [(*t.full(), None)]
         elif part["slot"].shape != part["blob"].shape:
             problems.append(f"row table of {name!r} has slots of shape {part['slot'].shape}")
             continue
