@@ -392,19 +392,27 @@ class _LastColumnTable(RowTable):
         return self.refs(np.arange(self.capacity))
 
     def _replace(self, rows: np.ndarray, new_rows: np.ndarray, new_blob: np.ndarray, new_slot: np.ndarray) -> None:
-        """Drop the exceptions of ``rows``, then add ``new_rows``' (a subset of ``rows``)."""
-        drop = np.zeros(self.exc_rows.size, dtype=bool)
-        if self.exc_rows.size:
+        """Drop the exceptions of ``rows``, then add ``new_rows``' (a subset of ``rows``).
+
+        O(exceptions) copies and a sort of the new rows only: a one-row write into a list of
+        many exceptions costs a memmove, not a sort of the whole list."""
+        exc_rows, exc_blob, exc_slot = self.exc_rows, self.exc_blob, self.exc_slot
+        if exc_rows.size:
             pos, hit = self._exceptions(rows)
-            drop[pos[hit]] = True
-        if not drop.any() and not new_rows.size:
+            if hit.any():
+                keep = np.ones(exc_rows.size, dtype=bool)
+                keep[pos[hit]] = False
+                exc_rows, exc_blob, exc_slot = exc_rows[keep], exc_blob[keep], exc_slot[keep]
+        if exc_rows is self.exc_rows and not new_rows.size:
             return
-        keep = ~drop
-        rows_all = np.concatenate([self.exc_rows[keep], new_rows.astype(np.int64)])
-        order = np.argsort(rows_all, kind="stable")
-        self.exc_rows = rows_all[order]
-        self.exc_blob = np.concatenate([self.exc_blob[keep], new_blob.astype(BLOB_DTYPE)])[order]
-        self.exc_slot = np.concatenate([self.exc_slot[keep], new_slot.astype(SLOT_DTYPE)])[order]
+        if new_rows.size:
+            order = np.argsort(new_rows, kind="stable")
+            new_rows = new_rows.astype(np.int64)[order]
+            at = np.searchsorted(exc_rows, new_rows)  # none of new_rows is left in the list
+            exc_rows = np.insert(exc_rows, at, new_rows)
+            exc_blob = np.insert(exc_blob, at, new_blob.astype(BLOB_DTYPE)[order], axis=0)
+            exc_slot = np.insert(exc_slot, at, new_slot.astype(SLOT_DTYPE)[order], axis=0)
+        self.exc_rows, self.exc_blob, self.exc_slot = exc_rows, exc_blob, exc_slot
 
     @property
     def crowded(self) -> bool:
