@@ -17,7 +17,8 @@ subprocess** that samples its own anonymous resident memory (``RssAnon``) every 
 - ``reopen``: time ``tiered.open(path)`` (the fastest of three opens in a row, each store closed and
   collected before the next) and the growth of RssAnon the first open causes (over a process that
   has already imported torch and tensordict, which take ~350 MiB of their own);
-- ``sample``: B=256 uniform random rows (``get``), warm (files in the page cache) and cold
+- ``sample``: B=256 uniform random rows (``get``), after ``--warmup-batches`` untimed batches,
+  warm (files in the page cache) and cold
   (``posix_fadvise(DONTNEED)`` on every file of the store before each batch; pages the process
   has mapped stay cached, which flatters the cold rate of mapped metadata).
 
@@ -271,7 +272,7 @@ def step_reopen(path: Path) -> dict[str, Any]:
     return {"reopen_s": min(times), "reopen_s_all": times, "reopen_anon": anon[0], "reopen_anon_all": anon}
 
 
-def step_sample(path: Path, rows: int, batches: int, batch: int) -> dict[str, Any]:
+def step_sample(path: Path, rows: int, batches: int, batch: int, warmup: int = 1) -> dict[str, Any]:
     import torch
 
     import tiered
@@ -281,7 +282,9 @@ def step_sample(path: Path, rows: int, batches: int, batch: int) -> dict[str, An
     rng = np.random.default_rng(0)
     out: dict[str, Any] = {}
     for mode in ("warm", "cold"):
-        store.get(torch.from_numpy(rng.integers(0, rows, batch)))  # untimed: warms up the pools
+        for _ in range(warmup if mode == "warm" else 1):  # untimed: warms up the pools (and, with
+            # --warmup-batches, checks most pages of the per-row arrays: each is checked at first use)
+            store.get(torch.from_numpy(rng.integers(0, rows, batch)))
         spent = 0.0
         for _ in range(batches):
             idx = torch.from_numpy(rng.integers(0, rows, batch))
@@ -382,7 +385,7 @@ def measure(rows: int, workdir: Path, args: argparse.Namespace) -> dict[str, Any
     res.update({f"disk_{k}": v for k, v in disk_bytes(path).items()})
     res.update(run_step("commit", path=path, rows=rows, new_rows=args.commit_rows))
     res.update(run_step("reopen", path=path))
-    res.update(run_step("sample", path=path, rows=rows, batches=args.batches, batch=256))
+    res.update(run_step("sample", path=path, rows=rows, batches=args.batches, batch=256, warmup=args.warmup_batches))
     if not args.keep:
         shutil.rmtree(path)
     return res
@@ -437,6 +440,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunk-frames", type=int, default=8, help="the stores' chunk_frames (K; default: %(default)s)")
     p.add_argument("--codec", default="zstd", help="the stores' codec, e.g. zstd:9 (default: %(default)s)")
     p.add_argument("--batches", type=int, default=20, help="B=256 batches per sample mode")
+    p.add_argument("--warmup-batches", type=int, default=1,
+                   help="untimed B=256 batches before the warm ones (a fresh open checks each page of the per-row "
+                        "arrays at its first use: many batches leave the steady state; default: %(default)s)")
     p.add_argument("--dopamine-rows", type=int, default=100_000)
     p.add_argument("--lms-rows", type=int, default=0,
                    help="also build TorchRL's LazyMemmapStorage of this many rows (56 KB each on disk) and sample it")
