@@ -17,6 +17,7 @@ import tiered
 from tiered import errors as E
 from tiered.cli import exit_code_for, main
 from tiered.engine.lock import acquire_writer_lock, release
+from tiered.engine.manifest import FORMAT_VERSION
 from tiered.formats import import_dataset
 
 COMMANDS = ["info", "verify", "upgrade", "import", "export", "demo"]
@@ -83,7 +84,7 @@ def test_info_shows_schema_ratios_tiers_and_format(pong_store, capsys):
     assert main(["info", str(pong_store)]) == 0
     out = capsys.readouterr().out
     for text in (
-        "tiered v3",
+        f"tiered v{FORMAT_VERSION}",
         "generation",
         "zstd:3",
         "2,000 of capacity 2,000",
@@ -97,7 +98,7 @@ def test_info_shows_schema_ratios_tiers_and_format(pong_store, capsys):
         assert text in out, (text, out)
     assert main(["info", str(pong_store), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert doc["format_version"] == 3 and doc["rows"] == doc["capacity"] == 2000
+    assert doc["format_version"] == FORMAT_VERSION and doc["rows"] == doc["capacity"] == 2000
     assert doc["codec"] == "zstd:3" and doc["generation"] >= 1
     assert doc["fields"]["observation"]["ratio"] > 20
     assert doc["tiers"]["cold"]["bytes_used"] > 0
