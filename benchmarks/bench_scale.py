@@ -273,18 +273,28 @@ def step_reopen(path: Path) -> dict[str, Any]:
 
 
 def step_sample(path: Path, rows: int, batches: int, batch: int, warmup: int = 1) -> dict[str, Any]:
-    import torch
-
     import tiered
 
     store = tiered.open(str(path))
-    files = [str(p) for p in store_files(path)]
+    out = sample_rates(store.get, store_files(path), rows, batches, batch, warmup)
+    store.close()
+    return {f"sample_{mode}_per_s": rate for mode, rate in out.items()}
+
+
+def sample_rates(get: Any, files: list[Path], rows: int, batches: int, batch: int, warmup: int = 1,
+                 touch: bool = False) -> dict[str, float]:
+    """Rows per second of ``get`` on ``batches`` B=``batch`` uniform random index batches, after
+    ``warmup`` untimed batches: ``{"warm": ..., "cold": ...}`` (cold: ``posix_fadvise(DONTNEED)`` on
+    every one of ``files`` before each batch). ``touch``: read every byte of the observations ``get``
+    returns, inside the timing (for a storage that may hand out lazy views of its files)."""
+    import torch
+
     rng = np.random.default_rng(0)
-    out: dict[str, Any] = {}
+    out: dict[str, float] = {}
     for mode in ("warm", "cold"):
         for _ in range(warmup if mode == "warm" else 1):  # untimed: warms up the pools (and, with
             # --warmup-batches, checks most pages of the per-row arrays: each is checked at first use)
-            store.get(torch.from_numpy(rng.integers(0, rows, batch)))
+            get(torch.from_numpy(rng.integers(0, rows, batch)))
         spent = 0.0
         for _ in range(batches):
             idx = torch.from_numpy(rng.integers(0, rows, batch))
@@ -296,11 +306,12 @@ def step_sample(path: Path, rows: int, batches: int, batch: int, warmup: int = 1
                     finally:
                         os.close(fd)
             t = time.perf_counter()
-            td = store.get(idx)
+            td = get(idx)
+            if touch:
+                td["observation"].sum()
             spent += time.perf_counter() - t
             assert td.shape[0] == batch
-        out[f"sample_{mode}_per_s"] = batches * batch / spent
-    store.close()
+        out[mode] = batches * batch / spent
     return out
 
 
@@ -323,24 +334,8 @@ def step_lms(path: Path, rows: int, slice_rows: int, batches: int, batch: int) -
     files = store_files(path)
     out: dict[str, Any] = {"lms_rows": rows, "lms_build_rows_per_s": rows / seconds,
                            "lms_disk_bytes": sum(p.stat().st_blocks * 512 for p in files)}
-    rng = np.random.default_rng(0)
-    for mode in ("warm", "cold"):
-        storage.get(torch.from_numpy(rng.integers(0, rows, batch)))
-        spent = 0.0
-        for _ in range(batches):
-            idx = torch.from_numpy(rng.integers(0, rows, batch))
-            if mode == "cold":
-                for name in files:
-                    fd = os.open(name, os.O_RDONLY)
-                    try:
-                        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                    finally:
-                        os.close(fd)
-            t = time.perf_counter()
-            td = storage.get(idx)
-            td["observation"].sum()  # touch the bytes (a memory-mapped storage may hand out lazy views)
-            spent += time.perf_counter() - t
-        out[f"lms_sample_{mode}_per_s"] = batches * batch / spent
+    rates = sample_rates(storage.get, files, rows, batches, batch, touch=True)
+    out.update({f"lms_sample_{mode}_per_s": rate for mode, rate in rates.items()})
     return out
 
 
