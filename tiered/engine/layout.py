@@ -91,10 +91,26 @@ class FieldLayout:
             for guard in ((table.base.guard, table.guard) if table.derived else (table.guard,)):
                 if guard is not None:  # every row is read: every page checked first
                     guard.all()
-            self.tables[key] = new = RowTable.from_arrays(*table.full())
-            for other in self.tables.values():  # a loop over fields
-                if other.derived and other.base is table:
-                    other.base = new
+            self._swap(key, RowTable.from_arrays(*table.full()))
+
+    def shift(self, key: Key) -> None:
+        """Keep ``key``'s explicit table (a stacked field's, from a store of format 1..3) shifted
+        from now on: same entries, every page checked first; left explicit if too many rows break
+        the rule."""
+        table = self.tables[key]
+        if key not in self.shifted or table.shifted or table.derived:
+            return
+        self.check_rows(None, [self.schema[key]])
+        new = ShiftedRowTable.shift(table)
+        if not new.crowded:
+            self._swap(key, new)
+
+    def _swap(self, key: Key, new: RowTable) -> None:
+        """Put ``new`` (same entries) in place of ``key``'s table; a table derived from it reads ``new``."""
+        old, self.tables[key] = self.tables[key], new
+        for other in self.tables.values():  # a loop over fields
+            if other.derived and other.base is old:
+                other.base = new
 
     def by_family(self, fields: list[Field]) -> dict[int, list[Field]]:
         """The blob fields among ``fields``, grouped by family id (schema order kept)."""

@@ -461,7 +461,8 @@ def restore_commit(files: StoreFiles, body: dict[str, Any], mode: str, rows: Row
             refs = layout.referenced(rows.written)
             index.refcount[: index.size] = np.bincount(refs, minlength=index.size)[: index.size].astype(np.int32)
         if not problems and int(body["format_version"]) < 4:  # stacked tables of older formats go shifted
-            _shift_tables(layout)
+            for key in layout.shifted:  # a loop over fields
+                layout.shift(key)
         if problems:
             raise CorruptionError(f"{files.path}: the store is damaged: " + "; ".join(problems[:5])
                                   + f". Run `tiered verify {files.path}` for details.")
@@ -568,23 +569,6 @@ def _compact_table(files: StoreFiles, body: dict[str, Any], i: int, shifted: boo
     except ValueError as e:
         raise CorruptionError(f"{array_path(files.path, body, table_file(i, 'exc_rows', shifted))}: {e}; the store "
                               f"is damaged. Run `tiered verify {files.path}` for details.") from None
-
-
-def _shift_tables(layout: FieldLayout) -> None:
-    """Turn the explicit tables of stacked fields a store of format 1..3 saved into shifted
-    ones (same entries; every page checked first), unless too many rows break the rule."""
-    for key in layout.shifted:  # a loop over fields
-        table = layout.tables[key]
-        if table.shifted or table.derived:
-            continue
-        layout.check_rows(None, [layout.schema[key]])
-        new = ShiftedRowTable.shift(table)
-        if new.crowded:
-            continue
-        layout.tables[key] = new
-        for other in layout.tables.values():  # derived tables read their base's new form
-            if other.derived and other.base is table:
-                other.base = new
 
 
 def shifted_tables(body: dict[str, Any], kinds: list[str]) -> set[int]:
