@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import torch
 from tensordict import TensorDict
@@ -18,6 +21,11 @@ def assert_td_equal(a: TensorDict, b: TensorDict) -> None:
         x, y = a.get(k), b.get(k)
         assert x.dtype == y.dtype and x.shape == y.shape, (k, x.dtype, y.dtype, x.shape, y.shape)
         assert torch.equal(x, y), f"field {k} differs"
+
+
+def manifest_body(path: Path) -> dict:
+    """The body of the manifest of the store at ``path`` (its last commit)."""
+    return json.loads((Path(path) / "manifest.json").read_text())["body"]
 
 
 def check_refcounts(store: TieredStore) -> None:

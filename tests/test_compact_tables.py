@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import assert_td_equal, manifest_body
 from tensordict import TensorDict
 
 import tiered
@@ -46,25 +47,14 @@ CAPACITY, ROWS = 40_000, 200
 FIRST = 400  # row r of the fixture holds transition FIRST + r of the Pong rollout
 
 
-def _body(path: Path) -> dict:
-    return json.loads((path / "manifest.json").read_text())["body"]
-
-
 def _table_dtypes(path: Path) -> set[tuple[str, str]]:
     """``(name, dtype)`` of every row table array the last commit published."""
-    body = _body(path)
+    body = manifest_body(path)
     out = set()
     for name, copy in body["copy"].items():
         if name.startswith("rows."):
             out.add((name, str(np.load(path / "arrays" / f"{name}.{copy}.npy", mmap_mode="r").dtype)))
     return out
-
-
-def _assert_same(a: TensorDict, b: TensorDict) -> None:
-    keys = sorted(a.keys(True, True), key=str)
-    assert keys == sorted(b.keys(True, True), key=str)
-    for k in keys:
-        assert torch.equal(a.get(k), b.get(k)), k
 
 
 def _extract(tmp_path: Path) -> Path:
@@ -89,27 +79,27 @@ def test_a_new_store_writes_32_bit_row_tables(tmp_path, atari_pong):
         assert s.stats()["memory"]["row_tables"] == 256 * 2 * 6 + (8 + 3 * 6)
         index_of = {k: i for i, k in enumerate(s.schema)}
         s.flush()
-    body = _body(path)
+    body = manifest_body(path)
     assert body["format_version"] == FORMAT_VERSION == 4
     assert body["derived_tables"] == {str(index_of[("next", "observation")]): index_of[("observation",)]}
     assert body["shifted_tables"] == [index_of[("observation",)]]
     assert {d for _, d in _table_dtypes(path)} == {"int32", "uint16"}
     with tiered.open(path) as s:
         r = np.arange(256)
-        _assert_same(s.get(torch.arange(256)), atari_pong[torch.as_tensor(np.where(r < 44, 256 + r, r))])
+        assert_td_equal(s.get(torch.arange(256)), atari_pong[torch.as_tensor(np.where(r < 44, 256 + r, r))])
     assert verify_store(path, progress=False).ok
 
 
 def test_a_format2_store_reads_the_same_and_upgrades_at_its_next_commit(tmp_path, atari_pong, monkeypatch):
     monkeypatch.setenv("TIERED_CHECK_COMMITS", "1")  # every copy a commit writes equals memory
     path = _extract(tmp_path)
-    assert _body(path)["format_version"] == 2
+    assert manifest_body(path)["format_version"] == 2
     assert {d for _, d in _table_dtypes(path)} == {"int64", "int32"}
     expected = atari_pong[FIRST:FIRST + ROWS]
     before = {p.name: p.read_bytes() for p in (path / "arrays").iterdir()}
     with tiered.open(path) as s:  # read-only: converted in memory, nothing written
         assert len(s) == ROWS
-        _assert_same(s.get(torch.arange(ROWS)), expected)
+        assert_td_equal(s.get(torch.arange(ROWS)), expected)
         assert _dtypes(s) == {"int32", "uint16"}
         table = parts(s).layout.tables[("next", "observation")]
         assert table.derived and table.exc_rows.size == 0  # the explicit next table went derived
@@ -124,11 +114,11 @@ def test_a_format2_store_reads_the_same_and_upgrades_at_its_next_commit(tmp_path
         for a in (600, 610, 620):  # three commits: every copy of every array is rewritten once
             s.extend(atari_pong[a:a + 10])
             s.flush(force=True)
-            assert _body(path)["format_version"] == FORMAT_VERSION
+            assert manifest_body(path)["format_version"] == FORMAT_VERSION
             assert {d for _, d in _table_dtypes(path)} == {"int32", "uint16"}
     with tiered.open(path) as s:
         assert len(s) == ROWS + 30
-        _assert_same(s.get(torch.arange(ROWS + 30)), atari_pong[FIRST:FIRST + ROWS + 30])
+        assert_td_equal(s.get(torch.arange(ROWS + 30)), atari_pong[FIRST:FIRST + ROWS + 30])
     assert verify_store(path, progress=False).ok
 
 
@@ -152,9 +142,9 @@ def test_a_write_needing_more_blob_ids_than_32_bits_hold_is_refused(atari_pong):
             s.extend(atari_pong[20:40])
         idx.size = size
         assert len(s) == 20
-        _assert_same(s.get(torch.arange(20)), before)
+        assert_td_equal(s.get(torch.arange(20)), before)
         s.extend(atari_pong[20:40])
-        _assert_same(s.get(torch.arange(20, 40)), atari_pong[20:40])
+        assert_td_equal(s.get(torch.arange(20, 40)), atari_pong[20:40])
 
 
 def test_an_array_whose_dtype_changed_is_rewritten_whole(tmp_path):
@@ -206,7 +196,7 @@ def test_derived_next_tables_read_like_the_data_where_the_rule_fails_too(tmp_pat
             truth[r] = data[t]
         s.flush()
         got = s.get(torch.arange(cap))
-        _assert_same(got, truth)
+        assert_td_equal(got, truth)
         table = parts(s).layout.tables[key]
         assert table.derived
         bad = np.flatnonzero(_stacks_mismatch(truth) & written)
@@ -219,13 +209,13 @@ def test_derived_next_tables_read_like_the_data_where_the_rule_fails_too(tmp_pat
         assert "next/observation" in parts(s).layout.rows_using(np.array([b]))[0]
     assert verify_store(path, progress=False).ok
     with tiered.open(path) as s:
-        _assert_same(s.get(torch.arange(cap)), truth)
+        assert_td_equal(s.get(torch.arange(cap)), truth)
         assert parts(s).layout.tables[key].exc_rows.tolist() == bad.tolist()
     with tiered.open(path, mode="r+") as s:
         s.clear()
         assert parts(s).layout.tables[key].exc_rows.size == 0
         s.extend(data[:20])
-        _assert_same(s.get(torch.arange(20)), data[:20])
+        assert_td_equal(s.get(torch.arange(20)), data[:20])
 
 
 def test_a_derived_table_keeps_many_exceptions_exactly_and_says_when_it_is_crowded(atari_pong):
@@ -248,7 +238,7 @@ def test_a_derived_table_keeps_many_exceptions_exactly_and_says_when_it_is_crowd
         s.extend(data)
         t = parts(s).layout.tables[("next", "observation")]
         assert t.derived and t.exc_rows.tolist() == np.flatnonzero(_stacks_mismatch(data)).tolist()
-        _assert_same(s.get(torch.arange(300)), data)
+        assert_td_equal(s.get(torch.arange(300)), data)
 
 
 def test_a_layout_turns_a_crowded_derived_table_explicit_and_keeps_its_entries():

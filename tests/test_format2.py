@@ -3,11 +3,11 @@ after the first ones write what changed, not the whole store."""
 
 from __future__ import annotations
 
-import json
 import tarfile
 from pathlib import Path
 
 import torch
+from helpers import manifest_body
 from tensordict import TensorDict
 
 import tiered
@@ -19,20 +19,16 @@ from tiered.verify import verify_store
 GOLDEN = Path(__file__).parent / "fixtures" / "golden" / "stores"
 
 
-def _body(path: Path) -> dict:
-    return json.loads((path / "manifest.json").read_text())["body"]
-
-
 def test_a_v1_store_upgrades_and_reads_the_same_rows(tmp_path, capsys):
     with tarfile.open(GOLDEN / "memmap_k4.tar.xz") as tar:
         tar.extractall(tmp_path, filter="data")
     path = tmp_path / "memmap_k4"
-    assert _body(path)["format_version"] == 1
+    assert manifest_body(path)["format_version"] == 1
     with tiered.open(path) as old:
         before = old.get(torch.arange(len(old)))
     assert main(["upgrade", str(path)]) == 0
     assert "upgraded" in capsys.readouterr().out
-    assert _body(path)["format_version"] == FORMAT_VERSION == 4
+    assert manifest_body(path)["format_version"] == FORMAT_VERSION == 4
     with tiered.open(path) as new:
         after = new.get(torch.arange(len(new)))
     assert all(torch.equal(before.get(k), after.get(k)) for k in before.keys(True, True))

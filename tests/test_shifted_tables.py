@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import assert_td_equal, manifest_body
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tensordict import TensorDict
@@ -35,17 +36,6 @@ from tiered.verify import verify_store
 
 OBS, NEXT = ("observation",), ("next", "observation")
 FIXTURE3 = Path(__file__).parent / "fixtures" / "format3" / "pong_format3.tar.xz"
-
-
-def _assert_same(a: TensorDict, b: TensorDict) -> None:
-    keys = sorted(a.keys(True, True), key=str)
-    assert keys == sorted(b.keys(True, True), key=str)
-    for k in keys:
-        assert torch.equal(a.get(k), b.get(k)), k
-
-
-def _body(path: Path) -> dict:
-    return json.loads((path / "manifest.json").read_text())["body"]
 
 
 def _breaks(stacks: torch.Tensor) -> np.ndarray:
@@ -69,7 +59,7 @@ def test_sequential_writes_and_ring_laps_read_bit_exactly(games, tmp_path):
             rows = torch.arange(a, min(a + 150, 2000)) % cap
             truth[rows] = games[a:a + 150]
             n = min(a + 150, cap)
-            _assert_same(s.get(torch.arange(n)), truth[:n])
+            assert_td_equal(s.get(torch.arange(n)), truth[:n])
         table = parts(s).layout.tables[OBS]
         assert table.shifted and not table.crowded
         # the exceptions are the rows whose stack does not follow the row before (episode
@@ -79,11 +69,11 @@ def test_sequential_writes_and_ring_laps_read_bit_exactly(games, tmp_path):
         assert parts(s).layout.tables[NEXT].derived
         assert s.stats()["memory"]["row_tables"] == cap * 2 * 6 + table.exc_rows.size * (8 + 3 * 6)
         index_of = {k: i for i, k in enumerate(s.schema)}
-    body = _body(path)
+    body = manifest_body(path)
     assert body["format_version"] == FORMAT_VERSION == 4 and body["shifted_tables"] == [index_of[OBS]]
     assert f"shift.{index_of[OBS]}.rows" in body["files"] and body["files"][f"rows.{index_of[OBS]}.blob"] < cap * 8
     with tiered.open(path) as s:
-        _assert_same(s.get(torch.arange(cap)), truth)
+        assert_td_equal(s.get(torch.arange(cap)), truth)
         assert parts(s).layout.tables[OBS].shifted
     assert verify_store(path, progress=False).ok
 
@@ -101,7 +91,7 @@ def test_overwrites_keep_every_other_row(games, tmp_path):
         src = torch.as_tensor(rng.choice(2000, 40, replace=False))
         storage[idx] = games[src]
         truth[idx] = games[src]
-        _assert_same(storage.get(torch.arange(cap)), truth)
+        assert_td_equal(storage.get(torch.arange(cap)), truth)
     store = storage.store
     table = parts(store).layout.tables[OBS]
     assert table.shifted and table.exc_rows.tolist() == _breaks(truth["observation"]).tolist()
@@ -110,15 +100,15 @@ def test_overwrites_keep_every_other_row(games, tmp_path):
     store.set(250, games[1500])
     truth[250] = games[1500]
     after = store.get(torch.arange(cap))
-    _assert_same(after, truth)
+    assert_td_equal(after, truth)
     keep = torch.arange(cap) != 250
-    _assert_same(after[keep], before[keep])
+    assert_td_equal(after[keep], before[keep])
     store.flush()  # a single-row write is staged: into the tables
     assert {250, 251} <= set(table.exc_rows.tolist())
     store.set(250, games[550])  # back: the rule holds again where it did
     truth[250] = games[550]
     store.flush()
-    _assert_same(store.get(torch.arange(cap)), truth)
+    assert_td_equal(store.get(torch.arange(cap)), truth)
     assert table.exc_rows.tolist() == _breaks(truth["observation"]).tolist()
     storage.close()
 
@@ -142,9 +132,9 @@ def test_stacks_that_never_shift_turn_the_table_explicit(atari_pong):
         assert not nxt.derived or nxt.base is table  # a derived next table reads the new one
         got = s.get(torch.arange(5000))
         for k in range(5):
-            _assert_same(got[k * 1000:(k + 1) * 1000], data)
+            assert_td_equal(got[k * 1000:(k + 1) * 1000], data)
         s.extend(data[:10])
-        _assert_same(s.get(torch.arange(5000, 5010)), data[:10])
+        assert_td_equal(s.get(torch.arange(5000, 5010)), data[:10])
 
 
 def test_a_format3_store_reads_the_same_and_upgrades_to_format4(tmp_path, atari_pong, capsys):
@@ -167,21 +157,21 @@ def test_a_format3_store_reads_the_same_and_upgrades_to_format4(tmp_path, atari_
     order = torch.arange(200)
     order[150], order[30] = 30, 150
     expected = data[order]
-    assert _body(path)["format_version"] == 3 and "shifted_tables" not in _body(path)
+    assert manifest_body(path)["format_version"] == 3 and "shifted_tables" not in manifest_body(path)
     with tiered.open(path) as s:  # converted in memory
-        _assert_same(s.get(torch.arange(200)), expected)
+        assert_td_equal(s.get(torch.arange(200)), expected)
         table = parts(s).layout.tables[OBS]
         assert table.shifted and parts(s).layout.tables[NEXT].base is table
         assert table.exc_rows.tolist() == [0, 30, 31, 100, 150, 151, 200]
     assert main(["upgrade", str(path)]) == 0 and "upgraded" in capsys.readouterr().out
-    assert _body(path)["format_version"] == 4 and _body(path)["shifted_tables"]
+    assert manifest_body(path)["format_version"] == 4 and manifest_body(path)["shifted_tables"]
     assert verify_store(path, progress=False).ok
     with tiered.open(path) as s:
-        _assert_same(s.get(torch.arange(200)), expected)
+        assert_td_equal(s.get(torch.arange(200)), expected)
 
 
 def _obs_file(path: Path, prefix: str) -> Path:
-    body = _body(path)
+    body = manifest_body(path)
     (i,) = body["shifted_tables"]
     name = f"{prefix}.{i}.{'blob' if prefix == 'rows' else 'rows'}"
     return path / "arrays" / f"{name}.{body['copy'][name]}.npy"
@@ -221,10 +211,10 @@ def test_a_damaged_last_column_page_raises_at_the_first_read_that_uses_it(tmp_pa
         fh.seek(at)
         fh.write(bytes([b[0] ^ 0xFF]))
     with tiered.open(path) as s:  # the open reads no page of the table
-        _assert_same(s.get(torch.arange(100)), atari_pong[:100])
+        assert_td_equal(s.get(torch.arange(100)), atari_pong[:100])
         with pytest.raises(ChecksumError, match=re.escape(f.name)):
             s.get(torch.tensor([first + 3]))  # its stack's last frames are in the damaged page
-        _assert_same(s.get(torch.arange(100)), atari_pong[:100])
+        assert_td_equal(s.get(torch.arange(100)), atari_pong[:100])
     assert not verify_store(path, progress=False).ok
 
 
