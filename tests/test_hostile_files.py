@@ -254,3 +254,63 @@ def test_a_damaged_free_id_pool_is_found_at_open_and_by_verify(atari_pong, tmp_p
 def test_not_a_store_is_still_not_a_store(tmp_path):
     with pytest.raises(NotATieredStoreError):
         tiered.open(tmp_path)
+
+
+# ---------------------------------------------------------------------------- overlapping cold extents
+
+
+def _wrapped_store(atari_pong, tmp_path) -> tuple[Path, object]:
+    """An older store (no array checksums, so edits reach the consistency checks) whose ring
+    wrapped: freed cold extents and free ids; with every row it holds."""
+    path = tmp_path / "s"
+    with TieredStore(40, path, **OPTS) as s:
+        s.extend(atari_pong[:40])
+        s.flush()
+        s.extend(atari_pong[40:70])
+        s.flush()
+        s.extend(atari_pong[70:75])
+        rows = s.get(list(range(40)))
+    _older_store(path)
+    return path, rows
+
+
+def _stored_blobs(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    """Cold offsets and sizes of the stored blobs, in id order."""
+    state = np.load(_gen(path) / "index.state.npy")
+    live = np.flatnonzero(state == 2)
+    return np.load(_gen(path) / "index.loc.npy")[live, 2], np.load(_gen(path) / "index.nbytes.npy")[live]
+
+
+@pytest.mark.parametrize("how", ["free-extent-on-a-blob", "two-blobs-at-one-place"])
+def test_overlapping_cold_extents_stop_a_writer_and_never_give_a_reader_wrong_rows(atari_pong, tmp_path, how):
+    """Overlapping cold extents only endanger a writer's allocations: a writer's open refuses the
+    store before it writes anything; a read-only open (which allocates nothing and checks every
+    blob's checksum before decoding it) reads every row that is intact, and a blob whose bytes
+    are another's raises ChecksumError at its read, never returns wrong rows. verify names it."""
+    path, rows = _wrapped_store(atari_pong, tmp_path)
+    loc, nbytes = _stored_blobs(path)
+    first = int(np.argmin(loc))
+    if how == "free-extent-on-a-blob":
+        name = next(n for n in ("cold.free_offsets", "cold.pending_offsets")
+                    if np.load(_gen(path) / f"{n}.npy").size)
+        _rewrite_array(path, name, lambda a: np.r_[a[:-1], loc[first]].astype(a.dtype))
+    else:
+        state = np.load(_gen(path) / "index.state.npy")
+        ids = np.flatnonzero(state == 2)
+        moved = int(ids[np.argsort(loc)[1]])  # the blob after the first one, onto the first one's bytes
+        _rewrite_array(path, "index.loc", lambda a: np.where(np.arange(a.shape[0])[:, None] == moved,
+                                                              np.array([-1, -1, loc[first]]), a).astype(a.dtype))
+    before = {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in path.rglob("*") if p.is_file() and p.name != "lock"}
+    with pytest.raises(CorruptionError, match="overlap"):
+        tiered.open(path, mode="r+")
+    after = {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in path.rglob("*") if p.is_file() and p.name != "lock"}
+    assert after == before  # refused before anything was written
+    reader = tiered.open(path)
+    if how == "free-extent-on-a-blob":
+        assert (reader.get(list(range(40))) == rows).all()
+    else:
+        with pytest.raises(ChecksumError):
+            reader.get(list(range(40)))
+    reader.close()
+    rep = verify_store(path, progress=False)
+    assert not rep.ok and "overlap" in rep.summary(), rep.summary()

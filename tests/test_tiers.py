@@ -33,6 +33,7 @@ from tiered.tiers import (
     parse_bytes,
 )
 from tiered.tiers.arena import inject_oom
+from tiered.tiers.extents import extents_overlap
 from tiered.tiers.memmap import GROW_MIN, GROW_STEP
 from tiered.util.copy import copy_tensor_blobs
 
@@ -639,6 +640,23 @@ def test_a_full_arena_takes_the_blobs_that_fit_and_marks_the_rest() -> None:
     t.free(first[::2], np.full(4, 128))
     got = t.allocate_fitting(np.array([976, 128]))  # a blob no hole holds does not block the others
     assert got[0] == -1 and got[1] in first[::2]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_extents_overlap_agrees_with_sorting_the_extents_by_start(seed: int) -> None:
+    """The two-sort test (starts and ends sorted apart) says what a sort of whole extents says,
+    on random extents that often touch, nest, repeat or are empty."""
+    rng = np.random.default_rng(seed)
+    for _ in range(200):
+        n = int(rng.integers(0, 12))
+        off = rng.integers(0, 64, n) * 16
+        ln = rng.integers(0, 6, n) * 16
+        spans = [(int(o), int(o + s)) for o, s in zip(off, ln, strict=True) if s > 0]
+        assert extents_overlap(off, ln) == (not _no_overlap(spans)), (off.tolist(), ln.tolist())
+    packed = np.arange(0, 1 << 20, 64)  # a million bytes of touching extents, then one moved onto another
+    assert not extents_overlap(packed, np.full(packed.size, 64))
+    packed[7] = packed[3] + 16
+    assert extents_overlap(packed, np.full(packed.size, 64))
 
 
 @pytest.mark.parametrize("seed", range(4))

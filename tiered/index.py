@@ -323,24 +323,25 @@ class _LastColumnTable(RowTable):
     crowd_divisor = 256
     kind = "compact"
 
-    def _empty(self, capacity: int, frames: int) -> None:
+    def _empty(self, capacity: int, frames: int, allocate: bool = True) -> None:
+        """An empty table (``allocate=False``: no last-frame columns yet, :meth:`_load` sets them)."""
         if frames < 2:
             raise ValueError(f"a {self.kind} row table needs stacks of 2 frames or more, got {frames}")
         self._frames = frames
         self.guard = None
-        self.last_blob = np.full(capacity, -1, dtype=BLOB_DTYPE)
-        self.last_slot = np.zeros(capacity, dtype=SLOT_DTYPE)
+        self.last_blob = np.full(capacity if allocate else 0, -1, dtype=BLOB_DTYPE)
+        self.last_slot = np.zeros(capacity if allocate else 0, dtype=SLOT_DTYPE)
         self.exc_rows = np.empty(0, dtype=np.int64)
         self.exc_blob = np.empty((0, frames - 1), dtype=BLOB_DTYPE)
         self.exc_slot = np.empty((0, frames - 1), dtype=SLOT_DTYPE)
 
-    def _load(self, arrays: dict[str, np.ndarray]) -> None:
-        """Take the arrays :meth:`state_arrays` saved, once checked.
+    def _load(self, arrays: dict[str, np.ndarray], cap: int) -> None:
+        """Take the arrays :meth:`state_arrays` saved for a table of ``cap`` rows, once checked.
 
         Raises:
             ValueError: the arrays' shapes, dtypes or exception rows are not what a commit writes.
         """
-        cap, frames = self.capacity, self._frames
+        frames = self._frames
         last_blob, last_slot = arrays["blob"], arrays["slot"]
         rows, eb, es = arrays["exc_rows"], arrays["exc_blob"], arrays["exc_slot"]
         k = rows.shape[0] if rows.ndim == 1 else -1
@@ -460,8 +461,10 @@ class DerivedRowTable(_LastColumnTable):
         Raises:
             ValueError: the arrays' shapes, dtypes or exception rows are not what a commit writes.
         """
-        table = cls(base)
-        table._load(arrays)
+        table = cls.__new__(cls)  # no empty columns of `capacity` rows: the saved ones replace them
+        table.base = base
+        table._empty(base.capacity, base.frames, allocate=False)
+        table._load(arrays, base.capacity)
         return table
 
     @classmethod
@@ -546,8 +549,9 @@ class ShiftedRowTable(_LastColumnTable):
         Raises:
             ValueError: the arrays' shapes, dtypes or exception rows are not what a commit writes.
         """
-        table = cls(capacity, frames)
-        table._load(arrays)
+        table = cls.__new__(cls)  # no empty columns of `capacity` rows: the saved ones replace them
+        table._empty(capacity, frames, allocate=False)
+        table._load(arrays, capacity)
         return table
 
     @classmethod

@@ -123,9 +123,14 @@ class _Column:
         self.ensure(n - 1)
         return self.data[:n].copy()
 
-    def load(self, values: np.ndarray) -> None:
-        self.data = np.full(max(1024, values.shape[0]), self.fill, dtype=self.data.dtype)
-        self.data[: values.shape[0]] = values
+    def load(self, values: np.ndarray, copy: bool = True) -> None:
+        """Take ``values`` as the column (``copy=False``: used as they are when writeable and of
+        the column's dtype, e.g. a private memory map of a store, whose pages are read on use)."""
+        if not copy and values.flags.writeable and values.dtype == self.data.dtype and values.shape[0]:
+            self.data = values
+        else:
+            self.data = np.full(max(1024, values.shape[0]), self.fill, dtype=self.data.dtype)
+            self.data[: values.shape[0]] = values
         self.size = int(values.shape[0])
 
 
@@ -382,10 +387,12 @@ class Policy(ABC):
         """Mark again what :meth:`take_dirty` returned (its commit failed)."""
         self._birth.dirty.merge(bits)
 
-    def load_state_arrays(self, arrays: Mapping[str, np.ndarray]) -> None:
+    def load_state_arrays(self, arrays: Mapping[str, np.ndarray], *, copy: bool = True) -> None:
         """Restore the state :meth:`state_arrays` returned (by a policy of the same kind).
 
         Everything is checked before anything changes: on an error the policy is as it was.
+        ``copy=False`` uses writeable arrays of the right dtype as they are (the caller gives them
+        up: a store's private memory maps), instead of copying them.
 
         Raises:
             CorruptionError: a key is missing or unknown, an array has the wrong dtype or shape,
@@ -403,7 +410,7 @@ class Policy(ABC):
         clock = self._checked_state(arrays, columns)
         self._clock = clock
         for key, column in columns.items():
-            column.load(arrays[key])
+            column.load(arrays[key], copy=copy)
 
     def _checked_state(self, arrays: Mapping[str, np.ndarray], columns: dict[str, _Column]) -> int:
         """Validate saved state arrays against ``columns``; return the clock."""
@@ -437,6 +444,8 @@ class Policy(ABC):
         for key in columns:
             value = arrays[key]
             if value.dtype == np.int64:
+                if not value.size or (int(value.min()) >= 0 and int(value.max()) <= clock):
+                    continue  # two reductions, no temporaries: the usual case
                 bad = (value < 0) | (value > clock)
                 if bad.any():
                     raise damaged(f"{key!r} holds {int(value[bad][0])} for blob {int(np.flatnonzero(bad)[0])}, "

@@ -17,12 +17,12 @@ Example:
     >>> p = os.path.join(tempfile.mkdtemp(), "a.npy")
     >>> f = write_array(p, np.arange(1_000_000, dtype=np.int64))
     >>> arr, pages = map_checked(p, f.size, f.pages)
-    >>> int(pages.checked.sum())  # only the header's page so far
-    1
+    >>> int(pages.checked.sum())  # none so far
+    0
     >>> check = RowCheck([pages], arr.shape[0])
     >>> check.rows(np.array([5, 999_999])); int(arr[5])
     5
-    >>> int(pages.checked.sum())  # the pages of the two units of rows read (of 8)
+    >>> int(pages.checked.sum())  # the pages of the two units of rows read (of 8), the header's among them
     3
 """
 
@@ -152,9 +152,10 @@ def map_checked(path: str, expected_size: int, crcs: list[int] | None,
     """Memory-map (copy-on-write) a ``.npy`` array file whose pages are checked on first use.
 
     Checked now: the file is a regular file of ``expected_size`` bytes and its header is valid
-    and accounts for the file's size, and the header's page (the first). The others are checked
-    by a :class:`RowCheck` over the returned :class:`PageChecks` (all pages count as checked
-    when ``crcs`` is None, a store written before page checksums, or inside
+    and accounts for the file's size (the caller has matched its shape and dtype with the
+    manifest). No page is read: every page, the header's too, is checked by a :class:`RowCheck`
+    over the returned :class:`PageChecks` when its rows are first used (all pages count as
+    checked when ``crcs`` is None, a store written before page checksums, or inside
     :func:`~tiered.engine.manifest.arrays_verified`).
 
     Raises:
@@ -175,7 +176,6 @@ def map_checked(path: str, expected_size: int, crcs: list[int] | None,
                        head.offset, row_bytes, stale)
     if crcs is None or already_verified(st):
         pages.checked[:] = True
-    pages.check(np.zeros(1, np.int64))  # the header
     if rows * row_bytes == 0:
         return np.empty(head.shape, head.dtype), pages
     arr = np.frombuffer(whole, dtype=head.dtype, count=rows * (row_bytes // head.dtype.itemsize), offset=head.offset)

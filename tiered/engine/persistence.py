@@ -48,6 +48,7 @@ from ..index import (
 from ..policy import Policy
 from ..schema import Schema, key_to_str
 from ..tiers import HDF5Tier, MemmapTier, Tier
+from ..tiers.extents import extents_overlap
 from ..util.dirty import blocks_of_ranges, ranges_of, union
 from ..util.units import align
 from .layout import FieldLayout
@@ -113,6 +114,7 @@ class StoreFiles:
         self.last_commit_bytes = 0
         #: per array opened lazily: its page checks and the address of its first element
         self.lazy: dict[str, tuple[PageChecks, int]] = {}
+        self._sums: tuple[dict[str, Any], dict[str, list[int]]] | None = None
 
     # -- creating and opening -----------------------------------------------------------------
     def create(self) -> Tier:
@@ -139,7 +141,7 @@ class StoreFiles:
         """A loader of the arrays the commit ``body`` lists (memory-mapped, sizes checked, every
         page's checksum checked before the loader returns)."""
         files = body["files"]
-        sums = page_checksums_of(body)
+        sums = self.page_checksums(body)
 
         def load(name: str) -> np.ndarray:
             if name not in files:
@@ -148,13 +150,20 @@ class StoreFiles:
 
         return load
 
+    def page_checksums(self, body: dict[str, Any]) -> dict[str, list[int]]:
+        """:func:`page_checksums_of` the commit ``body``, checked once per body (an open asks
+        for them once per array)."""
+        if self._sums is None or self._sums[0] is not body:
+            self._sums = (body, page_checksums_of(body))
+        return self._sums[1]
+
     def lazy_array(self, body: dict[str, Any], name: str) -> tuple[np.ndarray, PageChecks]:
         """A per-row array of the commit ``body``, memory-mapped, whose pages are checked on first
         use (:mod:`tiered.engine.lazy`); a commit checks the pages it copies that no use checked."""
         files = body["files"]
         if name not in files:
             raise CorruptionError(f"{self.path}: the manifest lists no {name!r} array; the store is damaged")
-        arr, pages = map_checked(array_path(self.path, body, name), files[name], page_checksums_of(body).get(name),
+        arr, pages = map_checked(array_path(self.path, body, name), files[name], self.page_checksums(body).get(name),
                                  stale=self.check_fresh)
         self.lazy[name] = (pages, arr.__array_interface__["data"][0])
         return arr, pages
@@ -168,7 +177,7 @@ class StoreFiles:
         if self.version < 2:
             return
         g = int(body["generation"])
-        sums = page_checksums_of(body)
+        sums = self.page_checksums(body)
         for name, c in body["copy"].items():
             self.current[name] = c
             self.copies[name] = {c: CopyState(g, int(body["files"][name]), list(sums.get(name, [])))}
@@ -475,7 +484,7 @@ def restore_commit(files: StoreFiles, body: dict[str, Any], mode: str, rows: Row
         index.release(dead)
     load_priorities(placement, body, load, write, files.path)
     files.read_only = mode == "r"
-    check_consistency(files.path, rows, write.layout, index, placement.cold)
+    check_consistency(files.path, rows, write.layout, index, placement.cold, extents=mode == "r+")
 
 
 def commit_parts(files: StoreFiles, rows: RowSpace, write: WritePath, placement: Placement, codec: str) -> None:
@@ -645,7 +654,8 @@ def load_policy(policy: Policy, body: dict[str, Any], load: ArrayLoader, live: n
     prefix = f"policy.{policy.name}."
     names = [k for k in body["files"] if k.startswith(prefix)]
     if names:
-        policy.load_state_arrays({k[len(prefix):]: np.array(load(k)) for k in names})
+        # the private memory maps, used as they are (their pages were checked when mapped)
+        policy.load_state_arrays({k[len(prefix):]: load(k) for k in names}, copy=False)
     else:  # an older commit, or another policy: every live blob counts as just inserted
         policy.on_insert(live)
 
@@ -740,8 +750,15 @@ def _check_row_entries(path: str, key: Any, rows: RowSpace, layout: FieldLayout,
 
 
 def check_consistency(path: str, rows: RowSpace, layout: FieldLayout | None, index: BlobIndex,
-                      cold: Tier | None) -> None:
+                      cold: Tier | None, *, extents: bool = True) -> None:
     """Cheap, vectorized checks that a commit's arrays agree with its manifest.
+
+    Args:
+        extents: also check that no free or deferred cold extent overlaps a stored blob or another
+            extent, and no two stored blobs overlap (a writer's open: its allocations would
+            overwrite live bytes). A read-only store allocates nothing, and every blob it reads is
+            checked against its checksum before it is decoded, so it checks only that every blob
+            lies inside the cold segments.
 
     Raises:
         CorruptionError: naming what disagrees.
@@ -763,17 +780,10 @@ def check_consistency(path: str, rows: RowSpace, layout: FieldLayout | None, ind
         for key, col in rows.dense.items():
             if tuple(col.shape) != (cap, *layout.schema[key].shape):
                 problems.append(f"dense column {key_to_str(key)!r} has shape {tuple(col.shape)}")
-    live = index.live_ids()
-    if live.size and cold is not None:
-        loc = index.loc[live, COLD]
-        end = loc + index.nbytes[live]
-        high = getattr(getattr(cold, "allocator", None), "high_water", None)
-        if (loc < 0).any() or (high is not None and int(end.max()) > high):
-            problems.append("blob locations fall outside the cold segments")
-        if (index.raw_nbytes[live] < 0).any() or (index.raw_nbytes[live] > (1 << 34)).any():
-            problems.append("blob sizes are impossible")
-    if cold is not None and hasattr(cold, "allocator") and not problems:
-        problems += _check_cold_space(cold, index.loc[live, COLD], index.nbytes[live])
+    if cold is not None:
+        problems += _check_cold_bounds(cold, index)
+        if extents and not problems and hasattr(cold, "allocator"):
+            problems += _check_cold_extents(cold, index)
     if problems:
         raise CorruptionError(f"{path}: the store is damaged: " + "; ".join(problems[:5])
                               + f". Run `tiered verify {path}` for details.")
@@ -941,6 +951,8 @@ def check_index(index: BlobIndex, families: list[tuple[int, int]]) -> list[str]:
     """Vectorized checks of the blob index on its own: states, the free-id pool, and for every
     stored blob a known codec and family and a raw size of 1..chunk_frames whole frames.
 
+    One pass over whole columns (no gathers of the stored ids; free ids are masked out).
+
     Args:
         index: the index of a commit.
         families: ``(frame_nbytes, chunk_frames)`` per frame family.
@@ -948,29 +960,39 @@ def check_index(index: BlobIndex, families: list[tuple[int, int]]) -> list[str]:
     problems = []
     n = index.size
     state = index.state[:n]
-    if ((state != FREE) & (state != STORED)).any():
+    stored = state == STORED
+    n_stored, n_free = int(np.count_nonzero(stored)), int(np.count_nonzero(state == FREE))
+    if n_stored + n_free != n:
         problems.append("index.state holds values other than free (0) and stored (2)")
     free = index.free_ids
     if free.size and (int(free.min()) < 0 or int(free.max()) >= n):
         problems.append(f"index.free_ids holds ids outside [0, {n})")
     elif free.size and (np.unique(free).size != free.size or (state[free] != FREE).any()):
         problems.append("index.free_ids lists an id twice or an id that is not free")
-    elif int((state == FREE).sum()) != free.size:
-        problems.append(f"index.free_ids lists {free.size} ids but {int((state == FREE).sum())} are free")
-    live = np.flatnonzero(state == STORED)
-    if not live.size:
+    elif n_free != free.size:
+        problems.append(f"index.free_ids lists {free.size} ids but {n_free} are free")
+    if not n_stored:
         return problems
-    fam = index.family[live].astype(np.int64)
-    known = (fam >= 0) & (fam < len(families))
-    table = np.array([*families, (1, 0)], dtype=np.int64)
-    frame_nbytes, chunk = table[np.where(known, fam, -1), 0], table[np.where(known, fam, -1), 1]
-    raw = index.raw_nbytes[live]
-    bad = (~known | (raw <= 0) | (raw % np.maximum(frame_nbytes, 1) != 0) | (raw > frame_nbytes * chunk)
-           | (index.nbytes[live] < 0) | ~np.isin(index.codec[live], (0, 1, 2)))
+    fam, raw = index.family[:n], index.raw_nbytes[:n]
+    if len(families) == 1:  # the usual case: scalar bounds
+        frame_nbytes, chunk = max(int(families[0][0]), 1), int(families[0][1])
+        bad = fam != 0
+    else:
+        table = np.array([*families, (1, 0)], dtype=np.int64)
+        pick = np.where((fam >= 0) & (fam < len(families)), fam, -1)
+        frame_nbytes, chunk = np.maximum(table[pick, 0], 1), table[pick, 1]
+        bad = chunk == 0
+    bad |= raw <= 0
+    bad |= raw > frame_nbytes * chunk
+    bad |= raw % frame_nbytes != 0
+    bad |= index.nbytes[:n] < 0
+    bad |= index.codec[:n].view(np.uint8) > 2  # codec ids 0, 1, 2 (a negative int8 reads as > 127)
+    if n_free:
+        bad &= stored
     if bad.any():
-        b = int(live[bad][0])
-        problems.append(f"{int(bad.sum())} stored blobs have an impossible family, codec or size in the index "
-                        f"(first: blob {b}, family {int(index.family[b])}, codec {int(index.codec[b])}, "
+        b = int(np.argmax(bad))
+        problems.append(f"{int(np.count_nonzero(bad))} stored blobs have an impossible family, codec or size in "
+                        f"the index (first: blob {b}, family {int(index.family[b])}, codec {int(index.codec[b])}, "
                         f"raw size {int(index.raw_nbytes[b])})")
     return problems
 
@@ -1039,26 +1061,57 @@ def _check_entries(name: str, blob: np.ndarray, slot: np.ndarray, at: np.ndarray
     return None
 
 
-def _check_cold_space(cold: Any, loc: np.ndarray, nbytes: np.ndarray) -> list[str]:
-    """Every stored blob lies inside one segment's reserved bytes, and no free or deferred extent
-    of the cold allocator overlaps a blob or another extent (a write would overwrite live bytes)."""
-    state = cold.state()
-    seg_bytes = int(state["segment_bytes"])
-    sizes = np.asarray([*state["segment_sizes"], 0], dtype=np.int64)
-    seg = loc // seg_bytes
-    in_seg = loc - seg * seg_bytes
-    n_seg = sizes.size - 1
-    if ((nbytes > seg_bytes) | (seg >= n_seg) | (in_seg + nbytes > sizes[np.minimum(seg, n_seg)])).any():
-        return ["blob locations fall outside the cold segments' reserved bytes"]
+def _check_cold_bounds(cold: Any, index: BlobIndex) -> list[str]:
+    """Every live blob has a plausible raw size and lies inside one cold segment's reserved bytes
+    and below the allocator's high water: a few passes over whole columns, no gathers."""
+    n = index.size
+    live = index.state[:n] != FREE
+    n_live = int(np.count_nonzero(live))
+    if not n_live:
+        return []
+    dead = None if n_live == n else np.flatnonzero(~live)
+    problems = []
+    raw = index.raw_nbytes[:n]
+    if int(raw.min()) < 0 or int(raw.max()) > (1 << 34):  # free ids hold 0: look closer only then
+        bad = (raw < 0) | (raw > (1 << 34))
+        if (bad if dead is None else bad & live).any():
+            problems.append("blob sizes are impossible")
+    loc = np.ascontiguousarray(index.loc[:n, COLD])  # a copy: free ids' entries are zeroed below
+    nbytes = index.nbytes[:n]
+    end = loc + nbytes
+    if dead is not None:
+        loc[dead] = 0
+        end[dead] = 0
+    bad = bool(int(loc.min()) < 0 or (end < loc).any())  # a negative offset or size
+    alloc = getattr(cold, "allocator", None)
+    if alloc is not None and not bad:
+        state = cold.state()
+        seg_bytes = int(state["segment_bytes"])
+        sizes = [int(x) for x in state["segment_sizes"]]
+        if int(end.max()) > min(int(alloc.high_water), (len(sizes) - 1) * seg_bytes + (sizes[-1] if sizes else 0)):
+            bad = True  # past the high water or the last segment's reserved bytes
+        else:  # each blob inside the segment it starts in (its last byte's segment is its first's)
+            pow2 = seg_bytes > 0 and seg_bytes & (seg_bytes - 1) == 0
+            first = loc >> (seg_bytes.bit_length() - 1) if pow2 else loc // max(seg_bytes, 1)
+            end -= 1
+            last = end >> (seg_bytes.bit_length() - 1) if pow2 else end // max(seg_bytes, 1)
+            bad = bool((last > first).any())
+            for i in [i for i, size in enumerate(sizes[:-1]) if size < seg_bytes]:  # short segments (rare)
+                bad = bad or bool((end[first == i] >= i * seg_bytes + sizes[i]).any())
+    if bad:
+        problems.append("blob locations fall outside the cold segments' reserved bytes")
+    return problems
+
+
+def _check_cold_extents(cold: Any, index: BlobIndex) -> list[str]:
+    """No free or deferred extent of the cold allocator overlaps a stored blob or another extent,
+    and no two stored blobs overlap (a write would overwrite live bytes)."""
+    live = index.live_ids()
     alloc = cold.allocator.state()
-    off = np.concatenate([loc, alloc["free_offsets"], alloc["pending_offsets"]]).astype(np.int64)
-    ln = np.concatenate([align(nbytes), alloc["free_sizes"], alloc["pending_sizes"]]).astype(np.int64)
+    off = np.concatenate([index.loc[live, COLD], alloc["free_offsets"], alloc["pending_offsets"]]).astype(np.int64)
+    ln = np.concatenate([align(index.nbytes[live]), alloc["free_sizes"], alloc["pending_sizes"]]).astype(np.int64)
     if (ln < 0).any() or (off < 0).any():
         return ["the cold tier's free extents are negative"]
-    order = np.argsort(off, kind="stable")
-    off, end = off[order], (off + ln)[order]
-    keep = ln[order] > 0
-    off, end = off[keep], end[keep]
-    if off.size > 1 and bool((off[1:] < np.maximum.accumulate(end)[:-1]).any()):
+    if extents_overlap(off, ln):
         return ["the cold tier's free extents overlap stored blobs or each other"]
     return []

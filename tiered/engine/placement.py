@@ -329,7 +329,8 @@ class Placement:
 
     def drop_memory_copies(self) -> None:
         """Forget every hot and warm location (after an open: the arenas start empty)."""
-        held = np.flatnonzero((self.index.loc[:, HOT:WARM + 1] >= 0).any(1))
+        loc = self.index.loc
+        held = np.flatnonzero(np.maximum(loc[:, HOT], loc[:, WARM]) >= 0)  # in either memory tier
         self.index.dirty.mark(held[held < self.index.size])
         self.index.loc[held, HOT:WARM + 1] = -1  # only those: pages of a mapped index stay unwritten
 
