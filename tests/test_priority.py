@@ -312,3 +312,26 @@ def test_torchrl_prioritized_slice_sampler_reaches_the_store(pong) -> None:
     assert storage.store.priority_alpha == pytest.approx(0.7)
     check_blob_priorities(storage.store)
 
+
+
+def test_one_tier_serves_all_the_mass_without_reading_the_rows(pong, tmp_path) -> None:
+    """A store whose stored blobs all lie in one tier (a path store opened with no memory tiers,
+    as ``tiered info`` opens it): that tier serves the whole mass, the same shares the row-by-row
+    count gives; open chunks still count as memory."""
+    store = TieredStore(600, tmp_path / "s", frames=FRAMES, policy="priority", hot_bytes=0, chunk_frames=4)
+    store.extend(pong[:500])
+    store.set_priority(np.arange(500), np.linspace(0.1, 2.0, 500))
+    store.close()
+    store = TieredStore.open(tmp_path / "s", policy="priority", hot_bytes=0, warm_bytes=0)
+    p = parts(store)
+    stats = store.stats()
+    assert stats["tiers"]["cold"]["probability_mass"] == 1.0
+    assert stats["priority"]["in_memory_raw"] == 0.0
+    counted = p.placement.priorities.tier_mass(p.write.layout, p.rows.written, p.write.stage, p.placement.locate)
+    assert counted["cold"] == pytest.approx(1.0) and counted["memory"] == 0.0
+    store.close()
+    # rows in an open time chunk are raw in memory: the shortcut must not claim them for a tier
+    store = TieredStore(600, frames=FRAMES, policy="priority", hot_bytes=0, chunk_frames=4)
+    store.extend(pong[:6])
+    stats = store.stats()
+    assert stats["priority"]["in_memory_raw"] > 0.0

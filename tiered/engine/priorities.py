@@ -313,11 +313,14 @@ class RowPriorities:
 
     # -- the share of the sampling mass each tier serves ----------------------------------------
     def tier_mass(self, layout: FieldLayout | None, written: np.ndarray, stage: WriteStage | None,
-                  fastest_tier: Any) -> dict[str, float]:
+                  fastest_tier: Any, only_tier: str | None = None) -> dict[str, float]:
         """The share of the sampling probability (``priority ** alpha``, over written rows) whose
         frames each place serves: ``hot``, ``warm``, ``cold`` (the fastest tier holding the
         blob), ``memory`` (open time chunks and staged rows, raw in host memory). A row's mass
-        is split over its frames."""
+        is split over its frames. ``only_tier``: the one tier that holds every stored blob, when
+        the caller knows it; with no staged rows and no blob outside it (open chunks), that tier
+        serves all the mass and no row's frames are looked up (``tiered info`` of a 50M-row store
+        would otherwise read every row table page)."""
         shares = {"hot": 0.0, "warm": 0.0, "cold": 0.0, "memory": 0.0}
         rows = np.flatnonzero(written)
         if layout is None or not layout.tables or rows.size == 0:
@@ -327,6 +330,11 @@ class RowPriorities:
         total = float(weight.sum())
         if total <= 0:
             return shares
+        if only_tier is not None and (stage is None or not stage.count):
+            live = self.index.live_ids()
+            if bool((self.index.state[live] == STORED).all()):
+                shares[only_tier] = 1.0
+                return shares
         layout.check_rows(rows)
         refs = layout.ids(rows)
         place = np.full(refs.shape, 3, dtype=np.int64)  # 3: raw in memory
