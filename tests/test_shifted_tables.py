@@ -250,3 +250,7 @@ def test_random_puts_and_unsets_match_an_explicit_table(cap, frames, data):
         _model_check(table, model)
         picked = np.array(data.draw(st.lists(st.integers(0, cap - 1), max_size=10)), dtype=np.int64)
         assert np.array_equal(table.ids(picked), model.blob[picked])
+        ahead = table.ahead(picked)  # one step ahead: frames 1.. of the row, the newest of the next row
+        nb, ns = model.blob[(picked + 1) % cap, -1:], model.slot[(picked + 1) % cap, -1:]
+        assert np.array_equal(ahead[0], np.concatenate([model.blob[picked, 1:], nb], 1))
+        assert np.array_equal(ahead[1], np.concatenate([model.slot[picked, 1:], ns], 1))

@@ -286,6 +286,14 @@ class RowTable:
         """``(blob ids, slots)`` of the newest frame of each of ``rows`` (an int array)."""
         return self.blob[rows, -1], self.slot[rows, -1]
 
+    def ahead(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``([len(rows), frames]`` blob ids, slots): each row's stack one step ahead, frames
+        ``1 .. F - 1`` of the row then the newest frame of the row after (mod capacity)."""
+        b, s = self.refs(rows)
+        lb, ls = self.last((rows + 1) % self.capacity)
+        return (np.concatenate([b[:, 1:], lb[:, None]], axis=1, dtype=BLOB_DTYPE),
+                np.concatenate([s[:, 1:], ls[:, None]], axis=1, dtype=SLOT_DTYPE))
+
     def put(self, rows: np.ndarray, blob: np.ndarray, slot: np.ndarray) -> None:
         """Set the entries of ``rows`` (distinct)."""
         self.blob[rows] = blob
@@ -592,17 +600,24 @@ class ShiftedRowTable(_LastColumnTable):
         return ((rows[:, None] + steps) % cap).reshape(-1)
 
     def refs(self, rows: Any) -> tuple[np.ndarray, np.ndarray]:
-        rows = _row_ids(rows).astype(np.int64)
+        return self._window(_row_ids(rows).astype(np.int64), 0)
+
+    def ahead(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return self._window(_row_ids(rows).astype(np.int64), 1)
+
+    def _window(self, rows: np.ndarray, step: int) -> tuple[np.ndarray, np.ndarray]:
+        """Frames ``step .. step + F - 1`` of each row's stack (frame ``F``: the newest of the row
+        after): one gather of the last column and a ``searchsorted``."""
         f, cap = self._frames, self.capacity
-        src = (rows[:, None] - np.arange(f - 1, -1, -1)) % cap  # the rows whose last frames make the stack
+        src = (rows[:, None] + step - np.arange(f - 1, -1, -1)) % cap  # the rows whose last frames make the stack
         blob, slot = self.last_blob[src], self.last_slot[src]
         if not self.exc_rows.size or not rows.size:
             return blob, slot
         pos = np.searchsorted(self.exc_rows, rows, side="right") - 1  # -1: the last one, a lap before
         d = rows - self.exc_rows[pos] + np.where(pos < 0, cap, 0)
         near = np.flatnonzero(d < f - 1)  # rows within F - 1 of their exception (no branch on it:
-        col = np.arange(f - 1)[None, :] + d[near, None]  # the same calls for every batch)
-        i, j = np.nonzero(col < f - 1)  # [m, F - 1]: the exception's column of frame j, where it has one
+        col = np.arange(step, f + step)[None, :] + d[near, None]  # the same calls for every batch)
+        i, j = np.nonzero(col < f - 1)  # [m, F]: the exception's column of frame j + step, where it has one
         at, p, c = near[i], pos[near][i], col[i, j]
         blob[at, j], slot[at, j] = self.exc_blob[p, c], self.exc_slot[p, c]
         return blob, slot
@@ -736,12 +751,10 @@ class NextRowTable(_ExceptionTable):
         return ((rows[:, None] + np.arange(-1, 2)) % self.capacity).reshape(-1)
 
     def rule(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """``([len(rows), F]`` blob ids, slots) the rule gives ``rows`` (an int array)."""
-        b, s = self.base.refs(rows)
-        lb, ls = self.base.last((rows + 1) % self.capacity)
-        blob = np.concatenate([b[:, 1:], lb[:, None]], axis=1, dtype=BLOB_DTYPE)
-        slot = np.concatenate([s[:, 1:], ls[:, None]], axis=1, dtype=SLOT_DTYPE)
-        return blob, slot
+        """``([len(rows), F]`` blob ids, slots) the rule gives ``rows`` (an int array): the
+        base's stacks one step ahead (one gather from a shifted base)."""
+        blob, slot = self.base.ahead(rows)
+        return blob.astype(BLOB_DTYPE, copy=False), slot.astype(SLOT_DTYPE, copy=False)
 
     def refs(self, rows: Any) -> tuple[np.ndarray, np.ndarray]:
         rows = _row_ids(rows).astype(np.int64)
