@@ -76,11 +76,13 @@ def test_a_new_store_writes_32_bit_row_tables(tmp_path, atari_pong):
         # observation and its next stack keep only their last frame per row (shifted, derived),
         # plus one exception of the observation: row 44, whose stack does not follow row 43's
         assert parts(s).layout.tables[("observation",)].exc_rows.tolist() == [44]
-        assert s.stats()["memory"]["row_tables"] == 256 * 2 * 6 + (8 + 3 * 6)
+        # the next stack keeps nothing per row: one exception, row 43 (the cursor's row 44 is not its successor)
+        assert parts(s).layout.tables[("next", "observation")].exc_rows.tolist() == [43]
+        assert s.stats()["memory"]["row_tables"] == 256 * 6 + (8 + 3 * 6) + (8 + 4 * 6)
         index_of = {k: i for i, k in enumerate(s.schema)}
         s.flush()
     body = manifest_body(path)
-    assert body["format_version"] == FORMAT_VERSION == 4
+    assert body["format_version"] == FORMAT_VERSION == 5
     assert body["derived_tables"] == {str(index_of[("next", "observation")]): index_of[("observation",)]}
     assert body["shifted_tables"] == [index_of[("observation",)]]
     assert {d for _, d in _table_dtypes(path)} == {"int32", "uint16"}
@@ -102,11 +104,13 @@ def test_a_format2_store_reads_the_same_and_upgrades_at_its_next_commit(tmp_path
         assert_td_equal(s.get(torch.arange(ROWS)), expected)
         assert _dtypes(s) == {"int32", "uint16"}
         table = parts(s).layout.tables[("next", "observation")]
-        assert table.derived and table.exc_rows.size == 0  # the explicit next table went derived
+        # the explicit next table went derived: rows 99 (an episode end), 199 (before the first
+        # unwritten row) and the last (unwritten, before row 0) break its rule
+        assert table.derived and table.exc_rows.tolist() == [99, 199, CAPACITY - 1]
         # was 2 x 4 x 12 B per row; the observation went shifted too: rows 0, 100 (an episode
         # start) and 200 (the first unwritten row) break the rule
         assert parts(s).layout.tables[("observation",)].exc_rows.tolist() == [0, 100, 200]
-        assert s.stats()["memory"]["row_tables"] == CAPACITY * 2 * 6 + 3 * (8 + 3 * 6)
+        assert s.stats()["memory"]["row_tables"] == CAPACITY * 6 + 3 * (8 + 3 * 6) + 3 * (8 + 4 * 6)
     assert {p.name: p.read_bytes() for p in (path / "arrays").iterdir()} == before
     assert verify_store(path, progress=False).ok
     # a writer: its commits write the current format, the copies left by format 2 are rewritten whole
@@ -164,9 +168,11 @@ def test_an_array_whose_dtype_changed_is_rewritten_whole(tmp_path):
 
 
 def _stacks_mismatch(td: TensorDict) -> np.ndarray:
-    """Rows whose next stack is not their observation stack shifted by one frame (bytes)."""
+    """Rows (of a full ring) whose next stack is not their observation stack shifted by one
+    frame, then the next row's newest frame (bytes)."""
     nxt, obs = td["next", "observation"], td["observation"]
-    return (nxt[:, :-1] != obs[:, 1:]).flatten(1).any(1).numpy()
+    rule = torch.cat([obs[:, 1:], obs.roll(-1, 0)[:, -1:]], 1)
+    return (nxt != rule).flatten(1).any(1).numpy()
 
 
 def test_derived_next_tables_read_like_the_data_where_the_rule_fails_too(tmp_path, atari_pong, atari_mspacman,
@@ -203,7 +209,7 @@ def test_derived_next_tables_read_like_the_data_where_the_rule_fails_too(tmp_pat
         assert bad.size >= 5 and table.exc_rows.tolist() == bad.tolist()
         stats = s.stats()["memory"]["row_tables"]
         shifted = parts(s).layout.tables[("observation",)].exc_rows.size
-        assert stats == cap * 2 * 6 + (bad.size + shifted) * (8 + 3 * 6)
+        assert stats == cap * 6 + shifted * (8 + 3 * 6) + bad.size * (8 + 4 * 6)
         # error messages name the next field for a blob only its last frames use
         b = int(table.ids(np.array([100]))[0, -1])
         assert "next/observation" in parts(s).layout.rows_using(np.array([b]))[0]
@@ -252,11 +258,12 @@ def test_a_layout_turns_a_crowded_derived_table_explicit_and_keeps_its_entries()
     rng = np.random.default_rng(0)
     blob, slot = rng.integers(0, 1000, (cap, 8)), rng.integers(0, 4, (cap, 8))
     blob[:, 4:7], slot[:, 4:7] = blob[:, 1:4], slot[:, 1:4]  # every row follows the rule
+    blob[:, 7], slot[:, 7] = np.roll(blob[:, 3], -1), np.roll(slot[:, 3], -1)
     layout.put_family(0, rows, blob, slot, np.zeros(cap, dtype=bool))
     assert layout.tables[key].derived and layout.tables[key].exc_rows.size == 0
     assert np.array_equal(layout.ids(rows), blob)
     blob2 = blob.copy()
-    blob2[::2, 4] += 1  # half the rows break it: 5,000 exceptions, more than max(4096, cap / 256)
+    blob2[::2, 4] += 1  # half the rows break it: 5,000 exceptions, more than max(4096, cap / 32)
     old = layout.put_family(0, rows, blob2, slot, np.ones(cap, dtype=bool))
     assert [o.tolist() for o in old] == [blob[:, :4].tolist(), blob[:, 4:].tolist()]
     assert not layout.tables[key].derived
@@ -271,14 +278,14 @@ def test_a_damaged_exception_list_is_refused_naming_its_file(tmp_path, atari_pon
     path = tmp_path / "s"
     with TieredStore(100, path, chunk_frames=8) as s:
         s.extend(data)
-        assert parts(s).layout.tables[("next", "observation")].exc_rows.tolist() == [5, 50]
+        assert parts(s).layout.tables[("next", "observation")].exc_rows.tolist() == [5, 50, 99]
     doc = json.loads((path / "manifest.json").read_text())
     body = doc["body"]
     (i,) = body["derived_tables"]
     name = f"next.{i}.rows"
     f = path / "arrays" / f"{name}.{body['copy'][name]}.npy"
     raw = f.read_bytes()
-    f.write_bytes(raw[:-16] + raw[-8:] + raw[-16:-8])  # [50, 5]: not sorted
+    f.write_bytes(raw[:-16] + raw[-8:] + raw[-16:-8])  # [5, 99, 50]: not sorted
     body.pop("checksums")  # as a store without page checksums: the content check must catch it
     doc["sha256"] = hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
     (path / "manifest.json").write_text(json.dumps(doc))

@@ -66,11 +66,13 @@ def test_sequential_writes_and_ring_laps_read_bit_exactly(games, tmp_path):
         # starts, the game switch, the ring's seam): few, and exactly those
         assert table.exc_rows.tolist() == _breaks(truth["observation"]).tolist()
         assert 0 < table.exc_rows.size < 20
-        assert parts(s).layout.tables[NEXT].derived
-        assert s.stats()["memory"]["row_tables"] == cap * 2 * 6 + table.exc_rows.size * (8 + 3 * 6)
+        nxt = parts(s).layout.tables[NEXT]
+        assert nxt.derived and nxt.exc_rows.size < 10  # no per-row column: episode ends, the cursor
+        assert s.stats()["memory"]["row_tables"] == (cap * 6 + table.exc_rows.size * (8 + 3 * 6)
+                                                     + nxt.exc_rows.size * (8 + 4 * 6))
         index_of = {k: i for i, k in enumerate(s.schema)}
     body = manifest_body(path)
-    assert body["format_version"] == FORMAT_VERSION == 4 and body["shifted_tables"] == [index_of[OBS]]
+    assert body["format_version"] == FORMAT_VERSION == 5 and body["shifted_tables"] == [index_of[OBS]]
     assert f"shift.{index_of[OBS]}.rows" in body["files"] and body["files"][f"rows.{index_of[OBS]}.blob"] < cap * 8
     with tiered.open(path) as s:
         assert_td_equal(s.get(torch.arange(cap)), truth)
@@ -137,7 +139,7 @@ def test_stacks_that_never_shift_turn_the_table_explicit(atari_pong):
         assert_td_equal(s.get(torch.arange(5000, 5010)), data[:10])
 
 
-def test_a_format3_store_reads_the_same_and_upgrades_to_format4(tmp_path, atari_pong, capsys):
+def test_a_format3_store_reads_the_same_and_upgrades_to_the_current_format(tmp_path, atari_pong, capsys):
     """``tests/fixtures/format3/pong_format3.tar.xz``: a store written by tiered at format 3::
 
         data = cached_rollout(game="Pong", steps=2000, seed=0, max_episode_steps=500)[400:600].clone()
@@ -164,7 +166,7 @@ def test_a_format3_store_reads_the_same_and_upgrades_to_format4(tmp_path, atari_
         assert table.shifted and parts(s).layout.tables[NEXT].base is table
         assert table.exc_rows.tolist() == [0, 30, 31, 100, 150, 151, 200]
     assert main(["upgrade", str(path)]) == 0 and "upgraded" in capsys.readouterr().out
-    assert manifest_body(path)["format_version"] == 4 and manifest_body(path)["shifted_tables"]
+    assert manifest_body(path)["format_version"] == FORMAT_VERSION and manifest_body(path)["shifted_tables"]
     assert verify_store(path, progress=False).ok
     with tiered.open(path) as s:
         assert_td_equal(s.get(torch.arange(200)), expected)
@@ -248,3 +250,7 @@ def test_random_puts_and_unsets_match_an_explicit_table(cap, frames, data):
         _model_check(table, model)
         picked = np.array(data.draw(st.lists(st.integers(0, cap - 1), max_size=10)), dtype=np.int64)
         assert np.array_equal(table.ids(picked), model.blob[picked])
+        ahead = table.ahead(picked)  # one step ahead: frames 1.. of the row, the newest of the next row
+        nb, ns = model.blob[(picked + 1) % cap, -1:], model.slot[(picked + 1) % cap, -1:]
+        assert np.array_equal(ahead[0], np.concatenate([model.blob[picked, 1:], nb], 1))
+        assert np.array_equal(ahead[1], np.concatenate([model.slot[picked, 1:], ns], 1))

@@ -24,9 +24,10 @@ ids are ``int32`` (-1: none; an index holds at most :data:`MAX_BLOB_IDS` ids) an
 ``uint16`` (a chunk holds at most 65536 frames), 6 bytes per frame reference; whoever does
 arithmetic on them widens to ``int64`` first. Stacked fields keep compact forms that rebuild the
 same entries: a :class:`ShiftedRowTable` keeps each row's newest frame (the rest of a stack is
-the previous row's, shifted by one step), a :class:`DerivedRowTable` a ``("next", X)`` stack's
-newest frame (the rest is ``X``'s stack of the row, shifted), each with a list of the rows where
-that rule fails.
+the previous row's, shifted by one step), a :class:`NextRowTable` nothing per row for a
+``("next", X)`` stack (it is ``X``'s stack of the row shifted, then the newest frame of the next
+row), each with a list of the rows where that rule fails. A :class:`DerivedRowTable` (formats 3
+and 4) kept a ``("next", X)`` stack's newest frame per row; stores of those formats convert at open.
 
 Example:
     >>> import numpy as np
@@ -47,7 +48,7 @@ import numpy as np
 from .errors import StorageFullError
 from .util.dirty import DirtyBlocks
 
-__all__ = ["BlobIndex", "RowTable", "DerivedRowTable", "ShiftedRowTable", "FREE", "OPEN", "STORED", "HOT", "WARM", "COLD", "MAX_BLOB_IDS",
+__all__ = ["BlobIndex", "RowTable", "DerivedRowTable", "NextRowTable", "ShiftedRowTable", "FREE", "OPEN", "STORED", "HOT", "WARM", "COLD", "MAX_BLOB_IDS",
            "BLOB_DTYPE", "SLOT_DTYPE", "check_blob_ids"]
 
 #: dtype of the blob ids in row tables (-1: no blob)
@@ -281,6 +282,18 @@ class RowTable:
         """The whole ``[capacity, frames]`` blob ids and slots (views: do not write them)."""
         return self.blob, self.slot
 
+    def last(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(blob ids, slots)`` of the newest frame of each of ``rows`` (an int array)."""
+        return self.blob[rows, -1], self.slot[rows, -1]
+
+    def ahead(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``([len(rows), frames]`` blob ids, slots): each row's stack one step ahead, frames
+        ``1 .. F - 1`` of the row then the newest frame of the row after (mod capacity)."""
+        b, s = self.refs(rows)
+        lb, ls = self.last((rows + 1) % self.capacity)
+        return (np.concatenate([b[:, 1:], lb[:, None]], axis=1, dtype=BLOB_DTYPE),
+                np.concatenate([s[:, 1:], ls[:, None]], axis=1, dtype=SLOT_DTYPE))
+
     def put(self, rows: np.ndarray, blob: np.ndarray, slot: np.ndarray) -> None:
         """Set the entries of ``rows`` (distinct)."""
         self.blob[rows] = blob
@@ -313,47 +326,14 @@ class RowTable:
             self.slot = np.where((self.slot >= 0) & (self.slot <= hi), self.slot, 0).astype(SLOT_DTYPE)
 
 
-class _LastColumnTable(RowTable):
-    """What the compact tables share: the last frame column per row (``last_blob``,
-    ``last_slot``) and a sorted exception list (``exc_rows``, with the first ``F - 1`` entries of
-    each exception row in ``exc_blob``/``exc_slot``). Subclasses say how the first ``F - 1``
-    frames of the other rows are found."""
+class _ExceptionTable(RowTable):
+    """What the compact tables share: a sorted exception list (``exc_rows``, with entries of each
+    exception row in ``exc_blob``/``exc_slot``) over a rule the subclass gives."""
 
     #: the list is crowded beyond ``max(4096, capacity // crowd_divisor)`` exception rows
     crowd_divisor = 256
     kind = "compact"
-
-    def _empty(self, capacity: int, frames: int, allocate: bool = True) -> None:
-        """An empty table (``allocate=False``: no last-frame columns yet, :meth:`_load` sets them)."""
-        if frames < 2:
-            raise ValueError(f"a {self.kind} row table needs stacks of 2 frames or more, got {frames}")
-        self._frames = frames
-        self.guard = None
-        self.last_blob = np.full(capacity if allocate else 0, -1, dtype=BLOB_DTYPE)
-        self.last_slot = np.zeros(capacity if allocate else 0, dtype=SLOT_DTYPE)
-        self.exc_rows = np.empty(0, dtype=np.int64)
-        self.exc_blob = np.empty((0, frames - 1), dtype=BLOB_DTYPE)
-        self.exc_slot = np.empty((0, frames - 1), dtype=SLOT_DTYPE)
-
-    def _load(self, arrays: dict[str, np.ndarray], cap: int) -> None:
-        """Take the arrays :meth:`state_arrays` saved for a table of ``cap`` rows, once checked.
-
-        Raises:
-            ValueError: the arrays' shapes, dtypes or exception rows are not what a commit writes.
-        """
-        frames = self._frames
-        last_blob, last_slot = arrays["blob"], arrays["slot"]
-        rows, eb, es = arrays["exc_rows"], arrays["exc_blob"], arrays["exc_slot"]
-        k = rows.shape[0] if rows.ndim == 1 else -1
-        if (last_blob.shape != (cap, 1) or last_slot.shape != (cap, 1) or eb.shape != (k, frames - 1)
-                or es.shape != (k, frames - 1) or last_blob.dtype != BLOB_DTYPE or eb.dtype != BLOB_DTYPE
-                or last_slot.dtype != SLOT_DTYPE or es.dtype != SLOT_DTYPE or rows.dtype != np.int64):
-            raise ValueError(f"{self.kind} row table arrays of shapes {last_blob.shape} {last_slot.shape} "
-                             f"{rows.shape} {eb.shape} {es.shape} do not fit a table of {cap} rows of {frames} frames")
-        if k and (int(rows[0]) < 0 or int(rows[-1]) >= cap or (k > 1 and bool((np.diff(rows) <= 0).any()))):
-            raise ValueError(f"{self.kind} row table exception rows are not sorted distinct rows in [0, {cap})")
-        self.last_blob, self.last_slot = last_blob.reshape(cap), last_slot.reshape(cap)
-        self.exc_rows, self.exc_blob, self.exc_slot = np.asarray(rows), np.asarray(eb), np.asarray(es)
+    _frames = 0
 
     @property
     def blob(self) -> np.ndarray:  # type: ignore[override]
@@ -367,17 +347,8 @@ class _LastColumnTable(RowTable):
         return self.full()[1]
 
     @property
-    def capacity(self) -> int:
-        return int(self.last_blob.shape[0])
-
-    @property
     def frames(self) -> int:
         return self._frames
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.last_blob.nbytes + self.last_slot.nbytes + self.exc_rows.nbytes + self.exc_blob.nbytes
-                   + self.exc_slot.nbytes)
 
     def _exceptions(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(position in the exception list, whether the row has one)`` per row."""
@@ -391,6 +362,10 @@ class _LastColumnTable(RowTable):
 
     def full(self) -> tuple[np.ndarray, np.ndarray]:
         return self.refs(np.arange(self.capacity))
+
+    def last(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        blob, slot = self.refs(rows)
+        return blob[:, -1], slot[:, -1]
 
     def _replace(self, rows: np.ndarray, new_rows: np.ndarray, new_blob: np.ndarray, new_slot: np.ndarray) -> None:
         """Drop the exceptions of ``rows``, then add ``new_rows``' (a subset of ``rows``).
@@ -421,16 +396,74 @@ class _LastColumnTable(RowTable):
         exception list is rebuilt at every write and rewritten whole at every commit)."""
         return self.exc_rows.size > max(4096, self.capacity // self.crowd_divisor)
 
-    def state_arrays(self) -> dict[str, np.ndarray]:
-        return {"blob": self.last_blob[:, None], "slot": self.last_slot[:, None], "exc_rows": self.exc_rows,
-                "exc_blob": self.exc_blob, "exc_slot": self.exc_slot}
-
     def compact(self) -> None:
         """Saved compact tables are already compact."""
 
 
+def _check_exc_rows(rows: np.ndarray, cap: int, kind: str) -> None:
+    """Refuse exception rows that are not sorted distinct rows in ``[0, cap)`` (ValueError)."""
+    k = rows.shape[0]
+    if k and (int(rows[0]) < 0 or int(rows[-1]) >= cap or (k > 1 and bool((np.diff(rows) <= 0).any()))):
+        raise ValueError(f"{kind} row table exception rows are not sorted distinct rows in [0, {cap})")
+
+
+class _LastColumnTable(_ExceptionTable):
+    """A compact table keeping the last frame column per row (``last_blob``, ``last_slot``) and,
+    per exception row, its first ``F - 1`` entries. Subclasses say how the first ``F - 1`` frames
+    of the other rows are found."""
+
+    def _empty(self, capacity: int, frames: int, allocate: bool = True) -> None:
+        """An empty table (``allocate=False``: no last-frame columns yet, :meth:`_load` sets them)."""
+        if frames < 2:
+            raise ValueError(f"a {self.kind} row table needs stacks of 2 frames or more, got {frames}")
+        self._frames = frames
+        self.guard = None
+        self.last_blob = np.full(capacity if allocate else 0, -1, dtype=BLOB_DTYPE)
+        self.last_slot = np.zeros(capacity if allocate else 0, dtype=SLOT_DTYPE)
+        self.exc_rows = np.empty(0, dtype=np.int64)
+        self.exc_blob = np.empty((0, frames - 1), dtype=BLOB_DTYPE)
+        self.exc_slot = np.empty((0, frames - 1), dtype=SLOT_DTYPE)
+
+    def _load(self, arrays: dict[str, np.ndarray], cap: int) -> None:
+        """Take the arrays :meth:`state_arrays` saved for a table of ``cap`` rows, once checked.
+
+        Raises:
+            ValueError: the arrays' shapes, dtypes or exception rows are not what a commit writes.
+        """
+        frames = self._frames
+        last_blob, last_slot = arrays["blob"], arrays["slot"]
+        rows, eb, es = arrays["exc_rows"], arrays["exc_blob"], arrays["exc_slot"]
+        k = rows.shape[0] if rows.ndim == 1 else -1
+        if (last_blob.shape != (cap, 1) or last_slot.shape != (cap, 1) or eb.shape != (k, frames - 1)
+                or es.shape != (k, frames - 1) or last_blob.dtype != BLOB_DTYPE or eb.dtype != BLOB_DTYPE
+                or last_slot.dtype != SLOT_DTYPE or es.dtype != SLOT_DTYPE or rows.dtype != np.int64):
+            raise ValueError(f"{self.kind} row table arrays of shapes {last_blob.shape} {last_slot.shape} "
+                             f"{rows.shape} {eb.shape} {es.shape} do not fit a table of {cap} rows of {frames} frames")
+        _check_exc_rows(rows, cap, self.kind)
+        self.last_blob, self.last_slot = last_blob.reshape(cap), last_slot.reshape(cap)
+        self.exc_rows, self.exc_blob, self.exc_slot = np.asarray(rows), np.asarray(eb), np.asarray(es)
+
+    @property
+    def capacity(self) -> int:
+        return int(self.last_blob.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.last_blob.nbytes + self.last_slot.nbytes + self.exc_rows.nbytes + self.exc_blob.nbytes
+                   + self.exc_slot.nbytes)
+
+    def last(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return self.last_blob[rows], self.last_slot[rows]
+
+    def state_arrays(self) -> dict[str, np.ndarray]:
+        return {"blob": self.last_blob[:, None], "slot": self.last_slot[:, None], "exc_rows": self.exc_rows,
+                "exc_blob": self.exc_blob, "exc_slot": self.exc_slot}
+
+
 class DerivedRowTable(_LastColumnTable):
-    """The row table of a stacked ``("next", X)`` field, derived from ``X``'s table ``base``.
+    """The row table of a stacked ``("next", X)`` field, derived from ``X``'s table ``base``, as
+    formats 3 and 4 saved it (a store of those formats converts it to a :class:`NextRowTable` at
+    open).
 
     Frame ``j < F - 1`` of a next stack is, as a rule, frame ``j + 1`` of the row's ``X`` stack
     (the stack shifted by one step), so only the last frame column is kept per row, plus an
@@ -571,17 +604,24 @@ class ShiftedRowTable(_LastColumnTable):
         return ((rows[:, None] + steps) % cap).reshape(-1)
 
     def refs(self, rows: Any) -> tuple[np.ndarray, np.ndarray]:
-        rows = _row_ids(rows).astype(np.int64)
+        return self._window(_row_ids(rows).astype(np.int64), 0)
+
+    def ahead(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return self._window(_row_ids(rows).astype(np.int64), 1)
+
+    def _window(self, rows: np.ndarray, step: int) -> tuple[np.ndarray, np.ndarray]:
+        """Frames ``step .. step + F - 1`` of each row's stack (frame ``F``: the newest of the row
+        after): one gather of the last column and a ``searchsorted``."""
         f, cap = self._frames, self.capacity
-        src = (rows[:, None] - np.arange(f - 1, -1, -1)) % cap  # the rows whose last frames make the stack
+        src = (rows[:, None] + step - np.arange(f - 1, -1, -1)) % cap  # the rows whose last frames make the stack
         blob, slot = self.last_blob[src], self.last_slot[src]
         if not self.exc_rows.size or not rows.size:
             return blob, slot
         pos = np.searchsorted(self.exc_rows, rows, side="right") - 1  # -1: the last one, a lap before
         d = rows - self.exc_rows[pos] + np.where(pos < 0, cap, 0)
         near = np.flatnonzero(d < f - 1)  # rows within F - 1 of their exception (no branch on it:
-        col = np.arange(f - 1)[None, :] + d[near, None]  # the same calls for every batch)
-        i, j = np.nonzero(col < f - 1)  # [m, F - 1]: the exception's column of frame j, where it has one
+        col = np.arange(step, f + step)[None, :] + d[near, None]  # the same calls for every batch)
+        i, j = np.nonzero(col < f - 1)  # [m, F]: the exception's column of frame j + step, where it has one
         at, p, c = near[i], pos[near][i], col[i, j]
         blob[at, j], slot[at, j] = self.exc_blob[p, c], self.exc_slot[p, c]
         return blob, slot
@@ -627,3 +667,159 @@ class ShiftedRowTable(_LastColumnTable):
         rows = _row_ids(rows)
         self.put(rows, np.full((rows.size, self._frames), -1, BLOB_DTYPE), np.zeros((rows.size, self._frames),
                                                                                      SLOT_DTYPE))
+
+
+class NextRowTable(_ExceptionTable):
+    """The row table of a stacked ``("next", X)`` field kept as no per-row column at all: each
+    row's entries follow from ``X``'s table ``base``.
+
+    As a rule, the next stack of row ``r`` is ``X``'s stack of ``r`` shifted by one step, its
+    newest frame being the newest frame of row ``r + 1`` (mod capacity; the same trajectory,
+    written in order): frames ``1 .. F - 1`` of ``base[r]``, then the last frame of
+    ``base[r + 1]``. Only the rows where the rule fails are kept (episode ends, the row before
+    the write cursor, rows written out of order), sorted, with their whole ``F`` entries. A read
+    is a gather from the base and a ``searchsorted`` (no per-row loops).
+
+    A write of ``base``'s rows changes the rule's value of the rows just before them: the caller
+    calls :meth:`hold` with those rows before the base changes (the rows before them that follow
+    the rule become exceptions holding what they name, so no row's entries ever change but by a
+    write of its own), then writes the base, then this table (:meth:`put`, :meth:`unset`), which
+    drops the held exceptions that follow the rule again.
+
+    Example:
+        >>> x = RowTable(4, 2)
+        >>> nxt = NextRowTable(x)
+        >>> nxt.hold(np.arange(3))
+        >>> x.put(np.arange(3), np.array([[0, 1], [1, 2], [2, 3]]), np.zeros((3, 2)))
+        >>> nxt.put(np.arange(3), np.array([[1, 2], [2, 3], [3, 4]]), np.zeros((3, 2)))
+        >>> nxt.ids(np.arange(4)).tolist(), nxt.exc_rows.tolist()  # row 2: row 3 is not written
+        ([[1, 2], [2, 3], [3, 4], [-1, -1]], [2, 3])
+        >>> nxt.hold(np.array([3]))
+        >>> x.put(np.array([3]), np.array([[3, 4]]), np.zeros((1, 2)))
+        >>> nxt.put(np.array([3]), np.array([[4, 5]]), np.zeros((1, 2)))
+        >>> nxt.exc_rows.tolist()  # row 2 follows again; row 3's successor is row 0
+        [3]
+    """
+
+    derived = True
+    kind = "next"
+    crowd_divisor = 32
+
+    def __init__(self, base: RowTable):
+        if base.frames < 2:
+            raise ValueError(f"a {self.kind} row table needs stacks of 2 frames or more, got {base.frames}")
+        self.base = base
+        self.guard = None
+        self._frames = base.frames
+        self.exc_rows = np.empty(0, dtype=np.int64)
+        self.exc_blob = np.empty((0, self._frames), dtype=BLOB_DTYPE)
+        self.exc_slot = np.empty((0, self._frames), dtype=SLOT_DTYPE)
+
+    @classmethod
+    def from_state(cls, base: RowTable, arrays: dict[str, np.ndarray]) -> NextRowTable:
+        """A table over the arrays :meth:`state_arrays` saved.
+
+        Raises:
+            ValueError: the arrays' shapes, dtypes or exception rows are not what a commit writes.
+        """
+        table = cls(base)
+        rows, eb, es = arrays["exc_rows"], arrays["exc_blob"], arrays["exc_slot"]
+        k, frames = (rows.shape[0] if rows.ndim == 1 else -1), table.frames
+        if (eb.shape != (k, frames) or es.shape != (k, frames) or eb.dtype != BLOB_DTYPE
+                or es.dtype != SLOT_DTYPE or rows.dtype != np.int64):
+            raise ValueError(f"{cls.kind} row table arrays of shapes {rows.shape} {eb.shape} {es.shape} do not fit "
+                             f"a table of {table.capacity} rows of {frames} frames")
+        _check_exc_rows(rows, table.capacity, cls.kind)
+        table.exc_rows, table.exc_blob, table.exc_slot = np.asarray(rows), np.asarray(eb), np.asarray(es)
+        return table
+
+    @classmethod
+    def derive(cls, base: RowTable, table: RowTable) -> NextRowTable:
+        """The next form of ``table`` (any form; same entries)."""
+        out = cls(base)
+        out.put(np.arange(table.capacity), *table.full())
+        return out
+
+    @property
+    def capacity(self) -> int:
+        return self.base.capacity
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.exc_rows.nbytes + self.exc_blob.nbytes + self.exc_slot.nbytes)
+
+    def reach(self, rows: Any) -> np.ndarray:
+        """Rows of the base whose entries a read or a write of ``rows`` may use: the rows before,
+        the rows and the rows after (for page checks)."""
+        rows = _row_ids(rows).astype(np.int64)
+        return ((rows[:, None] + np.arange(-1, 2)) % self.capacity).reshape(-1)
+
+    def rule(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``([len(rows), F]`` blob ids, slots) the rule gives ``rows`` (an int array): the
+        base's stacks one step ahead (one gather from a shifted base)."""
+        blob, slot = self.base.ahead(rows)
+        return blob.astype(BLOB_DTYPE, copy=False), slot.astype(SLOT_DTYPE, copy=False)
+
+    def refs(self, rows: Any) -> tuple[np.ndarray, np.ndarray]:
+        rows = _row_ids(rows).astype(np.int64)
+        blob, slot = self.rule(rows)
+        pos, hit = self._exceptions(rows)
+        blob[hit], slot[hit] = self.exc_blob[pos[hit]], self.exc_slot[pos[hit]]
+        return blob, slot
+
+    def _before(self, rows: np.ndarray) -> np.ndarray:
+        """The rows just before ``rows`` (distinct; around the ring) that are not among them,
+        sorted (the same calls whatever the rows: no per-row loop, no branch on the batch)."""
+        prev = np.sort((rows - 1) % self.capacity)
+        ordered = np.sort(rows)
+        at = np.minimum(np.searchsorted(ordered, prev), max(rows.size - 1, 0))
+        return prev[ordered[at] != prev]
+
+    def _replace(self, rows: np.ndarray, new_rows: np.ndarray, new_blob: np.ndarray, new_slot: np.ndarray) -> None:
+        """Drop the exceptions of ``rows``, then add ``new_rows``' (a subset of ``rows``): one
+        O(exceptions) merge, with the same calls whatever the rows (no branch on the batch)."""
+        pos, hit = self._exceptions(rows)
+        keep = np.ones(self.exc_rows.size, dtype=bool)
+        keep[pos[hit]] = False
+        order = np.argsort(new_rows, kind="stable")
+        new_rows = new_rows.astype(np.int64)[order]
+        old = self.exc_rows[keep]
+        total = old.size + new_rows.size
+        is_new = np.zeros(total, dtype=bool)
+        is_new[np.searchsorted(old, new_rows) + np.arange(new_rows.size)] = True  # none of new_rows is in old
+        out_rows = np.empty(total, dtype=np.int64)
+        out_blob = np.empty((total, self._frames), dtype=BLOB_DTYPE)
+        out_slot = np.empty((total, self._frames), dtype=SLOT_DTYPE)
+        out_rows[is_new], out_blob[is_new], out_slot[is_new] = new_rows, new_blob[order], new_slot[order]
+        out_rows[~is_new], out_blob[~is_new], out_slot[~is_new] = old, self.exc_blob[keep], self.exc_slot[keep]
+        self.exc_rows, self.exc_blob, self.exc_slot = out_rows, out_blob, out_slot
+
+    def hold(self, rows: Any) -> None:
+        """The base's ``rows`` are about to change: the rows just before them (not among them)
+        that follow the rule become exceptions holding their entries."""
+        prev = self._before(_row_ids(rows).astype(np.int64))
+        prev = prev[~self._exceptions(prev)[1]]
+        self._replace(prev[:0], prev, *self.rule(prev))
+
+    def put(self, rows: np.ndarray, blob: np.ndarray, slot: np.ndarray) -> None:
+        """Set the entries of ``rows`` (distinct; the base's rows already written); the held rows
+        before them that follow the rule again stop being exceptions."""
+        rows = _row_ids(rows).astype(np.int64)
+        blob = np.broadcast_to(np.asarray(blob), (rows.size, self._frames)).astype(BLOB_DTYPE)
+        slot = np.broadcast_to(np.asarray(slot), (rows.size, self._frames)).astype(SLOT_DTYPE)
+        prev = self._before(rows)
+        pos, hit = self._exceptions(prev)
+        prev, pos = prev[hit], pos[hit]
+        rb, rs = self.rule(np.concatenate([rows, prev]))
+        bad = ((blob != rb[:rows.size]) | (slot != rs[:rows.size])).any(1)
+        follows = ((self.exc_blob[pos] == rb[rows.size:]) & (self.exc_slot[pos] == rs[rows.size:])).all(1)
+        self._replace(np.concatenate([rows, prev[follows]]), rows[bad], blob[bad], slot[bad])
+
+    def unset(self, rows: Any) -> None:
+        """Mark ``rows`` unwritten (blob id -1, slot 0; the base's rows already unset)."""
+        rows = _row_ids(rows)
+        self.put(rows, np.full((rows.size, self._frames), -1, BLOB_DTYPE), np.zeros((rows.size, self._frames),
+                                                                                     SLOT_DTYPE))
+
+    def state_arrays(self) -> dict[str, np.ndarray]:
+        return {"exc_rows": self.exc_rows, "exc_blob": self.exc_blob, "exc_slot": self.exc_slot}

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..index import DerivedRowTable, RowTable, ShiftedRowTable
+from ..index import NextRowTable, RowTable, ShiftedRowTable
 from ..schema import Field, Key, Schema, key_to_str
 from .frames import FrameFamily, layout_rules
 
@@ -68,7 +68,7 @@ class FieldLayout:
         for key in self.shifted if tables else ():
             self.tables[key] = ShiftedRowTable(capacity, self.tables[key].frames)
         for key, base in self.derived_from.items() if tables else ():
-            self.tables[key] = DerivedRowTable(self.tables[base])
+            self.tables[key] = NextRowTable(self.tables[base])
 
     def derivable(self, f: Field) -> Key | None:
         """The field whose table ``f``'s may be derived from: ``X`` for a stacked ``("next", X)``
@@ -105,6 +105,20 @@ class FieldLayout:
         if not new.crowded:
             self._swap(key, new)
 
+    def derive(self, key: Key) -> None:
+        """Keep ``key``'s table (a ``("next", X)`` field's, explicit or of format 3/4) as a
+        :class:`~tiered.index.NextRowTable` from now on: same entries, every page checked first;
+        explicit if too many rows break the rule."""
+        table, base = self.tables[key], self.derived_from.get(key)
+        if base is None or isinstance(table, NextRowTable):
+            return
+        self.check_rows(None, [self.schema[key], self.schema[base]])
+        new = NextRowTable.derive(self.tables[base], table)
+        if not new.crowded:
+            self._swap(key, new)
+        elif table.derived:  # a format-3/4 derived table: commits write explicit tables or next ones
+            self.explicit(key)
+
     def _swap(self, key: Key, new: RowTable) -> None:
         """Put ``new`` (same entries) in place of ``key``'s table; a table derived from it reads ``new``."""
         old, self.tables[key] = self.tables[key], new
@@ -129,11 +143,13 @@ class FieldLayout:
         """
         tables = self.tables.values() if fields is None else [self.tables[f.key] for f in fields]
         for t in tables:  # a loop over fields
-            # a derived table's reads gather its base's rows too: those pages first; a shifted
-            # table's, the rows before (and a write's, after) each row
+            # a derived table's reads gather its base's rows too (a next table's, the rows around
+            # each row): those pages first; a shifted table's, the rows before (and a write's,
+            # after) each row
             for table in (t.base, t) if t.derived else (t,):
                 if table.guard is not None:
-                    table.guard.all() if rows is None else table.guard.rows(table.reach(rows))
+                    at = rows if table is t or rows is None else t.reach(rows)
+                    table.guard.all() if at is None else table.guard.rows(table.reach(at))
 
     def put_family(self, fid: int, rows: np.ndarray, blob: np.ndarray, slot: np.ndarray,
                    written: np.ndarray) -> list[np.ndarray]:
@@ -142,6 +158,7 @@ class FieldLayout:
         blob ids the ``written`` rows named before, per field (for reference counts)."""
         fields = self.fields_of[fid]
         old = [self.tables[f.key].ids(rows[written]) for f in fields]  # before any table changes
+        self._hold(rows, [self.tables[f.key] for f in fields])
         edges = np.cumsum([0] + [f.frames_per_row for f in fields])
         # explicit and shifted tables first: a derived one compares with its base's new entries
         for f, a, b in sorted(zip(fields, edges[:-1], edges[1:], strict=True),
@@ -156,9 +173,19 @@ class FieldLayout:
         """Mark ``rows`` unwritten in every table; returns the blob ids they named, per field."""
         self.check_rows(rows)
         old = [t.ids(rows) for t in self.tables.values()]
-        for t in self.tables.values():
+        self._hold(rows, list(self.tables.values()))
+        for t in sorted(self.tables.values(), key=lambda t: t.derived):  # bases first
             t.unset(rows)
         return old
+
+    @staticmethod
+    def _hold(rows: np.ndarray, tables: list[RowTable]) -> None:
+        """Before any base table's ``rows`` change: the next tables' rows just before them keep
+        their entries (:meth:`~tiered.index.NextRowTable.hold`), so only written rows change
+        what they reference (reference counts stay exact)."""
+        for t in tables:  # a loop over fields
+            if isinstance(t, NextRowTable):
+                t.hold(rows)
 
     def blob_refs(self, fields: list[Field], rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``[len(rows), frames]`` blob ids and slots of ``rows`` over ``fields`` (one gather each),

@@ -42,6 +42,7 @@ from ..index import (
     STORED,
     BlobIndex,
     DerivedRowTable,
+    NextRowTable,
     RowTable,
     ShiftedRowTable,
 )
@@ -440,16 +441,24 @@ def restore_commit(files: StoreFiles, body: dict[str, Any], mode: str, rows: Row
                 table.guard = RowCheck([blob_pages, slot_pages], rows.capacity,
                                        functools.partial(check_table_rows, files.path, f.key, rows, layout, index))
                 layout.tables[f.key] = table
+        version = int(body["format_version"])
         for i, j in derived.items():
-            # the last frame column per row is mapped like a table; the exception lists are small
-            # and read (checked) whole
+            base = layout.tables[fields[j].key]
+            if version >= 5:  # no per-row arrays: the exception list, read (checked) whole
+                layout.tables[fields[i].key] = table = _compact_table(
+                    files, body, i, False, functools.partial(NextRowTable.from_state, base))
+                _check_row_entries(files.path, fields[i].key, rows, layout, index, table.exc_rows, table.exc_blob,
+                                   table.exc_slot, rows.written[table.exc_rows])
+                continue
+            # formats 3 and 4: the last frame column per row is mapped like a table; the
+            # exception lists are small and read (checked) whole
             (blob, blob_pages), (slot, slot_pages) = (files.lazy_array(body, table_file(i, s)) for s in ("blob", "slot"))
-            table = _compact_table(files, body, i, False, functools.partial(
-                DerivedRowTable.from_state, layout.tables[fields[j].key]), blob, slot)
+            table = _compact_table(files, body, i, False, functools.partial(DerivedRowTable.from_state, base),
+                                   blob, slot)
             table.guard = RowCheck([blob_pages, slot_pages], rows.capacity,
                                    functools.partial(check_table_rows, files.path, fields[i].key, rows, layout, index))
             layout.tables[fields[i].key] = table
-        older = int(body["format_version"]) < 3  # int64 ids and int32 slots, explicit next tables
+        older = version < 3  # int64 ids and int32 slots, explicit next tables
         problems = check_index(index, [(f.frame_nbytes, f.chunk_frames) for f in layout.families])
         if "pins" in body["files"] and not older:  # saved counts, less the pins of the writer's tail (gone now)
             problems += unpin(index, np.asarray(load("pins")))
@@ -461,17 +470,14 @@ def restore_commit(files: StoreFiles, body: dict[str, Any], mode: str, rows: Row
                 for table in layout.tables.values():  # to int32 ids and uint16 slots (copies, checked)
                     table.compact()
                     table.guard = None
-                for key, base in layout.derived_from.items():  # explicit next tables go derived
-                    table = layout.tables[key]
-                    if not table.derived:
-                        table = DerivedRowTable.derive(layout.tables[base], table)
-                        if not table.crowded:
-                            layout.tables[key] = table
             refs = layout.referenced(rows.written)
             index.refcount[: index.size] = np.bincount(refs, minlength=index.size)[: index.size].astype(np.int32)
-        if not problems and int(body["format_version"]) < 4:  # stacked tables of older formats go shifted
+        if not problems and version < 4:  # stacked tables of older formats go shifted
             for key in layout.shifted:  # a loop over fields
                 layout.shift(key)
+        if not problems and version < 5:  # next tables of older formats keep no per-row column
+            for key in layout.derived_from:  # a loop over fields
+                layout.derive(key)
         if problems:
             raise CorruptionError(f"{files.path}: the store is damaged: " + "; ".join(problems[:5])
                                   + f". Run `tiered verify {files.path}` for details.")
@@ -564,15 +570,18 @@ def table_file(i: int, suffix: str, shifted: bool = False) -> str:
 
 
 def _compact_table(files: StoreFiles, body: dict[str, Any], i: int, shifted: bool,
-                   make: Callable[[dict[str, np.ndarray]], T], blob: np.ndarray, slot: np.ndarray) -> T:
-    """Field ``i``'s derived or shifted table over its mapped last column and its exception
-    lists, read (page-checked) whole and checked before use.
+                   make: Callable[[dict[str, np.ndarray]], T], blob: np.ndarray | None = None,
+                   slot: np.ndarray | None = None) -> T:
+    """Field ``i``'s derived or shifted table over its mapped last column (a next table of format
+    5: none) and its exception lists, read (page-checked) whole and checked before use.
 
     Raises:
         CorruptionError: naming the exception file.
     """
     load = files.arrays(body)
-    parts = {"blob": blob, "slot": slot, **{s: load(table_file(i, s, shifted)) for s in _DERIVED_SUFFIXES[2:]}}
+    parts = {s: load(table_file(i, s, shifted)) for s in _DERIVED_SUFFIXES[2:]}
+    if blob is not None:
+        parts.update(blob=blob, slot=slot)
     try:
         return make(parts)
     except ValueError as e:
@@ -642,7 +651,12 @@ def expand_derived(body: dict[str, Any], kinds: list[str], arrays: dict[str, np.
     for i, j in derived.items():
         try:
             base = RowTable.from_arrays(np.asarray(arrays[f"rows.{j}.blob"]), np.asarray(arrays[f"rows.{j}.slot"]))
-            table = DerivedRowTable.from_state(base, {s: np.asarray(arrays[table_file(i, s)]) for s in _DERIVED_SUFFIXES})
+            if body.get("format_version", FORMAT_VERSION) >= 5:  # the exception list only
+                table = NextRowTable.from_state(base, {s: np.asarray(arrays[table_file(i, s)])
+                                                       for s in _DERIVED_SUFFIXES[2:]})
+            else:
+                table = DerivedRowTable.from_state(base, {s: np.asarray(arrays[table_file(i, s)])
+                                                          for s in _DERIVED_SUFFIXES})
             arrays[f"rows.{i}.blob"], arrays[f"rows.{i}.slot"] = table.full()
         except (KeyError, ValueError, IndexError) as e:
             problems.append(f"the derived row table of field {i}: {e}")
@@ -929,19 +943,21 @@ def check_bounds(path: str, body: dict[str, Any]) -> None:
                 problems.append(str(e))
                 derived, shifted = {}, set()
             blob_dtype, slot_dtype = row_table_dtypes(body["format_version"])
+            whole = body["format_version"] >= 5  # a next table keeps whole stacks per exception, no rows
             for i, f in enumerate(fields):
                 if f.kind == "dense":
                     expect(f"dense.{i}", (capacity, *f.shape))
-                else:
+                elif not (whole and i in derived):
                     width = 1 if i in derived or i in shifted else f.frames_per_row
                     expect(f"rows.{i}.blob", (capacity, width), blob_dtype)
                     expect(f"rows.{i}.slot", (capacity, width), slot_dtype)
             for i in [*derived, *sorted(shifted)]:
                 exc = _header(path, body, table_file(i, "exc_rows", i in shifted), files)
                 k = exc.shape[0] if len(exc.shape) == 1 else -1
+                width = fields[i].frames_per_row - (0 if whole and i in derived else 1)
                 expect(table_file(i, "exc_rows", i in shifted), (k,), np.int64)
-                expect(table_file(i, "exc_blob", i in shifted), (k, fields[i].frames_per_row - 1), blob_dtype)
-                expect(table_file(i, "exc_slot", i in shifted), (k, fields[i].frames_per_row - 1), slot_dtype)
+                expect(table_file(i, "exc_blob", i in shifted), (k, width), blob_dtype)
+                expect(table_file(i, "exc_slot", i in shifted), (k, width), slot_dtype)
     if problems:
         raise CorruptionError(f"{path}: the store is damaged: " + "; ".join(problems[:5])
                               + f". Run `tiered verify {path}` for details.")
@@ -1017,7 +1033,7 @@ def check_references(rows: RowSpace, layout: FieldLayout, index: BlobIndex) -> l
             problems.append(f"row table of {name!r} has shape {(t.capacity, t.frames)}")
             continue
         part = t.state_arrays()
-        groups = [(part["blob"], part["slot"], None)]
+        groups = [(part["blob"], part["slot"], None)] if "blob" in part else []
         if t.derived:
             groups.append((part["exc_blob"], part["exc_slot"], part["exc_rows"]))
         elif t.shifted:  # every written row's whole stack (its first frames are other rows' last)
