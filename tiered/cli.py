@@ -501,10 +501,10 @@ def _add_upgrade(sub: Any) -> None:
     s = _command(
         sub,
         "upgrade",
-        help="rewrite a store of an older format (1, 2 or 3) in the current format",
-        description="Rewrite a store's arrays in the current on-disk format (format 4: arrays "
+        help="rewrite a store of an older format (1 to 4) in the current format",
+        description="Rewrite a store's arrays in the current on-disk format (format 5: arrays "
         "in rotating copies, commits that write only what changed, 32-bit row tables, stacked fields' tables "
-        "kept as each row's newest frame). Takes the writer lock and "
+        "kept as each row's newest frame, ('next', X) tables kept only where they differ from X's). Takes the writer lock and "
         "commits once; a crash at any point leaves the old or the new commit, both readable. "
         "A store already in the current format is left as it is.",
         epilog="""
