@@ -324,3 +324,32 @@ def test_anonymous_memory_drops_after_a_commit(tmp_path):
     assert before - after > size // 2, (before, after, size)
     store.get(np.arange(0, cap, 1000))  # still readable
     store.close()
+
+
+def test_a_store_opened_for_writing_maps_back_what_it_commits(tmp_path):
+    """A store opened with mode="r+" has its per-row arrays mapped from the copies it opened;
+    rows it overwrites become private memory, and its commit maps them back from the copies it
+    wrote: the anonymous memory drops, and every value reads as before the commit."""
+    cap = 50_000
+    path = str(tmp_path / "s")
+    with new_store(path, cap) as store:
+        store.extend(batch(0, cap))
+    store = tiered.open(path, mode="r+")
+    model = Model(cap)
+    write(store, model, np.arange(cap), batch(0, cap, salt=5))  # every page of the arrays private
+    size = sum(a.nbytes for a in per_row_arrays(store).values())
+    assert size > cap * 256
+    before = rss_anon()
+    store.flush()
+    after = rss_anon()
+    assert before - after > size // 2, (before, after, size)
+    files = parts(store).files
+    assert {os.path.basename(copy_path(path, n, files.current[n])) for n in files.mapped} <= {
+        os.path.basename(f) for f in mapped_files(path)}
+    model.check(store)
+    write(store, model, np.arange(100), batch(0, 100, salt=6))
+    store.flush()
+    model.check(store)
+    store.close()
+    with tiered.open(path) as ro:
+        model.check(ro)

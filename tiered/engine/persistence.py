@@ -26,6 +26,7 @@ Example:
 from __future__ import annotations
 
 import functools
+import mmap
 import os
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -160,6 +161,9 @@ class StoreFiles:
         arr, pages = map_checked(array_path(self.path, body, name), files[name], page_checksums_of(body).get(name),
                                  stale=self.check_fresh)
         self.lazy[name] = (pages, arr.__array_interface__["data"][0])
+        if int(body["format_version"]) >= 2 and isinstance(pages.view.obj, mmap.mmap):
+            # mapped from its copy, laid out as it: a commit maps the pages it writes back too
+            filemap.adopt(pages.view.obj, arr, int(body["copy"][name]))
         return arr, pages
 
     def adopt_copies(self, body: dict[str, Any], mode: str) -> None:
@@ -342,6 +346,9 @@ class StoreFiles:
             arr = arrays.get(name)
             if layout.alive and arr is not None and filemap.layout_of(arr) is layout:
                 continue  # written from the mapping itself: the same bytes
+            lazy = self.lazy.get(name)
+            if lazy is not None and (arr is None or lazy[1] != arr.__array_interface__["data"][0]):
+                del self.lazy[name]  # the page checks of a replaced array: they keep its mapping alive
             filemap.privatize(layout)  # nothing to do once unmapped
             del self.mapped[name]
 

@@ -46,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["FileLayout", "file_array", "layout_of", "remap", "privatize", "supported", "npy_header"]
+__all__ = ["FileLayout", "file_array", "adopt", "layout_of", "remap", "privatize", "supported", "npy_header"]
 
 #: Bytes of one memory page (the unit a mapping is replaced in).
 PAGE = mmap.PAGESIZE
@@ -150,6 +150,32 @@ def file_array(shape: tuple[int, ...] | int, dtype: Any, fill: Any = 0) -> np.nd
     if fill != 0:
         arr[...] = fill
     return arr
+
+
+def adopt(mapping: mmap.mmap, arr: np.ndarray, source: int) -> None:
+    """Treat ``arr``, an array memory-mapped (privately) from the whole ``.npy`` file ``source``
+    by ``mapping``, as a :func:`file_array`: it already is laid out as its file, and its pages
+    are mapped from ``source`` until written.
+
+    Example:
+        >>> import os, tempfile
+        >>> p = os.path.join(tempfile.mkdtemp(), "a.npy")
+        >>> np.save(p, np.arange(1000))
+        >>> with open(p, "rb") as f:
+        ...     m = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        >>> a = np.frombuffer(m, np.int64, count=1000, offset=128)
+        >>> adopt(m, a, 0); layout_of(a) is not None
+        True
+    """
+    base = np.frombuffer(mapping, dtype=np.uint8, count=1).__array_interface__["data"][0]
+    start = arr.__array_interface__["data"][0]
+    size = len(mapping)
+    if start in _layouts or not base <= start <= base + size or start - base + arr.nbytes != size:
+        return
+    layout = FileLayout(mapping, base, -(-size // PAGE) * PAGE, start - base, size)
+    layout.source[:] = source
+    _layouts[start] = layout
+    weakref.finalize(mapping, _layouts.pop, start, None)
 
 
 def layout_of(arr: np.ndarray) -> FileLayout | None:
