@@ -307,7 +307,7 @@ def test_a_replaced_table_gets_its_pages_back_before_its_copies_change(tmp_path)
         model.check(ro)
 
 
-def test_anonymous_memory_drops_after_a_commit(tmp_path):
+def test_anonymous_memory_drops_after_a_commit(tmp_path, monkeypatch):
     """200k rows of stacked observations: the commit maps the per-row arrays back from their
     files, and the process's anonymous memory drops by most of their size."""
     cap = 200_000
@@ -318,6 +318,7 @@ def test_anonymous_memory_drops_after_a_commit(tmp_path):
     size = sum(a.nbytes for a in arrays.values())
     assert size > 200_000 * 20  # the tables, the dense columns and the mask: tens of bytes a row
     del arrays
+    monkeypatch.delenv("TIERED_CHECK_COMMITS")  # its check reads every array file into memory
     before = rss_anon()
     store.flush()
     after = rss_anon()
@@ -326,7 +327,7 @@ def test_anonymous_memory_drops_after_a_commit(tmp_path):
     store.close()
 
 
-def test_a_store_opened_for_writing_maps_back_what_it_commits(tmp_path):
+def test_a_store_opened_for_writing_maps_back_what_it_commits(tmp_path, monkeypatch):
     """A store opened with mode="r+" has its per-row arrays mapped from the copies it opened;
     rows it overwrites become private memory, and its commit maps them back from the copies it
     wrote: the anonymous memory drops, and every value reads as before the commit."""
@@ -339,6 +340,7 @@ def test_a_store_opened_for_writing_maps_back_what_it_commits(tmp_path):
     write(store, model, np.arange(cap), batch(0, cap, salt=5))  # every page of the arrays private
     size = sum(a.nbytes for a in per_row_arrays(store).values())
     assert size > cap * 256
+    monkeypatch.delenv("TIERED_CHECK_COMMITS")  # its check reads every array file into memory
     before = rss_anon()
     store.flush()
     after = rss_anon()
