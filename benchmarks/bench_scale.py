@@ -11,7 +11,8 @@ subprocess** that samples its own anonymous resident memory (``RssAnon``) every 
 
 - ``build``: ``TieredStore(n, path, frames={"observation": 0}, hot_bytes=0, warm_bytes=0,
   chunk_frames=K, codec=CODEC)`` (``--chunk-frames``, default 8; ``--codec``, default zstd),
-  extended in slices of ``--slice`` rows, then ``close()``: rows/s and peak RssAnon growth;
+  extended in slices of ``--slice`` rows with a ``flush()`` every ``--flush-every`` rows (default
+  1,000,000; 0: none), then ``close()``: rows/s and peak RssAnon growth;
 - ``commit``: ``tiered.open(path, "r+")``, extend ``--commit-rows`` new rows, time ``flush()``
   and count the bytes it wrote (``/proc/self/io`` ``write_bytes``);
 - ``reopen``: time ``tiered.open(path)`` (the fastest of three opens in a row, each store closed and
@@ -215,7 +216,8 @@ def disk_bytes(path: Path) -> dict[str, int]:
 
 
 # -- steps, each run in its own process -------------------------------------------------------
-def step_build(path: Path, rows: int, slice_rows: int, chunk_frames: int, codec: str) -> dict[str, Any]:
+def step_build(path: Path, rows: int, slice_rows: int, chunk_frames: int, codec: str,
+               flush_every: int = 0) -> dict[str, Any]:
     from tiered import TieredStore
 
     base = Tiles(base_rollout())
@@ -229,6 +231,8 @@ def step_build(path: Path, rows: int, slice_rows: int, chunk_frames: int, codec:
         td = tile_slice(base, lo, min(rows, lo + slice_rows))
         making += time.perf_counter() - m
         store.extend(td)
+        if flush_every and (lo + td.shape[0]) // flush_every > lo // flush_every:
+            store.flush()  # a commit per checkpoint, as an importer makes
         if lo // slice_rows % 50 == 0:
             print(f"  build {lo + td.shape[0]:,}/{rows:,} rows", file=sys.stderr, flush=True)
     store.close()
@@ -376,7 +380,7 @@ def measure(rows: int, workdir: Path, args: argparse.Namespace) -> dict[str, Any
     res: dict[str, Any] = {"rows": rows}
     print(f"{rows:,} rows: building {path}", file=sys.stderr, flush=True)
     res.update(run_step("build", path=path, rows=rows, slice_rows=args.slice, chunk_frames=args.chunk_frames,
-                        codec=args.codec))
+                        codec=args.codec, flush_every=args.flush_every))
     res.update({f"disk_{k}": v for k, v in disk_bytes(path).items()})
     res.update(run_step("commit", path=path, rows=rows, new_rows=args.commit_rows))
     res.update(run_step("reopen", path=path))
@@ -403,6 +407,8 @@ def report(results: list[dict[str, Any]], dop: dict[str, Any], facts: dict[str, 
              f"Machine: {facts['cpu_model']}, {facts['logical_cores']} cores; `{facts['command']}`; "
              f"background load at the start: {load}.", "",
              markdown_table(head, body), "",
+             f"Build: a flush() every {args.flush_every:,} rows." if args.flush_every else
+             "Build: no flush() before close().", "",
              f"Same frames, other layouts (bytes per transition): Dopamine checkpoint files (gzip-9 `np.save`, "
              f"first {dop['dopamine_rows']:,} rows) **{dop['dopamine_bytes_per_transition']:.0f}** "
              f"({dop['dopamine_frame_bytes']:.0f} of them frames); LazyMemmapStorage {lms:,} (dense, from the shapes).",
@@ -434,6 +440,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--commit-rows", type=int, default=10_000)
     p.add_argument("--chunk-frames", type=int, default=8, help="the stores' chunk_frames (K; default: %(default)s)")
     p.add_argument("--codec", default="zstd", help="the stores' codec, e.g. zstd:9 (default: %(default)s)")
+    p.add_argument("--flush-every", type=int, default=1_000_000,
+                   help="rows between flush() calls while building, as an importer commits per checkpoint "
+                        "(0: none before close; default: %(default)s)")
     p.add_argument("--batches", type=int, default=20, help="B=256 batches per sample mode")
     p.add_argument("--warmup-batches", type=int, default=1,
                    help="untimed B=256 batches before the warm ones (a fresh open checks each page of the per-row "

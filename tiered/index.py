@@ -47,6 +47,7 @@ import numpy as np
 
 from .errors import StorageFullError
 from .util.dirty import DirtyBlocks
+from .util.filemap import file_array
 
 __all__ = ["BlobIndex", "RowTable", "DerivedRowTable", "NextRowTable", "ShiftedRowTable", "FREE", "OPEN", "STORED", "HOT", "WARM", "COLD", "MAX_BLOB_IDS",
            "BLOB_DTYPE", "SLOT_DTYPE", "check_blob_ids"]
@@ -237,8 +238,9 @@ class RowTable:
     guard: Any = None
 
     def __init__(self, capacity: int, frames_per_row: int):
-        self.blob = np.full((capacity, frames_per_row), -1, dtype=BLOB_DTYPE)
-        self.slot = np.zeros((capacity, frames_per_row), dtype=SLOT_DTYPE)
+        # laid out as their files: a commit can hand the pages it wrote back to them (util.filemap)
+        self.blob = file_array((capacity, frames_per_row), BLOB_DTYPE, fill=-1)
+        self.slot = file_array((capacity, frames_per_row), SLOT_DTYPE)
         #: for tables memory-mapped from a store: checks the pages of rows before their first use
         #: (``rows(rows)``, ``all()``); None for tables built in memory
         self.guard: Any = None
@@ -418,8 +420,10 @@ class _LastColumnTable(_ExceptionTable):
             raise ValueError(f"a {self.kind} row table needs stacks of 2 frames or more, got {frames}")
         self._frames = frames
         self.guard = None
-        self.last_blob = np.full(capacity if allocate else 0, -1, dtype=BLOB_DTYPE)
-        self.last_slot = np.zeros(capacity if allocate else 0, dtype=SLOT_DTYPE)
+        # [capacity, 1] as saved (state_arrays), laid out as their files (util.filemap)
+        n = capacity if allocate else 0
+        self.last_blob = file_array((n, 1), BLOB_DTYPE, fill=-1).reshape(n)
+        self.last_slot = file_array((n, 1), SLOT_DTYPE).reshape(n)
         self.exc_rows = np.empty(0, dtype=np.int64)
         self.exc_blob = np.empty((0, frames - 1), dtype=BLOB_DTYPE)
         self.exc_slot = np.empty((0, frames - 1), dtype=SLOT_DTYPE)

@@ -54,8 +54,6 @@ class FieldLayout:
             self.families.append(FrameFamily(fid, fields[0].frame_nbytes, chunk_frames, dedup=dedup))
             for f in fields:
                 self.family_of[f.key] = fid
-                if tables:
-                    self.tables[f.key] = RowTable(capacity, f.frames_per_row)
         self.rules = [layout_rules([(f.key, f.frames_per_row, f.frame_dim is not None) for f in fields])
                       for fields in self.fields_of]
         #: ("next", X) field -> X, for the tables kept derived from X's (dedup shares their frames)
@@ -65,10 +63,15 @@ class FieldLayout:
         #: consecutive rows the same frames)
         self.shifted: set[Key] = {f.key for f in schema.blob_fields if dedup and f.frame_dim is not None
                                   and f.frames_per_row >= 2 and f.key not in self.derived_from}
-        for key in self.shifted if tables else ():
-            self.tables[key] = ShiftedRowTable(capacity, self.tables[key].frames)
-        for key, base in self.derived_from.items() if tables else ():
-            self.tables[key] = NextRowTable(self.tables[base])
+        if tables:  # each field's table of its kind at once (no full table made only to be replaced)
+            for f in (f for fields in self.fields_of for f in fields):
+                if f.key in self.shifted:
+                    self.tables[f.key] = ShiftedRowTable(capacity, f.frames_per_row)
+                elif f.key not in self.derived_from:
+                    self.tables[f.key] = RowTable(capacity, f.frames_per_row)
+            derived = {key: NextRowTable(self.tables[base]) for key, base in self.derived_from.items()}
+            self.tables = {f.key: derived.get(f.key) or self.tables[f.key]
+                           for fields in self.fields_of for f in fields}
 
     def derivable(self, f: Field) -> Key | None:
         """The field whose table ``f``'s may be derived from: ``X`` for a stacked ``("next", X)``

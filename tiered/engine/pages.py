@@ -37,7 +37,7 @@ import io
 import os
 import struct
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -65,12 +65,15 @@ class CopyState:
         size: bytes of the file.
         crcs: CRC-32 of each :data:`PAGE_BYTES` page of the file.
         written: bytes the last write of the copy wrote (for measurements).
+        ranges: the byte ranges ``[lo, hi)`` of the file the last write wrote (what a writer may
+            map back from the file, :func:`tiered.util.filemap.remap`).
     """
 
     generation: int
     size: int
     crcs: list[int]
     written: int = 0
+    ranges: list[tuple[int, int]] = field(default_factory=list)
 
     def to_json(self, copy: int) -> list:
         return [copy, self.generation, self.size, self.crcs]
@@ -161,9 +164,10 @@ def write_copy(path: str, arr: np.ndarray, blocks: np.ndarray | None, base: Copy
             crcs = [0] * n_pages
             fileio.truncate(fd, size)
         edges = np.flatnonzero(np.diff(np.concatenate([[0], todo.astype(np.int8), [0]])))
-        written = 0
+        written, ranges = 0, []
         for p0, p1 in edges.reshape(-1, 2).tolist():  # one run of consecutive dirty pages at a time
             b0, b1 = p0 * PAGE_BYTES, min(p1 * PAGE_BYTES, size)
+            ranges.append((b0, b1))
             parts = []
             if b0 < hlen:
                 parts.append(memoryview(head)[b0:min(b1, hlen)])
@@ -181,7 +185,7 @@ def write_copy(path: str, arr: np.ndarray, blocks: np.ndarray | None, base: Copy
         fileio.fsync(fd)
     finally:
         fileio.close(fd)
-    return CopyState(generation, size, crcs, written)
+    return CopyState(generation, size, crcs, written, ranges)
 
 
 def write_intent(store: str, generation: int) -> None:

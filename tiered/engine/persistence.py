@@ -26,6 +26,7 @@ Example:
 from __future__ import annotations
 
 import functools
+import mmap
 import os
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -50,6 +51,7 @@ from ..policy import Policy
 from ..schema import Schema, key_to_str
 from ..tiers import HDF5Tier, MemmapTier, Tier
 from ..tiers.extents import extents_overlap
+from ..util import filemap
 from ..util.dirty import blocks_of_ranges, ranges_of, union
 from ..util.units import align
 from .layout import FieldLayout
@@ -116,6 +118,8 @@ class StoreFiles:
         #: per array opened lazily: its page checks and the address of its first element
         self.lazy: dict[str, tuple[PageChecks, int]] = {}
         self._sums: tuple[dict[str, Any], dict[str, list[int]]] | None = None
+        #: per-row arrays some of whose pages are mapped from their copy files (map_back)
+        self.mapped: dict[str, filemap.FileLayout] = {}
 
     # -- creating and opening -----------------------------------------------------------------
     def create(self) -> Tier:
@@ -167,6 +171,9 @@ class StoreFiles:
         arr, pages = map_checked(array_path(self.path, body, name), files[name], self.page_checksums(body).get(name),
                                  stale=self.check_fresh)
         self.lazy[name] = (pages, arr.__array_interface__["data"][0])
+        if int(body["format_version"]) >= 2 and isinstance(pages.view.obj, mmap.mmap):
+            # mapped from its copy, laid out as it: a commit maps the pages it writes back too
+            filemap.adopt(pages.view.obj, arr, int(body["copy"][name]))
         return arr, pages
 
     def adopt_copies(self, body: dict[str, Any], mode: str) -> None:
@@ -227,12 +234,15 @@ class StoreFiles:
 
     # -- committing ---------------------------------------------------------------------------
     def commit(self, cold: Tier, arrays: dict[str, np.ndarray], body: dict[str, Any],
-               dirty: tuple[np.ndarray, np.ndarray]) -> None:
-        """Durably publish a new generation (see the module docstring for the order of writes).
+               dirty: tuple[np.ndarray, np.ndarray], keep_anonymous: frozenset[str] = frozenset()) -> None:
+        """Durably publish a new generation (see the module docstring for the order of writes);
+        then map the pages it wrote of the per-row arrays back from their files (:meth:`map_back`).
 
         Args:
             dirty: bitmaps of the row blocks and blob-id blocks changed since the last commit.
+            keep_anonymous: arrays not to map back (dense columns a caller holds views of).
         """
+        self.release_mapped(arrays)
         cold.flush()
         g = self.generation + 1
         adir = os.path.join(self.path, ARRAYS_DIR)
@@ -299,6 +309,7 @@ class StoreFiles:
                 elif disk.shape != arr.shape or disk.tobytes() != np.ascontiguousarray(arr).tobytes():
                     raise AssertionError(f"incremental commit {g} left array {name!r} different from memory")
         self.current = target
+        self.map_back({n: a for n, a in arrays.items() if n not in keep_anonymous}, target, written)
         self.changes = history[-(NCOPIES - 1):]
         self.version = FORMAT_VERSION
         self.last_commit_bytes = sum(a.written for a in written.values()) + sum(
@@ -314,6 +325,42 @@ class StoreFiles:
         # Space freed by overwritten rows before the previous commit is reusable only now: a
         # read-only open of the commit before that one may read it until this commit lands.
         cold.release_deferred(hold_last=True)
+
+    def map_back(self, arrays: dict[str, np.ndarray], target: dict[str, int], written: dict[str, CopyState]) -> None:
+        """After a commit was published: map the pages it wrote of each per-row array laid out as
+        its file (:func:`~tiered.util.filemap.file_array`) from the copy it wrote, so they are no
+        longer anonymous memory (docs/durability.md). Only a store that holds the writer lock
+        does: no other process writes its copies meanwhile.
+
+        Why a mapped page never changes under the array: a page mapped clean from copy ``c`` of
+        array ``A`` holds the bytes of that file's page. Only this writer writes ``c`` while it
+        holds the lock, only from ``A`` itself (same layout, same address; :meth:`release_mapped`
+        gives the pages back an anonymous copy first if ``A`` was replaced or resized), so a later
+        commit that rewrites the page of ``c`` (the third one after, or one after a failed commit,
+        which rewrites ``c`` whole) writes it from that very page: the same bytes, at the same size
+        (no truncation). A page written since is anonymous again (copy-on-write) and no longer
+        follows the file.
+        """
+        if self.writer_lock is None or not filemap.supported():
+            return
+        for name, arr in arrays.items():  # a loop over arrays (a few dozen)
+            if kind_of(name) == "rows" and filemap.remap(arr, copy_path(self.path, name, target[name]), target[name],
+                                                         written[name].ranges):
+                self.mapped[name] = filemap.layout_of(arr)
+
+    def release_mapped(self, arrays: dict[str, np.ndarray]) -> None:
+        """Before a commit writes copies: give the pages mapped from copies back an anonymous copy
+        of their bytes, for each array whose mapping is no longer the one the commit writes (a
+        replaced or resized array: its copies will be written with other bytes, or truncated)."""
+        for name, layout in list(self.mapped.items()):  # a few dozen arrays
+            arr = arrays.get(name)
+            if layout.alive and arr is not None and filemap.layout_of(arr) is layout:
+                continue  # written from the mapping itself: the same bytes
+            lazy = self.lazy.get(name)
+            if lazy is not None and (arr is None or lazy[1] != arr.__array_interface__["data"][0]):
+                del self.lazy[name]  # the page checks of a replaced array: they keep its mapping alive
+            filemap.privatize(layout)  # nothing to do once unmapped
+            del self.mapped[name]
 
     def unchecked_pages(self, name: str, arr: np.ndarray) -> Callable[[int, int], None] | None:
         """What checks the pages of ``arr`` a commit copies (array bytes ``[lo, hi)``), when it is
@@ -520,8 +567,11 @@ def commit_parts(files: StoreFiles, rows: RowSpace, write: WritePath, placement:
     rows.mark_views()
     row_bits = [rows.dirty.take()] + ([priorities.dirty.take()] if priorities is not None else [])
     blob_bits = [write.index.dirty.take(), placement.policy.take_dirty()]
+    # dense columns a caller holds views of (get(copy=False)) stay anonymous: a write through a
+    # view while the commit runs must not be replaced by the file's page
+    keep = frozenset(n for n in arrays if n.startswith("dense.")) if rows.live_views() else frozenset()
     try:
-        files.commit(placement.cold, arrays, body, (union(row_bits), union(blob_bits)))
+        files.commit(placement.cold, arrays, body, (union(row_bits), union(blob_bits)), keep)
     except BaseException:  # what this commit should have written is still to be written
         rows.dirty.merge(row_bits[0])
         if priorities is not None:

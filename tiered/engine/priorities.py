@@ -55,6 +55,7 @@ from ..errors import CorruptionError, InvalidPriorityError
 from ..index import FREE, STORED, BlobIndex
 from ..util.batch import isin, ranges
 from ..util.dirty import DirtyBlocks
+from ..util.filemap import file_array
 from .layout import FieldLayout
 from .stage import WriteStage
 
@@ -140,7 +141,7 @@ class RowPriorities:
     def row(self) -> np.ndarray:
         """float64 ``[capacity]``: each row's priority (allocated on first use)."""
         if self._row is None:
-            self._row = np.full(self.capacity, self.default, dtype=np.float64)
+            self._row = file_array(self.capacity, np.float64, fill=self.default)  # laid out as its file
         return self._row
 
     def of(self, rows: np.ndarray) -> np.ndarray:

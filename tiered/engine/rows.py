@@ -29,6 +29,7 @@ from ..errors import CorruptionError, IndexOutOfRangeError, SchemaMismatchError,
 from ..schema import Field, Key, Schema, as_bits, bits_dtype, key_to_str
 from ..util.batch import exclusive_cumsum
 from ..util.dirty import DirtyBlocks
+from ..util.filemap import file_array
 
 __all__ = ["RowSpace", "IndexLike", "as_row_array", "index_shape", "DONE_KEYS"]
 
@@ -120,7 +121,8 @@ class RowSpace:
         self.capacity = int(capacity)
         self.cursor = 0
         self.length = 0
-        self.written = np.zeros(self.capacity, dtype=bool)
+        # laid out as its file, as the dense columns: a commit hands its pages back to the file
+        self.written = file_array(self.capacity, np.bool_)
         self.dense: dict[Key, torch.Tensor] = {}
         #: dense columns memory-mapped from a store: what checks their pages before first use
         self.dense_checks: dict[Key, Any] = {}
@@ -251,7 +253,9 @@ class RowSpace:
     # -- dense columns ----------------------------------------------------------------------
     def init_dense(self, schema: Schema) -> None:
         for f in schema.dense_fields:
-            self.dense[f.key] = torch.zeros((self.capacity, *f.shape), dtype=f.dtype)
+            bits = bits_dtype(f.dtype)
+            col = torch.from_numpy(file_array((self.capacity, *f.shape), torch.empty(0, dtype=bits).numpy().dtype))
+            self.dense[f.key] = col if bits == f.dtype else col.view(f.dtype)
             self.dense_checks.pop(f.key, None)
 
     def check_dense(self, rows: np.ndarray | None, span: tuple[int, int] | None = None) -> None:

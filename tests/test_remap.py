@@ -1,0 +1,357 @@
+"""After a commit, a writer's per-row arrays are mapped back from the copy files it wrote.
+
+The per-row arrays of a new store (row tables, dense columns, the written mask) are laid out in
+memory as their ``.npy`` files (:mod:`tiered.util.filemap`); once a commit is published, the pages
+it wrote are mapped from the copy file just written, so they stop being anonymous memory. These
+tests check, with real files, that this never changes a byte anyone reads: across commits that
+wrap the three rotating copies, through writes after the remap, a failed commit, a read-only
+store opened beside the writer, and a table replaced by one of another layout.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from tensordict import TensorDict
+
+import tiered
+from tiered import TieredStore, fileio
+from tiered.engine.pages import NCOPIES, copy_path
+from tiered.errors import StorageFullError
+from tiered.testing.inspection import parts
+from tiered.util import filemap
+
+pytestmark = pytest.mark.skipif(not filemap.supported(), reason="remapping needs Linux mmap(MAP_FIXED)")
+
+STACK = 4  # frames of 16 x 16: a stack of 1 KiB, a blob field
+
+
+def frames(k: np.ndarray) -> np.ndarray:
+    """A distinct 16x16 uint8 frame per integer ``k``."""
+    k = np.asarray(k, dtype=np.int64)
+    out = ((k[:, None, None] + np.arange(16)[:, None] * 7 + np.arange(16) * 13) % 251).astype(np.uint8)
+    out[:, 0, :4] = k.astype("<u4").view(np.uint8).reshape(-1, 4)
+    return out
+
+
+def batch(start: int, n: int, salt: int = 0, shuffled: bool = False, state: bool = True) -> TensorDict:
+    """``n`` transitions of a trajectory whose frame ``t`` is ``frames(t)`` (stacks of 4 frames,
+    consecutive rows sharing 3 of them); ``shuffled`` stacks share nothing (they break the
+    shifted-table rule, so the tables turn explicit). ``state``: a dense float32[64] field too
+    (256 B a row: a column of several 1 MiB pages in a small store)."""
+    k = np.arange(start, start + n, dtype=np.int64) + salt * 100_000_000
+    step = 1000 if shuffled else 1
+    obs = np.stack([frames(k * step + j) for j in range(STACK)], 1)
+    nxt = np.stack([frames(k * step + j + 1) for j in range(STACK)], 1)
+    td = TensorDict({
+        "observation": torch.from_numpy(obs),
+        "action": torch.from_numpy(k % 6),
+        "next": {"observation": torch.from_numpy(nxt),
+                 "reward": torch.from_numpy((k % 1000).astype(np.float32) * 0.5),
+                 "done": torch.from_numpy(k % 97 == 96)[:, None]},
+    }, [n])
+    if state:
+        td["state"] = torch.from_numpy((k[:, None] * 64 + np.arange(64)).astype(np.float32))
+    return td
+
+
+def new_store(path: str, capacity: int) -> TieredStore:
+    return TieredStore(capacity, path, frames={"observation": 0}, hot_bytes=0, warm_bytes=0, chunk_frames=16)
+
+
+class Model:
+    """What every row of the store must read back: a plain copy of each written row."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.rows: dict[int, TensorDict] = {}
+        self.data: TensorDict | None = None
+
+    def put(self, rows: np.ndarray, td: TensorDict) -> None:
+        if self.data is None:
+            self.data = td[:1].expand(self.capacity).clone()
+        self.data[torch.from_numpy(rows)] = td
+        self.rows.update(dict.fromkeys(rows.tolist()))
+
+    def check(self, store: TieredStore) -> None:
+        rows = np.array(sorted(self.rows), dtype=np.int64)
+        got = store.get(rows)
+        want = self.data[torch.from_numpy(rows)]
+        for key in want.keys(True, True):
+            assert torch.equal(got[key], want[key]), key
+
+
+def write(store: TieredStore, model: Model, rows: np.ndarray, td: TensorDict) -> None:
+    store.set(rows, td)
+    model.put(rows, td)
+
+
+def per_row_arrays(store: TieredStore) -> dict[str, np.ndarray]:
+    """Copies of the per-row arrays a commit saves (row tables, dense columns, written mask)."""
+    p = parts(store)
+    out = {"written": p.rows.written.copy()}
+    for key, table in p.layout.tables.items():
+        for suffix, arr in table.state_arrays().items():
+            if arr.shape[:1] == (store.capacity,):
+                out[f"{key}.{suffix}"] = arr.copy()
+    for key in p.rows.dense:
+        out[f"dense.{key}"] = p.rows.dense_array(key).copy()
+    return out
+
+
+def mapped_files(store_path: str) -> set[str]:
+    """The array copy files this process has pages mapped from (``/proc/self/maps``)."""
+    adir = os.path.join(os.path.realpath(store_path), "arrays") + os.sep
+    with open("/proc/self/maps") as f:
+        return {line.split(maxsplit=5)[5].strip() for line in f
+                if len(line.split(maxsplit=5)) == 6 and line.split(maxsplit=5)[5].startswith(adir)}
+
+
+def rss_anon() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no RssAnon in /proc/self/status")
+
+
+def assert_same(before: dict[str, np.ndarray], after: dict[str, np.ndarray]) -> None:
+    assert before.keys() == after.keys()
+    for name in before:
+        assert np.array_equal(before[name], after[name]), name
+
+
+def test_values_survive_commits_that_wrap_the_copies(tmp_path):
+    """Six commits (each array's three copies written twice over), each followed by writes into
+    pages the previous commit mapped back: every value read equals the model's, before and
+    after each commit, and the per-row arrays are byte for byte what they were before it."""
+    cap = 16_000
+    store = new_store(str(tmp_path / "s"), cap)
+    model = Model(cap)
+    rng = np.random.default_rng(0)
+    write(store, model, np.arange(12_000), batch(0, 12_000))
+    first = store.generation
+    for g in range(6):
+        before = per_row_arrays(store)
+        store.flush()
+        assert_same(before, per_row_arrays(store))
+        assert store.generation == first + g + 1
+        model.check(store)
+        assert any(f.endswith(".npy") for f in mapped_files(store.path))  # pages now follow the files
+        # overwrite rows spread over the mapped pages (copy-on-write), and a run at the ring's end
+        rows = np.unique(rng.integers(0, 12_000, 1_000))
+        write(store, model, rows, batch(200_000 + g * 10_000, rows.size, salt=g + 1))
+        run = np.arange(12_000 + g * 500, 12_500 + g * 500)
+        write(store, model, run, batch(int(run[0]), run.size))
+        model.check(store)
+    store.close()
+    with tiered.open(str(tmp_path / "s")) as ro:
+        model.check(ro)
+
+
+def test_a_mapped_page_is_rewritten_only_with_its_own_bytes(tmp_path):
+    """A page mapped clean from copy ``c`` stays mapped while later commits write the other copies
+    and then ``c`` again (incrementally, and whole after a failed commit): its bytes never change,
+    and copy ``c`` on disk keeps holding them.
+
+    Why (StoreFiles.map_back): only the writer writes a copy of an array, only from that array,
+    so it writes a page mapped from ``c`` into ``c`` from that very page: the same bytes.
+    """
+    cap = 16_000
+    store = new_store(str(tmp_path / "s"), cap)
+    model = Model(cap)
+    write(store, model, np.arange(cap), batch(0, cap))
+    store.flush()
+    files = parts(store).files
+    layout = filemap.layout_of(parts(store).rows.dense_array(("state",)))
+    state = next(name for name, mapped in files.mapped.items() if mapped is layout)
+    c = files.current[state]
+    assert layout.size > 3 * (1 << 20) and layout.source[0] == c
+    first = per_row_arrays(store)
+    # rows in the column's last page only: its first page is never written again
+    for g in range(NCOPIES):
+        write(store, model, np.arange(15_000 + g * 100, 15_100 + g * 100), batch(500_000 + g * 100, 100, salt=9))
+        store.flush()
+        assert layout.source[0] == c
+    assert files.current[state] == c  # the third commit after wrote copy c again, page 0 untouched
+    disk = np.load(copy_path(store.path, state, c))
+    assert np.array_equal(disk, parts(store).rows.dense_array(("state",)))
+    # a commit that fails leaves the copy it was writing unknown: the next commit rewrites it
+    # whole, here copy c, from the very pages mapped from it
+    for g in range(NCOPIES - 1):
+        write(store, model, np.arange(15_500 + g * 10, 15_510 + g * 10), batch(700_000 + g * 10, 10, salt=3))
+        store.flush()
+    assert (files.current[state] + 1) % NCOPIES == c and layout.source[0] == c
+    write(store, model, np.arange(15_600, 15_610), batch(800_000, 10, salt=3))
+    with fileio.inject_faults(enospc_on=6), pytest.raises(StorageFullError):
+        store.flush()
+    model.check(store)
+    store.flush()
+    assert files.current[state] == c and layout.source[0] == c
+    model.check(store)
+    now = per_row_arrays(store)
+    for name in first:
+        assert np.array_equal(first[name][:14_000], now[name][:14_000]), name
+    store.close()
+    with tiered.open(str(tmp_path / "s")) as ro:
+        model.check(ro)
+
+
+def test_writes_after_the_remap_stay_private_until_committed(tmp_path):
+    """A write into a page mapped from the published copy changes memory, not the file; the next
+    commit saves it."""
+    cap = 12_000
+    store = new_store(str(tmp_path / "s"), cap)
+    model = Model(cap)
+    write(store, model, np.arange(cap), batch(0, cap))
+    store.flush()
+    files = parts(store).files
+    published = copy_path(store.path, "written", files.current["written"])
+    dense = sorted(n for n in files.current if n.startswith("dense."))[0]
+    published_dense = copy_path(store.path, dense, files.current[dense])
+    on_disk = np.load(published_dense).copy()
+    write(store, model, np.array([5, 6, 7]), batch(900_000, 3, salt=4))
+    store.set_length(cap)
+    model.check(store)
+    assert np.array_equal(np.load(published_dense), on_disk)  # the file did not follow the write
+    assert np.load(published).all()
+    store.flush()
+    model.check(store)
+    store.close()
+    with tiered.open(str(tmp_path / "s")) as ro:
+        model.check(ro)
+
+
+def test_a_failed_commit_leaves_the_arrays_and_the_next_commit_works(tmp_path):
+    """Commits that run out of space at different points (at the first write, amid the copies)
+    change no array in memory, map nothing back, and the next commit lands."""
+    cap = 12_000
+    store = new_store(str(tmp_path / "s"), cap)
+    model = Model(cap)
+    write(store, model, np.arange(cap), batch(0, cap))
+    store.flush()
+    write(store, model, np.arange(10_000, 10_300), batch(200_000, 300, salt=8))
+    with fileio.inject_faults() as counting:  # the write calls of a commit like the ones below
+        store.flush()
+    n = counting.ops
+    assert n > 4
+    for i, at in enumerate((1, n // 3, 2 * n // 3)):
+        write(store, model, np.arange(i * 1000, i * 1000 + 300), batch(300_000 + i * 1000, 300, salt=i + 1))
+        before, mapped = per_row_arrays(store), set(mapped_files(store.path))
+        g = store.generation
+        with fileio.inject_faults(enospc_on=at), pytest.raises(StorageFullError):
+            store.flush()
+        assert store.generation == g
+        assert_same(before, per_row_arrays(store))
+        assert mapped_files(store.path) <= mapped  # nothing new mapped by a failed commit
+        model.check(store)
+        store.flush()
+        assert store.generation == g + 1
+        assert_same(before, per_row_arrays(store))
+        model.check(store)
+    store.close()
+    with tiered.open(str(tmp_path / "s")) as ro:
+        model.check(ro)
+
+
+def test_a_read_only_store_beside_the_writer_reads_its_commit(tmp_path):
+    """A store opened read-only after each commit reads that commit while the writer goes on
+    writing (into pages it mapped back) and commits once more."""
+    cap = 12_000
+    path = str(tmp_path / "s")
+    store = new_store(path, cap)
+    model = Model(cap)
+    write(store, model, np.arange(cap), batch(0, cap))
+    for g in range(5):
+        store.flush()
+        ro = tiered.open(path)
+        want = Model(cap)
+        want.data, want.rows = model.data.clone(), dict(model.rows)
+        want.check(ro)
+        write(store, model, np.arange(g * 2000, g * 2000 + 1000), batch(400_000 + g * 2000, 1000, salt=g + 1))
+        want.check(ro)
+        store.flush()
+        want.check(ro)  # one commit on: its copies are intact
+        ro.close()
+        model.check(store)
+    store.close()
+
+
+def test_a_replaced_table_gets_its_pages_back_before_its_copies_change(tmp_path):
+    """A shifted table whose rows stop following the rule is replaced by an explicit one, of
+    another size: before its copies are rewritten (grown), the old table's mapped pages are
+    copied back to memory, so a view of it keeps its bytes and is no longer file-mapped."""
+    cap = 12_000
+    store = new_store(str(tmp_path / "s"), cap)
+    model = Model(cap)
+    write(store, model, np.arange(cap), batch(0, cap))
+    store.flush()
+    key = next(k for k, t in parts(store).layout.tables.items() if t.shifted)
+    old = parts(store).layout.tables[key]
+    view = old.state_arrays()["blob"]
+    layout = filemap.layout_of(view)
+    assert layout is not None and (layout.source >= 0).any()
+    write(store, model, np.arange(6000), batch(0, 6000, salt=7, shuffled=True))
+    assert not parts(store).layout.tables[key].shifted  # explicit now
+    kept = view.copy()  # what the old table held when it was replaced
+    for _ in range(NCOPIES + 1):  # every copy of the table rewritten with the explicit layout
+        store.flush(force=True)
+    assert layout.alive and not (layout.source >= 0).any()
+    assert np.array_equal(view, kept)
+    model.check(store)
+    store.close()
+    with tiered.open(str(tmp_path / "s")) as ro:
+        model.check(ro)
+
+
+def test_anonymous_memory_drops_after_a_commit(tmp_path, monkeypatch):
+    """200k rows of stacked observations: the commit maps the per-row arrays back from their
+    files, and the process's anonymous memory drops by most of their size."""
+    cap = 200_000
+    store = new_store(str(tmp_path / "s"), cap)
+    for lo in range(0, cap, 50_000):
+        store.extend(batch(lo, 50_000, state=False))
+    arrays = per_row_arrays(store)
+    size = sum(a.nbytes for a in arrays.values())
+    assert size > 200_000 * 10  # the tables, the dense columns and the mask: 20 bytes a row
+    del arrays
+    monkeypatch.delenv("TIERED_CHECK_COMMITS")  # its check reads every array file into memory
+    before = rss_anon()
+    store.flush()
+    after = rss_anon()
+    assert before - after > size // 2, (before, after, size)
+    store.get(np.arange(0, cap, 1000))  # still readable
+    store.close()
+
+
+def test_a_store_opened_for_writing_maps_back_what_it_commits(tmp_path, monkeypatch):
+    """A store opened with mode="r+" has its per-row arrays mapped from the copies it opened;
+    rows it overwrites become private memory, and its commit maps them back from the copies it
+    wrote: the anonymous memory drops, and every value reads as before the commit."""
+    cap = 50_000
+    path = str(tmp_path / "s")
+    with new_store(path, cap) as store:
+        store.extend(batch(0, cap))
+    store = tiered.open(path, mode="r+")
+    model = Model(cap)
+    write(store, model, np.arange(cap), batch(0, cap, salt=5))  # every page of the arrays private
+    size = sum(a.nbytes for a in per_row_arrays(store).values())
+    assert size > cap * 256
+    monkeypatch.delenv("TIERED_CHECK_COMMITS")  # its check reads every array file into memory
+    before = rss_anon()
+    store.flush()
+    after = rss_anon()
+    assert before - after > size // 2, (before, after, size)
+    files = parts(store).files
+    assert {os.path.basename(copy_path(path, n, files.current[n])) for n in files.mapped} <= {
+        os.path.basename(f) for f in mapped_files(path)}
+    model.check(store)
+    write(store, model, np.arange(100), batch(0, 100, salt=6))
+    store.flush()
+    model.check(store)
+    store.close()
+    with tiered.open(path) as ro:
+        model.check(ro)

@@ -1,0 +1,247 @@
+"""Arrays laid out in memory as their ``.npy`` file, whose committed pages can go back to the file.
+
+A store's per-row arrays (row tables, dense columns, the written mask) grow with its capacity. A
+writer that held them as anonymous memory would keep the whole store's metadata resident for
+good, though every commit writes it to a file. :func:`file_array` allocates such an array in a
+page-aligned private anonymous mapping laid out as its ``.npy`` file: the header, then the data,
+the array starting at the header's length, so page ``p`` of the mapping is page ``p`` of the file.
+Once a commit has written a file of the array (and published it), :func:`remap` maps the pages
+that commit wrote from the file over the same addresses (``mmap(MAP_PRIVATE | MAP_FIXED)``):
+every array and view keeps its address and its bytes (the file's pages were written from them),
+the anonymous pages are freed, and the kernel may drop the clean file pages and read them back
+when they are used. A later write copies the page again (copy-on-write), as in any private map.
+
+A page mapped from a file shows that file's bytes until the page is written: the file must not
+be truncated (a read past its end is ``SIGBUS``) or rewritten with other bytes while the page is
+mapped. Its owner calls :func:`privatize` first, which gives every mapped page back an anonymous
+copy of its bytes. Where ``MAP_FIXED`` through ``ctypes`` is not available (not Linux),
+:func:`remap` does nothing and the arrays stay anonymous.
+
+Example:
+    >>> import os, tempfile
+    >>> import numpy as np
+    >>> a = file_array((100_000,), np.int64, fill=-1)
+    >>> a[5] = 7
+    >>> p = os.path.join(tempfile.mkdtemp(), "a.npy")
+    >>> np.save(p, a)
+    >>> done = remap(a, p, 0, [(0, os.path.getsize(p))])
+    >>> int(a[5]), int(a[6]), done == supported()
+    (7, -1, True)
+    >>> a[6] = 8; int(a[6])  # a write copies the page again
+    8
+    >>> privatize(a); int(a[5])
+    7
+"""
+
+from __future__ import annotations
+
+import ctypes
+import io
+import mmap
+import os
+import sys
+import weakref
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import numpy as np
+
+__all__ = ["FileLayout", "file_array", "adopt", "layout_of", "remap", "privatize", "supported", "npy_header"]
+
+#: Bytes of one memory page (the unit a mapping is replaced in).
+PAGE = mmap.PAGESIZE
+_MAP_FIXED = 0x10  # Linux (every architecture)
+
+
+def _libc_mmap() -> Callable[..., int] | None:
+    if sys.platform != "linux" or not hasattr(mmap, "MAP_PRIVATE"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = getattr(libc, "mmap64", None) or libc.mmap
+    except (OSError, AttributeError):
+        return None
+    fn.restype = ctypes.c_void_p
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int64]
+    return fn
+
+
+_mmap = _libc_mmap()
+# start of the data of each live file-layout array -> its layout
+_layouts: dict[int, FileLayout] = {}
+
+
+def supported() -> bool:
+    """Whether :func:`remap` can map file pages over an array (Linux)."""
+    return _mmap is not None
+
+
+def npy_header(shape: tuple[int, ...], dtype: Any) -> bytes:
+    """The ``.npy`` (version 1.0) header numpy writes for a C-ordered array of ``shape`` and ``dtype``.
+
+    Example:
+        >>> len(npy_header((3,), np.int64)) % 64
+        0
+    """
+    out = io.BytesIO()
+    np.lib.format.write_array_header_1_0(out, {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)),
+                                               "fortran_order": False, "shape": tuple(shape)})
+    return out.getvalue()
+
+
+class FileLayout:
+    """The mapping of one array allocated by :func:`file_array`.
+
+    Attributes:
+        address: where the mapping starts (page-aligned); the header's bytes are there.
+        length: bytes of the mapping (the file's size rounded up to whole pages).
+        hlen: bytes of the header (the array starts at ``address + hlen``).
+        size: bytes of the array's ``.npy`` file.
+        source: per page of the mapping, the id of the file it is mapped from (-1: anonymous).
+    """
+
+    def __init__(self, mapping: mmap.mmap, address: int, length: int, hlen: int, size: int) -> None:
+        self.address, self.length, self.hlen, self.size = address, length, hlen, size
+        self.source = np.full(length // PAGE, -1, dtype=np.int8)
+        self.mapping = weakref.ref(mapping)  # unmapped once no array of it is left
+
+    @property
+    def alive(self) -> bool:
+        """Whether the mapping still exists (some array or view of it is alive)."""
+        return self.mapping() is not None
+
+    def bytes_view(self) -> np.ndarray:
+        """The mapping's bytes (only while an array of it is alive)."""
+        return np.ctypeslib.as_array((ctypes.c_uint8 * self.length).from_address(self.address))
+
+    def fits(self, arr: np.ndarray) -> bool:
+        """Whether ``arr`` is this layout's whole array, as a commit writes it (same start, same
+        bytes, the header the mapping holds)."""
+        return (arr.__array_interface__["data"][0] == self.address + self.hlen and arr.flags.c_contiguous
+                and self.hlen + arr.nbytes == self.size
+                and npy_header(arr.shape, arr.dtype) == self.bytes_view()[:self.hlen].tobytes())
+
+
+def file_array(shape: tuple[int, ...] | int, dtype: Any, fill: Any = 0) -> np.ndarray:
+    """A new array of ``shape`` and ``dtype`` filled with ``fill``, laid out in a private anonymous
+    mapping as its ``.npy`` file (see the module docstring); zero-filled pages cost no memory
+    until written.
+
+    Example:
+        >>> a = file_array((4, 2), np.uint16)
+        >>> a.shape, int(a.sum()), layout_of(a).hlen
+        ((4, 2), 0, 128)
+    """
+    shape = (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(int(x) for x in shape)
+    dtype = np.dtype(dtype)
+    head = npy_header(shape, dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    size = len(head) + nbytes
+    length = -(-size // PAGE) * PAGE
+    mm = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    mm[:len(head)] = head
+    count = nbytes // dtype.itemsize
+    arr = np.frombuffer(mm, dtype=dtype, count=count, offset=len(head)).reshape(shape)
+    base = np.frombuffer(mm, dtype=np.uint8, count=1).__array_interface__["data"][0]
+    layout = FileLayout(mm, base, length, len(head), size)
+    start = base + len(head)
+    _layouts[start] = layout
+    weakref.finalize(mm, _layouts.pop, start, None)  # unmapped when the last view of it goes
+    if fill != 0:
+        arr[...] = fill
+    return arr
+
+
+def adopt(mapping: mmap.mmap, arr: np.ndarray, source: int) -> None:
+    """Treat ``arr``, an array memory-mapped (privately) from the whole ``.npy`` file ``source``
+    by ``mapping``, as a :func:`file_array`: it already is laid out as its file, and its pages
+    are mapped from ``source`` until written.
+
+    Example:
+        >>> import os, tempfile
+        >>> p = os.path.join(tempfile.mkdtemp(), "a.npy")
+        >>> np.save(p, np.arange(1000))
+        >>> with open(p, "rb") as f:
+        ...     m = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        >>> a = np.frombuffer(m, np.int64, count=1000, offset=128)
+        >>> adopt(m, a, 0); layout_of(a) is not None
+        True
+    """
+    base = np.frombuffer(mapping, dtype=np.uint8, count=1).__array_interface__["data"][0]
+    start = arr.__array_interface__["data"][0]
+    size = len(mapping)
+    if start in _layouts or not base <= start <= base + size or start - base + arr.nbytes != size:
+        return
+    layout = FileLayout(mapping, base, -(-size // PAGE) * PAGE, start - base, size)
+    layout.source[:] = source
+    _layouts[start] = layout
+    weakref.finalize(mapping, _layouts.pop, start, None)
+
+
+def layout_of(arr: np.ndarray) -> FileLayout | None:
+    """The :class:`FileLayout` whose whole array ``arr`` is (any view of it starting at its first
+    element with its bytes), else None."""
+    if not isinstance(arr, np.ndarray):
+        return None
+    layout = _layouts.get(arr.__array_interface__["data"][0])
+    return layout if layout is not None and layout.fits(arr) else None
+
+
+def remap(arr: np.ndarray, path: str, source: int, ranges: Iterable[tuple[int, int]]) -> bool:
+    """Map the byte ranges ``[lo, hi)`` of the ``.npy`` file ``path`` over the same pages of
+    ``arr``'s mapping; ``source`` identifies the file (:attr:`FileLayout.source`).
+
+    The caller guarantees the file's bytes in the ranges are ``arr``'s (a commit wrote them from
+    it and nothing wrote either since). The file's size and header are checked here; ranges are
+    widened to whole pages (a range's end may be the file's end).
+
+    Returns:
+        Whether the pages were mapped (False: not a :func:`file_array`, another layout, or no
+        ``MAP_FIXED`` here); the array's bytes are the same either way.
+    """
+    layout = layout_of(arr)
+    if layout is None or _mmap is None:
+        return False
+    fd = os.open(path, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
+    try:
+        if os.fstat(fd).st_size != layout.size or os.pread(fd, layout.hlen, 0) != layout.bytes_view()[:layout.hlen].tobytes():
+            return False
+        prot = mmap.PROT_READ | mmap.PROT_WRITE
+        for lo, hi in ranges:  # runs of pages a commit wrote: a few per array
+            p0, p1 = int(lo) // PAGE, min(-(-int(hi) // PAGE), layout.length // PAGE)
+            if p1 <= p0:
+                continue
+            at, n = layout.address + p0 * PAGE, (p1 - p0) * PAGE
+            got = _mmap(at, n, prot, mmap.MAP_PRIVATE | _MAP_FIXED, fd, p0 * PAGE)
+            if got != at:  # the range may be unmapped now: map it anonymous and read the bytes back
+                _anonymous(at, n)
+                os.preadv(fd, [memoryview((ctypes.c_uint8 * n).from_address(at)).cast("B")], p0 * PAGE)
+                layout.source[p0:p1] = -1
+                return False
+            layout.source[p0:p1] = source
+    finally:
+        os.close(fd)
+    return True
+
+
+def _anonymous(at: int, n: int) -> None:
+    assert _mmap is not None
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_FIXED
+    if _mmap(at, n, mmap.PROT_READ | mmap.PROT_WRITE, flags, -1, 0) != at:
+        raise MemoryError(f"cannot map {n} bytes of anonymous memory at {at:#x} "
+                          f"(errno {ctypes.get_errno()}); the process is out of memory")
+
+
+def privatize(arr: np.ndarray | FileLayout, source: int | None = None) -> None:
+    """Give the pages of ``arr``'s mapping that are mapped from a file (from file ``source``;
+    None: any) back an anonymous copy of their bytes, so that file may be truncated or
+    rewritten. Must be called while an array of the mapping is alive."""
+    layout = arr if isinstance(arr, FileLayout) else layout_of(arr)
+    if layout is None or not layout.alive:
+        return
+    pages = np.flatnonzero(layout.source >= 0 if source is None else layout.source == source)
+    if pages.size:
+        view = layout.bytes_view()
+        at = pages * PAGE
+        view[at] = view[at]  # a write to each page copies it (copy-on-write): anonymous from now on
+        layout.source[pages] = -1
