@@ -23,6 +23,23 @@ def assert_td_equal(a: TensorDict, b: TensorDict) -> None:
         assert torch.equal(x, y), f"field {k} differs"
 
 
+def open_golden_pong(tar_path: Path, tmp_path: Path, atari_pong: TensorDict) -> tuple[Path, TensorDict]:
+    """Extract a golden Pong fixture store (``tests/fixtures/format<N>/pong_format<N>.tar.xz``,
+    all written by the same recipe: rows 400:600 of the cached rollout, row 20's next
+    observation replaced by row 90's, rows 30 and 150 swapped) into ``tmp_path``: its path and
+    the 200 rows it must read back."""
+    import tarfile
+
+    with tarfile.open(tar_path) as tar:
+        tar.extractall(tmp_path, filter="data")
+    path = tmp_path / Path(tar_path).name.removesuffix(".tar.xz")
+    data = atari_pong[400:600].clone()
+    data["next", "observation"][20] = data["next", "observation"][90]
+    order = torch.arange(200)
+    order[150], order[30] = 30, 150
+    return path, data[order]
+
+
 def manifest_body(path: Path) -> dict:
     """The body of the manifest of the store at ``path`` (its last commit)."""
     return json.loads((Path(path) / "manifest.json").read_text())["body"]

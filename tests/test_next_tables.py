@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import tarfile
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from helpers import assert_td_equal, check_refcounts, manifest_body
+from helpers import assert_td_equal, check_refcounts, manifest_body, open_golden_pong
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tensordict import TensorDict
@@ -131,14 +130,7 @@ def test_a_format4_store_reads_the_same_and_upgrades_to_format5(tmp_path, atari_
 
     A failure here means old stores stopped reading: fix the code, never the fixture.
     """
-    with tarfile.open(FIXTURE4) as tar:
-        tar.extractall(tmp_path, filter="data")
-    path = tmp_path / "pong_format4"
-    data = atari_pong[400:600].clone()
-    data["next", "observation"][20] = data["next", "observation"][90]
-    order = torch.arange(200)
-    order[150], order[30] = 30, 150
-    expected = data[order]
+    path, expected = open_golden_pong(FIXTURE4, tmp_path, atari_pong)
     body = manifest_body(path)
     i = {k: n for n, k in enumerate(Schema.from_json(body["schema"]))}[NEXT]
     assert body["format_version"] == 4 and f"rows.{i}.blob" in body["files"]

@@ -62,6 +62,15 @@ def new_store(path: str, capacity: int) -> TieredStore:
     return TieredStore(capacity, path, frames={"observation": 0}, hot_bytes=0, warm_bytes=0, chunk_frames=16)
 
 
+def committed_store(tmp_path, capacity: int) -> tuple[TieredStore, Model]:
+    """A new store with every row written and committed once, and its model."""
+    store = new_store(str(tmp_path / "s"), capacity)
+    model = Model(capacity)
+    write(store, model, np.arange(capacity), batch(0, capacity))
+    store.flush()
+    return store, model
+
+
 class Model:
     """What every row of the store must read back: a plain copy of each written row."""
 
@@ -161,10 +170,7 @@ def test_a_mapped_page_is_rewritten_only_with_its_own_bytes(tmp_path):
     so it writes a page mapped from ``c`` into ``c`` from that very page: the same bytes.
     """
     cap = 16_000
-    store = new_store(str(tmp_path / "s"), cap)
-    model = Model(cap)
-    write(store, model, np.arange(cap), batch(0, cap))
-    store.flush()
+    store, model = committed_store(tmp_path, cap)
     files = parts(store).files
     layout = filemap.layout_of(parts(store).rows.dense_array(("state",)))
     state = next(name for name, mapped in files.mapped.items() if mapped is layout)
@@ -204,10 +210,7 @@ def test_writes_after_the_remap_stay_private_until_committed(tmp_path):
     """A write into a page mapped from the published copy changes memory, not the file; the next
     commit saves it."""
     cap = 12_000
-    store = new_store(str(tmp_path / "s"), cap)
-    model = Model(cap)
-    write(store, model, np.arange(cap), batch(0, cap))
-    store.flush()
+    store, model = committed_store(tmp_path, cap)
     files = parts(store).files
     published = copy_path(store.path, "written", files.current["written"])
     dense = sorted(n for n in files.current if n.startswith("dense."))[0]
@@ -229,10 +232,7 @@ def test_a_failed_commit_leaves_the_arrays_and_the_next_commit_works(tmp_path):
     """Commits that run out of space at different points (at the first write, amid the copies)
     change no array in memory, map nothing back, and the next commit lands."""
     cap = 12_000
-    store = new_store(str(tmp_path / "s"), cap)
-    model = Model(cap)
-    write(store, model, np.arange(cap), batch(0, cap))
-    store.flush()
+    store, model = committed_store(tmp_path, cap)
     write(store, model, np.arange(10_000, 10_300), batch(200_000, 300, salt=8))
     with fileio.inject_faults() as counting:  # the write calls of a commit like the ones below
         store.flush()
@@ -285,10 +285,7 @@ def test_a_replaced_table_gets_its_pages_back_before_its_copies_change(tmp_path)
     another size: before its copies are rewritten (grown), the old table's mapped pages are
     copied back to memory, so a view of it keeps its bytes and is no longer file-mapped."""
     cap = 12_000
-    store = new_store(str(tmp_path / "s"), cap)
-    model = Model(cap)
-    write(store, model, np.arange(cap), batch(0, cap))
-    store.flush()
+    store, model = committed_store(tmp_path, cap)
     key = next(k for k, t in parts(store).layout.tables.items() if t.shifted)
     old = parts(store).layout.tables[key]
     view = old.state_arrays()["blob"]

@@ -12,13 +12,12 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-import tarfile
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from helpers import assert_td_equal, manifest_body
+from helpers import assert_td_equal, manifest_body, open_golden_pong
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tensordict import TensorDict
@@ -151,14 +150,7 @@ def test_a_format3_store_reads_the_same_and_upgrades_to_the_current_format(tmp_p
 
     A failure here means old stores stopped reading: fix the code, never the fixture.
     """
-    with tarfile.open(FIXTURE3) as tar:
-        tar.extractall(tmp_path, filter="data")
-    path = tmp_path / "pong_format3"
-    data = atari_pong[400:600].clone()
-    data["next", "observation"][20] = data["next", "observation"][90]
-    order = torch.arange(200)
-    order[150], order[30] = 30, 150
-    expected = data[order]
+    path, expected = open_golden_pong(FIXTURE3, tmp_path, atari_pong)
     assert manifest_body(path)["format_version"] == 3 and "shifted_tables" not in manifest_body(path)
     with tiered.open(path) as s:  # converted in memory
         assert_td_equal(s.get(torch.arange(200)), expected)

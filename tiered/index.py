@@ -402,11 +402,24 @@ class _ExceptionTable(RowTable):
         """Saved compact tables are already compact."""
 
 
-def _check_exc_rows(rows: np.ndarray, cap: int, kind: str) -> None:
-    """Refuse exception rows that are not sorted distinct rows in ``[0, cap)`` (ValueError)."""
-    k = rows.shape[0]
+def _exceptions(arrays: dict[str, np.ndarray], cap: int, width: int,
+                kind: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The saved exception list (``exc_rows``, and ``exc_blob``/``exc_slot`` of ``width`` entries
+    per row) of a table of ``cap`` rows, once checked.
+
+    Raises:
+        ValueError: shapes or dtypes that are not what a commit writes, or rows that are not
+            sorted distinct rows in ``[0, cap)``.
+    """
+    rows, eb, es = arrays["exc_rows"], arrays["exc_blob"], arrays["exc_slot"]
+    k = rows.shape[0] if rows.ndim == 1 else -1
+    if (eb.shape != (k, width) or es.shape != (k, width) or eb.dtype != BLOB_DTYPE or es.dtype != SLOT_DTYPE
+            or rows.dtype != np.int64):
+        raise ValueError(f"{kind} row table exception arrays of shapes {rows.shape} {eb.shape} {es.shape} do not "
+                         f"fit a table of {cap} rows with {width} entries per exception row")
     if k and (int(rows[0]) < 0 or int(rows[-1]) >= cap or (k > 1 and bool((np.diff(rows) <= 0).any()))):
         raise ValueError(f"{kind} row table exception rows are not sorted distinct rows in [0, {cap})")
+    return np.asarray(rows), np.asarray(eb), np.asarray(es)
 
 
 class _LastColumnTable(_ExceptionTable):
@@ -434,18 +447,13 @@ class _LastColumnTable(_ExceptionTable):
         Raises:
             ValueError: the arrays' shapes, dtypes or exception rows are not what a commit writes.
         """
-        frames = self._frames
         last_blob, last_slot = arrays["blob"], arrays["slot"]
-        rows, eb, es = arrays["exc_rows"], arrays["exc_blob"], arrays["exc_slot"]
-        k = rows.shape[0] if rows.ndim == 1 else -1
-        if (last_blob.shape != (cap, 1) or last_slot.shape != (cap, 1) or eb.shape != (k, frames - 1)
-                or es.shape != (k, frames - 1) or last_blob.dtype != BLOB_DTYPE or eb.dtype != BLOB_DTYPE
-                or last_slot.dtype != SLOT_DTYPE or es.dtype != SLOT_DTYPE or rows.dtype != np.int64):
-            raise ValueError(f"{self.kind} row table arrays of shapes {last_blob.shape} {last_slot.shape} "
-                             f"{rows.shape} {eb.shape} {es.shape} do not fit a table of {cap} rows of {frames} frames")
-        _check_exc_rows(rows, cap, self.kind)
+        if (last_blob.shape != (cap, 1) or last_slot.shape != (cap, 1) or last_blob.dtype != BLOB_DTYPE
+                or last_slot.dtype != SLOT_DTYPE):
+            raise ValueError(f"{self.kind} row table last columns of shapes {last_blob.shape} {last_slot.shape} "
+                             f"do not fit a table of {cap} rows")
+        self.exc_rows, self.exc_blob, self.exc_slot = _exceptions(arrays, cap, self._frames - 1, self.kind)
         self.last_blob, self.last_slot = last_blob.reshape(cap), last_slot.reshape(cap)
-        self.exc_rows, self.exc_blob, self.exc_slot = np.asarray(rows), np.asarray(eb), np.asarray(es)
 
     @property
     def capacity(self) -> int:
@@ -503,13 +511,6 @@ class DerivedRowTable(_LastColumnTable):
         table._empty(base.capacity, base.frames, allocate=False)
         table._load(arrays, base.capacity)
         return table
-
-    @classmethod
-    def derive(cls, base: RowTable, table: RowTable) -> DerivedRowTable:
-        """The derived form of the explicit ``table`` (same entries)."""
-        out = cls(base)
-        out.put(np.arange(table.capacity), *table.full())
-        return out
 
     def refs(self, rows: Any) -> tuple[np.ndarray, np.ndarray]:
         rows = _row_ids(rows)
@@ -727,14 +728,7 @@ class NextRowTable(_ExceptionTable):
             ValueError: the arrays' shapes, dtypes or exception rows are not what a commit writes.
         """
         table = cls(base)
-        rows, eb, es = arrays["exc_rows"], arrays["exc_blob"], arrays["exc_slot"]
-        k, frames = (rows.shape[0] if rows.ndim == 1 else -1), table.frames
-        if (eb.shape != (k, frames) or es.shape != (k, frames) or eb.dtype != BLOB_DTYPE
-                or es.dtype != SLOT_DTYPE or rows.dtype != np.int64):
-            raise ValueError(f"{cls.kind} row table arrays of shapes {rows.shape} {eb.shape} {es.shape} do not fit "
-                             f"a table of {table.capacity} rows of {frames} frames")
-        _check_exc_rows(rows, table.capacity, cls.kind)
-        table.exc_rows, table.exc_blob, table.exc_slot = np.asarray(rows), np.asarray(eb), np.asarray(es)
+        table.exc_rows, table.exc_blob, table.exc_slot = _exceptions(arrays, table.capacity, table.frames, cls.kind)
         return table
 
     @classmethod

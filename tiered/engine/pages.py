@@ -33,7 +33,6 @@ Example:
 
 from __future__ import annotations
 
-import io
 import os
 import struct
 from collections.abc import Callable
@@ -44,6 +43,7 @@ import numpy as np
 from .. import fileio
 from ..errors import CorruptionError
 from ..util.dirty import BLOCK_SHIFT
+from ..util.filemap import npy_header
 from .manifest import PAGE_BYTES, page_checksums, read_npy_header
 
 __all__ = ["NCOPIES", "ARRAYS_DIR", "INTENT", "CopyState", "copy_path", "write_copy", "write_intent",
@@ -96,12 +96,6 @@ def kind_of(name: str) -> str:
     return "whole"
 
 
-def _header(arr: np.ndarray) -> bytes:
-    out = io.BytesIO()
-    np.lib.format.write_array_header_1_0(out, np.lib.format.header_data_from_array_1_0(arr))
-    return out.getvalue()
-
-
 def _dirty_pages(arr: np.ndarray, hlen: int, size: int, blocks: np.ndarray, n_pages: int) -> np.ndarray:
     """Pages of the file holding the elements of the dirty id blocks (first axis of ``arr``)."""
     pages = np.zeros(n_pages + 1, dtype=np.int64)
@@ -143,7 +137,7 @@ def write_copy(path: str, arr: np.ndarray, blocks: np.ndarray | None, base: Copy
     first use)."""
     if not (arr.flags.c_contiguous or arr.ndim == 1):
         arr = np.ascontiguousarray(arr)
-    head = _header(arr)
+    head = npy_header(arr.shape, arr.dtype)  # the same header file_array lays out in memory
     hlen, size = len(head), len(head) + arr.nbytes
     flat = arr.reshape(-1) if arr.flags.c_contiguous else arr
     item = max(arr.itemsize, 1)
