@@ -1,11 +1,12 @@
 """Format 2: a v1 golden store upgrades (``tiered upgrade``) and reads the same rows; commits
-after the first ones write what changed, not the whole store."""
+after the first ones write what changed, not the whole store (nor whole checksum pages)."""
 
 from __future__ import annotations
 
 import tarfile
 from pathlib import Path
 
+import numpy as np
 import torch
 from helpers import manifest_body
 from tensordict import TensorDict
@@ -13,7 +14,9 @@ from tensordict import TensorDict
 import tiered
 from tiered import TieredStore
 from tiered.cli import main
-from tiered.engine.manifest import FORMAT_VERSION
+from tiered.engine.manifest import FORMAT_VERSION, PAGE_BYTES, page_checksums
+from tiered.engine.pages import WRITE_UNIT, write_copy
+from tiered.util.dirty import BLOCK, BLOCK_SHIFT
 from tiered.verify import verify_store
 
 GOLDEN = Path(__file__).parent / "fixtures" / "golden" / "stores"
@@ -80,3 +83,57 @@ def test_writes_through_dense_views_are_committed(tmp_path):
     expected[0] = 0.0  # overwritten by the ring's 10,001st row
     expected[-5000:] += 1.0
     assert torch.equal(reward, expected)
+
+
+def _copy_matches(path: Path, arr: np.ndarray, state) -> bool:
+    """The file holds ``arr`` and ``state`` has the CRC-32 of each of its pages."""
+    raw = path.read_bytes()
+    return np.array_equal(np.load(path), arr) and state.crcs == page_checksums([memoryview(raw)])
+
+
+def test_a_copy_rewrite_writes_the_changed_bytes_not_whole_pages(tmp_path):
+    """A dirty block inside a 1 MiB checksum page is written as the memory pages that hold it:
+    the bytes written do not grow with the page (nor the array), and every page's CRC is that of
+    the file."""
+    path = tmp_path / "dense.0.0.npy"
+    arr = np.arange(4 * PAGE_BYTES // 8, dtype=np.int64)  # four checksum pages
+    first = write_copy(str(path), arr, None, None, 1)
+    blocks = np.zeros(arr.size >> BLOCK_SHIFT, dtype=bool)
+    blocks[100] = True  # ids 409,600..413,695: inside the fourth page
+    arr[(100 << BLOCK_SHIFT) + 7] = -1
+    again = write_copy(str(path), arr, blocks, first, 2)
+    assert again.written <= (BLOCK << 3) + 2 * WRITE_UNIT < PAGE_BYTES
+    assert _copy_matches(path, arr, again)
+    assert again.crcs[:3] == first.crcs[:3] and again.crcs[3] != first.crcs[3]
+
+
+def test_a_copy_page_that_is_not_what_its_commit_wrote_is_rewritten_whole(tmp_path):
+    """A byte of the copy damaged beside a dirty block (in the same checksum page, outside the
+    block) is not blessed with a new CRC: the page is rewritten from memory."""
+    path = tmp_path / "dense.0.0.npy"
+    arr = np.arange(2 * PAGE_BYTES // 8, dtype=np.int64)
+    first = write_copy(str(path), arr, None, None, 1)
+    with open(path, "r+b") as f:  # the copy rots outside what the next commit writes
+        f.seek(PAGE_BYTES + 5000)
+        f.write(b"\xff")
+    blocks = np.zeros(arr.size >> BLOCK_SHIFT, dtype=bool)
+    blocks[-1] = True
+    arr[-1] = 7
+    again = write_copy(str(path), arr, blocks, first, 2)
+    assert again.written >= PAGE_BYTES // 2  # the second page, whole
+    assert _copy_matches(path, arr, again)
+
+
+def test_a_copy_keeps_its_own_bytes_outside_the_dirty_blocks(tmp_path):
+    """Bytes of memory outside the dirty blocks (a change no dirty block recorded) are not
+    written, and the page's CRC is of what the file holds: the copy stays self-consistent."""
+    path = tmp_path / "dense.0.0.npy"
+    arr = np.arange(PAGE_BYTES // 8, dtype=np.int64)
+    first = write_copy(str(path), arr, None, None, 1)
+    blocks = np.zeros(-(-arr.size >> BLOCK_SHIFT), dtype=bool)
+    blocks[0] = True
+    arr[0], arr[-1] = -5, -6  # the second change is in no dirty block
+    again = write_copy(str(path), arr, blocks, first, 2)
+    disk = np.load(path)
+    assert disk[0] == -5 and disk[-1] == arr.size - 1
+    assert again.crcs == page_checksums([memoryview(path.read_bytes())])

@@ -3,11 +3,12 @@
 Each array of a commit (index columns, row tables, dense columns, ...) lives in
 ``arrays/<name>.<copy>.npy`` with :data:`NCOPIES` copies. Commit ``g`` writes each array into
 the copy after the one commit ``g - 1`` published (``(copy + 1) % NCOPIES``), which holds the
-array as some older commit ``G`` left it; only the pages that changed since ``G`` are rewritten
-(the dirty row and blob-id blocks of the commits after ``G``, which the manifest keeps for the
-last ``NCOPIES - 1`` commits), plus the first page (the ``.npy`` header) and a changed tail.
-Unchanged pages keep their CRC-32 from the manifest, so a commit costs what changed, not the
-size of the store. A copy is overwritten only by the third commit after the one that published
+array as some older commit ``G`` left it; only the bytes that changed since ``G`` are rewritten,
+in whole memory pages (the dirty row and blob-id blocks of the commits after ``G``, which the
+manifest keeps for the last ``NCOPIES - 1`` commits), plus the ``.npy`` header and a changed
+tail. A checksum page such a write touches is checked first and gets the CRC-32 of what the file
+then holds; the others keep their CRC-32 from the manifest, so a commit costs what changed, not
+the size of the store. A copy is overwritten only by the third commit after the one that published
 it, so a read-only open stays valid through the writer's next two commits' page writes.
 
 Before the first page of a commit is written, the generation it will publish is written to the
@@ -33,6 +34,7 @@ Example:
 
 from __future__ import annotations
 
+import mmap
 import os
 import struct
 from collections.abc import Callable
@@ -54,6 +56,9 @@ NCOPIES = 3
 ARRAYS_DIR = "arrays"
 INTENT = "commit.intent"
 _INTENT_MAGIC = 0x7469657265643221  # "tiered2!"
+#: Bytes a commit writes at least around a change (a memory page: a whole page of a copy is then
+#: what a writer maps back from it).
+WRITE_UNIT = max(4096, mmap.PAGESIZE)
 
 
 @dataclass
@@ -96,18 +101,39 @@ def kind_of(name: str) -> str:
     return "whole"
 
 
-def _dirty_pages(arr: np.ndarray, hlen: int, size: int, blocks: np.ndarray, n_pages: int) -> np.ndarray:
-    """Pages of the file holding the elements of the dirty id blocks (first axis of ``arr``)."""
-    pages = np.zeros(n_pages + 1, dtype=np.int64)
+def _dirty_runs(arr: np.ndarray, hlen: int, size: int, blocks: np.ndarray) -> np.ndarray:
+    """Byte runs ``[lo, hi)`` of the file holding the elements of the dirty id ``blocks`` (first
+    axis of ``arr``), widened to whole :data:`WRITE_UNIT` units (clipped to the file's end) and
+    merged: an ``(n, 2)`` int64 array, sorted."""
     ids = np.flatnonzero(blocks)
-    if ids.size and arr.ndim and arr.shape[0]:
-        row_bytes = arr.nbytes // arr.shape[0]
-        lo = hlen + (ids << BLOCK_SHIFT) * row_bytes
-        hi = np.minimum(hlen + ((ids + 1) << BLOCK_SHIFT) * row_bytes, size)
-        keep = lo < hi
-        lo, hi = lo[keep] // PAGE_BYTES, (hi[keep] - 1) // PAGE_BYTES + 1
-        np.add.at(pages, lo, 1)
-        np.add.at(pages, hi, -1)
+    if not (ids.size and arr.ndim and arr.shape[0]):
+        return np.empty((0, 2), dtype=np.int64)
+    row_bytes = arr.nbytes // arr.shape[0]
+    lo = hlen + (ids << BLOCK_SHIFT) * row_bytes
+    hi = np.minimum(hlen + ((ids + 1) << BLOCK_SHIFT) * row_bytes, size)
+    keep = lo < hi
+    return _merge(lo[keep] // WRITE_UNIT * WRITE_UNIT, np.minimum(-(-hi[keep] // WRITE_UNIT) * WRITE_UNIT, size))
+
+
+def _merge(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """Sorted, merged runs of the byte ranges ``[lo, hi)`` (touching ranges join)."""
+    if not lo.size:
+        return np.empty((0, 2), dtype=np.int64)
+    order = np.argsort(lo, kind="stable")
+    lo, hi = lo[order].astype(np.int64), np.maximum.accumulate(hi[order].astype(np.int64))
+    start = np.ones(lo.size, dtype=bool)
+    start[1:] = lo[1:] > hi[:-1]  # a gap before it: a new run
+    first = np.flatnonzero(start)
+    last = np.append(first[1:], lo.size) - 1
+    return np.stack([lo[first], hi[last]], axis=1)
+
+
+def _pages_of(runs: np.ndarray, n_pages: int) -> np.ndarray:
+    """Which :data:`PAGE_BYTES` pages the byte ``runs`` touch (a bool per page)."""
+    pages = np.zeros(n_pages + 1, dtype=np.int64)
+    if runs.size:
+        np.add.at(pages, runs[:, 0] // PAGE_BYTES, 1)
+        np.add.at(pages, (runs[:, 1] - 1) // PAGE_BYTES + 1, -1)
     return np.cumsum(pages)[:n_pages] > 0
 
 
@@ -130,56 +156,112 @@ def _reusable(fd: int, path: str, base: CopyState | None, hlen: int, arr: np.nda
 def write_copy(path: str, arr: np.ndarray, blocks: np.ndarray | None, base: CopyState | None,
                generation: int = 0, before: Callable[[int, int], None] | None = None) -> CopyState:
     """Write ``arr`` as the ``.npy`` file ``path``, which holds ``base`` (None: unknown), rewriting
-    only the pages of the dirty id ``blocks`` (None: every page), the header page and a changed
-    tail; fsync it. Returns what the file now holds, with the CRC-32 of every page (those not
-    rewritten are ``base``'s). ``before(lo, hi)`` is called with each range of ``arr``'s bytes
-    before they are read (to check bytes memory-mapped from a file whose pages are checked on
-    first use)."""
+    only the bytes of the dirty id ``blocks`` (None: every byte), the header and a changed tail;
+    fsync it. Returns what the file now holds, with the CRC-32 of every page (those not touched
+    are ``base``'s). ``before(lo, hi)`` is called with each range of ``arr``'s bytes before they
+    are read (to check bytes memory-mapped from a file whose pages are checked on first use).
+
+    A dirty block's bytes are written in whole :data:`WRITE_UNIT` units, not whole
+    :data:`PAGE_BYTES` pages: what a commit writes (and syncs) is what changed, whatever the size
+    of the array. Each page a write touches is read first and checked against ``base``'s CRC (a
+    page that fails is rewritten whole from ``arr``), and its new CRC is that of the page as the
+    file then holds it.
+    """
     if not (arr.flags.c_contiguous or arr.ndim == 1):
         arr = np.ascontiguousarray(arr)
     head = npy_header(arr.shape, arr.dtype)  # the same header file_array lays out in memory
     hlen, size = len(head), len(head) + arr.nbytes
     flat = arr.reshape(-1) if arr.flags.c_contiguous else arr
-    item = max(arr.itemsize, 1)
+    source = _Source(head, flat, max(arr.itemsize, 1), before)
     n_pages = -(-size // PAGE_BYTES)
     fd = fileio.open_for_write(path)
     try:
         if blocks is not None and _reusable(fd, path, base, hlen, arr):
             assert base is not None
-            todo = _dirty_pages(arr, hlen, size, blocks, n_pages)
+            runs = _dirty_runs(arr, hlen, size, blocks)
             if size != base.size or os.pread(fd, hlen, 0) != head:
-                todo[:1] = True  # the header
-                todo[min(size, base.size) // PAGE_BYTES:] = True  # a tail that grew or shrank
+                tail = min(size, base.size) // WRITE_UNIT * WRITE_UNIT  # a tail that grew or shrank
+                runs = _merge(np.append(runs[:, 0], [0, tail]),
+                              np.append(runs[:, 1], [min(size, -(-hlen // WRITE_UNIT) * WRITE_UNIT), size]))
             crcs = list(base.crcs[:n_pages]) + [0] * max(0, n_pages - len(base.crcs))
             if size < base.size:
                 fileio.truncate(fd, size)
+            written, ranges = _write_runs(fd, source, runs, base, crcs, size)
         else:
-            todo = np.ones(n_pages, dtype=bool)
             crcs = [0] * n_pages
             fileio.truncate(fd, size)
-        edges = np.flatnonzero(np.diff(np.concatenate([[0], todo.astype(np.int8), [0]])))
-        written, ranges = 0, []
-        for p0, p1 in edges.reshape(-1, 2).tolist():  # one run of consecutive dirty pages at a time
-            b0, b1 = p0 * PAGE_BYTES, min(p1 * PAGE_BYTES, size)
-            ranges.append((b0, b1))
-            parts = []
-            if b0 < hlen:
-                parts.append(memoryview(head)[b0:min(b1, hlen)])
-            if b1 > hlen:
-                if before is not None:
-                    before(max(b0, hlen) - hlen, b1 - hlen)
-                e0, e1 = (max(b0, hlen) - hlen) // item, (b1 - hlen) // item
-                parts.append(memoryview(np.ascontiguousarray(flat[e0:e1]).reshape(-1).view(np.uint8)))
-            at = b0
+            parts = source.parts(0, size)
+            at = 0
             for part in parts:  # header and data: two at most
                 fileio.pwrite(fd, part, at)
                 at += part.nbytes
-            crcs[p0:p1] = page_checksums(parts)
-            written += b1 - b0
+            crcs[:] = page_checksums(parts)
+            written, ranges = size, [(0, size)]
         fileio.fsync(fd)
     finally:
         fileio.close(fd)
     return CopyState(generation, size, crcs, written, ranges)
+
+
+@dataclass
+class _Source:
+    """The bytes of a ``.npy`` file as they are in memory: its header, then the array's bytes."""
+
+    head: bytes
+    flat: np.ndarray
+    item: int
+    before: Callable[[int, int], None] | None
+
+    def parts(self, b0: int, b1: int) -> list[memoryview]:
+        """The file's bytes ``[b0, b1)``: a piece of the header and a piece of the array."""
+        hlen, out = len(self.head), []
+        if b0 < hlen:
+            out.append(memoryview(self.head)[b0:min(b1, hlen)])
+        if b1 > hlen:
+            if self.before is not None:
+                self.before(max(b0, hlen) - hlen, b1 - hlen)
+            e0, e1 = (max(b0, hlen) - hlen) // self.item, (b1 - hlen) // self.item
+            out.append(memoryview(np.ascontiguousarray(self.flat[e0:e1]).reshape(-1).view(np.uint8)))
+        return out
+
+
+#: Most bytes of pages read at once while a commit rewrites parts of them.
+_SPAN_BYTES = 16 * PAGE_BYTES
+
+
+def _write_runs(fd: int, source: _Source, runs: np.ndarray, base: CopyState, crcs: list[int],
+                size: int) -> tuple[int, list[tuple[int, int]]]:
+    """Write the byte ``runs`` of the file from ``source``, updating ``crcs`` of the pages they
+    touch; returns the bytes written and the ranges written."""
+    n_pages = len(crcs)
+    touched = _pages_of(runs, n_pages)
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], touched.astype(np.int8), [0]]))).reshape(-1, 2)
+    spans = [(p, min(p + _SPAN_BYTES // PAGE_BYTES, p1)) for p0, p1 in edges.tolist()
+             for p in range(p0, p1, _SPAN_BYTES // PAGE_BYTES)]  # a few per array
+    written, ranges = 0, []
+    for p0, p1 in spans:
+        b0, b1 = p0 * PAGE_BYTES, min(p1 * PAGE_BYTES, size)
+        page = np.empty(b1 - b0, dtype=np.uint8)
+        old = max(0, min(b1, base.size) - b0)  # bytes of the span the file held before
+        got = fileio.read_into(fd, memoryview(page)[:old], b0)
+        sums = page_checksums([memoryview(page)[:got]]) if got else []
+        for k, p in enumerate(range(p0, p1)):  # the pages as base's commit left them (16 at most)
+            lo, hi = p * PAGE_BYTES, min((p + 1) * PAGE_BYTES, base.size)
+            if lo < base.size and (b0 + got < hi or p >= len(base.crcs) or sums[k] != base.crcs[p]):
+                # not what base's commit wrote: rewritten whole from memory
+                runs = _merge(np.append(runs[:, 0], lo), np.append(runs[:, 1], min(lo + PAGE_BYTES, size)))
+        inside = runs[(runs[:, 0] < b1) & (runs[:, 1] > b0)]
+        for r0, r1 in inside.tolist():  # the dirty runs of these pages: a few
+            r0, r1 = max(r0, b0), min(r1, b1)
+            at = r0
+            for part in source.parts(r0, r1):
+                page[at - b0:at - b0 + part.nbytes] = np.frombuffer(part, dtype=np.uint8)
+                at += part.nbytes
+            fileio.pwrite(fd, memoryview(page)[r0 - b0:r1 - b0], r0)
+            written += r1 - r0
+            ranges.append((r0, r1))
+        crcs[p0:p1] = page_checksums([memoryview(page)])
+    return written, ranges
 
 
 def write_intent(store: str, generation: int) -> None:
