@@ -137,3 +137,17 @@ def test_a_copy_keeps_its_own_bytes_outside_the_dirty_blocks(tmp_path):
     disk = np.load(path)
     assert disk[0] == -5 and disk[-1] == arr.size - 1
     assert again.crcs == page_checksums([memoryview(path.read_bytes())])
+
+
+def test_an_untracked_array_is_compared_with_its_copy(tmp_path):
+    """An array whose changes no id block tracks (a row table's exception list) writes only the
+    memory pages where it differs from its copy, and the copy is whole afterwards."""
+    path = tmp_path / "next.3.rows.0.npy"
+    arr = np.arange(PAGE_BYTES // 4, dtype=np.int64)  # 2 MiB: every byte differs from zeros
+    first = write_copy(str(path), arr, None, None, 1)
+    arr[100_000] = -3
+    again = write_copy(str(path), arr, None, first, 2, compare=True)
+    assert again.written == WRITE_UNIT
+    assert _copy_matches(path, arr, again)
+    same = write_copy(str(path), arr, None, again, 3, compare=True)
+    assert same.written == 0 and _copy_matches(path, arr, same)

@@ -48,7 +48,7 @@ from ..util.dirty import BLOCK_SHIFT
 from ..util.filemap import npy_header
 from .manifest import PAGE_BYTES, page_checksums, read_npy_header
 
-__all__ = ["NCOPIES", "ARRAYS_DIR", "INTENT", "CopyState", "copy_path", "write_copy", "write_intent",
+__all__ = ["NCOPIES", "ARRAYS_DIR", "INTENT", "WRITE_UNIT", "CopyState", "copy_path", "write_copy", "write_intent",
            "read_intent", "kind_of"]
 
 #: Copies of each array (a copy is overwritten by the third commit after the one that wrote it).
@@ -154,12 +154,16 @@ def _reusable(fd: int, path: str, base: CopyState | None, hlen: int, arr: np.nda
 
 
 def write_copy(path: str, arr: np.ndarray, blocks: np.ndarray | None, base: CopyState | None,
-               generation: int = 0, before: Callable[[int, int], None] | None = None) -> CopyState:
+               generation: int = 0, before: Callable[[int, int], None] | None = None, *,
+               compare: bool = False) -> CopyState:
     """Write ``arr`` as the ``.npy`` file ``path``, which holds ``base`` (None: unknown), rewriting
     only the bytes of the dirty id ``blocks`` (None: every byte), the header and a changed tail;
     fsync it. Returns what the file now holds, with the CRC-32 of every page (those not touched
     are ``base``'s). ``before(lo, hi)`` is called with each range of ``arr``'s bytes before they
     are read (to check bytes memory-mapped from a file whose pages are checked on first use).
+    ``compare`` (with ``blocks`` None): an array whose changes are not tracked by blocks but are
+    few (the sorted exception lists of the row tables) is compared with the copy, and only the
+    memory pages that differ are written.
 
     A dirty block's bytes are written in whole :data:`WRITE_UNIT` units, not whole
     :data:`PAGE_BYTES` pages: what a commit writes (and syncs) is what changed, whatever the size
@@ -176,26 +180,30 @@ def write_copy(path: str, arr: np.ndarray, blocks: np.ndarray | None, base: Copy
     n_pages = -(-size // PAGE_BYTES)
     fd = fileio.open_for_write(path)
     try:
-        if blocks is not None and _reusable(fd, path, base, hlen, arr):
+        runs = None  # the byte runs to write (None: the whole file)
+        if base is not None and _reusable(fd, path, base, hlen, arr):
+            if blocks is not None:
+                runs = _dirty_runs(arr, hlen, size, blocks)
+                if size != base.size or os.pread(fd, hlen, 0) != head:
+                    tail = min(size, base.size) // WRITE_UNIT * WRITE_UNIT  # a tail that grew or shrank
+                    runs = _merge(np.append(runs[:, 0], [0, tail]),
+                                  np.append(runs[:, 1], [min(size, -(-hlen // WRITE_UNIT) * WRITE_UNIT), size]))
+            elif compare and base.size == size:
+                runs = _differing_runs(fd, source, size)
+        if runs is not None:
             assert base is not None
-            runs = _dirty_runs(arr, hlen, size, blocks)
-            if size != base.size or os.pread(fd, hlen, 0) != head:
-                tail = min(size, base.size) // WRITE_UNIT * WRITE_UNIT  # a tail that grew or shrank
-                runs = _merge(np.append(runs[:, 0], [0, tail]),
-                              np.append(runs[:, 1], [min(size, -(-hlen // WRITE_UNIT) * WRITE_UNIT), size]))
             crcs = list(base.crcs[:n_pages]) + [0] * max(0, n_pages - len(base.crcs))
             if size < base.size:
                 fileio.truncate(fd, size)
             written, ranges = _write_runs(fd, source, runs, base, crcs, size)
         else:
-            crcs = [0] * n_pages
             fileio.truncate(fd, size)
             parts = source.parts(0, size)
             at = 0
             for part in parts:  # header and data: two at most
                 fileio.pwrite(fd, part, at)
                 at += part.nbytes
-            crcs[:] = page_checksums(parts)
+            crcs = page_checksums(parts)
             written, ranges = size, [(0, size)]
         fileio.fsync(fd)
     finally:
@@ -223,6 +231,22 @@ class _Source:
             e0, e1 = (max(b0, hlen) - hlen) // self.item, (b1 - hlen) // self.item
             out.append(memoryview(np.ascontiguousarray(self.flat[e0:e1]).reshape(-1).view(np.uint8)))
         return out
+
+
+def _differing_runs(fd: int, source: _Source, size: int) -> np.ndarray | None:
+    """The :data:`WRITE_UNIT` runs of the file (``size`` bytes, as the array's) whose bytes differ
+    from ``source``'s (None: the file is shorter than it should be)."""
+    disk = np.empty(size, dtype=np.uint8)
+    if fileio.read_into(fd, memoryview(disk), 0) != size:
+        return None
+    mem = np.concatenate([np.frombuffer(part, dtype=np.uint8) for part in source.parts(0, size)])
+    full, unit = size // WRITE_UNIT, WRITE_UNIT
+    differ = np.zeros(-(-size // unit), dtype=bool)
+    differ[:full] = (disk[:full * unit].reshape(full, unit) != mem[:full * unit].reshape(full, unit)).any(axis=1)
+    if full < differ.size:
+        differ[full] = not np.array_equal(disk[full * unit:], mem[full * unit:])
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], differ.astype(np.int8), [0]]))).reshape(-1, 2)
+    return np.minimum(edges.astype(np.int64) * unit, size)
 
 
 #: Most bytes of pages read at once while a commit rewrites parts of them.

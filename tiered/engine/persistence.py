@@ -67,7 +67,17 @@ from .manifest import (
     read_npy_header,
     write_manifest,
 )
-from .pages import ARRAYS_DIR, NCOPIES, CopyState, copy_path, kind_of, read_intent, write_copy, write_intent
+from .pages import (
+    ARRAYS_DIR,
+    NCOPIES,
+    WRITE_UNIT,
+    CopyState,
+    copy_path,
+    kind_of,
+    read_intent,
+    write_copy,
+    write_intent,
+)
 from .placement import Placement
 from .rows import RowSpace
 from .write import WritePath
@@ -266,7 +276,10 @@ class StoreFiles:
                 if base is not None and kind != "whole" and all(x in known for x in range(base.generation + 1, g + 1)):
                     blocks = union([known[x][1 if kind == "rows" else 2] for x in range(base.generation + 1, g + 1)])
                 before = self.unchecked_pages(name, arr)
-                written[name] = write_copy(copy_path(self.path, name, t), arr, blocks, base, g, before)
+                # an array of no id blocks (the row tables' exception lists, the free lists) is
+                # compared with its copy: its changes are few and local, but not tracked by block
+                written[name] = write_copy(copy_path(self.path, name, t), arr, blocks, base, g, before,
+                                           compare=kind == "whole" and arr.nbytes > 4 * WRITE_UNIT)
                 if blocks is None and kind != "whole" and arr.nbytes >= _SEED_BYTES:
                     # copies never written yet start as this one: the next commits are incremental
                     for c in range(NCOPIES):  # three at most
