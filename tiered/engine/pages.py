@@ -6,9 +6,9 @@ the copy after the one commit ``g - 1`` published (``(copy + 1) % NCOPIES``), wh
 array as some older commit ``G`` left it; only the bytes that changed since ``G`` are rewritten,
 in whole memory pages (the dirty row and blob-id blocks of the commits after ``G``, which the
 manifest keeps for the last ``NCOPIES - 1`` commits), plus the ``.npy`` header and a changed
-tail. A checksum page such a write touches is checked first and gets the CRC-32 of what the file
-then holds; the others keep their CRC-32 from the manifest, so a commit costs what changed, not
-the size of the store. A copy is overwritten only by the third commit after the one that published
+tail. A checksum page such a write touches gets its CRC-32 patched from the old one and the bytes
+that changed; the others keep their CRC-32 from the manifest, so a commit costs what changed, not
+the size of the store (nor of a checksum page). A copy is overwritten only by the third commit after the one that published
 it, so a read-only open stays valid through the writer's next two commits' page writes.
 
 Before the first page of a commit is written, the generation it will publish is written to the
@@ -44,6 +44,7 @@ import numpy as np
 
 from .. import fileio
 from ..errors import CorruptionError
+from ..util.crc import crc32_patch
 from ..util.dirty import BLOCK_SHIFT
 from ..util.filemap import npy_header
 from .manifest import PAGE_BYTES, page_checksums, read_npy_header
@@ -167,9 +168,8 @@ def write_copy(path: str, arr: np.ndarray, blocks: np.ndarray | None, base: Copy
 
     A dirty block's bytes are written in whole :data:`WRITE_UNIT` units, not whole
     :data:`PAGE_BYTES` pages: what a commit writes (and syncs) is what changed, whatever the size
-    of the array. Each page a write touches is read first and checked against ``base``'s CRC (a
-    page that fails is rewritten whole from ``arr``), and its new CRC is that of the page as the
-    file then holds it.
+    of the array. A page a write touches gets its new CRC from ``base``'s and the bytes that
+    changed (:func:`_write_runs`).
     """
     if not (arr.flags.c_contiguous or arr.ndim == 1):
         arr = np.ascontiguousarray(arr)
@@ -195,7 +195,7 @@ def write_copy(path: str, arr: np.ndarray, blocks: np.ndarray | None, base: Copy
             crcs = list(base.crcs[:n_pages]) + [0] * max(0, n_pages - len(base.crcs))
             if size < base.size:
                 fileio.truncate(fd, size)
-            written, ranges = _write_runs(fd, source, runs, base, crcs, size)
+            written, ranges = _write_runs(fd, path, source, runs, base, crcs, size)
         else:
             fileio.truncate(fd, size)
             parts = source.parts(0, size)
@@ -253,10 +253,60 @@ def _differing_runs(fd: int, source: _Source, size: int) -> np.ndarray | None:
 _SPAN_BYTES = 16 * PAGE_BYTES
 
 
-def _write_runs(fd: int, source: _Source, runs: np.ndarray, base: CopyState, crcs: list[int],
+def _write_runs(fd: int, path: str, source: _Source, runs: np.ndarray, base: CopyState, crcs: list[int],
                 size: int) -> tuple[int, list[tuple[int, int]]]:
     """Write the byte ``runs`` of the file from ``source``, updating ``crcs`` of the pages they
-    touch; returns the bytes written and the ranges written."""
+    touch; returns the bytes written and the ranges written.
+
+    A page that is whole before and after (all but the last one or two) gets its new CRC from
+    its old one and the bytes that changed (:func:`~tiered.util.crc.crc32_patch`): a few KiB
+    written in a 1 MiB page cost a few KiB to hash. The others are read, checked and hashed
+    whole (:func:`_splice_pages`)."""
+    whole = min(size, base.size) // PAGE_BYTES * PAGE_BYTES  # bytes of the pages whole before and after
+    written, ranges, rest = 0, [], []
+    for r0, r1 in runs.tolist():  # a few runs per array
+        if r0 < whole:
+            written += _patch_pages(fd, path, source, r0, min(r1, whole), crcs)
+            ranges.append((r0, min(r1, whole)))
+        if r1 > whole:
+            rest.append((max(r0, whole), r1))
+    if rest:
+        more, where = _splice_pages(fd, source, np.array(rest, dtype=np.int64), base, crcs, size)
+        written += more
+        ranges += where
+    return written, ranges
+
+
+def _patch_pages(fd: int, path: str, source: _Source, b0: int, b1: int, crcs: list[int]) -> int:
+    """Write bytes ``[b0, b1)`` (on pages whole before and after) from ``source``; pages it covers
+    whole get the CRC of their bytes, the others their CRC patched. Returns the bytes written."""
+    m0, m1 = -(-b0 // PAGE_BYTES) * PAGE_BYTES, b1 // PAGE_BYTES * PAGE_BYTES  # the whole pages inside
+    if m0 < m1:
+        parts, at = source.parts(m0, m1), m0
+        for part in parts:  # header and data: two at most
+            fileio.pwrite(fd, part, at)
+            at += part.nbytes
+        crcs[m0 // PAGE_BYTES:m1 // PAGE_BYTES] = page_checksums(parts)
+    pieces = [(b0, min(b1, m0)), (max(b0, m1), b1)] if m0 < m1 else [(b0, min(b1, m0)), (max(b0, m0), b1)]
+    for a, b in pieces:  # the parts of pages at either end (each within one page)
+        if a >= b:
+            continue
+        new = b"".join(source.parts(a, b))
+        old = bytearray(b - a)
+        if fileio.read_into(fd, memoryview(old), a) != b - a:
+            raise CorruptionError(f"{path}: shorter than its last commit wrote it (at least {b} bytes expected); "
+                                  "another process changed the store's files: open the store again")
+        p = a // PAGE_BYTES
+        crcs[p] = crc32_patch(crcs[p], PAGE_BYTES, a - p * PAGE_BYTES, old, new)
+        fileio.pwrite(fd, new, a)
+    return b1 - b0
+
+
+def _splice_pages(fd: int, source: _Source, runs: np.ndarray, base: CopyState, crcs: list[int],
+                  size: int) -> tuple[int, list[tuple[int, int]]]:
+    """Write the byte ``runs`` on pages whose size changed (or that are new): each page is read,
+    checked against ``base``'s CRC (one that fails is rewritten whole from ``source``), the runs
+    are written into it and its CRC is that of the whole page."""
     n_pages = len(crcs)
     touched = _pages_of(runs, n_pages)
     edges = np.flatnonzero(np.diff(np.concatenate([[0], touched.astype(np.int8), [0]]))).reshape(-1, 2)
