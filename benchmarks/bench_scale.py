@@ -10,7 +10,8 @@ while every frame stays a real, equally compressible screen. Each step runs in a
 subprocess** that samples its own anonymous resident memory (``RssAnon``) every 10 ms:
 
 - ``build``: ``TieredStore(n, path, frames={"observation": 0}, hot_bytes=0, warm_bytes=0,
-  chunk_frames=K, codec=CODEC)`` (``--chunk-frames``, default 8; ``--codec``, default zstd),
+  chunk_frames=K, codec=CODEC, dense_dtypes=...)`` (``--chunk-frames``, default 8; ``--codec``,
+  default zstd; ``--dense-dtypes``, default none: the rollout's dtypes),
   extended in slices of ``--slice`` rows with a ``flush()`` every ``--flush-every`` rows (default
   1,000,000; 0: none), then ``close()``: rows/s and peak RssAnon growth;
 - ``commit``: ``tiered.open(path, "r+")``, extend ``--commit-rows`` new rows, time ``flush()``
@@ -30,7 +31,8 @@ subprocess** that samples its own anonymous resident memory (``RssAnon``) every 
 Bytes on disk per transition are counted over all files, and over one generation (the segments
 and the array files of the last commit: format 1's newest ``gen-*`` folder, format 2's published
 copy of each array; format 2 keeps three copies of each array, format 1 two generations); "arrays"
-is the part of one generation that is metadata (row tables, dense columns, blob index).
+is the part of one generation that is metadata (row tables, dense columns, blob index), "dense"
+the dense columns alone.
 Side by side on the same frames: the Dopamine checkpoint layout (``np.save`` of the per-step
 frames, action int32, reward float32 and terminal uint8, each gzipped the way Dopamine's
 ``circular_replay_buffer`` writes them: ``gzip.GzipFile``'s default level 9), measured on the
@@ -216,19 +218,22 @@ def disk_bytes(path: Path) -> dict[str, int]:
     return {"all": sum(p.stat().st_size for p in files),
             "one_generation": sum(p.stat().st_size for p in files if p not in older),
             "one_generation_arrays": sum(p.stat().st_size for p in files if p in arrays and p not in older),
+            "one_generation_dense": sum(p.stat().st_size for p in files
+                                        if p in arrays and p not in older and p.name.startswith("dense.")),
             "blocks": sum(p.stat().st_blocks * 512 for p in files)}
 
 
 # -- steps, each run in its own process -------------------------------------------------------
 def step_build(path: Path, rows: int, slice_rows: int, chunk_frames: int, codec: str,
-               flush_every: int = 0) -> dict[str, Any]:
+               flush_every: int = 0, dense_dtypes: dict[str, str] | None = None) -> dict[str, Any]:
     from tiered import TieredStore
 
     base = Tiles(base_rollout())
     meter = AnonPeak()
     t0 = time.perf_counter()
     store = TieredStore(rows, str(path), frames={"observation": 0}, hot_bytes=0, warm_bytes=0,
-                        chunk_frames=chunk_frames, codec=codec)
+                        chunk_frames=chunk_frames, codec=codec,
+                        dense_dtypes={tuple(k.split(".")): v for k, v in (dense_dtypes or {}).items()})
     making = 0.0
     for lo in range(0, rows, slice_rows):
         m = time.perf_counter()
@@ -400,7 +405,7 @@ def measure(rows: int, workdir: Path, args: argparse.Namespace) -> dict[str, Any
     res: dict[str, Any] = {"rows": rows}
     print(f"{rows:,} rows: building {path}", file=sys.stderr, flush=True)
     res.update(run_step("build", path=path, rows=rows, slice_rows=args.slice, chunk_frames=args.chunk_frames,
-                        codec=args.codec, flush_every=args.flush_every))
+                        codec=args.codec, flush_every=args.flush_every, dense_dtypes=parse_dense(args.dense_dtypes)))
     res.update({f"disk_{k}": v for k, v in disk_bytes(path).items()})
     res.update(run_step("commit", path=path, rows=rows, new_rows=args.commit_rows, rounds=args.commit_rounds))
     res.update(run_step("reopen", path=path))
@@ -408,6 +413,17 @@ def measure(rows: int, workdir: Path, args: argparse.Namespace) -> dict[str, Any
     if not args.keep:
         shutil.rmtree(path)
     return res
+
+
+def parse_dense(spec: str) -> dict[str, str]:
+    """``"action=uint8,next.reward=int8"`` -> ``{"action": "uint8", "next.reward": "int8"}``."""
+    out = {}
+    for item in filter(None, spec.split(",")):
+        key, sep, dtype = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--dense-dtypes takes KEY=DTYPE,..., got {item!r}")
+        out[key.strip()] = dtype.strip()
+    return out
 
 
 def steady(r: dict[str, Any]) -> float:
@@ -418,12 +434,14 @@ def steady(r: dict[str, Any]) -> float:
 def report(results: list[dict[str, Any]], dop: dict[str, Any], facts: dict[str, Any], load: str,
            args: argparse.Namespace, lms_run: dict[str, Any] | None = None) -> str:
     lms = 2 * 4 * FRAME + 8 + 4 + 4 * 1 + 8  # frames, action, reward, flags, trajectory id
-    head = ["rows", "K, codec", "build rows/s", "build peak anon", "disk B/transition (all)", "one generation (arrays)",
+    head = ["rows", "K, codec", "build rows/s", "build peak anon", "disk B/transition (all)",
+            "one generation (arrays, dense)",
             f"commit after {args.commit_rows:,} rows", "commit wrote", "reopen", "cold", "anon after reopen",
             "sample B=256 warm", "cold", "cold/warm"]
     body = [[f"{r['rows']:,}", f"{args.chunk_frames}, {args.codec}", f"{r['build_rows_per_s']:,.0f}", f"{r['build_peak_anon'] / 2**20:,.0f} MiB",
              f"{r['disk_all'] / r['rows']:.0f}", f"{r['disk_one_generation'] / r['rows']:.0f} "
-             f"({r.get('disk_one_generation_arrays', 0) / r['rows']:.0f} arrays)",
+             f"({r.get('disk_one_generation_arrays', 0) / r['rows']:.0f} arrays, "
+             f"{r.get('disk_one_generation_dense', 0) / r['rows']:.0f} dense)",
              " / ".join(f"{x:.3f}" for x in r.get("commit_s_all", [r["commit_s"]])) + " s",
              " / ".join(f"{x / 2**20:,.1f}" for x in r.get("commit_bytes_written_all", [r["commit_bytes_written"]]))
              + " MiB",
@@ -437,6 +455,8 @@ def report(results: list[dict[str, Any]], dop: dict[str, Any], facts: dict[str, 
              markdown_table(head, body), "",
              f"Build: a flush() every {args.flush_every:,} rows." if args.flush_every else
              "Build: no flush() before close().", "",
+             f"Dense columns stored narrower: {args.dense_dtypes}." if args.dense_dtypes else
+             "Dense columns in the rollout's dtypes (int64 action and trajectory id, float32 reward, bool flags).", "",
              f"Same frames, other layouts (bytes per transition): Dopamine checkpoint files (gzip-9 `np.save`, "
              f"first {dop['dopamine_rows']:,} rows) **{dop['dopamine_bytes_per_transition']:.0f}** "
              f"({dop['dopamine_frame_bytes']:.0f} of them frames); LazyMemmapStorage {lms:,} (dense, from the shapes).",
@@ -480,6 +500,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup-batches", type=int, default=1,
                    help="untimed B=256 batches before the warm ones (a fresh open checks each page of the per-row "
                         "arrays at its first use: many batches leave the steady state; default: %(default)s)")
+    p.add_argument("--dense-dtypes", default="", metavar="KEY=DTYPE,...",
+                   help="store dense columns narrower (dense_dtypes; nested keys with dots), e.g. "
+                        "action=uint8,collector.traj_ids=int32,next.reward=int8")
     p.add_argument("--dopamine-rows", type=int, default=100_000)
     p.add_argument("--lms-rows", type=int, default=0,
                    help="also build TorchRL's LazyMemmapStorage of this many rows (56 KB each on disk) and sample it")

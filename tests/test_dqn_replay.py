@@ -193,6 +193,26 @@ def test_cli_import_export_and_help(dataset: str, tmp_path, capsys) -> None:
     assert "dqn-replay" in capsys.readouterr().out
 
 
+def test_narrow_dense_columns_export_bit_exact(dataset: str, tmp_path, capsys) -> None:
+    src = os.path.join(dataset, "Pong")
+    narrow = ["--dense-dtype", "action=uint8", "--dense-dtype", "next/reward=int8", "--dense-dtype", "run=uint8"]
+    assert main(["import", src, str(tmp_path / "p.tiered"), "--format", "dqn-replay", "-q", *narrow]) == 0
+    assert main(["info", str(tmp_path / "p.tiered")]) == 0
+    assert "stored narrower (dense_dtypes; reads give the dtype above): next/reward as int8, action as uint8, " \
+        "run as uint8" in capsys.readouterr().out
+    assert main(["export", str(tmp_path / "p.tiered"), str(tmp_path / "o"), "--format", "dqn-replay", "-q"]) == 0
+    for run in sorted(os.listdir(src)):
+        logs, back = os.path.join(src, run, "replay_logs"), tmp_path / "o" / run / "replay_logs"
+        for name in os.listdir(logs):
+            with gzip.open(os.path.join(logs, name)) as a, gzip.open(back / name) as b:
+                assert a.read() == b.read(), name  # int32 actions and float32 rewards, as Dopamine wrote them
+    # actions do not fit bool: refused, and nothing is left at the destination
+    assert main(["import", src, str(tmp_path / "q.tiered"), "--format", "dqn-replay", "-q",
+                 "--dense-dtype", "action=bool"]) == 2
+    assert "'action' is stored as bool (dense_dtypes), but the value" in capsys.readouterr().err
+    assert not (tmp_path / "q.tiered").exists()
+
+
 def test_export_needs_a_dqn_replay_store(tmp_path) -> None:
     from tiered.atari import rollout
 

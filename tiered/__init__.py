@@ -28,6 +28,7 @@ from .errors import (
     InvalidArgumentError,
     InvalidDatasetError,
     InvalidPriorityError,
+    LossyValueError,
     NotATieredStoreError,
     NotSharedError,
     PickledDataError,
@@ -114,6 +115,7 @@ __all__ = [
     "ShardFailedError",
     "InvalidDatasetError",
     "PickledDataError",
+    "LossyValueError",
     "__version__",
 ]
 

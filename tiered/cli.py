@@ -175,6 +175,9 @@ def _info(args: argparse.Namespace) -> int:
                 f"{_fmt_bytes(fs.get('logical_bytes')):>12} {_fmt_bytes(fs.get('stored_bytes')):>12} "
                 f"{(f'{ratio:.1f}x' if isinstance(ratio, float) and ratio != float('inf') else '-'):>8}"
             )
+        narrowed = [f"{f['key']} as {f['stored_dtype']}" for f in schema if f.get("stored_dtype")]
+        if narrowed:
+            p(f"stored narrower (dense_dtypes; reads give the dtype above): {', '.join(narrowed)}")
     p("")
     p(f"{'tier':6} {'bytes used':>12} {'budget':>12} {'blobs':>10} {'fragmentation':>14}")
     for name, t in st["tiers"].items():
@@ -219,6 +222,21 @@ def _parse_frames(items: Sequence[str] | None) -> dict[tuple[str, ...], int] | N
     return out
 
 
+def _parse_dense_dtypes(items: Sequence[str] | None) -> dict[tuple[str, ...], str] | None:
+    if not items:
+        return None
+    from .schema import str_to_key
+
+    out = {}
+    for item in items:
+        key, sep, dtype = item.partition("=")
+        if not sep or not key or not dtype:
+            raise E.SchemaMismatchError(
+                f"--dense-dtype takes KEY=DTYPE (e.g. action=uint8 or next/reward=int8), got {item!r}")
+        out[str_to_key(key.strip("/"))] = dtype.strip()
+    return out
+
+
 def _import(args: argparse.Namespace) -> int:
     from .formats import import_dataset
 
@@ -236,6 +254,7 @@ def _import(args: argparse.Namespace) -> int:
         chunk_rows=args.chunk_rows,
         progress=_progress(args),
         force=args.force,
+        dense_dtypes=_parse_dense_dtypes(args.dense_dtype),
     )
     if not args.quiet:
         ratio = report.source_bytes / report.store_bytes if report.store_bytes else float("nan")
@@ -563,6 +582,7 @@ def _add_import(sub: Any) -> None:
                   --frames observation=0 --chunk-frames 8
               tiered import rollouts.npz rollouts.tiered --format npz --codec zstd:9
               tiered import dqn/Pong pong.tiered --format dqn-replay --chunk-frames 8
+              tiered import dqn/Pong pong.tiered --format dqn-replay --dense-dtype action=uint8
 
             The older spelling 'tiered import FORMAT SRC DST' still works (with a warning).
             """,
@@ -595,6 +615,14 @@ def _add_import(sub: Any) -> None:
     )
     s.add_argument(
         "--capacity", type=int, metavar="N", help="rows of the store (default: the dataset's rows)"
+    )
+    s.add_argument(
+        "--dense-dtype",
+        action="append",
+        metavar="KEY=DTYPE",
+        help="store the dense column KEY in a narrower DTYPE (e.g. action=uint8, next/reward=int8); "
+        "reads give the dataset's dtype back, and a value DTYPE cannot hold exactly stops the import. "
+        "Repeatable",
     )
     s.add_argument(
         "--backend",

@@ -42,6 +42,7 @@ __all__ = [
     "NotSharedError",
     "ShardFailedError",
     "RaggedDataError",
+    "LossyValueError",
 ]
 
 
@@ -122,6 +123,11 @@ class UnwrittenRowError(IndexOutOfRangeError):
 class InvalidArgumentError(TieredError, ValueError):
     """An argument is outside what the store can honour (a capacity too large to index, a device
     this machine does not have); raised before anything is allocated or written."""
+
+
+class LossyValueError(TieredError, ValueError):
+    """A value does not fit the narrower dtype its dense column is stored in (``dense_dtypes``):
+    storing it would change it. Raised before anything is written: the store is unchanged."""
 
 
 class InvalidDatasetError(UnsupportedFormatError):

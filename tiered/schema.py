@@ -37,10 +37,10 @@ from typing import Any, Literal
 import torch
 from tensordict import TensorDictBase, is_leaf_nontensor
 
-from .errors import SchemaMismatchError
+from .errors import LossyValueError, SchemaMismatchError
 
 __all__ = ["Field", "Schema", "Key", "normalize_key", "key_to_str", "str_to_key", "SUPPORTED_DTYPES", "bits_dtype",
-           "as_bits", "check_key", "dtype_from_str", "dtype_to_str"]
+           "as_bits", "check_key", "dtype_from_str", "dtype_to_str", "NARROWABLE_DTYPES", "check_narrowing"]
 
 Key = tuple[str, ...]
 
@@ -162,6 +162,36 @@ def check_dtype(key: Key, dtype: torch.dtype) -> None:
             "nothing was written.")
 
 
+#: dtypes a dense column can be stored in, and narrowed from (``dense_dtypes``): real numbers whose
+#: conversions torch does exactly when the value fits
+NARROWABLE_DTYPES: tuple[torch.dtype, ...] = (
+    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+    torch.float16, torch.float32, torch.float64,
+)
+
+
+def check_narrowing(key: Key, dtype: torch.dtype, stored: torch.dtype, kind: str) -> None:
+    """Refuse a ``dense_dtypes`` entry the store cannot honour: a blob field, or a dtype outside
+    :data:`NARROWABLE_DTYPES` on either side.
+
+    Raises:
+        SchemaMismatchError: naming the field and what is possible.
+
+    Example:
+        >>> check_narrowing(("action",), torch.int64, torch.uint8, "dense")
+    """
+    if kind != "dense":
+        raise SchemaMismatchError(
+            f"dense_dtypes names {key_to_str(key)!r}, a blob field: only dense columns can be stored in another "
+            "dtype (list the key in dense_keys to make it dense, or leave it out of dense_dtypes)")
+    bad = [dtype_to_str(d) for d in (dtype, stored) if d not in NARROWABLE_DTYPES]
+    if bad:
+        raise SchemaMismatchError(
+            f"dense_dtypes cannot store field {key_to_str(key)!r} ({dtype_to_str(dtype)}) as "
+            f"{dtype_to_str(stored)}: {', '.join(bad)} is not one of "
+            f"{', '.join(dtype_to_str(d) for d in NARROWABLE_DTYPES)}")
+
+
 def dtype_from_str(name: str) -> torch.dtype:
     try:
         return _DTYPES[name]
@@ -184,6 +214,8 @@ class Field:
         kind: ``"dense"`` or ``"blob"``.
         frame_dim: for blob fields, the dimension of ``shape`` holding a stack of frames,
             or ``None`` when the whole cell is one frame.
+        stored_dtype: for dense fields, a narrower dtype the column is kept in (``dense_dtypes``);
+            reads give ``dtype`` back. ``None``: the column is kept in ``dtype``.
     """
 
     key: Key
@@ -191,6 +223,12 @@ class Field:
     shape: tuple[int, ...]
     kind: Literal["dense", "blob"]
     frame_dim: int | None = None
+    stored_dtype: torch.dtype | None = None
+
+    @property
+    def column_dtype(self) -> torch.dtype:
+        """The dtype of the field's dense column: ``stored_dtype`` when narrowed, else ``dtype``."""
+        return self.stored_dtype if self.stored_dtype is not None else self.dtype
 
     @property
     def frames_per_row(self) -> int:
@@ -211,6 +249,16 @@ class Field:
         return math.prod(self.shape) * self.itemsize
 
     @property
+    def column_nbytes(self) -> int:
+        """Bytes a row of the field's dense column takes (``cell_nbytes`` unless narrowed)."""
+        return math.prod(self.shape) * torch.empty((), dtype=self.column_dtype).element_size()
+
+    @property
+    def column_file_dtype(self) -> Any:
+        """The numpy dtype the dense column is saved as (:func:`bits_dtype` of ``column_dtype``)."""
+        return torch.empty(0, dtype=bits_dtype(self.column_dtype)).numpy().dtype
+
+    @property
     def frame_nbytes(self) -> int:
         return math.prod(self.frame_shape) * self.itemsize
 
@@ -220,26 +268,60 @@ class Field:
         return f"{dtype_to_str(self.dtype)}[{','.join(map(str, self.frame_shape))}]"
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out = {
             "key": list(self.key),
             "dtype": dtype_to_str(self.dtype),
             "shape": list(self.shape),
             "kind": self.kind,
             "frame_dim": self.frame_dim,
         }
+        if self.stored_dtype is not None:  # only when used: other fields' entries stay as they were
+            out["stored_dtype"] = dtype_to_str(self.stored_dtype)
+        return out
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> Field:
-        return cls(
+        field = cls(
             key=tuple(d["key"]),
             dtype=dtype_from_str(d["dtype"]),
             shape=tuple(int(s) for s in d["shape"]),
             kind=d["kind"],
             frame_dim=d.get("frame_dim"),
+            stored_dtype=dtype_from_str(d["stored_dtype"]) if d.get("stored_dtype") is not None else None,
         )
+        if field.stored_dtype is not None:
+            check_narrowing(field.key, field.dtype, field.stored_dtype, field.kind)
+        return field
 
     def describe(self) -> str:
         return f"{dtype_to_str(self.dtype)}{list(self.shape)}"
+
+    def to_column(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` (of ``dtype``) in the column's dtype, refused if that would change one of them.
+
+        Raises:
+            LossyValueError: naming the field, the first value that does not fit and what to do.
+
+        Example:
+            >>> f = Field(("action",), torch.int64, (), "dense", stored_dtype=torch.uint8)
+            >>> f.to_column(torch.tensor([0, 17])).dtype
+            torch.uint8
+        """
+        if self.stored_dtype is None or self.stored_dtype == values.dtype:
+            return values
+        narrow = values.to(self.stored_dtype)
+        back = narrow.to(values.dtype)
+        same = back == values
+        if values.is_floating_point():  # a NaN stays a NaN (its payload bits may not)
+            same |= torch.isnan(back) & torch.isnan(values)
+        if not bool(same.all()):
+            bad = values[~same][0].item()
+            raise LossyValueError(
+                f"field {key_to_str(self.key)!r} is stored as {dtype_to_str(self.stored_dtype)} (dense_dtypes), "
+                f"but the value {bad!r} does not fit it: it would read back as "
+                f"{back[~same][0].item()!r}; nothing was written. Store this field in a wider dtype "
+                "(dense_dtypes) in a new store, or write values the dtype holds exactly")
+        return narrow
 
     def cells_from_frames(self, frames: torch.Tensor, n: int) -> torch.Tensor:
         """Rebuild ``n`` cells from their frames' bytes (``[n * frames_per_row, frame_nbytes]``
@@ -303,6 +385,7 @@ class Schema(Mapping[Key, Field]):
         dense_keys: Iterable[str | Key] | None = None,
         frames: Mapping[str | Key, int] | None = None,
         batched: bool = True,
+        dense_dtypes: Mapping[str | Key, torch.dtype] | None = None,
     ) -> Schema:
         """Build a schema from the first batch written.
 
@@ -313,6 +396,8 @@ class Schema(Mapping[Key, Field]):
             dense_keys: keys forced to be dense fields.
             frames: per key, the cell dimension that is a stack of frames.
             batched: whether ``td`` has a leading batch dimension.
+            dense_dtypes: per dense key, a dtype its column is stored in (narrower than the
+                data's, e.g. ``torch.uint8`` for int64 actions); reads give the data's dtype back.
         """
         blob_set = {normalize_key(k) for k in (blob_keys or ())}
         dense_set = {normalize_key(k) for k in (dense_keys or ())}
@@ -320,6 +405,7 @@ class Schema(Mapping[Key, Field]):
         if both:
             raise ValueError(f"keys listed both as blob and dense: {sorted(map(key_to_str, both))}")
         frame_map = {normalize_key(k): int(d) for k, d in (frames or {}).items()}
+        narrow = {normalize_key(k): d for k, d in (dense_dtypes or {}).items()}
         nb = 1 if batched else 0
         if batched and len(td.batch_size) < 1:
             raise SchemaMismatchError(
@@ -355,8 +441,12 @@ class Schema(Mapping[Key, Field]):
                             f"frames[{key_to_str(k)!r}] = {fd} is not a dimension of the per-row shape {list(shape)}"
                         )
                     frame_dim = fd % len(shape)
-            fields.append(Field(k, value.dtype, shape, kind, frame_dim))
-        unknown = (set(frame_map) | blob_set | dense_set) - {f.key for f in fields}
+            stored = narrow.get(k)
+            if stored is not None:
+                check_narrowing(k, value.dtype, stored, kind)
+            fields.append(Field(k, value.dtype, shape, kind, frame_dim,
+                                stored_dtype=stored if stored != value.dtype else None))
+        unknown = (set(frame_map) | blob_set | dense_set | set(narrow)) - {f.key for f in fields}
         if unknown:
             raise SchemaMismatchError(
                 f"options name keys that are not in the data: {sorted(map(key_to_str, unknown))}; "

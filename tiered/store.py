@@ -303,6 +303,11 @@ class TieredStore(_StoreSharing):
         verify: check blob checksums on every read (always on before a GPU decode).
         threads: decode/encode threads (default: all cores).
         backend: cold-tier backend with a path: ``"memmap"`` or ``"hdf5"``.
+        dense_dtypes: per dense key, a narrower dtype its column is stored in, e.g.
+            ``{"action": torch.uint8, ("collector", "traj_ids"): torch.int32}``: reads give the
+            written dtype back; a value the narrower dtype cannot hold exactly is refused
+            (:class:`~tiered.errors.LossyValueError`, nothing written). Such a column is read as a
+            copy, never as a view (``get(copy=False)``).
         promote: copy sampled blobs up into faster tiers, as the policy decides.
         gpu_decode: with a CUDA ``device``: ``None`` decodes on the GPU when nvCOMP is installed,
             ``True`` requires it, ``False`` decodes on the CPU and copies.
@@ -320,6 +325,7 @@ class TieredStore(_StoreSharing):
         codec: str = "zstd", blob_min_bytes: int = 1024, blob_keys: Iterable[str | Key] | None = None,
         dense_keys: Iterable[str | Key] | None = None, frames: Mapping[str | Key, int] | None = None,
         chunk_frames: int = DEFAULT_CHUNK_FRAMES, dedup: bool = True, traj_key: str | Key | None = None, backend: str = "memmap",
+        dense_dtypes: Mapping[str | Key, torch.dtype | str] | None = None,
         # the runtime (may change when the store is reopened)
         hot_bytes: int | str | None = None, warm_bytes: int | str | None = None,
         hot_device: str | torch.device | None = None, device: str | torch.device | None = None,
@@ -329,7 +335,8 @@ class TieredStore(_StoreSharing):
         _check_sizes(capacity, chunk_frames, stage_rows)
         _check_devices(hot_device, device)
         options = WriteOptions(blob_min_bytes=blob_min_bytes, blob_keys=blob_keys, dense_keys=dense_keys,
-                               frames=frames, chunk_frames=chunk_frames, dedup=dedup, traj_key=traj_key)
+                               frames=frames, chunk_frames=chunk_frames, dedup=dedup, traj_key=traj_key,
+                               dense_dtypes=dense_dtypes)
         self._build(int(capacity), codec, options, BlobIndex(), dict(
             hot_bytes=hot_bytes, warm_bytes=warm_bytes, hot_device=hot_device, device=device, policy=policy,
             verify=verify, threads=threads, promote=promote, gpu_decode=gpu_decode, stage_rows=stage_rows))

@@ -1009,7 +1009,7 @@ def check_bounds(path: str, body: dict[str, Any]) -> None:
             whole = body["format_version"] >= 5  # a next table keeps whole stacks per exception, no rows
             for i, f in enumerate(fields):
                 if f.kind == "dense":
-                    expect(f"dense.{i}", (capacity, *f.shape))
+                    expect(f"dense.{i}", (capacity, *f.shape), f.column_file_dtype)
                 elif not (whole and i in derived):
                     width = 1 if i in derived or i in shifted else f.frames_per_row
                     expect(f"rows.{i}.blob", (capacity, width), blob_dtype)

@@ -285,7 +285,7 @@ class ReadPipeline(ABC):
         td = td if shape is None else td.reshape(shape)
         if layout is not None and span is not None:
             for f in fields:
-                if f.kind == "dense":
+                if f.kind == "dense" and space.is_view(f.key):
                     space.remember_view(td.get(f.key), *span)
         return td
 

@@ -124,6 +124,8 @@ class RowSpace:
         # laid out as its file, as the dense columns: a commit hands its pages back to the file
         self.written = file_array(self.capacity, np.bool_)
         self.dense: dict[Key, torch.Tensor] = {}
+        #: the dtype reads give back, for columns stored narrower (``dense_dtypes``)
+        self.widen: dict[Key, torch.dtype] = {}
         #: dense columns memory-mapped from a store: what checks their pages before first use
         self.dense_checks: dict[Key, Any] = {}
         #: trajectory id the next write without a trajectory-id field starts from
@@ -253,10 +255,23 @@ class RowSpace:
     # -- dense columns ----------------------------------------------------------------------
     def init_dense(self, schema: Schema) -> None:
         for f in schema.dense_fields:
-            bits = bits_dtype(f.dtype)
+            dtype = f.column_dtype
+            bits = bits_dtype(dtype)
             col = torch.from_numpy(file_array((self.capacity, *f.shape), torch.empty(0, dtype=bits).numpy().dtype))
-            self.dense[f.key] = col if bits == f.dtype else col.view(f.dtype)
+            self.dense[f.key] = col if bits == dtype else col.view(dtype)
             self.dense_checks.pop(f.key, None)
+            self._note_widen(f)
+
+    def _note_widen(self, field: Field) -> None:
+        if field.stored_dtype is not None:
+            self.widen[field.key] = field.dtype
+        else:
+            self.widen.pop(field.key, None)
+
+    def is_view(self, key: Key) -> bool:
+        """Whether :meth:`read_dense` of a span gives a view of ``key``'s column (a column stored
+        narrower gives a widened copy: a write to it does not reach the store)."""
+        return key not in self.widen
 
     def check_dense(self, rows: np.ndarray | None, span: tuple[int, int] | None = None) -> None:
         """Check the pages of the dense columns holding ``rows`` (or the ``span = (start, n)``;
@@ -279,8 +294,11 @@ class RowSpace:
         n = rows.size
         self.dirty.mark(rows)
         for f in schema.dense_fields:  # a loop over fields, not rows
+            col = self.dense[f.key]
+            # in the column's dtype: narrowed values were checked to fit before the write began
+            cells = data.get(f.key).detach().reshape(n, *f.shape).to(col.dtype)
             # as same-size integers: torch has no index_copy_ for uint16/32/64 and float8
-            as_bits(self.dense[f.key]).index_copy_(0, rows_t, as_bits(data.get(f.key).detach().reshape(n, *f.shape)))
+            as_bits(col).index_copy_(0, rows_t, as_bits(cells))
 
     def write_dense_cells(self, schema: Schema, rows: np.ndarray, cells: dict[Key, torch.Tensor]) -> None:
         """Write the dense cells of a small write (one row: cells without a batch dimension)."""
@@ -295,15 +313,19 @@ class RowSpace:
             else:
                 rows_t = torch.from_numpy(rows)
                 for f in schema.dense_fields:
-                    as_bits(self.dense[f.key]).index_copy_(0, rows_t, as_bits(cells[f.key].reshape(n, *f.shape).cpu()))
+                    col = self.dense[f.key]
+                    as_bits(col).index_copy_(0, rows_t, as_bits(cells[f.key].reshape(n, *f.shape).cpu().to(col.dtype)))
 
     def read_dense(self, key: Key, rows: np.ndarray, span: tuple[int, int] | None = None) -> torch.Tensor:
-        """A dense column's cells of ``rows`` (a copy), or a view of ``span = (start, n)`` rows."""
+        """A dense column's cells of ``rows`` (a copy), or a view of ``span = (start, n)`` rows
+        (a copy for a column stored narrower: see :meth:`is_view`), in the field's dtype."""
         col = self.dense[key]
         check = self.dense_checks.get(key)
         if check is not None:
             check.span(*span) if span else check.rows(rows)
-        return col.narrow(0, *span) if span else col.index_select(0, torch.from_numpy(rows))
+        out = col.narrow(0, *span) if span else col.index_select(0, torch.from_numpy(rows))
+        wide = self.widen.get(key)
+        return out if wide is None else out.to(wide)
 
     def remember_view(self, view: torch.Tensor, start: int, n: int) -> None:
         """Note that ``view`` shows rows ``[start, start + n)`` of a dense column to a caller."""
@@ -336,11 +358,13 @@ class RowSpace:
             CorruptionError: the array's dtype is not the one the field is saved as.
         """
         col = torch.from_numpy(array)
-        if col.dtype != bits_dtype(field.dtype):
+        dtype = field.column_dtype
+        if col.dtype != bits_dtype(dtype):
             raise CorruptionError(
                 f"dense column {key_to_str(field.key)!r} is saved as {col.dtype}, but its field is "
-                f"{field.dtype} (saved as {bits_dtype(field.dtype)}); the store is damaged")
-        self.dense[field.key] = col if col.dtype == field.dtype else col.view(field.dtype)
+                f"{field.dtype} (saved as {bits_dtype(dtype)}); the store is damaged")
+        self.dense[field.key] = col if col.dtype == dtype else col.view(dtype)
+        self._note_widen(field)
         if check is not None:
             self.dense_checks[field.key] = check
 

@@ -21,6 +21,8 @@ Promises kept:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
@@ -69,14 +71,15 @@ class WriteStage:
         self.slot_of[rows] = np.arange(lo, lo + n, dtype=np.int32)
         self.count = lo + n
 
-    def batch(self, dense: dict[Key, torch.Tensor]) -> tuple[np.ndarray, TensorDictBase]:
-        """The staged rows and their cells as one batch; dense cells are read from ``dense``."""
+    def batch(self, dense_keys: list[Key], read_dense: Callable[[Key, np.ndarray], torch.Tensor],
+              ) -> tuple[np.ndarray, TensorDictBase]:
+        """The staged rows and their cells as one batch; the dense cells of ``dense_keys`` are
+        read with ``read_dense(key, rows)`` (:meth:`~tiered.engine.rows.RowSpace.read_dense`)."""
         n = self.count
         rows = self.rows[:n].copy()
         td = TensorDict({}, batch_size=[n])
-        rows_t = torch.from_numpy(rows)
-        for key, col in dense.items():
-            td.set(key, col.index_select(0, rows_t))
+        for key in dense_keys:
+            td.set(key, read_dense(key, rows))
         for key, t in self.cells.items():
             td.set(key, t[:n])
         return rows, td

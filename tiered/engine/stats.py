@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..index import OPEN, STORED, BlobIndex
-from ..schema import key_to_str
+from ..schema import dtype_to_str, key_to_str
 from .layout import FieldLayout
 from .placement import Placement
 from .rows import RowSpace
@@ -32,7 +32,10 @@ def field_stats(rows: RowSpace, layout: FieldLayout, index: BlobIndex) -> dict[s
     fields: dict[str, dict[str, Any]] = {}
     for f in layout.schema.dense_fields:
         fields[key_to_str(f.key)] = {"kind": "dense", "logical_bytes": f.cell_nbytes * n,
-                                     "stored_bytes": f.cell_nbytes * cap, "ratio": 1.0}
+                                     "stored_bytes": f.column_nbytes * cap,
+                                     "ratio": f.cell_nbytes / f.column_nbytes}
+        if f.stored_dtype is not None:
+            fields[key_to_str(f.key)]["stored_dtype"] = dtype_to_str(f.stored_dtype)
     for fid, fam in enumerate(layout.families):  # a loop over families and fields, not blobs
         sel = live[index.family[live] == fam.family_id]
         is_open = index.state[sel] == OPEN

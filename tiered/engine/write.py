@@ -34,7 +34,7 @@ from tensordict import TensorDictBase
 from ..codecs import Codec
 from ..errors import InvalidArgumentError, SchemaMismatchError
 from ..index import OPEN, STORED, BlobIndex
-from ..schema import Field, Key, Schema, key_to_str, normalize_key, str_to_key
+from ..schema import Field, Key, Schema, dtype_from_str, dtype_to_str, key_to_str, normalize_key, str_to_key
 from ..util.batch import exclusive_cumsum
 from .detect import detect_frames
 from .frames import FrameColumns, FrameFamily, FramePlan
@@ -43,7 +43,8 @@ from .placement import Placement
 from .rows import RowSpace, index_shape
 from .stage import WriteStage
 
-__all__ = ["WritePath", "WriteOptions", "check_layout_fits", "MAX_CHUNK_BYTES", "DEFAULT_CHUNK_FRAMES"]
+__all__ = ["WritePath", "WriteOptions", "check_layout_fits", "check_values_fit", "MAX_CHUNK_BYTES",
+           "DEFAULT_CHUNK_FRAMES"]
 
 #: The default ``chunk_frames`` (K): frames of one trajectory compressed together per blob.
 #: 8, measured with ``python benchmarks/bench_chunk_frames.py --steps 20000 --rounds 60 --threads 1``
@@ -52,6 +53,31 @@ __all__ = ["WritePath", "WriteOptions", "check_layout_fits", "MAX_CHUNK_BYTES", 
 #: 22.5k/23.3k/21.5k/17.7k per s, B=32 14.1k/14.5k/13.8k/11.9k (LazyTensorStorage 16.5k, 14.2k).
 #: K=8 holds 16% fewer bytes than K=4 for 5-8% of sample rate; K=16 saves 4% more and loses 15-18%.
 DEFAULT_CHUNK_FRAMES = 8
+
+
+def _as_dtype(key: Any, dtype: torch.dtype | str) -> torch.dtype:
+    """A ``dense_dtypes`` value as a torch dtype (``torch.uint8`` or ``"uint8"``)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if isinstance(dtype, str):
+        return dtype_from_str(dtype.replace("torch.", ""))
+    raise SchemaMismatchError(f"dense_dtypes[{key!r}] must be a torch dtype or its name, got {dtype!r}")
+
+
+def check_values_fit(schema: Schema, data: Any, n: int) -> None:
+    """Refuse, before anything is written, values that a narrowed dense column (``dense_dtypes``)
+    cannot hold exactly. ``data``: a TensorDict or the cells :meth:`Schema.match` returns.
+
+    Raises:
+        LossyValueError: naming the field and the value.
+
+    Example:
+        >>> schema = Schema([Field(("action",), torch.int64, (), "dense", stored_dtype=torch.uint8)])
+        >>> check_values_fit(schema, {("action",): torch.tensor([3, 17])}, 2)   # fits: no error
+    """
+    for f in schema.dense_fields:  # a loop over fields, not rows
+        if f.stored_dtype is not None:
+            f.to_column(data[f.key] if isinstance(data, dict) else data.get(f.key))
 
 
 class WriteOptions:
@@ -68,7 +94,8 @@ class WriteOptions:
     """
 
     def __init__(self, *, blob_min_bytes: int = 1024, blob_keys=(), dense_keys=(), frames=None,
-                 chunk_frames: int = DEFAULT_CHUNK_FRAMES, dedup: bool = True, traj_key: Key | None = None) -> None:
+                 chunk_frames: int = DEFAULT_CHUNK_FRAMES, dedup: bool = True, traj_key: Key | None = None,
+                 dense_dtypes=None) -> None:
         self.blob_min_bytes = int(blob_min_bytes)
         self.blob_keys = [normalize_key(k) for k in (blob_keys or ())]
         self.dense_keys = [normalize_key(k) for k in (dense_keys or ())]
@@ -77,6 +104,8 @@ class WriteOptions:
         self.chunk_frames = int(chunk_frames)
         self.dedup = bool(dedup)
         self.traj_key = normalize_key(traj_key) if traj_key is not None else None
+        self.dense_dtypes: dict[Key, torch.dtype] = {
+            normalize_key(k): _as_dtype(k, d) for k, d in (dense_dtypes or {}).items()}
 
     def to_json(self) -> dict[str, Any]:
         """The manifest's ``options`` entry (format v1 spelling: keys as lists / "a/b" strings).
@@ -95,6 +124,8 @@ class WriteOptions:
         )
         if self.frames is None:
             out["frames_auto"] = True
+        if self.dense_dtypes:  # only when used: a store without it keeps the manifest it always had
+            out["dense_dtypes"] = {key_to_str(k): dtype_to_str(d) for k, d in self.dense_dtypes.items()}
         return out
 
     @classmethod
@@ -103,14 +134,16 @@ class WriteOptions:
                    dense_keys=[tuple(k) for k in o["dense_keys"]],
                    frames=None if o.get("frames_auto") else {str_to_key(k): v for k, v in o["frames"].items()},
                    chunk_frames=o["chunk_frames"], dedup=o["dedup"],
-                   traj_key=tuple(o["traj_key"]) if o.get("traj_key") else None)
+                   traj_key=tuple(o["traj_key"]) if o.get("traj_key") else None,
+                   dense_dtypes={str_to_key(k): dtype_from_str(v) for k, v in o.get("dense_dtypes", {}).items()})
 
     def as_kwargs(self) -> dict[str, Any]:
         """Constructor keyword arguments of :class:`~tiered.store.TieredStore` that copy this layout."""
         return {"blob_min_bytes": self.blob_min_bytes, "blob_keys": list(self.blob_keys),
                 "dense_keys": list(self.dense_keys),
                 "frames": dict(self.frames) if self.frames is not None else None,
-                "chunk_frames": self.chunk_frames, "dedup": self.dedup, "traj_key": self.traj_key}
+                "chunk_frames": self.chunk_frames, "dedup": self.dedup, "traj_key": self.traj_key,
+                "dense_dtypes": dict(self.dense_dtypes) or None}
 
 
 class WritePath:
@@ -150,16 +183,20 @@ class WritePath:
             frames = o.frames
             if frames is None:  # find the frame stacks in this first batch
                 plain = Schema.infer(data, blob_min_bytes=o.blob_min_bytes, blob_keys=o.blob_keys,
-                                     dense_keys=o.dense_keys, frames={})
+                                     dense_keys=o.dense_keys, frames={}, dense_dtypes=o.dense_dtypes)
                 frames = detect_frames(data, plain)
             schema = Schema.infer(data, blob_min_bytes=o.blob_min_bytes, blob_keys=o.blob_keys,
-                                  dense_keys=o.dense_keys, frames=frames)
+                                  dense_keys=o.dense_keys, frames=frames, dense_dtypes=o.dense_dtypes)
             n = schema.validate(data)
+            check_values_fit(schema, data, n)
             check_layout_fits(schema, self.rows.capacity, o.chunk_frames)
             self.adopt_schema(schema)
             o.frames = frames  # saved in the manifest as if it had been passed
             return n
-        return self.layout.schema.validate(data)
+        schema = self.layout.schema
+        n = schema.validate(data)
+        check_values_fit(schema, data, n)
+        return n
 
     def adopt_schema(self, schema: Schema, allocate: bool = True) -> FieldLayout:
         """Build the layout and dense columns of ``schema`` (first write, or open: with
@@ -235,8 +272,12 @@ class WritePath:
         n = int(bs[0]) if batch_dims else 1
         if not 0 < n <= min(self.stage_rows // 8, self.rows.capacity):
             return None
-        cells = self.layout.schema.match(data, batch_dims)
-        return None if cells is None else (n, cells)
+        schema = self.layout.schema
+        cells = schema.match(data, batch_dims)
+        if cells is None:
+            return None
+        check_values_fit(schema, cells, n)  # a lossy narrowing is refused before it is staged
+        return n, cells
 
     def stage_write(self, rows: np.ndarray, cells: dict[Key, torch.Tensor]) -> None:
         """Stage a small write whose cells match the schema (nothing here can fail on input)."""
@@ -258,7 +299,7 @@ class WritePath:
         if stage is None or stage.count == 0:
             return
         self.rows.check_dense(stage.rows[:stage.count])
-        rows, data = stage.batch(self.rows.dense)
+        rows, data = stage.batch(list(self.rows.dense), self.rows.read_dense)
         self.write_rows(rows, data)
         stage.reset()
 
@@ -414,7 +455,7 @@ def check_layout_fits(schema: Schema, capacity: int, chunk_frames: int) -> None:
                 f"would hold {chunk_frames * f.frame_nbytes:,} bytes, more than a blob may ({MAX_CHUNK_BYTES:,}); "
                 "lower chunk_frames or split the field into frames (frames={key: dim})")
     # row tables: an int32 blob id and a uint16 slot per frame; dense columns: their cells
-    per_row = 1 + sum(f.cell_nbytes for f in schema.dense_fields) + sum(6 * f.frames_per_row
+    per_row = 1 + sum(f.column_nbytes for f in schema.dense_fields) + sum(6 * f.frames_per_row
                                                                       for f in schema.blob_fields)
     memory = psutil.virtual_memory().total
     if capacity * per_row > memory:

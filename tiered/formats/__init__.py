@@ -182,6 +182,7 @@ def import_dataset(
     chunk_rows: int | None = None,
     progress: bool | None = False,
     force: bool = False,
+    dense_dtypes: dict[str | tuple[str, ...], Any] | None = None,
 ) -> ImportReport:
     """Import a dataset into a new store at ``dst``.
 
@@ -199,6 +200,10 @@ def import_dataset(
         chunk_rows: rows per slice (default: 4096, fewer if a slice would pass 32 MiB).
         progress: show a progress bar (``None``: only on a terminal).
         force: replace an existing ``dst``.
+        dense_dtypes: per dense key, a narrower dtype its column is stored in
+            (``{"action": torch.uint8}``; see :class:`~tiered.TieredStore`); a value it cannot
+            hold exactly stops the import (:class:`~tiered.errors.LossyValueError`, nothing left
+            under ``dst``).
 
     Returns:
         An :class:`ImportReport`.
@@ -222,6 +227,7 @@ def import_dataset(
         chunk_rows=chunk_rows,
         progress=progress,
         force=force,
+        dense_dtypes=dense_dtypes,
     )
 
 
@@ -238,6 +244,7 @@ def _import(
     chunk_rows: int | None,
     progress: bool | None,
     force: bool,
+    dense_dtypes: Any = None,
 ) -> ImportReport:
     from ..store import TieredStore
 
@@ -265,6 +272,7 @@ def _import(
                 backend=backend,
                 warm_bytes=0,
                 hot_bytes=0,
+                dense_dtypes=dense_dtypes,
             )
             try:
                 write_source(tmp, attrs)
