@@ -157,3 +157,31 @@ def test_an_untracked_array_is_compared_with_its_copy(tmp_path):
     assert _copy_matches(path, arr, again)
     same = write_copy(str(path), arr, None, again, 3, compare=True)
     assert same.written == 0 and _copy_matches(path, arr, same)
+
+
+def test_close_settles_the_copies_after_large_commits(tmp_path):
+    """The copies rotate over three commits, so a commit also rewrites what the two before it
+    changed. After a commit of many rows (a build), ``close()`` commits twice more, so the first
+    commit after the next open writes only its own rows; after small commits it does not."""
+    n = 300_000  # 74 blocks of rows: above SETTLE_BLOCKS
+    td = TensorDict({"reward": torch.zeros(n), "step": torch.arange(n)}, [n])
+    path = tmp_path / "big"
+    with TieredStore(n, path) as s:
+        s.extend(td)
+        s.flush()
+        generation = manifest_body(path)["generation"]
+    body = manifest_body(path)
+    assert body["generation"] == generation + 2
+    assert all(rows == [] and blobs == [] for _, rows, blobs in body["changes"])
+    with tiered.open(path, "r+") as w:
+        w.set(torch.arange(10), td[:10].apply(lambda x: x + 1))
+        w.flush()
+        assert 0 < w._files.last_commit_bytes < 200_000  # noqa: SLF001 - 67 KB here; 360 KB unsettled
+        w.set(torch.arange(10, 20), td[10:20].apply(lambda x: x + 1))  # a small commit: no settling
+        w.flush()
+        generation = w.generation
+    assert manifest_body(path)["generation"] == generation
+    with tiered.open(path) as r:
+        got = r.get(torch.arange(n))
+    assert torch.equal(got["step"][:20], torch.arange(20) + 1) and torch.equal(got["step"][20:], torch.arange(20, n))
+    assert verify_store(path, progress=False).ok

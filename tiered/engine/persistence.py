@@ -84,7 +84,7 @@ from .write import WritePath
 
 T = TypeVar("T")
 
-__all__ = ["StoreFiles", "BACKENDS", "CHECKSUMS", "array_path", "read_fresh", "open_commit", "restore_commit", "commit_parts",
+__all__ = ["StoreFiles", "SETTLE_BLOCKS", "BACKENDS", "CHECKSUMS", "array_path", "read_fresh", "open_commit", "restore_commit", "commit_parts",
            "snapshot_arrays", "check_consistency", "check_bounds", "row_table_dtypes", "derived_tables", "shifted_tables",
            "table_file",
            "expand_derived", "check_references", "check_table_rows", "unpin", "page_checksums_of"]
@@ -98,6 +98,12 @@ _SEED_BYTES = PAGE_BYTES + 1
 
 BACKENDS: dict[str, type[MemmapTier]] = {"memmap": MemmapTier, "hdf5": HDF5Tier}
 ArrayLoader = Callable[[str], np.ndarray]
+
+
+#: Blocks (of 4096 rows or blob ids) the last two commits must have changed for ``close()`` to
+#: settle the copies: 64 blocks are 262,144 rows, whose catch-up is a few MiB of array pages. Below
+#: it, the next commits' catch-up costs about as much as two more commits at close would.
+SETTLE_BLOCKS = 64
 
 
 class StoreFiles:
@@ -243,6 +249,23 @@ class StoreFiles:
         return state
 
     # -- committing ---------------------------------------------------------------------------
+    def unsettled_blocks(self) -> int:
+        """Blocks of rows and of blob ids the last two commits changed: what the next two commits
+        also rewrite, each into the copy that predates them (the copies rotate over three commits).
+
+        Example:
+            >>> StoreFiles("/nonexistent", "memmap").unsettled_blocks()   # no commit yet
+            0
+        """
+        recent = self.changes[-(NCOPIES - 1):]
+        return int(union([c[1] for c in recent]).sum() + union([c[2] for c in recent]).sum())
+
+    def should_settle(self) -> bool:
+        """Whether the last commits changed so much (:data:`SETTLE_BLOCKS` blocks or more) that
+        closing should commit again, so that the first commits after the next open write only
+        their own changes (:meth:`tiered.TieredStore.close`)."""
+        return not self.read_only and self.unsettled_blocks() >= SETTLE_BLOCKS
+
     def commit(self, cold: Tier, arrays: dict[str, np.ndarray], body: dict[str, Any],
                dirty: tuple[np.ndarray, np.ndarray], keep_anonymous: frozenset[str] = frozenset()) -> None:
         """Durably publish a new generation (see the module docstring for the order of writes);

@@ -64,7 +64,7 @@ def _as_dtype(key: Any, dtype: torch.dtype | str) -> torch.dtype:
     raise SchemaMismatchError(f"dense_dtypes[{key!r}] must be a torch dtype or its name, got {dtype!r}")
 
 
-def check_values_fit(schema: Schema, data: Any, n: int) -> None:
+def check_values_fit(schema: Schema, data: Any) -> None:
     """Refuse, before anything is written, values that a narrowed dense column (``dense_dtypes``)
     cannot hold exactly. ``data``: a TensorDict or the cells :meth:`Schema.match` returns.
 
@@ -73,7 +73,7 @@ def check_values_fit(schema: Schema, data: Any, n: int) -> None:
 
     Example:
         >>> schema = Schema([Field(("action",), torch.int64, (), "dense", stored_dtype=torch.uint8)])
-        >>> check_values_fit(schema, {("action",): torch.tensor([3, 17])}, 2)   # fits: no error
+        >>> check_values_fit(schema, {("action",): torch.tensor([3, 17])})   # fits: no error
     """
     for f in schema.dense_fields:  # a loop over fields, not rows
         if f.stored_dtype is not None:
@@ -188,14 +188,14 @@ class WritePath:
             schema = Schema.infer(data, blob_min_bytes=o.blob_min_bytes, blob_keys=o.blob_keys,
                                   dense_keys=o.dense_keys, frames=frames, dense_dtypes=o.dense_dtypes)
             n = schema.validate(data)
-            check_values_fit(schema, data, n)
+            check_values_fit(schema, data)
             check_layout_fits(schema, self.rows.capacity, o.chunk_frames)
             self.adopt_schema(schema)
             o.frames = frames  # saved in the manifest as if it had been passed
             return n
         schema = self.layout.schema
         n = schema.validate(data)
-        check_values_fit(schema, data, n)
+        check_values_fit(schema, data)
         return n
 
     def adopt_schema(self, schema: Schema, allocate: bool = True) -> FieldLayout:
@@ -276,7 +276,7 @@ class WritePath:
         cells = schema.match(data, batch_dims)
         if cells is None:
             return None
-        check_values_fit(schema, cells, n)  # a lossy narrowing is refused before it is staged
+        check_values_fit(schema, cells)  # a lossy narrowing is refused before it is staged
         return n, cells
 
     def stage_write(self, rows: np.ndarray, cells: dict[Key, torch.Tensor]) -> None:
