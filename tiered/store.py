@@ -674,22 +674,15 @@ class TieredStore(_StoreSharing):
             self._changed = False
 
     def close(self) -> None:
-        """Flush (stores with a path) and release memory, files and handles. Idempotent.
-
-        When the last two commits changed many rows (262,144 or more: a build, an import), closing
-        commits up to twice more, so that every copy of the arrays holds the last state and the
-        first commits after the next open write only what they change (docs/format.md)."""
+        """Flush (stores with a path) and release memory, files and handles. Idempotent. After
+        commits of 262,144 rows or more, two more bring every copy up to date (docs/format.md)."""
         with self._lock:
             if self._closed:
                 return
             try:
                 if self._files is not None and not self.read_only:
                     self.flush()
-                    # the array copies rotate over three commits, so each commit also rewrites what
-                    # the two before it changed: after large commits (a build, an import), two
-                    # more commits of nothing new pay that here, not in the first commits after
-                    # the next open (at most two: the changes they carry are empty)
-                    for _ in range(2):
+                    for _ in range(2):  # after large commits, settle the copies (should_settle says why)
                         if self._files.should_settle():
                             self.flush(force=True)
             finally:

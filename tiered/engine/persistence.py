@@ -262,8 +262,10 @@ class StoreFiles:
 
     def should_settle(self) -> bool:
         """Whether the last commits changed so much (:data:`SETTLE_BLOCKS` blocks or more) that
-        closing should commit again, so that the first commits after the next open write only
-        their own changes (:meth:`tiered.TieredStore.close`)."""
+        closing should commit again (:meth:`tiered.TieredStore.close`, up to twice, with nothing
+        new). The copies rotate over three commits, so each commit also rewrites what the two
+        before it changed: after a build's or an import's large flushes, the extra commits pay
+        that at close, and the first commits after the next open write only their own changes."""
         return not self.read_only and self.unsettled_blocks() >= SETTLE_BLOCKS
 
     def commit(self, cold: Tier, arrays: dict[str, np.ndarray], body: dict[str, Any],
