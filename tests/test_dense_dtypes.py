@@ -192,3 +192,16 @@ def test_a_torchrl_replay_buffer_samples_the_written_dtypes(atari_pong, tmp_path
     assert_td_equal(whole.select(*atari_pong.keys(True, True)), atari_pong[:310])
     if idx is not None:
         assert torch.equal(batch["action"], atari_pong["action"][idx])
+
+
+@pytest.mark.parametrize("entry, value", [("stored_dtype", "complex64"), ("stored_dtype", "uint3"), ("dtype", "float99")])
+def test_a_schema_the_code_cannot_read_is_damage(atari_pong, tmp_path, entry, value):
+    path = tmp_path / "s"
+    with TieredStore(64, path, dense_dtypes={"action": torch.uint8}, **OPTS) as s:
+        s.extend(atari_pong[:8])
+    _edit_manifest(path, lambda body: _field(body, ["action"]).__setitem__(entry, value))
+    for mode in ("r", "r+"):
+        with pytest.raises(CorruptionError, match="the manifest's schema cannot be read"):
+            tiered.open(path, mode=mode)
+    rep = verify_store(path, progress=False)
+    assert not rep.ok and "schema cannot be read" in rep.summary()

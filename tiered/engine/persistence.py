@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from .. import fileio
-from ..errors import ChecksumError, CorruptionError, StoreExistsError, TieredError
+from ..errors import ChecksumError, CorruptionError, SchemaMismatchError, StoreExistsError, TieredError
 from ..index import (
     BLOB_DTYPE,
     COLD,
@@ -86,7 +86,7 @@ T = TypeVar("T")
 
 __all__ = ["StoreFiles", "SETTLE_BLOCKS", "BACKENDS", "CHECKSUMS", "array_path", "read_fresh", "open_commit", "restore_commit", "commit_parts",
            "snapshot_arrays", "check_consistency", "check_bounds", "row_table_dtypes", "derived_tables", "shifted_tables",
-           "table_file",
+           "table_file", "schema_of",
            "expand_derived", "check_references", "check_table_rows", "unpin", "page_checksums_of"]
 
 #: Manifest entry holding the page checksums of the generation's arrays (absent: an older store).
@@ -499,7 +499,7 @@ def restore_commit(files: StoreFiles, body: dict[str, Any], mode: str, rows: Row
     live = index.live_ids()
     dead = np.empty(0, np.int64)
     if body["schema"] is not None:
-        layout = write.adopt_schema(Schema.from_json(body["schema"]), allocate=False)
+        layout = write.adopt_schema(schema_of(body), allocate=False)
         fields = list(layout.schema.values())
         derived = derived_tables(body, [f.kind for f in fields])
         shifted = shifted_tables(body, [f.kind for f in fields])
@@ -576,6 +576,23 @@ def restore_commit(files: StoreFiles, body: dict[str, Any], mode: str, rows: Row
     load_priorities(placement, body, load, write, files.path)
     files.read_only = mode == "r"
     check_consistency(files.path, rows, write.layout, index, placement.cold, extents=mode == "r+")
+
+
+def schema_of(body: dict[str, Any]) -> Schema:
+    """The schema a manifest names (not None). A schema this code cannot read (an unknown dtype,
+    a missing entry) is damage to the store, never a mismatch with data.
+
+    Raises:
+        CorruptionError: naming what could not be read.
+
+    Example:
+        >>> schema_of({"schema": [{"key": ["x"], "dtype": "int64", "shape": [], "kind": "dense"}]})["x"].dtype
+        torch.int64
+    """
+    try:
+        return Schema.from_json(body["schema"])
+    except (SchemaMismatchError, KeyError, TypeError, ValueError) as e:
+        raise CorruptionError(f"the manifest's schema cannot be read: {e}") from None
 
 
 def commit_parts(files: StoreFiles, rows: RowSpace, write: WritePath, placement: Placement, codec: str) -> None:
@@ -1022,8 +1039,11 @@ def check_bounds(path: str, body: dict[str, Any]) -> None:
         if not isinstance(body["schema"], list):
             problems.append("the manifest's schema is not a list of fields")
         else:
-            schema = Schema.from_json(body["schema"])
-            fields = list(schema.values())
+            try:
+                fields = list(schema_of(body).values())
+            except CorruptionError as e:
+                problems.append(str(e))
+                fields = []
             try:
                 derived = derived_tables(body, [f.kind for f in fields])
                 shifted = shifted_tables(body, [f.kind for f in fields])
