@@ -136,6 +136,15 @@ def test_exact_conversions_only(tmp_path):
     with pytest.raises(LossyValueError, match="-129"):
         n.extend(one(torch.int64, [-128, -129]))
     assert len(n) == 0
+    z = TieredStore(8, dense_dtypes={"x": torch.int8})  # -0.0 == 0.0, but an int8 cannot hold its sign
+    with pytest.raises(LossyValueError, match="-0.0"):
+        z.extend(one(torch.float32, [1.0, -0.0]))
+    with pytest.raises(LossyValueError, match="-0.0"):
+        z.extend(one(torch.float32, [-0.0]))  # a staged one-row write too
+    assert len(z) == 0
+    h = TieredStore(8, dense_dtypes={"x": torch.float16})  # float16 has a sign bit: -0.0 reads back as -0.0
+    h.extend(one(torch.float32, [-0.0]))
+    assert torch.signbit(h.get([0])["x"]).item()
 
 
 @pytest.mark.parametrize("narrow, match", [
@@ -187,6 +196,13 @@ def test_a_torchrl_replay_buffer_samples_the_written_dtypes(atari_pong, tmp_path
         rb.add(atari_pong[i])
     batch = rb.sample()
     assert batch["action"].dtype == torch.int64 and batch["next", "reward"].dtype == torch.float32
+    storage = rb.storage
+    cursor = storage._last_cursor  # noqa: SLF001 - what TorchRL's slice samplers read
+    bad = atari_pong[310:311].clone()
+    bad["action"] = torch.tensor([1000])
+    with pytest.raises(LossyValueError):
+        rb.extend(bad)
+    assert storage._last_cursor == cursor and len(rb) == 310  # noqa: SLF001 - a refused write moves nothing
     idx = batch["index"] if "index" in batch.keys() else None
     whole = rb[:]
     assert_td_equal(whole.select(*atari_pong.keys(True, True)), atari_pong[:310])
@@ -205,3 +221,14 @@ def test_a_schema_the_code_cannot_read_is_damage(atari_pong, tmp_path, entry, va
             tiered.open(path, mode=mode)
     rep = verify_store(path, progress=False)
     assert not rep.ok and "schema cannot be read" in rep.summary()
+
+
+def test_options_the_code_cannot_read_are_damage(atari_pong, tmp_path):
+    path = tmp_path / "s"
+    with TieredStore(64, path, dense_dtypes={"action": torch.uint8}, **OPTS) as s:
+        s.extend(atari_pong[:8])
+    _edit_manifest(path, lambda body: body["options"]["dense_dtypes"].__setitem__("action", "uint99"))
+    for mode in ("r", "r+"):
+        with pytest.raises(CorruptionError, match="the manifest's options cannot be read"):
+            tiered.open(path, mode=mode)
+    assert not verify_store(path, progress=False).ok

@@ -7,6 +7,7 @@ import tarfile
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from helpers import manifest_body
 from tensordict import TensorDict
@@ -184,4 +185,31 @@ def test_close_settles_the_copies_after_large_commits(tmp_path):
     with tiered.open(path) as r:
         got = r.get(torch.arange(n))
     assert torch.equal(got["step"][:20], torch.arange(20) + 1) and torch.equal(got["step"][20:], torch.arange(20, n))
+    assert verify_store(path, progress=False).ok
+
+
+def test_close_settles_only_after_its_own_commits_and_a_failed_settle_only_warns(tmp_path, monkeypatch):
+    import tiered.engine.persistence as persistence
+    from tiered.fileio import inject_faults
+
+    n = 300_000
+    td = TensorDict({"reward": torch.zeros(n), "step": torch.arange(n)}, [n])
+    path = tmp_path / "s"
+    monkeypatch.setattr(persistence, "SETTLE_BLOCKS", 10**9)  # a store closed by a version that did not settle
+    with TieredStore(n, path) as s:
+        s.extend(td)
+    monkeypatch.undo()
+    generation = manifest_body(path)["generation"]
+    with tiered.open(path, "r+") as w:  # read, write nothing: the generation stays as it was
+        assert torch.equal(w.get(torch.arange(5))["step"], torch.arange(5))
+    assert manifest_body(path)["generation"] == generation
+    w = tiered.open(path, "r+")
+    w.set(torch.arange(3), td[:3].apply(lambda x: x + 1))
+    w.flush()
+    generation = w.generation
+    with inject_faults(enospc_on=1), pytest.warns(UserWarning, match="could not settle the array copies"):
+        w.close()  # the data is durable: a disk that fills up while settling is not an error of close()
+    assert manifest_body(path)["generation"] == generation
+    with tiered.open(path) as r:
+        assert torch.equal(r.get(torch.arange(4))["step"], torch.tensor([1, 2, 3, 3]))
     assert verify_store(path, progress=False).ok

@@ -312,8 +312,9 @@ class Field:
         narrow = values.to(self.stored_dtype)
         back = narrow.to(values.dtype)
         same = back == values
-        if values.is_floating_point():  # a NaN stays a NaN (its payload bits may not)
-            same |= torch.isnan(back) & torch.isnan(values)
+        if values.is_floating_point():
+            same &= torch.signbit(back) == torch.signbit(values)  # -0.0 == 0.0, but it is another value
+            same |= torch.isnan(back) & torch.isnan(values)  # a NaN stays a NaN (its payload bits may not)
         if not bool(same.all()):
             bad = values[~same][0].item()
             raise LossyValueError(

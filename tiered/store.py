@@ -46,7 +46,15 @@ from . import codecs
 from .engine.lock import SharedWriterLock
 from .engine.manifest import MANIFEST
 from .engine.parts import build_parts
-from .engine.persistence import StoreFiles, commit_parts, open_commit, read_fresh, restore_commit
+from .engine.persistence import (
+    StoreFiles,
+    commit_parts,
+    open_commit,
+    options_of,
+    read_fresh,
+    restore_commit,
+    settle,
+)
 from .engine.priorities import checked_row_priorities
 from .engine.read import CpuReadPipeline, ReadPipeline
 from .engine.rows import IndexLike, as_row_array
@@ -242,7 +250,7 @@ class _StoreSharing:
             files = StoreFiles(path, body.get("backend", "memmap"))
             runtime = {**_RUNTIME_DEFAULTS, "policy": body.get("policy", "lru"), **options}
             self = cls.__new__(cls)
-            self._build(int(body["capacity"]), body["codec"], WriteOptions.from_json(body["options"]),
+            self._build(int(body["capacity"]), body["codec"], options_of(body),
                         files.blob_index(body), runtime)
             self._files, self._backend = files, files.backend
             restore_commit(files, body, mode, self._rows, self._write, self._placement)
@@ -355,6 +363,7 @@ class TieredStore(_StoreSharing):
                runtime: dict[str, Any]) -> None:
         """Create the parts (no cold tier: the caller adds it when the store has a path)."""
         self._runtime = runtime
+        self._committed = False
         self._codec, self._device, self._rows, self._index, self._placement, self._write = build_parts(
             capacity, codec, options, index, **runtime)
         self._lock = threading.RLock()
@@ -682,9 +691,8 @@ class TieredStore(_StoreSharing):
             try:
                 if self._files is not None and not self.read_only:
                     self.flush()
-                    for _ in range(2):  # after large commits, settle the copies (should_settle says why)
-                        if self._files.should_settle():
-                            self.flush(force=True)
+                    if self._committed:  # a writer that committed nothing leaves the generation as it was
+                        settle(self._files, lambda: self.flush(force=True))
             finally:
                 self._placement.close()
                 self._closed = True
@@ -698,6 +706,7 @@ class TieredStore(_StoreSharing):
         """Durably publish the current state (no-op without a path or read-only)."""
         if self._files is not None:
             commit_parts(self._files, self._rows, self._write, self._placement, self._codec.name)
+            self._committed = True  # by this writer: close() may settle the copies
 
     @classmethod
     def open(cls, path: str | os.PathLike, mode: str = "r", *, shared: bool = False, **options: Any) -> TieredStore:

@@ -231,6 +231,18 @@ class _Blobs:
     in_segment: np.ndarray  # byte offset inside the segment's data
 
 
+def _schema_entries(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The manifest's schema entries (``[]`` before the first write).
+
+    Raises:
+        TypeError: the schema is not a list of field entries (damage).
+    """
+    schema = body.get("schema") or []
+    if not isinstance(schema, list) or not all(isinstance(f, dict) for f in schema):
+        raise TypeError("the schema is not a list of field entries")
+    return schema
+
+
 class _StoreCheck:
     """The steps of one :func:`verify_store` pass, in order (see the module docstring).
 
@@ -322,7 +334,7 @@ class _StoreCheck:
             report.codec = str(body.get("codec"))
             self.files = dict(body["files"])
             self.cold = dict(body["cold"])
-            self.schema = body.get("schema") or []
+            self.schema = _schema_entries(body)
         except (KeyError, TypeError, ValueError) as e:
             report.add(
                 "manifest",

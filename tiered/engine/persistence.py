@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 import mmap
 import os
+import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -80,13 +81,13 @@ from .pages import (
 )
 from .placement import Placement
 from .rows import RowSpace
-from .write import WritePath
+from .write import WriteOptions, WritePath
 
 T = TypeVar("T")
 
 __all__ = ["StoreFiles", "SETTLE_BLOCKS", "BACKENDS", "CHECKSUMS", "array_path", "read_fresh", "open_commit", "restore_commit", "commit_parts",
            "snapshot_arrays", "check_consistency", "check_bounds", "row_table_dtypes", "derived_tables", "shifted_tables",
-           "table_file", "schema_of",
+           "table_file", "schema_of", "options_of", "settle",
            "expand_derived", "check_references", "check_table_rows", "unpin", "page_checksums_of"]
 
 #: Manifest entry holding the page checksums of the generation's arrays (absent: an older store).
@@ -578,6 +579,37 @@ def restore_commit(files: StoreFiles, body: dict[str, Any], mode: str, rows: Row
     check_consistency(files.path, rows, write.layout, index, placement.cold, extents=mode == "r+")
 
 
+def settle(files: StoreFiles, commit: Callable[[], None]) -> None:
+    """Commit up to twice more (``commit``) while :meth:`StoreFiles.should_settle` says so, as
+    :meth:`tiered.TieredStore.close` does after its writer's commits. The data is durable already:
+    a failure (a full disk) warns and leaves the catch-up to the next commits, it is not raised.
+    """
+    try:
+        for _ in range(NCOPIES - 1):
+            if files.should_settle():
+                commit()
+    except (OSError, TieredError) as e:
+        warnings.warn(f"{files.path}: closing could not settle the array copies ({e}); nothing is lost: "
+                      "the first commits after the next open write more instead", stacklevel=3)
+
+
+def options_of(body: dict[str, Any]) -> WriteOptions:
+    """The layout options a manifest names; options this code cannot read are damage.
+
+    Raises:
+        CorruptionError: naming what could not be read.
+
+    Example:
+        >>> options_of({"options": {"blob_min_bytes": 1024, "blob_keys": [], "dense_keys": [], "frames": {},
+        ...                         "chunk_frames": 8, "dedup": True}}).chunk_frames
+        8
+    """
+    try:
+        return WriteOptions.from_json(body["options"])
+    except (SchemaMismatchError, KeyError, TypeError, ValueError, AttributeError) as e:
+        raise CorruptionError(f"the manifest's options cannot be read: {e}") from None
+
+
 def schema_of(body: dict[str, Any]) -> Schema:
     """The schema a manifest names (not None). A schema this code cannot read (an unknown dtype,
     a missing entry) is damage to the store, never a mismatch with data.
@@ -591,7 +623,7 @@ def schema_of(body: dict[str, Any]) -> Schema:
     """
     try:
         return Schema.from_json(body["schema"])
-    except (SchemaMismatchError, KeyError, TypeError, ValueError) as e:
+    except (SchemaMismatchError, KeyError, TypeError, ValueError, AttributeError) as e:
         raise CorruptionError(f"the manifest's schema cannot be read: {e}") from None
 
 

@@ -578,8 +578,6 @@ class TieredStorage(_RowReads, _ProcessSharing, TensorStorage):
         ones (earlier rows read zeros), as with ``LazyTensorStorage``.
         """
         self._observe_prioritized_samplers()
-        if set_cursor:
-            self._set_last_cursor(cursor)
         if isinstance(data, list):
             data = flip_list(data)
         elif isinstance(data, RowsView):
@@ -611,6 +609,8 @@ class TieredStorage(_RowReads, _ProcessSharing, TensorStorage):
         if index_dims > 1:
             td = td.reshape(-1)
         self._write(rows, td, scalar=index_dims == 0, set_cursor=set_cursor, numel=numel)
+        if set_cursor:  # only once the write landed: a refused write leaves the samplers' view as it was
+            self._set_last_cursor(cursor)
         if self._form is None:
             self._form = form
         self._bump_mutation_revision()
