@@ -206,35 +206,31 @@ def _verify(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------------------- import/export
 
 
-def _parse_frames(items: Sequence[str] | None) -> dict[tuple[str, ...], int] | None:
+def _parse_key_values(items: Sequence[str] | None, valid: Any, convert: Any, error: Any,
+                      ) -> dict[tuple[str, ...], Any] | None:
+    """``KEY=VALUE`` options (repeatable, nested keys as ``a/b``) as ``{key tuple: convert(VALUE)}``;
+    ``error(item)`` is raised for an item without a key or whose value ``valid`` refuses."""
     if not items:
         return None
     from .schema import str_to_key  # here, not at the top: `tiered --help` imports no torch
 
     out = {}
     for item in items:
-        key, sep, dim = item.partition("=")
-        if not sep or not key or not dim.lstrip("-").isdigit():
-            raise E.UnsupportedFormatError(
-                f"--frames takes KEY=DIM (e.g. observation=0 or next/pixels=0), got {item!r}"
-            )
-        out[str_to_key(key.strip("/"))] = int(dim)
+        key, sep, value = item.partition("=")
+        if not sep or not key or not valid(value):
+            raise error(item)
+        out[str_to_key(key.strip("/"))] = convert(value)
     return out
+
+
+def _parse_frames(items: Sequence[str] | None) -> dict[tuple[str, ...], int] | None:
+    return _parse_key_values(items, lambda dim: dim.lstrip("-").isdigit(), int, lambda item: E.UnsupportedFormatError(
+        f"--frames takes KEY=DIM (e.g. observation=0 or next/pixels=0), got {item!r}"))
 
 
 def _parse_dense_dtypes(items: Sequence[str] | None) -> dict[tuple[str, ...], str] | None:
-    if not items:
-        return None
-    from .schema import str_to_key
-
-    out = {}
-    for item in items:
-        key, sep, dtype = item.partition("=")
-        if not sep or not key or not dtype:
-            raise E.SchemaMismatchError(
-                f"--dense-dtype takes KEY=DTYPE (e.g. action=uint8 or next/reward=int8), got {item!r}")
-        out[str_to_key(key.strip("/"))] = dtype.strip()
-    return out
+    return _parse_key_values(items, bool, str.strip, lambda item: E.SchemaMismatchError(
+        f"--dense-dtype takes KEY=DTYPE (e.g. action=uint8 or next/reward=int8), got {item!r}"))
 
 
 def _import(args: argparse.Namespace) -> int:

@@ -102,8 +102,9 @@ ArrayLoader = Callable[[str], np.ndarray]
 
 
 #: Blocks (of 4096 rows or blob ids) the last two commits must have changed for ``close()`` to
-#: settle the copies: 64 blocks are 262,144 rows, whose catch-up is a few MiB of array pages. Below
-#: it, the next commits' catch-up costs about as much as two more commits at close would.
+#: settle the copies (64 blocks: 262,144 rows). Settling moves the catch-up, it does not add to it:
+#: the extra commits write what the next two would have rewritten. Below this, ``close()`` skips
+#: them, so closing a small store costs one commit (with its fsyncs), not three.
 SETTLE_BLOCKS = 64
 
 
@@ -604,10 +605,7 @@ def options_of(body: dict[str, Any]) -> WriteOptions:
         ...                         "chunk_frames": 8, "dedup": True}}).chunk_frames
         8
     """
-    try:
-        return WriteOptions.from_json(body["options"])
-    except (SchemaMismatchError, KeyError, TypeError, ValueError, AttributeError) as e:
-        raise CorruptionError(f"the manifest's options cannot be read: {e}") from None
+    return _manifest_entry("options", lambda: WriteOptions.from_json(body["options"]))
 
 
 def schema_of(body: dict[str, Any]) -> Schema:
@@ -621,10 +619,15 @@ def schema_of(body: dict[str, Any]) -> Schema:
         >>> schema_of({"schema": [{"key": ["x"], "dtype": "int64", "shape": [], "kind": "dense"}]})["x"].dtype
         torch.int64
     """
+    return _manifest_entry("schema", lambda: Schema.from_json(body["schema"]))
+
+
+def _manifest_entry(name: str, parse: Callable[[], T]) -> T:
+    """``parse()`` of a manifest entry; what this code cannot read in it is damage to the store."""
     try:
-        return Schema.from_json(body["schema"])
+        return parse()
     except (SchemaMismatchError, KeyError, TypeError, ValueError, AttributeError) as e:
-        raise CorruptionError(f"the manifest's schema cannot be read: {e}") from None
+        raise CorruptionError(f"the manifest's {name} cannot be read: {e}") from None
 
 
 def commit_parts(files: StoreFiles, rows: RowSpace, write: WritePath, placement: Placement, codec: str) -> None:

@@ -256,9 +256,8 @@ class RowSpace:
     def init_dense(self, schema: Schema) -> None:
         for f in schema.dense_fields:
             dtype = f.column_dtype
-            bits = bits_dtype(dtype)
-            col = torch.from_numpy(file_array((self.capacity, *f.shape), torch.empty(0, dtype=bits).numpy().dtype))
-            self.dense[f.key] = col if bits == dtype else col.view(dtype)
+            col = torch.from_numpy(file_array((self.capacity, *f.shape), f.column_file_dtype))
+            self.dense[f.key] = col if col.dtype == dtype else col.view(dtype)
             self.dense_checks.pop(f.key, None)
             self._note_widen(f)
 
