@@ -15,6 +15,7 @@ import shutil
 
 import numpy as np
 import pytest
+import torch
 
 from tiered import TieredStore
 from tiered.cli import main
@@ -211,6 +212,75 @@ def test_narrow_dense_columns_export_bit_exact(dataset: str, tmp_path, capsys) -
                  "--dense-dtype", "action=bool"]) == 2
     assert "'action' is stored as bool (dense_dtypes), but the value" in capsys.readouterr().err
     assert not (tmp_path / "q.tiered").exists()
+
+
+def _stored_dtypes(path) -> dict[str, str]:
+    with TieredStore.open(path, mode="r") as store:
+        return {k: f["stored_dtype"] for k, f in store.stats()["fields"].items() if "stored_dtype" in f}
+
+
+def _du(path) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+
+
+def test_import_picks_the_narrowest_exact_dtypes(dataset: str, tmp_path, capsys) -> None:
+    src = os.path.join(dataset, "Pong")
+    import_dataset("dqn-replay", src, tmp_path / "auto.tiered")
+    import_dataset("dqn-replay", src, tmp_path / "wide.tiered", dense_dtypes={})
+    # Atari's actions fit uint8, Pong's rewards (-1, 0, 1) int8, two runs, two checkpoints and the
+    # slot index of a 256-slot buffer (0..255) uint8
+    assert _stored_dtypes(tmp_path / "auto.tiered") == {
+        "action": "uint8", "next/reward": "int8", "run": "uint8", "checkpoint": "uint8", "index": "uint8"}
+    assert _stored_dtypes(tmp_path / "wide.tiered") == {}
+    assert _du(tmp_path / "auto.tiered") < _du(tmp_path / "wide.tiered")
+    with TieredStore.open(tmp_path / "auto.tiered", mode="r") as auto, \
+            TieredStore.open(tmp_path / "wide.tiered", mode="r") as wide:
+        a, w = auto.get(slice(0, len(auto))), wide.get(slice(0, len(wide)))
+        for key in w.keys(include_nested=True, leaves_only=True):  # same values, same dtypes
+            assert a.get(key).dtype == w.get(key).dtype and torch.equal(a.get(key), w.get(key)), key
+    # the CLI: the same choice by default, none with --keep-dtypes, the user's with --dense-dtype
+    assert main(["import", src, str(tmp_path / "k.tiered"), "--format", "dqn-replay", "-q", "--keep-dtypes"]) == 0
+    assert _stored_dtypes(tmp_path / "k.tiered") == {}
+    assert main(["import", src, str(tmp_path / "u.tiered"), "--format", "dqn-replay", "-q",
+                 "--dense-dtype", "action=int16"]) == 0
+    assert _stored_dtypes(tmp_path / "u.tiered") == {"action": "int16"}
+    assert main(["import", src, str(tmp_path / "x.tiered"), "--format", "dqn-replay", "--keep-dtypes",
+                 "--dense-dtype", "action=int16"]) == 2  # both at once is a usage error
+    assert "not allowed with argument" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "name, values, expected",
+    [
+        ("reward", np.full(CAPACITY, 200, np.float32), "int16"),  # whole numbers past int8
+        ("reward", np.full(CAPACITY, 0.5, np.float32), "float16"),  # not whole, exact in float16
+        ("reward", np.full(CAPACITY, -0.0, np.float32), "float16"),  # an int would lose the sign
+        ("reward", np.array([np.inf, -np.inf, 1.0, 2.0] * (CAPACITY // 4), np.float32), "float16"),
+        ("reward", np.array([np.nan, 1.0] * (CAPACITY // 2), np.float32), None),  # NaN bits: float32 kept
+        ("reward", np.full(CAPACITY, 0.1, np.float32), None),  # float16 would round it: float32 kept
+        ("reward", np.full(CAPACITY, 1e5, np.float32), None),  # whole, but past int16 and float16
+        ("action", np.full(CAPACITY, 300, np.int32), "int16"),
+        ("action", np.full(CAPACITY, -1, np.int32), "int8"),
+        ("action", np.full(CAPACITY, 2**20, np.int32), None),
+    ],
+)
+def test_narrow_dtypes_follow_every_checkpoints_values(dataset: str, tmp_path, name: str, values: np.ndarray,
+                                                       expected: str | None) -> None:
+    run, _ = _damaged(dataset, tmp_path, f"$store$_{name}_ckpt.1.gz", array=values)
+    key = "action" if name == "action" else "next/reward"
+    import_dataset("dqn-replay", run, tmp_path / "s.tiered")
+    assert _stored_dtypes(tmp_path / "s.tiered").get(key) == expected
+    with TieredStore.open(tmp_path / "s.tiered", mode="r") as store:  # every value back, bit for bit
+        back = store.get(slice(0, len(store)))[tuple(key.split("/"))].reshape(-1).numpy()
+        orig = _load(os.path.join(dataset, "Breakout", "1", "replay_logs", f"$store$_{name}_ckpt.0.gz"))
+        ckpt1 = store.get(slice(0, len(store)))["checkpoint"].numpy() == 1
+        # rows of a checkpoint come in slot order 3..N-1, 0..2
+        order = (np.arange(CAPACITY) + STACK - 1) % CAPACITY
+        assert np.array_equal(back[ckpt1].view(np.uint32), values[order].view(np.uint32))
+        assert back[~ckpt1].tobytes() == orig[order].tobytes()
+    assert export_dataset(tmp_path / "s.tiered", tmp_path / "o", "dqn-replay").rows == 2 * CAPACITY
+    with gzip.open(tmp_path / "o" / "replay_logs" / f"$store$_{name}_ckpt.1.gz") as f:
+        assert np.load(f).tobytes() == values.tobytes()
 
 
 def test_export_needs_a_dqn_replay_store(tmp_path) -> None:

@@ -250,7 +250,7 @@ def _import(args: argparse.Namespace) -> int:
         chunk_rows=args.chunk_rows,
         progress=_progress(args),
         force=args.force,
-        dense_dtypes=_parse_dense_dtypes(args.dense_dtype),
+        dense_dtypes={} if args.keep_dtypes else _parse_dense_dtypes(args.dense_dtype),
     )
     if not args.quiet:
         ratio = report.source_bytes / report.store_bytes if report.store_bytes else float("nan")
@@ -612,13 +612,20 @@ def _add_import(sub: Any) -> None:
     s.add_argument(
         "--capacity", type=int, metavar="N", help="rows of the store (default: the dataset's rows)"
     )
-    s.add_argument(
+    dtypes = s.add_mutually_exclusive_group()
+    dtypes.add_argument(
         "--dense-dtype",
         action="append",
         metavar="KEY=DTYPE",
         help="store the dense column KEY in a narrower DTYPE (e.g. action=uint8, next/reward=int8); "
         "reads give the dataset's dtype back, and a value DTYPE cannot hold exactly stops the import. "
-        "Repeatable",
+        "Repeatable; naming any replaces the dtypes dqn-replay picks by itself",
+    )
+    dtypes.add_argument(
+        "--keep-dtypes",
+        action="store_true",
+        help="store every dense column in the dataset's own dtype (dqn-replay otherwise stores actions, "
+        "rewards and its run/checkpoint/index columns in the narrowest dtypes that hold their values exactly)",
     )
     s.add_argument(
         "--backend",

@@ -203,7 +203,9 @@ def import_dataset(
         dense_dtypes: per dense key, a narrower dtype its column is stored in
             (``{"action": torch.uint8}``; see :class:`~tiered.TieredStore`); a value it cannot
             hold exactly stops the import (:class:`~tiered.errors.LossyValueError`, nothing left
-            under ``dst``).
+            under ``dst``). ``None``: a format that can read its value ranges first picks them
+            (dqn-replay: :meth:`~tiered.formats.dqn_replay.DQNReplaySource.narrow_dtypes`), other
+            formats keep their dtypes; ``{}``: every column in its own dtype.
 
     Returns:
         An :class:`ImportReport`.
@@ -256,6 +258,11 @@ def _import(
             attrs = source.attrs()
         if frames is None:  # a format of frame stacks says which (dqn-replay)
             frames = getattr(source, "frames", None)
+        if dense_dtypes is None and hasattr(source, "narrow_dtypes"):
+            # a format that can read its value ranges first (dqn-replay: the action and reward
+            # files) stores the columns in the narrowest dtypes that hold them exactly
+            with _source_errors(fmt, src):
+                dense_dtypes = source.narrow_dtypes(progress=progress)
         if n == 0:
             raise UnsupportedFormatError(f"{src}: the dataset has no rows")
         cap = n if capacity is None else int(capacity)

@@ -80,7 +80,7 @@ from tensordict import TensorDict
 from .. import fileio
 from ..errors import InvalidDatasetError, TieredError, UnsupportedFormatError
 from ..util.batch import isin
-from .common import NPY_MAX_HEADER, chunk_rows_for, iter_store, read_npy_header, writing
+from .common import NPY_MAX_HEADER, chunk_rows_for, iter_store, progress_bar, read_npy_header, writing
 from .keymap import ACTION, DONE, NEXT_OBS, OBS, REWARD, TERMINATED, TRUNCATED
 
 __all__ = [
@@ -119,6 +119,50 @@ _NPY_MAGIC = b"\x93NUMPY"
 _CKPT = re.compile(r"^\$store\$_observation_ckpt\.(\d+)\.gz$")
 _RUN_FIELDS = (("run",), ("checkpoint",), ("index",), ("valid",))
 _READ_ERRORS = (OSError, EOFError, zlib.error, ValueError, SyntaxError, struct.error, TypeError)
+
+
+#: Slots of an action or reward file read at a time while scanning the values' ranges.
+SCAN_ROWS = 1 << 20
+#: The dtypes a column of whole numbers may be narrowed to, smallest first (below 4 bytes: the
+#: dataset's int32 and float32 columns gain nothing from a 4-byte one).
+_NARROW_INTS = (torch.uint8, torch.int8, torch.int16)
+
+
+def _fitting_int(lo: int, hi: int, dtypes: tuple[torch.dtype, ...] = _NARROW_INTS) -> torch.dtype | None:
+    """The first of ``dtypes`` that holds every whole number in ``[lo, hi]``, if any."""
+    for dtype in dtypes:
+        info = torch.iinfo(dtype)
+        if info.min <= lo and hi <= info.max:
+            return dtype
+    return None
+
+
+class _RewardRange:
+    """What the float32 rewards seen so far fit in exactly (fed slice by slice)."""
+
+    def __init__(self) -> None:
+        self.whole, self.half = True, True  # every value a whole number (not -0.0); float16-exact
+        self.lo, self.hi = 0, 0
+
+    def add(self, values: np.ndarray) -> None:
+        if values.size == 0:
+            return
+        with np.errstate(invalid="ignore", over="ignore"):
+            if self.half:  # the same value and sign; no NaN: a NaN's payload bits may change on
+                # the way through float16 (the write's check promises NaN, export promises the bits)
+                back = values.astype(np.float16).astype(np.float32)
+                self.half = bool(((back == values) & (np.signbit(back) == np.signbit(values))).all())
+            if self.whole:
+                finite = np.isfinite(values).all()
+                self.whole = bool(finite and (np.floor(values) == values).all()
+                                  and not (np.signbit(values) & (values == 0)).any())
+                if self.whole:
+                    self.lo, self.hi = min(self.lo, int(values.min())), max(self.hi, int(values.max()))
+
+    def dtype(self) -> torch.dtype | None:
+        if self.whole and (whole := _fitting_int(self.lo, self.hi, (torch.int8, torch.int16))) is not None:
+            return whole  # signed only: rewards are signed by nature, a store extended later keeps room for both
+        return torch.float16 if self.half else None
 
 
 def _file_name(logs: str, name: str, ckpt: int) -> str:
@@ -427,6 +471,64 @@ class DQNReplaySource:
         if len(frames) > 1:
             raise InvalidDatasetError(f"{self.root}: checkpoints have frames of different sizes {sorted(frames)}")
         self.num_rows = start
+
+    def narrow_dtypes(self, progress: bool | None = False) -> dict[tuple[str, ...], torch.dtype]:
+        """The narrowest column dtypes that hold every value of this dataset exactly: what an
+        import stores the dense columns in when its caller names no ``dense_dtypes``.
+
+        Reads the action and reward files of every checkpoint once, as streams (4 MB each for a
+        checkpoint of 1M slots; never the observations). Actions go to the smallest integer dtype
+        of their range (``uint8`` for Atari's 18 actions); rewards to ``int8`` or ``int16`` when
+        every one is a whole number in range (and none is ``-0.0``), else ``float16`` when every
+        one survives the round trip with its sign (a NaN keeps ``float32``: its payload bits
+        could change, and export gives back the bits), else they stay ``float32``; the derived
+        ``run``, ``checkpoint`` and ``index`` columns by their known ranges. Reads give the
+        dataset's dtypes back and export writes Dopamine's bytes, as with any ``dense_dtypes``.
+
+        Example:
+            >>> import tiered.formats as tf
+            >>> tf.open_source("dqn-replay", "dqn/Pong").narrow_dtypes()  # doctest: +SKIP
+            {('action',): torch.uint8, ('run',): torch.uint8, ('checkpoint',): torch.uint8, ('next', 'reward'): torch.int8}
+
+        Args:
+            progress: show a progress bar over the checkpoints (``None``: only on a terminal).
+
+        Returns:
+            ``{key: dtype}`` for the columns that fit a narrower dtype.
+
+        Raises:
+            InvalidDatasetError: an action or reward file is damaged or disagrees with the others.
+        """
+        lo, hi = np.iinfo(np.int64).max, np.iinfo(np.int64).min
+        rewards = _RewardRange()
+        bar = progress_bar(len(self.segments), "scan dqn-replay values", unit="checkpoints", enabled=progress)
+        try:
+            for seg in self.segments:  # a loop over checkpoints, each read in slices of SCAN_ROWS
+                for name, scan in (("action", None), ("reward", rewards)):
+                    r = _open_reader(seg.path(STORE_PREFIX + name), *ARRAYS[name])
+                    try:  # the files' slot counts were checked against each other at construction
+                        while r.pos < r.rows:
+                            values = r.read(SCAN_ROWS)
+                            if scan is None:
+                                lo, hi = min(lo, int(values.min())), max(hi, int(values.max()))
+                            else:
+                                scan.add(values)
+                        r.finish()
+                    finally:
+                        r.close()
+                bar.update(1)
+        finally:
+            bar.close()
+        ranges = {
+            ACTION: (lo, hi),
+            ("run",): (min(s.run for s in self.segments), max(s.run for s in self.segments)),
+            ("checkpoint",): (min(s.ckpt for s in self.segments), max(s.ckpt for s in self.segments)),
+            ("index",): (0, max(s.rows for s in self.segments) - 1),
+        }
+        out = {key: dtype for key, (a, b) in ranges.items() if (dtype := _fitting_int(a, b)) is not None}
+        if (reward := rewards.dtype()) is not None:
+            out[REWARD] = reward
+        return out
 
     def attrs(self) -> dict[str, Any]:
         """The import sidecar: what export needs to write the files back byte for byte."""
