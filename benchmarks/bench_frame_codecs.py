@@ -13,12 +13,18 @@ transition, as Dopamine stores them):
 - **real**: untiled ALE rollouts of Pong, Breakout and MsPacman (``tiered.atari.cached_rollout``,
   ``--game-steps`` each).
 
-For each K in ``--ks`` and zstd level in ``--levels``, two blob layouts:
+For each K in ``--ks`` and zstd level in ``--levels``, up to three blob layouts (``--filters``):
 
-- ``zstd``: the K frames back to back, one zstd frame per blob (what the store writes today);
-- ``zstd+xor``: frame i of a chunk stored as ``frame[i] ^ frame[i-1]`` (the first raw), then
-  zstd; decoding is zstd followed by a cumulative XOR along each chunk
-  (``np.bitwise_xor.accumulate`` over the whole decoded batch, corrected at blob starts).
+- ``none`` (``zstd``): the K frames back to back, one zstd frame per blob (what the store writes
+  today);
+- ``xor`` (``zstd+xor``): frame i of a chunk stored as ``frame[i] ^ frame[i-1]`` (the first raw),
+  then zstd; decoding is zstd followed by a cumulative XOR along each chunk
+  (``np.bitwise_xor.accumulate`` over the whole decoded batch, corrected at blob starts);
+- ``ref`` (``zstd+ref``): every frame XORed with one reference frame of the whole set (the
+  per-pixel most frequent value of its first ``--ref-frames`` frames, kept once beside the blobs),
+  then zstd; decoding is zstd followed by one XOR of the decoded batch with the reference (what
+  a GPU can do with one elementwise op). The first frame of a chunk, otherwise compressed with
+  nothing to match, then costs little where the screen's background is static.
 
 Columns: compressed bytes per frame (blob bytes only, no index or row tables); the ratio to
 Dopamine's layout (gzip level 9, ``gzip.GzipFile``'s default, of ``np.save`` of the same frames
@@ -126,15 +132,23 @@ def sample_blobs(traj: np.ndarray, chunk_of: np.ndarray, batches: int, batch: in
     return out
 
 
-def measure(frames: np.ndarray, traj: np.ndarray, k: int, level: int, delta: bool, samples_seed: int,
-            batches: int, threads: int) -> dict[str, Any]:
+def reference_frame(frames: np.ndarray, count: int) -> np.ndarray:
+    """The per-pixel most frequent value of the first ``count`` frames (``[n, FRAME]`` uint8)."""
+    head = frames[:count].astype(np.int64)
+    votes = np.bincount((np.arange(FRAME) * 256 + head).reshape(-1), minlength=FRAME * 256)
+    return votes.reshape(FRAME, 256).argmax(1).astype(np.uint8)
+
+
+def measure(frames: np.ndarray, traj: np.ndarray, k: int, level: int, filt: str, samples_seed: int,
+            batches: int, threads: int, ref_frames: int = 2000) -> dict[str, Any]:
     from tiered.codecs import ZstdCodec
 
     n = frames.shape[0]
     starts = chunk_starts(traj, k)
     nframes = np.diff(np.r_[starts, n])
     t = time.perf_counter()
-    data = xor_delta(frames, starts) if delta else frames
+    ref = reference_frame(frames, ref_frames) if filt == "ref" else None
+    data = xor_delta(frames, starts) if filt == "xor" else frames ^ ref if ref is not None else frames
     enc = ZstdCodec(level, threads=threads).encode(data.reshape(-1), starts * FRAME, nframes * FRAME)
     encode_s = time.perf_counter() - t
     chunk_of = np.repeat(np.arange(starts.size), nframes)
@@ -149,15 +163,17 @@ def measure(frames: np.ndarray, traj: np.ndarray, k: int, level: int, delta: boo
         out = buf[: int(sizes.sum())]
         t, c = time.perf_counter(), time.thread_time()
         codec.decode(enc.data, enc.offsets[ids], enc.sizes[ids], out, out_off, sizes)
-        if delta:
+        if filt == "xor":
             undo_xor(out.reshape(-1, FRAME), out_off // FRAME)
+        elif ref is not None:
+            np.bitwise_xor(out.reshape(-1, FRAME), ref, out=out.reshape(-1, FRAME))
         spent += time.perf_counter() - t
         cpu += time.thread_time() - c
         decoded += out.size
         # check the round trip of this sample (untimed)
         want = np.concatenate([frames[starts[i]:starts[i] + nframes[i]] for i in ids[:8]]).reshape(-1)
         assert np.array_equal(out[:want.size], want), "decode mismatch"
-    return {"k": k, "level": level, "delta": delta, "bytes_per_frame": int(enc.sizes.sum()) / n,
+    return {"k": k, "level": level, "filter": filt, "delta": filt == "xor", "bytes_per_frame": int(enc.sizes.sum()) / n,
             "encode_mb_s": frames.nbytes / encode_s / 1e6, "sample_ms": cpu / batches * 1e3,
             "sample_wall_ms": spent / batches * 1e3, "decode_mb_s": decoded / cpu / 1e6,
             "sample_decoded_mb": decoded / batches / 1e6}
@@ -168,24 +184,30 @@ def run_set(name: str, frames: np.ndarray, traj: np.ndarray, args: argparse.Name
     rows = []
     for k in args.ks:
         for level in args.levels:
-            for delta in (False, True):
-                r = measure(frames, traj, k, level, delta, 1, args.batches, args.threads)
+            for filt in args.filters:
+                r = measure(frames, traj, k, level, filt, 1, args.batches, args.threads, args.ref_frames)
                 rows.append(r)
-                print(f"  {name} K={k} zstd:{level}{'+xor' if delta else ''}: {r['bytes_per_frame']:.1f} B/frame, "
+                print(f"  {name} K={k} {_label(r)}: {r['bytes_per_frame']:.1f} B/frame, "
                       f"{r['sample_ms']:.2f} ms/sample", file=sys.stderr, flush=True)
     return {"set": name, "frames": int(frames.shape[0]), "dopamine_gz_bytes_per_frame": gz / frames.shape[0],
             "dopamine_gz_stream_decode_mb_s": gz_mb_s, "dopamine_gz_encode_mb_s": gz_enc, "results": rows}
 
 
+def _label(r: dict[str, Any]) -> str:
+    return f"zstd:{r['level']}" + ("" if r["filter"] == "none" else f"+{r['filter']}")
+
+
 def table(s: dict[str, Any]) -> str:
     gz = s["dopamine_gz_bytes_per_frame"]
-    ref = next((r for r in s["results"] if r["k"] == 16 and r["level"] == 9 and not r["delta"]), None)
-    head = ["K", "codec", "B/frame", "vs Dopamine gz", "xor gain", "MB decoded per sample", "sample B=256 decode (CPU)", "vs K=16 zstd:9", "decode MB/s", "encode MB/s"]
-    plain = {(r["k"], r["level"]): r for r in s["results"] if not r["delta"]}
+    ref = next((r for r in s["results"] if r["k"] == 16 and r["level"] == 9 and r["filter"] == "none"), None)
+    head = ["K", "codec", "B/frame", "vs Dopamine gz", "vs zstd alone", "MB decoded per sample", "sample B=256 decode (CPU)", "vs K=16 zstd:9", "decode MB/s", "encode MB/s"]
+    plain = {(r["k"], r["level"]): r for r in s["results"] if r["filter"] == "none"}
     body = []
     for r in s["results"]:
-        gain = "" if not r["delta"] else f"{1 - r['bytes_per_frame'] / plain[r['k'], r['level']]['bytes_per_frame']:+.0%}"
-        body.append([str(r["k"]), f"zstd:{r['level']}{'+xor' if r['delta'] else ''}", f"{r['bytes_per_frame']:.1f}",
+        alone = plain.get((r["k"], r["level"]))
+        gain = "" if r["filter"] == "none" or alone is None else \
+            f"{r['bytes_per_frame'] / alone['bytes_per_frame'] - 1:+.0%}"
+        body.append([str(r["k"]), _label(r), f"{r['bytes_per_frame']:.1f}",
                      f"{r['bytes_per_frame'] / gz:.2f}x", gain, f"{r['sample_decoded_mb']:.1f}", f"{r['sample_ms']:.2f} ms",
                      f"{r['sample_ms'] / ref['sample_ms']:.2f}x" if ref else "", f"{r['decode_mb_s']:,.0f}", f"{r['encode_mb_s']:,.1f}"])
     body.append(["stream", "gzip-9 np.save (Dopamine)", f"{gz:.1f}", "1.00x", "", "", "not random access", "",
@@ -202,6 +224,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--game-steps", type=int, default=5000)
     p.add_argument("--batches", type=int, default=20, help="random B=256 samples per setting")
     p.add_argument("--threads", type=int, default=2, help="encode threads (decode is timed on one)")
+    p.add_argument("--filters", nargs="+", choices=["none", "xor", "ref"], default=["none", "xor", "ref"],
+                   help="blob layouts to measure (default: all three)")
+    p.add_argument("--ref-frames", type=int, default=2000,
+                   help="frames the reference frame of --filters ref is the per-pixel mode of (default: %(default)s)")
     p.add_argument("--out", default="bench_frame_codecs", help="name of the files under benchmarks/out/")
     args = p.parse_args(argv)
     before = load_snapshot()
