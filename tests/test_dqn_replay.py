@@ -225,7 +225,7 @@ def _du(path) -> int:
 
 def test_import_picks_the_narrowest_exact_dtypes(dataset: str, tmp_path, capsys) -> None:
     src = os.path.join(dataset, "Pong")
-    import_dataset("dqn-replay", src, tmp_path / "auto.tiered")
+    report = import_dataset("dqn-replay", src, tmp_path / "auto.tiered")
     import_dataset("dqn-replay", src, tmp_path / "wide.tiered", dense_dtypes={})
     # Atari's actions fit uint8, Pong's rewards (-1, 0, 1) int8, two runs, two checkpoints and the
     # slot index of a 256-slot buffer (0..255) uint8
@@ -244,6 +244,9 @@ def test_import_picks_the_narrowest_exact_dtypes(dataset: str, tmp_path, capsys)
     assert main(["import", src, str(tmp_path / "u.tiered"), "--format", "dqn-replay", "-q",
                  "--dense-dtype", "action=int16"]) == 0
     assert _stored_dtypes(tmp_path / "u.tiered") == {"action": "int16"}
+    # room for more rows: the dataset's dtypes (rows added later need not fit its ranges)
+    import_dataset("dqn-replay", src, tmp_path / "room.tiered", capacity=report.rows + 10)
+    assert _stored_dtypes(tmp_path / "room.tiered") == {}
     assert main(["import", src, str(tmp_path / "x.tiered"), "--format", "dqn-replay", "--keep-dtypes",
                  "--dense-dtype", "action=int16"]) == 2  # both at once is a usage error
     assert "not allowed with argument" in capsys.readouterr().err

@@ -204,8 +204,9 @@ def import_dataset(
             (``{"action": torch.uint8}``; see :class:`~tiered.TieredStore`); a value it cannot
             hold exactly stops the import (:class:`~tiered.errors.LossyValueError`, nothing left
             under ``dst``). ``None``: a format that can read its value ranges first picks them
-            (dqn-replay: :meth:`~tiered.formats.dqn_replay.DQNReplaySource.narrow_dtypes`), other
-            formats keep their dtypes; ``{}``: every column in its own dtype.
+            (dqn-replay: :meth:`~tiered.formats.dqn_replay.DQNReplaySource.narrow_dtypes`, unless
+            ``capacity`` leaves room for more rows), other formats keep their dtypes; ``{}``: every
+            column in its own dtype.
 
     Returns:
         An :class:`ImportReport`.
@@ -258,14 +259,15 @@ def _import(
             attrs = source.attrs()
         if frames is None:  # a format of frame stacks says which (dqn-replay)
             frames = getattr(source, "frames", None)
-        if dense_dtypes is None and hasattr(source, "narrow_dtypes"):
-            # a format that can read its value ranges first (dqn-replay: the action and reward
-            # files) stores the columns in the narrowest dtypes that hold them exactly
-            with _source_errors(fmt, src):
-                dense_dtypes = source.narrow_dtypes(progress=progress)
         if n == 0:
             raise UnsupportedFormatError(f"{src}: the dataset has no rows")
         cap = n if capacity is None else int(capacity)
+        if dense_dtypes is None and hasattr(source, "narrow_dtypes") and cap <= n:
+            # a format that can read its value ranges first (dqn-replay: the action and reward
+            # files) stores the columns in the narrowest dtypes that hold them exactly; a store
+            # with room for more rows keeps the dataset's dtypes (what comes later may not fit)
+            with _source_errors(fmt, src):
+                dense_dtypes = source.narrow_dtypes(progress=progress)
         fields: list[str] = []
         with atomic_output(dst, force=force) as tmp:
             # warm_bytes=0 / hot_bytes=0: blobs go straight to the cold tier (files), so the

@@ -501,7 +501,8 @@ class DQNReplaySource:
         """
         lo, hi = np.iinfo(np.int64).max, np.iinfo(np.int64).min
         rewards = _RewardRange()
-        bar = progress_bar(len(self.segments), "scan dqn-replay values", unit="checkpoints", enabled=progress)
+        total = 2 * sum(seg.rows for seg in self.segments)
+        bar = progress_bar(total, "scan actions and rewards", unit="values", enabled=progress)
         try:
             for seg in self.segments:  # a loop over checkpoints, each read in slices of SCAN_ROWS
                 for name, scan in (("action", None), ("reward", rewards)):
@@ -513,10 +514,10 @@ class DQNReplaySource:
                                 lo, hi = min(lo, int(values.min())), max(hi, int(values.max()))
                             else:
                                 scan.add(values)
+                            bar.update(values.size)
                         r.finish()
                     finally:
                         r.close()
-                bar.update(1)
         finally:
             bar.close()
         ranges = {
