@@ -207,6 +207,22 @@ def store_files(path: Path) -> list[Path]:
     return [p for p in path.rglob("*") if p.is_file()]
 
 
+#: What one generation's files hold, in the order the report lists them.
+PARTS = ("frames", "row tables", "dense columns", "blob index", "policy state", "written mask", "other")
+
+
+def part_of(p: Path, arrays: set[Path]) -> str:
+    """Which part of a store the file ``p`` is (one of :data:`PARTS`)."""
+    if p.parent.name == "cold":
+        return "frames"  # the cold tier's segments: the compressed frame blobs
+    if p not in arrays:
+        return "other"
+    name = p.name
+    prefixes = {"rows.": "row tables", "next.": "row tables", "shift.": "row tables", "dense.": "dense columns",
+                "index.": "blob index", "policy.": "policy state", "written.": "written mask"}
+    return next((part for pre, part in prefixes.items() if name.startswith(pre)), "other")
+
+
 def disk_bytes(path: Path) -> dict[str, int]:
     files = store_files(path)
     gens = sorted(p for p in path.glob("gen-*") if p.is_dir())
@@ -216,7 +232,12 @@ def disk_bytes(path: Path) -> dict[str, int]:
         current = {path / "arrays" / f"{n}.{c}.npy" for n, c in body["copy"].items()}
         older |= {p for p in (path / "arrays").glob("*.npy") if p not in current}
     arrays = {p for p in files if p.parent.name == "arrays"}  # format 2: row tables, dense columns, index
+    parts: dict[str, int] = dict.fromkeys(PARTS, 0)
+    for p in files:
+        if p not in older:
+            parts[part_of(p, arrays)] += p.stat().st_size
     return {"all": sum(p.stat().st_size for p in files),
+            "one_generation_parts": parts,
             "one_generation": sum(p.stat().st_size for p in files if p not in older),
             "one_generation_arrays": sum(p.stat().st_size for p in files if p in arrays and p not in older),
             "one_generation_dense": sum(p.stat().st_size for p in files
@@ -462,6 +483,13 @@ def report(results: list[dict[str, Any]], dop: dict[str, Any], facts: dict[str, 
              f"first {dop['dopamine_rows']:,} rows) **{dop['dopamine_bytes_per_transition']:.0f}** "
              f"({dop['dopamine_frame_bytes']:.0f} of them frames); LazyMemmapStorage {lms:,} (dense, from the shapes).",
              ""]
+    for r in results:
+        parts = r.get("disk_one_generation_parts")
+        if parts:
+            lines += [f"One generation at {r['rows']:,} rows, bytes per transition: "
+                      + ", ".join(f"{k} {v / r['rows']:.2f}" for k, v in parts.items())
+                      + f" (total {sum(parts.values()) / r['rows']:.2f}; Dopamine's files "
+                      f"{dop['dopamine_bytes_per_transition']:.2f}).", ""]
     if lms_run:
         n = lms_run["lms_rows"]
         lines += [f"LazyMemmapStorage of the first {n:,} rows, built and sampled the same way: "
