@@ -82,7 +82,7 @@ def test_a_new_store_writes_32_bit_row_tables(tmp_path, atari_pong):
         index_of = {k: i for i, k in enumerate(s.schema)}
         s.flush()
     body = manifest_body(path)
-    assert body["format_version"] == FORMAT_VERSION == 5
+    assert body["format_version"] == FORMAT_VERSION == 6
     assert body["derived_tables"] == {str(index_of[("next", "observation")]): index_of[("observation",)]}
     assert body["shifted_tables"] == [index_of[("observation",)]]
     assert {d for _, d in _table_dtypes(path)} == {"int32", "uint16"}

@@ -32,7 +32,7 @@ def test_a_v1_store_upgrades_and_reads_the_same_rows(tmp_path, capsys):
         before = old.get(torch.arange(len(old)))
     assert main(["upgrade", str(path)]) == 0
     assert "upgraded" in capsys.readouterr().out
-    assert manifest_body(path)["format_version"] == FORMAT_VERSION == 5
+    assert manifest_body(path)["format_version"] == FORMAT_VERSION == 6
     with tiered.open(path) as new:
         after = new.get(torch.arange(len(new)))
     assert all(torch.equal(before.get(k), after.get(k)) for k in before.keys(True, True))

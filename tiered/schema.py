@@ -29,6 +29,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -40,7 +41,7 @@ from tensordict import TensorDictBase, is_leaf_nontensor
 from .errors import LossyValueError, SchemaMismatchError
 
 __all__ = ["Field", "Schema", "Key", "normalize_key", "key_to_str", "str_to_key", "SUPPORTED_DTYPES", "bits_dtype",
-           "as_bits", "check_key", "dtype_from_str", "dtype_to_str", "NARROWABLE_DTYPES", "check_narrowing"]
+           "as_bits", "check_key", "dtype_from_str", "dtype_to_str", "NARROWABLE_DTYPES", "check_narrowing", "MAX_FLAGS"]
 
 Key = tuple[str, ...]
 
@@ -162,6 +163,9 @@ def check_dtype(key: Key, dtype: torch.dtype) -> None:
             "nothing was written.")
 
 
+#: Dense bool fields of one value per row (done, terminated, truncated) that share one flags byte per row.
+MAX_FLAGS = 8
+
 #: dtypes a dense column can be stored in, and narrowed from (``dense_dtypes``): real numbers whose
 #: conversions torch does exactly when the value fits
 NARROWABLE_DTYPES: tuple[torch.dtype, ...] = (
@@ -216,6 +220,9 @@ class Field:
             or ``None`` when the whole cell is one frame.
         stored_dtype: for dense fields, a narrower dtype the column is kept in (``dense_dtypes``);
             reads give ``dtype`` back. ``None``: the column is kept in ``dtype``.
+        flag_bit: for a dense bool field of one value per row (done, terminated, truncated), the
+            bit of the store's shared flags byte that holds it (:data:`MAX_FLAGS` such fields
+            share one byte per row); ``None``: the field has a column of its own.
     """
 
     key: Key
@@ -224,6 +231,13 @@ class Field:
     kind: Literal["dense", "blob"]
     frame_dim: int | None = None
     stored_dtype: torch.dtype | None = None
+    flag_bit: int | None = None
+
+    @property
+    def flaggable(self) -> bool:
+        """Whether the field can be a bit of the flags byte: dense, bool, one value per row, not narrowed."""
+        return (self.kind == "dense" and self.dtype == torch.bool and math.prod(self.shape) == 1
+                and self.stored_dtype is None)
 
     @property
     def column_dtype(self) -> torch.dtype:
@@ -277,6 +291,8 @@ class Field:
         }
         if self.stored_dtype is not None:  # only when used: other fields' entries stay as they were
             out["stored_dtype"] = dtype_to_str(self.stored_dtype)
+        if self.flag_bit is not None:
+            out["flag_bit"] = self.flag_bit
         return out
 
     @classmethod
@@ -288,9 +304,14 @@ class Field:
             kind=d["kind"],
             frame_dim=d.get("frame_dim"),
             stored_dtype=dtype_from_str(d["stored_dtype"]) if d.get("stored_dtype") is not None else None,
+            flag_bit=d.get("flag_bit"),
         )
         if field.stored_dtype is not None:
             check_narrowing(field.key, field.dtype, field.stored_dtype, field.kind)
+        if field.flag_bit is not None and not (
+                type(field.flag_bit) is int and 0 <= field.flag_bit < MAX_FLAGS and field.flaggable):
+            raise ValueError(f"field {key_to_str(field.key)!r}: flag_bit {field.flag_bit!r} is not a bit of the "
+                             f"flags byte (0..{MAX_FLAGS - 1}) of a dense bool field of one value per row")
         return field
 
     def describe(self) -> str:
@@ -339,6 +360,9 @@ class Schema(Mapping[Key, Field]):
 
     def __init__(self, fields: Iterable[Field]):
         self._fields: dict[Key, Field] = {f.key: f for f in fields}
+        bits = [f.flag_bit for f in self._fields.values() if f.flag_bit is not None]
+        if len(set(bits)) != len(bits):
+            raise ValueError(f"two fields name the same bit of the flags byte: {sorted(bits)}")
         # names expected at each nesting level, for match(): comparing one small set per level
         # is far cheaper than listing a TensorDict's nested leaves
         levels: dict[Key, set[str]] = {}
@@ -368,6 +392,30 @@ class Schema(Mapping[Key, Field]):
     @property
     def blob_fields(self) -> list[Field]:
         return [f for f in self._fields.values() if f.kind == "blob"]
+
+    @property
+    def flag_fields(self) -> list[Field]:
+        """The dense fields kept as bits of the shared flags byte (``flag_bit`` set)."""
+        return [f for f in self._fields.values() if f.flag_bit is not None]
+
+    def with_flags(self) -> Schema:
+        """This schema with its first :data:`MAX_FLAGS` flaggable fields (dense bool, one value per
+        row: done, terminated, truncated) given bits of one shared flags byte, in schema order: one
+        byte per row holds them all (a column each takes a byte per row per field).
+
+        Example:
+            >>> from tensordict import TensorDict
+            >>> td = TensorDict({"done": torch.zeros(4, 1, dtype=torch.bool), "r": torch.zeros(4)}, [4])
+            >>> [(key_to_str(f.key), f.flag_bit) for f in Schema.infer(td).with_flags().values()]
+            [('done', 0), ('r', None)]
+        """
+        fields, bit = [], 0
+        for f in self._fields.values():
+            if f.flag_bit is None and f.flaggable and bit < MAX_FLAGS:
+                f = dataclasses.replace(f, flag_bit=bit)
+                bit += 1
+            fields.append(f)
+        return Schema(fields)
 
     def families(self) -> dict[str, list[Field]]:
         out: dict[str, list[Field]] = {}

@@ -93,7 +93,7 @@ def copy_path(store: str, name: str, copy: int) -> str:
 def kind_of(name: str) -> str:
     """How an array's first axis is indexed: ``"rows"``, ``"blobs"``, or ``"whole"`` (small
     arrays a commit always rewrites whole)."""
-    if name == "written" or name.startswith(("dense.", "rows.")) or name == "priority.rows":
+    if name in ("written", "flags") or name.startswith(("dense.", "rows.")) or name == "priority.rows":
         return "rows"
     if name.startswith("index.") and name not in ("index.free_ids", "index.meta"):
         return "blobs"

@@ -513,10 +513,14 @@ def restore_commit(files: StoreFiles, body: dict[str, Any], mode: str, rows: Row
                                   "fit the schema; the store is damaged")
         # the per-row arrays are memory-mapped and checked on first use: a page's checksum, then
         # the references of its rows, before any of their bytes is used (docs/durability.md)
+        if layout.schema.flag_fields:
+            col, pages = files.lazy_array(body, "flags")
+            rows.load_flags(layout.schema, col, RowCheck([pages], rows.capacity))
         for i, f in enumerate(fields):
             if f.kind == "dense":
-                col, pages = files.lazy_array(body, f"dense.{i}")
-                rows.load_dense(f, col, RowCheck([pages], rows.capacity))
+                if f.flag_bit is None:  # else a bit of the flags byte, loaded above
+                    col, pages = files.lazy_array(body, f"dense.{i}")
+                    rows.load_dense(f, col, RowCheck([pages], rows.capacity))
             elif i not in derived:
                 blob, blob_pages = files.lazy_array(body, f"rows.{i}.blob")
                 slot, slot_pages = files.lazy_array(body, f"rows.{i}.slot")
@@ -678,7 +682,11 @@ def snapshot_arrays(rows: RowSpace, layout: FieldLayout | None, index: BlobIndex
     arrays.update({f"policy.{policy.name}.{k}": v for k, v in policy.state_views().items()})
     arrays["written"] = rows.written
     if layout is not None:
+        if rows.flags is not None:
+            arrays["flags"] = rows.flags_array()
         for i, f in enumerate(layout.schema.values()):
+            if f.flag_bit is not None:
+                continue  # a bit of the flags byte
             if f.kind == "dense":
                 arrays[f"dense.{i}"] = rows.dense_array(f.key)
             else:
@@ -934,6 +942,8 @@ def check_consistency(path: str, rows: RowSpace, layout: FieldLayout | None, ind
         for key, col in rows.dense.items():
             if tuple(col.shape) != (cap, *layout.schema[key].shape):
                 problems.append(f"dense column {key_to_str(key)!r} has shape {tuple(col.shape)}")
+        if layout.schema.flag_fields and (rows.flags is None or tuple(rows.flags.shape) != (cap,)):
+            problems.append(f"the flags column has shape {None if rows.flags is None else tuple(rows.flags.shape)}")
     if cold is not None:
         problems += _check_cold_bounds(cold, index)
         if extents and not problems and hasattr(cold, "allocator"):
@@ -1087,7 +1097,11 @@ def check_bounds(path: str, body: dict[str, Any]) -> None:
                 derived, shifted = {}, set()
             blob_dtype, slot_dtype = row_table_dtypes(body["format_version"])
             whole = body["format_version"] >= 5  # a next table keeps whole stacks per exception, no rows
+            if any(f.flag_bit is not None for f in fields):
+                expect("flags", (capacity,), np.dtype(np.uint8))
             for i, f in enumerate(fields):
+                if f.flag_bit is not None:
+                    continue  # a bit of the flags byte
                 if f.kind == "dense":
                     expect(f"dense.{i}", (capacity, *f.shape), f.column_file_dtype)
                 elif not (whole and i in derived):

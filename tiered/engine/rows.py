@@ -128,6 +128,11 @@ class RowSpace:
         self.widen: dict[Key, torch.dtype] = {}
         #: dense columns memory-mapped from a store: what checks their pages before first use
         self.dense_checks: dict[Key, Any] = {}
+        #: the dense bool fields kept as bits of one shared flags byte per row (``Field.flag_bit``)
+        self.flag_fields: dict[Key, Field] = {}
+        #: that byte per row (``uint8 [capacity]``; None without such fields), and its page check
+        self.flags: torch.Tensor | None = None
+        self.flags_check: Any = None
         #: trajectory id the next write without a trajectory-id field starts from
         self.next_trajectory = 0
         #: rows changed since the last commit (what an incremental commit rewrites)
@@ -253,8 +258,18 @@ class RowSpace:
         return rows
 
     # -- dense columns ----------------------------------------------------------------------
+    @property
+    def dense_keys(self) -> list[Key]:
+        """Every dense field's key: the columns' and the flags byte's."""
+        return [*self.dense, *self.flag_fields]
+
     def init_dense(self, schema: Schema) -> None:
+        self.flag_fields = {f.key: f for f in schema.flag_fields}
+        self.flags = torch.from_numpy(file_array(self.capacity, np.uint8)) if self.flag_fields else None
+        self.flags_check = None
         for f in schema.dense_fields:
+            if f.flag_bit is not None:
+                continue
             dtype = f.column_dtype
             col = torch.from_numpy(file_array((self.capacity, *f.shape), f.column_file_dtype))
             self.dense[f.key] = col if col.dtype == dtype else col.view(dtype)
@@ -269,8 +284,9 @@ class RowSpace:
 
     def is_view(self, key: Key) -> bool:
         """Whether :meth:`read_dense` of a span gives a view of ``key``'s column (a column stored
-        narrower gives a widened copy: a write to it does not reach the store)."""
-        return key not in self.widen
+        narrower gives a widened copy: a write to it does not reach the store; so does a bit of the
+        flags byte)."""
+        return key not in self.widen and key not in self.flag_fields
 
     def check_dense(self, rows: np.ndarray | None, span: tuple[int, int] | None = None) -> None:
         """Check the pages of the dense columns holding ``rows`` (or the ``span = (start, n)``;
@@ -279,7 +295,8 @@ class RowSpace:
         Raises:
             ChecksumError: a damaged page.
         """
-        for check in self.dense_checks.values():  # a loop over columns
+        checks = [*self.dense_checks.values(), *([self.flags_check] if self.flags_check is not None else [])]
+        for check in checks:  # a loop over columns
             if span is not None:
                 check.span(*span)
             elif rows is None:
@@ -293,11 +310,26 @@ class RowSpace:
         n = rows.size
         self.dirty.mark(rows)
         for f in schema.dense_fields:  # a loop over fields, not rows
+            if f.flag_bit is not None:
+                continue
             col = self.dense[f.key]
             # in the column's dtype: narrowed values were checked to fit before the write began
             cells = data.get(f.key).detach().reshape(n, *f.shape).to(col.dtype)
             # as same-size integers: torch has no index_copy_ for uint16/32/64 and float8
             as_bits(col).index_copy_(0, rows_t, as_bits(cells))
+        if self.flags is not None:
+            self._write_flags(rows_t, {k: data.get(k) for k in self.flag_fields})
+
+    def _write_flags(self, rows_t: torch.Tensor, values: dict[Key, torch.Tensor]) -> None:
+        """Set the flag bits of ``rows_t`` to ``values`` (one bool per row and flag field): each
+        row's byte is read, its bits replaced, and written back, one vectorized op per field."""
+        n = rows_t.numel()
+        byte = self.flags.index_select(0, rows_t)
+        for key, f in self.flag_fields.items():  # a loop over flag fields (at most 8), not rows
+            keep = torch.tensor(0xFF ^ (1 << f.flag_bit), dtype=torch.uint8)
+            value = values[key].detach().reshape(n).cpu().to(torch.uint8)  # 0 or 1
+            byte = (byte & keep) | (value << f.flag_bit)
+        self.flags.index_copy_(0, rows_t, byte)
 
     def write_dense_cells(self, schema: Schema, rows: np.ndarray, cells: dict[Key, torch.Tensor]) -> None:
         """Write the dense cells of a small write (one row: cells without a batch dimension)."""
@@ -308,16 +340,27 @@ class RowSpace:
             if n == 1:
                 r = int(rows[0])
                 for f in schema.dense_fields:
-                    self.dense[f.key][r].copy_(cells[f.key].reshape(f.shape))
+                    if f.flag_bit is None:
+                        self.dense[f.key][r].copy_(cells[f.key].reshape(f.shape))
             else:
                 rows_t = torch.from_numpy(rows)
                 for f in schema.dense_fields:
+                    if f.flag_bit is not None:
+                        continue
                     col = self.dense[f.key]
                     as_bits(col).index_copy_(0, rows_t, as_bits(cells[f.key].reshape(n, *f.shape).cpu().to(col.dtype)))
+            if self.flags is not None:
+                self._write_flags(torch.from_numpy(rows), {k: cells[k] for k in self.flag_fields})
 
     def read_dense(self, key: Key, rows: np.ndarray, span: tuple[int, int] | None = None) -> torch.Tensor:
         """A dense column's cells of ``rows`` (a copy), or a view of ``span = (start, n)`` rows
         (a copy for a column stored narrower: see :meth:`is_view`), in the field's dtype."""
+        flag = self.flag_fields.get(key)
+        if flag is not None:
+            if self.flags_check is not None:
+                self.flags_check.span(*span) if span else self.flags_check.rows(rows)
+            byte = self.flags.narrow(0, *span) if span else self.flags.index_select(0, torch.from_numpy(rows))
+            return ((byte >> flag.flag_bit) & 1).to(torch.bool).reshape(-1, *flag.shape)
         col = self.dense[key]
         check = self.dense_checks.get(key)
         if check is not None:
@@ -347,6 +390,24 @@ class RowSpace:
         """A dense column as the numpy array a commit saves (a view; dtypes numpy lacks, such as
         bfloat16 and float8, as the integers of their size: the manifest records the dtype)."""
         return as_bits(self.dense[key]).numpy()
+
+    def flags_array(self) -> np.ndarray | None:
+        """The flags byte per row as the numpy array a commit saves (a view; None without flag fields)."""
+        return None if self.flags is None else self.flags.numpy()
+
+    def load_flags(self, schema: Schema, array: np.ndarray, check: Any = None) -> None:
+        """Use a saved flags byte column (:meth:`flags_array`'s form) for ``schema``'s flag fields,
+        without a copy; ``check`` checks its pages before their first use.
+
+        Raises:
+            CorruptionError: the array is not one uint8 per row.
+        """
+        if array.dtype != np.uint8 or array.shape != (self.capacity,):
+            raise CorruptionError(f"the flags column is {array.dtype} {array.shape}, expected uint8 "
+                                  f"({self.capacity},); the store is damaged")
+        self.flag_fields = {f.key: f for f in schema.flag_fields}
+        self.flags = torch.from_numpy(array)
+        self.flags_check = check
 
     def load_dense(self, field: Field, array: np.ndarray, check: Any = None) -> None:
         """Use a saved column (:meth:`dense_array`'s form) as ``field``'s column, without a copy;

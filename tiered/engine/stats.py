@@ -108,7 +108,8 @@ def store_stats(rows: RowSpace, layout: FieldLayout | None, index: BlobIndex, pl
             "tail": sum(int(f.tail_frames.nbytes) for f in families),
             "index": index.nbytes_held,
             "row_tables": sum(t.nbytes for t in tables),
-            "dense": sum(v.numel() * v.element_size() for v in rows.dense.values()),
+            "dense": sum(v.numel() * v.element_size() for v in rows.dense.values())
+            + (rows.flags.numel() if rows.flags is not None else 0),
         },
         "counters": {**counters, **({"oom_skipped_promotions": placement.oom_skipped_promotions}
                                     if placement.oom_skipped_promotions else {})},

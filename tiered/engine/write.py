@@ -185,8 +185,9 @@ class WritePath:
                 plain = Schema.infer(data, blob_min_bytes=o.blob_min_bytes, blob_keys=o.blob_keys,
                                      dense_keys=o.dense_keys, frames={}, dense_dtypes=o.dense_dtypes)
                 frames = detect_frames(data, plain)
+            # dense bool fields of one value per row (done, terminated, truncated) share a byte
             schema = Schema.infer(data, blob_min_bytes=o.blob_min_bytes, blob_keys=o.blob_keys,
-                                  dense_keys=o.dense_keys, frames=frames, dense_dtypes=o.dense_dtypes)
+                                  dense_keys=o.dense_keys, frames=frames, dense_dtypes=o.dense_dtypes).with_flags()
             n = schema.validate(data)
             check_values_fit(schema, data)
             check_layout_fits(schema, self.rows.capacity, o.chunk_frames)
@@ -299,7 +300,7 @@ class WritePath:
         if stage is None or stage.count == 0:
             return
         self.rows.check_dense(stage.rows[:stage.count])
-        rows, data = stage.batch(list(self.rows.dense), self.rows.read_dense)
+        rows, data = stage.batch(self.rows.dense_keys, self.rows.read_dense)
         self.write_rows(rows, data)
         stage.reset()
 

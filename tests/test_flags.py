@@ -1,0 +1,244 @@
+"""Dense bool fields of one value per row share one flags byte per row (format 6).
+
+A TorchRL rollout has three such fields (``("next", "done")``, ``terminated``, ``truncated``): as
+columns of their own they take a byte per row each, as bits of one ``flags`` column one byte in
+all. These tests show that:
+
+* reads give the written values back (bool, the field's shape) on every write path (batched,
+  staged one-row writes, ``set`` with duplicates), in memory and after a reopen, and through a
+  TorchRL replay buffer and its slice sampler;
+* the manifest names each field's bit, the store has one ``flags`` file of a byte per row and no
+  column file for those fields; at most 8 fields share the byte, others keep their columns;
+* a damaged ``flags`` page is found before its bytes are used and named by ``verify``; a manifest
+  whose bits are impossible is damage.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from helpers import assert_td_equal, manifest_body, open_golden_pong
+from tensordict import TensorDict
+
+import tiered
+from tiered import TieredStore
+from tiered.cli import main
+from tiered.errors import ChecksumError, CorruptionError
+from tiered.verify import verify_store
+
+OPTS = {"frames": {"observation": 0}, "chunk_frames": 4}
+FIXTURES = Path(__file__).parent / "fixtures"
+FLAGS = [["next", "done"], ["next", "terminated"], ["next", "truncated"]]
+
+
+def _edit_manifest(path: Path, fn) -> None:
+    """Change the manifest body and recompute its digest (a self-consistent lie)."""
+    doc = json.loads((path / "manifest.json").read_text())
+    fn(doc["body"])
+    doc["sha256"] = hashlib.sha256(json.dumps(doc["body"], sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    (path / "manifest.json").write_text(json.dumps(doc))
+
+
+def _field(body: dict, key: list[str]) -> dict:
+    return next(f for f in body["schema"] if f["key"] == key)
+
+
+def _with_random_flags(data: TensorDict, seed: int = 0) -> TensorDict:
+    """The rollout with its done flags drawn at random (every bit pattern appears)."""
+    g = torch.Generator().manual_seed(seed)
+    out = data.clone()
+    for key in FLAGS:
+        out[tuple(key)] = torch.rand(data.shape[0], 1, generator=g) < 0.5
+    return out
+
+
+def test_flags_read_back_on_every_write_path(atari_pong, tmp_path):
+    data = _with_random_flags(atari_pong[:300])
+    path = tmp_path / "s"
+    with TieredStore(400, path, **OPTS) as s:
+        s.extend(data[:200])                 # batched
+        for i in range(200, 230):            # staged one row at a time (ReplayBuffer.add)
+            s.extend(data[i:i + 1])
+        s.extend(data[230:300])
+        s.set([5, 7, 5], data[[250, 251, 252]])  # overwrites, a duplicate among them (the last wins)
+        s.set(9, data[253])                  # one row
+        want = data.clone()
+        want[5], want[7], want[9] = data[252], data[251], data[253]
+        assert_td_equal(s.get(slice(0, 300)), want)
+        assert s.get([9, 5])["next", "done"].shape == (2, 1)
+    for mode in ("r", "r+"):
+        with tiered.open(path, mode=mode) as s:
+            got = s.get(np.arange(300))
+            assert_td_equal(got, want)
+            assert got["next", "terminated"].dtype == torch.bool
+    with tiered.open(path, mode="r+") as s:  # writes after a reopen land in the mapped byte
+        s.set(np.arange(10), data[290:300])
+        want[:10] = data[290:300]
+    with tiered.open(path, mode="r") as s:
+        assert_td_equal(s.get(slice(0, 300)), want)
+    assert verify_store(path, progress=False).ok
+
+
+def test_one_flags_file_of_a_byte_per_row(atari_pong, tmp_path):
+    with TieredStore(1000, tmp_path / "s", **OPTS) as s:
+        s.extend(atari_pong[:100])
+        assert s.stats()["memory"]["dense"] == 1000 * (8 + 8 + 4 + 1)  # action, traj id, reward; the flags byte
+    body = manifest_body(tmp_path / "s")
+    assert body["format_version"] == 6
+    # the rollout's six flags (done, terminated, truncated, and the same under "next"), in schema order
+    assert [_field(body, k)["flag_bit"] for k in [[k[-1]] for k in FLAGS] + FLAGS] == [0, 1, 2, 3, 4, 5]
+    index_of = {tuple(f["key"]): i for i, f in enumerate(body["schema"])}
+    assert all(f"dense.{index_of[tuple(k)]}" not in body["files"] for k in FLAGS + [["done"]])
+    header = body["files"]["flags"] - 1000
+    assert 0 < header <= 128  # the .npy header, then one byte per row
+    assert "flag_bit" not in _field(body, ["action"])
+
+
+def test_at_most_eight_fields_share_the_byte(tmp_path):
+    n = 64
+    cells = {f"f{i}": torch.rand(n) < 0.5 for i in range(10)}
+    cells["wide"] = torch.rand(n, 3) < 0.5  # three values per row: a column of its own
+    cells["x"] = torch.arange(n)
+    data = TensorDict(cells, [n])
+    with TieredStore(n, tmp_path / "s") as s:
+        s.extend(data)
+        assert_td_equal(s.get(slice(0, n)), data)
+    body = manifest_body(tmp_path / "s")
+    assert [_field(body, [f"f{i}"]).get("flag_bit") for i in range(10)] == [0, 1, 2, 3, 4, 5, 6, 7, None, None]
+    assert "flag_bit" not in _field(body, ["wide"])
+    with tiered.open(tmp_path / "s", mode="r") as s:
+        assert_td_equal(s.get(slice(0, n)), data)
+
+
+def test_a_flag_read_is_a_copy(atari_pong, tmp_path):
+    with TieredStore(64, tmp_path / "s", **OPTS) as s:
+        s.extend(_with_random_flags(atari_pong[:32]))
+        before = s.get(slice(0, 32))["next", "done"].clone()
+        got = s.get(slice(0, 32), copy=False)
+        got["next", "done"][:] = ~got["next", "done"]  # a copy: the store keeps its bits
+        assert torch.equal(s.get(slice(0, 32))["next", "done"], before)
+
+
+def test_a_damaged_flags_page_is_found_before_use(atari_pong, tmp_path):
+    path = tmp_path / "s"
+    with TieredStore(64, path, **OPTS) as s:
+        s.extend(_with_random_flags(atari_pong[:64]))
+    body = manifest_body(path)
+    file = path / "arrays" / f"flags.{body['copy']['flags']}.npy"
+    raw = bytearray(file.read_bytes())
+    raw[-10] ^= 0x04  # a bit of row 54's byte
+    file.write_bytes(bytes(raw))
+    with tiered.open(path, mode="r") as s, pytest.raises(ChecksumError, match="flags"):
+        s.get([54])
+    rep = verify_store(path, progress=False)
+    assert not rep.ok and any("flags" in (p.file or "") + p.message for p in rep.problems), rep.summary()
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda b: _field(b, ["next", "done"]).__setitem__("flag_bit", 9), "not a bit of the flags byte"),
+    (lambda b: _field(b, ["next", "done"]).__setitem__("flag_bit", 1), "the same bit"),
+    (lambda b: _field(b, ["action"]).__setitem__("flag_bit", 3), "not a bit of the flags byte"),
+    (lambda b: _field(b, ["next", "done"]).__setitem__("flag_bit", "0"), "not a bit of the flags byte"),
+])
+def test_impossible_bits_are_damage(atari_pong, tmp_path, edit, match):
+    path = tmp_path / "s"
+    with TieredStore(64, path, **OPTS) as s:
+        s.extend(atari_pong[:8])
+    _edit_manifest(path, edit)
+    for mode in ("r", "r+"):
+        with pytest.raises(CorruptionError, match=match):
+            tiered.open(path, mode=mode)
+    assert not verify_store(path, progress=False).ok
+
+
+def test_a_missing_flags_file_is_damage(atari_pong, tmp_path):
+    path = tmp_path / "s"
+    with TieredStore(64, path, **OPTS) as s:
+        s.extend(atari_pong[:8])
+    _edit_manifest(path, lambda b: b["files"].pop("flags"))
+    with pytest.raises(CorruptionError, match="flags"):
+        tiered.open(path, mode="r")
+    assert not verify_store(path, progress=False).ok
+
+
+def test_a_torchrl_slice_sampler_reads_the_flags(atari_pong, tmp_path):
+    data_mod = pytest.importorskip("torchrl.data")
+    from tiered.torchrl import TieredStorage
+
+    rb = data_mod.ReplayBuffer(storage=TieredStorage(2000, tmp_path / "rb", **OPTS), batch_size=64,
+                               sampler=data_mod.SliceSampler(slice_len=8, end_key=("next", "done")))
+    rb.extend(atari_pong[:1000])
+    batch = rb.sample()
+    assert batch["next", "done"].dtype == torch.bool and batch.shape == (64,)
+    # the slices end where episodes end: a done flag only as the last step of a slice, if at all
+    done = batch["next", "done"].reshape(8, 8)
+    assert not done[:, :-1].any()
+    whole = rb[:]
+    assert torch.equal(whole["next", "done"], atari_pong["next", "done"][:1000])
+
+
+RECIPE = """
+        data = cached_rollout(game="Pong", steps=2000, seed=0, max_episode_steps=500)[400:600].clone()
+        data["next", "observation"][20] = data["next", "observation"][90]
+        with tiered.TieredStore(40_000, NAME, chunk_frames=8) as s:
+            for a in range(0, 200, 50):
+                s.extend(data[a:a + 50])
+            s.set(torch.tensor([150, 30]), data[torch.tensor([30, 150])])
+"""
+
+
+def _arrays(path: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in (path / "arrays").iterdir()}
+
+
+def test_a_format5_store_keeps_its_bool_columns_and_upgrades_to_format6(tmp_path, atari_pong, capsys):
+    """``tests/fixtures/format5/pong_format5.tar.xz``: a store written by tiered at format 5 (the
+    last commit before format 6), NAME ``pong_format5``, by :data:`RECIPE`.
+
+    A failure here means old stores stopped reading: fix the code, never the fixture.
+    """
+    path, expected = open_golden_pong(FIXTURES / "format5" / "pong_format5.tar.xz", tmp_path, atari_pong)
+    body = manifest_body(path)
+    assert body["format_version"] == 5 and "flags" not in body["files"]
+    before = _arrays(path)
+    with tiered.open(path) as s:
+        assert_td_equal(s.get(torch.arange(200)), expected)
+    assert _arrays(path) == before
+    assert main(["upgrade", str(path)]) == 0 and "upgraded" in capsys.readouterr().out
+    body = manifest_body(path)
+    # format 6 with the layout it had: its bool fields keep their columns
+    assert body["format_version"] == 6 and "flags" not in body["files"]
+    assert all("flag_bit" not in f for f in body["schema"])
+    assert verify_store(path, progress=False).ok
+    with tiered.open(path, mode="r+") as s:
+        assert_td_equal(s.get(torch.arange(200)), expected)
+        s.extend(atari_pong[600:650])
+        assert_td_equal(s.get(torch.arange(200, 250)), atari_pong[600:650])
+    assert verify_store(path, progress=False).ok
+
+
+def test_the_format6_fixture_reads_back(tmp_path, atari_pong):
+    """``tests/fixtures/format6/pong_format6.tar.xz``: a store written by tiered at format 6, NAME
+    ``pong_format6``, by :data:`RECIPE` (its six bool fields in the flags byte).
+
+    A failure here means format 6 changed: fix the code, never the fixture.
+    """
+    path, expected = open_golden_pong(FIXTURES / "format6" / "pong_format6.tar.xz", tmp_path, atari_pong)
+    body = manifest_body(path)
+    assert body["format_version"] == 6 and body["files"]["flags"] > 40_000
+    assert sorted(f["flag_bit"] for f in body["schema"] if "flag_bit" in f) == [0, 1, 2, 3, 4, 5]
+    before = _arrays(path)
+    with tiered.open(path) as s:
+        assert_td_equal(s.get(torch.arange(200)), expected)
+        assert_td_equal(s.get(torch.tensor([199, 0, 150, 30])), expected[torch.tensor([199, 0, 150, 30])])
+    assert _arrays(path) == before
+    assert verify_store(path, progress=False).ok
+    with tiered.open(path, mode="r+") as s:
+        s.extend(atari_pong[600:650])
+        assert_td_equal(s.get(torch.arange(250)), torch.cat([expected, atari_pong[600:650]]))
+    assert verify_store(path, progress=False).ok
