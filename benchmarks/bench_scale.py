@@ -218,7 +218,7 @@ def part_of(p: Path, arrays: set[Path]) -> str:
     if p not in arrays:
         return "other"
     name = p.name
-    prefixes = {"rows.": "row tables", "next.": "row tables", "shift.": "row tables", "dense.": "dense columns",
+    prefixes = {"rows.": "row tables", "next.": "row tables", "shift.": "row tables", "dense.": "dense columns", "flags.": "dense columns",
                 "index.": "blob index", "policy.": "policy state", "written.": "written mask"}
     return next((part for pre, part in prefixes.items() if name.startswith(pre)), "other")
 
@@ -241,7 +241,7 @@ def disk_bytes(path: Path) -> dict[str, int]:
             "one_generation": sum(p.stat().st_size for p in files if p not in older),
             "one_generation_arrays": sum(p.stat().st_size for p in files if p in arrays and p not in older),
             "one_generation_dense": sum(p.stat().st_size for p in files
-                                        if p in arrays and p not in older and p.name.startswith("dense.")),
+                                        if p in arrays and p not in older and p.name.startswith(("dense.", "flags."))),
             "blocks": sum(p.stat().st_blocks * 512 for p in files)}
 
 

@@ -115,6 +115,20 @@ def test_at_most_eight_fields_share_the_byte(tmp_path):
         assert_td_equal(s.get(slice(0, n)), data)
 
 
+def test_flags_of_other_dtypes_keep_their_columns_and_still_end_trajectories(atari_pong, tmp_path):
+    data = atari_pong[:64].exclude(("collector", "traj_ids")).clone()
+    for key in FLAGS:  # as some environments give them: uint8, not bool
+        data[tuple(key)] = data[tuple(key)].to(torch.uint8)
+    data["next", "done"][20] = 1
+    with TieredStore(64, tmp_path / "s", **OPTS) as s:
+        s.extend(data)
+        assert_td_equal(s.get(slice(0, 64)), data)
+        assert s.stats()["fields"]["next/done"].get("flag_bit") is None
+        info = s.stats()["fields"]["done"]
+        assert info["flag_bit"] == 0 and info["stored_bytes"] == 64 // 3  # its share of the byte
+    assert "flag_bit" not in _field(manifest_body(tmp_path / "s"), ["next", "done"])
+
+
 def test_a_flag_read_is_a_copy(atari_pong, tmp_path):
     with TieredStore(64, tmp_path / "s", **OPTS) as s:
         s.extend(_with_random_flags(atari_pong[:32]))

@@ -108,6 +108,8 @@ def per_row_arrays(store: TieredStore) -> dict[str, np.ndarray]:
                 out[f"{key}.{suffix}"] = arr.copy()
     for key in p.rows.dense:
         out[f"dense.{key}"] = p.rows.dense_array(key).copy()
+    if p.rows.flags is not None:
+        out["flags"] = p.rows.flags_array().copy()
     return out
 
 

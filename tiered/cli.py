@@ -178,6 +178,9 @@ def _info(args: argparse.Namespace) -> int:
         narrowed = [f"{f['key']} as {f['stored_dtype']}" for f in schema if f.get("stored_dtype")]
         if narrowed:
             p(f"stored narrower (dense_dtypes; reads give the dtype above): {', '.join(narrowed)}")
+        flagged = [f["key"] for f in schema if f.get("flag_bit") is not None]
+        if flagged:
+            p(f"bits of one flags byte per row (stored: each field's share): {', '.join(flagged)}")
     p("")
     p(f"{'tier':6} {'bytes used':>12} {'budget':>12} {'blobs':>10} {'fragmentation':>14}")
     for name, t in st["tiers"].items():

@@ -440,7 +440,7 @@ class RowSpace:
         done = np.zeros(n, dtype=bool)
         for k in DONE_KEYS:
             if k in schema:
-                done |= data.get(k).reshape(n, -1).any(-1).numpy()
+                done |= (data.get(k).reshape(n, -1) != 0).any(-1).numpy()  # any dtype: uint8 flags too
         tk = traj_key if traj_key is not None else ("collector", "traj_ids")
         next_base = self.next_trajectory
         if tk in schema:

@@ -30,12 +30,17 @@ def field_stats(rows: RowSpace, layout: FieldLayout, index: BlobIndex) -> dict[s
     live = index.live_ids()
     n, cap = rows.length, rows.capacity
     fields: dict[str, dict[str, Any]] = {}
+    flags = len(layout.schema.flag_fields)
     for f in layout.schema.dense_fields:
+        # a flag field's share of the flags byte it shares with the other flag fields
+        row_bytes = f.column_nbytes if f.flag_bit is None else 1 / flags
         fields[key_to_str(f.key)] = {"kind": "dense", "logical_bytes": f.cell_nbytes * n,
-                                     "stored_bytes": f.column_nbytes * cap,
-                                     "ratio": f.cell_nbytes / f.column_nbytes}
+                                     "stored_bytes": round(row_bytes * cap),
+                                     "ratio": f.cell_nbytes / row_bytes}
         if f.stored_dtype is not None:
             fields[key_to_str(f.key)]["stored_dtype"] = dtype_to_str(f.stored_dtype)
+        if f.flag_bit is not None:
+            fields[key_to_str(f.key)]["flag_bit"] = f.flag_bit
     for fid, fam in enumerate(layout.families):  # a loop over families and fields, not blobs
         sel = live[index.family[live] == fam.family_id]
         is_open = index.state[sel] == OPEN
