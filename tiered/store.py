@@ -561,10 +561,9 @@ class TieredStore(_StoreSharing):
             copy: with False, a step-1 slice returns the dense columns as views of the store's
                 own columns (as TorchRL's ``TensorStorage`` does for ``storage[:]``): no copy that
                 grows with the buffer, but writing to them writes to the store, and later writes
-                to the store show through. Blob fields are always fresh tensors, and so are the
-                dense columns stored narrower (``dense_dtypes``) and the bool flags that share the
-                flags byte (``done``, ``terminated``, ``truncated``: a write to them does not reach
-                the store).
+                to the store show through. Blob fields are always fresh tensors, and so are dense
+                columns stored narrower (``dense_dtypes``) and bool flags in the shared flags byte
+                (``done``, ``terminated``, ``truncated``): writes to those do not reach the store.
 
         Returns:
             A TensorDict of batch size ``[n]`` (or ``[]`` for an int index) on ``device``.
