@@ -14,14 +14,10 @@ of its dense columns; Atari's actions fit uint8, clipped rewards int8. These tes
 
 from __future__ import annotations
 
-import hashlib
-import json
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
-from helpers import assert_td_equal, gen_files, manifest_body
+from helpers import assert_td_equal, edit_manifest, gen_files, manifest_body, schema_entry
 from tensordict import TensorDict
 
 import tiered
@@ -31,18 +27,6 @@ from tiered.verify import verify_store
 
 NARROW = {"action": torch.uint8, ("collector", "traj_ids"): "int32", ("next", "reward"): torch.int8}
 OPTS = {"frames": {"observation": 0}, "chunk_frames": 4}
-
-
-def _edit_manifest(path: Path, fn) -> None:
-    """Change the manifest body and recompute its digest (a self-consistent lie)."""
-    doc = json.loads((path / "manifest.json").read_text())
-    fn(doc["body"])
-    doc["sha256"] = hashlib.sha256(json.dumps(doc["body"], sort_keys=True, separators=(",", ":")).encode()).hexdigest()
-    (path / "manifest.json").write_text(json.dumps(doc))
-
-
-def _field(body: dict, key: list[str]) -> dict:
-    return next(f for f in body["schema"] if f["key"] == key)
 
 
 def test_reads_give_the_written_dtypes_back_on_every_path(atari_pong, tmp_path):
@@ -67,7 +51,7 @@ def test_reads_give_the_written_dtypes_back_on_every_path(atari_pong, tmp_path):
         assert "stored_dtype" not in fields["next/done"]
         assert fields["action"]["stored_bytes"] == 400  # one byte per row of capacity
     body = manifest_body(path)
-    assert _field(body, ["action"])["stored_dtype"] == "uint8" and _field(body, ["action"])["dtype"] == "int64"
+    assert schema_entry(body, ["action"])["stored_dtype"] == "uint8" and schema_entry(body, ["action"])["dtype"] == "int64"
     assert body["options"]["dense_dtypes"] == {"action": "uint8", "collector/traj_ids": "int32", "next/reward": "int8"}
     i = [f["key"] for f in body["schema"]].index(["action"])
     assert np.load(gen_files(path) / f"dense.{i}.npy").dtype == np.uint8
@@ -174,10 +158,10 @@ def test_a_dense_file_of_another_dtype_is_refused_at_open_and_named_by_verify(at
         s.extend(atari_pong[:40])
 
     def forget(body: dict) -> None:  # the manifest now says int64 for a file of uint8
-        _field(body, ["action"]).pop("stored_dtype")
+        schema_entry(body, ["action"]).pop("stored_dtype")
         body["options"].pop("dense_dtypes")
 
-    _edit_manifest(path, forget)
+    edit_manifest(path, forget)
     for mode in ("r", "r+"):
         with pytest.raises(CorruptionError, match=r"dense\.1\.\d\.npy holds uint8\[64\], the manifest implies int64"):
             tiered.open(path, mode=mode)
@@ -215,7 +199,7 @@ def test_a_schema_the_code_cannot_read_is_damage(atari_pong, tmp_path, entry, va
     path = tmp_path / "s"
     with TieredStore(64, path, dense_dtypes={"action": torch.uint8}, **OPTS) as s:
         s.extend(atari_pong[:8])
-    _edit_manifest(path, lambda body: _field(body, ["action"]).__setitem__(entry, value))
+    edit_manifest(path, lambda body: schema_entry(body, ["action"]).__setitem__(entry, value))
     for mode in ("r", "r+"):
         with pytest.raises(CorruptionError, match="the manifest's schema cannot be read"):
             tiered.open(path, mode=mode)
@@ -227,7 +211,7 @@ def test_options_the_code_cannot_read_are_damage(atari_pong, tmp_path):
     path = tmp_path / "s"
     with TieredStore(64, path, dense_dtypes={"action": torch.uint8}, **OPTS) as s:
         s.extend(atari_pong[:8])
-    _edit_manifest(path, lambda body: body["options"]["dense_dtypes"].__setitem__("action", "uint99"))
+    edit_manifest(path, lambda body: body["options"]["dense_dtypes"].__setitem__("action", "uint99"))
     for mode in ("r", "r+"):
         with pytest.raises(CorruptionError, match="the manifest's options cannot be read"):
             tiered.open(path, mode=mode)

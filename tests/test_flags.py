@@ -15,14 +15,12 @@ all. These tests show that:
 
 from __future__ import annotations
 
-import hashlib
-import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from helpers import assert_td_equal, manifest_body, open_golden_pong
+from helpers import assert_td_equal, edit_manifest, manifest_body, open_golden_pong, schema_entry
 from tensordict import TensorDict
 
 import tiered
@@ -34,18 +32,6 @@ from tiered.verify import verify_store
 OPTS = {"frames": {"observation": 0}, "chunk_frames": 4}
 FIXTURES = Path(__file__).parent / "fixtures"
 FLAGS = [["next", "done"], ["next", "terminated"], ["next", "truncated"]]
-
-
-def _edit_manifest(path: Path, fn) -> None:
-    """Change the manifest body and recompute its digest (a self-consistent lie)."""
-    doc = json.loads((path / "manifest.json").read_text())
-    fn(doc["body"])
-    doc["sha256"] = hashlib.sha256(json.dumps(doc["body"], sort_keys=True, separators=(",", ":")).encode()).hexdigest()
-    (path / "manifest.json").write_text(json.dumps(doc))
-
-
-def _field(body: dict, key: list[str]) -> dict:
-    return next(f for f in body["schema"] if f["key"] == key)
 
 
 def _with_random_flags(data: TensorDict, seed: int = 0) -> TensorDict:
@@ -91,12 +77,12 @@ def test_one_flags_file_of_a_byte_per_row(atari_pong, tmp_path):
     body = manifest_body(tmp_path / "s")
     assert body["format_version"] == 6
     # the rollout's six flags (done, terminated, truncated, and the same under "next"), in schema order
-    assert [_field(body, k)["flag_bit"] for k in [[k[-1]] for k in FLAGS] + FLAGS] == [0, 1, 2, 3, 4, 5]
+    assert [schema_entry(body, k)["flag_bit"] for k in [[k[-1]] for k in FLAGS] + FLAGS] == [0, 1, 2, 3, 4, 5]
     index_of = {tuple(f["key"]): i for i, f in enumerate(body["schema"])}
     assert all(f"dense.{index_of[tuple(k)]}" not in body["files"] for k in FLAGS + [["done"]])
     header = body["files"]["flags"] - 1000
     assert 0 < header <= 128  # the .npy header, then one byte per row
-    assert "flag_bit" not in _field(body, ["action"])
+    assert "flag_bit" not in schema_entry(body, ["action"])
 
 
 def test_at_most_eight_fields_share_the_byte(tmp_path):
@@ -109,8 +95,8 @@ def test_at_most_eight_fields_share_the_byte(tmp_path):
         s.extend(data)
         assert_td_equal(s.get(slice(0, n)), data)
     body = manifest_body(tmp_path / "s")
-    assert [_field(body, [f"f{i}"]).get("flag_bit") for i in range(10)] == [0, 1, 2, 3, 4, 5, 6, 7, None, None]
-    assert "flag_bit" not in _field(body, ["wide"])
+    assert [schema_entry(body, [f"f{i}"]).get("flag_bit") for i in range(10)] == [0, 1, 2, 3, 4, 5, 6, 7, None, None]
+    assert "flag_bit" not in schema_entry(body, ["wide"])
     with tiered.open(tmp_path / "s", mode="r") as s:
         assert_td_equal(s.get(slice(0, n)), data)
 
@@ -126,7 +112,7 @@ def test_flags_of_other_dtypes_keep_their_columns_and_still_end_trajectories(ata
         assert s.stats()["fields"]["next/done"].get("flag_bit") is None
         info = s.stats()["fields"]["done"]
         assert info["flag_bit"] == 0 and info["stored_bytes"] == 64 // 3  # its share of the byte
-    assert "flag_bit" not in _field(manifest_body(tmp_path / "s"), ["next", "done"])
+    assert "flag_bit" not in schema_entry(manifest_body(tmp_path / "s"), ["next", "done"])
 
 
 def test_a_flag_read_is_a_copy(atari_pong, tmp_path):
@@ -154,16 +140,16 @@ def test_a_damaged_flags_page_is_found_before_use(atari_pong, tmp_path):
 
 
 @pytest.mark.parametrize("edit, match", [
-    (lambda b: _field(b, ["next", "done"]).__setitem__("flag_bit", 9), "not a bit of the flags byte"),
-    (lambda b: _field(b, ["next", "done"]).__setitem__("flag_bit", 1), "the same bit"),
-    (lambda b: _field(b, ["action"]).__setitem__("flag_bit", 3), "not a bit of the flags byte"),
-    (lambda b: _field(b, ["next", "done"]).__setitem__("flag_bit", "0"), "not a bit of the flags byte"),
+    (lambda b: schema_entry(b, ["next", "done"]).__setitem__("flag_bit", 9), "not a bit of the flags byte"),
+    (lambda b: schema_entry(b, ["next", "done"]).__setitem__("flag_bit", 1), "the same bit"),
+    (lambda b: schema_entry(b, ["action"]).__setitem__("flag_bit", 3), "not a bit of the flags byte"),
+    (lambda b: schema_entry(b, ["next", "done"]).__setitem__("flag_bit", "0"), "not a bit of the flags byte"),
 ])
 def test_impossible_bits_are_damage(atari_pong, tmp_path, edit, match):
     path = tmp_path / "s"
     with TieredStore(64, path, **OPTS) as s:
         s.extend(atari_pong[:8])
-    _edit_manifest(path, edit)
+    edit_manifest(path, edit)
     for mode in ("r", "r+"):
         with pytest.raises(CorruptionError, match=match):
             tiered.open(path, mode=mode)
@@ -174,7 +160,7 @@ def test_a_missing_flags_file_is_damage(atari_pong, tmp_path):
     path = tmp_path / "s"
     with TieredStore(64, path, **OPTS) as s:
         s.extend(atari_pong[:8])
-    _edit_manifest(path, lambda b: b["files"].pop("flags"))
+    edit_manifest(path, lambda b: b["files"].pop("flags"))
     with pytest.raises(CorruptionError, match="flags"):
         tiered.open(path, mode="r")
     assert not verify_store(path, progress=False).ok

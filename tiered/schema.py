@@ -41,7 +41,8 @@ from tensordict import TensorDictBase, is_leaf_nontensor
 from .errors import LossyValueError, SchemaMismatchError
 
 __all__ = ["Field", "Schema", "Key", "normalize_key", "key_to_str", "str_to_key", "SUPPORTED_DTYPES", "bits_dtype",
-           "as_bits", "check_key", "dtype_from_str", "dtype_to_str", "NARROWABLE_DTYPES", "check_narrowing", "MAX_FLAGS"]
+           "as_bits", "check_key", "dtype_from_str", "dtype_to_str", "NARROWABLE_DTYPES", "check_narrowing", "MAX_FLAGS",
+           "round_trip"]
 
 Key = tuple[str, ...]
 
@@ -172,6 +173,24 @@ NARROWABLE_DTYPES: tuple[torch.dtype, ...] = (
     torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
     torch.float16, torch.float32, torch.float64,
 )
+
+
+def round_trip(values: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``values`` converted to ``dtype``, converted back, and where that kept each value: the same
+    value with the same sign (``-0.0`` is not ``0.0``), or a NaN for a NaN (whose payload bits may
+    change). The one test of "stored exactly" that writes and importers' scans share.
+
+    Example:
+        >>> round_trip(torch.tensor([1.0, 0.5, -0.0, 300.0]), torch.int16)[2].tolist()
+        [True, False, False, True]
+    """
+    narrow = values.to(dtype)
+    back = narrow.to(values.dtype)
+    same = back == values
+    if values.is_floating_point():
+        same &= torch.signbit(back) == torch.signbit(values)  # -0.0 == 0.0, but it is another value
+        same |= torch.isnan(back) & torch.isnan(values)  # a NaN stays a NaN (its payload bits may not)
+    return narrow, back, same
 
 
 def check_narrowing(key: Key, dtype: torch.dtype, stored: torch.dtype, kind: str) -> None:
@@ -330,12 +349,7 @@ class Field:
         """
         if self.stored_dtype is None or self.stored_dtype == values.dtype:
             return values
-        narrow = values.to(self.stored_dtype)
-        back = narrow.to(values.dtype)
-        same = back == values
-        if values.is_floating_point():
-            same &= torch.signbit(back) == torch.signbit(values)  # -0.0 == 0.0, but it is another value
-            same |= torch.isnan(back) & torch.isnan(values)  # a NaN stays a NaN (its payload bits may not)
+        narrow, back, same = round_trip(values, self.stored_dtype)
         if not bool(same.all()):
             bad = values[~same][0].item()
             raise LossyValueError(
@@ -392,6 +406,11 @@ class Schema(Mapping[Key, Field]):
     @property
     def blob_fields(self) -> list[Field]:
         return [f for f in self._fields.values() if f.kind == "blob"]
+
+    @property
+    def column_fields(self) -> list[Field]:
+        """The dense fields with a column of their own (every dense field but the flag bits)."""
+        return [f for f in self._fields.values() if f.kind == "dense" and f.flag_bit is None]
 
     @property
     def flag_fields(self) -> list[Field]:

@@ -267,9 +267,7 @@ class RowSpace:
         self.flag_fields = {f.key: f for f in schema.flag_fields}
         self.flags = torch.from_numpy(file_array(self.capacity, np.uint8)) if self.flag_fields else None
         self.flags_check = None
-        for f in schema.dense_fields:
-            if f.flag_bit is not None:
-                continue
+        for f in schema.column_fields:
             dtype = f.column_dtype
             col = torch.from_numpy(file_array((self.capacity, *f.shape), f.column_file_dtype))
             self.dense[f.key] = col if col.dtype == dtype else col.view(dtype)
@@ -309,9 +307,7 @@ class RowSpace:
         rows_t = torch.from_numpy(rows)
         n = rows.size
         self.dirty.mark(rows)
-        for f in schema.dense_fields:  # a loop over fields, not rows
-            if f.flag_bit is not None:
-                continue
+        for f in schema.column_fields:  # a loop over fields, not rows
             col = self.dense[f.key]
             # in the column's dtype: narrowed values were checked to fit before the write began
             cells = data.get(f.key).detach().reshape(n, *f.shape).to(col.dtype)
@@ -339,14 +335,11 @@ class RowSpace:
         with torch.no_grad():  # stored values never carry autograd history
             if n == 1:
                 r = int(rows[0])
-                for f in schema.dense_fields:
-                    if f.flag_bit is None:
-                        self.dense[f.key][r].copy_(cells[f.key].reshape(f.shape))
+                for f in schema.column_fields:
+                    self.dense[f.key][r].copy_(cells[f.key].reshape(f.shape))
             else:
                 rows_t = torch.from_numpy(rows)
-                for f in schema.dense_fields:
-                    if f.flag_bit is not None:
-                        continue
+                for f in schema.column_fields:
                     col = self.dense[f.key]
                     as_bits(col).index_copy_(0, rows_t, as_bits(cells[f.key].reshape(n, *f.shape).cpu().to(col.dtype)))
             if self.flags is not None:

@@ -79,6 +79,7 @@ from tensordict import TensorDict
 
 from .. import fileio
 from ..errors import InvalidDatasetError, TieredError, UnsupportedFormatError
+from ..schema import round_trip
 from ..util.batch import isin
 from .common import NPY_MAX_HEADER, chunk_rows_for, iter_store, progress_bar, read_npy_header, writing
 from .keymap import ACTION, DONE, NEXT_OBS, OBS, REWARD, TERMINATED, TRUNCATED
@@ -128,9 +129,9 @@ SCAN_ROWS = 1 << 20
 _NARROW_INTS = (torch.uint8, torch.int8, torch.int16)
 
 
-def _fitting_int(lo: int, hi: int, dtypes: tuple[torch.dtype, ...] = _NARROW_INTS) -> torch.dtype | None:
-    """The first of ``dtypes`` that holds every whole number in ``[lo, hi]``, if any."""
-    for dtype in dtypes:
+def _fitting_int(lo: int, hi: int) -> torch.dtype | None:
+    """The first of :data:`_NARROW_INTS` that holds every whole number in ``[lo, hi]``, if any."""
+    for dtype in _NARROW_INTS:
         info = torch.iinfo(dtype)
         if info.min <= lo and hi <= info.max:
             return dtype
@@ -138,31 +139,26 @@ def _fitting_int(lo: int, hi: int, dtypes: tuple[torch.dtype, ...] = _NARROW_INT
 
 
 class _RewardRange:
-    """What the float32 rewards seen so far fit in exactly (fed slice by slice)."""
+    """Which of the narrower reward dtypes hold every float32 reward seen so far exactly (fed slice
+    by slice), by the test the store's writes apply (:func:`tiered.schema.round_trip`)."""
+
+    #: In order of preference. Signed integers only: rewards are signed by nature, and a store
+    #: extended later keeps room for both signs. float16 only without a NaN: a NaN's payload bits
+    #: may change on the way through it (the write's check promises a NaN, export promises the bits).
+    CANDIDATES = (torch.int8, torch.int16, torch.float16)
 
     def __init__(self) -> None:
-        self.whole, self.half = True, True  # every value a whole number (not -0.0); float16-exact
-        self.lo, self.hi = 0, 0
+        self.fits = dict.fromkeys(self.CANDIDATES, True)
 
     def add(self, values: np.ndarray) -> None:
-        if values.size == 0:
-            return
-        with np.errstate(invalid="ignore", over="ignore"):
-            if self.half:  # the same value and sign; no NaN: a NaN's payload bits may change on
-                # the way through float16 (the write's check promises NaN, export promises the bits)
-                back = values.astype(np.float16).astype(np.float32)
-                self.half = bool(((back == values) & (np.signbit(back) == np.signbit(values))).all())
-            if self.whole:
-                finite = np.isfinite(values).all()
-                self.whole = bool(finite and (np.floor(values) == values).all()
-                                  and not (np.signbit(values) & (values == 0)).any())
-                if self.whole:
-                    self.lo, self.hi = min(self.lo, int(values.min())), max(self.hi, int(values.max()))
+        v = torch.from_numpy(values)
+        no_nan = not bool(torch.isnan(v).any())
+        for dtype in self.CANDIDATES:  # a loop over three dtypes, not values
+            if self.fits[dtype]:
+                self.fits[dtype] = bool(round_trip(v, dtype)[2].all()) and (no_nan or dtype != torch.float16)
 
     def dtype(self) -> torch.dtype | None:
-        if self.whole and (whole := _fitting_int(self.lo, self.hi, (torch.int8, torch.int16))) is not None:
-            return whole  # signed only: rewards are signed by nature, a store extended later keeps room for both
-        return torch.float16 if self.half else None
+        return next((d for d in self.CANDIDATES if self.fits[d]), None)
 
 
 def _file_name(logs: str, name: str, ckpt: int) -> str:
