@@ -23,6 +23,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 import zlib
 from pathlib import Path
 
@@ -321,16 +322,83 @@ def test_scratch_oom_inside_the_decode_call_is_raised_after_it_and_splits(frames
     assert take_allocation_failure() is None  # nothing left behind for the next call
 
 
-def test_the_scratch_allocation_never_raises():
-    with inject_device_oom(0):
-        block = gpu_mod._scratch(1024, torch.device("cpu"))
-    # an injected failure still hands out real memory (nvCOMP must never run on a refused block)
-    assert block is not None and block.numel() == 1024
+def test_a_scratch_failure_is_recorded_then_raised_into_the_codec():
+    # nvCOMP gets an exception from its allocator callback, never a null block; the codec raises
+    # the recorded error (not what nvCOMP makes of it) after the call
+    with inject_device_oom(0), pytest.raises(torch.OutOfMemoryError, match="injected"):
+        gpu_mod._scratch(1024, torch.device("cpu"))
     err = take_allocation_failure()
     assert isinstance(err, torch.OutOfMemoryError) and "injected" in str(err)
+    assert gpu_mod._scratch(1024, torch.device("cpu")).numel() == 1024 and take_allocation_failure() is None
     note_allocation_failure(MemoryError("first"))
     note_allocation_failure(MemoryError("second"))
     assert str(take_allocation_failure()) == "first" and take_allocation_failure() is None
+
+
+def test_a_codec_error_that_is_not_oom_falls_back_to_the_cpu_once_warned(frames, tmp_path):
+    # a failure inside the decode call that is not a lack of memory (nvCOMP meeting a shape its
+    # probe never tried, a CUDA runtime error): the blobs passed their checksums, so the batch
+    # is decoded on the CPU, with one warning per reason, and the GPU path is used again after
+    store = tiered_store(frames, tmp_path / "s", hot_device="cpu")
+    expected = snapshot(store)
+    dec = GpuDecoder("cpu").attach(store)
+    with inject_device_oom(0, only="scratch", error="cudaErrorLaunchFailure"):
+        with pytest.warns(UserWarning, match="cudaErrorLaunchFailure.*decoded on the CPU"):
+            check_gets(store, expected, sizes=(40,))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # the second batch falls back silently (counted)
+            check_gets(store, expected, sizes=(41,), seed=1)
+    st = dec.stats()
+    assert st["cpu_fallbacks"] == 2 and st["oom_events"] == 0 and st["splits"] == 0, st
+    assert st["fallback_reasons"] == {"nvCOMP zstd decode error: RuntimeError": 2}
+    assert take_allocation_failure() is None
+    check_gets(store, expected, sizes=(5,))
+    assert dec.stats()["batches"] == 1 and dec.stats()["cpu_fallbacks"] == 2
+
+
+def test_an_oom_spoiled_probe_is_retried_after_1_2_4_calls():
+    from tiered.codecs.nvcomp import ProbeResults, RetryGate
+
+    spoiled = {"exact": None, "capacity": False, "large": False, "large_capacity": False, "oom": True}
+    runs: list[int] = []
+    probes = ProbeResults(cap=4)
+    key = ("zstd", 0, "concurrency")
+    got = [probes.result(key, lambda: runs.append(1) or dict(spoiled)) for _ in range(20)]
+    # probes on calls 1, 3, 6, 11, 16 (waits 1, 2, 4, 4): not before every batch
+    assert len(runs) == 5 and all(not g["cached"] and g["oom"] for g in got)
+    good = {"exact": "cc", "capacity": True, "large": True, "large_capacity": True, "oom": False}
+    for _ in range(5):
+        kept = probes.result(key, lambda: runs.append(1) or dict(good))
+    assert kept["cached"] and kept["exact"] == "cc" and len(runs) == 6  # kept for good once final
+    other = probes.result(("zstd", 0, "latency"), lambda: runs.append(1) or dict(good))
+    assert other["cached"] and len(runs) == 7  # the execution policy is part of the key
+    gate = RetryGate(cap=8)
+    gate.failed()
+    gate.succeeded()
+    assert gate.ready()
+
+
+def test_writers_wait_for_a_prefetch_threads_promotions(frames, tmp_path):
+    # a prefetch thread's decoder promotes blobs into the hot arena on its own stream (CPU: its
+    # thread); the main thread's next use of the arena waits for that work first
+    from tiered.prefetch import Prefetcher
+
+    built = tiered_store(frames, tmp_path / "s", hot_device="cpu", rows=400)
+    expected = snapshot(built)
+    built.close()
+    store = TieredStore.open(tmp_path / "s", mode="r", hot_device="cpu", hot_bytes="64MiB", warm_bytes=0)
+    GpuDecoder("cpu").attach(store)
+    hot = parts(store).tiers[HOT]
+    assert hot.stats()["stream_order"] == {"marks": 0, "waits": 0}
+    rng = np.random.default_rng(3)
+    with Prefetcher(store, lambda: rng.integers(0, len(store), 64), depth=1) as pf:
+        for _, (ix, batch) in zip(range(3), pf, strict=False):
+            assert_td_equal(batch, expected[torch.from_numpy(ix)])
+    marks = hot.stats()["stream_order"]
+    assert marks["marks"] > 0 and marks["waits"] == 0, marks  # only the worker wrote (grew, promoted)
+    check_gets(store, expected, sizes=(256,))  # the main thread reads and promotes: it waits first
+    after = hot.stats()["stream_order"]
+    assert after["waits"] >= 1 and after["marks"] > marks["marks"], after
 
 
 def test_probe_results_spoiled_by_oom_are_not_kept():
@@ -581,7 +649,7 @@ def test_gpu_checksum_error_on_a_damaged_hot_blob(frames, tmp_path):
 def test_gpu_oom_split_and_fallback_stay_exact(tmp_path):
     # in a child: the injected failures reach nvCOMP's allocator callback (see module docstring)
     res = run_child(f"""
-        import numpy as np
+        import numpy as np, torch
         from helpers import assert_td_equal
         from test_gpu import FIXTURE, tiered_store, snapshot
         from tiered.atari import load_fixture
@@ -592,17 +660,28 @@ def test_gpu_oom_split_and_fallback_stay_exact(tmp_path):
         store = tiered_store(frames, {str(tmp_path / "gpu")!r}, hot_device="cuda", device="cuda")
         dec = GpuDecoder("cuda").attach(store)
         rows = np.arange(len(store))
-        with inject_device_oom(20_000, only=("batch", "scratch")):
+        # the probe runs on the first batch, outside the injection: an OOM-spoiled probe would
+        # send the batch to the CPU, and a fallback would pass for a split
+        assert_td_equal(store.get(rows[:8]).to("cpu"), expected[:8])
+        assert dec.stats()["backend"] == "nvcomp" and dec.stats()["probes"]["zstd"]["cached"]
+        block = dec.stats()["h2d_bytes"]
+        assert_td_equal(store.get(rows).to("cpu"), expected)
+        block = dec.stats()["h2d_bytes"] - block  # the staged part of one whole batch
+        with inject_device_oom(max(block // 3, 4096), only=("batch", "scratch")):
             got = store.get(rows)
         assert_td_equal(got.to("cpu"), expected)
         st = dec.stats()
-        assert st["splits"] > 0 or st["cpu_fallbacks"] > 0, st
-        with inject_device_oom(4096, only="scratch"):  # fails inside nvCOMP's call only
+        assert st["splits"] > 0 and st["cpu_fallbacks"] == 0, st
+        # fails inside nvCOMP's call only: the allocator callback raises into nvCOMP
+        with inject_device_oom(4096, only="scratch"):
             assert_td_equal(store.get(rows).to("cpu"), expected)
+        st = dec.stats()
+        assert st["oom_events"] >= 2 and st["cpu_fallbacks"] == 0, st
         with inject_device_oom(0):
             assert_td_equal(store.get(rows).to("cpu"), expected)
         assert dec.stats()["cpu_fallbacks"] >= 1
         assert_td_equal(store.get(rows).to("cpu"), expected)  # and the GPU path works afterwards
+        torch.cuda.synchronize()  # no sticky error was left behind
         print("ok", dec.stats()["oom_events"])
         """)
     assert res.returncode == 0, f"rc={res.returncode}\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"

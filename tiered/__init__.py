@@ -23,6 +23,7 @@ from .errors import (
     ChecksumError,
     CodecUnavailableError,
     CorruptionError,
+    DeviceFailedError,
     FormatVersionError,
     IndexOutOfRangeError,
     InvalidArgumentError,
@@ -116,6 +117,7 @@ __all__ = [
     "InvalidDatasetError",
     "PickledDataError",
     "LossyValueError",
+    "DeviceFailedError",
     "__version__",
 ]
 

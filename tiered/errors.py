@@ -43,6 +43,7 @@ __all__ = [
     "ShardFailedError",
     "RaggedDataError",
     "LossyValueError",
+    "DeviceFailedError",
 ]
 
 
@@ -165,3 +166,11 @@ class ShardFailedError(TieredError, RuntimeError):
         self.shard = shard
         self.lost_rows = lost_rows
         self.restarted = restarted
+
+
+class DeviceFailedError(TieredError, RuntimeError):
+    """The CUDA device stopped working in this process (a sticky CUDA error, such as an illegal
+    memory access, ends the process's CUDA context): no CUDA call can succeed here any more, so
+    neither can a CPU fallback that returns data on the device. The message names the failed
+    call and the CUDA error; restart the process (a training script: from its last checkpoint),
+    or decode on the CPU with ``gpu_decode=False``."""

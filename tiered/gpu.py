@@ -70,6 +70,7 @@ import torch
 from .codecs import codec_for_format_id, segment_checksums_torch
 from .codecs.nvcomp import (
     BASE_CHUNK,
+    check_device,
     filler_frame,
     import_nvcomp,
     note_allocation_failure,
@@ -83,7 +84,7 @@ from .engine.read import CpuReadPipeline, ReadPipeline
 from .errors import ChecksumError, CodecUnavailableError
 from .index import COLD, HOT, OPEN, WARM, BlobIndex
 from .schema import Field, Key
-from .tiers.arena import new_buffer
+from .tiers.arena import cuda_usable, new_buffer
 from .util.batch import exclusive_cumsum
 from .util.copy import copy_blobs
 from .util.units import align  # the arenas' alignment: the hot gather reads aligned extents
@@ -133,16 +134,21 @@ ALLOCATION_KINDS = ("output", "batch", "scratch", "index")
 
 
 @contextlib.contextmanager
-def inject_device_oom(max_bytes: int = 0, only: str | tuple[str, ...] | None = None) -> Iterator[None]:
+def inject_device_oom(max_bytes: int = 0, only: str | tuple[str, ...] | None = None, *,
+                      error: str | None = None) -> Iterator[None]:
     """Make GPU-decoder allocations larger than ``max_bytes`` raise ``torch.OutOfMemoryError`` (tests).
 
     Covers the decoder's own buffers and nvCOMP's scratch (routed through PyTorch's allocator).
     ``max_bytes=0`` fails every allocation (forcing the CPU fallback); restricting ``only`` to
     ``"batch"``/``"scratch"`` with a size between a whole batch and its halves forces a split.
+    With ``error``, the allocation raises ``RuntimeError(error)`` instead: with
+    ``only="scratch"`` that is a failure inside nvCOMP's call that is not a lack of memory (a
+    CUDA runtime error, say), which the decoder answers by decoding the batch on the CPU.
 
     Args:
         max_bytes: allocations above this size fail.
         only: fail only these kinds (see :data:`ALLOCATION_KINDS`); default all.
+        error: raise ``RuntimeError(error)`` rather than out-of-memory.
 
     Example:
         >>> with inject_device_oom(0):
@@ -155,7 +161,7 @@ def inject_device_oom(max_bytes: int = 0, only: str | tuple[str, ...] | None = N
     kinds = None if only is None else frozenset([only] if isinstance(only, str) else only)
     if kinds is not None and not kinds <= set(ALLOCATION_KINDS):
         raise ValueError(f"only must name kinds among {ALLOCATION_KINDS}, got {only!r}")
-    _limits.append((int(max_bytes), kinds))
+    _limits.append((int(max_bytes), kinds, error))
     try:
         yield
     finally:
@@ -164,8 +170,10 @@ def inject_device_oom(max_bytes: int = 0, only: str | tuple[str, ...] | None = N
 
 def _device_empty(nbytes: int, device: torch.device, kind: str = "batch") -> torch.Tensor:
     if _limits:
-        limit, kinds = _limits[-1]
+        limit, kinds, error = _limits[-1]
         if nbytes > limit and (kinds is None or kind in kinds):
+            if error is not None:
+                raise RuntimeError(f"injected: {error} ({kind}, {nbytes} bytes on {device})")
             _tls.oom = True
             raise torch.OutOfMemoryError(
                 f"injected: the GPU decoder cannot allocate {nbytes} bytes ({kind}) on {device} "
@@ -178,28 +186,22 @@ def _device_empty(nbytes: int, device: torch.device, kind: str = "batch") -> tor
         raise
 
 
-def _scratch(nbytes: int, device: torch.device) -> torch.Tensor | None:
-    """nvCOMP's scratch memory (its allocator callback lands here): never raises.
+def _scratch(nbytes: int, device: torch.device) -> torch.Tensor:
+    """nvCOMP's scratch memory (its allocator callback lands here).
 
-    nvCOMP calls the allocator from C++, where a Python exception may abort the process. A
-    failure is recorded (:func:`~tiered.codecs.nvcomp.note_allocation_failure`) and raised by the
-    codec once nvCOMP's call returns; the decoder then splits the batch or falls back to the
-    CPU. An injected failure still hands nvCOMP real memory (it never runs on a block that was
-    refused only in a test); a real one hands it none (None: a null block).
+    A failure is recorded (:func:`~tiered.codecs.nvcomp.note_allocation_failure`) before it is
+    raised into nvCOMP, so the codec raises it, not what nvCOMP makes of it, once nvCOMP's call
+    returns; the decoder then splits the batch (out of memory) or decodes it on the CPU.
+    nvCOMP never runs on a block that was refused.
     """
     try:
         return _device_empty(nbytes, device, "scratch")
     except BaseException as e:
         note_allocation_failure(e)
-        if not str(e).startswith("injected"):
-            return None
-    try:
-        return torch.empty(int(nbytes), dtype=torch.uint8, device=device)  # past the test seams
-    except BaseException:
-        return None
+        raise
 
 
-def _nvcomp_alloc(nbytes: int, stream: torch.cuda.Stream) -> torch.Tensor | None:
+def _nvcomp_alloc(nbytes: int, stream: torch.cuda.Stream) -> torch.Tensor:
     return _scratch(nbytes, stream.device)
 
 
@@ -217,6 +219,11 @@ def _is_oom(e: BaseException) -> bool:
 
 class _Fallback(Exception):
     """Internal: give up on the GPU for this batch (the reason is counted)."""
+
+
+class _CodecFailure(Exception):
+    """Internal: the decode call itself failed, not for lack of memory (nvCOMP's error, a CUDA
+    runtime error): the batch is decoded on the CPU, once the device is known to still work."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -286,16 +293,22 @@ class _CpuBackend:
         codec = self._codecs.get(fmt)
         if codec is None:
             codec = self._codecs[fmt] = codec_for_format_id(fmt)
-        # Scratch as nvCOMP takes it: through the allocator callback, whose failure is raised
-        # only after the decode call (the path an out-of-memory inside nvCOMP takes).
+        # Scratch as nvCOMP takes it, inside the call, through the allocator callback: the
+        # codec raises the recorded failure (the path an out-of-memory inside nvCOMP takes).
         take_allocation_failure()
-        scratch = _scratch(_stand_in_scratch(osz), out.device)
-        # CPU codecs need exact sizes: the filler frames decode to exactly 1 byte
-        codec.decode(data.numpy(), offs, csz, out.numpy(), ooff, osz)
-        del scratch
-        failure = take_allocation_failure()
-        if failure is not None:
-            raise failure
+        try:
+            scratch = _scratch(_stand_in_scratch(osz), out.device)
+            # CPU codecs need exact sizes: the filler frames decode to exactly 1 byte
+            codec.decode(data.numpy(), offs, csz, out.numpy(), ooff, osz)
+            del scratch
+        except BaseException as e:
+            failure = take_allocation_failure()
+            if failure is not None and failure is not e:
+                raise failure from e
+            raise
+
+    def why_not(self, fmt: int) -> str:
+        return f"format id {fmt} not decodable by the CPU stand-in"
 
     def info(self) -> dict[str, Any]:
         return {"backend": "cpu", "chosen": {name: "the CPU codec (stand-in for nvCOMP)"
@@ -336,6 +349,15 @@ class _NvcompBackend:
             warnings.warn(f"nvCOMP {_FORMAT_NAMES[fmt]} on {self.device}: {describe_choice(probe)} "
                           f"(probe errors: {'; '.join(probe['errors']) or 'none'})", stacklevel=2)
         return probe["exact"] is not None
+
+    def why_not(self, fmt: int) -> str:
+        """Why :meth:`supports` said no (the CPU-fallback reason :meth:`GpuDecoder.stats` counts)."""
+        if fmt not in _FORMAT_NAMES:
+            return f"format id {fmt} not decodable by nvCOMP"
+        probe = self.codec(fmt).probe()
+        if probe.get("oom") and not probe.get("cached"):
+            return f"nvCOMP {_FORMAT_NAMES[fmt]} probe ran out of GPU memory (retried later)"
+        return f"nvCOMP {_FORMAT_NAMES[fmt]} failed its probe"
 
     def capacity_ok(self, fmt: int, nbytes: int) -> bool:
         """Whether a capacity config of ``nbytes`` per slot decodes bit-exactly (batch buckets)."""
@@ -509,6 +531,11 @@ class GpuDecoder:
             for k, v in kw.items():
                 self._counters[k] = self._counters.get(k, 0) + int(v)
 
+    def first_failure(self, why: str) -> bool:
+        """Whether no batch fell back for this reason yet (warn once per reason)."""
+        with self._lock:
+            return why not in self._reasons
+
     def note_fallback(self, why: str) -> None:
         """Count a batch decoded on the CPU, and why."""
         with self._lock:
@@ -660,7 +687,7 @@ class GpuReadPipeline(ReadPipeline):
         if fmts.size and (fmts != fmt).any():
             return self._fallback(layout, fam, uniq, "mixed codecs in one batch")
         if not backend.supports(fmt):
-            return self._fallback(layout, fam, uniq, f"format id {fmt} not decodable by {backend.name}")
+            return self._fallback(layout, fam, uniq, backend.why_not(fmt))
         if not backend.fits(fmt, stride):
             return self._fallback(layout, fam, uniq, f"cells over {BASE_CHUNK} bytes: not verified by the probe")
         m = int(stored.sum())
@@ -684,9 +711,8 @@ class GpuReadPipeline(ReadPipeline):
             side.wait_stream(cur)  # the caller's pending work (e.g. arena writes) comes first
             if self.decoder.fence is not None:
                 side.wait_event(self.decoder.fence)
-            ev = getattr(hot, "write_event", None)
-            if ev is not None:
-                side.wait_event(ev)
+            if hot_words is not None:
+                hot.order.wait(side)  # writes other threads' streams queued on the arena
         result_extra: torch.Tensor | None = None
         blk: torch.Tensor | None = None
         try:
@@ -701,7 +727,7 @@ class GpuReadPipeline(ReadPipeline):
                 ctx = _Ctx(layout, fam, uniq, kind, fmt, stride, out, bucket, pads, side, hot_words)
                 try:
                     result_extra, blk = self._attempt(ctx, np.arange(n, dtype=np.int64), extra, promote=True)
-                except ChecksumError:
+                except (ChecksumError, _CodecFailure):
                     raise
                 except BaseException as e:
                     if not _is_oom(e):
@@ -722,6 +748,8 @@ class GpuReadPipeline(ReadPipeline):
                             if not _is_oom(e2):
                                 raise
                             return self._fallback(layout, fam, uniq, "out of memory for the frame indices")
+        except _CodecFailure as e:
+            return self._codec_fallback(layout, fam, uniq, fmt, e.__cause__ or e)
         finally:
             if self._cuda:
                 t["done"].record(side)
@@ -746,7 +774,7 @@ class GpuReadPipeline(ReadPipeline):
             _tls.oom = False
             try:
                 self._attempt(ctx, part, None, promote=False)
-            except ChecksumError:
+            except (ChecksumError, _CodecFailure):
                 raise
             except BaseException as e:
                 if not _is_oom(e):
@@ -801,8 +829,13 @@ class GpuReadPipeline(ReadPipeline):
                     pad_rows = c.uniq.size + np.arange(c.pads, dtype=np.int64)
                     ooff = np.concatenate([ooff, pad_rows * c.stride])
                     osz = np.concatenate([osz, np.ones(c.pads, np.int64)])
-                self.decoder.backend.decode(c.fmt, blk, dec_off, csz_d, c.out, ooff, osz,
-                                            c.stride if c.bucket else None, c.side)
+                try:
+                    self.decoder.backend.decode(c.fmt, blk, dec_off, csz_d, c.out, ooff, osz,
+                                                c.stride if c.bucket else None, c.side)
+                except BaseException as e:
+                    if _is_oom(e) or not isinstance(e, Exception):
+                        raise  # out of memory: split; KeyboardInterrupt and the like: the caller's
+                    raise _CodecFailure(str(e)) from e
         self.decoder.count(h2d_bytes=plan.prefix, pads=c.pads, hot_on_device=h)
         if promote and self.promote and m:
             self.placement.promote(plan.s_ids, plan.s_kind.astype(np.int8), stg, comp0 + plan.rel, plan.csz)
@@ -843,6 +876,23 @@ class GpuReadPipeline(ReadPipeline):
         self.counters["blobs_decoded"] += int(stored.sum())
         self.decoder.count(batches=1, blobs=int(uniq.size), hot=int(counts[HOT]), warm=int(counts[WARM]),
                            cold=int(counts[COLD]), open=int(counts[_OPEN_KIND]))
+
+    def _codec_fallback(self, layout: FieldLayout, fam: FrameFamily, uniq: np.ndarray, fmt: int,
+                        error: BaseException) -> tuple[torch.Tensor, None]:
+        """The decode call failed, not for lack of memory: on the CPU if the device still works.
+
+        The blobs passed their checksums, so the data is sound: nvCOMP met a shape its probe
+        never tried (a chunk class, a batch size), or CUDA failed. A sticky CUDA error leaves
+        nothing to fall back to (the result must reach the device): DeviceFailedError.
+        """
+        check_device(self.device, f"nvCOMP's decode of a batch of {uniq.size} blobs")
+        name = _FORMAT_NAMES.get(fmt, str(fmt))
+        why = f"nvCOMP {name} decode error: {type(error).__name__}"
+        if self.decoder.first_failure(why):
+            warnings.warn(f"nvCOMP could not decode a batch of {uniq.size} {name} blobs on {self.device} "
+                          f"({type(error).__name__}: {error}); it was decoded on the CPU, as later such "
+                          "batches will be (counted in GpuDecoder.stats()['fallback_reasons'])", stacklevel=2)
+        return self._fallback(layout, fam, uniq, why)
 
     def _fallback(self, layout: FieldLayout, fam: FrameFamily, uniq: np.ndarray,
                   why: str) -> tuple[torch.Tensor, None]:
@@ -940,11 +990,13 @@ def maybe_gpu_decoder(device: torch.device, option: bool | None = None) -> GpuDe
     Args:
         device: where the store returns data.
         option: ``None`` (auto): a decoder when ``device`` is CUDA and nvCOMP is importable, else
-            None with a warning naming the install command; ``True``: require it; ``False``:
+            None with a warning naming the install command (or saying that CUDA cannot start in
+            a process forked after its parent started it); ``True``: require it; ``False``:
             never (CPU decode, then a copy to ``device``).
 
     Raises:
-        CodecUnavailableError: ``option=True`` and nvCOMP or CUDA is missing.
+        CodecUnavailableError: ``option=True`` and nvCOMP or CUDA is missing, or this process
+            was forked after its parent started CUDA.
         ValueError: ``option=True`` with a CPU ``device``.
 
     Example:
@@ -958,10 +1010,15 @@ def maybe_gpu_decoder(device: torch.device, option: bool | None = None) -> GpuDe
             raise ValueError(f"gpu_decode=True needs a CUDA device, but the store returns data on {device}; "
                              "pass device='cuda'")
         return None
-    if option:
-        return GpuDecoder(device)
     try:
+        if torch.cuda.is_available() and not cuda_usable():
+            # torch's own error here is a RuntimeError ("Cannot re-initialize CUDA in forked subprocess")
+            raise CodecUnavailableError(
+                f"CUDA cannot start in this process: it was forked after its parent started CUDA; "
+                f"decode on {device} from the parent, or start workers with the 'spawn' method")
         return GpuDecoder(device)
     except CodecUnavailableError as e:
+        if option:
+            raise
         warnings.warn(f"tiered samples on {device} but decodes on the CPU: {e}", stacklevel=4)
         return None

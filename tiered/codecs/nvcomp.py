@@ -34,10 +34,14 @@ Every nvCOMP ``Codec`` is built with an ``uncomp_chunk_size`` at least as large 
 decodes (a power of two from 64 KiB up, see :func:`chunk_class`): how RAW streams treat cells
 larger than the chunk size is not documented, so no cell ever is.
 
-nvCOMP calls the device allocator (:func:`use_torch_allocator`) from C++; whether a Python
-exception raised there unwinds or aborts the process is not documented, so the callback never
-raises: a failed allocation is recorded (:func:`note_allocation_failure`), nvCOMP gets a null
-block, and the codec raises the recorded error once the nvCOMP call has returned.
+nvCOMP calls the device allocator (:func:`use_torch_allocator`) from C++. A failed allocation is
+recorded (:func:`note_allocation_failure`) and raised into nvCOMP, and the codec raises the
+recorded error once the nvCOMP call has returned. nvCOMP's headers allow a NULL scratch block
+only when no scratch is needed, so handing it a null block on failure could make its kernels
+write through a null pointer: a sticky CUDA error that ends the process's CUDA context. Whether
+a Python exception unwinds cleanly through nvCOMP's C++ frames is not documented either; the
+``@pytest.mark.cuda`` test of a real allocation failure inside the call runs in a child process.
+The callback is reset at interpreter exit, before nvCOMP's and torch's teardown.
 
 ``nvidia.nvcomp`` is imported lazily; when it is missing, constructing a codec raises
 :class:`~tiered.errors.CodecUnavailableError` with the install command.
@@ -54,6 +58,7 @@ Example:
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import threading
 from collections import OrderedDict
@@ -65,7 +70,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..errors import CodecUnavailableError, CorruptionError, UnknownCodecError
+from ..errors import CodecUnavailableError, CorruptionError, DeviceFailedError, UnknownCodecError
 from ..util.batch import exclusive_cumsum
 from ..util.copy import copy_blobs, copy_host_blobs
 from .base import Codec, EncodedBatch
@@ -89,6 +94,9 @@ __all__ = [
     "note_allocation_failure",
     "take_allocation_failure",
     "probe_is_final",
+    "ProbeResults",
+    "RetryGate",
+    "check_device",
 ]
 
 #: Install command named by every "nvCOMP missing" error.
@@ -108,18 +116,22 @@ BASE_CHUNK = 1 << 16
 
 @dataclass(frozen=True)
 class _Format:
+    """One nvCOMP format; the numbers are the ``nvcomp<Algo>*`` constants of nvCOMP 6.0's headers."""
+
     algorithm: str  # nvCOMP's algorithm name
     format_id: int  # shared with the CPU codec of the same bitstream
-    decode_align: int  # [verified: headers] required alignment of decode buffers
-    max_chunk: int  # the largest uncompressed chunk nvCOMP's batched API takes for the format
+    decode_align: int  # RequiredDecompressionAlignment: every decode buffer
+    compress_align: int  # RequiredCompressionAlignment: every encode buffer
+    max_decode_chunk: int  # DecompressionMaxAllowedChunkSize
+    max_encode_chunk: int  # CompressionMaxAllowedChunkSize
     options: tuple[tuple[str, Any], ...] = ()
 
 
 _FORMATS: dict[str, _Format] = {
-    "zstd": _Format("Zstd", 1, 8, 1 << 24),
-    "lz4": _Format("LZ4", 2, 4, 1 << 24, (("data_type", "|u1"),)),
+    "zstd": _Format("Zstd", 1, 8, 4, (1 << 31) - 1, (1 << 31) - 1),
+    "lz4": _Format("LZ4", 2, 4, 4, (1 << 32) - 1, 1 << 24, (("data_type", "|u1"),)),
     # Format id 3 is not in tiered.codecs' registry: deflate blobs are GPU-only (see module doc).
-    "deflate": _Format("Deflate", 3, 4, 1 << 16),
+    "deflate": _Format("Deflate", 3, 4, 8, (1 << 32) - 1, 1 << 31),
 }
 
 
@@ -197,7 +209,8 @@ def _require_cuda() -> Any:
 
 
 _allocator_lock = threading.Lock()
-_allocator_installed: list[Callable | None] = [None]
+# [whether ours is installed, the `allocate` it wraps]
+_allocator_installed: list[Any] = [False, None]
 _alloc_failure = threading.local()
 
 
@@ -226,13 +239,6 @@ def take_allocation_failure() -> BaseException | None:
     return error
 
 
-class _NullBlock:
-    """What nvCOMP gets when an allocation failed: no memory (the call's error is raised after it)."""
-
-    __slots__ = ()
-    ptr = 0
-
-
 class _TorchBlock:
     """A device block owned by torch's caching allocator, exposing ``ptr`` as nvCOMP expects."""
 
@@ -250,9 +256,11 @@ def use_torch_allocator(allocate: Callable[[int, Any], torch.Tensor] | None = No
     reused, counted by ``torch.cuda.memory_allocated`` and freed stream-ordered. The setting is
     process-wide; the first call wins unless ``allocate`` differs.
 
-    The callback never raises into nvCOMP: an exception from ``allocate`` (or ``allocate``
-    returning None) is recorded with :func:`note_allocation_failure`, nvCOMP gets a null
-    block, and the codec raises the recorded error after the nvCOMP call returns.
+    A failure in ``allocate`` (an exception, or None returned) is recorded with
+    :func:`note_allocation_failure` and raised into nvCOMP, which gives up the call; the codec
+    then raises the recorded error (a ``torch.OutOfMemoryError`` the GPU decoder handles by
+    splitting the batch). nvCOMP never gets a null block: its headers allow NULL scratch only
+    when none is needed. The callback is reset at interpreter exit (``atexit``).
 
     Args:
         allocate: ``allocate(nbytes, torch_stream) -> uint8 CUDA tensor | None``; default
@@ -287,17 +295,34 @@ def use_torch_allocator(allocate: Callable[[int, Any], torch.Tensor] | None = No
             # Allocated while `ts` is current: the block is stream-ordered on the stream nvCOMP uses.
             with torch.cuda.stream(ts):
                 t = alloc(max(int(nbytes), 1), ts)
-            # ExternalMemory keeps the nvCOMP stream alive until the block is released.
-            return _NullBlock() if t is None else ExternalMemory(_TorchBlock(t), stream)
-        except BaseException as e:  # never into nvCOMP's C++ frames: raised after its call
+            if t is None:
+                raise torch.OutOfMemoryError(f"nvCOMP scratch: cannot allocate {int(nbytes)} bytes")
+        except BaseException as e:
+            # recorded first: what nvCOMP makes of the exception (its own RuntimeError, perhaps)
+            # is not what the codec raises after the call
             note_allocation_failure(e)
-            return _NullBlock()
+            raise
+        # ExternalMemory keeps the nvCOMP stream alive until the block is released.
+        return ExternalMemory(_TorchBlock(t), stream)
 
     with _allocator_lock:
-        if _allocator_installed[0] is allocate and allocate is not None:
+        if _allocator_installed[0] and _allocator_installed[1] is allocate:
             return
         nv.set_device_allocator(nvcomp_alloc)
-        _allocator_installed[0] = allocate
+        if not _allocator_installed[0]:
+            # a Python callback left installed would be called by nvCOMP's static teardown, after
+            # the interpreter (or torch's allocator) is gone
+            atexit.register(_reset_allocator)
+        _allocator_installed[:] = [True, allocate]
+
+
+def _reset_allocator() -> None:
+    """Give nvCOMP back its own device allocator (at exit, or in tests)."""
+    with _allocator_lock:
+        if not _allocator_installed[0]:
+            return
+        _allocator_installed[:] = [False, None]
+        import_nvcomp().set_device_allocator()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -416,7 +441,8 @@ class _Entry:
 
 
 def _check_device_batch(data: torch.Tensor, offsets: np.ndarray, sizes: np.ndarray, what: str,
-                        device: torch.device, spec: _Format, span: np.ndarray | None = None) -> None:
+                        device: torch.device, spec: _Format, span: np.ndarray | None = None,
+                        encode: bool = False) -> None:
     """Raise unless ``data`` is a uint8 CUDA tensor of ``device`` holding the blobs, each aligned for ``spec``."""
     import torch
 
@@ -430,12 +456,13 @@ def _check_device_batch(data: torch.Tensor, offsets: np.ndarray, sizes: np.ndarr
     span = sizes if span is None else span
     if offsets.size and (int(offsets.min()) < 0 or int((offsets + span).max()) > data.numel()):
         raise ValueError(f"{what}: blob ranges fall outside its {data.numel()} bytes")
-    misaligned = (data.data_ptr() + offsets) % spec.decode_align
+    need = spec.compress_align if encode else spec.decode_align
+    misaligned = (data.data_ptr() + offsets) % need
     if offsets.size and misaligned.any():
         i = int(np.flatnonzero(misaligned)[0])
         raise ValueError(
             f"{what}: entry {i} starts at offset {int(offsets[i])}, which is not aligned to the "
-            f"{spec.decode_align} bytes nvCOMP's {spec.algorithm} needs; lay blobs out at "
+            f"{need} bytes nvCOMP's {spec.algorithm} needs; lay blobs out at "
             f"multiples of {ALIGN} (tier arenas already do)")
 
 
@@ -549,13 +576,15 @@ class NvcompCodec(Codec):
             s = self._local.side = torch.cuda.Stream(self.device)
         return s
 
-    def _entry(self, stream: torch.cuda.Stream, largest: int = 0) -> _Entry:
+    def _entry(self, stream: torch.cuda.Stream, largest: int = 0, encode: bool = False) -> _Entry:
         """The nvCOMP Codec of this thread and ``stream`` whose chunk size fits cells of ``largest`` bytes."""
         chunk = chunk_class(largest)
-        if chunk > self._spec.max_chunk:
+        limit = self._spec.max_encode_chunk if encode else self._spec.max_decode_chunk
+        if chunk > limit:
+            verb = "encode" if encode else "decode"
             raise CodecUnavailableError(
-                f"a {largest}-byte cell is larger than the {self._spec.max_chunk} bytes nvCOMP's "
-                f"{self._spec.algorithm} takes per chunk; decode it with the CPU codec")
+                f"a {largest}-byte cell needs a {chunk}-byte chunk, more than the {limit} bytes nvCOMP's "
+                f"{self._spec.algorithm} takes per chunk to {verb}; {verb} it with the CPU codec")
         entries = self._local.__dict__.setdefault("entries", {})
         ptr = int(stream.cuda_stream)
         e = entries.get((ptr, chunk))
@@ -622,15 +651,22 @@ class NvcompCodec(Codec):
           ``large_capacity``: the same with a capacity config (buckets of large cells).
 
         Every probe cell is within the chunk size of the Codec decoding it. A result spoiled
-        by an out-of-memory error is not kept: the next call probes again.
+        by an out-of-memory error is not kept: a later call probes again, after 1, 2, 4, ...
+        up to 256 calls that reuse it (:class:`ProbeResults`). Results are kept per format,
+        device and execution policy.
+
+        Raises:
+            DeviceFailedError: a probed mode failed with a CUDA error that ended the process's
+                CUDA context (see :func:`check_device`).
 
         Returns:
             ``{"exact": ..., "capacity": bool, "large": bool, "large_capacity": bool,
             "errors": [str, ...], "oom": bool,
             "cached": bool, "sizes": [...], "large_sizes": [...]}``.
         """
-        result = _PROBES.result(self)
-        self._probe_result = result if result["cached"] else None  # an OOM-spoiled probe runs again
+        key = (self.format, int(self.device.index), self.execution_policy)
+        result = _PROBES.result(key, lambda: _find_decode_modes(self))
+        self._probe_result = result if result["cached"] else None  # an OOM-spoiled probe is retried
         return result
 
     # -- GPU-native API -------------------------------------------------------------------------
@@ -763,7 +799,7 @@ class NvcompCodec(Codec):
         offsets, sizes = np.asarray(offsets, np.int64), np.asarray(sizes, np.int64)
         if offsets.shape != sizes.shape:
             raise ValueError("offsets and sizes must have one entry per cell")
-        _check_device_batch(data, offsets, sizes, "data", self.device, self._spec)
+        _check_device_batch(data, offsets, sizes, "data", self.device, self._spec, encode=True)
         n = int(sizes.size)
         nz = np.flatnonzero(sizes > 0)
         csz = np.zeros(n, dtype=np.int64)
@@ -773,7 +809,7 @@ class NvcompCodec(Codec):
             tmp = None
             tmp_off = np.zeros(0, np.int64)
             if nz.size:
-                tmp, tmp_off, got = self._encode_nonzero(self._entry(on, int(sizes.max())), data,
+                tmp, tmp_off, got = self._encode_nonzero(self._entry(on, int(sizes.max()), encode=True), data,
                                                          offsets[nz], sizes[nz])
                 csz[nz] = got
             out_off = exclusive_cumsum(_align(csz))
@@ -975,6 +1011,9 @@ def _find_decode_modes(codec: NvcompCodec) -> dict[str, Any]:
             msg = str(e).lower()
             if "out of memory" in msg or type(e).__name__ in ("OutOfMemoryError", "MemoryError"):
                 result["oom"] = True
+            else:
+                # a mode that ends the CUDA context must not pass for "decode on the CPU"
+                check_device(codec.device, f"nvCOMP's probe ({what})")
         return False
 
     for mode in ("cc", "src"):
@@ -1007,29 +1046,114 @@ def probe_is_final(result: dict[str, Any]) -> bool:
     return bool(passed or not result.get("oom"))
 
 
-class _Probes:
-    """The probe results, found once per format and device and shared by every codec object.
+class RetryGate:
+    """When to try again what failed for a passing reason: after 1, 2, 4, ... refusals, at most ``cap``.
 
-    A result spoiled by an out-of-memory error is returned but not kept (:func:`probe_is_final`).
+    :class:`ProbeResults` keeps one per probe key, so a probe spoiled by a lack of memory is
+    not run again (eight decodes and their syncs) before every batch that falls back.
+
+    Example:
+        >>> gate = RetryGate(cap=4)
+        >>> gate.failed()
+        >>> [gate.ready() for _ in range(3)]
+        [False, True, True]
+        >>> gate.failed(); gate.failed(); [gate.ready() for _ in range(5)]
+        [False, False, False, False, True]
     """
 
-    def __init__(self) -> None:
-        self._results: dict[tuple[str, int], dict[str, Any]] = {}
+    def __init__(self, cap: int = 256) -> None:
+        self.cap = max(1, int(cap))
+        self._wait = 0
+        self._left = 0
+
+    def ready(self) -> bool:
+        """Whether to try now (each refusal counts toward the next try)."""
+        if self._left > 0:
+            self._left -= 1
+            return False
+        return True
+
+    def failed(self) -> None:
+        """The try failed again: wait twice as long (up to ``cap``) before the next."""
+        self._wait = min(max(1, 2 * self._wait), self.cap)
+        self._left = self._wait
+
+    def succeeded(self) -> None:
+        self._wait = self._left = 0
+
+
+class ProbeResults:
+    """Probe results, found once per key (format, device, execution policy) and shared by every
+    codec object of the process.
+
+    A result spoiled by an out-of-memory error (:func:`probe_is_final`) is not kept for good:
+    it is returned as is while its :class:`RetryGate` refuses (1, 2, 4, ... up to 256 calls),
+    then the probe runs again.
+
+    Example:
+        >>> spoiled = {"exact": None, "capacity": False, "large": False, "oom": True}
+        >>> runs = []
+        >>> probes = ProbeResults()
+        >>> for _ in range(4):
+        ...     _ = probes.result(("zstd", 0, "concurrency"), lambda: runs.append(1) or dict(spoiled))
+        >>> len(runs)   # probed on calls 1 and 3
+        2
+    """
+
+    def __init__(self, cap: int = 256) -> None:
+        self._results: dict[Any, dict[str, Any]] = {}
+        self._spoiled: dict[Any, dict[str, Any]] = {}
+        self._gates: dict[Any, RetryGate] = {}
+        self._cap = cap
         self._lock = threading.Lock()
 
-    def result(self, codec: NvcompCodec) -> dict[str, Any]:
-        key = (codec.format, int(codec.device.index))
+    def result(self, key: Any, find: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        """The kept result for ``key``, else ``find()``'s (when the retry gate lets it run)."""
         with self._lock:
             if key in self._results:
                 return self._results[key]
-            found = _find_decode_modes(codec)
+            gate = self._gates.setdefault(key, RetryGate(self._cap))
+            if key in self._spoiled and not gate.ready():
+                return self._spoiled[key]
+            found = find()
             found["cached"] = probe_is_final(found)
             if found["cached"]:
                 self._results[key] = found
+                self._spoiled.pop(key, None)
+                gate.succeeded()
+            else:
+                self._spoiled[key] = found
+                gate.failed()
             return found
 
 
-_PROBES = _Probes()
+_PROBES = ProbeResults()
+
+
+def check_device(device: Any, what: str) -> None:
+    """Raise :class:`~tiered.errors.DeviceFailedError` when ``device``'s CUDA context is dead.
+
+    Called after a CUDA or nvCOMP call failed with anything but out-of-memory: a sticky error
+    (an illegal address) fails every later call, including this small synchronizing one.
+    Nothing happens on a CPU device.
+
+    Example:
+        >>> import torch
+        >>> check_device(torch.device("cpu"), "a decode")
+    """
+    import torch
+
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return
+    try:
+        torch.cuda.synchronize(dev)
+        torch.ones(1, device=dev).add_(1).cpu()
+    except RuntimeError as e:
+        raise DeviceFailedError(
+            f"{what} failed and left CUDA unusable in this process ({type(e).__name__}: {e}); no data "
+            "can be returned on the GPU any more: restart the process, or pass gpu_decode=False "
+            "to decode on the CPU") from e
 
 
 def codec_factory(arg: str | None) -> NvcompCodec:

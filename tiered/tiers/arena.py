@@ -10,6 +10,15 @@ Blobs move in and out with the package's batched copy, :func:`tiered.util.copy.c
 number of blobs). :func:`new_buffer` is the arenas' one allocation, with the allocation-failure
 seam :func:`inject_oom` for tests; the GPU decoder allocates through it too.
 
+A CUDA arena is written from more than one CUDA stream: the thread that extends the store
+writes on its current stream, a prefetch thread's GPU decoder promotes blobs on its own. Each
+arena keeps a :class:`StreamOrder`: every operation on the arena (write, read, growth,
+compaction) first makes the current stream wait for the last work other streams queued on it,
+and writes mark their stream afterwards. No host synchronization is added. A pinned host arena
+is page-locked with ``cudaHostRegister`` on memory of its own (:func:`new_buffer`), not taken
+from PyTorch's caching host allocator, which rounds every block up to a power of two and keeps
+freed blocks: an arena grown by doubling would pin about twice its budget, and keep it.
+
 Example:
     >>> import numpy as np
     >>> t = HostTier("1MiB")
@@ -24,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import mmap
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -39,7 +49,8 @@ from ..util.units import align, format_bytes, parse_bytes
 from .base import Tier
 from .extents import ExtentAllocator
 
-__all__ = ["ArenaTier", "HostTier", "DeviceTier", "default_budgets", "inject_oom", "new_buffer", "cuda_usable"]
+__all__ = ["ArenaTier", "HostTier", "DeviceTier", "default_budgets", "inject_oom", "new_buffer", "cuda_usable",
+           "StreamOrder"]
 
 # Smallest arena buffer: growing 64 KiB -> budget takes ~log2(budget / 64 KiB) copies.
 _MIN_ARENA = 1 << 16
@@ -124,6 +135,9 @@ def new_buffer(nbytes: int, device: str | torch.device, pinned: bool = False) ->
     Plain host memory of 64 KiB or more is an anonymous memory map of its own, so
     the pages that are never written (an arena's room to grow) are never held: from the heap,
     they could be pages an earlier, freed allocation had written, held from the start.
+    Pinned memory is such a map too, page-locked with ``cudaHostRegister`` and unregistered
+    when the tensor goes (PyTorch's caching host allocator would round it up to a power of two
+    and keep it after it is freed); where registration fails it comes from that allocator.
     Inside :func:`inject_oom` it raises ``torch.OutOfMemoryError`` once the allowed growths are
     used up, as a real allocation would.
 
@@ -136,7 +150,7 @@ def new_buffer(nbytes: int, device: str | torch.device, pinned: bool = False) ->
             raise torch.OutOfMemoryError(f"injected: cannot allocate {nbytes} bytes on {device}")
         _oom_after[-1] -= 1
     if pinned:
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        return _registered(nbytes)
     if _ANON_PRIVATE and nbytes >= _MIN_ARENA and torch.device(device).type == "cpu":
         try:
             # private: counted as the process's own (anonymous) memory, like any heap allocation
@@ -146,6 +160,87 @@ def new_buffer(nbytes: int, device: str | torch.device, pinned: bool = False) ->
         # the tensor holds a reference to the map: unmapped when the tensor goes
         return torch.frombuffer(region, dtype=torch.uint8)
     return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+
+class _PinnedMap(mmap.mmap):
+    """Anonymous memory page-locked for CUDA; unregistered before it is unmapped."""
+
+    ptr = 0
+
+    def __del__(self) -> None:
+        if self.ptr:
+            with contextlib.suppress(Exception):  # at interpreter exit CUDA may be gone already
+                torch.cuda.cudart().cudaHostUnregister(self.ptr)
+            self.ptr = 0
+
+
+def _registered(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of page-locked host memory that is returned to the system when the tensor goes."""
+    if _ANON_PRIVATE and nbytes > 0:
+        try:
+            region = _PinnedMap(-1, nbytes, flags=_ANON_PRIVATE)
+        except OSError as e:
+            raise MemoryError(f"cannot map {nbytes} bytes of host memory: {e}") from e
+        t = torch.frombuffer(region, dtype=torch.uint8)
+        ptr = t.data_ptr()
+        rc = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
+        if int(getattr(rc, "value", rc)) == 0:
+            region.ptr = ptr
+            return t
+        del t, region  # not page-locked here (a locked-memory limit, say): torch's allocator may do it
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+
+class StreamOrder:
+    """Orders the work several CUDA streams queue on one buffer, without host synchronization.
+
+    :meth:`wait` makes a stream wait for the last work every *other* stream marked;
+    :meth:`mark` records the current stream's work so far. On a CPU device the work is done
+    when the call returns, so nothing waits, but the streams are still told apart (by thread)
+    and the waits that would be needed are counted: CPU tests check the ordering logic.
+
+    Example:
+        >>> order = StreamOrder("cpu")
+        >>> order.mark(); order.wait(); order.stats()      # only this thread marked: no wait
+        {'marks': 1, 'waits': 0}
+    """
+
+    def __init__(self, device: str | torch.device) -> None:
+        self.device = torch.device(device)
+        self._cuda = self.device.type == "cuda"
+        self._last: dict[int, Any] = {}  # stream (CUDA) or thread (CPU) -> event of its last work
+        self._counts = {"marks": 0, "waits": 0}
+
+    def _current(self) -> tuple[int, Any]:
+        if self._cuda:
+            s = torch.cuda.current_stream(self.device)
+            return int(s.cuda_stream), s
+        return threading.get_ident(), None
+
+    def wait(self, stream: Any = None) -> None:
+        """Make ``stream`` (default: the current one) wait for the last work of every other stream."""
+        key, cur = self._current()
+        if stream is not None:
+            key, cur = int(stream.cuda_stream), stream
+        for k, ev in list(self._last.items()):  # one per stream that ever marked: a handful
+            if k != key:
+                if cur is not None:
+                    cur.wait_event(ev)
+                self._counts["waits"] += 1
+
+    def mark(self) -> None:
+        """Record the current stream's work on the buffer so far (others wait for it)."""
+        key, cur = self._current()
+        ev = None
+        if cur is not None:
+            ev = torch.cuda.Event()
+            ev.record(cur)
+        self._last[key] = ev
+        self._counts["marks"] += 1
+
+    def stats(self) -> dict[str, int]:
+        """``marks`` and ``waits`` so far (a wait counts one other stream waited for)."""
+        return dict(self._counts)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -182,6 +277,8 @@ class ArenaTier(Tier):
         self.pinned = pinned
         self._alloc = ExtentAllocator(self.budget)
         self._buf: torch.Tensor | None = None
+        #: the order of the streams that use the arena (see the module docstring)
+        self.order = StreamOrder(self.device)
 
     @property
     def capacity(self) -> int:
@@ -210,7 +307,9 @@ class ArenaTier(Tier):
         size = min(self.budget, max(need, 2 * have, _MIN_ARENA))
         new = new_buffer(size, self.device, self.pinned)
         if have:
+            self.order.wait()  # another stream's pending write must land before the copy reads it
             new[:have].copy_(self._buf)
+            self.order.mark()
         self._buf = new
 
     def allocate(self, sizes: np.ndarray) -> np.ndarray:
@@ -325,10 +424,12 @@ class ArenaTier(Tier):
             stops = np.concatenate([bounds, [size.size]]).tolist()
             stage = torch.empty(min(step + int(size.max()), int(rel[-1] + size[-1])), dtype=torch.uint8,
                                 device=self.device)
+            self.order.wait()
             for a, b in zip(starts, stops, strict=True):  # one iteration per step of bytes, not per blob
                 stage_off = rel[a:b] - rel[a]
                 copy_blobs(self.buffer, src[a:b], stage, stage_off, size[a:b])
                 copy_blobs(stage, stage_off, self.buffer, dst_m[a:b], size[a:b])
+            self.order.mark()
         self._alloc = ExtentAllocator(self.budget)
         if sizes.size:
             self._alloc.allocate(sizes[order])  # an empty allocator bumps: back to back from 0, in order
@@ -347,12 +448,16 @@ class ArenaTier(Tier):
               sizes: np.ndarray) -> None:
         offsets, sizes = as_int64(offsets), as_int64(sizes)
         self._check_live(offsets, sizes)
+        # an extent freed and reused here may still be written by another stream's promotion
+        self.order.wait()
         copy_blobs(data, src_offsets, self.buffer, offsets, sizes)
+        self.order.mark()
 
     def read(self, offsets: np.ndarray, sizes: np.ndarray, out: np.ndarray | torch.Tensor,
              out_offsets: np.ndarray) -> None:
         offsets, sizes = as_int64(offsets), as_int64(sizes)
         self._check_live(offsets, sizes)
+        self.order.wait()
         copy_blobs(self.buffer, offsets, out, out_offsets, sizes)
 
     def free(self, offsets: np.ndarray, sizes: np.ndarray, *, defer: bool = False) -> None:
@@ -366,6 +471,7 @@ class ArenaTier(Tier):
             "fragmentation": self.fragmentation,
             "allocated": self.capacity,
             "high_water": self._alloc.high_water,
+            "stream_order": self.order.stats(),
         }
 
     def close(self) -> None:

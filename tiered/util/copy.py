@@ -35,7 +35,8 @@ or not.
 * Torch tensors on one device (CUDA), :func:`copy_tensor_blobs`: runs, then one
   ``index_select``/``index_copy_`` over 8-byte words when every offset is 8-aligned, plus one
   over the remaining bytes (GPU gathers are bandwidth-bound; a flat index is cheap there).
-* Across devices, :func:`copy_blobs`: pack on the source device, one transfer, unpack.
+* Across devices, :func:`copy_blobs`: pack on the source device, one transfer, unpack. Host to
+  CUDA packs into pinned memory and uploads without making the host wait for the stream.
 
 Destination ranges must not overlap each other (sources may).
 
@@ -238,10 +239,17 @@ def _gather_scatter(src: torch.Tensor, s: np.ndarray, dst: torch.Tensor, d: np.n
         return
     dev = src.device
     first = exclusive_cumsum(n)
-    counts = torch.from_numpy(n).to(dev)
+    k = n.size
+    # the three tables in one upload; on CUDA from pinned memory, so it does not make the host
+    # wait for the stream's earlier work (a pageable copy would)
+    host = torch.empty(3 * k, dtype=torch.int64, pin_memory=dev.type == "cuda")
+    tab = host.numpy()
+    tab[:k], tab[k:2 * k], tab[2 * k:] = n, s - first, d - first
+    tab_d = host.to(dev, non_blocking=True) if dev.type == "cuda" else host
+    counts = tab_d[:k]
     base = torch.arange(total, device=dev, dtype=torch.int64)
-    src_index = base + torch.repeat_interleave(torch.from_numpy(s - first).to(dev), counts, output_size=total)
-    dst_index = base + torch.repeat_interleave(torch.from_numpy(d - first).to(dev), counts, output_size=total)
+    src_index = base + torch.repeat_interleave(tab_d[k:2 * k], counts, output_size=total)
+    dst_index = base + torch.repeat_interleave(tab_d[2 * k:], counts, output_size=total)
     dst.index_copy_(0, dst_index, src.index_select(0, src_index))
 
 
@@ -328,6 +336,15 @@ def copy_blobs(src: Buffer, src_offsets: np.ndarray, dst: Buffer, dst_offsets: n
         return
     packed_offsets = exclusive_cumsum(n)
     total = int(n.sum())
+    if src_t.device.type == "cpu" and dst_t.device.type == "cuda":
+        # Packed into pinned memory from torch's caching host allocator, then uploaded without
+        # waiting: a pageable upload makes the host wait for all earlier work of the stream (a GPU
+        # decode, say). The allocator keeps the block until the copy is done; the source may be
+        # reused as soon as this returns.
+        staged = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+        copy_host_blobs(host_view(src_t), s, staged.numpy(), packed_offsets, n)
+        copy_blobs(staged.to(dst_t.device, non_blocking=True), packed_offsets, dst_t, d, n)
+        return
     if is_packed(s, n):
         packed = src_t[int(s[0]):int(s[0]) + total]
     else:
