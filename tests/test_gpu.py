@@ -757,3 +757,126 @@ def test_gpu_decode_is_ordered_against_a_busy_consumer_stream(frames):
             obs = got["observation"].float().sum()  # consumed on the consumer stream
             assert torch.equal(got["observation"].cpu(), reference.get(ix)["observation"])
             assert obs.item() == reference.get(ix)["observation"].float().sum().item()
+
+
+@pytest.mark.cuda
+def test_gpu_prefetch_promotions_and_main_thread_writes_stay_exact(tmp_path):
+    # a prefetch thread's decoder promotes blobs into the hot arena on its own stream while the
+    # main thread's gets promote, demote and reuse extents of the same arena on the default
+    # stream: every writer waits for the other stream's queued writes (the arena's StreamOrder),
+    # so no batch reads stale bytes and no blob fails its checksum
+    res = run_child(f"""
+        import numpy as np, torch
+        from helpers import assert_td_equal
+        from test_gpu import FIXTURE, tiered_store, snapshot
+        from tiered import TieredStore
+        from tiered.atari import load_fixture
+        from tiered.gpu import GpuDecoder
+        from tiered.index import HOT
+        from tiered.prefetch import Prefetcher
+        from tiered.testing import parts
+
+        frames = load_fixture(FIXTURE, games=["Breakout", "MsPacman"])
+        built = tiered_store(frames, {str(tmp_path / "s")!r}, hot_device="cpu", rows=1200)
+        expected = snapshot(built)
+        built.close()
+        store = TieredStore.open({str(tmp_path / "s")!r}, mode="r", hot_device="cuda", hot_bytes="32KiB",
+                                 warm_bytes="1MiB", device="cuda")
+        dec = GpuDecoder("cuda").attach(store)
+        hot = parts(store).tiers[HOT]
+        rng, main_rng = np.random.default_rng(0), np.random.default_rng(1)
+        with Prefetcher(store, lambda: rng.integers(0, len(store), 512), depth=3) as pf:
+            for _ in range(25):
+                ix, batch = next(pf)
+                assert_td_equal(batch.to("cpu"), expected[torch.from_numpy(ix)])
+                j = main_rng.integers(0, len(store), 256)
+                assert_td_equal(store.get(j).to("cpu"), expected[torch.from_numpy(j)])
+        st, tiers = dec.stats(), store.stats()["tiers"]
+        assert st["checksum_failures"] == 0 and st["cpu_fallbacks"] == 0, st
+        assert tiers["hot"]["promotions"] > 0 and tiers["hot"]["demotions"] > 0, tiers
+        order = hot.stats()["stream_order"]
+        assert order["waits"] > 0, order
+        torch.cuda.synchronize()
+        print("ok", order, tiers["hot"])
+        """)
+    assert res.returncode == 0, f"rc={res.returncode}\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
+    assert res.stdout.startswith("ok"), res.stdout
+
+
+@pytest.mark.cuda
+def test_gpu_pinned_warm_arena_is_registered_not_cached():
+    # growing a pinned arena by doubling through torch's caching host allocator would pin about
+    # twice its budget (power-of-two blocks, freed ones kept); the arena registers its own pages
+    res = run_child("""
+        import gc
+        import numpy as np, torch
+        from tiered.tiers.arena import HostTier
+
+        torch.zeros(1, device="cuda")
+        def cached():
+            return int(torch.cuda.host_memory_stats().get("allocated_bytes.current", 0))
+        before = cached()
+        t = HostTier("96MiB", pinned=True)
+        for _ in range(90):
+            t.allocate(np.array([1 << 20]))  # grows 64 KiB, 128 KiB, ... up to the budget
+        assert t.capacity == 96 << 20 and t.buffer.is_pinned(), (t.capacity, t.buffer.is_pinned())
+        grown = cached() - before
+        assert grown < 8 << 20, f"the arena went through torch's caching host allocator: {grown} bytes"
+        data = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8)
+        t.write(np.array([5 << 20]), data.numpy(), np.array([0]), np.array([1 << 20]))
+        dev = t.buffer[5 << 20:6 << 20].to("cuda", non_blocking=True)
+        assert torch.equal(dev.cpu(), data)
+        t.close()
+        gc.collect()
+        torch.cuda.synchronize()
+        print("ok", grown)
+        """)
+    assert res.returncode == 0, f"rc={res.returncode}\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
+    assert res.stdout.startswith("ok"), res.stdout
+
+
+@pytest.mark.cuda
+def test_gpu_sticky_cuda_error_is_reported_not_a_cpu_fallback(tmp_path):
+    # after an illegal memory access (a sticky error: the CUDA context is dead) neither nvCOMP's
+    # probe nor a sample may pass for "decode on the CPU": both raise DeviceFailedError
+    res = run_child(f"""
+        import numpy as np, torch
+        try:
+            import cupy
+        except ImportError:
+            raise SystemExit(3)
+        from test_gpu import FIXTURE, tiered_store
+        from tiered.atari import load_fixture
+        from tiered.codecs.nvcomp import NvcompCodec
+        from tiered.errors import DeviceFailedError
+        from tiered.gpu import GpuDecoder
+
+        frames = load_fixture(FIXTURE, games=["Pong"])
+        store = tiered_store(frames, {str(tmp_path / "s")!r}, hot_device="cuda", device="cuda", rows=200)
+        GpuDecoder("cuda", bucket=False).attach(store)
+        codec = NvcompCodec("zstd", execution_policy="latency")  # a probe key not yet probed
+        poke = cupy.RawKernel(r'extern "C" __global__ void poke(unsigned long long a) {{ *(volatile int*)a = 1; }}',
+                              "poke")
+        poke((1,), (1,), (np.uint64(16),))
+        try:
+            torch.cuda.synchronize()
+        except RuntimeError as e:
+            print("sticky:", str(e).splitlines()[0])
+        try:
+            codec.probe()
+        except DeviceFailedError as e:
+            print("probe: DeviceFailedError", str(e)[:100])
+        else:
+            raise AssertionError("the probe passed on a dead CUDA context")
+        try:
+            store.get(np.arange(8))
+        except RuntimeError as e:  # DeviceFailedError where the decoder meets it first
+            print("get:", type(e).__name__, str(e)[:100])
+        else:
+            raise AssertionError("a sample was returned from a dead CUDA context")
+        print("ok")
+        """)
+    if res.returncode == 3:
+        pytest.skip("cupy (the illegal-address kernel) is not installed on this GPU machine")
+    assert res.returncode == 0, f"rc={res.returncode}\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
+    assert res.stdout.rstrip().endswith("ok"), res.stdout

@@ -81,7 +81,7 @@ from .engine.frames import FrameFamily
 from .engine.layout import FieldLayout
 from .engine.placement import Placement
 from .engine.read import CpuReadPipeline, ReadPipeline
-from .errors import ChecksumError, CodecUnavailableError
+from .errors import ChecksumError, CodecUnavailableError, TieredError
 from .index import COLD, HOT, OPEN, WARM, BlobIndex
 from .schema import Field, Key
 from .tiers.arena import cuda_usable, new_buffer
@@ -568,6 +568,11 @@ class GpuReadPipeline(ReadPipeline):
 
     def read_family(self, layout: FieldLayout, family_id: int, fields: list[Field], rows: np.ndarray,
                     out: dict[Key, torch.Tensor]) -> None:
+        with self._device_errors():
+            self._read_family(layout, family_id, fields, rows, out)
+
+    def _read_family(self, layout: FieldLayout, family_id: int, fields: list[Field], rows: np.ndarray,
+                     out: dict[Key, torch.Tensor]) -> None:
         fam = layout.families[family_id]
         n = rows.size
         blobs, slots = layout.blob_refs(fields, rows)
@@ -604,7 +609,8 @@ class GpuReadPipeline(ReadPipeline):
         Raises:
             ChecksumError: a blob's bytes do not match its checksum (nothing was decoded).
         """
-        flat, _ = self._decode(layout, fam, np.asarray(uniq, dtype=np.int64), None)
+        with self._device_errors():
+            flat, _ = self._decode(layout, fam, np.asarray(uniq, dtype=np.int64), None)
         return flat
 
     def describe(self) -> dict[str, Any]:
@@ -673,6 +679,17 @@ class GpuReadPipeline(ReadPipeline):
         kind = np.full(uniq.size, _OPEN_KIND, dtype=np.int8)
         kind[~is_open] = self.placement.locate(uniq[~is_open])
         return kind
+
+    @contextlib.contextmanager
+    def _device_errors(self) -> Iterator[None]:
+        """A sticky CUDA error fails every later call: say so (DeviceFailedError), not with the
+        first call's RuntimeError."""
+        try:
+            yield
+        except RuntimeError as e:
+            if self._cuda and not isinstance(e, TieredError):
+                check_device(self.device, "the GPU decoder")
+            raise
 
     def _decode(self, layout: FieldLayout, fam: FrameFamily, uniq: np.ndarray,
                 extra: np.ndarray | None) -> tuple[torch.Tensor, torch.Tensor | None]:

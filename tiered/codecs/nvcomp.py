@@ -665,7 +665,12 @@ class NvcompCodec(Codec):
             "cached": bool, "sizes": [...], "large_sizes": [...]}``.
         """
         key = (self.format, int(self.device.index), self.execution_policy)
-        result = _PROBES.result(key, lambda: _find_decode_modes(self))
+        try:
+            result = _PROBES.result(key, lambda: _find_decode_modes(self))
+        except RuntimeError as e:
+            if not isinstance(e, DeviceFailedError):
+                check_device(self.device, "nvCOMP's probe")  # its streams and buffers, not a mode
+            raise
         self._probe_result = result if result["cached"] else None  # an OOM-spoiled probe is retried
         return result
 
