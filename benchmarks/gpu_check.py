@@ -36,11 +36,14 @@ Stages (``--only`` selects some):
    (zstd, lz4, one frame per blob, and RGB frames larger than 64 KiB); a damaged blob must raise;
 4. ``interop``: codec level, CPU zstd (levels -5..19) -> nvCOMP, nvCOMP -> zstandard, LZ4 both
    ways, raw deflate;
-5. ``throughput``: sample throughput at batch 256/1024/4096 with every blob hot, warm or cold,
+5. ``tests``: ``pytest -m cuda`` on tests/test_gpu*.py and tests/test_prefetch.py (each outcome
+   recorded as it happens): the claims only a GPU can check (an allocation failure raised into
+   nvCOMP, a sticky CUDA error, a prefetch thread's promotions against the main thread's writes,
+   the registered pinned arena) run in child processes there; before the figures, since a
+   wrong result makes them moot;
+6. ``throughput``: sample throughput at batch 256/1024/4096 with every blob hot, warm or cold,
    side by side with a plain uncompressed CUDA gather of the same rows, and the VRAM each holds;
-6. ``decode``: nvCOMP decode GB/s per codec beside the CPU codec;
-7. ``tests``: ``pytest -m cuda`` on tests/test_gpu.py and tests/test_prefetch.py (each outcome
-   recorded as it happens).
+7. ``decode``: nvCOMP decode GB/s per codec beside the CPU codec.
 
 Test hooks: ``--inject-hang STAGE`` (the stage's child sleeps until killed) and
 ``--inject-crash STAGE[:abort|segv]`` (it dies by that signal); ``--stage-limit STAGE=SECONDS``
@@ -100,9 +103,9 @@ STAGES = [
     StageSpec("probe", 45, 8, "nvCOMP's probe, then the decode configuration in use"),
     StageSpec("tiers", 80, 15, "bit-exact CPU <-> GPU on every tier"),
     StageSpec("interop", 45, 10, "codec-level CPU <-> GPU bitstreams"),
+    StageSpec("tests", 150, 25, "pytest -m cuda"),
     StageSpec("throughput", 130, 25, "sample throughput beside an uncompressed gather, VRAM"),
     StageSpec("decode", 40, 10, "decode GB/s per codec"),
-    StageSpec("tests", 150, 25, "pytest -m cuda"),
 ]
 STAGE_NAMES = [s.name for s in STAGES]
 
@@ -578,7 +581,7 @@ def stage_interop(c: Ctx) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Stage 5: sample throughput beside an uncompressed gather
+# Stage 6: sample throughput beside an uncompressed gather
 # ---------------------------------------------------------------------------------------------
 
 
@@ -701,7 +704,7 @@ def stage_throughput(c: Ctx) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Stage 6: decode GB/s
+# Stage 7: decode GB/s
 # ---------------------------------------------------------------------------------------------
 
 
@@ -762,7 +765,7 @@ def _decode_rows(c: Ctx, fmt: str, cpu_codec, raw, off, sz, nmax: int) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Stage 7: pytest -m cuda
+# Stage 5: pytest -m cuda
 # ---------------------------------------------------------------------------------------------
 
 
@@ -783,7 +786,8 @@ def stage_tests(c: Ctx) -> None:
                 if outcome in ("failed", "error"):
                     say(f"  {outcome.upper()} {report.nodeid}\n{str(report.longrepr)[-1500:]}")
 
-    args = ["-m", "cuda", "tests/test_gpu.py", "tests/test_prefetch.py", "-q", "-rfEs",
+    files = sorted(str(p.relative_to(REPO)) for p in (REPO / "tests").glob("test_gpu*.py"))
+    args = ["-m", "cuda", *files, "tests/test_prefetch.py", "-q", "-rfEs",
             "-p", "no:cacheprovider", "-p", "no:faulthandler"]
     try:
         import pytest_timeout  # noqa: F401  (carried to the GPU machine; bounds each test)

@@ -211,6 +211,11 @@ class StreamOrder:
         self._last: dict[int, Any] = {}  # stream (CUDA) or thread (CPU) -> event of its last work
         self._counts = {"marks": 0, "waits": 0}
 
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_last"] = {}  # CUDA events and thread ids mean nothing in another process
+        return state
+
     def _current(self) -> tuple[int, Any]:
         if self._cuda:
             s = torch.cuda.current_stream(self.device)
