@@ -728,8 +728,8 @@ class GpuReadPipeline(ReadPipeline):
             side.wait_stream(cur)  # the caller's pending work (e.g. arena writes) comes first
             if self.decoder.fence is not None:
                 side.wait_event(self.decoder.fence)
-            if hot_words is not None:
-                hot.order.wait(side)  # writes other threads' streams queued on the arena
+        if hot_words is not None:
+            hot.order.wait(side)  # writes other threads' streams queued on the arena (CPU: counted)
         result_extra: torch.Tensor | None = None
         blk: torch.Tensor | None = None
         try:

@@ -195,9 +195,9 @@ class StreamOrder:
     """Orders the work several CUDA streams queue on one buffer, without host synchronization.
 
     :meth:`wait` makes a stream wait for the last work every *other* stream marked;
-    :meth:`mark` records the current stream's work so far. On a CPU device the work is done
-    when the call returns, so nothing waits, but the streams are still told apart (by thread)
-    and the waits that would be needed are counted: CPU tests check the ordering logic.
+    :meth:`mark` records the current stream's work so far. On a CPU device the work is done when the call returns, so nothing waits, but the streams
+    are still told apart (by thread) and the waits that would be needed are counted: CPU tests
+    check the ordering logic.
 
     Example:
         >>> order = StreamOrder("cpu")
@@ -216,30 +216,25 @@ class StreamOrder:
         state["_last"] = {}  # CUDA events and thread ids mean nothing in another process
         return state
 
-    def _current(self) -> tuple[int, Any]:
-        if self._cuda:
-            s = torch.cuda.current_stream(self.device)
-            return int(s.cuda_stream), s
-        return threading.get_ident(), None
-
     def wait(self, stream: Any = None) -> None:
         """Make ``stream`` (default: the current one) wait for the last work of every other stream."""
-        key, cur = self._current()
-        if stream is not None:
-            key, cur = int(stream.cuda_stream), stream
+        if stream is None and self._cuda:
+            stream = torch.cuda.current_stream(self.device)
+        key = int(stream.cuda_stream) if stream is not None else threading.get_ident()
         for k, ev in list(self._last.items()):  # one per stream that ever marked: a handful
             if k != key:
-                if cur is not None:
-                    cur.wait_event(ev)
+                if stream is not None:
+                    stream.wait_event(ev)
                 self._counts["waits"] += 1
 
     def mark(self) -> None:
         """Record the current stream's work on the buffer so far (others wait for it)."""
-        key, cur = self._current()
-        ev = None
-        if cur is not None:
-            ev = torch.cuda.Event()
+        if self._cuda:
+            cur = torch.cuda.current_stream(self.device)
+            key, ev = int(cur.cuda_stream), torch.cuda.Event()
             ev.record(cur)
+        else:
+            key, ev = threading.get_ident(), None
         self._last[key] = ev
         self._counts["marks"] += 1
 
@@ -284,6 +279,7 @@ class ArenaTier(Tier):
         self._buf: torch.Tensor | None = None
         #: the order of the streams that use the arena (see the module docstring)
         self.order = StreamOrder(self.device)
+        self._cuda = self.device.type == "cuda"
 
     @property
     def capacity(self) -> int:
@@ -312,9 +308,11 @@ class ArenaTier(Tier):
         size = min(self.budget, max(need, 2 * have, _MIN_ARENA))
         new = new_buffer(size, self.device, self.pinned)
         if have:
-            self.order.wait()  # another stream's pending write must land before the copy reads it
+            if self._cuda:  # another stream's pending write must land before the copy reads it
+                self.order.wait()
             new[:have].copy_(self._buf)
-            self.order.mark()
+            if self._cuda:  # and the others' next use waits for the copy (on a CPU both are done)
+                self.order.mark()
         self._buf = new
 
     def allocate(self, sizes: np.ndarray) -> np.ndarray:
