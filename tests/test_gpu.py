@@ -725,14 +725,21 @@ def test_cpu_only_store_does_not_start_cuda_and_works_in_a_forked_worker(tmp_pat
         torch.zeros(1, device="cuda")  # the parent starts CUDA, as a training script does
 
         def worker(q):
+            import warnings
+            from tiered.gpu import maybe_gpu_decoder
+
             s = TieredStore.open({str(tmp_path / "s")!r}, mode="r")  # default options, in a forked child
-            q.put(int(s.get(np.arange(7))["observation"].sum()))
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                dec = maybe_gpu_decoder(torch.device("cuda"))  # CUDA cannot start here: warn, CPU
+            q.put((int(s.get(np.arange(7))["observation"].sum()), dec is None,
+                   any("forked" in str(w.message) for w in seen)))
 
         q = mp.get_context("fork").Queue()
         p = mp.get_context("fork").Process(target=worker, args=(q,))
         p.start(); p.join(120)
         assert p.exitcode == 0, p.exitcode
-        assert q.get(timeout=5) == int(frames["observation"][:7].sum())
+        assert q.get(timeout=5) == (int(frames["observation"][:7].sum()), True, True)
         print("ok")
         """)
     assert res.returncode == 0, f"rc={res.returncode}\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
