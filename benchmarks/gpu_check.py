@@ -36,7 +36,7 @@ Stages (``--only`` selects some):
    (zstd, lz4, one frame per blob, and RGB frames larger than 64 KiB); a damaged blob must raise;
 4. ``interop``: codec level, CPU zstd (levels -5..19) -> nvCOMP, nvCOMP -> zstandard, LZ4 both
    ways, raw deflate;
-5. ``tests``: ``pytest -m cuda`` on tests/test_gpu*.py and tests/test_prefetch.py (each outcome
+5. ``tests``: ``pytest -m cuda`` on tests/test_gpu*.py, test_prefetch, test_copy, test_tiers (each outcome
    recorded as it happens): the claims only a GPU can check (an allocation failure raised into
    nvCOMP, a sticky CUDA error, a prefetch thread's promotions against the main thread's writes,
    the registered pinned arena) run in child processes there; before the figures, since a
@@ -787,7 +787,8 @@ def stage_tests(c: Ctx) -> None:
                     say(f"  {outcome.upper()} {report.nodeid}\n{str(report.longrepr)[-1500:]}")
 
     files = sorted(str(p.relative_to(REPO)) for p in (REPO / "tests").glob("test_gpu*.py"))
-    args = ["-m", "cuda", *files, "tests/test_prefetch.py", "-q", "-rfEs",
+    # test_copy and test_tiers: the host-to-CUDA copies and the CUDA arenas the GPU path relies on
+    args = ["-m", "cuda", *files, "tests/test_prefetch.py", "tests/test_copy.py", "tests/test_tiers.py", "-q", "-rfEs",
             "-p", "no:cacheprovider", "-p", "no:faulthandler"]
     try:
         import pytest_timeout  # noqa: F401  (carried to the GPU machine; bounds each test)

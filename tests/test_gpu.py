@@ -888,3 +888,35 @@ def test_gpu_sticky_cuda_error_is_reported_not_a_cpu_fallback(tmp_path):
         pytest.skip("cupy (the illegal-address kernel) is not installed on this GPU machine")
     assert res.returncode == 0, f"rc={res.returncode}\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
     assert res.stdout.rstrip().endswith("ok"), res.stdout
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("how", ["copy_blobs", "hot arena write"])
+def test_gpu_host_to_cuda_copies_do_not_wait_for_the_stream(how):
+    # a promotion from the pinned staging (or any host buffer) into the hot arena is queued behind
+    # the decode on the same stream; a pageable upload would make the host wait for all of it
+    from tiered.tiers.arena import DeviceTier
+    from tiered.util.copy import copy_blobs
+
+    rng = np.random.default_rng(2)
+    sizes = rng.integers(1, 3000, 300)
+    src = rng.integers(0, 256, int(sizes.sum()) + 8 * sizes.size, dtype=np.uint8)
+    so = np.concatenate([[0], np.cumsum(sizes + 8)[:-1]]).astype(np.int64)  # scattered: the gather path
+    do = np.concatenate([[0], np.cumsum((sizes + 15) // 16 * 16)[:-1]]).astype(np.int64)
+    arena = DeviceTier("16MiB", device="cuda")
+    off = arena.allocate(sizes)
+    dst = torch.zeros(int(do[-1] + sizes[-1]), dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(2e9))  # about a second of GPU time queued on the current stream
+    if how == "copy_blobs":
+        copy_blobs(src, so, dst, do, sizes)
+    else:
+        arena.write(off, src, so, sizes)
+    still_busy = not torch.cuda.current_stream().query()
+    torch.cuda.synchronize()
+    assert still_busy, "the copy made the host wait for the stream's earlier work"
+    got = dst if how == "copy_blobs" else arena.buffer
+    at = do if how == "copy_blobs" else off
+    want = np.concatenate([src[o:o + n] for o, n in zip(so.tolist(), sizes.tolist(), strict=True)])
+    have = np.concatenate([got[o:o + n].cpu().numpy() for o, n in zip(at.tolist(), sizes.tolist(), strict=True)])
+    assert np.array_equal(have, want)
