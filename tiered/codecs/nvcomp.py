@@ -217,9 +217,9 @@ _alloc_failure = threading.local()
 def note_allocation_failure(error: BaseException) -> None:
     """Record that an allocation made for nvCOMP (inside its C++ call) failed on this thread.
 
-    The allocator callback must not raise (see the module docstring): it records the error here
-    and the codec raises it once the nvCOMP call returns (:func:`take_allocation_failure`).
-    The first failure of a call is kept.
+    The allocator callback records the error here before raising it into nvCOMP (see the
+    module docstring), and the codec raises this one, not what nvCOMP made of it, once the
+    nvCOMP call returns (:func:`take_allocation_failure`). The first failure of a call is kept.
 
     Example:
         >>> note_allocation_failure(MemoryError("no room"))
