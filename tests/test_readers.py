@@ -238,3 +238,47 @@ def test_a_shrinking_copy_is_replaced_not_truncated_under_its_readers(tmp_path):
     write_copy(p, big[:10], None, first)  # a later commit writes a shorter array to the same copy
     assert int(mapped[-1]) == 99_999  # the reader's file lives on (a truncation would be SIGBUS here)
     assert np.load(p).tolist() == list(range(10))
+
+
+def _worker_samples(rb, expect: TensorDict, go, done) -> None:
+    torch.set_num_threads(1)  # as DataLoader workers do
+    go.wait()
+    outcome = "exact"
+    try:
+        for k in range(20):
+            idx = torch.randint(0, CAP, (256,), generator=torch.Generator().manual_seed(k))
+            if not same(rb.storage.get(idx), expect[idx]):
+                outcome = "wrong"
+    except StaleReadError:
+        outcome = "stale"
+    except BaseException as e:  # noqa: BLE001 - reported to the parent, which fails the test
+        outcome = f"raw {type(e).__name__}: {e}"
+    done.put(outcome)
+
+
+def test_dataloader_style_workers_of_an_unshared_storage(tmp_path):
+    """The pattern docs/torchrl.md documents: ``TieredStorage(..., shared=False)`` with readers
+    forked from the training process, which goes on writing and committing."""
+    from torchrl.data import TensorDictReplayBuffer
+
+    from tiered.torchrl import TieredStorage
+    rb = TensorDictReplayBuffer(storage=TieredStorage(CAP, path=tmp_path / "rb", shared=False, warm_bytes=0))
+    for k in range(3):
+        rb.extend(batch(CAP, k))
+        rb.storage.flush()
+    expect = rb.storage.get(torch.arange(CAP))
+    ctx = mp.get_context("fork")
+    go, done = ctx.Event(), ctx.Queue()
+    workers = [ctx.Process(target=_worker_samples, args=(rb, expect, go, done)) for _ in range(2)]
+    for w in workers:
+        w.start()
+    for k in range(4):  # the trainer goes on: commits that rewrite copies and reuse blob space
+        rb.extend(batch(1500, 20 + k))
+        rb.storage.flush()
+    go.set()
+    outcomes = [done.get(timeout=120) for _ in workers]
+    for w in workers:
+        w.join(timeout=60)
+        assert w.exitcode == 0
+    assert set(outcomes) <= {"exact", "stale"}, outcomes
+    rb.storage.close()
