@@ -9,7 +9,9 @@ manifest keeps for the last ``NCOPIES - 1`` commits), plus the ``.npy`` header a
 tail. A checksum page such a write touches gets its CRC-32 patched from the old one and the bytes
 that changed; the others keep their CRC-32 from the manifest, so a commit costs what changed, not
 the size of the store (nor of a checksum page). A copy is overwritten only by the third commit after the one that published
-it, so a read-only open stays valid through the writer's next two commits' page writes.
+it, so a read-only open stays valid through the writer's next two commits' page writes. A copy
+that gets shorter is written to a new file renamed over it, never truncated: a process that maps
+the old file past the new end would get ``SIGBUS``.
 
 Before the first page of a commit is written, the generation it will publish is written to the
 ``commit.intent`` file and fsynced: a writer that opens a store whose intent is not its last

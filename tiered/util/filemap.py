@@ -14,8 +14,10 @@ when they are used. A later write copies the page again (copy-on-write), as in a
 A page mapped from a file shows that file's bytes until the page is written: the file must not
 be truncated (a read past its end is ``SIGBUS``) or rewritten with other bytes while the page is
 mapped. Its owner calls :func:`privatize` first, which gives every mapped page back an anonymous
-copy of its bytes. Where ``MAP_FIXED`` through ``ctypes`` is not available (not Linux),
-:func:`remap` does nothing and the arrays stay anonymous.
+copy of its bytes. A forked process shares such pages with the file as well, and no later
+:func:`privatize` of the parent reaches it: a writer that may fork calls :func:`privatize_files`
+first. Where ``MAP_FIXED`` through ``ctypes`` is not available (not Linux), :func:`remap` does
+nothing and the arrays stay anonymous.
 
 Example:
     >>> import os, tempfile
