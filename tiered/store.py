@@ -578,12 +578,12 @@ class TieredStore(_StoreSharing):
                 are not decoded.
             index_key: also return each row's position (int64, negative indices resolved)
                 under this key, as TorchRL's storages return ``"index"``.
-            copy: with False, a step-1 slice returns the dense columns as views of the store's
-                own columns (as TorchRL's ``TensorStorage`` does for ``storage[:]``): no copy that
-                grows with the buffer, but writing to them writes to the store, and later writes
-                to the store show through. Blob fields are always fresh tensors, and so are dense
-                columns stored narrower (``dense_dtypes``) and bool flags in the shared flags byte
-                (``done``, ``terminated``, ``truncated``): writes to those do not reach the store.
+            copy: with False, a step-1 slice of a writer's store returns the dense columns as views
+                of its columns (as TorchRL's ``TensorStorage`` does for ``storage[:]``): writing to
+                them writes to the store, and later writes show through. Blob fields are always
+                fresh tensors, and so are narrowed columns (``dense_dtypes``), flags (``done``, ...)
+                and every column of a read-only or shared store (files other processes rewrite back
+                them, docs/durability.md): writes to those do not reach the store.
 
         Returns:
             A TensorDict of batch size ``[n]`` (or ``[]`` for an int index) on ``device``.
