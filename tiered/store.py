@@ -671,7 +671,7 @@ class TieredStore(_StoreSharing):
         """The priority of each row of ``index`` (float64; see :meth:`set_priority`)."""
         with self._lock:
             rows, _ = self._resolve_read(index)
-            return self._placement.priorities.of(rows)
+            return self._checked_read(lambda: self._placement.priorities.of(rows))
 
     @property
     def priority_alpha(self) -> float:
