@@ -70,6 +70,22 @@ def _libc_mmap() -> Callable[..., int] | None:
 
 
 _mmap = _libc_mmap()
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault pages in writable (a private page is copied) without writing
+
+
+def _libc_madvise() -> Callable[..., int] | None:
+    if _mmap is None:
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return fn
+
+
+_madvise = _libc_madvise()
 # start of the data of each live file-layout array -> its layout
 _layouts: dict[int, FileLayout] = {}
 
@@ -288,8 +304,12 @@ def privatize_files(directory: str) -> int:
     except OSError:
         return 0
     for lo, hi in spans:  # the mappings of a store's arrays: a few dozen
-        view = np.ctypeslib.as_array((ctypes.c_uint8 * (hi - lo)).from_address(lo))
-        view[::PAGE] = view[::PAGE].copy()  # a write to each page copies it (copy-on-write)
+        # The kernel copies each page as a write fault would, without a write: another thread
+        # writing the arrays meanwhile loses nothing. Older kernels: a write of each page's first
+        # byte (as it is) does the same, but must not race with a writer thread.
+        if _madvise is None or _madvise(lo, hi - lo, _MADV_POPULATE_WRITE) != 0:
+            view = np.ctypeslib.as_array((ctypes.c_uint8 * (hi - lo)).from_address(lo))
+            view[::PAGE] = view[::PAGE].copy()  # a write to each page copies it (copy-on-write)
     for layout in list(_layouts.values()):  # the pages are no longer the files' (a few dozen arrays)
         end = layout.address + layout.length
         for lo, hi in spans:
