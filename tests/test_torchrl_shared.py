@@ -145,6 +145,59 @@ def test_writer_killed_mid_write_leaves_the_store_whole(pong, tmp_path, kill_on)
     assert len(tiered.open(tmp_path / "rb")) == n + 20
 
 
+def _extend_in_thread(rb, data, seconds: float) -> bool:
+    """Whether ``rb.extend(data)`` returns within ``seconds`` (run in a daemon thread, which a
+    hung extend leaves behind)."""
+    import threading
+    done = threading.Event()
+    threading.Thread(target=lambda: (rb.extend(data), done.set()), daemon=True).start()
+    return done.wait(seconds)
+
+
+def test_a_killed_rb_share_writer_hangs_the_others_and_a_new_buffer_recovers(pong, tmp_path):
+    """docs/torchrl.md: a writer SIGKILLed inside ``rb.extend`` of an ``rb.share()`` buffer holds
+    TorchRL's own ``multiprocessing.Lock`` forever, so the others' extends wait for good (as with
+    LazyMemmapStorage); the store is whole, and a new buffer over the same path goes on."""
+    storage = TieredStorage(100, tmp_path / "rb", **OPTS)
+    rb = TensorDictReplayBuffer(storage=storage).share()
+    rb.extend(pong[:30])
+    child = FORK.Process(target=_child_killed_mid_write, args=(rb, pong[200:220], 30))
+    child.start()
+    child.join(timeout=120)
+    assert child.exitcode == -signal.SIGKILL
+    assert not _extend_in_thread(rb, pong[300:310], 3.0)  # TorchRL's lock died held: this waits for good
+    storage.close()  # what to do: close the storage (tiered's own lock died with its holder)...
+    rb2 = TensorDictReplayBuffer(storage=TieredStorage(100, tmp_path / "rb")).share()  # ...and rebuild
+    assert len(rb2) == 30
+    _same_rows(rb2[:30], pong[:30], "rows written before the crash")
+    idx = rb2.extend(pong[300:310])  # where the new buffer's writer puts them
+    _same_rows(rb2[idx], pong[300:310], "rows written after the crash")
+    assert verify_store(tmp_path / "rb", progress=False).ok
+
+
+def _store_child_killed_mid_write(path, data, kill_on: int) -> None:
+    torch.set_num_threads(1)
+    store = tiered.open(path, mode="r+", shared=True)
+    with fileio.inject_faults(kill_on=kill_on):
+        store.extend(data)
+    raise SystemExit(7)
+
+
+def test_a_killed_store_writer_does_not_block_the_others(pong, tmp_path):
+    """The alternative docs/torchrl.md names for writers that may be killed: each writes through
+    a shared store, whose only lock is tiered's ``flock``, released by the kernel with its holder."""
+    store = TieredStore(100, tmp_path / "s", **OPTS).share()
+    store.extend(pong[:30])
+    child = FORK.Process(target=_store_child_killed_mid_write, args=(str(tmp_path / "s"), pong[200:220], 30))
+    child.start()
+    child.join(timeout=120)
+    assert child.exitcode == -signal.SIGKILL
+    store.extend(pong[300:310])  # returns: the dead child's lock went with it
+    assert len(store) == 40
+    _same_rows(store.get(slice(30, 40)), pong[300:310], "rows written after the crash")
+    store.close()
+
+
 def _child_writes(rb, queue) -> None:
     torch.set_num_threads(1)  # as DataLoader workers do: an OpenMP pool does not survive a fork
     try:

@@ -24,6 +24,7 @@ __all__ = [
     "IndexOutOfRangeError",
     "CorruptionError",
     "ChecksumError",
+    "StaleReadError",
     "FormatVersionError",
     "NotATieredStoreError",
     "StorageFullError",
@@ -68,6 +69,16 @@ class CorruptionError(TieredError):
 
 class ChecksumError(CorruptionError):
     """The checksum of a blob's compressed bytes does not match the one recorded at write time."""
+
+
+class StaleReadError(ChecksumError):
+    """A reader fell behind the store's writer: the files of the commit it reads may have been
+    reused by the writer's later commits, so what it read is not returned (reopen the store).
+
+    Raised by a read-only open, or by a process forked from a writer, once the writer has gone
+    far enough past the commit the reader started from; the files are most likely not damaged.
+    A subclass of :class:`ChecksumError` (what such readers raised before it existed).
+    """
 
 
 class FormatVersionError(CorruptionError):

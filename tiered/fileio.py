@@ -361,6 +361,23 @@ def write_file_atomic(path: str | os.PathLike[str], data: bytes) -> None:
     fsync_dir(directory)
 
 
+def replace(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
+    """Rename the (written and fsynced) file ``src`` over ``dst``; the directory is not fsynced
+    (call :func:`fsync_dir` for that). A process that maps the old ``dst`` keeps its bytes.
+
+    Example:
+        >>> import tempfile, os
+        >>> d = tempfile.mkdtemp()
+        >>> write_file_atomic(os.path.join(d, "a"), b"1"); write_file_atomic(os.path.join(d, "b"), b"2")
+        >>> replace(os.path.join(d, "b"), os.path.join(d, "a")); open(os.path.join(d, "a"), "rb").read()
+        b'2'
+    """
+    inj = _injector
+    if inj is not None:
+        inj._before_replace(os.fspath(src), os.fspath(dst))
+    os.replace(src, dst)
+
+
 class WritableFile:
     """A binary file object whose writes go through :func:`pwrite`.
 

@@ -34,8 +34,8 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from collections.abc import Iterable, Iterator, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, TypeVar
 
 import numpy as np
 import psutil
@@ -71,6 +71,8 @@ from .index import COLD, BlobIndex
 from .schema import Key, Schema
 
 __all__ = ["TieredStore", "IndexLike", "as_row_array", "MAX_CAPACITY", "MAX_CHUNK_FRAMES", "MAX_STAGE_ROWS"]
+
+T = TypeVar("T")
 
 #: The most rows a store can have (2**40): more cannot be indexed by its int64 blob tables' arithmetic
 #: without overflow risks, and no machine holds the row metadata of more.
@@ -199,6 +201,24 @@ class _StoreSharing:
     def shared(self) -> bool:
         """Whether the store is written by several processes (:meth:`share`)."""
         return self._shared
+
+    def _read_rows(self, index: Any, rows: np.ndarray, keys: Any, index_key: str | None, copy: bool) -> Any:
+        """:meth:`get`'s read of ``rows``, checked (:meth:`_checked_read`).
+
+        ``copy=False`` gives views of the dense columns only where nothing but this process
+        rewrites the files their pages may be mapped from. A read-only open maps its commit's copy
+        files, which the writer's later commits rewrite in place; a shared store's columns are
+        reloaded from files that other processes rewrite: a view there would come to show rows of
+        neither commit, so such a store returns copies."""
+        copy = copy or self._shared or self.read_only
+        return self._checked_read(lambda: self._reader.get_rows(self._rows, self._write, index, rows, keys,
+                                                                index_key, copy, self._device))
+
+    def _checked_read(self, read: Callable[[], T]) -> T:
+        """``read()``, or :class:`~tiered.errors.StaleReadError` where the writer may have rewritten
+        what it used (a read-only open, a process forked from the writer): see
+        :func:`~tiered.engine.persistence.read_fresh`."""
+        return read_fresh(self._files, read, verify=self._runtime["verify"])
 
     def _become_shared(self, lock: SharedWriterLock) -> None:
         self._shared = True
@@ -558,12 +578,12 @@ class TieredStore(_StoreSharing):
                 are not decoded.
             index_key: also return each row's position (int64, negative indices resolved)
                 under this key, as TorchRL's storages return ``"index"``.
-            copy: with False, a step-1 slice returns the dense columns as views of the store's
-                own columns (as TorchRL's ``TensorStorage`` does for ``storage[:]``): no copy that
-                grows with the buffer, but writing to them writes to the store, and later writes
-                to the store show through. Blob fields are always fresh tensors, and so are dense
-                columns stored narrower (``dense_dtypes``) and bool flags in the shared flags byte
-                (``done``, ``terminated``, ``truncated``): writes to those do not reach the store.
+            copy: with False, a step-1 slice of a writer's store returns the dense columns as views
+                of its columns (as TorchRL's ``TensorStorage`` does for ``storage[:]``): writing to
+                them writes to the store, and later writes show through. Blob fields are always
+                fresh tensors, and so are narrowed columns (``dense_dtypes``), flags (``done``, ...)
+                and every column of a read-only or shared store (files other processes rewrite back
+                them, docs/durability.md): writes to those do not reach the store.
 
         Returns:
             A TensorDict of batch size ``[n]`` (or ``[]`` for an int index) on ``device``.
@@ -576,8 +596,8 @@ class TieredStore(_StoreSharing):
         with self._lock:
             self._check_open()
             rows, scalar = self._resolve_read(index)
-            td = self._reader.get_rows(self._rows, self._write, index, rows, keys, index_key, copy, self._device)
-            return read_fresh(self._files, td[0] if scalar else td)
+            td = self._read_rows(index, rows, keys, index_key, copy)
+            return td[0] if scalar else td
 
     def get_compressed(self, index: IndexLike, keys: Iterable[str | Key] | None = None, *, repack: bool = False,
                        repack_frames: int = REPACK_FRAMES) -> CompressedRows:
@@ -585,7 +605,7 @@ class TieredStore(_StoreSharing):
         with self._lock:
             self._check_open()
             args = (self._cpu_reader, self._rows, self._write, self._resolve_read(index)[0], keys)
-            return read_fresh(self._files, export_rows(*args, repack=repack, repack_frames=repack_frames))
+            return self._checked_read(lambda: export_rows(*args, repack=repack, repack_frames=repack_frames))
 
     def _resolve_read(self, index: IndexLike) -> tuple[np.ndarray, bool]:
         stage = self._write.stage
@@ -651,7 +671,7 @@ class TieredStore(_StoreSharing):
         """The priority of each row of ``index`` (float64; see :meth:`set_priority`)."""
         with self._lock:
             rows, _ = self._resolve_read(index)
-            return self._placement.priorities.of(rows)
+            return self._checked_read(lambda: self._placement.priorities.of(rows))
 
     @property
     def priority_alpha(self) -> float:

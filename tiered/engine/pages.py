@@ -9,7 +9,9 @@ manifest keeps for the last ``NCOPIES - 1`` commits), plus the ``.npy`` header a
 tail. A checksum page such a write touches gets its CRC-32 patched from the old one and the bytes
 that changed; the others keep their CRC-32 from the manifest, so a commit costs what changed, not
 the size of the store (nor of a checksum page). A copy is overwritten only by the third commit after the one that published
-it, so a read-only open stays valid through the writer's next two commits' page writes.
+it, so a read-only open stays valid through the writer's next two commits' page writes. A copy
+that gets shorter is written to a new file renamed over it, never truncated: a process that maps
+the old file past the new end would get ``SIGBUS``.
 
 Before the first page of a commit is written, the generation it will publish is written to the
 ``commit.intent`` file and fsynced: a writer that opens a store whose intent is not its last
@@ -50,7 +52,7 @@ from ..util.filemap import npy_header
 from .manifest import PAGE_BYTES, page_checksums, read_npy_header
 
 __all__ = ["NCOPIES", "ARRAYS_DIR", "INTENT", "WRITE_UNIT", "CopyState", "copy_path", "write_copy", "write_intent",
-           "read_intent", "kind_of"]
+           "read_intent", "kind_of", "stamp_of"]
 
 #: Copies of each array (a copy is overwritten by the third commit after the one that wrote it).
 NCOPIES = 3
@@ -80,6 +82,8 @@ class CopyState:
     crcs: list[int]
     written: int = 0
     ranges: list[tuple[int, int]] = field(default_factory=list)
+    #: the file's identity and time stamps once written (:func:`stamp_of`; None: not known)
+    stamp: tuple[int, int, int, int] | None = None
 
     def to_json(self, copy: int) -> list:
         return [copy, self.generation, self.size, self.crcs]
@@ -178,6 +182,8 @@ def write_copy(path: str, arr: np.ndarray, blocks: np.ndarray | None, base: Copy
     flat = arr.reshape(-1) if arr.flags.c_contiguous else arr
     source = _Source(head, flat, max(arr.itemsize, 1), before)
     n_pages = -(-size // PAGE_BYTES)
+    if os.path.exists(path) and os.path.getsize(path) > size:
+        return _replace_copy(path, source, size, generation)
     fd = fileio.open_for_write(path)
     try:
         runs = None  # the byte runs to write (None: the whole file)
@@ -206,9 +212,38 @@ def write_copy(path: str, arr: np.ndarray, blocks: np.ndarray | None, base: Copy
             crcs = page_checksums(parts)
             written, ranges = size, [(0, size)]
         fileio.fsync(fd)
+        stamp = stamp_of(os.fstat(fd))
     finally:
         fileio.close(fd)
-    return CopyState(generation, size, crcs, written, ranges)
+    return CopyState(generation, size, crcs, written, ranges, stamp)
+
+
+def _replace_copy(path: str, source: _Source, size: int, generation: int) -> CopyState:
+    """Write the whole file to a new file renamed over ``path`` (whose file is larger).
+
+    A copy never shrinks in place: a reader (a read-only open, the writer's own arrays) that maps
+    the old file past the new end would get ``SIGBUS`` at its next read there. Renamed over, the
+    old file lives on, unchanged, for whoever still maps it."""
+    tmp = path + ".new"
+    fileio.remove(tmp)  # left by a commit that died here: it holds nothing known
+    fd = fileio.open_for_write(tmp, exclusive=True)
+    try:
+        fileio.truncate(fd, size)
+        parts, at = source.parts(0, size), 0
+        for part in parts:  # header and data: two at most
+            fileio.pwrite(fd, part, at)
+            at += part.nbytes
+        fileio.fsync(fd)
+    finally:
+        fileio.close(fd)
+    fileio.replace(tmp, path)  # the caller fsyncs the directory before publishing
+    return CopyState(generation, size, page_checksums(parts), size, [(0, size)], stamp_of(os.stat(path)))
+
+
+def stamp_of(st: os.stat_result) -> tuple[int, int, int, int]:
+    """What changes when another program writes, truncates or replaces a file: its inode, size,
+    and modification and change times."""
+    return st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
 @dataclass

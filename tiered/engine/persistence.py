@@ -29,13 +29,21 @@ import functools
 import mmap
 import os
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import numpy as np
 
 from .. import fileio
-from ..errors import ChecksumError, CorruptionError, SchemaMismatchError, StoreExistsError, TieredError
+from ..errors import (
+    CorruptionError,
+    NotSharedError,
+    SchemaMismatchError,
+    StaleReadError,
+    StoreExistsError,
+    TieredError,
+)
 from ..index import (
     BLOB_DTYPE,
     COLD,
@@ -76,6 +84,7 @@ from .pages import (
     copy_path,
     kind_of,
     read_intent,
+    stamp_of,
     write_copy,
     write_intent,
 )
@@ -96,6 +105,29 @@ CHECKSUMS = "checksums"
 #: Arrays larger than this get all their never-written copies at their first write (one page
 #: or less costs the same to rewrite whole as to rewrite in part).
 _SEED_BYTES = PAGE_BYTES + 1
+
+# Every StoreFiles of this process: a fork privatizes the array pages its writers map (_before_fork)
+_ALL_FILES: weakref.WeakSet[StoreFiles] = weakref.WeakSet()
+
+
+def _before_fork() -> None:
+    """Before this process forks: the child must keep the arrays it inherits as they are now.
+
+    A writer's arrays are partly private memory maps of its copy files (pages a commit mapped
+    back, pages opened lazily): a page never written since shows the file's bytes, in the child
+    as well, and the writer's later commits rewrite those files in place. Giving every such page
+    an anonymous copy first makes the child's arrays its own (copy-on-write, shared with the
+    parent until either writes), whatever the parent commits next."""
+    pid = os.getpid()
+    for files in list(_ALL_FILES):  # the stores of this process: a few
+        if not files.read_only and files.writer_lock is not None and files.writer_lock.pid == pid:
+            try:
+                filemap.privatize_files(os.path.join(files.path, ARRAYS_DIR))
+            except Exception:  # noqa: BLE001 - a fork hook must go on to the other stores
+                pass
+
+
+os.register_at_fork(before=_before_fork)
 
 BACKENDS: dict[str, type[MemmapTier]] = {"memmap": MemmapTier, "hdf5": HDF5Tier}
 ArrayLoader = Callable[[str], np.ndarray]
@@ -138,6 +170,15 @@ class StoreFiles:
         self._sums: tuple[dict[str, Any], dict[str, list[int]]] | None = None
         #: per-row arrays some of whose pages are mapped from their copy files (map_back)
         self.mapped: dict[str, filemap.FileLayout] = {}
+        _ALL_FILES.add(self)
+
+    @property
+    def forked(self) -> bool:
+        """Whether this is a copy, in a process forked from it, of a writer's files: it reads the
+        writer's state at the fork (its arrays were made private then, :func:`_before_fork`) and
+        never commits."""
+        lock = self.writer_lock
+        return lock is not None and lock.pid != os.getpid()
 
     # -- creating and opening -----------------------------------------------------------------
     def create(self) -> Tier:
@@ -207,9 +248,11 @@ class StoreFiles:
         for name, c in body["copy"].items():
             self.current[name] = c
             self.copies[name] = {c: CopyState(g, int(body["files"][name]), list(sums.get(name, [])))}
-        if mode == "r" or read_intent(self.path) != g:
+        if mode == "r":
             return
         try:
+            if read_intent(self.path) != g:
+                return
             for name, entries in body.get("spares", {}).items():
                 for c, gen, size, crcs in entries:
                     if name in self.copies and c != self.current[name]:
@@ -219,19 +262,90 @@ class StoreFiles:
         except (TypeError, ValueError):  # a garbled hint: the next commit writes every copy whole
             self.copies = {n: {c: v for c, v in d.items() if c == self.current[n]} for n, d in self.copies.items()}
             self.changes = []
+        finally:
+            self.stamp_copies()
 
-    def check_fresh(self) -> None:
-        """For a read-only store: raise if a writer may have overwritten the array copies it
-        reads (it started its third commit after this store's; docs/format.md).
+    def stamp_copies(self) -> None:
+        """Note what each copy file known to a writer is now (:func:`~tiered.engine.pages.stamp_of`),
+        so that a commit can tell a file another program changed since (:meth:`check_untouched`)."""
+        for name, copies in self.copies.items():  # a few dozen arrays, three copies at most
+            for c, state in copies.items():
+                try:
+                    state.stamp = stamp_of(os.stat(copy_path(self.path, name, c)))
+                except OSError:
+                    state.stamp = None
+
+    def check_untouched(self) -> None:
+        """Before a commit reads a byte of its arrays: check that it is the writer's (not a forked
+        copy's) and that no copy file it knows was changed by another program since this writer
+        wrote or opened it.
+
+        The writer's arrays are partly private maps of these files (pages never written since
+        show the file's bytes), and pages are checked against their checksums once, when first
+        used: a file changed afterwards would have its changed bytes copied into the new commit
+        with fresh checksums (and a truncated one would end the writer with ``SIGBUS``). Its
+        inode, size and time stamps tell (a few dozen ``stat`` calls).
 
         Raises:
-            ChecksumError: saying to reopen the store.
+            NotSharedError: this is a forked copy of the writer's files (:attr:`forked`).
+            CorruptionError: naming the file; nothing was written.
         """
-        if not self.read_only or self.version < 2:
+        if self.forked:
+            raise NotSharedError(
+                f"{self.path}: this process was forked from the store's writer and cannot commit to it (its "
+                "writes would mix with the writer's). Share the store before forking (store.share(), "
+                "or TieredStorage(..., shared=True)), or open it in this process once the writer closed it.")
+        for name, copies in self.copies.items():  # a few dozen arrays, three copies at most
+            for c, state in copies.items():
+                if state.stamp is None:
+                    continue
+                path = copy_path(self.path, name, c)
+                try:
+                    now = stamp_of(os.stat(path))
+                except OSError:
+                    now = None
+                if now != state.stamp:
+                    raise CorruptionError(
+                        f"{path}: another program changed this file while the store was open for writing "
+                        f"(inode, size, times {state.stamp} when this writer last wrote or opened it, now {now}); "
+                        "this writer's arrays map it, so nothing was committed rather than its bytes being "
+                        "stamped with new checksums. Reopen the store (tiered.open(path, mode='r+'), which "
+                        "checks every page it uses) and run `tiered verify`; restore it from a copy if that "
+                        "reports damage.")
+
+    def check_fresh(self, blobs: bool = False) -> None:
+        """For a reader that does not hold the writer lock (a read-only open, a process forked from
+        the writer): raise if the writer may have rewritten files it read (docs/durability.md).
+
+        The writer writes its intent (the generation it is committing) before it overwrites a
+        byte of an array copy, so checking it *after* a read tells whether anything the read used
+        may have changed. A read-only open reads its commit's array copies, which the writer's
+        third commit after it starts to overwrite; a forked process has private arrays
+        (:func:`_before_fork`). Both read blobs from the cold files, where the writer reuses the
+        space of rows it overwrote once its second commit after the reader's lands.
+
+        Args:
+            blobs: also raise once blob space may have been reused (for a read that failed, or
+                one whose blob bytes were not checked against their checksums).
+
+        Raises:
+            StaleReadError: saying to reopen the store.
+        """
+        forked = self.forked
+        if not (self.read_only or forked) or self.version < 2:
             return
         intent = read_intent(self.path)
-        if intent is not None and intent >= self.generation + NCOPIES:
-            raise ChecksumError(
+        if intent is None:
+            return
+        if (intent >= self.generation + 2 and blobs) or (intent >= self.generation + NCOPIES and not forked):
+            if forked:
+                raise StaleReadError(
+                    f"{self.path}: this process was forked from the store's writer at commit {self.generation}; "
+                    f"the writer has since committed up to generation {intent} and may reuse the space of rows "
+                    "it overwrote. Nothing that may be another commit's rows is returned: open the store in "
+                    "this process (tiered.open(path), read-only) to read the latest commit, or share it "
+                    "before forking (store.share()).")
+            raise StaleReadError(
                 f"{self.path}: this store was opened read-only at commit {self.generation}; a writer has "
                 f"since committed up to generation {intent} and reused the files of older commits. "
                 "The files are most likely not damaged: reopen the store (tiered.open(path)) to read the "
@@ -268,7 +382,7 @@ class StoreFiles:
         new). The copies rotate over three commits, so each commit also rewrites what the two
         before it changed: after a build's or an import's large flushes, the extra commits pay
         that at close, and the first commits after the next open write only their own changes."""
-        return not self.read_only and self.unsettled_blocks() >= SETTLE_BLOCKS
+        return not (self.read_only or self.forked) and self.unsettled_blocks() >= SETTLE_BLOCKS
 
     def commit(self, cold: Tier, arrays: dict[str, np.ndarray], body: dict[str, Any],
                dirty: tuple[np.ndarray, np.ndarray], keep_anonymous: frozenset[str] = frozenset()) -> None:
@@ -279,6 +393,7 @@ class StoreFiles:
             dirty: bitmaps of the row blocks and blob-id blocks changed since the last commit.
             keep_anonymous: arrays not to map back (dense columns a caller holds views of).
         """
+        self.check_untouched()
         self.release_mapped(arrays)
         cold.flush()
         g = self.generation + 1
@@ -428,14 +543,29 @@ class StoreFiles:
         self.writer_lock = None
 
 
-def read_fresh(files: StoreFiles | None, out: T) -> T:
-    """``out``, once known to be read from the commit a read-only store opened.
+def read_fresh(files: StoreFiles | None, read: Callable[[], T], *, verify: bool = True) -> T:
+    """``read()``, once known to be read from the commit the reader started from
+    (:meth:`StoreFiles.check_fresh`): a reader never returns what the writer may have rewritten
+    during or before the read, and an exception a rewrite may have caused (an index out of a
+    shrunk array, a blob failing its checksum) becomes the error that says to reopen.
+
+    Args:
+        verify: the read checks every blob's bytes against its checksum (False: the read is
+            refused as soon as blob space may have been reused).
 
     Raises:
-        ChecksumError: a writer may have overwritten that commit's arrays (reopen the store).
+        StaleReadError: a writer may have rewritten what the read used (reopen the store).
     """
-    if files is not None:
-        files.check_fresh()
+    if files is None:
+        return read()
+    try:
+        out = read()
+    except StaleReadError:
+        raise
+    except Exception as e:
+        files.check_fresh(blobs=True)  # raises StaleReadError from here, chained to e
+        raise e
+    files.check_fresh(blobs=not verify)
     return out
 
 

@@ -14,8 +14,10 @@ when they are used. A later write copies the page again (copy-on-write), as in a
 A page mapped from a file shows that file's bytes until the page is written: the file must not
 be truncated (a read past its end is ``SIGBUS``) or rewritten with other bytes while the page is
 mapped. Its owner calls :func:`privatize` first, which gives every mapped page back an anonymous
-copy of its bytes. Where ``MAP_FIXED`` through ``ctypes`` is not available (not Linux),
-:func:`remap` does nothing and the arrays stay anonymous.
+copy of its bytes. A forked process shares such pages with the file as well, and no later
+:func:`privatize` of the parent reaches it: a writer that may fork calls :func:`privatize_files`
+first. Where ``MAP_FIXED`` through ``ctypes`` is not available (not Linux), :func:`remap` does
+nothing and the arrays stay anonymous.
 
 Example:
     >>> import os, tempfile
@@ -46,7 +48,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["FileLayout", "file_array", "adopt", "layout_of", "remap", "privatize", "supported", "npy_header"]
+__all__ = ["FileLayout", "file_array", "adopt", "layout_of", "remap", "privatize", "privatize_files", "supported",
+           "npy_header"]
 
 #: Bytes of one memory page (the unit a mapping is replaced in).
 PAGE = mmap.PAGESIZE
@@ -67,6 +70,22 @@ def _libc_mmap() -> Callable[..., int] | None:
 
 
 _mmap = _libc_mmap()
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault pages in writable (a private page is copied) without writing
+
+
+def _libc_madvise() -> Callable[..., int] | None:
+    if _mmap is None:
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return fn
+
+
+_madvise = _libc_madvise()
 # start of the data of each live file-layout array -> its layout
 _layouts: dict[int, FileLayout] = {}
 
@@ -245,3 +264,55 @@ def privatize(arr: np.ndarray | FileLayout, source: int | None = None) -> None:
         at = pages * PAGE
         view[at] = view[at]  # a write to each page copies it (copy-on-write): anonymous from now on
         layout.source[pages] = -1
+
+
+def privatize_files(directory: str) -> int:
+    """Give every page of this process's private file mappings (any array, any layout) of files
+    in ``directory`` an anonymous copy of its bytes; returns the bytes of the mappings touched.
+
+    A process about to ``fork`` calls it for the files its writer rewrites in place: a private
+    page that was never written is shared with the file, in the child as in the parent, so a
+    later rewrite of the file by the parent would change the child's arrays under it. Once
+    anonymous (copy-on-write between parent and child), a page keeps the bytes it had at the fork
+    in the child whatever the parent's later commits write. Linux only (``/proc/self/maps``);
+    elsewhere nothing is mapped from these files (:func:`remap` does nothing) and 0 is returned.
+
+    Example:
+        >>> import os, tempfile
+        >>> d = tempfile.mkdtemp()
+        >>> np.save(os.path.join(d, "a.npy"), np.arange(100_000))
+        >>> with open(os.path.join(d, "a.npy"), "rb") as f:
+        ...     m = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        >>> a = np.frombuffer(m, np.int64, count=100_000, offset=128)
+        >>> touched = privatize_files(d)
+        >>> with open(os.path.join(d, "a.npy"), "r+b") as f:  # the file changes...
+        ...     _ = f.seek(128); _ = f.write(np.int64(-1).tobytes())
+        >>> int(a[0]), touched >= a.nbytes or not supported()  # ...the array does not
+        (0, True)
+    """
+    if _mmap is None:
+        return 0
+    prefix = os.path.join(os.path.realpath(directory), "")
+    spans = []
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
+            for line in f:  # one line per mapping of the process (a few hundred)
+                parts = line.split(maxsplit=5)
+                if len(parts) == 6 and parts[1].startswith("rw") and parts[1][3] == "p" and parts[5].startswith(prefix):
+                    lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                    spans.append((lo, hi))
+    except OSError:
+        return 0
+    for lo, hi in spans:  # the mappings of a store's arrays: a few dozen
+        # The kernel copies each page as a write fault would, without a write: another thread
+        # writing the arrays meanwhile loses nothing. Older kernels: a write of each page's first
+        # byte (as it is) does the same, but must not race with a writer thread.
+        if _madvise is None or _madvise(lo, hi - lo, _MADV_POPULATE_WRITE) != 0:
+            view = np.ctypeslib.as_array((ctypes.c_uint8 * (hi - lo)).from_address(lo))
+            view[::PAGE] = view[::PAGE].copy()  # a write to each page copies it (copy-on-write)
+    for layout in list(_layouts.values()):  # the pages are no longer the files' (a few dozen arrays)
+        end = layout.address + layout.length
+        for lo, hi in spans:
+            if layout.alive and lo < end and hi > layout.address:
+                layout.source[max(lo - layout.address, 0) // PAGE:(min(hi, end) - layout.address) // PAGE] = -1
+    return sum(hi - lo for lo, hi in spans)
