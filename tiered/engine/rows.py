@@ -362,6 +362,31 @@ class RowSpace:
         wide = self.widen.get(key)
         return out if wide is None else out.to(wide)
 
+    def read_dense_fields(self, fields: list[Field], rows: np.ndarray, out: dict[Key, torch.Tensor],
+                          span: tuple[int, int] | None = None) -> None:
+        """:meth:`read_dense` of every dense field of ``fields`` into ``out``, with the flags byte
+        gathered once and split into all its bits in one step (a get reads up to 8 flags)."""
+        rows_t = None if span else torch.from_numpy(rows)
+        flags = [f for f in fields if f.key in self.flag_fields]
+        if flags:
+            if self.flags_check is not None:
+                self.flags_check.span(*span) if span else self.flags_check.rows(rows)
+            byte = self.flags.narrow(0, *span) if span else self.flags.index_select(0, rows_t)
+            shifts = torch.tensor([self.flag_fields[f.key].flag_bit for f in flags], dtype=torch.uint8)
+            # [flags, n]: each flag's row is contiguous, so its cells are a plain view
+            bits = ((byte.unsqueeze(0) >> shifts.unsqueeze(1)) & 1).to(torch.bool).unbind(0)
+            for f, b in zip(flags, bits, strict=True):  # a loop over flag fields (at most 8), not rows
+                out[f.key] = b.view(-1, *f.shape)
+        dense, checks, widen = self.dense, self.dense_checks, self.widen
+        for f in fields:  # a loop over columns, not rows
+            key = f.key
+            if key not in dense:
+                continue
+            if key in checks:
+                checks[key].span(*span) if span else checks[key].rows(rows)
+            cells = dense[key].narrow(0, *span) if span else dense[key].index_select(0, rows_t)
+            out[key] = cells.to(widen[key]) if key in widen else cells
+
     def remember_view(self, view: torch.Tensor, start: int, n: int) -> None:
         """Note that ``view`` shows rows ``[start, start + n)`` of a dense column to a caller."""
         if len(self.views) >= 64:
