@@ -302,7 +302,7 @@ class RowSpace:
             else:
                 check.rows(rows)
 
-    def write_dense(self, schema: Schema, rows: np.ndarray, data: TensorDictBase) -> None:
+    def write_dense(self, schema: Schema, rows: np.ndarray, data: TensorDictBase | dict[Key, torch.Tensor]) -> None:
         self.check_dense(rows)
         rows_t = torch.from_numpy(rows)
         n = rows.size
@@ -447,7 +447,7 @@ class RowSpace:
             self.dense_checks[field.key] = check
 
     # -- trajectories -----------------------------------------------------------------------
-    def trajectory_ids(self, schema: Schema, data: TensorDictBase, n: int,
+    def trajectory_ids(self, schema: Schema, data: TensorDictBase | dict[Key, torch.Tensor], n: int,
                        traj_key: Key | None) -> tuple[np.ndarray, np.ndarray, int]:
         """Trajectory id per row, the sorted ids of trajectories that end in this batch, and the
         id the next batch starts from (commit it with :attr:`next_trajectory` once the write lands).
