@@ -356,7 +356,7 @@ class _ExceptionTable(RowTable):
         """``(position in the exception list, whether the row has one)`` per row."""
         if not self.exc_rows.size:
             return np.zeros(rows.shape, np.int64), np.zeros(rows.shape, bool)
-        pos = np.minimum(np.searchsorted(self.exc_rows, rows), self.exc_rows.size - 1)
+        pos = np.minimum(self.exc_rows.searchsorted(rows), self.exc_rows.size - 1)
         return pos, self.exc_rows[pos] == rows
 
     def ids(self, rows: Any) -> np.ndarray:
@@ -622,11 +622,11 @@ class ShiftedRowTable(_LastColumnTable):
         blob, slot = self.last_blob[src], self.last_slot[src]
         if not self.exc_rows.size or not rows.size:
             return blob, slot
-        pos = np.searchsorted(self.exc_rows, rows, side="right") - 1  # -1: the last one, a lap before
+        pos = self.exc_rows.searchsorted(rows, side="right") - 1  # -1: the last one, a lap before
         d = rows - self.exc_rows[pos] + np.where(pos < 0, cap, 0)
-        near = np.flatnonzero(d < f - 1)  # rows within F - 1 of their exception (no branch on it:
+        near = (d < f - 1).nonzero()[0]  # rows within F - 1 of their exception (no branch on it:
         col = np.arange(step, f + step)[None, :] + d[near, None]  # the same calls for every batch)
-        i, j = np.nonzero(col < f - 1)  # [m, F]: the exception's column of frame j + step, where it has one
+        i, j = (col < f - 1).nonzero()  # [m, F]: the exception's column of frame j + step, where it has one
         at, p, c = near[i], pos[near][i], col[i, j]
         blob[at, j], slot[at, j] = self.exc_blob[p, c], self.exc_slot[p, c]
         return blob, slot

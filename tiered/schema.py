@@ -369,6 +369,10 @@ class Field:
         return val.movedim(1, self.frame_dim + 1) if self.frame_dim != 0 else val
 
 
+#: TensorDict classes seen by :meth:`Schema.match` (an exact type test is cheaper than isinstance)
+_TD_CLASSES: set[type] = set()
+
+
 class Schema(Mapping[Key, Field]):
     """The ordered set of fields of a store. Immutable once created."""
 
@@ -601,8 +605,11 @@ class Schema(Mapping[Key, Field]):
         entries: dict[Key, dict[str, Any]] = {}
         for prefix, names in self._levels.items():  # parents before children: keys grow in length
             sub = entries[prefix[:-1]].get(prefix[-1]) if prefix else td
-            if not isinstance(sub, TensorDictBase):
-                return None
+            # TensorDictBase is an ABC: isinstance costs 3 Python-level calls; known classes none
+            if type(sub) not in _TD_CLASSES:
+                if not isinstance(sub, TensorDictBase):
+                    return None
+                _TD_CLASSES.add(type(sub))
             level = dict(sub.items())
             if level.keys() != names:
                 return None

@@ -277,7 +277,7 @@ class ZstdCodec(Codec):
         if n == 0:
             return
         empty = out_sizes == 0
-        keep = np.flatnonzero(~empty)
+        keep = (~empty).nonzero()[0]
         if keep.size < n:
             # zstandard's batch decoder refuses frames of 0 output bytes, and there is nothing to
             # write for them; still check (vectorized) that each one is a frame of 0 bytes.

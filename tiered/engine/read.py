@@ -287,8 +287,17 @@ def blob_frames(layout: FieldLayout, fam: FrameFamily, fields: list[Field],
     """``(unique blob ids, frame index)`` of ``rows`` over one family's ``fields``: the frame
     index ``[len(rows), frames]`` points into the decoded ``[len(uniq) * chunk_frames]`` frames."""
     blobs, slots = layout.blob_refs(fields, rows)
-    uniq, inv = np.unique(blobs, return_inverse=True)
-    return uniq, inv.reshape(blobs.shape) * fam.chunk_frames + slots
+    # np.unique(return_inverse=True) by hand: one sort, a mask of firsts, a cumsum (np.unique's
+    # own wrappers cost ~20 Python-level calls per read)
+    flat = blobs.reshape(-1)
+    order = flat.argsort(kind="stable")
+    ordered = flat[order]
+    first = np.empty(ordered.size, dtype=bool)
+    first[:1] = True
+    np.not_equal(ordered[1:], ordered[:-1], out=first[1:])
+    inv = np.empty(flat.size, dtype=np.int64)
+    inv[order] = first.cumsum() - 1
+    return ordered[first], inv.reshape(blobs.shape) * fam.chunk_frames + slots
 
 
 def assemble_cells(fields: list[Field], flat: np.ndarray, frame_idx: np.ndarray, n: int,
@@ -443,8 +452,9 @@ class CpuReadPipeline(ReadPipeline):
             raise AssertionError("a row references a freed blob: index is inconsistent")
         is_open = state == OPEN
         # no early exits on empty groups: the call count of get must not depend on the batch
-        open_pos = np.flatnonzero(is_open)
-        pos = np.flatnonzero(~is_open)
+        # (array methods, not np.flatnonzero & co: those add ~10 Python-level wrapper calls each)
+        open_pos = is_open.nonzero()[0]
+        pos = (~is_open).nonzero()[0]
         ids = uniq[pos]
         sizes = idx.nbytes[ids]
         src_off = exclusive_cumsum(sizes)
@@ -453,7 +463,7 @@ class CpuReadPipeline(ReadPipeline):
         self.placement.read(ids, sizes, comp, src_off, from_tier)
         if self.verify:
             sums = codecs.segment_checksums(comp, src_off, sizes)
-            bad = np.flatnonzero(sums != idx.checksum[ids])
+            bad = (sums != idx.checksum[ids]).nonzero()[0]
             if bad.size:
                 raise self.checksum_error(layout, ids[bad])
         self.placement.note_reads(ids, from_tier)
