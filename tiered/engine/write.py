@@ -326,10 +326,9 @@ class WritePath:
             # the cells as a plain dict: each nested TensorDict get costs ~15 Python calls
             cells = layout.schema.match(data, 1)
             data = cells if cells is not None else {k: data.get(k) for k in layout.schema}
-        cpu = torch.device("cpu")
-        if any(v.device != cpu for v in data.values()):
+        if {v.device.type for v in data.values()} != {"cpu"}:
             # .numpy() below needs every cell on the CPU (a TensorDict of device=None may mix)
-            data = {k: v.to(cpu) for k, v in data.items()}
+            data = {k: v.cpu() for k, v in data.items()}
         traj, ended, next_trajectory = self.rows.trajectory_ids(layout.schema, data, n, self.options.traj_key)
         plans: list[FramePlan] = []
         try:
