@@ -25,12 +25,14 @@ Usage:
     python benchmarks/bench_storages.py                 # full run (~5-10 min on 2 cores)
     python benchmarks/bench_storages.py --write-docs    # ... and update docs/benchmarks.md
     python benchmarks/bench_storages.py --quick         # ~1-2 min, checks that the script works
-    python benchmarks/bench_storages.py --threads 1     # torch.set_num_threads(1), see below
+    python benchmarks/bench_storages.py --threads 1     # one torch thread, one decode thread, see below
     python benchmarks/bench_storages.py --profile       # also cProfile tiered get/extend at B=256
 
-``--threads``: on a 2-core VM, another process holding a core can stall torch's 2-thread pool
-(index_select 1.2 ms -> 41 ms median, measured on such a VM); one thread gives steadier
-comparisons, at some cost to LazyTensorStorage's gathers. The background load is printed either way.
+``--threads N``: ``torch.set_num_threads(N)`` and ``threads=N`` decode threads for every tiered
+store. On a 2-core VM, another process holding a core can stall torch's 2-thread pool
+(index_select 1.2 ms -> 41 ms median, measured on such a VM) and tiered's handoff to its second
+decode thread alike; one thread gives steadier comparisons, at some cost to LazyTensorStorage's
+gathers and tiered's large decodes. The background load is printed either way.
 
 Results: a table on stdout, raw numbers in ``benchmarks/out/bench_storages.json`` and the report
 in ``benchmarks/out/bench_storages.md`` (``--quick``: ``bench_storages_quick.*``). Only with
@@ -142,26 +144,29 @@ _DEFAULT_K = _default_chunk_frames()
 EXTRA_K = tuple(k for k in (2, 4, 8, 16) if k != _DEFAULT_K)  # the default K is the 'tiered' row
 
 
-def build_specs(keys: list[str] | None) -> tuple[list[StoreSpec], str | None]:
+def build_specs(keys: list[str] | None, threads: int = 0) -> tuple[list[StoreSpec], str | None]:
+    """The stores measured (``keys``: a subset); ``threads`` > 0: tiered's decode threads too."""
     from torchrl.data import CompressedListStorage, LazyMemmapStorage, LazyTensorStorage
 
     import tiered
 
     adapter, why = tiered_adapter()
     frames = {"observation": 0}
+    # --threads N: N decode threads for every tiered store (the "no options" row included)
+    pool = {"threads": threads} if threads else {}
 
     def tiered_raw(**kw: Any) -> Callable[[int, str], Any]:
-        kw = {"frames": frames, **kw}
+        kw = {"frames": frames, **pool, **kw}
         return lambda n, tmp: tiered.TieredStore(n, **kw)
 
     def tiered_rb(**kw: Any) -> Callable[[int, str], Any] | None:
         if adapter is None:
             return None
-        kw = {"frames": frames, **kw}
+        kw = {"frames": frames, **pool, **kw}
         return lambda n, tmp: adapter(n, **kw)
 
     def no_options_raw(n: int, tmp: str) -> Any:
-        return tiered.TieredStore(n)
+        return tiered.TieredStore(n, **pool)
 
     def memmap(n: int, tmp: str) -> Any:
         return LazyMemmapStorage(n, scratch_dir=tempfile.mkdtemp(dir=tmp, prefix="lms_"))
@@ -170,7 +175,7 @@ def build_specs(keys: list[str] | None) -> tuple[list[StoreSpec], str | None]:
     specs = [
         StoreSpec("tiered", f"tiered (K={default_k}, default)", "tiered", tiered_raw(), tiered_rb()),
         StoreSpec("tiered_auto", "tiered (no options)", "tiered", no_options_raw,
-                  None if adapter is None else (lambda n, tmp: adapter(n)),
+                  None if adapter is None else (lambda n, tmp: adapter(n, **pool)),
                   note="frame stacks detected on the first write"),
         StoreSpec("tiered_k1", "tiered (K=1)", "tiered",
                   tiered_raw(chunk_frames=1), tiered_rb(chunk_frames=1)),
@@ -458,7 +463,7 @@ def child_main(args: argparse.Namespace) -> int:
     games = args.games
     n = args.child_n
     data = H.load_atari(games, n, rollout_steps(args.steps, games, args.scale))
-    specs, _ = build_specs([args.child])
+    specs, _ = build_specs([args.child], args.threads)
     spec = specs[0]
     tmp = tempfile.mkdtemp(prefix="bench_storages_child_")
     try:
@@ -883,7 +888,8 @@ def method_notes(args, rounds, ext1_steps, block, why_no_adapter) -> list[str]:
         notes.append(f"tiered through TorchRL: n/a, `tiered.torchrl` could not be imported "
                      f"({why_no_adapter}).")
     if args.threads:
-        notes.append(f"torch.set_num_threads({args.threads}) in every process.")
+        notes.append(f"torch.set_num_threads({args.threads}) in every process, and {args.threads} decode "
+                     f"thread(s) for every tiered store (`threads={args.threads}`, the no-options row included).")
     return notes
 
 
@@ -899,7 +905,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--online-steps", type=int, default=None,
                    help="steps of add 1 + sample 256 after a prefill of min(2048, steps/2) rows (default 400; quick 100)")
     p.add_argument("--quick", action="store_true", help="small run (~1-2 min) to check the script works")
-    p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads(N); 0 keeps torch's default")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch.set_num_threads(N) and N tiered decode threads; 0 keeps both defaults")
     p.add_argument("--stores", nargs="+", default=None, help="subset: tiered tiered_auto tiered_k1 lts lms cls; also tiered_kK for the K in (2, 4, 8, 16) that is not the default")
     p.add_argument("--batches", type=int, nargs="+", default=list(SWEEP),
                    help=f"sample batch sizes (default {' '.join(map(str, SWEEP))}; 32 and 256 fill the main table)")
@@ -955,7 +962,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"data: {n:,} transitions of {', '.join(args.games)}, {rb_bytes:,} B each "
           f"({meters['load data']['wall_s']:.1f} s)")
 
-    specs, why = build_specs(args.stores)
+    specs, why = build_specs(args.stores, args.threads)
     if why:
         print(f"tiered.torchrl not available ({why}): tiered rb cells are n/a")
     res = Results()

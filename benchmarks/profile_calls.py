@@ -11,11 +11,13 @@ Usage:
     python benchmarks/profile_calls.py                 # table of us/call and calls/call
     python benchmarks/profile_calls.py --profile get32 # + cProfile of one operation (tiered)
     python benchmarks/profile_calls.py --threads 1
+    python benchmarks/profile_calls.py --only --breakdown store.get32 rb.add1   # calls per tiered function
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import cProfile
 import gc
 import io
@@ -50,6 +52,40 @@ def count_calls(fn) -> int:
         sys.setprofile(None)
         gc.enable()
     return count
+
+
+def breakdown(fn) -> tuple[int, int, collections.Counter]:
+    """``(all calls, Python-level calls, calls per issuer)`` of one ``fn()``: each call is charged
+    to the innermost tiered function on the stack that issued it (numpy, torch and tensordict
+    work included), "<outside tiered>" for TorchRL's own."""
+    per: collections.Counter = collections.Counter()
+    python = 0
+
+    def owner(frame) -> str:
+        while frame is not None:
+            name = frame.f_code.co_filename
+            if "/tiered/" in name and "site-packages" not in name:
+                return name.split("/tiered/")[-1] + ":" + frame.f_code.co_name
+            frame = frame.f_back
+        return "<outside tiered>"
+
+    def prof(frame, event, arg):
+        nonlocal python
+        if event == "call":
+            python += 1
+            per[owner(frame.f_back)] += 1
+        elif event == "c_call":
+            per[owner(frame)] += 1
+
+    gc.collect()
+    gc.disable()
+    sys.setprofile(prof)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+        gc.enable()
+    return sum(per.values()), python, per
 
 
 def build(n: int, data):
@@ -99,6 +135,8 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--profile", nargs="*", default=[], help="operations to cProfile (tiered)")
     p.add_argument("--only", nargs="*", default=None, help="operations to time")
+    p.add_argument("--breakdown", nargs="*", default=[],
+                   help="operations whose calls to print per tiered function (tiered and lts)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -137,6 +175,17 @@ def main(argv=None) -> int:
         ratio = f"{lt / med['tiered']:.2f}x" if lt else ""
         print(f"{name:16} {med['tiered']:10.0f} {lt if lt else float('nan'):10.0f} {ratio:>7} "
               f"{counts['tiered']:13d} {counts.get('lts', 0):10d}", flush=True)
+    for name in args.breakdown:
+        b = int("".join(c for c in name.split(".")[-1] if c.isdigit()) or 1)
+        for k, fn in table[name].items():
+            state["idx"] = torch.randint(0, n, (b,), generator=gen)
+            state["row"] += 1
+            fn()  # warm: plans, buffers
+            state["row"] += 1
+            total, python, per = breakdown(fn)
+            print(f"### {name} ({k}): {total} calls, {python} of them Python functions")
+            for who, c in per.most_common(25):
+                print(f"  {c:5d} {who}")
     for name in args.profile:
         fn = table[name]["tiered"]
         b = int("".join(c for c in name.split(".")[-1] if c.isdigit()) or 1)

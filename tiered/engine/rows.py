@@ -347,7 +347,7 @@ class RowSpace:
 
     def _flag_shifts(self, fields: list[Field]) -> torch.Tensor:
         """``[len(fields), 1]`` uint8: each flag field's bit (made once per set of flag fields)."""
-        bits = tuple(f.flag_bit for f in fields)
+        bits = tuple([f.flag_bit for f in fields])  # (a list: a generator is a Python call per item)
         cached = self._shifts
         if cached is None or cached[0] != bits:
             cached = self._shifts = (bits, torch.tensor(bits, dtype=torch.uint8).unsqueeze(1))
