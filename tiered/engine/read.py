@@ -95,15 +95,18 @@ class ReadPlan:
         self.fields = fields
         self.dense = [f for f in fields if f.kind == "dense"]
         self.by_family = by_family
+        # the result's key order, as a get has always built it (and compressed transport's
+        # decode_rows does): the dense fields in schema order, then the blob fields by family
+        order = self.dense + [f for fs in by_family.values() for f in fs]
         names: dict[Key, list[str]] = {(): []}
-        for f in fields:  # once per plan: the names at each nesting level, in schema order
+        for f in order:  # once per plan: the names at each nesting level, in that order
             for depth in range(len(f.key)):
                 level = names.setdefault(f.key[:depth], [])
                 if f.key[depth] not in level:
                     level.append(f.key[depth])
         #: ``(prefix, names)`` per nesting level, deepest first (children are built before parents)
         self.levels = sorted(names.items(), key=lambda kv: -len(kv[0]))
-        self.leaves = [(f.key[:-1], f.key[-1], f.key) for f in fields]
+        self.leaves = [(f.key[:-1], f.key[-1], f.key) for f in order]
 
     @classmethod
     def for_schema(cls, schema: Any, keys: Any) -> ReadPlan:
@@ -114,7 +117,7 @@ class ReadPlan:
 
     def assemble(self, cells: dict[Key, torch.Tensor], n: int) -> TensorDict:
         """The ``[n]`` TensorDict of ``cells`` (every field of the plan), nested as the keys are,
-        in schema order: one constructor call per nesting level."""
+        dense fields first: one constructor call per nesting level."""
         batch = torch.Size([n])
         levels = {prefix: dict.fromkeys(names) for prefix, names in self.levels}
         for prefix, name, key in self.leaves:  # a loop over fields, not rows
