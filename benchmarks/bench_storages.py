@@ -10,8 +10,9 @@ One run fills and samples, interleaved round by round on the same random indices
 - TorchRL 0.14's ``LazyTensorStorage``, ``LazyMemmapStorage`` (in a temp dir) and
   ``CompressedListStorage`` (its default codec: zlib-3 below Python 3.14, zstd from 3.14).
 
-Measured: extend rate (chunks of 256; and one transition at a time), sample rate (B=32, 256)
-through the storage's own ``get`` and through ``TensorDictReplayBuffer`` + ``RandomSampler``,
+Measured: extend rate (chunks of 256; one transition at a time; ``rb.extend`` of 16 rows), sample
+rate (B=1, 8, 32, 64, 256, 1024 side by side, with a plot of rate vs batch size) through the
+storage's own ``get`` and through ``TensorDictReplayBuffer`` + ``RandomSampler``,
 and the anonymous memory each store holds after filling it in a fresh process (this script
 re-run with ``--child``). The tiered store is also filled with ``--scale`` (2) times the
 transitions, so the 1M-transition projection rests on two measurements: bytes per transition at
@@ -24,12 +25,14 @@ Usage:
     python benchmarks/bench_storages.py                 # full run (~5-10 min on 2 cores)
     python benchmarks/bench_storages.py --write-docs    # ... and update docs/benchmarks.md
     python benchmarks/bench_storages.py --quick         # ~1-2 min, checks that the script works
-    python benchmarks/bench_storages.py --threads 1     # torch.set_num_threads(1), see below
+    python benchmarks/bench_storages.py --threads 1     # one torch thread, one decode thread, see below
     python benchmarks/bench_storages.py --profile       # also cProfile tiered get/extend at B=256
 
-``--threads``: on a 2-core VM, another process holding a core can stall torch's 2-thread pool
-(index_select 1.2 ms -> 41 ms median, measured on such a VM); one thread gives steadier
-comparisons, at some cost to LazyTensorStorage's gathers. The background load is printed either way.
+``--threads N``: ``torch.set_num_threads(N)`` and ``threads=N`` decode threads for every tiered
+store. On a 2-core VM, another process holding a core can stall torch's 2-thread pool
+(index_select 1.2 ms -> 41 ms median, measured on such a VM) and tiered's handoff to its second
+decode thread alike; one thread gives steadier comparisons, at some cost to LazyTensorStorage's
+gathers and tiered's large decodes. The background load is printed either way.
 
 Results: a table on stdout, raw numbers in ``benchmarks/out/bench_storages.json`` and the report
 in ``benchmarks/out/bench_storages.md`` (``--quick``: ``bench_storages_quick.*``). Only with
@@ -72,7 +75,9 @@ BEGIN = "<!-- bench_storages:begin -->"
 END = "<!-- bench_storages:end -->"
 HEADING = "## CPU: storages side by side (bench_storages.py)"
 CHUNK = 256
-BATCHES = (32, 256)
+BATCHES = (32, 256)  # the batch sizes of the main table
+SWEEP = (1, 8, 32, 64, 256, 1024)  # sample rates side by side (table and plot of rate vs batch size)
+SMALL_EXTEND = 16  # rows of one rb.extend of a small collector batch (16 vectorized envs)
 ONE_M = 1_000_000
 GB = 1e9
 
@@ -83,6 +88,7 @@ MEASURES = [
     ("add1_rb", "add 1 (rb)", "rb"),
     ("online_rb", "add 1 + sample 256 (rb)", "rb"),
     ("extend1_raw", "extend 1 (raw)", "raw"),
+    ("extend16_rb", f"extend {SMALL_EXTEND} (rb)", "rb"),
     ("sample32_rb", "sample B=32 (rb)", "rb"),
     ("sample256_rb", "sample B=256 (rb)", "rb"),
     ("get32_raw", "get B=32 (raw)", "raw"),
@@ -138,26 +144,29 @@ _DEFAULT_K = _default_chunk_frames()
 EXTRA_K = tuple(k for k in (2, 4, 8, 16) if k != _DEFAULT_K)  # the default K is the 'tiered' row
 
 
-def build_specs(keys: list[str] | None) -> tuple[list[StoreSpec], str | None]:
+def build_specs(keys: list[str] | None, threads: int = 0) -> tuple[list[StoreSpec], str | None]:
+    """The stores measured (``keys``: a subset); ``threads`` > 0: tiered's decode threads too."""
     from torchrl.data import CompressedListStorage, LazyMemmapStorage, LazyTensorStorage
 
     import tiered
 
     adapter, why = tiered_adapter()
     frames = {"observation": 0}
+    # --threads N: N decode threads for every tiered store (the "no options" row included)
+    pool = {"threads": threads} if threads else {}
 
     def tiered_raw(**kw: Any) -> Callable[[int, str], Any]:
-        kw = {"frames": frames, **kw}
+        kw = {"frames": frames, **pool, **kw}
         return lambda n, tmp: tiered.TieredStore(n, **kw)
 
     def tiered_rb(**kw: Any) -> Callable[[int, str], Any] | None:
         if adapter is None:
             return None
-        kw = {"frames": frames, **kw}
+        kw = {"frames": frames, **pool, **kw}
         return lambda n, tmp: adapter(n, **kw)
 
     def no_options_raw(n: int, tmp: str) -> Any:
-        return tiered.TieredStore(n)
+        return tiered.TieredStore(n, **pool)
 
     def memmap(n: int, tmp: str) -> Any:
         return LazyMemmapStorage(n, scratch_dir=tempfile.mkdtemp(dir=tmp, prefix="lms_"))
@@ -166,7 +175,7 @@ def build_specs(keys: list[str] | None) -> tuple[list[StoreSpec], str | None]:
     specs = [
         StoreSpec("tiered", f"tiered (K={default_k}, default)", "tiered", tiered_raw(), tiered_rb()),
         StoreSpec("tiered_auto", "tiered (no options)", "tiered", no_options_raw,
-                  None if adapter is None else (lambda n, tmp: adapter(n)),
+                  None if adapter is None else (lambda n, tmp: adapter(n, **pool)),
                   note="frame stacks detected on the first write"),
         StoreSpec("tiered_k1", "tiered (K=1)", "tiered",
                   tiered_raw(chunk_frames=1), tiered_rb(chunk_frames=1)),
@@ -338,6 +347,23 @@ def bench_add_one(specs, data, steps, block, res, tmp, capacity) -> None:
     del units
 
 
+def bench_extend_small(specs, data, steps, block, res, tmp, capacity, rows=SMALL_EXTEND) -> None:
+    """``rb.extend`` of ``rows`` transitions per call (a small collector batch), timed in blocks of
+    ``block`` calls (so a store that compresses its write stage every few calls pays for it inside
+    the block), stores alternating per block."""
+    res.items["extend16_rb"] = block * rows
+    units = make_units(specs, capacity, tmp, res, ("extend1_raw", "extend16_rb"))
+    rbs = [(spec, rb) for spec, _raw, rb in units if rb is not None]
+    chunks = [data[i:i + rows] for i in range(0, steps - rows + 1, rows)]
+    for b in range(len(chunks) // block):
+        for spec, rb in rotated(rbs, b):
+            def fn(rb=rb, b=b):
+                for c in chunks[b * block:(b + 1) * block]:
+                    rb.rb.extend(c)
+            run_timed(res, spec.key, "extend16_rb", fn)
+    del units
+
+
 def bench_online(specs, data, steps, block, res, tmp, capacity, prefill=2048, batch=256) -> None:
     """The online RL loop: every step adds one transition and samples a batch, so a tiered
     store's sample meets rows still in its write stage. Each store is prefilled with ``prefill``
@@ -392,7 +418,7 @@ def check_content(out: TensorDictBase, data: TensorDictBase, idx: torch.Tensor) 
     return "ok" if not bad else "MISMATCH in " + ", ".join(bad)
 
 
-def bench_sample(units, data, rounds, res, seed=1234) -> None:
+def bench_sample(units, data, rounds, res, seed=1234, batches=SWEEP) -> None:
     """Fresh random indices every round, the same for every store and path; round 0 is a warm-up
     whose output is checked against the source rows."""
     n = data.batch_size[0]
@@ -400,7 +426,7 @@ def bench_sample(units, data, rounds, res, seed=1234) -> None:
     # For tiered, also the rb's own TieredStore.get on the same indices: the overhead of going
     # through TensorDictReplayBuffer is measured on one and the same store.
     pairs += [(u, "rbstore") for u in units if u[2] is not None and hasattr(u[2].storage, "store")]
-    for b in BATCHES:
+    for b in batches:
         get_m, rb_m, own_m = f"get{b}_raw", f"sample{b}_rb", f"get{b}_rbstore"
         res.items[get_m] = res.items[rb_m] = res.items[own_m] = b
         for r in range(rounds + 1):
@@ -437,7 +463,7 @@ def child_main(args: argparse.Namespace) -> int:
     games = args.games
     n = args.child_n
     data = H.load_atari(games, n, rollout_steps(args.steps, games, args.scale))
-    specs, _ = build_specs([args.child])
+    specs, _ = build_specs([args.child], args.threads)
     spec = specs[0]
     tmp = tempfile.mkdtemp(prefix="bench_storages_child_")
     try:
@@ -567,6 +593,21 @@ def throughput_table(specs, res: Results) -> str:
     return H.markdown_table(headers, rows)
 
 
+def sweep_table(specs, res: Results, batches: tuple[int, ...], path: str) -> str:
+    """Sample rates at every batch size of the sweep, one row per store (``path``: "rb" for
+    ``rb.sample()``, "raw" for the storage's own ``get``); in parentheses the ratio vs LTS."""
+    prefix, suffix = ("sample", "_rb") if path == "rb" else ("get", "_raw")
+    rows = []
+    for spec in specs:
+        row = [spec.name]
+        for b in batches:
+            m = f"{prefix}{b}{suffix}"
+            r = res.rate(spec.key, m)
+            row.append("n/a" if r is None else f"{H.fmt_rate(r)} ({H.fmt_ratio(ratio(r, res.rate('lts', m)))})")
+        rows.append(row)
+    return H.markdown_table(["store", *[f"B={b}" for b in batches]], rows)
+
+
 def memory_rows(specs, mem: dict[str, dict[str, Any]],
                 scaled: dict[str, dict[str, Any]]) -> tuple[str, dict[str, float | None]]:
     per_tr: dict[str, float | None] = {}
@@ -633,6 +674,9 @@ def thresholds(specs, res: Results, per_tr: dict[str, float | None],
             return None if get_r is None or rb_r is None else get_r / rb_r - 1.0
         return f
 
+    def vs_lts(measure: str) -> Callable[[str], float | None]:
+        return lambda k: ratio(res.rate(k, measure), res.rate("lts", measure))
+
     def add_vs_lts(k: str) -> float | None:
         return ratio(res.rate(k, "add1_rb"), res.rate("lts", "add1_rb"))
 
@@ -668,6 +712,9 @@ def thresholds(specs, res: Results, per_tr: dict[str, float | None],
          ">= 0.95x"),
         ("issue 14", "no options: bytes held vs frames=", no_options_vs_frames("bytes"), 1.05, False,
          "<= 1.05x"),
+        *[("issue 31", f"{label} vs LazyTensorStorage", vs_lts(mid), 1.0, True, ">= 1x")
+          for mid, label, _ in MEASURES],
+        ("issue 31", "sample B=256 (rb) vs LazyTensorStorage", sample_vs("lts"), 1.5, True, ">= 1.5x"),
     ]
     rows, raw = [], []
     for issue, what, fn, target, hib, label in checks:
@@ -775,6 +822,16 @@ def doc_body(facts, args, n, rb_bytes, thr_note, tables, loads, meters, proj_tex
         "",
         tables["throughput"],
         "",
+        "### Sample rate vs batch size (transitions/s; in parentheses: ratio vs LazyTensorStorage)",
+        "",
+        "Through `TensorDictReplayBuffer` (`rb.sample()`):",
+        "",
+        tables["sweep_rb"],
+        "",
+        "Through the storage's own `get`:",
+        "",
+        tables["sweep_raw"],
+        "",
         "### Bytes held after filling, each store in a fresh process",
         "",
         tables["memory"],
@@ -831,7 +888,8 @@ def method_notes(args, rounds, ext1_steps, block, why_no_adapter) -> list[str]:
         notes.append(f"tiered through TorchRL: n/a, `tiered.torchrl` could not be imported "
                      f"({why_no_adapter}).")
     if args.threads:
-        notes.append(f"torch.set_num_threads({args.threads}) in every process.")
+        notes.append(f"torch.set_num_threads({args.threads}) in every process, and {args.threads} decode "
+                     f"thread(s) for every tiered store (`threads={args.threads}`, the no-options row included).")
     return notes
 
 
@@ -847,8 +905,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--online-steps", type=int, default=None,
                    help="steps of add 1 + sample 256 after a prefill of min(2048, steps/2) rows (default 400; quick 100)")
     p.add_argument("--quick", action="store_true", help="small run (~1-2 min) to check the script works")
-    p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads(N); 0 keeps torch's default")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch.set_num_threads(N) and N tiered decode threads; 0 keeps both defaults")
     p.add_argument("--stores", nargs="+", default=None, help="subset: tiered tiered_auto tiered_k1 lts lms cls; also tiered_kK for the K in (2, 4, 8, 16) that is not the default")
+    p.add_argument("--batches", type=int, nargs="+", default=list(SWEEP),
+                   help=f"sample batch sizes (default {' '.join(map(str, SWEEP))}; 32 and 256 fill the main table)")
     p.add_argument("--profile", action="store_true", help="cProfile tiered get/extend at B=256 too")
     p.add_argument("--scale", type=int, default=2,
                    help="also fill tiered with scale x steps transitions (memory only; default 2)")
@@ -901,7 +962,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"data: {n:,} transitions of {', '.join(args.games)}, {rb_bytes:,} B each "
           f"({meters['load data']['wall_s']:.1f} s)")
 
-    specs, why = build_specs(args.stores)
+    specs, why = build_specs(args.stores, args.threads)
     if why:
         print(f"tiered.torchrl not available ({why}): tiered rb cells are n/a")
     res = Results()
@@ -913,6 +974,12 @@ def main(argv: list[str] | None = None) -> int:
         H.release_memory()
         meters["one at a time"] = m.stop()
         print(f"one at a time: done ({meters['one at a time']['wall_s']:.0f} s)")
+
+        m = H.CpuMeter()
+        bench_extend_small(specs, data, args.one_steps, 8, res, tmp, n)
+        H.release_memory()
+        meters["extend 16"] = m.stop()
+        print(f"extend {SMALL_EXTEND}: done ({meters['extend 16']['wall_s']:.0f} s)")
 
         m = H.CpuMeter()
         bench_online(specs, data, args.online_steps, max(5, args.online_steps // 20), res, tmp, n,
@@ -927,7 +994,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"extend 256: done ({meters['extend 256']['wall_s']:.0f} s)")
 
         m = H.CpuMeter()
-        bench_sample(units, data, args.rounds, res)
+        bench_sample(units, data, args.rounds, res, batches=tuple(args.batches))
         meters["sample"] = m.stop()
         print(f"sample: done ({meters['sample']['wall_s']:.0f} s)")
         del units
@@ -956,7 +1023,9 @@ def main(argv: list[str] | None = None) -> int:
     loads["after"] = H.load_snapshot()
     print("background after:", H.describe_load(loads["after"]))
 
-    tables = {"throughput": throughput_table(specs, res)}
+    tables = {"throughput": throughput_table(specs, res),
+              "sweep_rb": sweep_table(specs, res, tuple(args.batches), "rb"),
+              "sweep_raw": sweep_table(specs, res, tuple(args.batches), "raw")}
     tables["memory"], per_tr = memory_rows(specs, mem, scaled)
     proj_text, proj_raw = projection(mem, scaled, specs)
     tables["thresholds"], thr_raw = thresholds(specs, res, per_tr, proj_raw)
@@ -969,6 +1038,12 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print("Throughput (transitions/s; ratio vs LazyTensorStorage / vs CompressedListStorage)")
     print(tables["throughput"])
+    print()
+    print("Sample rate vs batch size, rb.sample() (transitions/s; ratio vs LazyTensorStorage)")
+    print(tables["sweep_rb"])
+    print()
+    print("Sample rate vs batch size, the storage's own get")
+    print(tables["sweep_raw"])
     print()
     print("Bytes held after filling (fresh process per store)")
     print(tables["memory"])

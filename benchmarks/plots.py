@@ -149,6 +149,38 @@ def plot_storages(json_path: Path | str) -> list[Path]:
     else:
         plt.close(fig)
 
+    # -- sample rate against batch size, per storage (rb.sample() solid, the storage's get dashed)
+    batches = sorted({int(m[len("sample"):-len("_rb")]) for r in rates.values() for m in (r or {})
+                      if m.startswith("sample") and m.endswith("_rb") and m[len("sample"):-len("_rb")].isdigit()})
+    if len(batches) >= 3:
+        fig, ax = plt.subplots(figsize=(7.5, 5))
+        drawn = 0
+        palette = iter(["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#17becf", "#bcbd22"])
+        for key, name in stores.items():
+            label, color, marker = STORE_STYLE.get(key, (name, TIERED_COLOR, "o"))
+            if key not in STORE_STYLE:  # several tiered rows: one colour each
+                label, color = name, next(palette, TIERED_COLOR)
+            for path, ls, suffix in (("rb", "-", "_rb"), ("get", "--", "_raw")):
+                prefix = "sample" if path == "rb" else "get"
+                pts = [(b, (rates.get(key) or {}).get(f"{prefix}{b}{suffix}")) for b in batches]
+                pts = [(b, r) for b, r in pts if r]
+                if len(pts) >= 2:
+                    ax.plot([b for b, _ in pts], [r for _, r in pts], ls=ls, marker=marker, color=color,
+                            label=f"{label} ({'rb.sample()' if path == 'rb' else 'storage get'})")
+                    drawn += 1
+        if drawn:
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xticks(batches, [str(b) for b in batches])
+            ax.set_xlabel("batch size")
+            ax.set_ylabel("transitions/s (log)")
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=7, loc="lower right")
+            _title(ax, "Sample rate vs batch size", data)
+            written += _save(fig, "storages_rate_vs_batch", plt)
+        else:
+            plt.close(fig)
+
     # -- K trade-off: compressed bytes and sample rate against chunk_frames
     points = []
     for key, name in stores.items():

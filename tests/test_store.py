@@ -336,13 +336,16 @@ def test_stats_keys(atari_pong):
     assert st["tiers"]["warm"]["bytes_used"] > 0
 
 
-def _count_calls(fn) -> int:
-    count = 0
+def _count_calls(fn) -> tuple[int, int]:
+    """``(all calls, Python-level calls)`` of ``fn()``: every Python and C function called, and the
+    Python functions alone (the measure the per-call bounds below use)."""
+    count = python = 0
 
     def prof(frame, event, arg):
-        nonlocal count
+        nonlocal count, python
         if event in ("call", "c_call"):
             count += 1
+            python += event == "call"
 
     # garbage collection (e.g. another test's finalizers) must not run inside the measurement
     gc.collect()
@@ -353,20 +356,30 @@ def _count_calls(fn) -> int:
     finally:
         sys.setprofile(None)
         gc.enable()
-    return count
+    return count, python
+
+
+#: the most Python-level calls (Python functions, numpy's Python wrappers included) one get and
+#: one batched extend of Atari stacks with next observations may make, whatever the batch
+MAX_GET_PYTHON_CALLS = 300
+MAX_EXTEND_PYTHON_CALLS = 900
 
 
 @pytest.mark.parametrize("config", ["frames_k4", "frames_k1", "default"])
 def test_python_call_count_does_not_grow_with_batch(atari_mixed, config):
-    """No per-item Python loop on extend/get: the call count is the same at batch 32 and 1024.
+    """No per-item Python loop on extend/get: the call count is the same at batch 32 and 1024,
+    and the fixed cost per call is bounded.
 
     Both stores are first filled past capacity (so the measured extend also overwrites rows and
     frees blobs, and arenas have grown); the 1024-row window crosses episode ends and the 32-row
     one does not, so trajectory handling must be vectorized too. The small window still closes a
     time chunk at the default K=8 (a window that closes none skips the encode branch entirely);
     extend may differ by a few calls (data-dependent branches), a per-row loop would add ~1000.
+    A get of Atari stacks with next observations makes at most ``MAX_GET_PYTHON_CALLS`` Python
+    function calls and a batched extend at most ``MAX_EXTEND_PYTHON_CALLS`` (634 and 1,858 before
+    issue 31: per-call work is done once per schema and numpy's Python-level wrappers are avoided).
     """
-    counts = {}
+    counts, python = {}, {}
     for b in (32, 1024):
         store = TieredStore(2048, threads=2, **CONFIGS[config])
         store.extend(atari_mixed[:1500])
@@ -377,9 +390,13 @@ def test_python_call_count_does_not_grow_with_batch(atari_mixed, config):
             ext = _count_calls(lambda: store.extend(win))  # noqa: B023
             idx = torch.randperm(len(store), generator=torch.Generator().manual_seed(rep))[:b]
             g = _count_calls(lambda: store.get(idx))  # noqa: B023
-        counts[b] = (ext, g)
+        counts[b] = (ext[0], g[0])
+        python[b] = (ext[1], g[1])
     assert counts[32][1] == counts[1024][1], counts
     assert abs(counts[32][0] - counts[1024][0]) <= 10, counts
+    for b in (32, 1024):
+        assert python[b][1] <= MAX_GET_PYTHON_CALLS, python
+        assert python[b][0] <= MAX_EXTEND_PYTHON_CALLS, python
 
 
 def test_get_returns_resolved_row_positions_under_index_key(atari_pong):

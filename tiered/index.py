@@ -216,7 +216,7 @@ class BlobIndex:
 def _row_ids(rows: Any) -> np.ndarray:
     """Row indices (an int array) of ``rows``: an int array or a bool mask over the rows."""
     rows = np.asarray(rows)
-    return np.flatnonzero(rows) if rows.dtype == np.bool_ else rows.reshape(-1)
+    return rows.ravel().nonzero()[0] if rows.dtype == np.bool_ else rows.reshape(-1)
 
 
 class RowTable:
@@ -356,7 +356,7 @@ class _ExceptionTable(RowTable):
         """``(position in the exception list, whether the row has one)`` per row."""
         if not self.exc_rows.size:
             return np.zeros(rows.shape, np.int64), np.zeros(rows.shape, bool)
-        pos = np.minimum(np.searchsorted(self.exc_rows, rows), self.exc_rows.size - 1)
+        pos = np.minimum(self.exc_rows.searchsorted(rows), self.exc_rows.size - 1)
         return pos, self.exc_rows[pos] == rows
 
     def ids(self, rows: Any) -> np.ndarray:
@@ -386,7 +386,7 @@ class _ExceptionTable(RowTable):
         if new_rows.size:
             order = np.argsort(new_rows, kind="stable")
             new_rows = new_rows.astype(np.int64)[order]
-            at = np.searchsorted(exc_rows, new_rows)  # none of new_rows is left in the list
+            at = exc_rows.searchsorted(new_rows)  # none of new_rows is left in the list
             exc_rows = np.insert(exc_rows, at, new_rows)
             exc_blob = np.insert(exc_blob, at, new_blob.astype(BLOB_DTYPE)[order], axis=0)
             exc_slot = np.insert(exc_slot, at, new_slot.astype(SLOT_DTYPE)[order], axis=0)
@@ -622,11 +622,11 @@ class ShiftedRowTable(_LastColumnTable):
         blob, slot = self.last_blob[src], self.last_slot[src]
         if not self.exc_rows.size or not rows.size:
             return blob, slot
-        pos = np.searchsorted(self.exc_rows, rows, side="right") - 1  # -1: the last one, a lap before
+        pos = self.exc_rows.searchsorted(rows, side="right") - 1  # -1: the last one, a lap before
         d = rows - self.exc_rows[pos] + np.where(pos < 0, cap, 0)
-        near = np.flatnonzero(d < f - 1)  # rows within F - 1 of their exception (no branch on it:
+        near = (d < f - 1).nonzero()[0]  # rows within F - 1 of their exception (no branch on it:
         col = np.arange(step, f + step)[None, :] + d[near, None]  # the same calls for every batch)
-        i, j = np.nonzero(col < f - 1)  # [m, F]: the exception's column of frame j + step, where it has one
+        i, j = (col < f - 1).nonzero()  # [m, F]: the exception's column of frame j + step, where it has one
         at, p, c = near[i], pos[near][i], col[i, j]
         blob[at, j], slot[at, j] = self.exc_blob[p, c], self.exc_slot[p, c]
         return blob, slot
@@ -647,12 +647,12 @@ class ShiftedRowTable(_LastColumnTable):
             mask = np.zeros(cap, dtype=bool)
             for k in range(f):  # a loop over the frames of a stack
                 mask[(rows + k) % cap] = True
-            touched = np.flatnonzero(mask)
+            touched = mask.ravel().nonzero()[0]
         prev = (touched - 1) % cap
-        at_row = np.searchsorted(touched, rows)
+        at_row = touched.searchsorted(rows)
         is_row = np.zeros(touched.size, dtype=bool)
         is_row[at_row] = True
-        at_prev = np.minimum(np.searchsorted(touched, prev), touched.size - 1)
+        at_prev = np.minimum(touched.searchsorted(prev), touched.size - 1)
         prev_in = touched[at_prev] == prev
         # the entries every touched row and every untouched previous row hold now (before any change)
         keep_rows, outside = touched[~is_row], prev[~prev_in]
@@ -770,7 +770,7 @@ class NextRowTable(_ExceptionTable):
         sorted (the same calls whatever the rows: no per-row loop, no branch on the batch)."""
         prev = np.sort((rows - 1) % self.capacity)
         ordered = np.sort(rows)
-        at = np.minimum(np.searchsorted(ordered, prev), max(rows.size - 1, 0))
+        at = np.minimum(ordered.searchsorted(prev), max(rows.size - 1, 0))
         return prev[ordered[at] != prev]
 
     def _replace(self, rows: np.ndarray, new_rows: np.ndarray, new_blob: np.ndarray, new_slot: np.ndarray) -> None:
@@ -784,7 +784,7 @@ class NextRowTable(_ExceptionTable):
         old = self.exc_rows[keep]
         total = old.size + new_rows.size
         is_new = np.zeros(total, dtype=bool)
-        is_new[np.searchsorted(old, new_rows) + np.arange(new_rows.size)] = True  # none of new_rows is in old
+        is_new[old.searchsorted(new_rows) + np.arange(new_rows.size)] = True  # none of new_rows is in old
         out_rows = np.empty(total, dtype=np.int64)
         out_blob = np.empty((total, self._frames), dtype=BLOB_DTYPE)
         out_slot = np.empty((total, self._frames), dtype=SLOT_DTYPE)

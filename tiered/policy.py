@@ -103,7 +103,7 @@ class _Column:
 
     def reserve(self, ids: np.ndarray) -> None:
         """Make room for writes to ``ids`` (non-empty) and count them in ``size``."""
-        top = int(ids.max())
+        top = int(np.maximum.reduce(ids, axis=None))  # (the ufunc: .max() adds wrapper calls)
         self.ensure(top)
         self.size = max(self.size, top + 1)
 

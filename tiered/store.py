@@ -339,7 +339,7 @@ class TieredStore(_StoreSharing):
         promote: copy sampled blobs up into faster tiers, as the policy decides.
         gpu_decode: with a CUDA ``device``: ``None`` decodes on the GPU when nvCOMP is installed,
             ``True`` requires it, ``False`` decodes on the CPU and copies.
-        stage_rows: writes of at most ``stage_rows // 8`` rows (``ReplayBuffer.add``) wait raw
+        stage_rows: writes of at most ``stage_rows // 4`` rows (``ReplayBuffer.add``, a small collector batch) wait raw
             and are compressed together later (see :mod:`tiered.engine.stage`); staged rows are
             readable at once. ``0`` writes every call through.
     """

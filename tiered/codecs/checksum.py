@@ -57,6 +57,7 @@ _MASK32 = 0xFFFFFFFF
 # (255 * n**2 / 2 < 2**63 for n = 2**26). The loops over chunks run once per chunk of data,
 # never once per blob.
 _NP_CHUNK = 1 << 22
+_TRUE = np.ones(1, dtype=bool)
 _TORCH_CHUNK = 1 << 26
 
 
@@ -75,7 +76,9 @@ def _check_layout(nbytes: int, offsets: np.ndarray, sizes: np.ndarray) -> None:
             f"offsets and sizes must have the same length, got {offsets.shape} and {sizes.shape}"
         )
     if offsets.size and (
-        int(sizes.min()) < 0 or int(offsets.min()) < 0 or int((offsets + sizes).max()) > nbytes
+        # ufunc reductions, not .min()/.max(): those add Python-level wrapper calls per batch
+        int(np.minimum.reduce(sizes)) < 0 or int(np.minimum.reduce(offsets)) < 0
+        or int(np.maximum.reduce(offsets + sizes)) > nbytes
     ):
         raise ValueError(
             f"blob (offset, size) pairs must lie inside the data buffer of {nbytes} bytes "
@@ -164,14 +167,15 @@ def _packed_checksums(data: np.ndarray, offsets: np.ndarray, sizes: np.ndarray) 
     per sum gives every blob's value directly. Returns None for other layouts.
     """
     nonempty = sizes > 0
-    if not nonempty.any():
+    # ufunc reductions, not .any()/.all()/.max(): those add Python-level wrapper calls per batch
+    if not np.logical_or.reduce(nonempty):
         return np.zeros(sizes.size, dtype=np.int64)
-    all_nonempty = bool(nonempty.all())
+    all_nonempty = bool(np.logical_and.reduce(nonempty))
     starts = offsets if all_nonempty else offsets[nonempty]
     lens = sizes if all_nonempty else sizes[nonempty]
     lo = int(starts[0])
     hi = int(starts[-1] + lens[-1])
-    if not np.array_equal(starts[1:], starts[:-1] + lens[:-1]):
+    if not np.logical_and.reduce(starts[1:] == starts[:-1] + lens[:-1]):
         return None
     s1 = np.empty(starts.size, dtype=np.uint32)
     bg = np.empty(starts.size, dtype=np.uint32)
@@ -179,9 +183,11 @@ def _packed_checksums(data: np.ndarray, offsets: np.ndarray, sizes: np.ndarray) 
     # the loop runs once per chunk of data, not per blob. The marks are closer than _NP_CHUNK by
     # the largest blob, so a group fits the shared weight table (no fresh 16 MiB table for one
     # that overran it).
-    step = max(_NP_CHUNK - int(lens.max()), _NP_CHUNK // 2)
-    cuts = np.unique(np.searchsorted(starts, np.arange(lo, hi, step), side="left"))
-    bounds = np.append(cuts[cuts < starts.size], starts.size).tolist()
+    step = max(_NP_CHUNK - int(np.maximum.reduce(lens)), _NP_CHUNK // 2)
+    # sorted already (starts ascend): duplicates dropped without np.unique's sort
+    cuts = starts.searchsorted(np.arange(lo, hi, step), side="left")
+    cuts = cuts[np.concatenate([_TRUE, cuts[1:] != cuts[:-1]])]
+    bounds = np.concatenate([cuts[cuts < starts.size], [starts.size]]).tolist()
     weights = _arange32(min(_NP_CHUNK, hi - lo))
     with np.errstate(over="ignore"):
         for a, b in zip(bounds[:-1], bounds[1:], strict=True):

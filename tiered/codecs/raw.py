@@ -69,7 +69,9 @@ def as_batch(
     offsets = offsets.astype(np.int64, copy=False)
     sizes = sizes.astype(np.int64, copy=False)
     if sizes.size and (
-        int(sizes.min()) < 0 or int(offsets.min()) < 0 or int((offsets + sizes).max()) > data.size
+        # ufunc reductions, not .min()/.max(): those add Python-level wrapper calls per batch
+        int(np.minimum.reduce(sizes)) < 0 or int(np.minimum.reduce(offsets)) < 0
+        or int(np.maximum.reduce(offsets + sizes)) > data.size
     ):
         raise ValueError(
             f"every blob must lie inside the buffer of {data.size} bytes with a non-negative size; "

@@ -22,7 +22,7 @@ Threads: a batch is cut into ``threads`` slices of similar byte size; each slice
 calling thread taking the last slice. zstandard's own ``threads=N`` (``native_threads = True``)
 starts and joins N native threads inside every call instead; the sliced pool is the default
 (it never starts threads per call). ``threads=1`` starts no thread, and a decode of under
-64 KiB of output stays on the calling thread (a handoff costs more than that much zstd work).
+1 MiB of output stays on the calling thread (a handoff can cost more than it saves there).
 
 Example:
     >>> import numpy as np
@@ -66,9 +66,11 @@ DEFAULT_LEVEL = 3
 # With native_threads, zstandard's own threads start only from this many blobs: starting and
 # joining them costs more than a smaller batch saves.
 _MIN_BLOBS_FOR_THREADS = 8
-# A decode producing less than this stays on the calling thread: ~50 us of zstd work, less than
-# a thread handoff on a small VM (a one-row sample is 2-8 blobs, 30-60 KB of frames).
-_MIN_BYTES_FOR_THREADS = 64 << 10
+# A decode producing less than this stays on the calling thread: under ~0.5 ms of zstd work.
+# Handing half of it to a pool thread saves at most half of that, and on a busy small VM the
+# handoff alone (waking the thread, the GIL back and forth) was measured at milliseconds; samples
+# of 1-8 rows of Atari stacks at K=8 decode 0.1-0.7 MB and stay here, B=32 (~2.5 MB) is split.
+_MIN_BYTES_FOR_THREADS = 1 << 20
 _ZSTD_MAGIC = 0xFD2FB528
 _ITEM_RE = re.compile(r"item (\d+)")
 
@@ -277,7 +279,7 @@ class ZstdCodec(Codec):
         if n == 0:
             return
         empty = out_sizes == 0
-        keep = np.flatnonzero(~empty)
+        keep = (~empty).nonzero()[0]
         if keep.size < n:
             # zstandard's batch decoder refuses frames of 0 output bytes, and there is nothing to
             # write for them; still check (vectorized) that each one is a frame of 0 bytes.

@@ -116,7 +116,7 @@ class FrameColumns:
 
     def col(self, p: int) -> np.ndarray:
         """Column ``p`` as an ``[n_rows, frame_nbytes]`` view."""
-        f = int(np.searchsorted(self.offsets, p, side="right")) - 1
+        f = int(self.offsets.searchsorted(p, side="right")) - 1
         return self.cells[f][:, p - self.offsets[f]]
 
     def take(self, q: np.ndarray) -> np.ndarray:
@@ -124,7 +124,7 @@ class FrameColumns:
         out = np.empty((q.size, self.frame_nbytes), dtype=np.uint8)
         row, column = np.divmod(q, self.per_row)
         for f, c in enumerate(self.cells):  # a loop over the family's fields, not over frames
-            sel = np.flatnonzero((column >= self.offsets[f]) & (column < self.offsets[f + 1]))
+            sel = ((column >= self.offsets[f]) & (column < self.offsets[f + 1])).ravel().nonzero()[0]
             out[sel] = c[row[sel], column[sel] - self.offsets[f]]
         return out
 
@@ -230,11 +230,11 @@ class FrameFamily:
         n_tail = self.tail_frames.shape[0]
         representative, roots, root_frames = self._dedup(frames, frame_traj, rules)
         rep_new = representative[n_tail:]  # of each incoming frame, a position in [tail; frames]
-        unique_pos = np.flatnonzero(rep_new == np.arange(n_tail, n_tail + frames.n_frames))
+        unique_pos = (rep_new == np.arange(n_tail, n_tail + frames.n_frames)).ravel().nonzero()[0]
         chunks = self._assign_chunks(frame_traj[unique_pos], ended_traj, close_all, index)
         blob, slot = self._resolve(rep_new, unique_pos, chunks)
         # new unique frames are all dedup roots: their bytes are taken from root_frames
-        unique_root = np.searchsorted(roots, unique_pos)
+        unique_root = roots.searchsorted(unique_pos)
         closed_ids, closed_nframes, closed_raw, reopened_closed = self._closed_chunks(
             chunks, root_frames, unique_root, index)
         untouched = np.ones(self.open_traj.size, dtype=bool)  # open chunks no new frame went to
@@ -250,7 +250,7 @@ class FrameFamily:
             open_traj, open_blob, open_fill = (np.empty(0, np.int64) for _ in range(3))
         else:
             open_traj, open_blob, open_fill = self._open_after(chunks, untouched)
-        to_open = np.flatnonzero(~chunks.closes[chunks.frame_chunk])  # new frames of open chunks
+        to_open = (~chunks.closes[chunks.frame_chunk]).ravel().nonzero()[0]  # new frames of open chunks
         tail_frames, tail_blob, tail_slot = self._next_tail(rep_new, tail_mask, roots, root_frames, blob, slot)
         return FramePlan(
             blob=blob, slot=slot, new_ids=chunks.new_ids, closed_ids=closed_ids, closed_raw=closed_raw,
@@ -270,12 +270,12 @@ class FrameFamily:
         incoming frames ``tail_mask`` marks, each once (the tail only serves hash matches, so
         the 8 rows of 2 x 4-frame stacks it covers keep ~11 frames, not 64)."""
         n_tail = self.tail_frames.shape[0]
-        keep = np.unique(rep_new[np.flatnonzero(np.asarray(tail_mask, dtype=bool))])  # in [tail; frames]
+        keep = np.unique(rep_new[np.asarray(tail_mask, dtype=bool).ravel().nonzero()[0]])  # in [tail; frames]
         old = keep < n_tail
         new = keep[~old] - n_tail  # incoming dedup roots
         frames = np.empty((keep.size, self.frame_nbytes), dtype=np.uint8)
         frames[old] = self.tail_frames[keep[old]]
-        frames[~old] = root_frames[np.searchsorted(roots, new)]
+        frames[~old] = root_frames[roots.searchsorted(new)]
         tail_blob = np.empty(keep.size, dtype=np.int64)
         tail_slot = np.empty(keep.size, dtype=np.int64)
         tail_blob[old], tail_slot[old] = self.tail_blob[keep[old]], self.tail_slot[keep[old]]
@@ -328,7 +328,7 @@ class FrameFamily:
         """Per trajectory of ``traj`` (sorted): its open chunk's position in ``open_traj``, whether
         it has one, and that chunk's fill (0) and blob id (-1 without one)."""
         if self.open_traj.size and traj.size:
-            open_pos = np.minimum(np.searchsorted(self.open_traj, traj), self.open_traj.size - 1)
+            open_pos = np.minimum(self.open_traj.searchsorted(traj), self.open_traj.size - 1)
             has_open = self.open_traj[open_pos] == traj
             old_fill = np.where(has_open, self.open_fill[open_pos], 0)
             old_blob = np.where(has_open, self.open_blob[open_pos], -1)
@@ -363,7 +363,7 @@ class FrameFamily:
         (the open buffer, the new frames) into a preallocated output, no sort, no intermediate copy.
         """
         frame_nbytes = self.frame_nbytes
-        closed = np.flatnonzero(chunks.closes)
+        closed = chunks.closes.ravel().nonzero()[0]
         closed_ids = chunks.blob[closed]
         closed_nframes = chunks.fill[closed]
         reopened = closed[chunks.reuse[closed]]  # open chunks that close now
@@ -371,17 +371,17 @@ class FrameFamily:
         old_fill = chunks.old_fill[chunks.group[reopened]]
         start = exclusive_cumsum(closed_nframes)
         closed_raw = np.empty((int(closed_nframes.sum()), frame_nbytes), dtype=np.uint8)
-        closed_raw[ranges(start[np.searchsorted(closed, reopened)], old_fill)] = \
+        closed_raw[ranges(start[closed.searchsorted(reopened)], old_fill)] = \
             self.open_frames.reshape(-1, frame_nbytes)[self._open_rows(reopened_ids, old_fill, index)]
-        new_closed = np.flatnonzero(chunks.closes[chunks.frame_chunk])  # new frames of closed chunks
-        closed_raw[start[np.searchsorted(closed, chunks.frame_chunk[new_closed])] + chunks.frame_slot[new_closed]] = \
+        new_closed = chunks.closes[chunks.frame_chunk].ravel().nonzero()[0]  # new frames of closed chunks
+        closed_raw[start[closed.searchsorted(chunks.frame_chunk[new_closed])] + chunks.frame_slot[new_closed]] = \
             root_frames[unique_root[new_closed]]
         return closed_ids, closed_nframes, closed_raw, reopened_ids
 
     def _open_after(self, chunks: _Chunks, untouched: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(traj, blob, fill)`` of the open chunks once the plan is applied, sorted by trajectory:
         those no new frame went to, and the chunks of this plan that stay open."""
-        still_open = np.flatnonzero(~chunks.closes)
+        still_open = (~chunks.closes).ravel().nonzero()[0]
         traj = np.concatenate([self.open_traj[untouched], chunks.traj[chunks.group[still_open]]])
         blob = np.concatenate([self.open_blob[untouched], chunks.blob[still_open]])
         fill = np.concatenate([self.open_fill[untouched], chunks.fill[still_open]])
@@ -404,7 +404,7 @@ class FrameFamily:
             return representative, roots, frames.take(roots)
         if rules is not None and n_frames:
             representative = self._dedup_neighbours(frames, frame_traj, rules, representative)
-        roots = np.flatnonzero(representative[n_tail:] == np.arange(n_tail, n_tail + n_frames))
+        roots = (representative[n_tail:] == np.arange(n_tail, n_tail + n_frames)).ravel().nonzero()[0]
         root_frames = frames.take(roots)
         # 2. Everything still unmatched (new frames, the first row of each trajectory, static
         #    screens, interleaved environments) against each other and the tail: a 64-bit hash
@@ -416,7 +416,7 @@ class FrameFamily:
         root_rep = first[inverse.reshape(-1)]  # in [tail; roots]: the first frame of the same hash
         # only incoming roots are resolved: duplicates inside the tail (its stacks overlap) were
         # resolved by the write that kept them, and root_rep[:n_tail] is never read
-        dup = n_tail + np.flatnonzero(root_rep[n_tail:] != np.arange(n_tail, n_tail + n_roots))
+        dup = n_tail + (root_rep[n_tail:] != np.arange(n_tail, n_tail + n_roots)).ravel().nonzero()[0]
         # fresh temporaries (not kept scratch): they are a few MB that a store should not hold
         a, b = self._take(root_frames, dup), self._take(root_frames, root_rep[dup])
         if frame_nbytes % 8 == 0:

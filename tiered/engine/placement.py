@@ -343,7 +343,8 @@ class Placement:
         """
         has = self.index.loc[ids] >= 0
         has &= np.array([t is not None for t in self.tiers])
-        if not has.any(1).all():
+        # ufunc reductions: .any(1).all() adds Python-level wrapper calls on every read
+        if not np.logical_and.reduce(np.logical_or.reduce(has, axis=1)):
             raise AssertionError(f"{int((~has.any(1)).sum())} blobs have no location: index is inconsistent")
         return has.argmax(1).astype(np.int8)  # first True column: HOT before WARM before COLD
 
@@ -382,7 +383,7 @@ class Placement:
             tier = self.tiers[t]
             if tier is None:
                 continue
-            sel = np.flatnonzero(from_tier > t)
+            sel = (from_tier > t).nonzero()[0]
             if not sel.size:
                 continue
             chosen = np.asarray(self.policy.promote(ids[sel], align(sizes[sel]), self.tier_state(t)), dtype=bool)

@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from .write import WritePath
 
 __all__ = ["ReadPipeline", "CpuReadPipeline", "GatheredBlobs", "describe_bad_blobs", "as_tensordict", "contiguous_span",
-           "codec_for", "decode_gathered", "blob_frames", "assemble_cells"]
+           "codec_for", "decode_gathered", "blob_frames", "assemble_cells", "ReadPlan", "plan_key"]
 
 
 def contiguous_span(index: Any, rows: np.ndarray) -> tuple[int, int] | None:
@@ -61,12 +61,98 @@ def contiguous_span(index: Any, rows: np.ndarray) -> tuple[int, int] | None:
     return None
 
 
+# TensorDict's unchecked constructor, when this tensordict has it: a read builds every leaf
+# itself (batch dimension and device known), so the per-leaf validation of the public
+# constructor (~15 Python calls a leaf) checks nothing; older or newer tensordicts without it
+# take the public constructor.
+_UNCHECKED_TD = getattr(TensorDict, "_new_unsafe", None)
+
+
+def _make_td(source: dict[str, Any], batch_size: torch.Size) -> TensorDict:
+    if _UNCHECKED_TD is not None:
+        return _UNCHECKED_TD(source, batch_size=batch_size)
+    return TensorDict(source, batch_size=batch_size)
+
+
+class ReadPlan:
+    """What a read of some keys of one schema does, worked out once (per schema and keys), not
+    per call: the fields, the dense ones, the blob ones by family, and the nesting of the result.
+
+    Args:
+        layout: the store's field layout (its schema and families).
+        keys: the keys read (None: every field), as :meth:`tiered.schema.Schema.select` takes them.
+
+    Example:
+        >>> from tiered.schema import Schema, Field
+        >>> s = Schema([Field(("next", "x"), torch.float32, (), "dense"), Field(("y",), torch.float32, (), "dense")])
+        >>> plan = ReadPlan.for_schema(s, None)
+        >>> [f.key for f in plan.dense], plan.levels
+        ([('next', 'x'), ('y',)], [(('next',), ['x']), ((), ['next', 'y'])])
+    """
+
+    def __init__(self, schema: Any, fields: list[Field], by_family: dict[int, list[Field]]) -> None:
+        self.schema = schema
+        self.fields = fields
+        self.dense = [f for f in fields if f.kind == "dense"]
+        self.by_family = by_family
+        # the result's key order, as a get has always built it (and compressed transport's
+        # decode_rows does): the dense fields in schema order, then the blob fields by family
+        order = self.dense + [f for fs in by_family.values() for f in fs]
+        names: dict[Key, list[str]] = {(): []}
+        for f in order:  # once per plan: the names at each nesting level, in that order
+            for depth in range(len(f.key)):
+                level = names.setdefault(f.key[:depth], [])
+                if f.key[depth] not in level:
+                    level.append(f.key[depth])
+        #: ``(prefix, names)`` per nesting level, deepest first (children are built before parents)
+        self.levels = sorted(names.items(), key=lambda kv: -len(kv[0]))
+        self.leaves = [(f.key[:-1], f.key[-1], f.key) for f in order]
+
+    @classmethod
+    def for_schema(cls, schema: Any, keys: Any) -> ReadPlan:
+        """A plan over a schema alone (no frame families: every blob field in family 0)."""
+        fields = schema.select(keys)
+        blobs = [f for f in fields if f.kind == "blob"]
+        return cls(schema, fields, {0: blobs} if blobs else {})
+
+    def assemble(self, cells: dict[Key, torch.Tensor], n: int) -> TensorDict:
+        """The ``[n]`` TensorDict of ``cells`` (every field of the plan), nested as the keys are,
+        dense fields first: one constructor call per nesting level."""
+        batch = torch.Size([n])
+        levels = {prefix: dict.fromkeys(names) for prefix, names in self.levels}
+        for prefix, name, key in self.leaves:  # a loop over fields, not rows
+            levels[prefix][name] = cells[key]
+        for prefix, _ in self.levels[:-1]:  # nested levels, deepest first
+            levels[prefix[:-1]][prefix[-1]] = _make_td(levels[prefix], batch)
+        return _make_td(levels[()], batch)
+
+
+def plan_key(keys: Any) -> Any:
+    """A hashable form of ``keys`` to look a :class:`ReadPlan` up by (None for unhashable ones).
+
+    Example:
+        >>> plan_key(None), plan_key("obs"), plan_key([("next", "obs"), "done"])
+        (('all',), ('key', 'obs'), ('keys', ('next', 'obs'), 'done'))
+    """
+    if keys is None:
+        return ("all",)
+    if isinstance(keys, str) or (isinstance(keys, tuple) and all(isinstance(k, str) for k in keys)):
+        return ("key", keys)
+    try:
+        return ("keys", *(k if isinstance(k, str) else tuple(k) for k in keys))
+    except TypeError:
+        return None
+
+
 def as_tensordict(cells: dict[Key, torch.Tensor], rows: np.ndarray, index_key: str | None,
-                  device: torch.device) -> TensorDict:
+                  device: torch.device, plan: ReadPlan | None = None) -> TensorDict:
     """The ``[len(rows)]`` TensorDict a read returns (with the row positions under ``index_key``)."""
-    td = TensorDict({}, batch_size=[rows.size])
-    for k, v in cells.items():
-        td.set(k, v)
+    if plan is not None:
+        td = plan.assemble(cells, rows.size)
+    else:
+        td = TensorDict({}, batch_size=[rows.size])
+        for k, v in cells.items():
+            td.set(k, v)
     if index_key is not None:
         td.set(index_key, torch.from_numpy(rows))
     if device.type != "cpu":
@@ -204,8 +290,17 @@ def blob_frames(layout: FieldLayout, fam: FrameFamily, fields: list[Field],
     """``(unique blob ids, frame index)`` of ``rows`` over one family's ``fields``: the frame
     index ``[len(rows), frames]`` points into the decoded ``[len(uniq) * chunk_frames]`` frames."""
     blobs, slots = layout.blob_refs(fields, rows)
-    uniq, inv = np.unique(blobs, return_inverse=True)
-    return uniq, inv.reshape(blobs.shape) * fam.chunk_frames + slots
+    # np.unique(return_inverse=True) by hand: one sort, a mask of firsts, a cumsum (np.unique's
+    # own wrappers cost ~20 Python-level calls per read)
+    flat = blobs.reshape(-1)
+    order = flat.argsort(kind="stable")
+    ordered = flat[order]
+    first = np.empty(ordered.size, dtype=bool)
+    first[:1] = True
+    np.not_equal(ordered[1:], ordered[:-1], out=first[1:])
+    inv = np.empty(flat.size, dtype=np.int64)
+    inv[order] = first.cumsum() - 1
+    return ordered[first], inv.reshape(blobs.shape) * fam.chunk_frames + slots
 
 
 def assemble_cells(fields: list[Field], flat: np.ndarray, frame_idx: np.ndarray, n: int,
@@ -236,11 +331,31 @@ class ReadPipeline(ABC):
         self.placement = placement
         self.counters = counters
         self.stale = stale or (lambda: None)
+        self._plans: dict[Any, ReadPlan] = {}
+
+    def plan(self, layout: FieldLayout, keys: Any) -> ReadPlan:
+        """The :class:`ReadPlan` of ``keys`` over ``layout``, made once per layout and keys.
+
+        Raises:
+            SchemaMismatchError: a key that names no field.
+        """
+        hkey = plan_key(keys)
+        plan = self._plans.get(hkey) if hkey is not None else None
+        if plan is None or plan.schema is not layout.schema:
+            fields = layout.schema.select(keys)
+            plan = ReadPlan(layout.schema, fields, layout.by_family(fields))
+            if hkey is not None:
+                if len(self._plans) >= 64:  # a caller cycling through many key sets
+                    self._plans.clear()
+                self._plans[hkey] = plan
+        return plan
 
     def read(self, layout: FieldLayout, fields: list[Field], rows: np.ndarray, out: dict[Key, torch.Tensor],
-             stage: WriteStage | None, slots: np.ndarray | None) -> None:
+             stage: WriteStage | None, slots: np.ndarray | None,
+             by_family: dict[int, list[Field]] | None = None) -> None:
         """Decode the blob fields among ``fields`` for ``rows`` into ``out`` (staged rows included)."""
-        by_family = layout.by_family(fields)
+        if by_family is None:
+            by_family = layout.by_family(fields)
         if slots is None or not (slots >= 0).any():
             for fid, fs in by_family.items():
                 self.read_family(layout, fid, fs, rows, out)
@@ -272,20 +387,19 @@ class ReadPipeline(ABC):
         decoded, ``index_key`` added, on ``device``, in the index's batch shape."""
         layout = write.layout
         out: dict[Key, torch.Tensor] = {}
+        plan = span = None
         if layout is not None:
-            fields = layout.schema.select(keys)
+            plan = self.plan(layout, keys)
             span = None if copy else contiguous_span(index, rows)
-            for f in fields:
-                if f.kind == "dense":
-                    out[f.key] = space.read_dense(f.key, rows, span)
-            self.read(layout, fields, rows, out, write.stage, write.staged_slots(rows))
+            space.read_dense_fields(plan.dense, rows, out, span)
+            self.read(layout, plan.fields, rows, out, write.stage, write.staged_slots(rows), plan.by_family)
             self.counters["gets"] += 1
-        td = as_tensordict(out, rows, index_key, device)
+        td = as_tensordict(out, rows, index_key, device, plan)
         shape = index_shape(index)
         td = td if shape is None else td.reshape(shape)
-        if layout is not None and span is not None:
-            for f in fields:
-                if f.kind == "dense" and space.is_view(f.key):
+        if plan is not None and span is not None:
+            for f in plan.dense:
+                if space.is_view(f.key):
                     space.remember_view(td.get(f.key), *span)
         return td
 
@@ -341,8 +455,9 @@ class CpuReadPipeline(ReadPipeline):
             raise AssertionError("a row references a freed blob: index is inconsistent")
         is_open = state == OPEN
         # no early exits on empty groups: the call count of get must not depend on the batch
-        open_pos = np.flatnonzero(is_open)
-        pos = np.flatnonzero(~is_open)
+        # (array methods, not np.flatnonzero & co: those add ~10 Python-level wrapper calls each)
+        open_pos = is_open.nonzero()[0]
+        pos = (~is_open).nonzero()[0]
         ids = uniq[pos]
         sizes = idx.nbytes[ids]
         src_off = exclusive_cumsum(sizes)
@@ -351,7 +466,7 @@ class CpuReadPipeline(ReadPipeline):
         self.placement.read(ids, sizes, comp, src_off, from_tier)
         if self.verify:
             sums = codecs.segment_checksums(comp, src_off, sizes)
-            bad = np.flatnonzero(sums != idx.checksum[ids])
+            bad = (sums != idx.checksum[ids]).nonzero()[0]
             if bad.size:
                 raise self.checksum_error(layout, ids[bad])
         self.placement.note_reads(ids, from_tier)

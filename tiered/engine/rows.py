@@ -69,9 +69,12 @@ def as_row_array(index: IndexLike, mask_lengths: tuple[int, ...] | None = None) 
     if isinstance(index, torch.Tensor):
         if index.dtype == torch.bool:
             return _mask_rows(index.cpu().numpy(), mask_lengths), False
-        if index.is_floating_point() or index.is_complex():
+        if index.dtype.is_floating_point or index.dtype.is_complex:  # attributes: no calls
             raise IndexOutOfRangeError(f"row indices must be integers, got a {index.dtype} tensor")
         scalar = index.ndim == 0
+        if index.device.type == "cpu" and index.dtype == torch.int64:
+            # a sampler's own indices: one view, no copies (a read never writes to its index)
+            return index.detach().numpy().reshape(-1), scalar
         return index.detach().cpu().reshape(-1).to(torch.int64).numpy(), scalar
     if isinstance(index, range):
         return np.arange(index.start, index.stop, index.step, dtype=np.int64), False
@@ -133,6 +136,7 @@ class RowSpace:
         #: that byte per row (``uint8 [capacity]``; None without such fields), and its page check
         self.flags: torch.Tensor | None = None
         self.flags_check: Any = None
+        self._shifts: tuple[tuple[int, ...], torch.Tensor] | None = None
         #: trajectory id the next write without a trajectory-id field starts from
         self.next_trajectory = 0
         #: rows changed since the last commit (what an incremental commit rewrites)
@@ -208,13 +212,15 @@ class RowSpace:
             scalar = False
         else:
             rows, scalar = as_row_array(index, (n, self.capacity))
-            bad = (rows < -n) | (rows >= n)
-            if bad.any():
-                raise IndexOutOfRangeError(
-                    f"index {int(rows[bad][0])} is out of range for a store of length {n} "
-                    f"(valid: -{n} <= i < {n})" if n else
-                    f"index {int(rows[bad][0])} is out of range: the store is empty (length 0)")
-            rows = np.where(rows < 0, rows + n, rows)
+            # the common case (every row in [0, n)) in two ufunc reductions; else the full check
+            if not rows.size or int(np.minimum.reduce(rows)) < 0 or int(np.maximum.reduce(rows)) >= n:
+                bad = (rows < -n) | (rows >= n)
+                if bad.any():
+                    raise IndexOutOfRangeError(
+                        f"index {int(rows[bad][0])} is out of range for a store of length {n} "
+                        f"(valid: -{n} <= i < {n})" if n else
+                        f"index {int(rows[bad][0])} is out of range: the store is empty (length 0)")
+                rows = np.where(rows < 0, rows + n, rows)
         self.check_written(rows, staged)
         return rows, scalar
 
@@ -225,7 +231,10 @@ class RowSpace:
         Raises:
             UnwrittenRowError: naming the first few such rows and how many there are.
         """
-        unwritten = ~self.written[rows]
+        seen = self.written[rows]
+        if np.logical_and.reduce(seen):  # the common case, in one call
+            return
+        unwritten = ~seen
         if unwritten.any() and staged is not None:
             unwritten &= staged(rows) < 0  # staged rows are written
         if unwritten.any():
@@ -302,7 +311,7 @@ class RowSpace:
             else:
                 check.rows(rows)
 
-    def write_dense(self, schema: Schema, rows: np.ndarray, data: TensorDictBase) -> None:
+    def write_dense(self, schema: Schema, rows: np.ndarray, data: TensorDictBase | dict[Key, torch.Tensor]) -> None:
         self.check_dense(rows)
         rows_t = torch.from_numpy(rows)
         n = rows.size
@@ -320,12 +329,29 @@ class RowSpace:
         """Set the flag bits of ``rows_t`` to ``values`` (one bool per row and flag field): each
         row's byte is read, its bits replaced, and written back, one vectorized op per field."""
         n = rows_t.numel()
-        byte = self.flags.index_select(0, rows_t)
-        for key, f in self.flag_fields.items():  # a loop over flag fields (at most 8), not rows
-            keep = torch.tensor(0xFF ^ (1 << f.flag_bit), dtype=torch.uint8)
-            value = values[key].detach().reshape(n).cpu().to(torch.uint8)  # 0 or 1
-            byte = (byte & keep) | (value << f.flag_bit)
+        fields = list(self.flag_fields.values())
+        if n == 1:  # one row (rb.add): its byte as a Python int, no tensor ops per flag
+            r = int(rows_t[0])
+            byte = int(self.flags[r])
+            for f in fields:  # a loop over flag fields (at most 8), not rows
+                byte = (byte & ~(1 << f.flag_bit)) | (int(bool(values[f.key])) << f.flag_bit)
+            self.flags[r] = byte
+            return
+        keep = 0xFF
+        for f in fields:
+            keep ^= 1 << f.flag_bit
+        # [flags, n] 0/1 bytes, each shifted to its bit; bits are distinct, so their sum is their or
+        bits = torch.stack([values[f.key].detach().reshape(n) for f in fields]).cpu().to(torch.uint8)
+        byte = (self.flags.index_select(0, rows_t) & keep) | (bits << self._flag_shifts(fields)).sum(0, dtype=torch.uint8)
         self.flags.index_copy_(0, rows_t, byte)
+
+    def _flag_shifts(self, fields: list[Field]) -> torch.Tensor:
+        """``[len(fields), 1]`` uint8: each flag field's bit (made once per set of flag fields)."""
+        bits = tuple([f.flag_bit for f in fields])  # (a list: a generator is a Python call per item)
+        cached = self._shifts
+        if cached is None or cached[0] != bits:
+            cached = self._shifts = (bits, torch.tensor(bits, dtype=torch.uint8).unsqueeze(1))
+        return cached[1]
 
     def write_dense_cells(self, schema: Schema, rows: np.ndarray, cells: dict[Key, torch.Tensor]) -> None:
         """Write the dense cells of a small write (one row: cells without a batch dimension)."""
@@ -361,6 +387,31 @@ class RowSpace:
         out = col.narrow(0, *span) if span else col.index_select(0, torch.from_numpy(rows))
         wide = self.widen.get(key)
         return out if wide is None else out.to(wide)
+
+    def read_dense_fields(self, fields: list[Field], rows: np.ndarray, out: dict[Key, torch.Tensor],
+                          span: tuple[int, int] | None = None) -> None:
+        """:meth:`read_dense` of every dense field of ``fields`` into ``out``, with the flags byte
+        gathered once and split into all its bits in one step (a get reads up to 8 flags)."""
+        rows_t = None if span else torch.from_numpy(rows)
+        flags = [f for f in fields if f.key in self.flag_fields]
+        if flags:
+            if self.flags_check is not None:
+                self.flags_check.span(*span) if span else self.flags_check.rows(rows)
+            byte = self.flags.narrow(0, *span) if span else self.flags.index_select(0, rows_t)
+            shifts = self._flag_shifts([self.flag_fields[f.key] for f in flags])
+            # [flags, n]: each flag's row is contiguous, so its cells are a plain view
+            bits = ((byte.unsqueeze(0) >> shifts) & 1).to(torch.bool).unbind(0)
+            for f, b in zip(flags, bits, strict=True):  # a loop over flag fields (at most 8), not rows
+                out[f.key] = b.view(-1, *f.shape)
+        dense, checks, widen = self.dense, self.dense_checks, self.widen
+        for f in fields:  # a loop over columns, not rows
+            key = f.key
+            if key not in dense:
+                continue
+            if key in checks:
+                checks[key].span(*span) if span else checks[key].rows(rows)
+            cells = dense[key].narrow(0, *span) if span else dense[key].index_select(0, rows_t)
+            out[key] = cells.to(widen[key]) if key in widen else cells
 
     def remember_view(self, view: torch.Tensor, start: int, n: int) -> None:
         """Note that ``view`` shows rows ``[start, start + n)`` of a dense column to a caller."""
@@ -422,7 +473,7 @@ class RowSpace:
             self.dense_checks[field.key] = check
 
     # -- trajectories -----------------------------------------------------------------------
-    def trajectory_ids(self, schema: Schema, data: TensorDictBase, n: int,
+    def trajectory_ids(self, schema: Schema, data: TensorDictBase | dict[Key, torch.Tensor], n: int,
                        traj_key: Key | None) -> tuple[np.ndarray, np.ndarray, int]:
         """Trajectory id per row, the sorted ids of trajectories that end in this batch, and the
         id the next batch starts from (commit it with :attr:`next_trajectory` once the write lands).

@@ -25,7 +25,6 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
-from tensordict import TensorDict, TensorDictBase
 
 from ..schema import Key, Schema
 
@@ -71,18 +70,17 @@ class WriteStage:
         self.slot_of[rows] = np.arange(lo, lo + n, dtype=np.int32)
         self.count = lo + n
 
-    def batch(self, dense_keys: list[Key], read_dense: Callable[[Key, np.ndarray], torch.Tensor],
-              ) -> tuple[np.ndarray, TensorDictBase]:
-        """The staged rows and their cells as one batch; the dense cells of ``dense_keys`` are
-        read with ``read_dense(key, rows)`` (:meth:`~tiered.engine.rows.RowSpace.read_dense`)."""
+    def batch(self, read_dense: Callable[[np.ndarray, dict[Key, torch.Tensor]], None],
+              ) -> tuple[np.ndarray, dict[Key, torch.Tensor]]:
+        """The staged rows and their cells as one batch (``{key: [n, *shape]}``); the dense cells
+        are read with ``read_dense(rows, out)``, which fills ``out`` with every dense field's."""
         n = self.count
         rows = self.rows[:n].copy()
-        td = TensorDict({}, batch_size=[n])
-        for key in dense_keys:
-            td.set(key, read_dense(key, rows))
+        cells: dict[Key, torch.Tensor] = {}
+        read_dense(rows, cells)
         for key, t in self.cells.items():
-            td.set(key, t[:n])
-        return rows, td
+            cells[key] = t[:n]
+        return rows, cells
 
     def staged(self, rows: np.ndarray) -> np.ndarray:
         """The stage slot of each row (-1 where the row is not staged)."""

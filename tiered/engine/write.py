@@ -271,7 +271,8 @@ class WritePath:
         if len(bs) != batch_dims:
             return None
         n = int(bs[0]) if batch_dims else 1
-        if not 0 < n <= min(self.stage_rows // 8, self.rows.capacity):
+        # up to a quarter of the stage: a small collector batch (16 envs) waits raw too
+        if not 0 < n <= min(self.stage_rows // 4, self.rows.capacity):
             return None
         schema = self.layout.schema
         cells = schema.match(data, batch_dims)
@@ -300,7 +301,8 @@ class WritePath:
         if stage is None or stage.count == 0:
             return
         self.rows.check_dense(stage.rows[:stage.count])
-        rows, data = stage.batch(self.rows.dense_keys, self.rows.read_dense)
+        dense = self.layout.schema.dense_fields
+        rows, data = stage.batch(lambda r, out: self.rows.read_dense_fields(dense, r, out))
         self.write_rows(rows, data)
         stage.reset()
 
@@ -310,17 +312,23 @@ class WritePath:
         return stage.staged(rows) if stage is not None and stage.count else None
 
     # -- the batched path ---------------------------------------------------------------------
-    def write_rows(self, rows: np.ndarray, data: TensorDictBase) -> None:
-        """Write validated rows at ``rows`` (unique positions). All or nothing."""
+    def write_rows(self, rows: np.ndarray, data: TensorDictBase | dict[Key, torch.Tensor]) -> None:
+        """Write validated rows at ``rows`` (unique positions). All or nothing.
+
+        ``data``: a TensorDict matching the schema, or its cells per key on the CPU (the stage's)."""
         layout, n = self.layout, rows.size
         if n == 0:
             return
         # the pages these rows overwrite are checked first: a page keeps the other rows' bytes
         layout.check_rows(rows)
         self.rows.check_dense(rows)
-        if data.device is None or data.device.type != "cpu":
-            # device=None may still hold CUDA leaves: .numpy() below needs every leaf on the CPU
-            data = data.to("cpu")
+        if isinstance(data, TensorDictBase):
+            # the cells as a plain dict: each nested TensorDict get costs ~15 Python calls
+            cells = layout.schema.match(data, 1)
+            data = cells if cells is not None else {k: data.get(k) for k in layout.schema}
+        if {v.device.type for v in data.values()} != {"cpu"}:
+            # .numpy() below needs every cell on the CPU (a TensorDict of device=None may mix)
+            data = {k: v.cpu() for k, v in data.items()}
         traj, ended, next_trajectory = self.rows.trajectory_ids(layout.schema, data, n, self.options.traj_key)
         plans: list[FramePlan] = []
         try:

@@ -441,7 +441,7 @@ class ArenaTier(Tier):
         return new
 
     def _check_live(self, offsets: np.ndarray, sizes: np.ndarray) -> None:
-        if offsets.size and int((offsets + sizes).max()) > self._alloc.high_water:
+        if offsets.size and int(np.maximum.reduce(offsets + sizes)) > self._alloc.high_water:
             raise ValueError(
                 f"blob ranges reach byte {int((offsets + sizes).max())}, past the allocated "
                 f"region of the {self.name} arena ({self._alloc.high_water} bytes)"

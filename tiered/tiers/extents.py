@@ -195,7 +195,7 @@ class ExtentAllocator:
             roomiest = max(room, int(self._free_len.max()) if self._free_len.size else 0)
             if int(sizes.max()) > roomiest:
                 offsets = np.full(n, -1, dtype=_I64)
-                fits = np.flatnonzero(sizes <= roomiest)
+                fits = (sizes <= roomiest).ravel().nonzero()[0]
                 if fits.size:
                     offsets[fits] = self._allocate(sizes[fits], retries, undo, largest_first, partial=True)
                 return offsets
@@ -212,8 +212,8 @@ class ExtentAllocator:
         cap = np.cumsum(ext_len)
         cap0 = cap - ext_len
         excl = exclusive_cumsum(sizes)
-        k = np.searchsorted(cap, excl, side="right")
-        k_last = np.searchsorted(cap, excl + np.maximum(sizes, 1) - 1, side="right")
+        k = cap.searchsorted(excl, side="right")
+        k_last = cap.searchsorted(excl + np.maximum(sizes, 1) - 1, side="right")
         inside = (k < ext_len.size) & (k == k_last)
         kk = np.minimum(k, max(ext_len.size - 1, 0))
         offsets = np.full(n, -1, dtype=_I64)
@@ -234,7 +234,7 @@ class ExtentAllocator:
         gaps_len = lead[hit & (lead > 0)]
 
         # 2. The rest (straddlers, or no free space) bump at the end of the used region.
-        rest = np.flatnonzero(~inside)
+        rest = (~inside).ravel().nonzero()[0]
         if partial:
             return self._place_rest(sizes, offsets, inside, rest, perm, taken, gaps_off, gaps_len, retries,
                                     largest_first)

@@ -28,7 +28,7 @@ def exclusive_cumsum(sizes: np.ndarray) -> np.ndarray:
     """
     out = np.zeros(sizes.size, dtype=np.int64)
     # no branch on the size: callers count on a call count that does not depend on the batch
-    np.cumsum(sizes[:-1], out=out[1:])
+    sizes[:-1].cumsum(out=out[1:])  # the method: np.cumsum adds Python-level wrapper calls
     return out
 
 
@@ -72,12 +72,12 @@ def split_balanced(weights: np.ndarray, parts: int) -> np.ndarray:
         [0, 1, 6]
     """
     n = weights.size
-    cum = np.cumsum(weights, dtype=np.int64)
+    cum = weights.cumsum(dtype=np.int64)
     total = int(cum[-1]) if n else 0
     if total == 0:
         bounds = (np.arange(parts + 1, dtype=np.int64) * n) // parts
     else:
         # Slice j ends after the item where the running weight first reaches j/parts of the total.
         targets = (np.arange(1, parts, dtype=np.int64) * total) // parts
-        bounds = np.concatenate([[0], np.searchsorted(cum, targets, side="left") + 1, [n]])
+        bounds = np.concatenate([[0], cum.searchsorted(targets, side="left") + 1, [n]])
     return np.maximum.accumulate(np.minimum(bounds, n)).astype(np.int64)

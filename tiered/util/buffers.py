@@ -105,7 +105,8 @@ def check_bounds(offsets: np.ndarray, sizes: np.ndarray, length: int, what: str)
         ...
         ValueError: the source buffer's ranges [0, 11) fall outside its 10 bytes
     """
-    if offsets.size and (int(offsets.min()) < 0 or int((offsets + sizes).max()) > length):
+    # ufunc reductions, not .min()/.max(): those add Python-level wrapper calls on every read
+    if offsets.size and (int(np.minimum.reduce(offsets)) < 0 or int(np.maximum.reduce(offsets + sizes)) > length):
         raise ValueError(
             f"{what} ranges [{int(offsets.min())}, {int((offsets + sizes).max())}) fall outside "
             f"its {length} bytes"

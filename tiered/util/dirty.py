@@ -44,7 +44,7 @@ class DirtyBlocks:
             return
         blocks = ids[ids >= 0].astype(np.int64) >> BLOCK_SHIFT
         if blocks.size:
-            self._grow(int(blocks.max()))
+            self._grow(int(np.maximum.reduce(blocks)))  # (the ufunc: .max() adds wrapper calls)
             self.bits[blocks] = True
 
     def mark_range(self, lo: int, hi: int) -> None:

@@ -1,0 +1,209 @@
+"""Per-call cost of tiered's small operations against LazyTensorStorage: time, Python call count
+and a cProfile breakdown of each, on real Atari stacks with next observations.
+
+Operations (each on ``TieredStore(N)`` / ``TieredStorage(N)`` with no options, and the same
+TorchRL calls on ``LazyTensorStorage(N)``): ``TieredStore.get`` / ``storage.get`` /
+``rb.sample()`` at B=1, 8, 32, 256; ``rb.add`` of one transition; ``rb.extend`` of 16 rows.
+Times are medians (writes: means, which count the stage's compression) over calls alternating between the storages on the same indices; the call
+count is the number of Python-level calls (``sys.setprofile``: Python and C functions) of one call.
+
+Usage:
+    python benchmarks/profile_calls.py                 # table of us/call and calls/call
+    python benchmarks/profile_calls.py --profile get32 # + cProfile of one operation (tiered)
+    python benchmarks/profile_calls.py --threads 1
+    python benchmarks/profile_calls.py --only --breakdown store.get32 rb.add1   # calls per tiered function
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import cProfile
+import gc
+import io
+import pstats
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _harness as H  # noqa: E402
+
+H.ensure_repo_on_path()
+
+import torch  # noqa: E402
+
+
+def count_calls(fn) -> int:
+    count = 0
+
+    def prof(frame, event, arg):
+        nonlocal count
+        if event in ("call", "c_call"):
+            count += 1
+
+    gc.collect()
+    gc.disable()
+    sys.setprofile(prof)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+        gc.enable()
+    return count
+
+
+def breakdown(fn) -> tuple[int, int, collections.Counter]:
+    """``(all calls, Python-level calls, calls per issuer)`` of one ``fn()``: each call is charged
+    to the innermost tiered function on the stack that issued it (numpy, torch and tensordict
+    work included), "<outside tiered>" for TorchRL's own."""
+    per: collections.Counter = collections.Counter()
+    python = 0
+
+    def owner(frame) -> str:
+        while frame is not None:
+            name = frame.f_code.co_filename
+            if "/tiered/" in name and "site-packages" not in name:
+                return name.split("/tiered/")[-1] + ":" + frame.f_code.co_name
+            frame = frame.f_back
+        return "<outside tiered>"
+
+    def prof(frame, event, arg):
+        nonlocal python
+        if event == "call":
+            python += 1
+            per[owner(frame.f_back)] += 1
+        elif event == "c_call":
+            per[owner(frame)] += 1
+
+    gc.collect()
+    gc.disable()
+    sys.setprofile(prof)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+        gc.enable()
+    return sum(per.values()), python, per
+
+
+def build(n: int, data):
+    from torchrl.data import LazyTensorStorage, RandomSampler, TensorDictReplayBuffer
+
+    import tiered
+    from tiered.torchrl import TieredStorage
+
+    def rb(storage, b):
+        return TensorDictReplayBuffer(storage=storage, sampler=RandomSampler(), batch_size=b)
+
+    store = tiered.TieredStore(n)
+    store.extend(data)
+    ts, lts = TieredStorage(n), LazyTensorStorage(n)
+    rbs = {"tiered": rb(ts, 32), "lts": rb(lts, 32)}
+    for r in rbs.values():
+        r.extend(data)
+    return store, ts, lts, rbs
+
+
+def ops(store, ts, lts, rbs, data, n):
+    """name -> {storage: zero-arg callable} with per-call fresh arguments drawn from shared state."""
+    from torchrl.data import RandomSampler, TensorDictReplayBuffer
+
+    state = {"idx": None, "row": 0}
+    out = {}
+    for b in (1, 8, 32, 256):
+        samplers = {k: TensorDictReplayBuffer(storage=r.storage, sampler=RandomSampler(), batch_size=b)
+                    for k, r in rbs.items()}
+        out[f"store.get{b}"] = {"tiered": lambda: store.get(state["idx"])}
+        out[f"storage.get{b}"] = {"tiered": lambda: ts.get(state["idx"]), "lts": lambda: lts.get(state["idx"])}
+        out[f"rb.sample{b}"] = {k: s.sample for k, s in samplers.items()}
+    add_rows = [data[i] for i in range(512)]
+    ext_rows = [data[i:i + 16] for i in range(0, 4096, 16)]
+    ext_rows = [e for e in ext_rows if e.batch_size[0] == 16]
+    out["rb.add1"] = {k: (lambda r=r: r.add(add_rows[state["row"] % len(add_rows)])) for k, r in rbs.items()}
+    out["rb.extend16"] = {k: (lambda r=r: r.extend(ext_rows[state["row"] % len(ext_rows)])) for k, r in rbs.items()}
+    out["store.extend16"] = {"tiered": lambda: store.extend(ext_rows[state["row"] % len(ext_rows)])}
+    return out, state
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=4000)
+    p.add_argument("--games", nargs="+", default=["Pong", "MsPacman"])
+    p.add_argument("--calls", type=int, default=60, help="timed calls per operation and storage")
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--profile", nargs="*", default=[], help="operations to cProfile (tiered)")
+    p.add_argument("--only", nargs="*", default=None, help="operations to time")
+    p.add_argument("--breakdown", nargs="*", default=[],
+                   help="operations whose calls to print per tiered function (tiered and lts)")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    n = args.steps
+    data = H.load_atari(args.games, n, 2000)
+    n = data.batch_size[0]
+    store, ts, lts, rbs = build(n, data)
+    table, state = ops(store, ts, lts, rbs, data, n)
+    gen = torch.Generator().manual_seed(0)
+    print(f"{'operation':16} {'tiered us':>10} {'lts us':>10} {'ratio':>7} {'tiered calls':>13} {'lts calls':>10}")
+    for name, fns in table.items():
+        if args.only is not None and name not in args.only:
+            continue
+        b = int("".join(c for c in name.split(".")[-1] if c.isdigit()) or 1)
+        times = {k: [] for k in fns}
+        counts = {}
+        for c in range(args.calls + 3):
+            state["idx"] = torch.randint(0, n, (b,), generator=gen)
+            state["row"] += 1
+            for k in (list(fns) if c % 2 else list(fns)[::-1]):
+                t0 = time.perf_counter()
+                fns[k]()
+                dt = time.perf_counter() - t0
+                if c >= 3:
+                    times[k].append(dt)
+        for k, fn in fns.items():
+            state["row"] += 1
+            counts[k] = count_calls(fn)
+        # writes: the mean (every few small writes one compresses the write stage: a median
+        # would hide it); reads: the median
+        if "add" in name or "extend" in name:
+            med = {k: sum(v) / len(v) * 1e6 for k, v in times.items()}
+        else:
+            med = {k: sorted(v)[len(v) // 2] * 1e6 for k, v in times.items()}
+        lt = med.get("lts")
+        ratio = f"{lt / med['tiered']:.2f}x" if lt else ""
+        print(f"{name:16} {med['tiered']:10.0f} {lt if lt else float('nan'):10.0f} {ratio:>7} "
+              f"{counts['tiered']:13d} {counts.get('lts', 0):10d}", flush=True)
+    for name in args.breakdown:
+        b = int("".join(c for c in name.split(".")[-1] if c.isdigit()) or 1)
+        for k, fn in table[name].items():
+            state["idx"] = torch.randint(0, n, (b,), generator=gen)
+            state["row"] += 1
+            fn()  # warm: plans, buffers
+            state["row"] += 1
+            total, python, per = breakdown(fn)
+            print(f"### {name} ({k}): {total} calls, {python} of them Python functions")
+            for who, c in per.most_common(25):
+                print(f"  {c:5d} {who}")
+    for name in args.profile:
+        fn = table[name]["tiered"]
+        b = int("".join(c for c in name.split(".")[-1] if c.isdigit()) or 1)
+        prof = cProfile.Profile()
+        for _ in range(200):
+            state["idx"] = torch.randint(0, n, (b,), generator=gen)
+            state["row"] += 1
+            prof.enable()
+            fn()
+            prof.disable()
+        buf = io.StringIO()
+        buf.write(f"### cProfile tiered {name}, 200 calls\n")
+        st = pstats.Stats(prof, stream=buf)
+        st.sort_stats("tottime").print_stats(30)
+        st.sort_stats("cumulative").print_stats(30)
+        print(buf.getvalue())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
