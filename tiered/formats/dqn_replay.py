@@ -583,22 +583,26 @@ class _SegmentStream:
             for name, (dtype, ndim) in ARRAYS.items():
                 readers[name] = _open_reader(seg.path(STORE_PREFIX + name), dtype, ndim)
             # per array one buffer of stack + step items: the last `stack` items of a slice move to
-            # its start and the next slice is read in behind them (no concatenation, no copy of a slice)
-            step = max(self.step, s)
+            # its start and at most `step` items are read in behind them (no concatenation, no copy
+            # of a slice): at most step + stack frames are held, whatever the frame size
+            step = self.step
             buf = {k: np.empty((s + step, *r.shape[1:]), r.dtype) for k, r in readers.items()}
             for k, r in readers.items():
                 r.read_into(buf[k][:s])
             head = {k: v[:s].copy() for k, v in buf.items()}  # slots 0..stack-1, again after slot N-1
-            fill, k0, wrapped = s, 0, False
-            while not wrapped:
+            fill, k0, again = s, 0, 0  # again: items of `head` already appended after slot N-1
+            while again < s:
                 if readers["observation"].pos < n:
                     got = {k: r.read_into(buf[k][fill:]) for k, r in readers.items()}
                     fill += got["observation"]  # the four files have the same rows (checked)
+                    if readers["observation"].pos == n:
+                        for r in readers.values():
+                            r.finish()
                 else:
-                    for k, r in readers.items():
-                        r.finish()
-                        buf[k][fill:fill + s] = head[k]
-                    fill, wrapped = fill + s, True
+                    take = min(step, s - again)
+                    for k in buf:
+                        buf[k][fill:fill + take] = head[k][again:again + take]
+                    fill, again = fill + take, again + take
                 m = fill - s
                 if m <= 0:
                     continue
