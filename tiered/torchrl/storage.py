@@ -46,6 +46,7 @@ from ..engine.priorities import checked_row_priorities
 from ..errors import (
     IndexOutOfRangeError,
     InvalidArgumentError,
+    InvalidPriorityError,
     NotSharedError,
     SchemaMismatchError,
     TieredError,
@@ -578,6 +579,21 @@ class TieredStorage(_RowReads, _ProcessSharing, TensorStorage):
         ones (earlier rows read zeros), as with ``LazyTensorStorage``.
         """
         self._observe_prioritized_samplers()
+        if not set_cursor:
+            self._set(cursor, data, set_cursor=False)
+            return
+        # TorchRL's storages record the cursor first, so a cursor they cannot record (a numpy array
+        # of indices: TypeError) fails before any row changes; a write refused later puts it back
+        previous = self._last_cursor, self._last_cursor_index
+        self._set_last_cursor(cursor)
+        try:
+            self._set(cursor, data, set_cursor=True)
+        except BaseException:
+            self._last_cursor = previous[0]
+            _put_back_cursor_index(self._last_cursor_index_value, previous[1])
+            raise
+
+    def _set(self, cursor: Any, data: Any, *, set_cursor: bool) -> None:
         if isinstance(data, list):
             data = flip_list(data)
         elif isinstance(data, RowsView):
@@ -608,9 +624,8 @@ class TieredStorage(_RowReads, _ProcessSharing, TensorStorage):
             td = td.expand(*shape).clone()  # broadcast one row, as TensorDict assignment does
         if index_dims > 1:
             td = td.reshape(-1)
+        _check_insert_priorities(self._attached_entities_iter(), rows, td)
         self._write(rows, td, scalar=index_dims == 0, set_cursor=set_cursor, numel=numel)
-        if set_cursor:  # only once the write landed: a refused write leaves the samplers' view as it was
-            self._set_last_cursor(cursor)
         if self._form is None:
             self._form = form
         self._bump_mutation_revision()
@@ -828,6 +843,50 @@ def _rebuilt(store: TieredStore, capacity: int, args: dict[str, Any]) -> TieredS
     return TieredStore(capacity, path, **args)
 
 
+def _check_insert_priorities(buffers: Any, rows: np.ndarray, td: TensorDictBase) -> None:
+    """Refuse rows whose priority entry (``td_error``) a prioritized buffer of a storage (``buffers``) will
+    give its sampler right after the write, when that priority is NaN, infinite or negative:
+    :class:`_PriorityForwarder` would refuse it only once the rows are written. A loop over
+    attached buffers (one, usually), vectorized over rows.
+
+    Raises:
+        InvalidPriorityError: naming the key, the rows and the values; nothing is written.
+    """
+    for buffer in buffers:
+        key, sampler = getattr(buffer, "priority_key", None), getattr(buffer, "sampler", None)
+        if key is None or not isinstance(sampler, PrioritizedSampler) or not isinstance(td, TensorDictBase):
+            continue
+        value = td.get(key, None)
+        if not isinstance(value, torch.Tensor) or value.numel() == 0 or rows.size == 0:
+            continue
+        value = value.detach().to("cpu", torch.float64)
+        try:
+            if not bool(torch.isfinite(value).all()):  # NaN anywhere reaches the reduced value
+                bad = ~torch.isfinite(value.reshape(rows.size, -1) if value.numel() % rows.size == 0
+                                      else value.reshape(1, -1)).all(1)
+                checked_row_priorities(rows[bad.numpy()] if bad.numel() == rows.size else rows[:1],
+                                       np.full(int(bad.sum()), np.nan))
+            if value.numel() == rows.size:  # one priority per row (several: TorchRL reduces them)
+                checked_row_priorities(rows, value.reshape(-1).numpy())
+        except InvalidPriorityError as e:
+            raise InvalidPriorityError(
+                f"{type(buffer).__name__} gives its sampler each written row's {key!r} as its priority; {e}. "
+                f"The rows were not written either (with extend(..., update_priority=False), store such values "
+                f"under another key than {key!r})") from None
+
+
+def _put_back_cursor_index(shared: Any, index: int | None) -> None:
+    """Put back the last cursor index TorchRL's ``Storage._set_last_cursor`` recorded in ``shared``
+    (a tensor for compilable storages, else a shared ``mp.Value``): a refused write leaves the
+    samplers' view as it was."""
+    value = -1 if index is None else int(index)
+    if isinstance(shared, torch.Tensor):
+        shared.fill_(value)
+    else:
+        with shared.get_lock():
+            shared.value = value
+
+
 class _PriorityForwarder:
     """Stands in front of a prioritized sampler's ``update_priority`` (see
     :meth:`TieredStorage._observe_prioritized_samplers`): bad priorities raise
@@ -858,7 +917,9 @@ class _PriorityForwarder:
             return
         keep = rows >= 0  # TorchRL's MaxValueWriter marks rows it did not write with -1
         rows_np, values_np = rows[keep].numpy(), values[keep].numpy()
-        checked = checked_row_priorities(rows_np, values_np)  # raises before anything changes
+        # both raise before anything changes: rows the store does not hold, bad values
+        self.storage.store.rows_of(rows_np)
+        checked = checked_row_priorities(rows_np, values_np)
         type(self.sampler).update_priority(self.sampler, index, priority, storage=storage)
         store = self.storage.store
         store.priority_alpha = float(self.sampler.alpha)
