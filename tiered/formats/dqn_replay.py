@@ -143,8 +143,8 @@ class _RewardRange:
     by slice), by the test the store's writes apply (:func:`tiered.schema.round_trip`)."""
 
     #: In order of preference. Signed integers only: rewards are signed by nature, and a store
-    #: extended later keeps room for both signs. float16 only without a NaN: a NaN's payload bits
-    #: may change on the way through it (the write's check promises a NaN, export promises the bits).
+    #: extended later keeps room for both signs. float16 only without a NaN: a float32 NaN does not
+    #: come back bit for bit through it (round_trip refuses it too; export promises the bits).
     CANDIDATES = (torch.int8, torch.int16, torch.float16)
 
     def __init__(self) -> None:
