@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase, is_tensor_collection
+from torch.utils._pytree import tree_map
 
 try:
     from torchrl._utils import _make_ordinal_device
@@ -43,6 +44,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 
 from ..engine.manifest import MANIFEST
 from ..engine.priorities import checked_row_priorities
+from ..engine.rows import as_mask
 from ..errors import (
     IndexOutOfRangeError,
     InvalidArgumentError,
@@ -138,6 +140,10 @@ class _RowReads:
                 return self._column(index)
             if isinstance(index, slice):
                 return self._view(index)
+            if index is None or index is Ellipsis or isinstance(index, bool):
+                return _whole(self.get(torch.arange(self._len_along_dim0)), index)
+            if isinstance(index, torch.Tensor) and index.dtype == torch.uint8:
+                index = as_mask(index)
             rows, shape = self._read_rows(index)
             td = self._store.get(int(rows[0]) if len(shape) == 0 else rows)
         if len(self._side):
@@ -812,6 +818,17 @@ def _torch_index(index: Any) -> Any:
     if isinstance(index, (list, range)):
         return torch.as_tensor(list(index), dtype=torch.int64)
     return index
+
+
+def _whole(rows: Any, index: Any) -> Any:
+    """What ``LazyTensorStorage.get(index)`` gives for ``index`` ``...`` (every row), ``None`` or
+    ``True`` (every row under a new leading dimension) or ``False`` (none, under one), from
+    ``rows``: every row."""
+    if index is Ellipsis:
+        return rows
+    if isinstance(rows, torch.Tensor) or is_tensor_collection(rows):
+        return rows[None] if index is not False else rows[None][:0]
+    return tree_map(lambda x: x[None] if index is not False else x[None][:0], rows)
 
 
 def _fold_row_batch(td: TensorDictBase, dims: int) -> tuple[TensorDictBase, tuple[int, ...]]:
