@@ -128,7 +128,9 @@ class _RowReads:
             index: an int (no batch dimension), a tensor/array/list, a 1-tuple of one (as TorchRL's
                 slice samplers produce), a range or a slice (physical row order); for ``ndim>1``, any
                 index of the grid. A key (``"done"``, ``("next", "done")``) reads that field of
-                every row, as ``storage[:][key]``.
+                every row, as ``storage[:][key]``. As ``LazyTensorStorage``: ``...`` reads every
+                row, ``None`` and ``True`` every row under a new leading dimension, ``False`` none,
+                and a uint8 tensor is a mask (deprecated, as in torch).
 
         Returns:
             The rows in the form they were written (a TensorDict, tensor, tensorclass or pytree) on
