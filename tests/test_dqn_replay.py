@@ -393,12 +393,13 @@ def test_missing_file_and_not_a_dataset(dataset: str, tmp_path) -> None:
 # ------------------------------------------------- hostile directories: numbers, frames, ranges
 
 
-def _small_run(root, ckpts=("0",), frame=(8, 8), slots: int = 12, arrays=None) -> str:
+def _small_run(root, ckpts=("0",), frame=(8, 8), slots: int = 12, arrays=None, zeros: bool = False) -> str:
     """A run of small synthetic checkpoints (one file set per spelling in ``ckpts``)."""
     from tiered.formats.dopamine import buffer_checkpoint
 
     rng = np.random.default_rng(0)
-    stream = {"observation": rng.integers(0, 255, (slots, *frame), dtype=np.uint8),
+    obs = np.zeros((slots, *frame), np.uint8) if zeros else rng.integers(0, 255, (slots, *frame), dtype=np.uint8)
+    stream = {"observation": obs,
               "action": np.zeros(slots, np.int32), "reward": np.ones(slots, np.float32),
               "terminal": np.zeros(slots, np.uint8)}
     logs = os.path.join(str(root), "G", "1", "replay_logs")
@@ -467,3 +468,38 @@ def test_invalid_range_of_non_slot_values_is_refused(tmp_path, bad: float) -> No
 def test_whole_float_invalid_range_still_imports(tmp_path) -> None:
     run = _small_run(tmp_path / "src", arrays={"invalid_range": np.array([1.0, 2.0, 3.0, 4.0, 5.0])})
     assert import_dataset("dqn-replay", run, tmp_path / "s.tiered").rows == 12
+
+
+_IMPORT_GROWTH = """
+import resource, sys
+import tiered.formats as tf
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+tf.import_dataset("dqn-replay", sys.argv[1], sys.argv[2])
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)
+"""
+
+
+@pytest.mark.slow
+def test_import_memory_of_large_frames_is_bounded_by_a_few_chunks(tmp_path) -> None:
+    """20 slots of 2048x2048 zero frames (4 MiB each; a row's two stacks are 32 MiB), the issue's
+    source at a quarter of the frame size: the source reads one slot per slice and the import
+    stages nothing, so a fresh importer's peak grows by a few chunks' worth of frames (K=8:
+    32 MiB), not by the rows (before: up to 20 rows of two stacks waited raw in the stage)."""
+    import subprocess
+    import sys
+
+    import tiered
+
+    side, slots = 2048, 20
+    run = _small_run(tmp_path / "src", frame=(side, side), slots=slots, zeros=True)
+    from tiered.formats.dqn_replay import DQNReplaySource
+
+    assert {td.shape[0] for td in DQNReplaySource(run).chunks()} == {1}  # one slot per slice
+    root = os.path.dirname(os.path.dirname(tiered.__file__))
+    out = subprocess.run([sys.executable, "-c", _IMPORT_GROWTH, run, str(tmp_path / "s.tiered")], check=True,
+                         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": root})
+    growth = int(out.stdout.split()[-1])
+    frame = side * side
+    assert growth < 8 * 8 * frame, f"peak grew by {growth / 2**20:.0f} MiB"
+    with TieredStore.open(tmp_path / "s.tiered") as s:
+        assert len(s) == slots
