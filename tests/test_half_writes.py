@@ -168,3 +168,17 @@ def test_update_priority_of_rows_the_buffer_does_not_hold_changes_nothing():
     with pytest.raises(E.IndexOutOfRangeError):  # a row of the capacity, not written yet
         rb.update_priority(torch.tensor([5]), torch.tensor([5.0]))
     assert _tree(rb) == tree
+
+
+@pytest.mark.parametrize("new", ["meta", "sparse", "shape"])
+def test_a_bad_new_field_beside_the_store_writes_nothing(new):
+    """Fields that appear after the first write live beside the store; checked before the store's."""
+    storage = TieredStorage(8)
+    storage.set(range(2), TensorDict({"a": torch.arange(2.0)}, [2]))
+    storage.set(torch.tensor([2, 3]), TensorDict({"a": torch.tensor([5.0, 6.0]), "new": torch.ones(2, 3)}, [2]))
+    value = {"meta": torch.zeros(2, 3, device="meta"), "sparse": torch.zeros(2, 3).to_sparse(),
+             "shape": torch.zeros(2, 4)}[new]
+    with pytest.raises(E.SchemaMismatchError, match="'new'"):
+        storage.set(torch.tensor([4, 5]), TensorDict({"a": torch.tensor([7.0, 8.0]), "new": value}, [2]))
+    assert len(storage) == 4 and storage.store.get(slice(None))["a"].tolist() == [0.0, 1.0, 5.0, 6.0]
+    assert storage[:4]["new"].tolist() == [[0.0] * 3] * 2 + [[1.0] * 3] * 2

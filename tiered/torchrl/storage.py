@@ -677,6 +677,9 @@ class TieredStorage(_RowReads, _ProcessSharing, TensorStorage):
             else:
                 present = [_as_key(k) for k in td.keys(include_nested=True, leaves_only=True)]
                 side = {k: td.get(k) for k in present if k not in schema}
+                side = {k: v.reshape(rows.size, *v.shape[0 if scalar else 1:]) if v.layout == torch.strided
+                        and v.device.type != "meta" and not v.is_nested else v for k, v in side.items()}
+                self._side.check(side)  # before the store's fields are written
                 if len(side) < len(present):
                     cells = td.exclude(*side) if side else td
                     missing = [f.key for f in schema.values() if f.key not in set(present)]
@@ -686,8 +689,7 @@ class TieredStorage(_RowReads, _ProcessSharing, TensorStorage):
                 else:
                     store.set_length(new_len)
                 if side:
-                    self._side.write(rows, {k: v.reshape(rows.size, *v.shape[0 if scalar else 1:])
-                                            for k, v in side.items()})
+                    self._side.write(rows, side)
             if set_cursor and rows.size:
                 store.cursor = int((rows[-1] + 1) % self.max_size)
 
