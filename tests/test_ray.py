@@ -293,3 +293,40 @@ def test_a_copy_in_another_process_writes_to_the_same_shards(filled):
     single.extend(more)
     filled[0], filled[3] = torch.cat([td, more]), torch.cat([gids, new_ids])
     assert_same(store.get(new_ids, transport="compressed"), more)
+
+
+def test_priority_updates_since_the_last_flush_are_counted_when_a_shard_dies(tmp_path):
+    """Acknowledged priority updates are committed by the next flush; a shard killed before it
+    restarts with its committed priorities, and the failure counts the updates it lost."""
+    td = episodes(n_traj=4, length=16, seed=5)
+    store = ShardedStore(2, 64, tmp_path / "buf", alpha=1.0, eps=0.0, seed=3, actor_options=ACTOR, **OPTIONS)
+    try:
+        ids = store.extend(td)
+        shard = split_ids(ids)[0]
+        on1, on0 = ids[torch.from_numpy(shard == 1)], ids[torch.from_numpy(shard == 0)]
+        store.update_priority(on1[:4], torch.tensor([2.0, 3.0, 4.0, 5.0]))
+        store.flush()  # durable: survives the kill below
+        store.update_priority(on1[4:10], torch.full((6,), 7.0))  # acknowledged, not committed
+        store.update_priority(on1[4:6], torch.full((2,), 9.0))   # the same rows again: 2 more updates
+        store.update_priority(on0[:3], torch.full((3,), 6.0))    # another shard's: not lost
+        kill(store.actors[1])
+        with pytest.raises(ShardFailedError, match=r"8 priority update\(s\)") as err:
+            store.update_priority(on1[:1], torch.tensor([1.0]))
+        assert err.value.shard == 1 and err.value.restarted and err.value.lost_rows == 0
+        assert err.value.lost_priority_updates == 8 and store.failures[-1].lost_priority_updates == 8
+        # the restarted shard has the committed priorities: the flushed ones, 1.0 for the others
+        probability, _ = store.probabilities(on1[:10])
+        total = store.total_priority
+        assert probability.mul(total).tolist() == pytest.approx([2.0, 3.0, 4.0, 5.0] + [1.0] * 6)
+        # shard 0 kept its updates (not lost, and not counted as lost)
+        assert store.probabilities(on0[:3])[0].mul(total).tolist() == pytest.approx([6.0] * 3)
+        # after a flush nothing is pending: a kill loses no update
+        store.update_priority(on1[:2], torch.tensor([8.0, 8.0]))
+        store.flush()
+        kill(store.actors[1])
+        with pytest.raises(ShardFailedError) as err:
+            store.sample(8)
+        assert err.value.lost_priority_updates == 0 and err.value.lost_rows == 0
+        assert store.probabilities(on1[:2])[0].mul(store.total_priority).tolist() == pytest.approx([8.0, 8.0])
+    finally:
+        store.close()

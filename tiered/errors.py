@@ -169,14 +169,17 @@ class ShardFailedError(TieredError, RuntimeError):
 
     The message names the shard (its number, actor and directory), says whether it was
     restarted from its last commit and how many rows were lost with it (those written since its
-    last flush), and what to do. ``shard``, ``lost_rows`` and ``restarted`` hold the same facts.
+    last flush), and what to do. ``shard``, ``lost_rows`` and ``restarted`` hold the same facts;
+    ``lost_priority_updates`` counts the row priorities set since its last flush that it lost.
     """
 
-    def __init__(self, message: str, *, shard: int = -1, lost_rows: int = 0, restarted: bool = False):
+    def __init__(self, message: str, *, shard: int = -1, lost_rows: int = 0, restarted: bool = False,
+                 lost_priority_updates: int = 0):
         super().__init__(message)
         self.shard = shard
         self.lost_rows = lost_rows
         self.restarted = restarted
+        self.lost_priority_updates = lost_priority_updates
 
 
 class DeviceFailedError(TieredError, RuntimeError):

@@ -177,20 +177,31 @@ NARROWABLE_DTYPES: tuple[torch.dtype, ...] = (
 
 def round_trip(values: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``values`` converted to ``dtype``, converted back, and where that kept each value: the same
-    value with the same sign (``-0.0`` is not ``0.0``), or a NaN for a NaN (whose payload bits may
-    change). The one test of "stored exactly" that writes and importers' scans share.
+    value with the same sign (``-0.0`` is not ``0.0``), or a NaN for a NaN with the same bits, sign
+    and payload (torch widens every float16 or bfloat16 NaN to one canonical float32 NaN, so a
+    float32 NaN never survives them; float64 NaNs survive float32). The one test of "stored
+    exactly" that writes and importers' scans share.
 
     Example:
         >>> round_trip(torch.tensor([1.0, 0.5, -0.0, 300.0]), torch.int16)[2].tolist()
         [True, False, False, True]
+        >>> round_trip(torch.tensor([float("nan"), -float("nan")], dtype=torch.float64), torch.float32)[2].tolist()
+        [True, True]
+        >>> round_trip(torch.tensor([float("nan")]), torch.float16)[2].tolist()
+        [False]
     """
     narrow = values.to(dtype)
     back = narrow.to(values.dtype)
     same = back == values
     if values.is_floating_point():
         same &= torch.signbit(back) == torch.signbit(values)  # -0.0 == 0.0, but it is another value
-        same |= torch.isnan(back) & torch.isnan(values)  # a NaN stays a NaN (its payload bits may not)
+        bits = _SAME_SIZE_INT[values.element_size()]
+        same |= torch.isnan(back) & torch.isnan(values) & (back.view(bits) == values.view(bits))
     return narrow, back, same
+
+
+#: the integer dtype of each float size, to compare floats bit for bit (NaN payloads)
+_SAME_SIZE_INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def check_narrowing(key: Key, dtype: torch.dtype, stored: torch.dtype, kind: str) -> None:
@@ -352,9 +363,10 @@ class Field:
         narrow, back, same = round_trip(values, self.stored_dtype)
         if not bool(same.all()):
             bad = values[~same][0].item()
+            nan = " (a NaN must read back with its sign and payload bits)" if bad != bad else ""
             raise LossyValueError(
                 f"field {key_to_str(self.key)!r} is stored as {dtype_to_str(self.stored_dtype)} (dense_dtypes), "
-                f"but the value {bad!r} does not fit it: it would read back as "
+                f"but the value {bad!r}{nan} does not fit it: it would read back as "
                 f"{back[~same][0].item()!r}; nothing was written. Store this field in a wider dtype "
                 "(dense_dtypes) in a new store, or write values the dtype holds exactly")
         return narrow

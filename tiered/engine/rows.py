@@ -17,6 +17,7 @@ Example:
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -31,7 +32,7 @@ from ..util.batch import exclusive_cumsum
 from ..util.dirty import DirtyBlocks
 from ..util.filemap import file_array
 
-__all__ = ["RowSpace", "IndexLike", "as_row_array", "index_shape", "DONE_KEYS"]
+__all__ = ["as_mask", "RowSpace", "IndexLike", "as_row_array", "index_shape", "DONE_KEYS"]
 
 IndexLike = int | slice | range | list | tuple | np.ndarray | torch.Tensor
 
@@ -67,6 +68,7 @@ def as_row_array(index: IndexLike, mask_lengths: tuple[int, ...] | None = None) 
     if isinstance(index, (int, np.integer)):
         return np.array([int(index)], dtype=np.int64), True
     if isinstance(index, torch.Tensor):
+        index = _readable_index(index)
         if index.dtype == torch.bool:
             return _mask_rows(index.cpu().numpy(), mask_lengths), False
         if index.dtype.is_floating_point or index.dtype.is_complex:  # attributes: no calls
@@ -84,6 +86,36 @@ def as_row_array(index: IndexLike, mask_lengths: tuple[int, ...] | None = None) 
     if arr.size and not np.issubdtype(arr.dtype, np.integer):
         raise IndexOutOfRangeError(f"row indices must be integers, got dtype {arr.dtype}")
     return arr.astype(np.int64).reshape(-1), arr.ndim == 0
+
+
+def _readable_index(index: torch.Tensor) -> torch.Tensor:
+    """An index tensor as torch indexes with it: a uint8 tensor is a mask (:func:`as_mask`), a
+    meta tensor is refused (no values).
+
+    Raises:
+        IndexOutOfRangeError: an index on the meta device.
+    """
+    if index.device.type == "meta":
+        raise IndexOutOfRangeError(
+            f"an index tensor on the meta device has a shape ({list(index.shape)}) but no values; "
+            "index with a tensor on the CPU or a CUDA device")
+    return as_mask(index) if index.dtype == torch.uint8 else index
+
+
+def as_mask(index: torch.Tensor) -> torch.Tensor:
+    """A uint8 index tensor as the bool mask torch (and so TorchRL's storages) takes it for, with a
+    deprecation warning as torch gives; numpy's uint8 arrays stay row numbers, as numpy reads them.
+
+    Example:
+        >>> import warnings
+        >>> with warnings.catch_warnings():
+        ...     warnings.simplefilter("ignore")
+        ...     as_mask(torch.tensor([1, 0, 1], dtype=torch.uint8)).tolist()
+        [True, False, True]
+    """
+    warnings.warn("indexing with dtype torch.uint8 is deprecated (as in torch) and takes the index as a mask; "
+                  "use a torch.bool mask, or an int64 tensor of row numbers", DeprecationWarning, stacklevel=3)
+    return index.bool()
 
 
 def _mask_rows(mask: np.ndarray, lengths: tuple[int, ...] | None) -> np.ndarray:

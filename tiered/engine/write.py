@@ -43,7 +43,7 @@ from .placement import Placement
 from .rows import RowSpace, index_shape
 from .stage import WriteStage
 
-__all__ = ["WritePath", "WriteOptions", "check_layout_fits", "check_values_fit", "MAX_CHUNK_BYTES",
+__all__ = ["WritePath", "WriteOptions", "check_cells_readable", "check_layout_fits", "check_values_fit", "MAX_CHUNK_BYTES",
            "DEFAULT_CHUNK_FRAMES"]
 
 #: The default ``chunk_frames`` (K): frames of one trajectory compressed together per blob.
@@ -78,6 +78,43 @@ def check_values_fit(schema: Schema, data: Any) -> None:
     for f in schema.dense_fields:  # a loop over fields, not rows
         if f.stored_dtype is not None:
             f.to_column(data[f.key] if isinstance(data, dict) else data.get(f.key))
+
+
+def check_cells_readable(schema: Schema | None, data: Any) -> None:
+    """Refuse, before anything is written, cells whose bytes cannot be read: a tensor on the
+    ``meta`` device (it has a shape but no data), or one that is not a plain strided tensor
+    (sparse, nested). ``data``: a TensorDict or the cells :meth:`Schema.match` returns; with
+    ``schema=None`` (a first write, before the schema is inferred from it) every leaf of the
+    TensorDict ``data``. One check per field, never per row: a write's fields are copied one after
+    another, so a later field failing halfway would leave the earlier ones written.
+
+    Raises:
+        SchemaMismatchError: naming the fields, what they are, and what to pass instead.
+
+    Example:
+        >>> schema = Schema([Field(("x",), torch.float32, (), "dense")])
+        >>> check_cells_readable(schema, {("x",): torch.zeros(3)})   # plain tensors: no error
+        >>> check_cells_readable(schema, {("x",): torch.zeros(3, device="meta")})
+        Traceback (most recent call last):
+        ...
+        tiered.errors.SchemaMismatchError: field 'x' is a tensor on the meta device; ...
+    """
+    bad = []
+    if schema is None:
+        leaves = [(normalize_key(k), v) for k, v in data.items(include_nested=True, leaves_only=True)]
+    else:
+        leaves = [(f.key, data[f.key] if isinstance(data, dict) else data.get(f.key, None)) for f in schema.values()]
+    for key, v in leaves:  # a loop over fields, not rows
+        if not isinstance(v, torch.Tensor):
+            continue  # the schema check names it
+        if v.device.type == "meta":
+            bad.append(f"field {key_to_str(key)!r} is a tensor on the meta device")
+        elif v.layout != torch.strided or v.is_nested:
+            bad.append(f"field {key_to_str(key)!r} is a {'nested' if v.is_nested else v.layout} tensor")
+    if bad:
+        raise SchemaMismatchError(
+            "; ".join(bad) + "; its values cannot be read, so nothing was written. Write dense tensors with "
+            "data (x.to_dense(), or materialize meta tensors, e.g. torch.empty_like(x, device='cpu'))")
 
 
 class WriteOptions:
@@ -179,6 +216,7 @@ class WritePath:
         if not isinstance(data, TensorDictBase):
             raise SchemaMismatchError(f"expected a TensorDict with batch_size [n], got {type(data).__name__}")
         if self.layout is None:
+            check_cells_readable(None, data)  # before inference reads them
             o = self.options
             frames = o.frames
             if frames is None:  # find the frame stacks in this first batch
@@ -196,6 +234,7 @@ class WritePath:
             return n
         schema = self.layout.schema
         n = schema.validate(data)
+        check_cells_readable(schema, data)
         check_values_fit(schema, data)
         return n
 
@@ -278,6 +317,7 @@ class WritePath:
         cells = schema.match(data, batch_dims)
         if cells is None:
             return None
+        check_cells_readable(schema, cells)
         check_values_fit(schema, cells)  # a lossy narrowing is refused before it is staged
         return n, cells
 

@@ -271,7 +271,9 @@ def _import(
         fields: list[str] = []
         with atomic_output(dst, force=force) as tmp:
             # warm_bytes=0 / hot_bytes=0: blobs go straight to the cold tier (files), so the
-            # importer's memory does not grow with the dataset
+            # importer's memory does not grow with the dataset; stage_rows=0: slices are already
+            # batches, and the slices of a source of large frames (one row each) must not wait
+            # raw in the write stage (64 rows of 4096x4096 stacks would be 8 GiB)
             store = TieredStore(
                 cap,
                 tmp,
@@ -281,6 +283,7 @@ def _import(
                 backend=backend,
                 warm_bytes=0,
                 hot_bytes=0,
+                stage_rows=0,
                 dense_dtypes=dense_dtypes,
             )
             try:

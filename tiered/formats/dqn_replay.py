@@ -117,7 +117,7 @@ MAX_DEFLATE_RATIO = 1032
 #: The small files (add_count, invalid_range) are read whole, up to this many bytes.
 MAX_SMALL_BYTES = 1 << 20
 _NPY_MAGIC = b"\x93NUMPY"
-_CKPT = re.compile(r"^\$store\$_observation_ckpt\.(\d+)\.gz$")
+_CKPT = re.compile(r"^\$store\$_observation_ckpt\.([0-9]+)\.gz$")
 _RUN_FIELDS = (("run",), ("checkpoint",), ("index",), ("valid",))
 _READ_ERRORS = (OSError, EOFError, zlib.error, ValueError, SyntaxError, struct.error, TypeError)
 
@@ -143,8 +143,8 @@ class _RewardRange:
     by slice), by the test the store's writes apply (:func:`tiered.schema.round_trip`)."""
 
     #: In order of preference. Signed integers only: rewards are signed by nature, and a store
-    #: extended later keeps room for both signs. float16 only without a NaN: a NaN's payload bits
-    #: may change on the way through it (the write's check promises a NaN, export promises the bits).
+    #: extended later keeps room for both signs. float16 only without a NaN: a float32 NaN does not
+    #: come back bit for bit through it (round_trip refuses it too; export promises the bits).
     CANDIDATES = (torch.int8, torch.int16, torch.float16)
 
     def __init__(self) -> None:
@@ -161,8 +161,50 @@ class _RewardRange:
         return next((d for d in self.CANDIDATES if self.fits[d]), None)
 
 
-def _file_name(logs: str, name: str, ckpt: int) -> str:
+def _file_name(logs: str, name: str, ckpt: int | str) -> str:
+    """A checkpoint's file; ``ckpt`` as its file names spell it (``"7"``; an int: its plain spelling)."""
     return os.path.join(logs, f"{name}_ckpt.{ckpt}.gz")
+
+
+#: Checkpoint numbers are stored in an int32 column (``checkpoint``): larger ones are refused.
+MAX_CHECKPOINT = (1 << 31) - 1
+
+
+def _checkpoints(logs: str, files: list[str]) -> list[tuple[int, str]]:
+    """The checkpoints of a ``replay_logs`` directory: ``(number, spelling)`` in number order.
+
+    The number is compared as written: two spellings of one number (``.1.`` and ``.01.``) would
+    read one checkpoint twice and drop the other, so they are refused, naming both files.
+
+    Raises:
+        InvalidDatasetError: two files spell one checkpoint number, or a number does not fit the
+            ``checkpoint`` column (int32).
+
+    Example:
+        >>> _checkpoints("logs", ["$store$_observation_ckpt.10.gz", "$store$_observation_ckpt.9.gz"])
+        [(9, '9'), (10, '10')]
+    """
+    seen: dict[int, str] = {}
+    for f in files:
+        m = _CKPT.match(f)
+        if m is None:
+            continue
+        spelling = m.group(1)
+        digits = spelling.lstrip("0") or "0"  # int() of a very long string is refused by Python itself
+        if len(digits) > 10 or int(digits) > MAX_CHECKPOINT:
+            raise InvalidDatasetError(
+                f"{os.path.join(logs, f)}: checkpoint number {spelling[:40]}{'...' if len(spelling) > 40 else ''} "
+                f"is larger than {MAX_CHECKPOINT} (the largest a store's int32 checkpoint column holds); "
+                "Dopamine numbers checkpoints by training iteration: rename the files")
+        number = int(digits)
+        if number in seen:
+            first, second = sorted([seen[number], spelling])
+            raise InvalidDatasetError(
+                f"{_file_name(logs, STORE_PREFIX + 'observation', first)} and "
+                f"{_file_name(logs, STORE_PREFIX + 'observation', second)} both name checkpoint {number}; "
+                "keep one of them (Dopamine writes the number without leading zeros)")
+        seen[number] = spelling
+    return sorted(seen.items())
 
 
 @contextlib.contextmanager
@@ -382,6 +424,7 @@ class _Segment:
     ckpt: int
     rows: int
     start: int
+    spelling: str
     frame: tuple[int, int]
     headers: dict[str, bytes]
     extras: dict[str, bytes]
@@ -389,12 +432,14 @@ class _Segment:
     invalid: np.ndarray
 
     def path(self, name: str) -> str:
-        return _file_name(self.logs, name, self.ckpt)
+        return _file_name(self.logs, name, self.spelling)
 
 
-def _scan_segment(run: int, run_name: str, rel: str, logs: str, ckpt: int, start: int, stack: int) -> _Segment:
+def _scan_segment(run: int, run_name: str, rel: str, logs: str, ckpt: int, spelling: str, start: int,
+                  stack: int) -> _Segment:
     """Read the headers and small files of one checkpoint and check that they agree."""
     headers, shapes = {}, {}
+    ckpt_int, ckpt = ckpt, spelling  # file names as written
     for name, (dtype, ndim) in ARRAYS.items():
         r = _open_reader(_file_name(logs, STORE_PREFIX + name, ckpt), dtype, ndim)
         headers[name], shapes[name] = r.header, r.shape
@@ -417,8 +462,33 @@ def _scan_segment(run: int, run_name: str, rel: str, logs: str, ckpt: int, start
             f"{_file_name(logs, 'add_count', ckpt)}: expected one non-negative integer, found "
             f"{arrays['add_count'].dtype} {arrays['add_count'].shape}")
     frame = shapes["observation"][1:]
-    return _Segment(run, run_name, rel, logs, ckpt, n, start, (frame[0], frame[1]), headers, extras,
-                    int(arrays["add_count"].item()), arrays["invalid_range"].reshape(-1))
+    if min(frame) < 1:
+        raise InvalidDatasetError(
+            f"{_file_name(logs, STORE_PREFIX + 'observation', ckpt)}: frames of shape {tuple(frame)} hold no "
+            "pixels; a Dopamine checkpoint holds [N, height, width] frames (84 x 84 in the DQN Replay Dataset)")
+    invalid = _checked_invalid_range(_file_name(logs, "invalid_range", ckpt), arrays["invalid_range"])
+    return _Segment(run, run_name, rel, logs, ckpt_int, n, start, spelling, (frame[0], frame[1]), headers, extras,
+                    int(arrays["add_count"].item()), invalid)
+
+
+def _checked_invalid_range(path: str, values: np.ndarray) -> np.ndarray:
+    """``invalid_range`` as int64 slot numbers: finite whole numbers only (a NaN or an infinity has
+    no slot, and casting it gives an arbitrary one).
+
+    Raises:
+        InvalidDatasetError: naming the file and the first bad value.
+    """
+    values = values.reshape(-1)
+    if values.dtype.kind == "f":
+        bad = ~np.isfinite(values) | (np.abs(values) >= 2.0 ** 53)
+        bad[~bad] = values[~bad] != np.floor(values[~bad])
+        if bad.any():
+            raise InvalidDatasetError(
+                f"{path}: invalid_range holds {values[bad][0]!r}; it lists buffer slots (whole numbers), "
+                "as Dopamine writes them: the file is damaged or not a Dopamine checkpoint")
+    elif values.dtype.kind == "u" and values.size and int(values.max()) > np.iinfo(np.int64).max:
+        raise InvalidDatasetError(f"{path}: invalid_range holds {int(values.max())}, not a buffer slot")
+    return values.astype(np.int64)
 
 
 def _b64(b: bytes) -> str:
@@ -446,19 +516,21 @@ class DQNReplaySource:
         self.stack = int(stack)
         self.game, runs = find_runs(self.root)
         names = [r for r, _ in runs]
-        ids = [int(r) for r in names] if all(r.isdigit() and int(r) < 2**31 for r in names) else list(range(len(runs)))
+        # runs named by numbers keep them as ids, unless two spell one number ("1", "01") or one is too large
+        numbered = all(re.fullmatch("[0-9]{1,9}", r) for r in names) and len({int(r) for r in names}) == len(names)
+        ids = [int(r) for r in names] if numbered else list(range(len(runs)))
         self.segments: list[_Segment] = []
         self.dropped: list[str] = []
         start = 0
         for (run_name, rel), run_id in zip(runs, ids, strict=True):
             logs = os.path.normpath(os.path.join(self.root, rel))
             files = os.listdir(logs)
-            ckpts = sorted(int(m.group(1)) for m in map(_CKPT.match, files) if m)
-            known = {os.path.basename(_file_name(logs, p + a, c)) for c in ckpts
+            ckpts = _checkpoints(logs, files)
+            known = {os.path.basename(_file_name(logs, p + a, spelling)) for _, spelling in ckpts
                      for p, a in [(STORE_PREFIX, x) for x in ARRAYS] + [("", e) for e in EXTRAS]}
             self.dropped += [os.path.normpath(os.path.join(rel, f)) for f in sorted(files) if f not in known]
-            for c in ckpts:
-                seg = _scan_segment(run_id, run_name, rel, logs, c, start, self.stack)
+            for c, spelling in ckpts:
+                seg = _scan_segment(run_id, run_name, rel, logs, c, spelling, start, self.stack)
                 self.segments.append(seg)
                 start += seg.rows
         if not self.segments:
@@ -540,6 +612,7 @@ class DQNReplaySource:
             "gzip_level": GZIP_LEVEL,
             "segments": [
                 {"run": s.run, "run_name": s.run_name, "path": s.rel, "checkpoint": s.ckpt,
+                 **({} if s.spelling == str(s.ckpt) else {"checkpoint_name": s.spelling}),
                  "rows": s.rows, "start": s.start, "add_count": s.add_count,
                  "headers": {k: _b64(v) for k, v in s.headers.items()},
                  "extras": {k: _b64(v) for k, v in s.extras.items()}}
@@ -583,22 +656,26 @@ class _SegmentStream:
             for name, (dtype, ndim) in ARRAYS.items():
                 readers[name] = _open_reader(seg.path(STORE_PREFIX + name), dtype, ndim)
             # per array one buffer of stack + step items: the last `stack` items of a slice move to
-            # its start and the next slice is read in behind them (no concatenation, no copy of a slice)
-            step = max(self.step, s)
+            # its start and at most `step` items are read in behind them (no concatenation, no copy
+            # of a slice): at most step + stack frames are held, whatever the frame size
+            step = self.step
             buf = {k: np.empty((s + step, *r.shape[1:]), r.dtype) for k, r in readers.items()}
             for k, r in readers.items():
                 r.read_into(buf[k][:s])
             head = {k: v[:s].copy() for k, v in buf.items()}  # slots 0..stack-1, again after slot N-1
-            fill, k0, wrapped = s, 0, False
-            while not wrapped:
+            fill, k0, again = s, 0, 0  # again: items of `head` already appended after slot N-1
+            while again < s:
                 if readers["observation"].pos < n:
                     got = {k: r.read_into(buf[k][fill:]) for k, r in readers.items()}
                     fill += got["observation"]  # the four files have the same rows (checked)
+                    if readers["observation"].pos == n:
+                        for r in readers.values():
+                            r.finish()
                 else:
-                    for k, r in readers.items():
-                        r.finish()
-                        buf[k][fill:fill + s] = head[k]
-                    fill, wrapped = fill + s, True
+                    take = min(step, s - again)
+                    for k in buf:
+                        buf[k][fill:fill + take] = head[k][again:again + take]
+                    fill, again = fill + take, again + take
                 m = fill - s
                 if m <= 0:
                     continue
@@ -689,7 +766,10 @@ def _gz_writer(stack: contextlib.ExitStack, path: str, level: int) -> gzip.GzipF
 def _write_segment(
     store: Any, seg: dict[str, Any], logs: str, stack: int, level: int, chunk_rows: int | None, progress: Any
 ) -> None:
-    n, start, ckpt = int(seg["rows"]), int(seg["start"]), int(seg["checkpoint"])
+    n, start = int(seg["rows"]), int(seg["start"])
+    ckpt = seg.get("checkpoint_name")  # the file names as the source spelled them (a sidecar is not trusted)
+    if not (isinstance(ckpt, str) and re.fullmatch("[0-9]{1,10}", ckpt) and int(ckpt) == int(seg["checkpoint"])):
+        ckpt = str(int(seg["checkpoint"]))
     # slot i is store row start + (i - stack + 1) % n (rows were written from slot stack - 1 on)
     order = start + (np.arange(n, dtype=np.int64) - (stack - 1)) % n
     headers = {k: base64.b64decode(v) for k, v in seg["headers"].items()}

@@ -16,7 +16,8 @@
   process by the store's own decoder, straight into one batch in the requested order
   (:func:`tiered.engine.transport.decode_batch`).
 * **Failures**: a dead shard is detected on the next call to it; with a path it is restarted
-  from its last commit (rows written since its last flush are lost and counted); then the call
+  from its last commit (rows written and priority updates acknowledged since its last flush are
+  lost, and counted); then the call
   raises :class:`~tiered.errors.ShardFailedError` (``on_shard_failure="raise"``) or, for reads,
   goes on with the shards alive (``"skip"``).
 
@@ -95,7 +96,10 @@ def split_ids(ids: Any) -> tuple[np.ndarray, np.ndarray]:
 @dataclass(frozen=True)
 class ShardFailure:
     """A shard found dead: ``restarted`` from its directory or not (no path), ``lost_rows``
-    (written since its last flush, or all of them without a path), rows before and after."""
+    (written since its last flush, or all of them without a path), rows before and after, and
+    ``lost_priority_updates``: row priorities :meth:`ShardedStore.update_priority` set on it since
+    its last flush (acknowledged, but committed only by a flush), which the restarted shard no
+    longer has (its rows went back to their last committed priorities)."""
 
     shard: int
     error: str
@@ -103,6 +107,7 @@ class ShardFailure:
     lost_rows: int
     rows_before: int
     rows_after: int
+    lost_priority_updates: int = 0
 
 
 class ShardedStore:
@@ -145,6 +150,8 @@ class ShardedStore:
         self._next = 0  # round-robin shard of batches without trajectory ids
         self._max_priority = 1.0
         self._unflushed = np.zeros(num_shards, dtype=np.int64)
+        # priority updates acknowledged since each shard's last flush (lost if it dies before one)
+        self._unflushed_priorities = np.zeros(num_shards, dtype=np.int64)
         self.dead: set[int] = set()
         self.closed = False
         self.failures: list[ShardFailure] = []
@@ -219,7 +226,12 @@ class ShardedStore:
         return np.full(n, live[self._next], dtype=np.int64)
 
     def update_priority(self, ids: Any, priority: Any) -> None:
-        """Set raw priorities of global row ids (each shard gets its rows)."""
+        """Set raw priorities of global row ids (each shard gets its rows).
+
+        Acknowledged when every shard has taken them, not when they are durable: like rows, they
+        are committed by the next :meth:`flush`. A shard that dies before it restarts with the
+        priorities of its last commit, and the failure counts the updates it lost
+        (``lost_priority_updates``), as it counts lost rows."""
         shard, rows = split_ids(ids)
         # checked before any state changes, the error naming the global ids
         p = checked_row_priorities((shard << SHARD_SHIFT) | rows, priority)
@@ -228,12 +240,14 @@ class ShardedStore:
         parts = _group(shard, self.num_shards)
         refs = {s: self.actors[s].update_priority.remote(rows[pos], p[pos]) for s, pos in parts.items()
                 if s not in self.dead}
-        self._run(refs, "update_priority", read=True)
+        # committed by each shard's next flush; counted until then (also when another shard fails)
+        self._run(refs, "update_priority", read=True, acknowledged={s: parts[s].size for s in refs})
 
     def flush(self) -> None:
         """Commit every shard (with a path, what was written survives a shard's crash)."""
         self._run({s: self.actors[s].flush.remote() for s in self._live()}, "flush", read=False)
         self._unflushed[:] = 0
+        self._unflushed_priorities[:] = 0
 
     def close(self) -> None:
         """Flush and close every live shard, then end the actors (also when a shard fails to close).
@@ -367,8 +381,10 @@ class ShardedStore:
         return TensorDict(cells, [n])
 
     # -- failures ---------------------------------------------------------------------------------
-    def _run(self, refs: dict[int, Any], op: str, *, read: bool, unpack: Any = "status") -> dict[int, Any]:
-        """Wait for every shard's reply; note each new status; handle dead shards (see the module)."""
+    def _run(self, refs: dict[int, Any], op: str, *, read: bool, unpack: Any = "status",
+             acknowledged: dict[int, int] | None = None) -> dict[int, Any]:
+        """Wait for every shard's reply; note each new status (and, per shard that replied, its
+        ``acknowledged`` priority updates); handle dead shards (see the module)."""
         replies, failed = {}, []
         self.calls[op] = self.calls.get(op, 0) + len(refs)
         for s, ref in refs.items():
@@ -380,6 +396,8 @@ class ShardedStore:
             status = reply if unpack == "status" else (unpack(reply) if unpack is not None else None)
             if isinstance(status, ShardStatus):
                 self._status[s] = status
+            if acknowledged is not None:
+                self._unflushed_priorities[s] += acknowledged[s]
         if failed:
             records = [self._recover(s, e) for s, e in failed]
             if not read or self.on_shard_failure == "raise":
@@ -394,12 +412,15 @@ class ShardedStore:
         if self.paths[shard] is None:
             self.dead.add(shard)
             self._status[shard] = ShardStatus(0, 0.0, np.inf, 1.0)
-            record = ShardFailure(shard, message, False, before, before, 0)
+            record = ShardFailure(shard, message, False, before, before, 0,
+                                  int(self._unflushed_priorities[shard]))
         else:
             self.actors[shard] = self._start(shard, reopen=True)
             self._status[shard] = self._ray.get(self.actors[shard].status.remote())
-            record = ShardFailure(shard, message, True, int(self._unflushed[shard]), before, self._status[shard].rows)
+            record = ShardFailure(shard, message, True, int(self._unflushed[shard]), before, self._status[shard].rows,
+                                  int(self._unflushed_priorities[shard]))
             self._unflushed[shard] = 0
+        self._unflushed_priorities[shard] = 0
         self.failures.append(record)
         return record
 
@@ -425,8 +446,9 @@ def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
 def _describe(r: ShardFailure, path: str | None) -> str:
     where = f"directory {path!r}" if path else "in memory"
     if r.restarted:
-        what = (f"restarted from its last commit with {r.rows_after} rows; {r.lost_rows} row(s) written since its "
-                "last flush were lost (flush() more often to lose fewer)")
+        what = (f"restarted from its last commit with {r.rows_after} rows; {r.lost_rows} row(s) written and "
+                f"{r.lost_priority_updates} priority update(s) made since its last flush were lost (its rows have "
+                "their last committed priorities; flush() more often to lose fewer)")
     else:
         what = (f"it had no path, so its {r.lost_rows} row(s) are gone and it is left out from now on "
                 "(give the store a path to restart shards from their files)")
@@ -436,4 +458,5 @@ def _describe(r: ShardFailure, path: str | None) -> str:
 def _failure_error(r: ShardFailure, op: str, path: str | None) -> ShardFailedError:
     return ShardFailedError(
         f"{op}: {_describe(r, path)}. Retry the call, or pass on_shard_failure='skip' to let reads go on with "
-        "the live shards.", shard=r.shard, lost_rows=r.lost_rows, restarted=r.restarted)
+        "the live shards.", shard=r.shard, lost_rows=r.lost_rows, restarted=r.restarted,
+        lost_priority_updates=r.lost_priority_updates)

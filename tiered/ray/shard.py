@@ -7,8 +7,10 @@ mass, smallest priority), so the driver keeps the shard totals without asking fo
 
 Priorities follow TorchRL's ``PrioritizedSampler``: a leaf holds ``(p + eps) ** alpha``; new
 rows get the largest priority given so far (``max_priority``, 1.0 at first). Raw priorities are
-also given to the store (:meth:`~tiered.TieredStore.set_priority`), which commits them: a shard
-reopened from its directory rebuilds its tree from them.
+also given to the store (:meth:`~tiered.TieredStore.set_priority`), whose next commit (a
+:meth:`ShardServer.flush`) makes them durable: a shard reopened from its directory rebuilds its
+tree from the priorities of its last commit (the driver counts the updates made since, which a
+restart loses: :class:`~tiered.ray.client.ShardFailure`).
 
 Example:
     >>> import numpy as np, torch

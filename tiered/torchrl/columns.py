@@ -42,18 +42,39 @@ class SideColumns:
     def keys(self) -> list[Key]:
         return list(self.columns)
 
+    def check(self, values: dict[Key, torch.Tensor]) -> None:
+        """Refuse, before anything is written (the store's fields included), cells that :meth:`write`
+        could not write: not plain tensors with values (meta, sparse, nested), or another dtype or
+        cell shape than the column holds. A loop over keys, not rows.
+
+        Raises:
+            SchemaMismatchError: naming the field.
+        """
+        for key, value in values.items():
+            if not isinstance(value, torch.Tensor) or value.device.type == "meta" or value.is_nested \
+                    or value.layout != torch.strided:
+                what = type(value).__name__ if not isinstance(value, torch.Tensor) else (
+                    "tensor on the meta device" if value.device.type == "meta"
+                    else "nested tensor" if value.is_nested else f"{value.layout} tensor")
+                raise SchemaMismatchError(
+                    f"field {key_to_str(key)!r} is a {what}: its values cannot be read, so nothing was "
+                    "written; write a dense tensor with data")
+            col = self.columns.get(key)
+            if col is not None and (col.shape[1:] != value.shape[1:] or col.dtype != value.dtype):
+                raise SchemaMismatchError(
+                    f"field {key_to_str(key)!r} holds {col.dtype} cells of shape {list(col.shape[1:])}; got "
+                    f"{value.dtype} cells of shape {list(value.shape[1:])}. Write the same dtype and shape")
+
     def write(self, rows: np.ndarray, values: dict[Key, torch.Tensor]) -> None:
-        """Write ``values[key][i]`` into row ``rows[i]`` (columns are created as needed)."""
+        """Write ``values[key][i]`` into row ``rows[i]`` (columns are created as needed); all the
+        values are checked (:meth:`check`) before the first is written."""
         index = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64))
+        self.check(values)
         for key, value in values.items():
             value = value.detach()
             col = self.columns.get(key)
             if col is None:
                 col = torch.zeros((self.capacity, *value.shape[1:]), dtype=value.dtype)
-            elif col.shape[1:] != value.shape[1:] or col.dtype != value.dtype:
-                raise SchemaMismatchError(
-                    f"field {key_to_str(key)!r} holds {col.dtype} cells of shape {list(col.shape[1:])}; got "
-                    f"{value.dtype} cells of shape {list(value.shape[1:])}. Write the same dtype and shape")
             col.index_copy_(0, index, value.to(col.device).reshape(rows.size, *col.shape[1:]))
             self.columns[key] = col
 

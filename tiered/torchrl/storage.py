@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase, is_tensor_collection
+from torch.utils._pytree import tree_map
 
 try:
     from torchrl._utils import _make_ordinal_device
@@ -43,9 +44,11 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 
 from ..engine.manifest import MANIFEST
 from ..engine.priorities import checked_row_priorities
+from ..engine.rows import as_mask
 from ..errors import (
     IndexOutOfRangeError,
     InvalidArgumentError,
+    InvalidPriorityError,
     NotSharedError,
     SchemaMismatchError,
     TieredError,
@@ -125,7 +128,9 @@ class _RowReads:
             index: an int (no batch dimension), a tensor/array/list, a 1-tuple of one (as TorchRL's
                 slice samplers produce), a range or a slice (physical row order); for ``ndim>1``, any
                 index of the grid. A key (``"done"``, ``("next", "done")``) reads that field of
-                every row, as ``storage[:][key]``.
+                every row, as ``storage[:][key]``. As ``LazyTensorStorage``: ``...`` reads every
+                row, ``None`` and ``True`` every row under a new leading dimension, ``False`` none,
+                and a uint8 tensor is a mask (deprecated, as in torch).
 
         Returns:
             The rows in the form they were written (a TensorDict, tensor, tensorclass or pytree) on
@@ -137,6 +142,10 @@ class _RowReads:
                 return self._column(index)
             if isinstance(index, slice):
                 return self._view(index)
+            if index is None or index is Ellipsis or isinstance(index, bool):
+                return _whole(self.get(torch.arange(self._len_along_dim0)), index)
+            if isinstance(index, torch.Tensor) and index.dtype == torch.uint8:
+                index = as_mask(index)
             rows, shape = self._read_rows(index)
             td = self._store.get(int(rows[0]) if len(shape) == 0 else rows)
         if len(self._side):
@@ -578,6 +587,21 @@ class TieredStorage(_RowReads, _ProcessSharing, TensorStorage):
         ones (earlier rows read zeros), as with ``LazyTensorStorage``.
         """
         self._observe_prioritized_samplers()
+        if not set_cursor:
+            self._set(cursor, data, set_cursor=False)
+            return
+        # TorchRL's storages record the cursor first, so a cursor they cannot record (a numpy array
+        # of indices: TypeError) fails before any row changes; a write refused later puts it back
+        previous = self._last_cursor, self._last_cursor_index
+        self._set_last_cursor(cursor)
+        try:
+            self._set(cursor, data, set_cursor=True)
+        except BaseException:
+            self._last_cursor = previous[0]
+            _put_back_cursor_index(self._last_cursor_index_value, previous[1])
+            raise
+
+    def _set(self, cursor: Any, data: Any, *, set_cursor: bool) -> None:
         if isinstance(data, list):
             data = flip_list(data)
         elif isinstance(data, RowsView):
@@ -608,9 +632,8 @@ class TieredStorage(_RowReads, _ProcessSharing, TensorStorage):
             td = td.expand(*shape).clone()  # broadcast one row, as TensorDict assignment does
         if index_dims > 1:
             td = td.reshape(-1)
+        _check_insert_priorities(self._attached_entities_iter(), rows, td)
         self._write(rows, td, scalar=index_dims == 0, set_cursor=set_cursor, numel=numel)
-        if set_cursor:  # only once the write landed: a refused write leaves the samplers' view as it was
-            self._set_last_cursor(cursor)
         if self._form is None:
             self._form = form
         self._bump_mutation_revision()
@@ -654,6 +677,9 @@ class TieredStorage(_RowReads, _ProcessSharing, TensorStorage):
             else:
                 present = [_as_key(k) for k in td.keys(include_nested=True, leaves_only=True)]
                 side = {k: td.get(k) for k in present if k not in schema}
+                side = {k: v.reshape(rows.size, *v.shape[0 if scalar else 1:]) if v.layout == torch.strided
+                        and v.device.type != "meta" and not v.is_nested else v for k, v in side.items()}
+                self._side.check(side)  # before the store's fields are written
                 if len(side) < len(present):
                     cells = td.exclude(*side) if side else td
                     missing = [f.key for f in schema.values() if f.key not in set(present)]
@@ -663,8 +689,7 @@ class TieredStorage(_RowReads, _ProcessSharing, TensorStorage):
                 else:
                     store.set_length(new_len)
                 if side:
-                    self._side.write(rows, {k: v.reshape(rows.size, *v.shape[0 if scalar else 1:])
-                                            for k, v in side.items()})
+                    self._side.write(rows, side)
             if set_cursor and rows.size:
                 store.cursor = int((rows[-1] + 1) % self.max_size)
 
@@ -799,6 +824,17 @@ def _torch_index(index: Any) -> Any:
     return index
 
 
+def _whole(rows: Any, index: Any) -> Any:
+    """What ``LazyTensorStorage.get(index)`` gives for ``index`` ``...`` (every row), ``None`` or
+    ``True`` (every row under a new leading dimension) or ``False`` (none, under one), from
+    ``rows``: every row."""
+    if index is Ellipsis:
+        return rows
+    if isinstance(rows, torch.Tensor) or is_tensor_collection(rows):
+        return rows[None] if index is not False else rows[None][:0]
+    return tree_map(lambda x: x[None] if index is not False else x[None][:0], rows)
+
+
 def _fold_row_batch(td: TensorDictBase, dims: int) -> tuple[TensorDictBase, tuple[int, ...]]:
     """``td`` with only its first ``dims`` batch dims (the rest become part of each cell)."""
     if td.batch_dims <= dims:
@@ -826,6 +862,50 @@ def _rebuilt(store: TieredStore, capacity: int, args: dict[str, Any]) -> TieredS
     if path is not None:
         shutil.rmtree(path)
     return TieredStore(capacity, path, **args)
+
+
+def _check_insert_priorities(buffers: Any, rows: np.ndarray, td: TensorDictBase) -> None:
+    """Refuse rows whose priority entry (``td_error``) a prioritized buffer of a storage (``buffers``) will
+    give its sampler right after the write, when that priority is NaN, infinite or negative:
+    :class:`_PriorityForwarder` would refuse it only once the rows are written. A loop over
+    attached buffers (one, usually), vectorized over rows.
+
+    Raises:
+        InvalidPriorityError: naming the key, the rows and the values; nothing is written.
+    """
+    for buffer in buffers:
+        key, sampler = getattr(buffer, "priority_key", None), getattr(buffer, "sampler", None)
+        if key is None or not isinstance(sampler, PrioritizedSampler) or not isinstance(td, TensorDictBase):
+            continue
+        value = td.get(key, None)
+        if not isinstance(value, torch.Tensor) or value.numel() == 0 or rows.size == 0:
+            continue
+        value = value.detach().to("cpu", torch.float64)
+        try:
+            if not bool(torch.isfinite(value).all()):  # NaN anywhere reaches the reduced value
+                bad = ~torch.isfinite(value.reshape(rows.size, -1) if value.numel() % rows.size == 0
+                                      else value.reshape(1, -1)).all(1)
+                checked_row_priorities(rows[bad.numpy()] if bad.numel() == rows.size else rows[:1],
+                                       np.full(int(bad.sum()), np.nan))
+            if value.numel() == rows.size:  # one priority per row (several: TorchRL reduces them)
+                checked_row_priorities(rows, value.reshape(-1).numpy())
+        except InvalidPriorityError as e:
+            raise InvalidPriorityError(
+                f"{type(buffer).__name__} gives its sampler each written row's {key!r} as its priority; {e}. "
+                f"The rows were not written either (with extend(..., update_priority=False), store such values "
+                f"under another key than {key!r})") from None
+
+
+def _put_back_cursor_index(shared: Any, index: int | None) -> None:
+    """Put back the last cursor index TorchRL's ``Storage._set_last_cursor`` recorded in ``shared``
+    (a tensor for compilable storages, else a shared ``mp.Value``): a refused write leaves the
+    samplers' view as it was."""
+    value = -1 if index is None else int(index)
+    if isinstance(shared, torch.Tensor):
+        shared.fill_(value)
+    else:
+        with shared.get_lock():
+            shared.value = value
 
 
 class _PriorityForwarder:
@@ -858,7 +938,9 @@ class _PriorityForwarder:
             return
         keep = rows >= 0  # TorchRL's MaxValueWriter marks rows it did not write with -1
         rows_np, values_np = rows[keep].numpy(), values[keep].numpy()
-        checked = checked_row_priorities(rows_np, values_np)  # raises before anything changes
+        # both raise before anything changes: rows the store does not hold, bad values
+        self.storage.store.rows_of(rows_np)
+        checked = checked_row_priorities(rows_np, values_np)
         type(self.sampler).update_priority(self.sampler, index, priority, storage=storage)
         store = self.storage.store
         store.priority_alpha = float(self.sampler.alpha)
