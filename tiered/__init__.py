@@ -29,6 +29,7 @@ from .errors import (
     InvalidDatasetError,
     InvalidPriorityError,
     LossyValueError,
+    LowCompressionWarning,
     NotATieredStoreError,
     NotSharedError,
     PickledDataError,
@@ -41,6 +42,7 @@ from .errors import (
     StoreExistsError,
     StoreLockedError,
     TieredError,
+    TieredWarning,
     UnknownCodecError,
     UnsupportedFormatError,
     UnwrittenRowError,
@@ -116,6 +118,8 @@ __all__ = [
     "InvalidDatasetError",
     "PickledDataError",
     "LossyValueError",
+    "TieredWarning",
+    "LowCompressionWarning",
     "__version__",
 ]
 

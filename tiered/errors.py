@@ -43,6 +43,8 @@ __all__ = [
     "ShardFailedError",
     "RaggedDataError",
     "LossyValueError",
+    "TieredWarning",
+    "LowCompressionWarning",
 ]
 
 
@@ -165,3 +167,17 @@ class ShardFailedError(TieredError, RuntimeError):
         self.shard = shard
         self.lost_rows = lost_rows
         self.restarted = restarted
+
+
+class TieredWarning(UserWarning):
+    """Base class of every warning tiered gives (filter them all with
+    ``warnings.filterwarnings("ignore", category=tiered.errors.TieredWarning)``)."""
+
+
+class LowCompressionWarning(TieredWarning):
+    """Given once per field at a store's first write: a field of at least 1 KiB per row that
+    compresses less than 4x, or a floating-point field whose ``("next", X)`` is ``X`` one row
+    later but whose frame stacks were not found (pixels normalized after frame stacking, as
+    TorchRL's ``VecNorm`` after ``CatFrames`` does). The message names the field, its measured
+    ratio and the page that says what to change (docs/torchrl-pipelines.md). Nothing is wrong
+    with the data: it is stored losslessly either way, only larger."""
