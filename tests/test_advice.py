@@ -44,7 +44,7 @@ def test_float_stacks_normalized_after_stacking_warn_once_naming_field_ratio_and
     assert [w.category for w in caught] == [LowCompressionWarning]
     message = str(caught[0].message)
     assert "'observation'" in message and DOCS_PAGE in message and "VecNorm" in message
-    assert "x (measured on the first" in message
+    assert "x (measured on the last 32 rows of the first write" in message
     assert store.options["frames"] == {}  # indeed not detected
     # the warning changes nothing: the rows read back exactly, and later writes are quiet
     assert torch.equal(store.get(torch.arange(ROWS))["observation"], td["observation"])

@@ -12,7 +12,7 @@ At the first write, once the schema and the frame stacks are known (:mod:`tiered
   after stacking (TorchRL's ``VecNorm`` after ``CatFrames``) differ bit for bit from one stack to
   the next, so nothing is shared and float frames are stored whole.
 
-The ratio is measured the way the store will store the field: the first :data:`ADVICE_ROWS` rows
+The ratio is measured the way the store will store the field: the last :data:`ADVICE_ROWS` rows
 of ``X`` and ``("next", X)`` split into their frames, identical frames kept once (when the store
 deduplicates), grouped ``chunk_frames`` to a blob and encoded with the store's codec: one batched
 encode per field, once per store. The warning names the field, the ratio and the page that says
@@ -83,8 +83,10 @@ def first_write_advice(td: TensorDictBase, schema: Schema, frames: dict[Key, int
         nxt = blob.get(("next", *key))
         if nxt is not None and nxt.family != field.family:
             nxt = None
-        x = td.get(key)[:ADVICE_ROWS].detach().cpu()
-        y = td.get(nxt.key)[:ADVICE_ROWS].detach().cpu() if nxt is not None else None
+        # the last rows: the first of a rollout (a reset, running statistics not yet settled) are
+        # often unlike the rest
+        x = td.get(key)[-ADVICE_ROWS:].detach().cpu()
+        y = td.get(nxt.key)[-ADVICE_ROWS:].detach().cpu() if nxt is not None else None
         ratio = measured_ratio(field, x, y, codec, chunk_frames, dedup)
         unstacked = (field.dtype.is_floating_point and key not in frames and y is not None
                      and _could_stack(field) and _next_is_shifted(x, y))
@@ -157,7 +159,7 @@ def _message(field: Field, nxt: Field | None, ratio: float, rows: int, unstacked
     dtype = str(field.dtype).replace("torch.", "")
     pair = f"{name!r} and {key_to_str(nxt.key)!r}" if nxt is not None else repr(name)
     head = (f"field {name!r} ({dtype} {list(field.shape)}, {field.cell_nbytes:,} bytes per row) is stored "
-            f"at {ratio:.1f}x (measured on the first {rows} rows of {pair})")
+            f"at {ratio:.1f}x (measured on the last {rows} rows of the first write of {pair})")
     if unstacked:
         why = (f": its ('next', {name!r}) is {name!r} one row later, but consecutive rows share no frame bit for "
                "bit, so no frame stack was found and whole float stacks are stored (frames normalized after "
