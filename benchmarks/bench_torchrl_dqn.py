@@ -12,8 +12,8 @@ What it does:
    skip 4) -- twice: as shipped (float32 stacks, ``VecNorm``) and with the recipe
    (``examples/torchrl_dqn_atari.py``: uint8 stacks, no VecNorm, ``/255`` in the network).
    Collecting is slow on a small CPU, so ``--pool`` transitions are collected per pipeline and
-   the buffers are filled with them repeatedly (trajectory ids offset per repeat, so repeats are
-   other episodes); every frame is a real frame of the pipeline. The output says so.
+   the buffers are filled with them repeatedly (``--pool-cache DIR`` keeps them for reruns);
+   every frame is a real frame of the pipeline. The output says so.
 2. **Storages, one run:** ``LazyMemmapStorage`` with the float32 stacks (the example as
    shipped), ``TieredStorage`` plain swap (same float32 data, storage swapped and nothing else),
    ``TieredStorage`` with the recipe (uint8), and ``LazyTensorStorage`` with the recipe's uint8
@@ -101,17 +101,12 @@ def collect_pool(ex: Any, uint8: bool, transitions: int) -> list[TensorDict]:
 
 
 def batches(pool: list[TensorDict]):
-    """The pool's batches forever; each repeat's trajectory ids moved past the last ones."""
-    key = ("collector", "traj_ids")
-    span = int(max(int(b[key].max()) for b in pool)) + 1 if key in pool[0].keys(True) else 0
+    """The pool's batches, over and over. The trajectory ids are kept: the pool's first rows
+    continue its last trajectory, as a collector's next batch continues the episodes of the
+    last one (a seam once per pool, like an episode's end)."""
     i = 0
     while True:
-        b = pool[i % len(pool)]
-        repeat = i // len(pool)
-        if span and repeat:
-            b = b.clone()
-            b[key] = b[key] + repeat * span
-        yield b
+        yield pool[i % len(pool)]
         i += 1
 
 
@@ -179,8 +174,9 @@ def run_storage(key: str, pool: list[TensorDict], rows: int, args: argparse.Name
         fixed = s["resident"]["raw"]
         pixels = s["fields"]["pixels"]
         stacks = ("pixels",) in storage.store.options["frames"]
+        dense = sum(f["stored_bytes"] for f in s["fields"].values() if f["kind"] == "dense") / s["capacity"]
         note = (f"pixels {pixels['logical_bytes'] / max(pixels['stored_bytes'], 1):,.1f}x; frame stacks "
-                f"{'found' if stacks else 'not found'}")
+                f"{'found' if stacks else 'not found'}; dense columns {dense:,.0f} B/row")
     elif key == "lmm_float":
         per_row = H.dir_bytes(scratch)["apparent"] / held
         resident, note = None, "files (disk-backed memmap)"
@@ -239,7 +235,7 @@ def report(data: dict[str, Any]) -> str:
     lines = [
         table, "",
         f"Frames: {a['pool']:,} real transitions per pipeline through TorchRL's DQN env transforms (ALE/Pong-v5, "
-        f"Collector, 400 per batch), extended repeatedly to fill the buffers (trajectory ids offset per repeat). "
+        f"Collector, 400 per batch), extended over and over to fill the buffers. "
         f"Loop: {a['rounds']} rounds of one 400-row extend + 100 samples of 32, {a['updates']} of them followed by "
         "TorchRL's DQN update on the CPU; times per call from torchrl's timeit. 'replay ms/update' is "
         "extend/100 + sample. LazyMemmapStorage and LazyTensorStorage bytes are capacity x row bytes; tiered's "
@@ -248,6 +244,12 @@ def report(data: dict[str, Any]) -> str:
         "(bounded by the trajectories, not the rows) as they are.",
         "",
         "Targets (issue 30): " + "; ".join(_target_lines(r)),
+        "",
+        "Other processes used {} cores of {} during the timed loops (CpuMeter): {}.".format(
+            ", ".join(f"{res['load']['other_cores']:.2f}" for res in results.values()),
+            data["facts"].get("logical_cores"),
+            "times are indicative only, rerun on a quiet machine" if any(
+                res["load"]["other_cores"] > 0.25 for res in results.values()) else "a quiet machine"),
     ]
     return "\n".join(lines)
 
@@ -336,8 +338,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nwrote {out.relative_to(H.REPO)}")
     plots.plot_torchrl_dqn(out)
     if H.wants_docs(args):
-        body = (f"Command: `{facts['command']}` ({facts['date'][:16]}, {facts['logical_cores']} cores, "
-                f"{facts['cpu_model']}).\n\n{text}\n\n![TorchRL's DQN pipeline](plots/torchrl_dqn.png)")
+        body = ("## CPU: TorchRL's DQN Atari pipeline, four storages (bench_torchrl_dqn.py)\n\n"
+                "Written by `benchmarks/bench_torchrl_dqn.py`; rerun it to refresh this section. The recipe and "
+                "what it changes: [TorchRL pipelines](torchrl-pipelines.md).\n\n"
+                f"Command: `{facts['command']}` ({facts['date'][:16]}, {facts['logical_cores']} cores, "
+                f"{facts['cpu_model']}).\n\n{text}\n\n![TorchRL's DQN pipeline: bytes per transition and replay time per update](plots/torchrl_dqn.svg)")
         H.write_doc_section(body, BEGIN, END)
     return 0
 
