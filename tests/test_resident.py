@@ -76,3 +76,12 @@ def test_untouched_pages_cost_nothing():
     else:
         assert resident_nbytes([a, t]) == a.nbytes + t.numel() * 4
     assert resident_nbytes([np.empty(0)]) == 0
+
+
+def test_row_priorities_count_once_set(atari_pong):
+    store = TieredStore(100_000)
+    store.extend(atari_pong[:ROWS])
+    assert store.stats()["resident"]["priorities"] == 0  # no row was ever given a priority
+    store.set_priority(np.arange(10), np.full(10, 2.0))
+    # the per-row priorities start at the default: the whole capacity-sized array is written
+    assert store.stats()["resident"]["priorities"] >= (100_000 * 8 if MINCORE else 1)

@@ -10,7 +10,7 @@ Example:
     >>> s["rows"], s["fields"]["x"]["kind"], sorted(s["tiers"])
     (4, 'blob', ['warm'])
     >>> s["bytes_per_row"] == s["resident_bytes"] / 4, sorted(s["resident"])
-    (True, ['dense', 'index', 'raw', 'row_tables', 'tiers'])
+    (True, ['dense', 'index', 'priorities', 'raw', 'row_tables', 'tiers'])
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def tier_stats_with_mass(rows: RowSpace, layout: FieldLayout | None, placement: 
     return tiers, {"alpha": priorities.alpha, "in_memory_raw": mass["memory"]}
 
 
-def resident_figures(rows: RowSpace, layout: FieldLayout | None, index: BlobIndex,
+def resident_figures(rows: RowSpace, layout: FieldLayout | None, placement: Placement,
                      tiers: dict[str, dict[str, Any]], memory: dict[str, int]) -> dict[str, int]:
     """What the process holds for the store, by part: blobs in the memory tiers, the raw bytes
     waiting (stage, open chunks, tails), the blob index, and the pages of the capacity-sized
@@ -104,6 +104,8 @@ def resident_figures(rows: RowSpace, layout: FieldLayout | None, index: BlobInde
         "index": memory["index"],
         "row_tables": resident_nbytes(tables),
         "dense": resident_nbytes(dense),
+        "priorities": resident_nbytes(placement.priorities.state_arrays().values())
+        if placement.priorities is not None else 0,
     }
 
 
@@ -117,7 +119,7 @@ def store_stats(rows: RowSpace, layout: FieldLayout | None, index: BlobIndex, pl
         {name: {...}}, "tiers": {name: {...}}, "staged_rows", "memory", "resident", "counters",
         "gpu", "priority"}``. ``resident_bytes``: what the process holds in memory for the store
         (blobs in the memory tiers, raw bytes waiting, the index, and the pages in use of the row
-        tables, dense columns and written mask; ``resident`` gives these parts). ``bytes_per_row``:
+        tables, dense columns, written mask and row priorities; ``resident`` gives these parts). ``bytes_per_row``:
         what one row costs at the current length, dense columns and metadata included, each blob
         counted once wherever it lies (a store with a path counts its cold blobs, not their cached
         copies); 0.0 for an empty store. ``memory``: the in-memory metadata as allocated. Per
@@ -141,7 +143,7 @@ def store_stats(rows: RowSpace, layout: FieldLayout | None, index: BlobIndex, pl
         "dense": sum(v.numel() * v.element_size() for v in rows.dense.values())
         + (rows.flags.numel() if rows.flags is not None else 0),
     }
-    resident = resident_figures(rows, layout, index, tiers, memory)
+    resident = resident_figures(rows, layout, placement, tiers, memory)
     resident_bytes = sum(resident.values())
     live = index.live_ids()
     # each blob once, whichever tiers hold it (a store with a path caches cold blobs in memory)
