@@ -94,3 +94,9 @@ def test_small_fields_do_not_warn(dtype):
     td = TensorDict({"x": cells, "next": {"x": torch.cat([cells[1:], cells[:1]])}}, [64])
     assert _caught(lambda: TieredStore(64, blob_min_bytes=128).extend(td)) == []
 
+
+
+def test_an_empty_first_write_is_not_judged():
+    store = TieredStore(8)
+    assert _caught(lambda: store.extend(TensorDict({"x": torch.zeros(0, 4096, dtype=torch.uint8)}, [0]))) == []
+    assert len(store) == 0

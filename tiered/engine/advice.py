@@ -87,6 +87,8 @@ def first_write_advice(td: TensorDictBase, schema: Schema, frames: dict[Key, int
         # often unlike the rest
         x = td.get(key)[-ADVICE_ROWS:].detach().cpu()
         y = td.get(nxt.key)[-ADVICE_ROWS:].detach().cpu() if nxt is not None else None
+        if x.shape[0] == 0:
+            continue  # nothing to measure: an empty first write
         ratio = measured_ratio(field, x, y, codec, chunk_frames, dedup)
         unstacked = (field.dtype.is_floating_point and key not in frames and y is not None
                      and _could_stack(field) and _next_is_shifted(x, y))
