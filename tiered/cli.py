@@ -2,10 +2,11 @@
 
 Commands (``tiered COMMAND --help`` shows each one's options and examples)::
 
-    tiered info STORE [--json]                 schema, rows, ratios, tier bytes, format version
+    tiered info STORE [--json]                 schema, rows, bytes per row, ratios, tier bytes, format version
     tiered verify STORE [--json] [--decode]    check every file and every blob checksum
     tiered import SRC DST --format FORMAT      d4rl | minari | torchrl | npz | dqn-replay -> a new store
     tiered export STORE DST --format FORMAT    a store -> d4rl | minari | torchrl | npz | dqn-replay
+    tiered upgrade STORE                       rewrite an older store in the current format version
     tiered demo                                Atari frames in a TorchRL replay buffer
 
 ``python -m tiered`` is the same command. ``--debug`` (show the traceback of an error) is
