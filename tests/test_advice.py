@@ -56,6 +56,8 @@ def test_the_torchrl_plain_swap_warns_once(atari_pong):
     caught = _caught(lambda: [rb.extend(_normalized_after_stacking(atari_pong[s:s + ROWS]))
                               for s in range(0, 3 * ROWS, ROWS)])
     assert len(caught) == 1 and "'observation'" in str(caught[0].message)
+    # it points at the caller's line, not at TorchRL's or tiered's
+    assert caught[0].filename == __file__
     assert rb.sample()["observation"].dtype == torch.float32
 
 

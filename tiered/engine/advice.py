@@ -34,7 +34,10 @@ Example:
 
 from __future__ import annotations
 
+import inspect
 import math
+import os
+import sys
 import warnings
 
 import numpy as np
@@ -96,8 +99,24 @@ def first_write_advice(td: TensorDictBase, schema: Schema, frames: dict[Key, int
         if not (unstacked or low):
             continue
         messages.append(_message(field, nxt, ratio, x.shape[0], unstacked))
-        warnings.warn(messages[-1], LowCompressionWarning, stacklevel=5)
+        warnings.warn(messages[-1], LowCompressionWarning, stacklevel=_caller_level())
     return messages
+
+
+def _caller_level() -> int:
+    """The ``stacklevel`` of the first frame outside tiered, torch, torchrl and tensordict (a
+    replay buffer's ``extend`` goes through them before it reaches the store): the warning
+    points at the caller's line."""
+    dirs = [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]  # the tiered package
+    for name in ("torch", "torchrl", "tensordict"):
+        module = sys.modules.get(name)
+        if module is not None and getattr(module, "__file__", None):
+            dirs.append(os.path.dirname(os.path.abspath(module.__file__)))
+    prefixes = tuple(d + os.sep for d in dirs)
+    frame, level = inspect.currentframe(), 0
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(prefixes):
+        frame, level = frame.f_back, level + 1
+    return max(level, 1)
 
 
 def measured_ratio(field: Field, x: torch.Tensor, y: torch.Tensor | None, codec: Codec, chunk_frames: int,
