@@ -296,10 +296,56 @@ def plot_import(json_path: Path | str) -> list[Path]:
     return _save(fig, "import_memory", plt)
 
 
+def plot_torchrl_dqn(json_path: Path | str) -> list[Path]:
+    """Bytes per transition and replay time per update per storage, from bench_torchrl_dqn.
+
+    Args:
+        json_path: ``benchmarks/out/bench_torchrl_dqn.json``.
+
+    Returns:
+        The files written.
+    """
+    plt = _pyplot()
+    if plt is None:
+        return []
+    data = _load(Path(json_path))
+    results = list(data.get("results", {}).items())
+    if not results:
+        return []
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 3.8))
+    labels = [r["label"] for _, r in results]
+    colors = [TIERED_COLOR if k.startswith("tiered") else
+              STORE_STYLE["lms" if k.startswith("lmm") else "lts"][1] for k, _ in results]
+    ypos = list(range(len(results)))[::-1]
+    per_row = [r["bytes_per_transition"] for _, r in results]
+    ax.barh(ypos, per_row, color=colors)
+    ax.set_yticks(ypos, labels, fontsize=8)
+    ax.set_xscale("log")
+    ax.set_xlabel("bytes per transition (log; x 1M = the example's buffer)")
+    for y, v in zip(ypos, per_row, strict=True):
+        ax.text(v, y, f" {v:,.0f}", va="center", fontsize=7)
+    ax.grid(True, axis="x", which="both", alpha=0.3)
+    _title(ax, "TorchRL's DQN Atari pipeline: bytes", data)
+    extend = [r["extend_ms"] / 100 for _, r in results]
+    sample = [r["sample_ms"] for _, r in results]
+    ax2.barh(ypos, sample, color=colors, label="rb.sample() of 32")
+    ax2.barh(ypos, extend, left=sample, color=colors, alpha=0.45, label="share of rb.extend(400)")
+    ax2.set_yticks(ypos, [""] * len(ypos))
+    ax2.set_xlabel("replay time per update (ms)")
+    for y, s, e in zip(ypos, sample, extend, strict=True):
+        ax2.text(s + e, y, f" {s + e:.2f}", va="center", fontsize=7)
+    ax2.legend(fontsize=7, loc="lower right")
+    ax2.grid(True, axis="x", alpha=0.3)
+    ax2.set_title("Replay time per update (extend / 100 + sample)", fontsize=11)
+    fig.tight_layout()
+    return _save(fig, "torchrl_dqn", plt)
+
+
 PLOTTERS = {
     "bench_storages": plot_storages,
     "bench_tiers": plot_tiers,
     "bench_import": plot_import,
+    "bench_torchrl_dqn": plot_torchrl_dqn,
 }
 
 

@@ -94,6 +94,8 @@ def test_info_shows_schema_ratios_tiers_and_format(pong_store, capsys):
         "blob",
         "cold",
         "imported from torchrl",
+        "bytes per row",
+        "resident_bytes",
     ):
         assert text in out, (text, out)
     assert main(["info", str(pong_store), "--json"]) == 0
@@ -102,6 +104,9 @@ def test_info_shows_schema_ratios_tiers_and_format(pong_store, capsys):
     assert doc["codec"] == "zstd:3" and doc["generation"] >= 1
     assert doc["fields"]["observation"]["ratio"] > 20
     assert doc["tiers"]["cold"]["bytes_used"] > 0
+    # each blob once (in the cold tier), plus the dense columns: 8-byte actions at least
+    assert doc["bytes_per_row"] >= doc["tiers"]["cold"]["bytes_used"] / 2000 * 0.9 + 8
+    assert doc["resident_bytes"] > 0
     assert {f["key"] for f in doc["schema"]} >= {"observation", "next/observation", "action"}
 
 
@@ -259,7 +264,8 @@ def test_demo_reports_the_benchmarks_measures_without_torchrl_log_lines(capfd):
     assert "bit-identical samples: True" in out
     # the benchmark's measures, in its words, and what differs from its run
     for words in ("anon RSS growth", "per transition", "LTS / store", "extend 256 (rb)", "sample B=32 (rb)",
-                  "benchmarks/bench_storages.py", "Pong only, 600 transitions, 2 rounds"):
+                  "benchmarks/bench_storages.py", "Pong only, 600 transitions, 2 rounds", "resident_bytes",
+                  "bytes_per_row"):
         assert words in out, (words, out)
     rows = {line.split()[0]: line for line in out.splitlines() if line.startswith(("TieredStorage", "LazyTensor"))}
     assert set(rows) == {"TieredStorage", "LazyTensorStorage"} and "n/a" not in rows["TieredStorage"], out

@@ -30,6 +30,7 @@ from .errors import (
     InvalidDatasetError,
     InvalidPriorityError,
     LossyValueError,
+    LowCompressionWarning,
     NotATieredStoreError,
     NotSharedError,
     PickledDataError,
@@ -43,6 +44,7 @@ from .errors import (
     StoreExistsError,
     StoreLockedError,
     TieredError,
+    TieredWarning,
     UnknownCodecError,
     UnsupportedFormatError,
     UnwrittenRowError,
@@ -120,6 +122,8 @@ __all__ = [
     "PickledDataError",
     "LossyValueError",
     "DeviceFailedError",
+    "TieredWarning",
+    "LowCompressionWarning",
     "__version__",
 ]
 

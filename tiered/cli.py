@@ -2,10 +2,11 @@
 
 Commands (``tiered COMMAND --help`` shows each one's options and examples)::
 
-    tiered info STORE [--json]                 schema, rows, ratios, tier bytes, format version
+    tiered info STORE [--json]                 schema, rows, bytes per row, ratios, tier bytes, format version
     tiered verify STORE [--json] [--decode]    check every file and every blob checksum
     tiered import SRC DST --format FORMAT      d4rl | minari | torchrl | npz | dqn-replay -> a new store
     tiered export STORE DST --format FORMAT    a store -> d4rl | minari | torchrl | npz | dqn-replay
+    tiered upgrade STORE                       rewrite an older store in the current format version
     tiered demo                                Atari frames in a TorchRL replay buffer
 
 ``python -m tiered`` is the same command. ``--debug`` (show the traceback of an error) is
@@ -146,6 +147,8 @@ def _info(args: argparse.Namespace) -> int:
         "fields": st["fields"],
         "tiers": st["tiers"],
         "blobs": st.get("blobs"),
+        "resident_bytes": st["resident_bytes"],
+        "bytes_per_row": st["bytes_per_row"],
         "imported_from": (
             {k: source.get(k) for k in ("format", "origin", "rows", "derived")} if source else None
         ),
@@ -161,6 +164,8 @@ def _info(args: argparse.Namespace) -> int:
     )
     p(f"codec         {doc['codec']}")
     p(f"rows          {doc['rows']:,} of capacity {doc['capacity']:,} (next write at row {doc['cursor']})")
+    p(f"bytes per row {_fmt_bytes(doc['bytes_per_row'])} (blobs once, dense columns and row tables included; "
+      f"resident_bytes {_fmt_bytes(doc['resident_bytes'])} in memory when opened read-only)")
     if source:
         derived = ", ".join("/".join(k) for k in source.get("derived", [])) or "none"
         p(f"imported from {source.get('format')} {source.get('origin')} (derived fields: {derived})")

@@ -89,6 +89,9 @@ class DemoResult:
     extend_rate: dict[str, float] = field(default_factory=dict)
     sample_rate: dict[str, float] = field(default_factory=dict)
     load: float | None = None  # 1-minute load average after the timed part (None: not on this OS)
+    #: the TieredStorage's own ``stats()["resident_bytes"]`` and ``["bytes_per_row"]`` after the run
+    resident_bytes: int | None = None
+    bytes_per_row: float | None = None
 
 
 # ---------------------------------------------------------------------------------- measuring
@@ -219,6 +222,8 @@ def run_demo(steps: int = 5000, batch: int = 256, rounds: int = 50, *, memory: b
             if r == 0:
                 a, b = (samples[n] for n in names)
                 result.identical = all(torch.equal(a.get(k), b.get(k)) for k in b.keys(True, True))
+    stats = made[STORAGES["tiered"]][0].storage.stats()
+    result.resident_bytes, result.bytes_per_row = stats["resident_bytes"], stats["bytes_per_row"]
     for name in names:
         result.extend_rate[name] = CHUNK / statistics.median(extend_s[name]) if extend_s[name] else float("nan")
         result.sample_rate[name] = batch / statistics.median(sample_s[name]) if sample_s[name] else float("nan")
@@ -295,6 +300,9 @@ def report(result: DemoResult) -> list[str]:
         + (f"TieredStorage's anon RSS growth is 1/{held:.0f} of LazyTensorStorage's (LTS / store {_fmt_ratio(held)}), "
            if held else "TieredStorage's bytes held were not measured (--no-memory, or no /proc), ")
         + f"and its sample B={result.batch} (rb) rate is {_fmt_ratio(speed)} LazyTensorStorage's.",
+        *([f"By its own count (storage.stats()), the TieredStorage holds resident_bytes {_fmt_bytes(result.resident_bytes)} (what the "
+           f"process holds for the store), bytes_per_row {_fmt_bytes(result.bytes_per_row)} (dense columns and "
+           "metadata included)."] if result.resident_bytes is not None else []),
         "Measured as that benchmark measures them (anon RSS growth of a fresh process that fills the storage; "
         "rates from the median seconds per call, the storages alternating on the same indices), on less: "
         f"Pong only, {result.steps:,} transitions, {result.rounds} rounds, one run on this machine, filled "

@@ -45,6 +45,8 @@ __all__ = [
     "RaggedDataError",
     "LossyValueError",
     "DeviceFailedError",
+    "TieredWarning",
+    "LowCompressionWarning",
 ]
 
 
@@ -188,3 +190,17 @@ class DeviceFailedError(TieredError, RuntimeError):
     neither can a CPU fallback that returns data on the device. The message names the failed
     call and the CUDA error; restart the process (a training script: from its last checkpoint),
     or decode on the CPU with ``gpu_decode=False``."""
+
+
+class TieredWarning(UserWarning):
+    """Base class of every warning tiered gives (filter them all with
+    ``warnings.filterwarnings("ignore", category=tiered.errors.TieredWarning)``)."""
+
+
+class LowCompressionWarning(TieredWarning):
+    """Given once per field at a store's first write: a field of at least 1 KiB per row that
+    compresses less than 4x, or a floating-point field whose ``("next", X)`` is ``X`` one row
+    later but whose frame stacks were not found (pixels normalized after frame stacking, as
+    TorchRL's ``VecNorm`` after ``CatFrames`` does). The message names the field, its measured
+    ratio and the page that says what to change (docs/torchrl-pipelines.md). Nothing is wrong
+    with the data: it is stored losslessly either way, only larger."""

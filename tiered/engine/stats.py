@@ -9,6 +9,8 @@ Example:
     >>> s = store.stats()
     >>> s["rows"], s["fields"]["x"]["kind"], sorted(s["tiers"])
     (4, 'blob', ['warm'])
+    >>> s["bytes_per_row"] == s["resident_bytes"] / 4, sorted(s["resident"])
+    (True, ['dense', 'index', 'priorities', 'raw', 'row_tables', 'tiers'])
 """
 
 from __future__ import annotations
@@ -17,12 +19,16 @@ from typing import Any
 
 from ..index import OPEN, STORED, BlobIndex
 from ..schema import dtype_to_str, key_to_str
+from ..util.resident import resident_nbytes
 from .layout import FieldLayout
 from .placement import Placement
 from .rows import RowSpace
 from .stage import WriteStage
 
-__all__ = ["store_stats", "tier_stats_with_mass"]
+__all__ = ["store_stats", "tier_stats_with_mass", "resident_figures"]
+
+#: The tiers whose blobs the process holds in memory (the cold tier's are in files).
+MEMORY_TIER_NAMES = ("hot", "warm")
 
 
 def field_stats(rows: RowSpace, layout: FieldLayout, index: BlobIndex) -> dict[str, dict[str, Any]]:
@@ -80,14 +86,44 @@ def tier_stats_with_mass(rows: RowSpace, layout: FieldLayout | None, placement: 
     return tiers, {"alpha": priorities.alpha, "in_memory_raw": mass["memory"]}
 
 
+def resident_figures(rows: RowSpace, layout: FieldLayout | None, placement: Placement,
+                     tiers: dict[str, dict[str, Any]], memory: dict[str, int]) -> dict[str, int]:
+    """What the process holds for the store, by part: blobs in the memory tiers, the raw bytes
+    waiting (stage, open chunks, tails), the blob index, and the pages of the capacity-sized
+    arrays (row tables, dense columns and flags, the written mask) in memory: a page never
+    written costs nothing (:mod:`tiered.util.resident`), so a large store holding few rows counts
+    the rows it holds."""
+    tables = [a for t in (layout.tables.values() if layout is not None else ())
+              for a in t.state_arrays().values()]
+    span = rows.length  # rows at or past it were never written (the ring fills from row 0)
+    dense = [c[:span] for c in (*rows.dense.values(), *([rows.flags] if rows.flags is not None else []),
+                                rows.written)]
+    return {
+        "tiers": sum(int(tiers[name]["bytes_used"]) for name in MEMORY_TIER_NAMES if name in tiers),
+        "raw": memory["staged"] + memory["open_chunks"] + memory["tail"],
+        "index": memory["index"],
+        "row_tables": resident_nbytes(tables),
+        "dense": resident_nbytes(dense),
+        "priorities": resident_nbytes(placement.priorities.state_arrays().values())
+        if placement.priorities is not None else 0,
+    }
+
+
 def store_stats(rows: RowSpace, layout: FieldLayout | None, index: BlobIndex, placement: Placement,
                 stage: WriteStage | None, codec_name: str, counters: dict[str, int],
                 gpu: dict[str, Any] | None) -> dict[str, Any]:
     """The dict :meth:`tiered.TieredStore.stats` returns.
 
     Returns:
-        ``{"rows", "capacity", "codec", "blobs", "fields": {name: {...}}, "tiers": {name: {...}},
-        "staged_rows", "memory", "counters", "gpu", "priority"}``: per field its logical and
+        ``{"rows", "capacity", "codec", "blobs", "resident_bytes", "bytes_per_row", "fields":
+        {name: {...}}, "tiers": {name: {...}}, "staged_rows", "memory", "resident", "counters",
+        "gpu", "priority"}``. ``resident_bytes``: what the process holds in memory for the store
+        (blobs in the memory tiers, raw bytes waiting, the index, and the pages in use of the row
+        tables, dense columns, written mask and row priorities; ``resident`` gives these parts). ``bytes_per_row``:
+        what one row costs at the current length, dense columns and metadata included, each blob
+        counted once wherever it lies (a store with a path counts its cold blobs, not their cached
+        copies); 0.0 for an empty store. ``memory``: the in-memory metadata as allocated. Per
+        field its logical and
         stored bytes and ratio (blob fields: unique frames, dedup and compression factors); per
         tier its bytes used, budget, blobs, hits, promotions, demotions, fragmentation and
         ``probability_mass``: the share of the sampling probability (row priority **
@@ -98,24 +134,33 @@ def store_stats(rows: RowSpace, layout: FieldLayout | None, index: BlobIndex, pl
     families = layout.families if layout is not None else []
     tables = layout.tables.values() if layout is not None else []
     tiers, priority = tier_stats_with_mass(rows, layout, placement, stage)
+    memory = {
+        "staged": stage.nbytes if stage is not None else 0,
+        "open_chunks": sum(int(f.open_frames.nbytes) for f in families),
+        "tail": sum(int(f.tail_frames.nbytes) for f in families),
+        "index": index.nbytes_held,
+        "row_tables": sum(t.nbytes for t in tables),
+        "dense": sum(v.numel() * v.element_size() for v in rows.dense.values())
+        + (rows.flags.numel() if rows.flags is not None else 0),
+    }
+    resident = resident_figures(rows, layout, placement, tiers, memory)
+    resident_bytes = sum(resident.values())
+    live = index.live_ids()
+    # each blob once, whichever tiers hold it (a store with a path caches cold blobs in memory)
+    blob_bytes = int(index.nbytes[live[index.state[live] == STORED]].sum())
     return {
         "rows": rows.length,
         "capacity": rows.capacity,
         "codec": codec_name,
         "blobs": int(index.live_ids().size),
+        "resident_bytes": resident_bytes,
+        "bytes_per_row": (resident_bytes - resident["tiers"] + blob_bytes) / rows.length if rows.length else 0.0,
         "fields": field_stats(rows, layout, index) if layout is not None else {},
         "tiers": tiers,
         "priority": priority,
         "staged_rows": stage.count if stage is not None else 0,
-        "memory": {
-            "staged": stage.nbytes if stage is not None else 0,
-            "open_chunks": sum(int(f.open_frames.nbytes) for f in families),
-            "tail": sum(int(f.tail_frames.nbytes) for f in families),
-            "index": index.nbytes_held,
-            "row_tables": sum(t.nbytes for t in tables),
-            "dense": sum(v.numel() * v.element_size() for v in rows.dense.values())
-            + (rows.flags.numel() if rows.flags is not None else 0),
-        },
+        "memory": memory,
+        "resident": resident,
         "counters": {**counters, **({"oom_skipped_promotions": placement.oom_skipped_promotions}
                                     if placement.oom_skipped_promotions else {})},
         "gpu": gpu,

@@ -36,6 +36,7 @@ from ..errors import InvalidArgumentError, SchemaMismatchError
 from ..index import OPEN, STORED, BlobIndex
 from ..schema import Field, Key, Schema, dtype_from_str, dtype_to_str, key_to_str, normalize_key, str_to_key
 from ..util.batch import exclusive_cumsum
+from .advice import first_write_advice
 from .detect import detect_frames
 from .frames import FrameColumns, FrameFamily, FramePlan
 from .layout import FieldLayout
@@ -231,6 +232,7 @@ class WritePath:
             check_layout_fits(schema, self.rows.capacity, o.chunk_frames)
             self.adopt_schema(schema)
             o.frames = frames  # saved in the manifest as if it had been passed
+            first_write_advice(data, schema, frames, self.codec, o.chunk_frames, o.dedup)
             return n
         schema = self.layout.schema
         n = schema.validate(data)

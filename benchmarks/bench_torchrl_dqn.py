@@ -1,0 +1,351 @@
+"""TorchRL's own DQN Atari pipeline, four replay storages side by side, in the DQN loop's shape.
+
+Run: ``python benchmarks/bench_torchrl_dqn.py [--rows 100000] [--pool 1600] [--rounds 5]
+[--threads N] [--write-docs]``; ``--rows 5000 --rounds 2 --updates 5`` is a quick run (minutes).
+
+What it does:
+
+1. **Real frames through TorchRL's own transforms.** ``GymEnv("ALE/Pong-v5", from_pixels=True)``
+   with the transforms of TorchRL's ``sota-implementations/dqn/utils_atari.make_env`` and its
+   Nature-CNN Q-network and epsilon-greedy policy (eps 1.0: the start of training), collected by
+   a TorchRL ``Collector`` in batches of 400 transitions (``frames_per_batch`` 1600 at frame
+   skip 4) -- twice: as shipped (float32 stacks, ``VecNorm``) and with the recipe
+   (``examples/torchrl_dqn_atari.py``: uint8 stacks, no VecNorm, ``/255`` in the network).
+   Collecting is slow on a small CPU, so ``--pool`` transitions are collected per pipeline and
+   the buffers are filled with them repeatedly (``--pool-cache DIR`` keeps them for reruns);
+   every frame is a real frame of the pipeline. The output says so.
+2. **Storages, one run:** ``LazyMemmapStorage`` with the float32 stacks (the example as
+   shipped), ``TieredStorage`` plain swap (same float32 data, storage swapped and nothing else),
+   ``TieredStorage`` with the recipe (uint8), and ``LazyTensorStorage`` with the recipe's uint8
+   data. Each is filled to its rows in 400-row extends, then runs ``--rounds`` rounds of the DQN
+   loop: one ``rb.extend`` of 400 new transitions, then 100 ``rb.sample()`` of 32, each followed
+   by TorchRL's DQN update (DQNLoss, Adam, gradient clipping, hard target update) for the first
+   ``--updates`` of them (all 100 by default) -- timed with TorchRL's own ``timeit`` and its
+   example's names ("rb - extend", "rb - sample", "update").
+3. **Bytes per transition** at the rows held: tiered's ``stats()["bytes_per_row"]`` (what the
+   process holds, each blob once, dense columns and metadata included); ``LazyMemmapStorage``:
+   the size of its files; ``LazyTensorStorage``: its tensors. Per-row costs do not depend on the
+   capacity, so x 1M is the figure of the example's 1M buffer. The two uncompressed baselines are
+   filled to ``--baseline-rows`` (default: ``min(rows, 20000)``; 20k float stacks are 4.5 GB) and
+   their bytes scaled by row, exactly: their size is capacity x row bytes.
+
+Output: a table, the targets of issue 30 checked, ``benchmarks/out/bench_torchrl_dqn.json``,
+the plot ``docs/plots/torchrl_dqn.png`` (``benchmarks/plots.py``), and with ``--write-docs`` the
+section between ``<!-- bench_torchrl_dqn:begin -->`` / ``<!-- bench_torchrl_dqn:end -->`` of
+docs/benchmarks.md. Needs ``pip install 'tiered[pipelines]'`` (TorchRL, ale-py, torchvision).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import logging
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _harness as H  # noqa: E402
+import plots  # noqa: E402
+
+H.ensure_repo_on_path()
+
+import torch  # noqa: E402
+from tensordict import TensorDict  # noqa: E402
+
+BEGIN = "<!-- bench_torchrl_dqn:begin -->"
+END = "<!-- bench_torchrl_dqn:end -->"
+BATCH_ROWS = 400  # frames_per_batch 1600 at frame skip 4
+UPDATES_PER_BATCH = 100  # num_updates
+TARGET_ROWS = 1_000_000  # the example's buffer_size
+
+#: key -> (label, pipeline); the order of the table
+STORAGES = {
+    "lmm_float": ("LazyMemmapStorage, float32 (as shipped)", "float"),
+    "tiered_plain": ("TieredStorage, plain swap (float32)", "float"),
+    "tiered_recipe": ("TieredStorage, recipe (uint8)", "uint8"),
+    "lts_uint8": ("LazyTensorStorage, uint8", "uint8"),
+}
+
+
+def load_example() -> Any:
+    """``examples/torchrl_dqn_atari.py`` as a module: the pipeline is defined once, there."""
+    path = H.REPO / "examples" / "torchrl_dqn_atari.py"
+    spec = importlib.util.spec_from_file_location("torchrl_dqn_atari", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def collect_pool(ex: Any, uint8: bool, transitions: int) -> list[TensorDict]:
+    """``transitions`` real transitions of the pipeline, as the Collector gives them (400 a batch)."""
+    from tensordict.nn import TensorDictSequential
+    from torchrl.collectors import Collector
+
+    proof = ex.make_env(uint8=uint8)
+    model = ex.make_dqn_model(proof, "cpu", uint8)
+    proof.close()
+    _, greedy = ex.make_update(model)
+    policy = TensorDictSequential(model, greedy)
+    total = max(BATCH_ROWS, transitions // BATCH_ROWS * BATCH_ROWS)
+    collector = Collector(create_env_fn=ex.make_env(uint8=uint8), policy=policy, frames_per_batch=BATCH_ROWS,
+                          total_frames=total, device="cpu", storing_device="cpu", max_frames_per_traj=-1)
+    pool = [batch.reshape(-1).clone() for batch in collector]
+    collector.shutdown()
+    return pool
+
+
+def batches(pool: list[TensorDict]):
+    """The pool's batches, over and over. The trajectory ids are kept: the pool's first rows
+    continue its last trajectory, as a collector's next batch continues the episodes of the
+    last one (a seam once per pool, like an episode's end)."""
+    i = 0
+    while True:
+        yield pool[i % len(pool)]
+        i += 1
+
+
+def make_storage(key: str, rows: int, scratch: str, threads: int | None) -> Any:
+    from torchrl.data import LazyMemmapStorage, LazyTensorStorage
+
+    from tiered.torchrl import TieredStorage
+
+    if key == "lmm_float":
+        return LazyMemmapStorage(rows, scratch_dir=scratch)
+    if key == "lts_uint8":
+        return LazyTensorStorage(rows)
+    return TieredStorage(rows, threads=threads)
+
+
+def row_nbytes(td: TensorDict) -> int:
+    """Bytes of one row of ``td`` (every leaf)."""
+    return sum(v[0].numel() * v[0].element_size() for v in td.values(True, True))
+
+
+def run_storage(key: str, pool: list[TensorDict], rows: int, args: argparse.Namespace, ex: Any,
+                scratch: str) -> dict[str, Any]:
+    from torchrl._utils import timeit
+    from torchrl.data import TensorDictReplayBuffer
+
+    from tiered.errors import LowCompressionWarning
+
+    label, pipeline = STORAGES[key]
+    uint8 = pipeline == "uint8"
+    storage = make_storage(key, rows, scratch, args.threads)
+    rb = TensorDictReplayBuffer(pin_memory=False, storage=storage, batch_size=32)
+    proof = ex.make_env(uint8=uint8)
+    model = ex.make_dqn_model(proof, "cpu", uint8)
+    proof.close()
+    update, _ = ex.make_update(model)
+    source = batches(pool)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", LowCompressionWarning)
+        t0 = time.perf_counter()
+        filled = 0
+        while filled < rows:
+            rb.extend(next(source))
+            filled += BATCH_ROWS
+        fill_s = time.perf_counter() - t0
+        timeit.erase()
+        meter = H.CpuMeter()
+        for _ in range(args.rounds):  # the DQN loop: 400 new transitions per 100 updates of 32
+            with timeit("rb - extend"):
+                rb.extend(next(source))
+            for j in range(UPDATES_PER_BATCH):
+                with timeit("rb - sample"):
+                    sampled = rb.sample()
+                if j < args.updates:
+                    with timeit("update"):
+                        update(sampled)
+        load = meter.stop()
+    times = timeit.todict(percall=True)
+    warned = [str(w.message) for w in caught if issubclass(w.category, LowCompressionWarning)]
+    held = len(rb)
+    fixed = 0
+    if key.startswith("tiered"):
+        s = storage.stats()
+        per_row, resident = s["bytes_per_row"], s["resident_bytes"]
+        # raw frames waiting (open time chunks, tails, stage): bounded by the trajectories, not the rows
+        fixed = s["resident"]["raw"]
+        pixels = s["fields"]["pixels"]
+        stacks = ("pixels",) in storage.store.options["frames"]
+        dense = sum(f["stored_bytes"] for f in s["fields"].values() if f["kind"] == "dense") / s["capacity"]
+        note = (f"pixels {pixels['logical_bytes'] / max(pixels['stored_bytes'], 1):,.1f}x; frame stacks "
+                f"{'found' if stacks else 'not found'}; dense columns {dense:,.0f} B/row")
+    elif key == "lmm_float":
+        per_row = H.dir_bytes(scratch)["apparent"] / held
+        resident, note = None, "files (disk-backed memmap)"
+    else:
+        per_row = float(row_nbytes(pool[0]))
+        resident, note = per_row * held, "tensors in RAM"
+    extend_s, sample_s = times.get("rb - extend", 0.0), times.get("rb - sample", 0.0)
+    return {
+        "label": label, "pipeline": pipeline, "rows": held, "fill_s": fill_s,
+        "bytes_per_transition": per_row, "resident_bytes": resident, "fixed_bytes": fixed,
+        # per-row costs times 1M, plus what does not grow with the rows
+        "bytes_per_transition_at_1m": (per_row * held - fixed) / held + fixed / TARGET_ROWS,
+        "bytes_at_1m": per_row * held - fixed + (per_row * held - fixed) / held * (TARGET_ROWS - held) + fixed,
+        "extend_ms": extend_s * 1e3, "sample_ms": sample_s * 1e3, "update_ms": times.get("update", 0.0) * 1e3,
+        # per update: its share of the 400-row extend, plus its sample
+        "replay_ms_per_update": (extend_s / UPDATES_PER_BATCH + sample_s) * 1e3,
+        "warnings": warned, "note": note, "load": load,
+    }
+
+
+def ratios(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The issue's targets, checked on this run's numbers."""
+    out: dict[str, Any] = {}
+    lmm, plain = results.get("lmm_float"), results.get("tiered_plain")
+    recipe, lts = results.get("tiered_recipe"), results.get("lts_uint8")
+    if recipe:
+        out["recipe_bytes_at_1m_per_transition"] = recipe["bytes_per_transition_at_1m"]
+        out["recipe_le_100_bytes"] = recipe["bytes_per_transition_at_1m"] <= 100
+    if recipe and lts:
+        out["recipe_replay_vs_lts"] = recipe["replay_ms_per_update"] / lts["replay_ms_per_update"]
+        out["recipe_replay_le_1x_lts"] = out["recipe_replay_vs_lts"] <= 1.0
+    if plain and lmm:
+        out["plain_sample_rate_vs_lmm"] = lmm["sample_ms"] / plain["sample_ms"]
+        out["plain_sample_ge_0.8x_lmm"] = out["plain_sample_rate_vs_lmm"] >= 0.8
+        out["plain_bytes_vs_lmm"] = plain["bytes_per_transition"] / lmm["bytes_per_transition"]
+        out["plain_bytes_le_1x_lmm"] = out["plain_bytes_vs_lmm"] <= 1.0
+        out["plain_extend_rate_vs_lmm"] = lmm["extend_ms"] / plain["extend_ms"]
+    if plain:
+        out["plain_warnings"] = len(plain["warnings"])
+        out["plain_warns_once"] = len(plain["warnings"]) == 1
+    if recipe and lmm:
+        out["recipe_bytes_less_than_shipped"] = lmm["bytes_per_transition_at_1m"] / recipe["bytes_per_transition_at_1m"]
+    return out
+
+
+def report(data: dict[str, Any]) -> str:
+    results, r, a = data["results"], data["ratios"], data["args"]
+    rows = []
+    for res in results.values():
+        rows.append([res["label"], f"{res['rows']:,}", H.fmt_bytes(res["bytes_per_transition"]),
+                     H.fmt_bytes(res["bytes_per_transition_at_1m"]), f"{res['bytes_at_1m'] / 2**30:,.2f} GiB", f"{res['extend_ms']:.1f}", f"{res['sample_ms']:.2f}",
+                     f"{res['replay_ms_per_update']:.2f}", f"{res['update_ms']:.1f}", len(res["warnings"]),
+                     res["note"]])
+    table = H.markdown_table(["storage", "rows", "bytes/transition", "at 1M", "1M buffer", "rb - extend (400) ms",
+                              "rb - sample (32) ms", "replay ms/update", "update ms", "warnings", "note"], rows)
+    lines = [
+        table, "",
+        f"Frames: {a['pool']:,} real transitions per pipeline through TorchRL's DQN env transforms (ALE/Pong-v5, "
+        f"Collector, 400 per batch), extended over and over to fill the buffers. "
+        f"Loop: {a['rounds']} rounds of one 400-row extend + 100 samples of 32, {a['updates']} of them followed by "
+        "TorchRL's DQN update on the CPU; times per call from torchrl's timeit. 'replay ms/update' is "
+        "extend/100 + sample. LazyMemmapStorage and LazyTensorStorage bytes are capacity x row bytes; tiered's "
+        "are stats()['bytes_per_row'] (what the process holds, dense columns and metadata included); 'at 1M' "
+        "scales the per-row part to 1,000,000 rows and keeps the raw frames waiting in open time chunks "
+        "(bounded by the trajectories, not the rows) as they are.",
+        "",
+        "Targets (issue 30): " + "; ".join(_target_lines(r)),
+        "",
+        "Other processes used {} cores of {} during the timed loops (CpuMeter): {}.".format(
+            ", ".join(f"{res['load']['other_cores']:.2f}" for res in results.values()),
+            data["facts"].get("logical_cores"),
+            "times are indicative only, rerun on a quiet machine" if any(
+                res["load"]["other_cores"] > 0.25 for res in results.values()) else "a quiet machine"),
+    ]
+    return "\n".join(lines)
+
+
+def _target_lines(r: dict[str, Any]) -> list[str]:
+    out = []
+    if "recipe_le_100_bytes" in r:
+        out.append(f"recipe {r['recipe_bytes_at_1m_per_transition']:,.0f} B/transition <= 100: "
+                   f"{'yes' if r['recipe_le_100_bytes'] else 'NO'}")
+    if "recipe_replay_vs_lts" in r:
+        out.append(f"recipe replay time {r['recipe_replay_vs_lts']:.2f}x LazyTensorStorage uint8 <= 1.0: "
+                   f"{'yes' if r['recipe_replay_le_1x_lts'] else 'NO'}")
+    if "plain_sample_rate_vs_lmm" in r:
+        out.append(f"plain swap sample rate {r['plain_sample_rate_vs_lmm']:.2f}x LazyMemmapStorage >= 0.8: "
+                   f"{'yes' if r['plain_sample_ge_0.8x_lmm'] else 'NO'}")
+        out.append(f"plain swap bytes {r['plain_bytes_vs_lmm']:.3f}x LazyMemmapStorage <= 1.0: "
+                   f"{'yes' if r['plain_bytes_le_1x_lmm'] else 'NO'}")
+        out.append(f"plain swap extend rate {r['plain_extend_rate_vs_lmm']:.2f}x LazyMemmapStorage")
+    if "plain_warnings" in r:
+        out.append(f"plain swap warned {r['plain_warnings']} time(s) (target: once)")
+    if "recipe_bytes_less_than_shipped" in r:
+        out.append(f"recipe holds {r['recipe_bytes_less_than_shipped']:,.0f}x fewer bytes than the example as shipped")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", type=int, default=100_000, help="rows each tiered buffer is filled to")
+    p.add_argument("--baseline-rows", type=int, default=None,
+                   help="rows of the uncompressed baselines (default min(rows, 20000))")
+    p.add_argument("--pool", type=int, default=1600, help="real transitions collected per pipeline")
+    p.add_argument("--rounds", type=int, default=5, help="DQN loop rounds timed (400 rows + 100 updates each)")
+    p.add_argument("--updates", type=int, default=UPDATES_PER_BATCH,
+                   help="of the 100 samples per round, how many are followed by the DQN update (all: 100)")
+    p.add_argument("--threads", type=int, default=None, help="tiered's decode threads (default: its choice)")
+    p.add_argument("--storages", default=",".join(STORAGES), help="comma-separated subset of " + ",".join(STORAGES))
+    p.add_argument("--pool-cache", default=None,
+                   help="directory keeping the collected transitions for reruns (collected once per --pool)")
+    p.add_argument("--scratch", default=None, help="directory for LazyMemmapStorage's files (default: a temp dir)")
+    H.add_output_arguments(p)
+    args = p.parse_args(argv)
+    keys = [k.strip() for k in args.storages.split(",") if k.strip()]
+    unknown = sorted(set(keys) - set(STORAGES))
+    if unknown:
+        p.error(f"unknown storages {unknown}; choose from {list(STORAGES)}")
+    baseline_rows = args.baseline_rows or min(args.rows, 20_000)
+    # TorchRL's deprecation notices (VecNorm, the collector's InitTracker) and INFO lines are not results
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    logging.getLogger("torchrl").setLevel(logging.WARNING)
+    ex = load_example()
+    facts = H.machine_facts(argv)
+    pools: dict[str, list[TensorDict]] = {}
+    for pipeline in dict.fromkeys(STORAGES[k][1] for k in keys):
+        t0 = time.perf_counter()
+        cache = Path(args.pool_cache) / f"{pipeline}_{args.pool}" if args.pool_cache else None
+        if cache is not None and cache.exists():
+            whole = TensorDict.load_memmap(cache).to_tensordict()
+            pools[pipeline] = list(whole.split(BATCH_ROWS))
+            how = f"loaded from {cache} (collected earlier by this script)"
+        else:
+            pools[pipeline] = collect_pool(ex, pipeline == "uint8", args.pool)
+            if cache is not None:
+                torch.cat(pools[pipeline]).memmap(cache)
+            how = "collected"
+        n = sum(len(b) for b in pools[pipeline])
+        print(f"{n:,} real transitions through TorchRL's DQN env ({pipeline} pipeline) {how} in "
+              f"{time.perf_counter() - t0:.0f} s; buffers are filled with them repeatedly", flush=True)
+    results: dict[str, dict[str, Any]] = {}
+    for key in keys:
+        rows = baseline_rows if key in ("lmm_float", "lts_uint8") else args.rows
+        with tempfile.TemporaryDirectory(dir=args.scratch) as scratch:
+            results[key] = run_storage(key, pools[STORAGES[key][1]], rows, args, ex, scratch)
+        res = results[key]
+        print(f"{res['label']}: {res['rows']:,} rows filled in {res['fill_s']:.0f} s, "
+              f"{res['bytes_per_transition']:,.0f} B/transition, extend {res['extend_ms']:.1f} ms, "
+              f"sample {res['sample_ms']:.2f} ms, update {res['update_ms']:.1f} ms; "
+              f"other processes used {res['load']['other_cores']:.2f} cores", flush=True)
+        for w in res["warnings"]:
+            print(f"  warning: {w}")
+    data = {"facts": facts, "args": {**vars(args), "baseline_rows": baseline_rows, "quick": args.rows < 100_000},
+            "results": results, "ratios": ratios(results)}
+    text = report(data)
+    print()
+    print(text)
+    out = H.write_output("bench_torchrl_dqn.json", json.dumps(data, indent=1, default=str))
+    print(f"\nwrote {out.relative_to(H.REPO)}")
+    plots.plot_torchrl_dqn(out)
+    if H.wants_docs(args):
+        body = ("## CPU: TorchRL's DQN Atari pipeline, four storages (bench_torchrl_dqn.py)\n\n"
+                "Written by `benchmarks/bench_torchrl_dqn.py`; rerun it to refresh this section. The recipe and "
+                "what it changes: [TorchRL pipelines](torchrl-pipelines.md).\n\n"
+                f"Command: `{facts['command']}` ({facts['date'][:16]}, {facts['logical_cores']} cores, "
+                f"{facts['cpu_model']}).\n\n{text}\n\n![TorchRL's DQN pipeline: bytes per transition and replay time per update](plots/torchrl_dqn.svg)")
+        H.write_doc_section(body, BEGIN, END)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
