@@ -543,7 +543,7 @@ class Placement:
                 continue
             st = tier.stats()
             if isinstance(tier, SpillTier):  # named for what it is, with the directory it fills
-                name = tier.name
+                name = "spill"
             out[name] = {
                 "bytes_used": int(st.get("bytes_used", tier.bytes_used)),
                 "budget": tier.budget,

@@ -215,7 +215,7 @@ class SpillDir:
 
 
 class SpillTier(MemmapTier):
-    """The ``spill`` tier: a :class:`~tiered.tiers.memmap.MemmapTier` in a :class:`SpillDir`.
+    """The spill tier: a :class:`~tiered.tiers.memmap.MemmapTier` in a :class:`SpillDir`.
 
     It differs from a durable cold tier in three ways: freed space is reused at once (there is
     no commit to wait for), :meth:`flush` does nothing (nothing in it needs to survive a crash),
@@ -226,16 +226,17 @@ class SpillTier(MemmapTier):
         root: where the spill directory is made (default: the temp dir).
         segment_bytes: size of one segment file.
         threads: threads for large reads.
+        budget: optional cap on the bytes of live blobs (``None``: as much as the disk holds).
     """
 
-    name = "spill"
+    name = "cold"  # its place among the tiers (the index's cold column); stats() call it "spill"
     format = "spill"
 
-    def __init__(self, root: str | os.PathLike[str] | None = None, segment_bytes: int = SEGMENT_BYTES,
-                 threads: int = 8) -> None:
+    def __init__(self, root: str | os.PathLike[str] | None = None, segment_bytes: int | str = SEGMENT_BYTES,
+                 threads: int = 8, *, budget: int | str | None = None) -> None:
         self.spill_dir = SpillDir(root)
         try:
-            super().__init__(self.spill_dir.path, segment_bytes, threads)
+            super().__init__(self.spill_dir.path, segment_bytes, threads, budget=budget)
         except BaseException:
             self.spill_dir.remove()
             raise
@@ -271,11 +272,11 @@ class SpillTier(MemmapTier):
     def __getstate__(self) -> dict[str, Any]:
         # the copy gets the bytes, not the directory: another process never uses this one
         data = [os.pread(self.segment_fd(i), size, self._data_offsets[i]) for i, size in enumerate(self._sizes)]
-        return {"root": os.path.dirname(self.directory), "segment_bytes": self.segment_bytes,
+        return {"root": os.path.dirname(self.directory), "segment_bytes": self.segment_bytes, "budget": self.budget,
                 "threads": self.threads, "sizes": list(self._sizes), "alloc": self._alloc.state(), "data": data}
 
     def __setstate__(self, st: dict[str, Any]) -> None:
-        self.__init__(st["root"], st["segment_bytes"], st["threads"])
+        self.__init__(st["root"], st["segment_bytes"], st["threads"], budget=st["budget"])
         self._alloc = ExtentAllocator.from_state(st["alloc"])
         for i, (size, data) in enumerate(zip(st["sizes"], st["data"], strict=True)):
             self._reserve(np.array([i * self.segment_bytes]), np.array([size]))
