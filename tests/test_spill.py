@@ -22,6 +22,7 @@ from helpers import assert_td_equal, check_refcounts
 from tensordict import TensorDict
 
 from tiered import TieredStore
+from tiered.cli import main
 from tiered.errors import InvalidArgumentError, StorageFullError
 from tiered.fileio import inject_faults
 from tiered.index import COLD, HOT, WARM
@@ -199,7 +200,7 @@ def test_interpreter_exit_removes_the_spill_directory(tmp_path):
     assert not os.path.exists(d) and spill_dirs(tmp_path) == []
 
 
-def test_a_killed_owners_directory_is_removed_by_the_next_spill_and_a_live_ones_is_kept(tmp_path):
+def test_a_killed_owners_directory_is_removed_by_the_next_spill_and_a_live_ones_is_kept(tmp_path, capsys):
     dead = _child(SPILLER, str(tmp_path), "wait")
     live = _child(SPILLER, str(tmp_path), "wait")
     try:
@@ -209,6 +210,16 @@ def test_a_killed_owners_directory_is_removed_by_the_next_spill_and_a_live_ones_
         dead.send_signal(signal.SIGKILL)
         dead.wait(timeout=60)
         assert os.path.isdir(dead_dir)  # SIGKILL ran no clean-up
+        # tiered info shows both: owner, whether it runs, bytes on disk
+        assert main(["info", str(tmp_path), "--json"]) == 0
+        found = {d["dir"]: d for d in json.loads(capsys.readouterr().out)["spill"]}
+        assert found.keys() == {dead_dir, live_dir}
+        assert found[live_dir]["owner_pid"] == live.pid and found[live_dir]["owner_alive"]
+        assert found[dead_dir]["owner_pid"] == dead.pid and not found[dead_dir]["owner_alive"]
+        assert found[dead_dir]["segments"] == 1 and found[dead_dir]["bytes"] >= 2_000_000
+        assert main(["info", dead_dir]) == 0
+        out = capsys.readouterr().out
+        assert dead_dir in out and "dead" in out and "MiB" in out and live_dir not in out
         # the next process that spills removes the dead owner's directory, never the live one's
         store = TieredStore(100, warm_bytes="1MiB", spill_dir=tmp_path)
         store.extend(noise_rows(30))

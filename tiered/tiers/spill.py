@@ -54,7 +54,8 @@ from ..errors import InvalidArgumentError, NotSharedError
 from .extents import ExtentAllocator
 from .memmap import SEGMENT_BYTES, MemmapTier
 
-__all__ = ["SpillDir", "SpillTier", "SPILL_PREFIX", "OWNER_LOCK", "remove_abandoned", "spill_root"]
+__all__ = ["SpillDir", "SpillTier", "SPILL_PREFIX", "OWNER_LOCK", "remove_abandoned", "spill_root", "describe",
+           "is_spill_dir", "spill_dirs"]
 
 #: Name prefix of every spill directory (``tiered-spill-XXXXXXXX``).
 SPILL_PREFIX = "tiered-spill-"
@@ -143,6 +144,67 @@ def remove_abandoned(root: str | os.PathLike[str] | None = None) -> list[str]:
         if _try_remove(path):
             removed.append(path)
     return removed
+
+
+def is_spill_dir(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is a spill directory (its name and its ``owner.lock``).
+
+    Example:
+        >>> import tempfile
+        >>> is_spill_dir(tempfile.mkdtemp())
+        False
+    """
+    path = os.fspath(path)
+    return os.path.basename(os.path.normpath(path)).startswith(SPILL_PREFIX) and os.path.isfile(
+        os.path.join(path, OWNER_LOCK))
+
+
+def spill_dirs(root: str | os.PathLike[str] | None = None) -> list[str]:
+    """The spill directories under ``root`` (default: the temp dir), sorted.
+
+    Example:
+        >>> import tempfile
+        >>> root = tempfile.mkdtemp()
+        >>> d = SpillDir(root)
+        >>> spill_dirs(root) == [d.path]
+        True
+        >>> d.remove()
+    """
+    root = spill_root(root)
+    try:
+        names = sorted(os.listdir(root))
+    except OSError:
+        return []
+    return [os.path.join(root, n) for n in names if is_spill_dir(os.path.join(root, n))]
+
+
+def describe(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """What ``tiered info`` shows of a spill directory: ``dir``, ``owner_pid``, ``owner_alive``
+    (its lock is held; a dead owner's directory goes with the next spill or
+    :func:`remove_abandoned`), ``segments`` and ``bytes`` (allocated on disk).
+
+    Example:
+        >>> import tempfile
+        >>> d = SpillDir(tempfile.mkdtemp())
+        >>> info = describe(d.path)
+        >>> info["owner_pid"] == os.getpid(), info["owner_alive"], info["segments"]
+        (True, True, 0)
+        >>> d.remove()
+    """
+    path = os.path.abspath(os.fspath(path))
+    fd = os.open(os.path.join(path, OWNER_LOCK), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        pid = _owner_pid(fd)
+        try:  # flock locks of two open files conflict even in one process: this works for the owner too
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            alive = False  # granted: nobody holds the owner's exclusive lock
+        except OSError:
+            alive = True
+    finally:
+        os.close(fd)
+    segments = [e for e in os.scandir(path) if e.name.startswith("seg-") and e.is_file(follow_symlinks=False)]
+    return {"dir": path, "owner_pid": pid, "owner_alive": alive, "segments": len(segments),
+            "bytes": sum(e.stat(follow_symlinks=False).st_blocks * 512 for e in segments)}
 
 
 def _remove_dir(path: str, fd: int, owner: int) -> None:
