@@ -350,3 +350,18 @@ def test_stats_name_the_spill_tier_and_its_directory(tmp_path):
     assert sum(t["probability_mass"] for t in st["tiers"].values()) + st["priority"]["in_memory_raw"] == \
         pytest.approx(1.0)
     store.close()
+
+
+def test_a_spill_dir_that_cannot_be_made_refuses_the_write_and_changes_nothing(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_bytes(b"x")
+    store = TieredStore(100, warm_bytes="1MiB", spill_dir=blocker / "spill")  # made only at the first spill
+    store.extend(noise_rows(4))
+    before = store.get(torch.arange(4))
+    with pytest.raises(InvalidArgumentError, match="spill_dir="):
+        store.extend(noise_rows(40, seed=1))
+    assert len(store) == 4 and store.cursor == 4
+    assert_td_equal(store.get(torch.arange(4)), before)
+    check_refcounts(store)
+    assert "spill" not in store.stats()["tiers"]
+    store.close()
