@@ -107,7 +107,8 @@ def fill_and_sample(args: argparse.Namespace, root: str) -> dict[str, Any]:
     from tiered.torchrl import TieredStorage
 
     rows = Rows(args.data, args.chunk)
-    storage = TieredStorage(args.capacity, warm_bytes=args.warm_bytes, spill_dir=root, hot_bytes=0)
+    storage = TieredStorage(args.capacity, warm_bytes=args.warm_bytes, spill_dir=root, hot_bytes=0,
+                            promote=not args.no_promote)
     rb = TensorDictReplayBuffer(storage=storage, batch_size=32)
     disk0 = free_disk(root)
     proc = psutil.Process()
@@ -223,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--samples", type=int, default=50, help="timed rb.sample() calls (batch 32)")
     p.add_argument("--kill-rows", type=int, default=2_000, help="rows the SIGKILLed child spills")
     p.add_argument("--spill-dir", default=None, help="where spill directories go (default: the temp dir)")
+    p.add_argument("--no-promote", action="store_true", help="promote=False: sampled spilled blobs stay on disk")
     p.add_argument("--skip-fill", action="store_true", help="only the kill phase")
     args = p.parse_args(argv)
     if args.rows is None:
