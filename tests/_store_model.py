@@ -676,9 +676,11 @@ class StoreModel(RuleBasedStateMachine):
 
 def tally(store: tiered.TieredStore) -> None:
     """Count a store's blob moves between tiers before it is dropped (evidence the budgets bit)."""
-    for tier in store.stats()["tiers"].values():
+    tiers = store.stats()["tiers"]
+    for tier in tiers.values():
         RUN_COUNTS["demotions"] += tier["demotions"]
         RUN_COUNTS["promotions"] += tier["promotions"]
+    RUN_COUNTS["spilled_stores"] += "spill" in tiers
 
 
 class MemoryStoreModel(StoreModel):
