@@ -244,6 +244,10 @@ def test_a_directory_being_made_or_without_an_owner_is_not_removed(tmp_path):
     # no lock file at all, but recent: its creator is between mkdtemp and the lock file
     bare = tmp_path / f"{SPILL_PREFIX}bare"
     bare.mkdir()
+    # a lock file that never got its owner's pid, from long ago: its creator died before writing it
+    stale = tmp_path / f"{SPILL_PREFIX}stale"
+    stale.mkdir()
+    (stale / OWNER_LOCK).write_bytes(b"")
     # a directory of another name is never looked at
     other = tmp_path / "tiered-model-x"
     other.mkdir()
@@ -251,8 +255,10 @@ def test_a_directory_being_made_or_without_an_owner_is_not_removed(tmp_path):
     d = SpillDir(tmp_path)
     assert fresh.is_dir() and bare.is_dir() and other.is_dir()
     old = 1_000_000_000
-    os.utime(bare, (old, old))  # an unfinished directory from long ago: its creator died
-    assert remove_abandoned(tmp_path) == [str(bare)]
+    assert stale.is_dir()
+    os.utime(bare, (old, old))  # unfinished directories from long ago: their creators died
+    os.utime(stale, (old, old))
+    assert sorted(remove_abandoned(tmp_path)) == sorted([str(bare), str(stale)])
     assert fresh.is_dir() and os.path.isdir(d.path)
     d.remove()
     assert not os.path.exists(d.path)

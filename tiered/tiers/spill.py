@@ -50,7 +50,7 @@ from typing import Any
 import numpy as np
 
 from .. import fileio
-from ..errors import InvalidArgumentError, NotSharedError
+from ..errors import InvalidArgumentError, NotSharedError, StoreClosedError
 from .extents import ExtentAllocator
 from .memmap import SEGMENT_BYTES, MemmapTier
 
@@ -61,8 +61,8 @@ __all__ = ["SpillDir", "SpillTier", "SPILL_PREFIX", "OWNER_LOCK", "remove_abando
 SPILL_PREFIX = "tiered-spill-"
 #: The lock file inside a spill directory: flocked by its owner, holding the owner's pid.
 OWNER_LOCK = "owner.lock"
-#: A spill directory without an owner pid (its creator died between ``mkdtemp`` and taking the
-#: lock, a window of microseconds) is removed once it is this old.
+#: A spill directory without an owner pid (its creator died between ``mkdtemp`` and writing its
+#: pid under the lock, a window of microseconds) is removed once it is this old.
 UNOWNED_GRACE_S = 3600
 
 
@@ -82,6 +82,14 @@ def _owner_pid(fd: int) -> int | None:
     return int(text) if text.isdigit() else None
 
 
+def _unowned_for_long(path: str) -> bool:
+    """Whether a spill directory that names no owner is older than :data:`UNOWNED_GRACE_S`."""
+    try:
+        return time.time() - os.lstat(path).st_mtime > UNOWNED_GRACE_S
+    except OSError:
+        return False
+
+
 def _try_remove(path: str) -> bool:
     """Remove the spill directory ``path`` if its owner is dead; return whether it was removed."""
     try:
@@ -90,10 +98,7 @@ def _try_remove(path: str) -> bool:
             return False
         fd = os.open(os.path.join(path, OWNER_LOCK), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:  # no lock file: being created now, or its creator died before the lock
-        try:
-            old = time.time() - os.lstat(path).st_mtime > UNOWNED_GRACE_S
-        except OSError:
-            return False
+        old = _unowned_for_long(path)
         if old:
             shutil.rmtree(path, ignore_errors=True)
         return old
@@ -106,7 +111,7 @@ def _try_remove(path: str) -> bool:
             if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                 return False  # its owner lives
             raise
-        if _owner_pid(fd) is None:
+        if _owner_pid(fd) is None and not _unowned_for_long(path):
             # the creator opened the file but has not taken its lock yet (it waits for ours)
             return False
         shutil.rmtree(path, ignore_errors=True)  # under the lock: no one else removes it meanwhile
@@ -310,7 +315,7 @@ class SpillTier(MemmapTier):
                 f"a forked copy (process {os.getpid()}) may read the store but not write it. Write from the "
                 "process that made the store, or give the store a path and share() it")
         if self.spill_dir.removed:
-            raise NotSharedError(f"the spill directory {self.directory} was removed (the store was closed)")
+            raise StoreClosedError(f"the spill directory {self.directory} was removed: the store was closed")
 
     def free(self, offsets: np.ndarray, sizes: np.ndarray, *, defer: bool = False) -> None:
         """Release blobs; the space is reusable at once (``defer`` is ignored: nothing is durable)."""
