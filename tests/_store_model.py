@@ -134,6 +134,7 @@ class StoreConfig:
     hot_bytes: int  # 0: no hot tier (the CPU stands in for the GPU otherwise)
     warm_bytes: int  # 0: no warm tier (stores with a path only)
     promote: bool
+    spill: bool  # in-memory stores: spill to a temporary directory when the budgets are full
 
     def runtime(self) -> dict[str, Any]:
         """The options a reopen passes again."""
@@ -143,7 +144,8 @@ class StoreConfig:
     def create(self, path: str | None) -> tiered.TieredStore:
         return tiered.TieredStore(
             self.capacity, path, frames={"observation": 0}, chunk_frames=self.chunk_frames, dedup=self.dedup,
-            codec=self.codec, backend="memmap" if self.kind == "memory" else self.kind, **self.runtime())
+            codec=self.codec, backend="memmap" if self.kind == "memory" else self.kind,
+            **({"spill": self.spill} if self.kind == "memory" else {}), **self.runtime())
 
 
 def configs(kind: str) -> st.SearchStrategy[StoreConfig]:
@@ -155,7 +157,7 @@ def configs(kind: str) -> st.SearchStrategy[StoreConfig]:
         chunk_frames=st.sampled_from([1, 4]), stage_rows=st.sampled_from([0, 16, 64]),
         dedup=st.sampled_from([True, True, False]), policy=st.sampled_from(["lru", "fifo", "priority"]),
         codec=st.sampled_from(["zstd", "lz4"]), hot_bytes=st.sampled_from([8192, 0, 2048, 16384, 1 << 20]),
-        warm_bytes=st.sampled_from(warm), promote=st.booleans())
+        warm_bytes=st.sampled_from(warm), promote=st.booleans(), spill=st.booleans())
 
 
 @dataclass
@@ -308,8 +310,9 @@ class StoreModel(RuleBasedStateMachine):
         return batch
 
     def full_allowed(self, err: StorageFullError) -> None:
-        """Only an in-memory store may run out of room (its tiers have budgets); nothing changed."""
-        if self.config.kind != "memory":
+        """Only an in-memory store that does not spill may run out of room (its tiers have
+        budgets); nothing changed."""
+        if self.config.kind != "memory" or self.config.spill:
             raise err
         note(f"StorageFullError (model unchanged): {str(err)[:120]}")
         RUN_COUNTS["storage_full"] += 1
@@ -662,8 +665,9 @@ class StoreModel(RuleBasedStateMachine):
                 t = tiers[name]
                 assert 0 <= t["bytes_used"] <= t["budget"], f"{name}: {t['bytes_used']} bytes over {t['budget']}"
         if self.path is None:  # exclusive tiers: every stored blob in exactly one
-            in_memory = sum(tiers[t]["blobs"] for t in ("hot", "warm") if t in tiers)
-            assert in_memory == stored, f"{in_memory} blobs in hot+warm, {stored} stored"
+            held = sum(tiers[t]["blobs"] for t in ("hot", "warm", "spill") if t in tiers)
+            assert held == stored, f"{held} blobs in hot+warm+spill, {stored} stored"
+            assert "spill" not in tiers or self.config.spill, tiers
         else:
             assert tiers["cold"]["blobs"] == stored, f"cold holds {tiers['cold']['blobs']} blobs, {stored} stored"
         if p.layout is not None:
@@ -672,9 +676,11 @@ class StoreModel(RuleBasedStateMachine):
 
 def tally(store: tiered.TieredStore) -> None:
     """Count a store's blob moves between tiers before it is dropped (evidence the budgets bit)."""
-    for tier in store.stats()["tiers"].values():
+    tiers = store.stats()["tiers"]
+    for tier in tiers.values():
         RUN_COUNTS["demotions"] += tier["demotions"]
         RUN_COUNTS["promotions"] += tier["promotions"]
+    RUN_COUNTS["spilled_stores"] += "spill" in tiers
 
 
 class MemoryStoreModel(StoreModel):

@@ -180,8 +180,9 @@ def test_a_bad_small_write_raises_and_changes_nothing(atari_pong):
 
 
 def test_storage_full_is_raised_by_the_write_that_meets_it(atari_pong):
-    # no cold tier and a small warm budget: compressing the stage eventually finds no room
-    store = TieredStore(2000, frames={"observation": 0}, hot_bytes=0, warm_bytes="48KiB", stage_rows=16)
+    # no cold tier, no spill and a small warm budget: compressing the stage eventually finds no room
+    store = TieredStore(2000, frames={"observation": 0}, hot_bytes=0, warm_bytes="48KiB", stage_rows=16,
+                        spill=False)
     model = Model(2000, atari_pong)
     store.extend(atari_pong[:1])
     model.extend(atari_pong[:1])

@@ -60,7 +60,7 @@ def test_exclusive_tiers_demote_and_promote_bit_exact(atari_mixed):
 
 
 def test_storage_full_names_budgets_and_writes_nothing(atari_pong):
-    store = TieredStore(2000, frames={"observation": 0}, warm_bytes="64KiB", chunk_frames=1)
+    store = TieredStore(2000, frames={"observation": 0}, warm_bytes="64KiB", chunk_frames=1, spill=False)
     store.extend(atari_pong[:20])
     before = store.get(slice(None))
     with pytest.raises(StorageFullError, match="warm=65536") as e:
@@ -72,7 +72,7 @@ def test_storage_full_names_budgets_and_writes_nothing(atari_pong):
 
 
 def test_budget_too_small_for_one_blob_is_storage_full(atari_raw):
-    store = TieredStore(100, warm_bytes=64, chunk_frames=1)  # every frame is a closed blob
+    store = TieredStore(100, warm_bytes=64, chunk_frames=1, spill=False)  # every frame is a closed blob
     with pytest.raises(StorageFullError, match="warm=64"):
         store.extend(atari_raw[:4])
     assert len(store) == 0

@@ -26,6 +26,7 @@ from tiered.tiers import (
     HDF5Tier,
     HostTier,
     MemmapTier,
+    SpillTier,
     Tier,
     align,
     copy_blobs,
@@ -106,6 +107,13 @@ class TestHDF5Tier(TierTests):
 
     def make_tier(self, tmp_path, budget: int | None) -> Tier:
         return HDF5Tier(os.path.join(tmp_path, "cold"), segment_bytes=SEG, threads=4, budget=budget)
+
+
+class TestSpillTier(TierTests):
+    durable = False  # a store's scratch space: freed space is reused at once, nothing is committed
+
+    def make_tier(self, tmp_path, budget: int | None) -> Tier:
+        return SpillTier(tmp_path, segment_bytes=SEG, threads=4, budget=budget)
 
 
 # --------------------------------------------------------------------------- cold tiers

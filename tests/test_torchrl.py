@@ -476,7 +476,7 @@ def test_state_dict_grows_with_the_data_not_with_preallocated_segments(pong):
 @pytest.mark.parametrize(
     ("keyword", "says"),
     [
-        ({"scratch_dir": "SCRATCH"}, "pass the directory as path=DIR"),
+        ({"scratch_dir": "SCRATCH"}, "pass spill_dir=DIR"),
         ({"existsok": True}, "path= opens the store already in that directory"),
         ({"auto_cleanup": False}, "remove its directory when done"),
         ({"compression_level": 9}, "codec='zstd:9'"),

@@ -119,10 +119,35 @@ def _progress(args: argparse.Namespace) -> bool | None:
 # ----------------------------------------------------------------------------------------------- info
 
 
-def _info(args: argparse.Namespace) -> int:
-    from .engine.manifest import read_manifest
-    from .store import TieredStore
+def _info_spill(args: argparse.Namespace, dirs: list[str]) -> int:
+    """``tiered info`` of a spill directory, or of a directory holding spill directories."""
+    from .tiers.spill import describe
 
+    found = [describe(d) for d in dirs]
+    if args.json:
+        print(json.dumps({"spill": found}, indent=1))
+        return EXIT_OK
+    print("spill tiers of stores without a path (temporary; removed on close and at exit):")
+    print(f"{'dir':44} {'owner':>8} {'state':8} {'segments':>9} {'on disk':>12}")
+    for d in found:
+        state = "running" if d["owner_alive"] else "dead"
+        print(f"{d['dir']:44} {d['owner_pid'] or '-':>8} {state:8} {d['segments']:>9,} {_fmt_bytes(d['bytes']):>12}")
+    if any(not d["owner_alive"] for d in found):
+        print("a dead owner's directory is removed by the next process that spills there")
+    return EXIT_OK
+
+
+def _info(args: argparse.Namespace) -> int:
+    from .engine.manifest import MANIFEST, read_manifest
+    from .store import TieredStore
+    from .tiers.spill import is_spill_dir, spill_dirs
+
+    if is_spill_dir(args.store):
+        return _info_spill(args, [os.path.abspath(args.store)])
+    if os.path.isdir(args.store) and not os.path.exists(os.path.join(args.store, MANIFEST)):
+        found = spill_dirs(args.store)
+        if found:
+            return _info_spill(args, found)
     with _suggest_import(args.store):
         body = read_manifest(os.fspath(args.store))
     with TieredStore.open(args.store, mode="r", warm_bytes=0, hot_bytes=0) as store:
@@ -485,14 +510,17 @@ def _add_info(sub: Any) -> None:
         "info",
         help="show a store's schema, size, ratios and tiers",
         description="Show a store's schema, rows, per-field compression ratios, per-tier bytes, "
-        "format version, generation and codec. Opens the store read-only.",
+        "format version, generation and codec. Opens the store read-only. Given a spill directory "
+        "(stats()['tiers']['spill']['dir'] of a store without a path) or a directory holding spill "
+        "directories, show their owner process, whether it runs, and their bytes on disk.",
         epilog="""
             examples:
               tiered info pong.tiered
               tiered info pong.tiered --json | jq .fields
+              tiered info /tmp          # the spill directories there
             """,
     )
-    s.add_argument("store", help="the store directory")
+    s.add_argument("store", help="the store directory (or a spill directory, or a directory holding them)")
     s.add_argument("--json", action="store_true", help="print one JSON document")
     s.set_defaults(func=_info)
 

@@ -140,8 +140,8 @@ def _manifest_stamp(path: str) -> tuple[int, int, int]:
 
 
 class _StoreSharing:
-    """TieredStore's several-process writing (:meth:`share`) and pickling; a part of
-    :class:`TieredStore`, kept apart to keep each class short."""
+    """TieredStore's several-process writing (:meth:`share`), pickling and the open/writable checks
+    its calls make; a part of :class:`TieredStore`, kept apart to keep each class short."""
 
     _lock: Any
     _files: StoreFiles | None
@@ -150,6 +150,18 @@ class _StoreSharing:
     _closed: bool
     _runtime: dict[str, Any]
     _counters: dict[str, int]
+    read_only: bool
+    path: str | None
+
+    def _check_open(self, mode: str = "") -> None:
+        if self._closed:
+            raise StoreClosedError(f"the store is closed; reopen it with tiered.open(path{mode})")
+
+    def _check_writable(self) -> None:
+        self._check_open(", mode='r+'")
+        if self.read_only:
+            raise ReadOnlyStoreError(
+                f"store {self.path!r} was opened read-only (mode='r'); reopen with mode='r+' to write")
 
     def share(self) -> TieredStore:
         """Let other processes write this store too, each through its own open of the path.
@@ -309,8 +321,8 @@ class TieredStore(_StoreSharing):
 
     Args:
         capacity: number of rows; writing past it overwrites the oldest rows.
-        path: a directory for the cold tier and the durable format. ``None`` keeps everything
-            in memory (hot and warm tiers only).
+        path: a directory for the cold tier and the durable format. ``None`` keeps the store in
+            memory (hot and warm tiers; past their budgets, a temporary spill tier: ``spill``).
         codec: codec spec for blob fields (``"zstd"``, ``"zstd:9"``, ``"lz4"``, ``"raw"``).
         blob_min_bytes: cells at least this large become blob fields.
         blob_keys: keys forced to blob fields. dense_keys: keys forced to dense fields.
@@ -342,6 +354,10 @@ class TieredStore(_StoreSharing):
         stage_rows: writes of at most ``stage_rows // 4`` rows (``ReplayBuffer.add``, a small collector batch) wait raw
             and are compressed together later (see :mod:`tiered.engine.stage`); staged rows are
             readable at once. ``0`` writes every call through.
+        spill, spill_dir: without a path, blobs that the full memory tiers cannot hold move to a
+            private directory made under ``spill_dir`` (default: the temp dir) at the first spill,
+            removed on :meth:`close` and at exit (:mod:`tiered.tiers.spill`). ``spill=False``
+            raises :class:`~tiered.errors.StorageFullError` instead.
     """
 
     def __init__(
@@ -359,15 +375,18 @@ class TieredStore(_StoreSharing):
         hot_device: str | torch.device | None = None, device: str | torch.device | None = None,
         policy: str = "lru", verify: bool = True, threads: int | None = None, promote: bool = True,
         gpu_decode: bool | None = None, stage_rows: int = 64,
+        spill: bool = True, spill_dir: str | os.PathLike | None = None,
     ):
         _check_sizes(capacity, chunk_frames, stage_rows)
         _check_devices(hot_device, device)
+        _check_spill(spill, spill_dir, path)
         options = WriteOptions(blob_min_bytes=blob_min_bytes, blob_keys=blob_keys, dense_keys=dense_keys,
                                frames=frames, chunk_frames=chunk_frames, dedup=dedup, traj_key=traj_key,
                                dense_dtypes=dense_dtypes)
         self._build(int(capacity), codec, options, BlobIndex(), dict(
             hot_bytes=hot_bytes, warm_bytes=warm_bytes, hot_device=hot_device, device=device, policy=policy,
-            verify=verify, threads=threads, promote=promote, gpu_decode=gpu_decode, stage_rows=stage_rows))
+            verify=verify, threads=threads, promote=promote, gpu_decode=gpu_decode, stage_rows=stage_rows,
+            spill=spill, spill_dir=spill_dir))
         self._files = StoreFiles(os.fspath(path), backend) if path is not None else None
         self._backend = backend
         if self._files is not None:
@@ -553,16 +572,6 @@ class TieredStore(_StoreSharing):
             self._check_writable()
             self._changed = True
             self._write.clear()
-
-    def _check_open(self, mode: str = "") -> None:
-        if self._closed:
-            raise StoreClosedError(f"the store is closed; reopen it with tiered.open(path{mode})")
-
-    def _check_writable(self) -> None:
-        self._check_open(", mode='r+'")
-        if self.read_only:
-            raise ReadOnlyStoreError(
-                f"store {self.path!r} was opened read-only (mode='r'); reopen with mode='r+' to write")
 
     # -- Reading -----------------------------------------------------------------------------------
     def get(self, index: IndexLike, keys: Iterable[str | Key] | None = None, *,
@@ -779,6 +788,29 @@ def _check_sizes(capacity: Any, chunk_frames: Any, stage_rows: Any) -> None:
         raise InvalidArgumentError(
             f"capacity {capacity:,} needs at least {capacity:,} bytes of row metadata in memory, more than "
             f"this machine's {memory:,}; lower the capacity")
+
+
+def _check_spill(spill: Any, spill_dir: Any, path: Any) -> None:
+    """Refuse spill options that cannot be honoured, before anything is made.
+
+    Raises:
+        InvalidArgumentError: ``spill`` is not a bool; ``spill_dir`` with a path (the cold tier
+            at the path already holds every blob), or naming something that is not a directory.
+    """
+    if not isinstance(spill, bool):
+        raise InvalidArgumentError(f"spill must be True or False, got {spill!r}")
+    if spill_dir is None:
+        return
+    if path is not None:
+        raise InvalidArgumentError(
+            f"spill_dir={os.fspath(spill_dir)!r} is for stores without a path; this store's cold tier at "
+            f"{os.fspath(path)!r} already holds every blob on disk. Drop spill_dir, or drop the path")
+    if not spill:
+        raise InvalidArgumentError("spill_dir= was given with spill=False; drop one of them")
+    if os.path.exists(spill_dir) and not os.path.isdir(spill_dir):
+        raise InvalidArgumentError(
+            f"spill_dir={os.fspath(spill_dir)!r} exists and is not a directory; pass a directory (it is "
+            "created if missing)")
 
 
 def _check_open_options(options: dict[str, Any]) -> None:

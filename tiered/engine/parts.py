@@ -15,6 +15,8 @@ Example:
 
 from __future__ import annotations
 
+import functools
+import os
 from typing import Any, NamedTuple
 
 import torch
@@ -22,6 +24,7 @@ import torch
 from .. import codecs
 from ..index import BlobIndex
 from ..policy import PriorityPolicy, get_policy
+from ..tiers.spill import SpillTier
 from .placement import Placement, memory_tiers
 from .priorities import RowPriorities
 from .rows import RowSpace
@@ -43,8 +46,10 @@ class StoreParts(NamedTuple):
 
 def build_parts(capacity: int, codec: str, options: WriteOptions, index: BlobIndex, *, policy: str,
                 threads: int | None, hot_bytes: Any, warm_bytes: Any, hot_device: Any, device: Any,
-                stage_rows: int, **_runtime: Any) -> StoreParts:
-    """Create the parts (no cold tier: the store adds it when it has a path).
+                stage_rows: int, spill: bool = True, spill_dir: str | os.PathLike[str] | None = None,
+                **_runtime: Any) -> StoreParts:
+    """Create the parts (no cold tier: the store adds it when it has a path; without one, a spill
+    tier is made when the memory tiers are first full, unless ``spill`` is False).
 
     Args:
         capacity: rows in the ring.
@@ -53,7 +58,9 @@ def build_parts(capacity: int, codec: str, options: WriteOptions, index: BlobInd
         index: the blob index (empty for a new store; a commit's for an opened one).
         policy: the residency policy's name; ``threads``: the codec's threads (None: all cores);
             ``hot_bytes``, ``warm_bytes``, ``hot_device``: the memory tiers; ``device``: where reads
-            land; ``stage_rows``: the write stage's rows. Other runtime options are ignored here.
+            land; ``stage_rows``: the write stage's rows; ``spill``, ``spill_dir``: whether a store
+            without a path spills blobs to a temporary directory, and under which directory
+            (:mod:`tiered.tiers.spill`). Other runtime options are ignored here.
     """
     chosen = codecs.get_codec(codec)
     if threads is not None and hasattr(chosen, "threads"):
@@ -63,6 +70,8 @@ def build_parts(capacity: int, codec: str, options: WriteOptions, index: BlobInd
     decider = get_policy(policy)
     prioritized = isinstance(decider, PriorityPolicy)
     priorities = RowPriorities(capacity, index, default=decider.default if prioritized else 1.0, active=prioritized)
-    placement = Placement(memory_tiers(hot_bytes, warm_bytes, hot_device, where), index, decider, priorities)
+    make_spill = functools.partial(SpillTier, spill_dir) if spill else None
+    placement = Placement(memory_tiers(hot_bytes, warm_bytes, hot_device, where), index, decider, priorities,
+                          spill=make_spill)
     return StoreParts(chosen, where, rows, index, placement, WritePath(options, rows, index, placement, chosen,
                                                                        stage_rows))

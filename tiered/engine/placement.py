@@ -10,8 +10,13 @@ Two tier models:
 * **With a cold tier** (a store with a path): cold holds every blob and is the source of truth;
   hot and warm are caches. Dropping a cached copy is free and never changes the durable index.
 * **Without one**: hot and warm are exclusive. A blob lives in exactly one of them; new blobs go
-  to the fastest tier with room; victims of a full tier move down; a write that fits nowhere
-  raises :class:`~tiered.errors.StorageFullError` naming the budgets.
+  to the fastest tier with room; victims of a full tier move down. When both are full, victims
+  (and new blobs that fit neither) move down into a spill tier
+  (:class:`~tiered.tiers.spill.SpillTier`: a cold tier in a private temporary directory, made
+  when first needed, removed on close), and the tiers stay exclusive: a blob lives in exactly
+  one of hot, warm and spill. Without a spill tier (``spill=False``), a write that fits nowhere
+  raises :class:`~tiered.errors.StorageFullError` naming the budgets; with one, only a full disk
+  does.
 
 Example:
     >>> import numpy as np
@@ -40,6 +45,7 @@ from ..index import COLD, HOT, WARM, BlobIndex
 from ..policy import Policy, TierState
 from ..tiers import DeviceTier, HostTier, Tier, default_budgets, parse_bytes
 from ..tiers.arena import cuda_usable
+from ..tiers.spill import SpillTier
 from ..util.batch import exclusive_cumsum, isin
 from ..util.units import align
 from .layout import FieldLayout
@@ -82,6 +88,31 @@ def memory_tiers(hot_bytes: int | str | None, warm_bytes: int | str | None,
     return [hot, HostTier(warm_b, pinned=to_cuda and cuda_usable()) if warm_b else None, None]
 
 
+def _write_or_free(tier: Tier, loc: np.ndarray, data: Any, offsets: np.ndarray, sizes: np.ndarray) -> None:
+    """Write new blobs at ``loc``; if the write fails (a full disk), free the space again: no
+    index names it yet, so it is reusable at once."""
+    try:
+        tier.write(loc, data, offsets, sizes)
+    except BaseException:
+        tier.free(loc, align(sizes), defer=False)
+        raise
+
+
+def _no_room(tiers: list[Tier | None], count: int, nbytes: int, errors: list[str]) -> StorageFullError:
+    """The error of a write no exclusive tier could take (what each tier said in ``errors``)."""
+    budgets = ", ".join(f"{TIER_NAMES[t]}={tiers[t].budget}" for t in (HOT, WARM) if tiers[t] is not None)
+    if tiers[COLD] is not None:  # the spill tier could not take them either: the disk is full
+        return StorageFullError(
+            f"no tier can take {count} new blobs ({nbytes} bytes): the memory budgets are full "
+            f"({budgets or 'none'}) and spilling to {tiers[COLD].directory} failed. Nothing was written. Free "
+            "disk space there or pass spill_dir= a larger file system. Details: " + "; ".join(errors))
+    return StorageFullError(
+        f"no tier can take {count} new blobs ({nbytes} bytes); budgets: {budgets or 'none'}. "
+        "Nothing was written. Raise warm_bytes/hot_bytes, leave spill on (spill=True spills to a temporary "
+        "directory), give the store a path (a cold tier on disk), or use a smaller capacity. Details: "
+        + "; ".join(errors))
+
+
 class Placement:
     """Tiers, blob locations and the moves between them (see the module docstring).
 
@@ -91,14 +122,18 @@ class Placement:
         policy: the residency policy asked for every decision.
         priorities: the row priorities whose per-blob maxima the policy is told (see
             :mod:`tiered.engine.priorities`); ``None`` keeps every blob at the policy's default.
+        spill: makes the spill tier of a store without a cold tier when its memory tiers are full
+            (called once, at the first spill); ``None``: no spill, a full budget is
+            :class:`~tiered.errors.StorageFullError`.
     """
 
     #: the share of the warm budget that must be free before a compaction may run (see :meth:`compact`)
     compact_share = 1 / 8
 
     def __init__(self, tiers: list[Tier | None], index: BlobIndex, policy: Policy,
-                 priorities: RowPriorities | None = None) -> None:
+                 priorities: RowPriorities | None = None, spill: Callable[[], Tier] | None = None) -> None:
         self.tiers = tiers
+        self.spill = spill
         self.index = index
         self.policy = policy
         self.priorities = priorities
@@ -119,6 +154,22 @@ class Placement:
     def cold(self) -> Tier | None:
         return self.tiers[COLD]
 
+    @property
+    def exclusive(self) -> bool:
+        """Whether each blob lives in exactly one tier (no durable cold tier holds every blob)."""
+        return self.cold is None or isinstance(self.cold, SpillTier)
+
+    def lower_tier(self, t: int) -> int | None:
+        """The tier victims of tier ``t`` move down to in exclusive mode (the spill tier is made
+        here, at the first spill); None when there is none."""
+        for u in range(t + 1, 3):
+            if self.tiers[u] is not None:
+                return u
+        if t < COLD and self.spill is not None:
+            self.tiers[COLD] = self.spill()
+            return COLD
+        return None
+
     def tier_state(self, t: int) -> TierState:
         """What the policy may know of tier ``t`` (its blobs too, when the policy compares with them)."""
         tier = self.tiers[t]
@@ -126,7 +177,7 @@ class Placement:
         if self.policy.wants_residents:
             ids = self.tier_ids(t)
             sizes = align(self.index.nbytes[ids])
-        return TierState(TIER_NAMES[t], tier.budget, int(tier.bytes_used), exclusive=self.cold is None,
+        return TierState(TIER_NAMES[t], tier.budget, int(tier.bytes_used), exclusive=self.exclusive,
                          ids=ids, sizes=sizes)
 
     def tier_ids(self, t: int) -> np.ndarray:
@@ -138,13 +189,9 @@ class Placement:
         """Put newly encoded blobs into tiers. All or nothing for the new blobs."""
         idx = self.index
         cold = self.cold
-        if cold is not None:
+        if not self.exclusive:
             loc = cold.allocate(sizes)
-            try:
-                cold.write(loc, data, offsets, sizes)
-            except BaseException:
-                cold.free(loc, align(sizes), defer=False)  # never committed: reusable at once
-                raise
+            _write_or_free(cold, loc, data, offsets, sizes)
             idx.dirty.mark(ids)
             idx.loc[ids, COLD] = loc
             # best effort: cache the blobs the policy admits in the fastest memory tier with room
@@ -154,7 +201,9 @@ class Placement:
             self._hot_written()
             return
         errors = []
-        for t in (HOT, WARM):
+        for t in (HOT, WARM, COLD):  # the fastest tier with room; victims of full ones move down
+            if t == COLD and self.tiers[COLD] is None and self.lower_tier(WARM) is None:
+                break
             tier = self.tiers[t]
             if tier is None:
                 continue
@@ -163,17 +212,12 @@ class Placement:
             except (StorageFullError, ValueError) as e:
                 errors.append(f"{tier.name}: {e}")
                 continue
-            tier.write(loc, data, offsets, sizes)
+            _write_or_free(tier, loc, data, offsets, sizes)
             idx.dirty.mark(ids)
             idx.loc[ids, t] = loc
             self._hot_written()
             return
-        budgets = ", ".join(
-            f"{TIER_NAMES[t]}={self.tiers[t].budget}" for t in (HOT, WARM) if self.tiers[t] is not None)
-        raise StorageFullError(
-            f"no tier can take {ids.size} new blobs ({int(sizes.sum())} bytes); budgets: {budgets or 'none'}. "
-            "Nothing was written. Raise warm_bytes/hot_bytes, give the store a path (a cold tier on disk), "
-            "or use a smaller capacity. Details: " + "; ".join(errors))
+        raise _no_room(self.tiers, int(ids.size), int(sizes.sum()), errors)
 
     def _hot_written(self) -> None:
         if self.on_hot_write is not None:  # a decode on another stream must see these arena writes
@@ -224,7 +268,7 @@ class Placement:
         below ``1 - compact_share``). Returns whether it ran. Pinned arenas wait for pending
         CUDA copies first."""
         tier = self.tiers[t]
-        if t != WARM or self.cold is None or tier.budget is None:
+        if t != WARM or self.exclusive or tier.budget is None:
             return False
         free = tier.budget - tier.bytes_used
         if free < need or (tier.compact_bytes > self.cold_read_bytes
@@ -262,21 +306,20 @@ class Placement:
         idx = self.index
         tier = self.tiers[t]
         sizes = idx.nbytes[ids]
-        if self.cold is not None:  # cold holds every blob: dropping a cached copy is free
+        if not self.exclusive:  # cold holds every blob: dropping a cached copy is free
             tier.free(idx.loc[ids, t], align(sizes))
             idx.dirty.mark(ids)
             idx.loc[ids, t] = -1
             self.counts[TIER_NAMES[t]]["demotions"] += int(ids.size)
             return
-        lower = [u for u in range(t + 1, 3) if self.tiers[u] is not None]
-        if not lower:
+        u = self.lower_tier(t)
+        if u is None:
             raise StorageFullError(f"the {tier.name} tier is full and there is no lower tier to move blobs to")
         buf_off = exclusive_cumsum(sizes)
         buf = np.empty(int(sizes.sum()), dtype=np.uint8)
         tier.read(idx.loc[ids, t], sizes, buf, buf_off)
-        u = lower[0]
         loc = self.allocate_in(u, sizes)  # copy, switch the index, then free
-        self.tiers[u].write(loc, buf, buf_off, sizes)
+        _write_or_free(self.tiers[u], loc, buf, buf_off, sizes)  # a failure leaves the blobs where they were
         idx.dirty.mark(ids)
         idx.loc[ids, u] = loc
         tier.free(idx.loc[ids, t], align(sizes))
@@ -390,7 +433,7 @@ class Placement:
             cand = sel[chosen]
             if cand.size == 0:
                 continue
-            if self.cold is not None:
+            if not self.exclusive:
                 cand = cand[self.cache_into(t, ids[cand], comp, src_off[cand], sizes[cand])]
                 from_tier[cand] = t
                 self.counts[TIER_NAMES[t]]["promotions"] += int(cand.size)
@@ -435,7 +478,7 @@ class Placement:
         self.policy.set_priority(ids, maxima)
         self.policy.set_sizes(ids, align(self.index.nbytes[ids]))
         self.policy.set_mass(ids, self.priorities.blob_mass(ids))
-        if move and self.policy.promotes_on_priority and self.cold is not None and ids.size:
+        if move and self.policy.promotes_on_priority and not self.exclusive and ids.size:
             self.promote_from_cold(ids)
 
     def promote_from_cold(self, ids: np.ndarray) -> None:
@@ -500,11 +543,14 @@ class Placement:
             if tier is None:
                 continue
             st = tier.stats()
+            if isinstance(tier, SpillTier):  # named for what it is, with the directory it fills
+                name = "spill"
             out[name] = {
                 "bytes_used": int(st.get("bytes_used", tier.bytes_used)),
                 "budget": tier.budget,
                 "blobs": int((self.index.loc[: self.index.size, t] >= 0).sum()),
                 "fragmentation": float(st.get("fragmentation", 0.0)),
-                **self.counts[name],
+                **self.counts[TIER_NAMES[t]],
+                **({"dir": st["dir"]} if "dir" in st else {}),
             }
         return out

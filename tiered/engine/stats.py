@@ -78,11 +78,12 @@ def tier_stats_with_mass(rows: RowSpace, layout: FieldLayout | None, placement: 
     priorities = placement.priorities
     if priorities is None:
         return tiers, {"alpha": None, "in_memory_raw": 0.0}
-    holders = [name for name, figures in tiers.items() if figures["blobs"]]
+    column = {"spill": "cold"}  # the spill tier takes the cold tier's place (the index's third column)
+    holders = [column.get(name, name) for name, figures in tiers.items() if figures["blobs"]]
     mass = priorities.tier_mass(layout, rows.written, stage, placement.locate,
                                 only_tier=holders[0] if len(holders) == 1 else None)
     for name, figures in tiers.items():
-        figures["probability_mass"] = mass[name]
+        figures["probability_mass"] = mass[column.get(name, name)]
     return tiers, {"alpha": priorities.alpha, "in_memory_raw": mass["memory"]}
 
 

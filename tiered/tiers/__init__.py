@@ -20,6 +20,7 @@ from .base import Tier
 from .extents import ExtentAllocator
 from .hdf5 import HDF5Tier
 from .memmap import MemmapTier
+from .spill import SpillTier
 
 __all__ = [
     "Tier",
@@ -30,6 +31,7 @@ __all__ = [
     "DeviceTier",
     "MemmapTier",
     "HDF5Tier",
+    "SpillTier",
     "ExtentAllocator",
     "parse_bytes",
     "format_bytes",

@@ -253,8 +253,9 @@ class _RowReads:
 # Keywords of TorchRL's storages that TieredStorage does not take, and what to write instead
 # (users swap LazyMemmapStorage(n, scratch_dir=...) for TieredStorage(n, ...) and keep the rest).
 _TORCHRL_ONLY_KEYWORDS = {
-    "scratch_dir": "pass the directory as path=DIR (TieredStorage(max_size, path=DIR)): the store "
-    "lives there and survives the process",
+    "scratch_dir": "without a path the store already spills to a temporary directory once its memory "
+    "budgets are full; pass spill_dir=DIR to put that directory under DIR (removed on close and at exit), "
+    "or path=DIR for a durable store that lives in DIR and survives the process",
     "existsok": "path= opens the store already in that directory (mode='r+') and creates one otherwise",
     "auto_cleanup": "a store at path= is kept: remove its directory when done, or leave path=None "
     "to keep the store in memory",
