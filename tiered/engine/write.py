@@ -24,6 +24,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -34,7 +35,17 @@ from tensordict import TensorDictBase
 from ..codecs import Codec, RawCodec
 from ..errors import CorruptionError, InvalidArgumentError, SchemaMismatchError
 from ..index import OPEN, STORED, BlobIndex
-from ..schema import Field, Key, Schema, dtype_from_str, dtype_to_str, key_to_str, normalize_key, str_to_key
+from ..schema import (
+    Field,
+    Key,
+    Narrowing,
+    Schema,
+    dtype_from_str,
+    dtype_to_str,
+    key_to_str,
+    normalize_key,
+    str_to_key,
+)
 from ..util.batch import exclusive_cumsum
 from .detect import detect_frames
 from .frames import FrameColumns, FrameFamily, FramePlan, auto_chunk_frames
@@ -68,9 +79,11 @@ def _as_dtype(key: Any, dtype: torch.dtype | str) -> torch.dtype:
     raise SchemaMismatchError(f"dense_dtypes[{key!r}] must be a torch dtype or its name, got {dtype!r}")
 
 
-def check_values_fit(schema: Schema, data: Any) -> None:
+def check_values_fit(schema: Schema, data: Any, forced: Any = None) -> None:
     """Refuse, before anything is written, values that a narrowed dense column (``dense_dtypes``)
-    cannot hold exactly. ``data``: a TensorDict or the cells :meth:`Schema.match` returns.
+    cannot hold exactly. ``data``: a TensorDict or the cells :meth:`Schema.match` returns;
+    ``forced``: the keys ``dense_dtypes`` names (None: every narrowed column is checked; the
+    others narrow and widen themselves, :class:`~tiered.schema.Narrowing`).
 
     Raises:
         LossyValueError: naming the field and the value.
@@ -80,7 +93,7 @@ def check_values_fit(schema: Schema, data: Any) -> None:
         >>> check_values_fit(schema, {("action",): torch.tensor([3, 17])})   # fits: no error
     """
     for f in schema.dense_fields:  # a loop over fields, not rows
-        if f.stored_dtype is not None:
+        if f.stored_dtype is not None and (forced is None or f.key in forced):
             f.to_column(data[f.key] if isinstance(data, dict) else data.get(f.key))
 
 
@@ -177,6 +190,10 @@ class WritePath:
         self.layout: FieldLayout | None = None
         self.stage: WriteStage | None = None  # created by the first staged write
         self.raw_codec = RawCodec()
+        #: which dense columns narrow themselves (all but those dense_dtypes names)
+        self.narrowing = Narrowing(options.dense_dtypes)
+        #: the widenings the write being validated needs (:meth:`validate_values`), applied by it
+        self.widen: dict[Key, torch.dtype | None] = {}
 
     @property
     def schema(self) -> Schema | None:
@@ -199,14 +216,34 @@ class WritePath:
                                   dense_keys=o.dense_keys, frames=frames, dense_dtypes=o.dense_dtypes).with_flags()
             n = schema.validate(data)
             check_values_fit(schema, data)
+            # the other integer, bool and float columns: the narrowest dtype this write's values fit
+            schema = self.narrowing.first(schema, data)
+            self.widen = {}
             check_layout_fits(schema, self.rows.capacity, o.chunk_frames or 1)
             self.adopt_schema(schema)
             o.frames = frames  # saved in the manifest as if it had been passed
             return n
         schema = self.layout.schema
         n = schema.validate(data)
-        check_values_fit(schema, data)
+        self.validate_values(schema, data)
         return n
+
+    def validate_values(self, schema: Schema, data: Any) -> None:
+        """Refuse values a ``dense_dtypes`` column cannot hold; note the self-narrowing columns
+        this write widens (:attr:`widen`, applied by :meth:`apply_widening` when it writes)."""
+        check_values_fit(schema, data, self.narrowing.forced)
+        self.widen = self.narrowing.widenings(schema, data)
+
+    def apply_widening(self) -> None:
+        """Rewrite the columns :attr:`widen` names in their wider dtype (every value kept) and put
+        the new dtypes in the schema: the next commit saves both (the column file whole)."""
+        widen, self.widen = self.widen, {}
+        if not widen:
+            return
+        layout = self.layout
+        fields = [dataclasses.replace(layout.schema[k], stored_dtype=d) for k, d in widen.items()]
+        self.rows.widen_columns(fields)
+        layout.schema = Schema([next((g for g in fields if g.key == f.key), f) for f in layout.schema.values()])
 
     def adopt_schema(self, schema: Schema, allocate: bool = True,
                      families: list[dict[str, Any]] | None = None) -> FieldLayout:
@@ -300,7 +337,7 @@ class WritePath:
         cells = schema.match(data, batch_dims)
         if cells is None:
             return None
-        check_values_fit(schema, cells)  # a lossy narrowing is refused before it is staged
+        self.validate_values(schema, cells)  # a lossy narrowing is refused before it is staged
         return n, cells
 
     def stage_write(self, rows: np.ndarray, cells: dict[Key, torch.Tensor]) -> None:
@@ -311,6 +348,7 @@ class WritePath:
         if not stage.room_for(rows):
             # the only step that can fail (tier space, disk): before this write touches anything
             self.flush_stage()
+        self.apply_widening()
         self.rows.write_dense_cells(self.layout.schema, rows, cells)
         with torch.no_grad():
             stage.put(rows, cells)
@@ -324,7 +362,11 @@ class WritePath:
             return
         self.rows.check_dense(stage.rows[:stage.count])
         rows, data = stage.batch(self.rows.dense_keys, self.rows.read_dense)
-        self.write_rows(rows, data)
+        pending, self.widen = self.widen, {}  # the widenings of the write this flush comes before
+        try:
+            self.write_rows(rows, data)
+        finally:
+            self.widen = pending
         stage.reset()
 
     def staged_slots(self, rows: np.ndarray) -> np.ndarray | None:
@@ -379,6 +421,7 @@ class WritePath:
             dead += [self.index.decref(old) for old in old_refs]
             previous += old_refs
             self.placement.policy.on_insert(plan.closed_ids)
+        self.apply_widening()  # nothing below can fail: the wider columns come with the rows
         self.rows.write_dense(layout.schema, rows, data)
         self.rows.mark_written(rows)
         self.rows.next_trajectory = next_trajectory
