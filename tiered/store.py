@@ -297,10 +297,8 @@ class TieredStore(_StoreSharing):
         frames: per key, the cell dimension that is a stack of frames (``{"observation": 0}``
             for ``[4, 84, 84]`` stacks; ``("next", X)`` follows ``X``). ``None``: found by the first
             write (:mod:`tiered.engine.detect`), then fixed as if passed. ``{}``: none.
-        chunk_frames: frames of one trajectory compressed together per blob (K). 1 keeps single
-            frames (least decode work per sample); larger compresses better. ``None``: per frame
-            family, as many as fit 64 KiB, at most 8 (84x84 uint8 frames: 8; a 113 kB float
-            stack: 1, since a sampled row decodes its whole chunk).
+        chunk_frames: frames of one trajectory compressed together per blob (K; 1: least decode work per
+            sample). ``None``: per family, as many as fit 64 KiB, at most 8 (84x84 uint8: 8; 113 kB: 1).
         dedup: share equal frames between rows (exact, byte-confirmed).
         traj_key: key holding trajectory ids (default ``("collector", "traj_ids")`` when present;
             otherwise trajectories are cut at done/terminated/truncated flags).
