@@ -243,10 +243,15 @@ def test_import_picks_the_narrowest_exact_dtypes(dataset: str, tmp_path, capsys)
     assert _stored_dtypes(tmp_path / "k.tiered") == {}
     assert main(["import", src, str(tmp_path / "u.tiered"), "--format", "dqn-replay", "-q",
                  "--dense-dtype", "action=int16"]) == 0
-    assert _stored_dtypes(tmp_path / "u.tiered") == {"action": "int16"}
-    # room for more rows: the dataset's dtypes (rows added later need not fit its ranges)
+    # the column named is fixed; the others narrow themselves as the store is written
+    assert _stored_dtypes(tmp_path / "u.tiered") == {
+        "action": "int16", "next/reward": "int8", "run": "uint8", "checkpoint": "uint8", "index": "uint8"}
+    # room for more rows: no dtype is fixed (rows added later need not fit the dataset's ranges),
+    # the columns narrow themselves and widen if a later row does not fit
     import_dataset("dqn-replay", src, tmp_path / "room.tiered", capacity=report.rows + 10)
-    assert _stored_dtypes(tmp_path / "room.tiered") == {}
+    with TieredStore.open(tmp_path / "room.tiered", mode="r") as room:
+        assert "dense_dtypes" not in room.options or not room.options["dense_dtypes"]
+    assert _stored_dtypes(tmp_path / "room.tiered") == _stored_dtypes(tmp_path / "auto.tiered")
     assert main(["import", src, str(tmp_path / "x.tiered"), "--format", "dqn-replay", "--keep-dtypes",
                  "--dense-dtype", "action=int16"]) == 2  # both at once is a usage error
     assert "not allowed with argument" in capsys.readouterr().err
