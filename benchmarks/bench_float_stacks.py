@@ -21,6 +21,7 @@ Usage:
     python benchmarks/bench_float_stacks.py --quick           # 600 rows, checks that it runs
     python benchmarks/bench_float_stacks.py --profile         # + cProfile of tiered's batch-32 get
     python benchmarks/bench_float_stacks.py --threads 1       # torch.set_num_threads(1)
+    python benchmarks/bench_float_stacks.py --levels          # zstd levels on 400 such stacks
 """
 
 from __future__ import annotations
@@ -190,6 +191,33 @@ def run(args: argparse.Namespace) -> None:
         print("\ncProfile of 50 x store.get(32 random rows), by own time:\n" + text.getvalue())
 
 
+def levels(args: argparse.Namespace) -> None:
+    """zstd levels on 400 stacks of this data, one per blob (what the store encodes per extend):
+    ratio, and the fastest of 5 interleaved rounds of encode and decode."""
+    from tiered.codecs import get_codec
+
+    data = float_stacks(max(args.steps, 600))
+    x = data["next", "pixels"][-400:].numpy().reshape(400, -1).view(np.uint8)
+    flat, fnb = np.ascontiguousarray(x).reshape(-1), x.shape[1]
+    offsets, sizes = np.arange(400, dtype=np.int64) * fnb, np.full(400, fnb, np.int64)
+    out = np.empty_like(flat)
+    res: dict[str, list[float]] = {}
+    for _ in range(5):
+        for spec in ("zstd:3", "zstd:1", "zstd:-1", "zstd:-3", "lz4"):
+            codec = get_codec(spec)
+            t0 = time.perf_counter()
+            enc = codec.encode(flat, offsets, sizes)
+            t1 = time.perf_counter()
+            codec.decode(enc.data, enc.offsets, enc.sizes, out, offsets, sizes)
+            t2 = time.perf_counter()
+            r = res.setdefault(spec, [flat.size / int(enc.sizes.sum()), 1e9, 1e9])
+            r[1], r[2] = min(r[1], t1 - t0), min(r[2], t2 - t1)
+    print("| codec | ratio | encode 400 stacks (ms) | decode (ms) |\n| --- | --- | --- | --- |")
+    for spec, (ratio, e, d) in res.items():
+        print(f"| {spec} | {ratio:.2f} | {e * 1e3:.0f} | {d * 1e3:.0f} |")
+    print(f"background load: {os.getloadavg()}  (noisy machine: rerun on a quiet one)")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=2000)
@@ -197,7 +225,11 @@ def main() -> None:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--levels", action="store_true")
     args = p.parse_args()
+    if args.levels:
+        levels(args)
+        return
     if args.quick:
         args.steps, args.samples = 600, 30
     run(args)
