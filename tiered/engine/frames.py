@@ -390,12 +390,21 @@ class FrameFamily:
         reopened_ids = chunks.blob[reopened]
         old_fill = chunks.old_fill[chunks.group[reopened]]
         start = exclusive_cumsum(closed_nframes)
-        closed_raw = np.empty((int(closed_nframes.sum()), frame_nbytes), dtype=np.uint8)
+        total = int(closed_nframes.sum())
+        new_closed = np.flatnonzero(chunks.closes[chunks.frame_chunk])  # new frames of closed chunks
+        dst = start[np.searchsorted(closed, chunks.frame_chunk[new_closed])] + chunks.frame_slot[new_closed]
+        src = unique_root[new_closed]
+        if self.chunk_frames == 1:
+            # chunks of one frame (large frames): no chunk was open and each new frame closes
+            # one, so ``dst`` is a permutation; one gather in chunk order instead of a gather and
+            # a scatter (a batch of 400 113 kB stacks: one 45 MB copy fewer)
+            order = np.empty(total, dtype=np.int64)
+            order[dst] = np.arange(total)
+            return closed_ids, closed_nframes, root_frames[src[order]], reopened_ids
+        closed_raw = np.empty((total, frame_nbytes), dtype=np.uint8)
         closed_raw[ranges(start[np.searchsorted(closed, reopened)], old_fill)] = \
             self.open_frames.reshape(-1, frame_nbytes)[self._open_rows(reopened_ids, old_fill, index)]
-        new_closed = np.flatnonzero(chunks.closes[chunks.frame_chunk])  # new frames of closed chunks
-        closed_raw[start[np.searchsorted(closed, chunks.frame_chunk[new_closed])] + chunks.frame_slot[new_closed]] = \
-            root_frames[unique_root[new_closed]]
+        closed_raw[dst] = root_frames[src]
         return closed_ids, closed_nframes, closed_raw, reopened_ids
 
     def _open_after(self, chunks: _Chunks, untouched: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
