@@ -199,7 +199,8 @@ def test_narrow_dense_columns_export_bit_exact(dataset: str, tmp_path, capsys) -
     narrow = ["--dense-dtype", "action=uint8", "--dense-dtype", "next/reward=int8", "--dense-dtype", "run=uint8"]
     assert main(["import", src, str(tmp_path / "p.tiered"), "--format", "dqn-replay", "-q", *narrow]) == 0
     assert main(["info", str(tmp_path / "p.tiered")]) == 0
-    assert "stored narrower (dense_dtypes; reads give the dtype above): next/reward as int8, action as uint8, " \
+    assert "stored narrower (dense_dtypes, or the values fit; reads give the dtype above): next/reward as int8, " \
+        "action as uint8, " \
         "run as uint8" in capsys.readouterr().out
     assert main(["export", str(tmp_path / "p.tiered"), str(tmp_path / "o"), "--format", "dqn-replay", "-q"]) == 0
     for run in sorted(os.listdir(src)):
