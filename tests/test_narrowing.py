@@ -19,6 +19,8 @@ tests show that:
 
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import pytest
 import torch
@@ -191,15 +193,18 @@ def test_a_widening_is_committed_and_reopened(atari_pong, tmp_path):
 
 
 def test_a_widening_whose_commit_fails_half_way_leaves_the_last_commit(tmp_path):
-    n = 20_000  # columns of several pages
+    n = 6_000  # columns of several memory pages
     first = rows(step=torch.arange(n) % 200, r=torch.zeros(n))
     wide = rows(step=torch.full((16,), 70_000), r=torch.full((16,), 0.25))
     want = torch.cat([first["step"], wide["step"]])
+    with TieredStore(2 * n, tmp_path / "pristine") as s:
+        s.extend(first)
     failed = 0
     for k in range(1, 200):  # a full disk at the k-th write of the commit, until the commit lands
-        path = tmp_path / f"s{k}"
-        with TieredStore(2 * n, path) as s:
-            s.extend(first)
+        path = tmp_path / "s"
+        if path.exists():
+            shutil.rmtree(path)
+        shutil.copytree(tmp_path / "pristine", path)  # the store before the widening, for each k
         s = tiered.open(path, mode="r+")
         s.extend(wide)
         assert stored(s, "step") == "int32" and stored(s, "r") == "float16"
