@@ -154,12 +154,14 @@ def test_options_that_cannot_be_honoured_are_refused(atari_pong, narrow, match):
         s.extend(atari_pong[:4])
 
 
-def test_a_store_without_it_keeps_its_manifest_entries(atari_pong, tmp_path):
+def test_a_store_without_it_narrows_its_columns_itself(atari_pong, tmp_path):
     with TieredStore(16, tmp_path / "s", **OPTS) as s:
         s.extend(atari_pong[:8])
     body = manifest_body(tmp_path / "s")
     assert "dense_dtypes" not in body["options"]
-    assert all("stored_dtype" not in f for f in body["schema"])
+    stored = {"/".join(f["key"]): f.get("stored_dtype") for f in body["schema"] if f["kind"] == "dense"}
+    assert stored["action"] == "uint8" and stored["collector/traj_ids"] == "uint8" and stored["next/reward"] == "uint8"  # 8 rewards of 0
+    assert stored["next/done"] is None  # a bit of the flags byte
 
 
 def test_a_dense_file_of_another_dtype_is_refused_at_open_and_named_by_verify(atari_pong, tmp_path):

@@ -200,7 +200,8 @@ def test_narrow_dense_columns_export_bit_exact(dataset: str, tmp_path, capsys) -
     narrow = ["--dense-dtype", "action=uint8", "--dense-dtype", "next/reward=int8", "--dense-dtype", "run=uint8"]
     assert main(["import", src, str(tmp_path / "p.tiered"), "--format", "dqn-replay", "-q", *narrow]) == 0
     assert main(["info", str(tmp_path / "p.tiered")]) == 0
-    assert "stored narrower (dense_dtypes; reads give the dtype above): next/reward as int8, action as uint8, " \
+    assert "stored narrower (dense_dtypes, or the values fit; reads give the dtype above): next/reward as int8, " \
+        "action as uint8, " \
         "run as uint8" in capsys.readouterr().out
     assert main(["export", str(tmp_path / "p.tiered"), str(tmp_path / "o"), "--format", "dqn-replay", "-q"]) == 0
     for run in sorted(os.listdir(src)):
@@ -244,10 +245,15 @@ def test_import_picks_the_narrowest_exact_dtypes(dataset: str, tmp_path, capsys)
     assert _stored_dtypes(tmp_path / "k.tiered") == {}
     assert main(["import", src, str(tmp_path / "u.tiered"), "--format", "dqn-replay", "-q",
                  "--dense-dtype", "action=int16"]) == 0
-    assert _stored_dtypes(tmp_path / "u.tiered") == {"action": "int16"}
-    # room for more rows: the dataset's dtypes (rows added later need not fit its ranges)
+    # the column named is fixed; the others narrow themselves as the store is written
+    assert _stored_dtypes(tmp_path / "u.tiered") == {
+        "action": "int16", "next/reward": "int8", "run": "uint8", "checkpoint": "uint8", "index": "uint8"}
+    # room for more rows: no dtype is fixed (rows added later need not fit the dataset's ranges),
+    # the columns narrow themselves and widen if a later row does not fit
     import_dataset("dqn-replay", src, tmp_path / "room.tiered", capacity=report.rows + 10)
-    assert _stored_dtypes(tmp_path / "room.tiered") == {}
+    with TieredStore.open(tmp_path / "room.tiered", mode="r") as room:
+        assert "dense_dtypes" not in room.options or not room.options["dense_dtypes"]
+    assert _stored_dtypes(tmp_path / "room.tiered") == _stored_dtypes(tmp_path / "auto.tiered")
     assert main(["import", src, str(tmp_path / "x.tiered"), "--format", "dqn-replay", "--keep-dtypes",
                  "--dense-dtype", "action=int16"]) == 2  # both at once is a usage error
     assert "not allowed with argument" in capsys.readouterr().err

@@ -73,7 +73,8 @@ def test_flags_read_back_on_every_write_path(atari_pong, tmp_path):
 def test_one_flags_file_of_a_byte_per_row(atari_pong, tmp_path):
     with TieredStore(1000, tmp_path / "s", **OPTS) as s:
         s.extend(atari_pong[:100])
-        assert s.stats()["memory"]["dense"] == 1000 * (8 + 8 + 4 + 1)  # action, traj id, reward; the flags byte
+        # action (uint8), traj id (uint8), reward (int8: -1/0/1), each narrowed; the flags byte
+        assert s.stats()["memory"]["dense"] == 1000 * (1 + 1 + 1 + 1)
     body = manifest_body(tmp_path / "s")
     assert body["format_version"] == 6
     # the rollout's six flags (done, terminated, truncated, and the same under "next"), in schema order

@@ -207,7 +207,7 @@ def _info(args: argparse.Namespace) -> int:
             )
         narrowed = [f"{f['key']} as {f['stored_dtype']}" for f in schema if f.get("stored_dtype")]
         if narrowed:
-            p(f"stored narrower (dense_dtypes; reads give the dtype above): {', '.join(narrowed)}")
+            p(f"stored narrower (dense_dtypes, or the values fit; reads give the dtype above): {', '.join(narrowed)}")
         flagged = [f["key"] for f in schema if f.get("flag_bit") is not None]
         if flagged:
             p(f"bits of one flags byte per row (stored: each field's share): {', '.join(flagged)}")

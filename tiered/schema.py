@@ -42,7 +42,7 @@ from .errors import LossyValueError, SchemaMismatchError
 
 __all__ = ["Field", "Schema", "Key", "normalize_key", "key_to_str", "str_to_key", "SUPPORTED_DTYPES", "bits_dtype",
            "as_bits", "check_key", "dtype_from_str", "dtype_to_str", "NARROWABLE_DTYPES", "check_narrowing", "MAX_FLAGS",
-           "round_trip"]
+           "round_trip", "narrow_candidates", "holds_dtype", "fits_exactly", "narrowest_dtype", "Narrowing"]
 
 Key = tuple[str, ...]
 
@@ -202,6 +202,179 @@ def round_trip(values: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, 
 
 #: the integer dtype of each float size, to compare floats bit for bit (NaN payloads)
 _SAME_SIZE_INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+#: the dtypes a dense column may narrow itself to, in order of preference at each size
+_LADDER: tuple[torch.dtype, ...] = (torch.uint8, torch.int8, torch.int16, torch.float16, torch.int32, torch.float32)
+#: integers each float dtype holds exactly (its significand's bits, plus one)
+_EXACT_INT_BITS = {torch.float16: 11, torch.float32: 24, torch.float64: 53}
+
+
+def _size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def narrow_candidates(dtype: torch.dtype) -> tuple[torch.dtype, ...]:
+    """The narrower dtypes a dense column of ``dtype`` may be stored in when the values allow,
+    narrowest first: integers for integer fields (``uint8`` for non-negative values, then
+    ``int8``, ``int16``, ``int32``), integers then smaller floats for float fields (``float32``
+    rewards of -1/0/1 fit ``int8``). Bool, 8-bit and other dtypes have none.
+
+    Example:
+        >>> narrow_candidates(torch.int64)
+        (torch.uint8, torch.int8, torch.int16, torch.int32)
+        >>> narrow_candidates(torch.float32), narrow_candidates(torch.bool)
+        ((torch.uint8, torch.int8, torch.int16, torch.float16), ())
+    """
+    if dtype in (torch.int16, torch.int32, torch.int64):
+        return tuple(d for d in _LADDER if not d.is_floating_point and _size(d) < _size(dtype))
+    if dtype in (torch.float32, torch.float64):
+        return tuple(d for d in _LADDER if _size(d) < _size(dtype))
+    return ()
+
+
+def holds_dtype(wide: torch.dtype, narrow: torch.dtype) -> bool:
+    """Whether every value of ``narrow`` is exactly a value of ``wide`` (a widening keeps them all).
+
+    Example:
+        >>> holds_dtype(torch.int16, torch.uint8), holds_dtype(torch.int8, torch.uint8), holds_dtype(torch.float16, torch.int16)
+        (True, False, False)
+    """
+    if wide == narrow:
+        return True
+    if narrow.is_floating_point:
+        return wide.is_floating_point and _size(wide) > _size(narrow)
+    lo, hi = torch.iinfo(narrow).min, torch.iinfo(narrow).max
+    if wide.is_floating_point:
+        bound = 1 << _EXACT_INT_BITS.get(wide, 0)
+        return -bound <= lo and hi <= bound
+    return torch.iinfo(wide).min <= lo and hi <= torch.iinfo(wide).max
+
+
+def fits_exactly(values: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether every value of ``values`` is kept exactly by ``dtype``: the same value with the same
+    sign (``-0.0`` is not ``0.0``); a NaN never fits a narrower dtype (its payload bits could
+    change). One vectorized check; a few values are compared in Python (cheaper than the torch ops
+    for one row's cells).
+
+    Example:
+        >>> fits_exactly(torch.tensor([-1.0, 0.0, 1.0]), torch.int8), fits_exactly(torch.tensor([-0.0]), torch.int8)
+        (True, False)
+        >>> fits_exactly(torch.tensor([300]), torch.uint8), fits_exactly(torch.tensor([0.5, 1e4]), torch.float16)
+        (False, True)
+    """
+    if values.dtype == dtype:
+        return True
+    if not dtype.is_floating_point:
+        info = torch.iinfo(dtype)
+        if values.numel() <= 16:  # one row: a Python comparison beats a handful of torch calls
+            cells = values.reshape(-1).tolist()
+            if values.is_floating_point():
+                return all(x == x and x.is_integer() and info.min <= x <= info.max and (x != 0 or math.copysign(1.0, x) > 0)
+                           for x in cells)
+            return all(info.min <= x <= info.max for x in cells)
+        if not values.is_floating_point():
+            lo, hi = torch.aminmax(values)
+            return info.min <= int(lo) and int(hi) <= info.max
+        inside = (values >= info.min) & (values <= info.max)  # before the cast, which wraps outside
+        if not bool(inside.all()):
+            return False
+    if values.is_floating_point() and bool(torch.isnan(values).any()):
+        return False
+    return bool(round_trip(values, dtype)[2].all())
+
+
+def narrowest_dtype(values: torch.Tensor, dtype: torch.dtype, at_least: torch.dtype | None = None) -> torch.dtype | None:
+    """The narrowest of :func:`narrow_candidates` that holds ``values`` exactly and every value of
+    ``at_least`` (the dtype a column is stored in now), else None (keep ``dtype``).
+
+    Example:
+        >>> narrowest_dtype(torch.tensor([0, 200]), torch.int64), narrowest_dtype(torch.tensor([-5]), torch.int64, torch.uint8)
+        (torch.uint8, torch.int16)
+        >>> narrowest_dtype(torch.tensor([0.25]), torch.float32) is None
+        False
+        >>> narrowest_dtype(torch.tensor([0.1]), torch.float32) is None
+        True
+    """
+    for cand in narrow_candidates(dtype):  # a loop over at most 6 dtypes, done once per field and widening
+        if (at_least is None or holds_dtype(cand, at_least)) and fits_exactly(values, cand):
+            return cand
+    return None
+
+
+class Narrowing:
+    """Which dense columns narrow themselves (every column field not forced by ``dense_dtypes``
+    that has :func:`narrow_candidates`) and the checks of each write against them.
+
+    Args:
+        forced: the keys ``dense_dtypes`` names: their columns keep the dtype given (a value that
+            does not fit is refused), never narrowed or widened by the data.
+
+    Example:
+        >>> from tensordict import TensorDict
+        >>> td = TensorDict({"step": torch.arange(3), "r": torch.tensor([1.0, -1.0, 0.0])}, [3])
+        >>> schema = Narrowing().first(Schema.infer(td), td)
+        >>> schema["step"].stored_dtype, schema["r"].stored_dtype
+        (torch.uint8, torch.int8)
+        >>> Narrowing().widenings(schema, {("step",): torch.tensor([300]), ("r",): torch.tensor([0.1])})
+        {('step',): torch.int16, ('r',): None}
+    """
+
+    def __init__(self, forced: Iterable[Key] = ()) -> None:
+        self.forced = frozenset(forced)
+
+    def auto(self, f: Field) -> bool:
+        """Whether ``f``'s column narrows and widens itself."""
+        return (f.kind == "dense" and f.flag_bit is None and f.key not in self.forced
+                and bool(narrow_candidates(f.dtype)))
+
+    def first(self, schema: Schema, data: Any) -> Schema:
+        """``schema`` with each self-narrowing column in the narrowest dtype the first write's values fit."""
+        fields = []
+        for f in schema.values():  # a loop over fields
+            if self.auto(f):
+                f = dataclasses.replace(f, stored_dtype=narrowest_dtype(_cells(data, f.key), f.dtype))
+            fields.append(f)
+        return Schema(fields)
+
+    def widenings(self, schema: Schema, data: Any) -> dict[Key, torch.dtype | None]:
+        """The self-narrowing columns whose current dtype cannot hold this write's values, with the
+        dtype each widens to (None: the field's own dtype). Empty for almost every write.
+
+        One vectorized check per column; a one-value cell (``ReplayBuffer.add``'s) is compared with
+        the column's cached bounds in Python, a few hundred nanoseconds a column."""
+        if schema is not self._schema:  # the checks of a schema, made once (a widening makes a new one)
+            self._schema = schema
+            self._checks = [(f.key, f, *_bounds(f.stored_dtype)) for f in schema.column_fields
+                            if f.stored_dtype is not None and f.key not in self.forced]
+        out: dict[Key, torch.dtype | None] = {}
+        is_dict = isinstance(data, dict)
+        for key, f, lo, hi in self._checks:  # a loop over fields: one check each
+            values = data[key] if is_dict else data.get(key)
+            if lo is not None and values.numel() == 1:
+                x = values.item()
+                if lo <= x <= hi and (type(x) is int or (x.is_integer() and (x != 0 or math.copysign(1.0, x) > 0))):
+                    continue
+            elif fits_exactly(values.detach(), f.stored_dtype):
+                continue
+            out[key] = narrowest_dtype(values.detach(), f.dtype, f.stored_dtype)
+        return out
+
+    _schema: Schema | None = None
+    _checks: list = []
+
+
+def _bounds(dtype: torch.dtype) -> tuple[int | None, int | None]:
+    """The smallest and largest value of an integer dtype (None, None for a float dtype)."""
+    if dtype.is_floating_point:
+        return None, None
+    info = torch.iinfo(dtype)
+    return info.min, info.max
+
+
+def _cells(data: Any, key: Key) -> torch.Tensor:
+    """A field's cells from a TensorDict or the dict :meth:`Schema.match` gives."""
+    return (data[key] if isinstance(data, dict) else data.get(key)).detach()
 
 
 def check_narrowing(key: Key, dtype: torch.dtype, stored: torch.dtype, kind: str) -> None:

@@ -60,7 +60,7 @@ from .engine.read import CpuReadPipeline, ReadPipeline
 from .engine.rows import IndexLike, as_row_array
 from .engine.stats import store_stats
 from .engine.transport import REPACK_FRAMES, CompressedRows, export_rows
-from .engine.write import DEFAULT_CHUNK_FRAMES, WriteOptions
+from .engine.write import WriteOptions
 from .errors import (
     InvalidArgumentError,
     ReadOnlyStoreError,
@@ -329,8 +329,8 @@ class TieredStore(_StoreSharing):
         frames: per key, the cell dimension that is a stack of frames (``{"observation": 0}``
             for ``[4, 84, 84]`` stacks; ``("next", X)`` follows ``X``). ``None``: found by the first
             write (:mod:`tiered.engine.detect`), then fixed as if passed. ``{}``: none.
-        chunk_frames: frames of one trajectory compressed together per blob (K). 1 keeps single
-            frames (least decode work per sample); larger compresses better.
+        chunk_frames: frames of one trajectory compressed together per blob (K; 1: least decode work per
+            sample). ``None``: per family, as many as fit 64 KiB, at most 8 (84x84 uint8: 8; 113 kB: 1).
         dedup: share equal frames between rows (exact, byte-confirmed).
         traj_key: key holding trajectory ids (default ``("collector", "traj_ids")`` when present;
             otherwise trajectories are cut at done/terminated/truncated flags).
@@ -368,7 +368,7 @@ class TieredStore(_StoreSharing):
         # the layout (fixed when the store is created)
         codec: str = "zstd", blob_min_bytes: int = 1024, blob_keys: Iterable[str | Key] | None = None,
         dense_keys: Iterable[str | Key] | None = None, frames: Mapping[str | Key, int] | None = None,
-        chunk_frames: int = DEFAULT_CHUNK_FRAMES, dedup: bool = True, traj_key: str | Key | None = None, backend: str = "memmap",
+        chunk_frames: int | None = None, dedup: bool = True, traj_key: str | Key | None = None, backend: str = "memmap",
         dense_dtypes: Mapping[str | Key, torch.dtype | str] | None = None,
         # the runtime (may change when the store is reopened)
         hot_bytes: int | str | None = None, warm_bytes: int | str | None = None,
@@ -776,9 +776,9 @@ def _check_sizes(capacity: Any, chunk_frames: Any, stage_rows: Any) -> None:
 
     if not is_int(capacity) or not 0 < capacity <= MAX_CAPACITY:
         raise InvalidArgumentError(f"capacity must be an int in [1, {MAX_CAPACITY}] (2**40), got {capacity!r}")
-    if not is_int(chunk_frames) or not 0 < chunk_frames <= MAX_CHUNK_FRAMES:
+    if chunk_frames is not None and (not is_int(chunk_frames) or not 0 < chunk_frames <= MAX_CHUNK_FRAMES):
         raise InvalidArgumentError(
-            f"chunk_frames must be an int in [1, {MAX_CHUNK_FRAMES}], got {chunk_frames!r} (4 to 64 frames per "
+            f"chunk_frames must be None or an int in [1, {MAX_CHUNK_FRAMES}], got {chunk_frames!r} (4 to 64 frames per "
             "blob compress well; more only costs decode work per sample)")
     if not is_int(stage_rows) or not 0 <= stage_rows <= MAX_STAGE_ROWS:
         raise InvalidArgumentError(

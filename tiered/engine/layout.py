@@ -21,6 +21,8 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from ..index import NextRowTable, RowTable, ShiftedRowTable
@@ -36,22 +38,32 @@ class FieldLayout:
     Args:
         schema: the store's schema.
         capacity: rows in the ring (length of each row table).
-        chunk_frames: frames of one trajectory compressed together per blob.
+        chunk_frames: frames of one trajectory compressed together per blob: one value for every
+            family, or one per family (in family-id order).
         dedup: share equal frames between rows.
+        stored_raw: per family, whether its blobs are stored raw (None: decided by its first
+            encode); default: none is, as in stores written before this choice existed.
         tables: make empty row tables (False: the caller sets ``tables``, e.g. memory-mapped
             from a store).
     """
 
-    def __init__(self, schema: Schema, capacity: int, *, chunk_frames: int, dedup: bool,
-                 tables: bool = True) -> None:
+    def __init__(self, schema: Schema, capacity: int, *, chunk_frames: int | Sequence[int], dedup: bool,
+                 tables: bool = True, stored_raw: Sequence[bool | None] | None = None) -> None:
         self.schema = schema
         #: blob fields per family, in family-id order (first appearance in the schema)
         self.fields_of: list[list[Field]] = list(schema.families().values())
         self.families: list[FrameFamily] = []
         self.family_of: dict[Key, int] = {}
         self.tables: dict[Key, RowTable] = {}
+        n = len(self.fields_of)
+        chunks = [int(chunk_frames)] * n if isinstance(chunk_frames, (int, np.integer)) else list(chunk_frames)
+        raw = [False] * n if stored_raw is None else list(stored_raw)
+        if len(chunks) != n or len(raw) != n:
+            raise ValueError(f"the schema has {n} frame families, but {len(chunks)} chunk lengths and "
+                             f"{len(raw)} codec choices were given")
         for fid, fields in enumerate(self.fields_of):
-            self.families.append(FrameFamily(fid, fields[0].frame_nbytes, chunk_frames, dedup=dedup))
+            self.families.append(FrameFamily(fid, fields[0].frame_nbytes, chunks[fid], dedup=dedup,
+                                             stored_raw=raw[fid]))
             for f in fields:
                 self.family_of[f.key] = fid
         self.rules = [layout_rules([(f.key, f.frames_per_row, f.frame_dim is not None) for f in fields])

@@ -631,7 +631,7 @@ def restore_commit(files: StoreFiles, body: dict[str, Any], mode: str, rows: Row
     live = index.live_ids()
     dead = np.empty(0, np.int64)
     if body["schema"] is not None:
-        layout = write.adopt_schema(schema_of(body), allocate=False)
+        layout = write.adopt_schema(schema_of(body), allocate=False, families=body.get("families"))
         fields = list(layout.schema.values())
         derived = derived_tables(body, [f.kind for f in fields])
         shifted = shifted_tables(body, [f.kind for f in fields])
@@ -776,7 +776,7 @@ def commit_parts(files: StoreFiles, rows: RowSpace, write: WritePath, placement:
         "options": write.options.to_json(),
         "policy": placement.policy.name,
         "schema": layout.schema.to_json() if layout is not None else None,
-        "families": [{"frame_nbytes": f.frame_nbytes, "chunk_frames": f.chunk_frames}
+        "families": [{"frame_nbytes": f.frame_nbytes, "chunk_frames": f.chunk_frames, "stored_raw": f.stored_raw}
                      for f in (layout.families if layout is not None else [])],
     }
     if layout is not None:

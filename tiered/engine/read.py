@@ -236,6 +236,7 @@ class GatheredBlobs:
         k = int(self.open_pos.size)
         if k == 0:
             return self
+        codec = codec_for(codec, self.formats[:1])  # the family's own codec (raw when it stores raw)
         row_bytes = self.chunk_frames * self.frame_nbytes
         enc = codec.encode(np.ascontiguousarray(self.open_raw).reshape(-1),
                            np.arange(k, dtype=np.int64) * row_bytes, np.full(k, row_bytes, dtype=np.int64))

@@ -315,6 +315,21 @@ class RowSpace:
             self.dense_checks.pop(f.key, None)
             self._note_widen(f)
 
+    def widen_columns(self, fields: list[Field]) -> None:
+        """Rewrite the columns of ``fields`` in their (wider) ``column_dtype``, every value kept
+        (:func:`~tiered.schema.holds_dtype`): one copy of each column, a few times in a store's
+        life. A column memory-mapped from a store has its pages checked first; the new one is
+        anonymous until the next commit writes its file whole (the dtype in its header changed)."""
+        for f in fields:  # a loop over the fields that widen
+            check = self.dense_checks.pop(f.key, None)
+            if check is not None:
+                check.all()
+            col = torch.from_numpy(file_array((self.capacity, *f.shape), f.column_file_dtype))
+            col = col if col.dtype == f.column_dtype else col.view(f.column_dtype)
+            col.copy_(self.dense[f.key])
+            self.dense[f.key] = col
+            self._note_widen(f)
+
     def _note_widen(self, field: Field) -> None:
         if field.stored_dtype is not None:
             self.widen[field.key] = field.dtype

@@ -24,6 +24,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -31,21 +32,32 @@ import psutil
 import torch
 from tensordict import TensorDictBase
 
-from ..codecs import Codec
-from ..errors import InvalidArgumentError, SchemaMismatchError
+from ..codecs import Codec, RawCodec, ZstdCodec
+from ..codecs.zstd import DEFAULT_LEVEL
+from ..errors import CorruptionError, InvalidArgumentError, SchemaMismatchError
 from ..index import OPEN, STORED, BlobIndex
-from ..schema import Field, Key, Schema, dtype_from_str, dtype_to_str, key_to_str, normalize_key, str_to_key
+from ..schema import (
+    Field,
+    Key,
+    Narrowing,
+    Schema,
+    dtype_from_str,
+    dtype_to_str,
+    key_to_str,
+    normalize_key,
+    str_to_key,
+)
 from ..util.batch import exclusive_cumsum
 from .advice import first_write_advice
 from .detect import detect_frames
-from .frames import FrameColumns, FrameFamily, FramePlan
+from .frames import FrameColumns, FrameFamily, FramePlan, auto_chunk_frames
 from .layout import FieldLayout
 from .placement import Placement
 from .rows import RowSpace, index_shape
 from .stage import WriteStage
 
 __all__ = ["WritePath", "WriteOptions", "check_cells_readable", "check_layout_fits", "check_values_fit", "MAX_CHUNK_BYTES",
-           "DEFAULT_CHUNK_FRAMES"]
+           "DEFAULT_CHUNK_FRAMES", "RAW_BELOW_RATIO", "saved_families"]
 
 #: The default ``chunk_frames`` (K): frames of one trajectory compressed together per blob.
 #: 8, measured with ``python benchmarks/bench_chunk_frames.py --steps 20000 --rounds 60 --threads 1``
@@ -54,6 +66,17 @@ __all__ = ["WritePath", "WriteOptions", "check_cells_readable", "check_layout_fi
 #: 22.5k/23.3k/21.5k/17.7k per s, B=32 14.1k/14.5k/13.8k/11.9k (LazyTensorStorage 16.5k, 14.2k).
 #: K=8 holds 16% fewer bytes than K=4 for 5-8% of sample rate; K=16 saves 4% more and loses 15-18%.
 DEFAULT_CHUNK_FRAMES = 8
+
+#: A frame family whose first encoded chunks compress less than this (raw bytes / encoded bytes:
+#: noise, already-compressed bytes) is stored raw from then on: its reads are a copy, no decode.
+RAW_BELOW_RATIO = 1.5
+
+#: The zstd level of a family whose frames are too large to share a chunk (its chunk length, left
+#: to the store, is below :data:`DEFAULT_CHUNK_FRAMES`) when the store has the default codec.
+#: On VecNorm'd float stacks (``python benchmarks/bench_float_stacks.py --levels``, a loaded 2-core
+#: VM, 2026-12-07, noisy): level 3 4.32x, encode 233 ms, decode 57 ms per 400 stacks; level -1 4.10x,
+#: 135 ms, 47 ms. The bytes are zstd frames like any other (same format id, any decoder reads them).
+LARGE_FRAME_LEVEL = -1
 
 
 def _as_dtype(key: Any, dtype: torch.dtype | str) -> torch.dtype:
@@ -65,9 +88,11 @@ def _as_dtype(key: Any, dtype: torch.dtype | str) -> torch.dtype:
     raise SchemaMismatchError(f"dense_dtypes[{key!r}] must be a torch dtype or its name, got {dtype!r}")
 
 
-def check_values_fit(schema: Schema, data: Any) -> None:
+def check_values_fit(schema: Schema, data: Any, forced: Any = None) -> None:
     """Refuse, before anything is written, values that a narrowed dense column (``dense_dtypes``)
-    cannot hold exactly. ``data``: a TensorDict or the cells :meth:`Schema.match` returns.
+    cannot hold exactly. ``data``: a TensorDict or the cells :meth:`Schema.match` returns;
+    ``forced``: the keys ``dense_dtypes`` names (None: every narrowed column is checked; the
+    others narrow and widen themselves, :class:`~tiered.schema.Narrowing`).
 
     Raises:
         LossyValueError: naming the field and the value.
@@ -77,7 +102,7 @@ def check_values_fit(schema: Schema, data: Any) -> None:
         >>> check_values_fit(schema, {("action",): torch.tensor([3, 17])})   # fits: no error
     """
     for f in schema.dense_fields:  # a loop over fields, not rows
-        if f.stored_dtype is not None:
+        if f.stored_dtype is not None and (forced is None or f.key in forced):
             f.to_column(data[f.key] if isinstance(data, dict) else data.get(f.key))
 
 
@@ -123,6 +148,8 @@ class WriteOptions:
 
     ``frames=None`` asks the first write to find the frame stacks (:mod:`tiered.engine.detect`);
     once it has, ``frames`` holds what it found (``{}``: none), as if it had been passed.
+    ``chunk_frames=None`` lets each frame family take as many frames per chunk as fit 64 KiB, up to
+    :data:`DEFAULT_CHUNK_FRAMES` (:func:`~tiered.engine.frames.auto_chunk_frames`).
 
     Example:
         >>> WriteOptions(frames={"obs": 0}).frames
@@ -132,14 +159,14 @@ class WriteOptions:
     """
 
     def __init__(self, *, blob_min_bytes: int = 1024, blob_keys=(), dense_keys=(), frames=None,
-                 chunk_frames: int = DEFAULT_CHUNK_FRAMES, dedup: bool = True, traj_key: Key | None = None,
+                 chunk_frames: int | None = None, dedup: bool = True, traj_key: Key | None = None,
                  dense_dtypes=None) -> None:
         self.blob_min_bytes = int(blob_min_bytes)
         self.blob_keys = [normalize_key(k) for k in (blob_keys or ())]
         self.dense_keys = [normalize_key(k) for k in (dense_keys or ())]
         self.frames: dict[Key, int] | None = (
             None if frames is None else {normalize_key(k): int(v) for k, v in frames.items()})
-        self.chunk_frames = int(chunk_frames)
+        self.chunk_frames: int | None = None if chunk_frames is None else int(chunk_frames)
         self.dedup = bool(dedup)
         self.traj_key = normalize_key(traj_key) if traj_key is not None else None
         self.dense_dtypes: dict[Key, torch.dtype] = {
@@ -156,12 +183,14 @@ class WriteOptions:
             blob_keys=[list(k) for k in self.blob_keys],
             dense_keys=[list(k) for k in self.dense_keys],
             frames={key_to_str(k): v for k, v in (self.frames or {}).items()},
-            chunk_frames=self.chunk_frames,
+            chunk_frames=DEFAULT_CHUNK_FRAMES if self.chunk_frames is None else self.chunk_frames,
             dedup=self.dedup,
             traj_key=list(self.traj_key) if self.traj_key is not None else None,
         )
         if self.frames is None:
             out["frames_auto"] = True
+        if self.chunk_frames is None:  # chosen per family by the first write (saved in "families")
+            out["chunk_frames_auto"] = True
         if self.dense_dtypes:  # only when used: a store without it keeps the manifest it always had
             out["dense_dtypes"] = {key_to_str(k): dtype_to_str(d) for k, d in self.dense_dtypes.items()}
         return out
@@ -171,7 +200,7 @@ class WriteOptions:
         return cls(blob_min_bytes=o["blob_min_bytes"], blob_keys=[tuple(k) for k in o["blob_keys"]],
                    dense_keys=[tuple(k) for k in o["dense_keys"]],
                    frames=None if o.get("frames_auto") else {str_to_key(k): v for k, v in o["frames"].items()},
-                   chunk_frames=o["chunk_frames"], dedup=o["dedup"],
+                   chunk_frames=None if o.get("chunk_frames_auto") else o["chunk_frames"], dedup=o["dedup"],
                    traj_key=tuple(o["traj_key"]) if o.get("traj_key") else None,
                    dense_dtypes={str_to_key(k): dtype_from_str(v) for k, v in o.get("dense_dtypes", {}).items()})
 
@@ -206,6 +235,11 @@ class WritePath:
         self.stage_rows = int(stage_rows)
         self.layout: FieldLayout | None = None
         self.stage: WriteStage | None = None  # created by the first staged write
+        self.raw_codec = RawCodec()
+        #: which dense columns narrow themselves (all but those dense_dtypes names)
+        self.narrowing = Narrowing(options.dense_dtypes)
+        #: the widenings the write being validated needs (:meth:`validate_values`), applied by it
+        self.widen: dict[Key, torch.dtype | None] = {}
 
     @property
     def schema(self) -> Schema | None:
@@ -229,7 +263,10 @@ class WritePath:
                                   dense_keys=o.dense_keys, frames=frames, dense_dtypes=o.dense_dtypes).with_flags()
             n = schema.validate(data)
             check_values_fit(schema, data)
-            check_layout_fits(schema, self.rows.capacity, o.chunk_frames)
+            # the other integer, bool and float columns: the narrowest dtype this write's values fit
+            schema = self.narrowing.first(schema, data)
+            self.widen = {}
+            check_layout_fits(schema, self.rows.capacity, o.chunk_frames or 1)
             self.adopt_schema(schema)
             o.frames = frames  # saved in the manifest as if it had been passed
             first_write_advice(data, schema, frames, self.codec, o.chunk_frames, o.dedup)
@@ -237,14 +274,50 @@ class WritePath:
         schema = self.layout.schema
         n = schema.validate(data)
         check_cells_readable(schema, data)
-        check_values_fit(schema, data)
+        self.validate_values(schema, data)
         return n
 
-    def adopt_schema(self, schema: Schema, allocate: bool = True) -> FieldLayout:
+    def validate_values(self, schema: Schema, data: Any) -> None:
+        """Refuse values a ``dense_dtypes`` column cannot hold; note the self-narrowing columns
+        this write widens (:attr:`widen`, applied by :meth:`apply_widening` when it writes)."""
+        check_values_fit(schema, data, self.narrowing.forced)
+        self.widen = self.narrowing.widenings(schema, data)
+
+    def apply_widening(self) -> None:
+        """Rewrite the columns :attr:`widen` names in their wider dtype (every value kept) and put
+        the new dtypes in the schema: the next commit saves both (the column file whole)."""
+        widen, self.widen = self.widen, {}
+        if not widen:
+            return
+        layout = self.layout
+        fields = [dataclasses.replace(layout.schema[k], stored_dtype=d) for k, d in widen.items()]
+        self.rows.widen_columns(fields)
+        layout.schema = Schema([next((g for g in fields if g.key == f.key), f) for f in layout.schema.values()])
+
+    def adopt_schema(self, schema: Schema, allocate: bool = True,
+                     families: list[dict[str, Any]] | None = None) -> FieldLayout:
         """Build the layout and dense columns of ``schema`` (first write, or open: with
-        ``allocate=False``, no row table or dense column is made; the caller sets them all)."""
-        self.layout = FieldLayout(schema, self.rows.capacity, chunk_frames=self.options.chunk_frames,
-                                  dedup=self.options.dedup, tables=allocate)
+        ``allocate=False``, no row table or dense column is made; the caller sets them all).
+        ``families``: the manifest's entries, whose chunk lengths and codec choices are kept.
+
+        Raises:
+            CorruptionError: ``families`` does not fit the schema.
+        """
+        frame_nbytes = [fields[0].frame_nbytes for fields in schema.families().values()]
+        if families is not None:
+            chunks, raw = saved_families(families, frame_nbytes)
+        else:
+            most = self.options.chunk_frames
+            chunks = [auto_chunk_frames(nb, DEFAULT_CHUNK_FRAMES) if most is None else most for nb in frame_nbytes]
+            # with the raw codec there is nothing to decide
+            raw = [False if self.codec.format_id == self.raw_codec.format_id else None] * len(frame_nbytes)
+        self.layout = FieldLayout(schema, self.rows.capacity, chunk_frames=chunks,
+                                  dedup=self.options.dedup, tables=allocate, stored_raw=raw)
+        fast = (self.options.chunk_frames is None and isinstance(self.codec, ZstdCodec)
+                and self.codec.level == DEFAULT_LEVEL)
+        large = ZstdCodec(LARGE_FRAME_LEVEL, threads=self.codec.threads) if fast else self.codec
+        #: per family, the codec its blobs are encoded with (unless it stores them raw)
+        self.family_codecs = [large if fast and k < DEFAULT_CHUNK_FRAMES else self.codec for k in chunks]
         if allocate:
             self.rows.init_dense(schema)
         return self.layout
@@ -320,7 +393,7 @@ class WritePath:
         if cells is None:
             return None
         check_cells_readable(schema, cells)
-        check_values_fit(schema, cells)  # a lossy narrowing is refused before it is staged
+        self.validate_values(schema, cells)  # a lossy narrowing is refused before it is staged
         return n, cells
 
     def stage_write(self, rows: np.ndarray, cells: dict[Key, torch.Tensor]) -> None:
@@ -331,6 +404,7 @@ class WritePath:
         if not stage.room_for(rows):
             # the only step that can fail (tier space, disk): before this write touches anything
             self.flush_stage()
+        self.apply_widening()
         self.rows.write_dense_cells(self.layout.schema, rows, cells)
         with torch.no_grad():
             stage.put(rows, cells)
@@ -345,7 +419,11 @@ class WritePath:
         self.rows.check_dense(stage.rows[:stage.count])
         dense = self.layout.schema.dense_fields
         rows, data = stage.batch(lambda r, out: self.rows.read_dense_fields(dense, r, out))
-        self.write_rows(rows, data)
+        pending, self.widen = self.widen, {}  # the widenings of the write this flush comes before
+        try:
+            self.write_rows(rows, data)
+        finally:
+            self.widen = pending
         stage.reset()
 
     def staged_slots(self, rows: np.ndarray) -> np.ndarray | None:
@@ -373,6 +451,7 @@ class WritePath:
             data = {k: v.cpu() for k, v in data.items()}
         traj, ended, next_trajectory = self.rows.trajectory_ids(layout.schema, data, n, self.options.traj_key)
         plans: list[FramePlan] = []
+        undecided = [fam for fam in layout.families if fam.stored_raw is None]
         try:
             for fid, fields in enumerate(layout.fields_of):  # a loop over frame families
                 fam = layout.families[fid]
@@ -388,6 +467,8 @@ class WritePath:
         except BaseException:
             for plan in plans:
                 self._abort(plan)
+            for fam in undecided:  # a codec choice is part of the write that made it
+                fam.stored_raw = None
             raise
         # --- commit: nothing below can fail on bad input ---------------------------------
         dead, previous = [], []
@@ -403,6 +484,7 @@ class WritePath:
             dead += [self.index.decref(old) for old in old_refs]
             previous += old_refs
             self.placement.policy.on_insert(plan.closed_ids)
+        self.apply_widening()  # nothing below can fail: the wider columns come with the rows
         self.rows.write_dense(layout.schema, rows, data)
         self.rows.mark_written(rows)
         self.rows.next_trajectory = next_trajectory
@@ -416,13 +498,20 @@ class WritePath:
         if ids.size == 0:
             return
         raw_sizes = nframes * fam.frame_nbytes
-        enc = self.codec.encode(raw.reshape(-1), exclusive_cumsum(raw_sizes), raw_sizes)
+        offsets = exclusive_cumsum(raw_sizes)
+        codec = self.raw_codec if fam.stored_raw else self.family_codecs[fam.family_id]
+        enc = codec.encode(raw.reshape(-1), offsets, raw_sizes)
+        if fam.stored_raw is None:  # the family's first encode measures what the codec gets
+            fam.stored_raw = bool(int(raw_sizes.sum()) < RAW_BELOW_RATIO * int(enc.sizes.sum()))
+            if fam.stored_raw:
+                codec = self.raw_codec
+                enc = codec.encode(raw.reshape(-1), offsets, raw_sizes)
         idx = self.index
         idx.dirty.mark(ids)
         idx.nbytes[ids] = enc.sizes
         idx.raw_nbytes[ids] = raw_sizes
         idx.checksum[ids] = enc.checksums
-        idx.codec[ids] = self.codec.format_id
+        idx.codec[ids] = codec.format_id
         idx.family[ids] = fam.family_id
         self.placement.place(ids, enc.data, enc.offsets, enc.sizes)
         idx.state[ids] = STORED
@@ -449,7 +538,13 @@ class WritePath:
             # keep the tail as it is
             plan.tail_frames, plan.tail_blob, plan.tail_slot = fam.tail_frames, fam.tail_blob, fam.tail_slot
             plan.tail_hash = fam.tail_hash
-            self.encode_and_place(fam, plan.closed_ids, plan.closed_raw, plan.closed_nframes)
+            undecided = fam.stored_raw is None
+            try:
+                self.encode_and_place(fam, plan.closed_ids, plan.closed_raw, plan.closed_nframes)
+            except BaseException:
+                if undecided:  # a codec choice is part of the flush that made it
+                    fam.stored_raw = None
+                raise
             dead = fam.commit(plan, self.index)  # pins the (same) tail and unpins it: net zero
             self.placement.policy.on_insert(plan.closed_ids)
             self.release_blobs(dead)
@@ -514,6 +609,35 @@ def check_layout_fits(schema: Schema, capacity: int, chunk_frames: int) -> None:
             f"a store of capacity {capacity:,} with this schema keeps {per_row:,} bytes per row of dense columns "
             f"and row tables in memory ({capacity * per_row:,} bytes), more than this machine's {memory:,}; "
             "lower the capacity, or make large dense fields blob fields (blob_keys=...); nothing was written")
+
+
+def saved_families(families: Any, frame_nbytes: list[int]) -> tuple[list[int], list[bool | None]]:
+    """The chunk lengths and codec choices (stored raw or not; None: still to decide) a manifest's
+    ``families`` entry gives, checked against the schema's families (``frame_nbytes`` each). An
+    entry without ``stored_raw`` (stores written before the choice existed) uses the store's codec.
+
+    Raises:
+        CorruptionError: an entry that does not fit.
+
+    Example:
+        >>> saved_families([{"frame_nbytes": 7056, "chunk_frames": 8}], [7056])
+        ([8], [False])
+    """
+    if not isinstance(families, list) or len(families) != len(frame_nbytes):
+        raise CorruptionError(f"the manifest's families {families!r} do not fit the schema's "
+                              f"{len(frame_nbytes)} frame families; the store is damaged")
+    chunks: list[int] = []
+    raw: list[bool | None] = []
+    for entry, nbytes in zip(families, frame_nbytes, strict=True):  # a loop over families
+        k = entry.get("chunk_frames") if isinstance(entry, dict) else None
+        choice = entry.get("stored_raw", False) if isinstance(entry, dict) else 0
+        if (type(k) is not int or not 1 <= k or k * nbytes > MAX_CHUNK_BYTES
+                or entry.get("frame_nbytes") != nbytes or not (choice is None or isinstance(choice, bool))):
+            raise CorruptionError(f"the manifest's family entry {entry!r} does not fit a family of "
+                                  f"{nbytes}-byte frames; the store is damaged")
+        chunks.append(k)
+        raw.append(choice)
+    return chunks, raw
 
 
 def _cell_frames(f: Field, value: torch.Tensor, n: int) -> np.ndarray:

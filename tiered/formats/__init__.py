@@ -28,6 +28,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import struct
 import time
@@ -39,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import TieredError, UnsupportedFormatError
+from ..schema import NARROWABLE_DTYPES, Schema
 from .common import (
     atomic_output,
     check_new_output,
@@ -268,6 +270,14 @@ def _import(
             # with room for more rows keeps the dataset's dtypes (what comes later may not fit)
             with _source_errors(fmt, src):
                 dense_dtypes = source.narrow_dtypes(progress=progress)
+        chunks = _guarded_chunks(source, chunk_rows, fmt, src)
+        if dense_dtypes is not None and not dense_dtypes:
+            # {}: every dense column in the dataset's own dtype (a store narrows the columns that
+            # dense_dtypes does not name): named with their dtypes, from the first chunk
+            first = next(chunks, None)
+            if first is not None:
+                dense_dtypes = {f.key: f.dtype for f in Schema.infer(first).dense_fields if f.dtype in NARROWABLE_DTYPES}
+                chunks = itertools.chain([first], chunks)
         fields: list[str] = []
         with atomic_output(dst, force=force) as tmp:
             # warm_bytes=0 / hot_bytes=0: blobs go straight to the cold tier (files), so the
@@ -291,7 +301,7 @@ def _import(
                 bar = progress_bar(n, f"import {fmt}", enabled=progress)
                 since_flush = 0
                 try:
-                    for td in _guarded_chunks(source, chunk_rows, fmt, src):
+                    for td in chunks:
                         store.extend(td)
                         since_flush += td.shape[0]
                         if since_flush >= FLUSH_EVERY_ROWS:
