@@ -63,8 +63,8 @@ ADVICE_ROWS = 32
 DOCS_PAGE = "docs/torchrl-pipelines.md"
 
 
-def first_write_advice(td: TensorDictBase, schema: Schema, frames: dict[Key, int], codec: Codec,
-                       chunk_frames: int, dedup: bool) -> list[str]:
+def first_write_advice(td: TensorDictBase, schema: Schema, frames: dict[Key, int], codecs: dict[str, Codec],
+                       chunk_frames: dict[str, int], dedup: bool) -> list[str]:
     """Warn (:class:`~tiered.errors.LowCompressionWarning`, once per field) about the fields of
     the first write ``td`` that the module docstring describes; return the messages given.
 
@@ -72,8 +72,8 @@ def first_write_advice(td: TensorDictBase, schema: Schema, frames: dict[Key, int
         td: the first batch written (validated against ``schema``).
         schema: the store's schema, with the detected or given frame dimensions.
         frames: the ``frames=`` mapping in force (detected or given).
-        codec: the store's blob codec.
-        chunk_frames: frames per blob.
+        codecs: per frame family (:attr:`Field.family`), the codec its blobs are encoded with.
+        chunk_frames: per frame family, frames per blob (the store's choice for the family).
         dedup: whether the store keeps identical frames once.
     """
     blob = {f.key: f for f in schema.blob_fields}
@@ -92,7 +92,8 @@ def first_write_advice(td: TensorDictBase, schema: Schema, frames: dict[Key, int
         y = td.get(nxt.key)[-ADVICE_ROWS:].detach().cpu() if nxt is not None else None
         if x.shape[0] == 0:
             continue  # nothing to measure: an empty first write
-        ratio = measured_ratio(field, x, y, codec, chunk_frames, dedup)
+        codec = codecs[field.family]
+        ratio = measured_ratio(field, x, y, codec, chunk_frames[field.family], dedup)
         unstacked = (field.dtype.is_floating_point and key not in frames and y is not None
                      and _could_stack(field) and _next_is_shifted(x, y))
         low = ratio < ADVICE_MIN_RATIO and codec.name != "raw"

@@ -422,6 +422,10 @@ class Placement:
         updated in place. Any failure (lower tier full, GPU out of memory) just skips the
         promotion: the data read is already correct.
         """
+        if self.exclusive and isinstance(self.cold, SpillTier) and not self.cold.writable_here():
+            # a forked copy: a promotion would move victims down into (and free space of) the
+            # spill files its parent owns and writes
+            return
         for t in (HOT, WARM):
             tier = self.tiers[t]
             if tier is None:

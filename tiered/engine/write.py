@@ -269,7 +269,9 @@ class WritePath:
             check_layout_fits(schema, self.rows.capacity, o.chunk_frames or 1)
             self.adopt_schema(schema)
             o.frames = frames  # saved in the manifest as if it had been passed
-            first_write_advice(data, schema, frames, self.codec, o.chunk_frames, o.dedup)
+            names = list(schema.families())
+            first_write_advice(data, schema, frames, dict(zip(names, self.family_codecs)),
+                               {name: fam.chunk_frames for name, fam in zip(names, self.layout.families)}, o.dedup)
             return n
         schema = self.layout.schema
         n = schema.validate(data)

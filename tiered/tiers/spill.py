@@ -308,6 +308,10 @@ class SpillTier(MemmapTier):
             self.spill_dir.remove()
             raise
 
+    def writable_here(self) -> bool:
+        """Whether this process may write the tier: it made it (not a forked copy) and it is open."""
+        return os.getpid() == self.spill_dir.owner and not self.spill_dir.removed
+
     def _writable(self) -> None:
         if os.getpid() != self.spill_dir.owner:
             raise NotSharedError(
