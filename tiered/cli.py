@@ -198,7 +198,7 @@ def _verify(args: argparse.Namespace) -> int:
     from .verify import verify_store
 
     with _suggest_import(args.store):
-        report = verify_store(args.store, progress=_progress(args), decode=args.decode)
+        report = verify_store(args.store, progress=_progress(args), decode=args.decode, open_check=args.open)
     if args.json:
         print(json.dumps(report.to_json(), indent=1))
     else:
@@ -498,19 +498,24 @@ def _add_verify(sub: Any) -> None:
         "verify",
         help="check every file and blob checksum",
         description="Check every file the manifest names (presence, size, header) and the "
-        "checksum of every stored blob. Opens the store read-only. Exit code 0: "
+        "checksum of every stored blob, reading the files directly (no torch: fast on a "
+        "small store); --open also opens the store read-only as a user would. Exit code 0: "
         "no problem; 3: damage found (each damaged blob is named with its field, "
         "rows, file and byte offset).",
         epilog="""
             examples:
               tiered verify pong.tiered
               tiered verify pong.tiered --decode      # also decompress every blob
+              tiered verify pong.tiered --open        # then open it through tiered.open (imports torch)
               tiered verify pong.tiered --json -q > report.json
             """,
     )
     s.add_argument("store", help="the store directory")
     s.add_argument("--json", action="store_true", help="print the report as JSON")
     s.add_argument("--decode", action="store_true", help="also decompress every blob (slower)")
+    s.add_argument("--open", action="store_true",
+                   help="when the files check clean, also open the store read-only through tiered.open "
+                   "(imports torch; slower)")
     s.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     s.set_defaults(func=_verify)
 
