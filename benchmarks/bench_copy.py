@@ -1,4 +1,4 @@
-"""Timing of the byte-copy engine (:mod:`tiered.util.copy`) on the batches tiers and codecs copy.
+"""Timing of the byte-copy engine (:mod:`tiered.util.copy`, :mod:`tiered.util.hostcopy`) on the batches tiers and codecs copy.
 
 Run: ``python benchmarks/bench_copy.py [--blobs 256 4096] [--repeat 300]``
 

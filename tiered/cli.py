@@ -120,17 +120,14 @@ def _progress(args: argparse.Namespace) -> bool | None:
 
 def _info(args: argparse.Namespace) -> int:
     from .engine.manifest import read_manifest
-    from .store import TieredStore
+    from .engine.summary import read_summary
+    from .sidecar import read_source
 
     with _suggest_import(args.store):
         body = read_manifest(os.fspath(args.store))
-    with TieredStore.open(args.store, mode="r", warm_bytes=0, hot_bytes=0) as store:
-        st = store.stats()
-        schema = (
-            [dict(f.to_json(), key="/".join(f.key)) for f in store.schema.values()] if store.schema else []
-        )
-    from .formats.common import read_source
-
+    # the figures from the manifest and the blob index (no torch), or from opening the store
+    st = read_summary(os.fspath(args.store), body) or _opened_figures(args.store)
+    schema = st["schema"]
     source = read_source(args.store)
     doc: dict[str, Any] = {
         "path": os.path.abspath(args.store),
@@ -189,6 +186,18 @@ def _info(args: argparse.Namespace) -> int:
             f"{t['fragmentation']:>14.1%}"
         )
     return EXIT_OK
+
+
+def _opened_figures(path: str) -> dict[str, Any]:
+    """``TieredStore.stats()`` of the store opened read-only, with its ``schema`` entries."""
+    from .store import TieredStore  # here only: it imports torch, which read_summary does without
+
+    with TieredStore.open(path, mode="r", warm_bytes=0, hot_bytes=0) as store:
+        st = store.stats()
+        st["schema"] = (
+            [dict(f.to_json(), key="/".join(f.key)) for f in store.schema.values()] if store.schema else []
+        )
+    return st
 
 
 # --------------------------------------------------------------------------------------------- verify

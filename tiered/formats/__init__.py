@@ -39,12 +39,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import TieredError, UnsupportedFormatError
+from ..sidecar import read_source
 from .common import (
     atomic_output,
     check_new_output,
     chronological_rows,
     progress_bar,
-    read_source,
     write_source,
 )
 
