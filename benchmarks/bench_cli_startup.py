@@ -55,8 +55,10 @@ def main() -> None:
             times = []
             for _ in range(args.repeat):
                 t0 = time.perf_counter()
-                subprocess.run([sys.executable, "-m", "tiered", *argv, store], check=True, capture_output=True)
+                run = subprocess.run([sys.executable, "-m", "tiered", *argv, store], capture_output=True, text=True)
                 times.append(time.perf_counter() - t0)
+                if run.returncode:
+                    sys.exit(f"tiered {' '.join(argv)} exited {run.returncode}: {run.stderr.strip()}")
             heavy = heavy_imports(argv, store)
             print(f"tiered {' '.join(argv):24} median {statistics.median(times):6.2f} s "
                   f"(min {min(times):.2f}, max {max(times):.2f}); imports: {', '.join(heavy) or 'neither torch nor tensordict'}")
