@@ -60,6 +60,8 @@ HOST_COPY_PATHS = ("none", "slice", "strided", "runs")
 _ROW = 128
 _MEMCPY_MIN_BYTES = 2048
 _CLASS_EDGES = np.array([_ROW, _MEMCPY_MIN_BYTES], dtype=np.int64)
+_CLASS_STARTS = np.array([1, 2], dtype=np.int64)
+_TRUE = np.ones(1, dtype=bool)
 
 
 def _follows(src_offsets: np.ndarray, dst_offsets: np.ndarray, sizes: np.ndarray) -> np.ndarray:
@@ -70,7 +72,7 @@ def _follows(src_offsets: np.ndarray, dst_offsets: np.ndarray, sizes: np.ndarray
 
 def _runs(src_offsets: np.ndarray, dst_offsets: np.ndarray, sizes: np.ndarray,
           follows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    first = np.flatnonzero(np.append(True, ~follows))
+    first = np.concatenate([_TRUE, ~follows]).nonzero()[0]
     return src_offsets[first], dst_offsets[first], np.add.reduceat(sizes, first)
 
 
@@ -148,21 +150,22 @@ def _copy_runs(src: np.ndarray, s: np.ndarray, dst: np.ndarray, d: np.ndarray, n
     """The "runs" path: bytes, 128-byte rows or a memcpy per run, by size (0-byte runs allowed)."""
     # Runs sorted by size class, so each class is one slice of the arrays; no class is skipped
     # when empty, so the calls are the same for every batch.
-    cls = np.searchsorted(_CLASS_EDGES, n, side="right")
-    order = np.argsort(cls, kind="stable")
+    cls = _CLASS_EDGES.searchsorted(n, side="right")
+    order = cls.argsort(kind="stable")
     s, d, n = s[order], d[order], n[order]
-    rows_from, memcpy_from = np.searchsorted(cls[order], [1, 2]).tolist()
+    rows_from, memcpy_from = cls[order].searchsorted(_CLASS_STARTS).tolist()
     # Small runs: every byte, indexed.
     ss, dd, nn = s[:rows_from], d[:rows_from], n[:rows_from]
-    within = np.arange(int(nn.sum()), dtype=np.int64) - np.repeat(exclusive_cumsum(nn), nn)
-    dst[np.repeat(dd, nn) + within] = src[np.repeat(ss, nn) + within]
+    # (array methods, not np.repeat: the module functions add Python-level wrapper calls)
+    within = np.arange(int(nn.sum()), dtype=np.int64) - exclusive_cumsum(nn).repeat(nn)
+    dst[dd.repeat(nn) + within] = src[ss.repeat(nn) + within]
     # Mid-sized runs: a run of n bytes is ceil(n / 128) rows; its last row is shifted back to end
     # exactly at byte n, so rows overlap inside the run (bytes written twice) but never leave it.
     ss, dd, nn = s[rows_from:memcpy_from], d[rows_from:memcpy_from], n[rows_from:memcpy_from]
     rows = (nn + _ROW - 1) // _ROW
-    step = np.minimum((np.arange(int(rows.sum()), dtype=np.int64) - np.repeat(exclusive_cumsum(rows), rows)) * _ROW,
-                      np.repeat(nn - _ROW, rows))
-    _windows(dst, _ROW)[np.repeat(dd, rows) + step] = _windows(src, _ROW)[np.repeat(ss, rows) + step]
+    step = np.minimum((np.arange(int(rows.sum()), dtype=np.int64) - exclusive_cumsum(rows).repeat(rows)) * _ROW,
+                      (nn - _ROW).repeat(rows))
+    _windows(dst, _ROW)[dd.repeat(rows) + step] = _windows(src, _ROW)[ss.repeat(rows) + step]
     # Large runs: one memcpy each, from C.
     ss, dd, nn = s[memcpy_from:], d[memcpy_from:], n[memcpy_from:]
     parts = map(operator.getitem, repeat(memoryview(src)), map(slice, ss.tolist(), (ss + nn).tolist()))
