@@ -26,14 +26,17 @@ from tiered.engine.summary import DTYPE_NBYTES, read_summary
 HEAVY = ("torch", "tensordict")
 
 _PROBE = f"""
-import json, sys
+import contextlib, io, json, sys
 from tiered.cli import main
-rc = main(sys.argv[1:])
-print(json.dumps({{"rc": rc, "heavy": sorted(m for m in {HEAVY!r} if m in sys.modules)}}))
+err = io.StringIO()
+with contextlib.redirect_stderr(err):
+    rc = main(sys.argv[1:])
+print(json.dumps({{"rc": rc, "heavy": sorted(m for m in {HEAVY!r} if m in sys.modules), "err": err.getvalue()}}))
 """
 
 
 def _run_cli(*argv: str) -> dict:
+    """``{"rc", "heavy", "err"}`` of ``tiered *argv`` run in a fresh interpreter (stderr in ``err``)."""
     out = subprocess.run([sys.executable, "-c", _PROBE, *argv], capture_output=True, text=True, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -50,7 +53,7 @@ def small_store(tmp_path_factory):
 @pytest.mark.parametrize("argv", [["verify", "-q"], ["verify", "-q", "--decode"]])
 def test_verify_imports_neither_torch_nor_tensordict(small_store, argv):
     result = _run_cli(*argv, str(small_store))
-    assert result == {"rc": 0, "heavy": []}
+    assert result["rc"] == 0 and result["heavy"] == [], result
 
 
 def test_verify_open_imports_torch_and_still_passes(small_store):
@@ -60,7 +63,7 @@ def test_verify_open_imports_torch_and_still_passes(small_store):
 
 def test_info_imports_neither_torch_nor_tensordict(small_store):
     result = _run_cli("info", str(small_store))
-    assert result == {"rc": 0, "heavy": []}
+    assert result["rc"] == 0 and result["heavy"] == [], result
 
 
 def _frames(n: int, seed: int) -> torch.Tensor:
@@ -155,3 +158,11 @@ def test_dtype_sizes_match_torch():
 
     assert {dtype_to_str(d): torch.empty((), dtype=d).element_size() for d in SUPPORTED_DTYPES} == {
         name: n for name, n in DTYPE_NBYTES.items() if name in {dtype_to_str(d) for d in SUPPORTED_DTYPES}}
+
+
+def test_info_on_a_dataset_names_the_import_command_without_torch(tmp_path):
+    import numpy as np
+
+    np.savez(tmp_path / "roll.npz", observations=np.zeros((4, 3), np.float32))
+    result = _run_cli("info", str(tmp_path / "roll.npz"))
+    assert result["rc"] == 2 and result["heavy"] == [] and "--format npz" in result["err"], result
