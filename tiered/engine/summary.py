@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import TieredError
-from ..index import OPEN, STORED, BlobIndex
+from ..index import COLD, OPEN, STORED, BlobIndex
 from .commit_arrays import array_path, page_checksums_of
 from .manifest import FORMAT_VERSION, load_npy
 
@@ -48,9 +48,6 @@ DTYPE_NBYTES: dict[str, int] = {
     "complex32": 4, "complex64": 8, "complex128": 16,
     "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1, "float8_e8m0fnu": 1,
 }
-
-_COLD = 2  # the cold tier's column of index.loc
-
 
 @dataclass(frozen=True)
 class FieldFacts:
@@ -175,7 +172,7 @@ def _summary(path: str, body: dict[str, Any]) -> dict[str, Any] | None:
         return None  # open time chunks: their share of the sampling mass takes the row tables
     entries = body.get("schema") or []
     facts = [field_facts(e) for e in entries]
-    cold_blobs = int((index.loc[: index.size, _COLD] >= 0).sum())
+    cold_blobs = int((index.loc[: index.size, COLD] >= 0).sum())
     mass = 0.0
     if any(f.kind == "blob" for f in facts) and bool(load("written").any()):
         if not cold_blobs:
