@@ -1,4 +1,4 @@
-"""Timing of the byte-copy engine (:mod:`tiered.util.copy`) on the batches tiers and codecs copy.
+"""Timing of the byte-copy engine (:mod:`tiered.util.copy`, :mod:`tiered.util.hostcopy`) on the batches tiers and codecs copy.
 
 Run: ``python benchmarks/bench_copy.py [--blobs 256 4096] [--repeat 300]``
 
@@ -35,7 +35,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from benchmarks._harness import machine_facts, write_output  # noqa: E402
-from tiered.util.copy import copy_blobs, copy_host_blobs, copy_tensor_blobs, host_copy_path  # noqa: E402
+from tiered.util.copy import copy_blobs, copy_tensor_blobs  # noqa: E402
+from tiered.util.hostcopy import copy_host_blobs, host_copy_path  # noqa: E402
 from tiered.util.units import align  # noqa: E402
 
 

@@ -385,7 +385,7 @@ def _aligned_upload(c: Ctx, data, offsets, sizes):
     import numpy as np
     import torch
 
-    from tiered.util.copy import copy_host_blobs
+    from tiered.util.hostcopy import copy_host_blobs
 
     a = (sizes + 15) // 16 * 16
     off = np.concatenate([[0], np.cumsum(a)[:-1]]).astype(np.int64)

@@ -95,7 +95,7 @@ def test_info_shows_schema_ratios_tiers_and_format(pong_store, capsys):
         "cold",
         "imported from torchrl",
         "bytes per row",
-        "resident_bytes",
+        "from the files",
     ):
         assert text in out, (text, out)
     assert main(["info", str(pong_store), "--json"]) == 0
@@ -104,9 +104,10 @@ def test_info_shows_schema_ratios_tiers_and_format(pong_store, capsys):
     assert doc["codec"] == "zstd:3" and doc["generation"] >= 1
     assert doc["fields"]["observation"]["ratio"] > 20
     assert doc["tiers"]["cold"]["bytes_used"] > 0
-    # each blob once (in the cold tier), plus the dense columns: 8-byte actions at least
-    assert doc["bytes_per_row"] >= doc["tiers"]["cold"]["bytes_used"] / 2000 * 0.9 + 8
-    assert doc["resident_bytes"] > 0
+    # each blob once (in the cold tier), plus the dense columns: a byte of actions at least
+    assert doc["bytes_per_row"] >= doc["tiers"]["cold"]["bytes_used"] / 2000 * 0.9 + 1
+    # figures read from the files (no torch): what a process holds is known only once it opens it
+    assert doc["resident_bytes"] is None
     assert {f["key"] for f in doc["schema"]} >= {"observation", "next/observation", "action"}
 
 

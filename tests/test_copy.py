@@ -15,15 +15,8 @@ import pytest
 import torch
 
 from tiered.util.buffers import check_buffer, host_view
-from tiered.util.copy import (
-    HOST_COPY_PATHS,
-    copy_blobs,
-    copy_host_blobs,
-    copy_tensor_blobs,
-    host_copy_path,
-    merge_runs,
-    pack_blobs,
-)
+from tiered.util.copy import copy_blobs, copy_tensor_blobs
+from tiered.util.hostcopy import HOST_COPY_PATHS, copy_host_blobs, host_copy_path, merge_runs, pack_blobs
 
 
 def reference(src: np.ndarray, src_offsets, dst: np.ndarray, dst_offsets, sizes) -> np.ndarray:

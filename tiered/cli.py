@@ -139,24 +139,24 @@ def _info_spill(args: argparse.Namespace, dirs: list[str]) -> int:
 
 def _info(args: argparse.Namespace) -> int:
     from .engine.manifest import MANIFEST, read_manifest
-    from .store import TieredStore
-    from .tiers.spill import is_spill_dir, spill_dirs
+    from .engine.summary import read_summary
+    from .sidecar import read_source
 
-    if is_spill_dir(args.store):
-        return _info_spill(args, [os.path.abspath(args.store)])
     if os.path.isdir(args.store) and not os.path.exists(os.path.join(args.store, MANIFEST)):
+        # not a store: a spill directory, or a folder holding some (this import loads torch,
+        # which a store's figures do without)
+        from .tiers.spill import is_spill_dir, spill_dirs
+
+        if is_spill_dir(args.store):
+            return _info_spill(args, [os.path.abspath(args.store)])
         found = spill_dirs(args.store)
         if found:
             return _info_spill(args, found)
     with _suggest_import(args.store):
         body = read_manifest(os.fspath(args.store))
-    with TieredStore.open(args.store, mode="r", warm_bytes=0, hot_bytes=0) as store:
-        st = store.stats()
-        schema = (
-            [dict(f.to_json(), key="/".join(f.key)) for f in store.schema.values()] if store.schema else []
-        )
-    from .formats.common import read_source
-
+    # the figures from the manifest and the blob index (no torch), or from opening the store
+    st = read_summary(os.fspath(args.store), body) or _opened_figures(args.store)
+    schema = st["schema"]
     source = read_source(args.store)
     doc: dict[str, Any] = {
         "path": os.path.abspath(args.store),
@@ -189,8 +189,10 @@ def _info(args: argparse.Namespace) -> int:
     )
     p(f"codec         {doc['codec']}")
     p(f"rows          {doc['rows']:,} of capacity {doc['capacity']:,} (next write at row {doc['cursor']})")
-    p(f"bytes per row {_fmt_bytes(doc['bytes_per_row'])} (blobs once, dense columns and row tables included; "
-      f"resident_bytes {_fmt_bytes(doc['resident_bytes'])} in memory when opened read-only)")
+    resident = doc["resident_bytes"]
+    p(f"bytes per row {_fmt_bytes(doc['bytes_per_row'])} (blobs once, dense columns and row tables included"
+      + (f"; resident_bytes {_fmt_bytes(resident)} in memory when opened read-only)" if resident is not None
+         else "; from the files: a process that opens it holds only the pages it uses)"))
     if source:
         derived = ", ".join("/".join(k) for k in source.get("derived", [])) or "none"
         p(f"imported from {source.get('format')} {source.get('origin')} (derived fields: {derived})")
@@ -221,6 +223,18 @@ def _info(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _opened_figures(path: str) -> dict[str, Any]:
+    """``TieredStore.stats()`` of the store opened read-only, with its ``schema`` entries."""
+    from .store import TieredStore  # here only: it imports torch, which read_summary does without
+
+    with TieredStore.open(path, mode="r", warm_bytes=0, hot_bytes=0) as store:
+        st = store.stats()
+        st["schema"] = (
+            [dict(f.to_json(), key="/".join(f.key)) for f in store.schema.values()] if store.schema else []
+        )
+    return st
+
+
 # --------------------------------------------------------------------------------------------- verify
 
 
@@ -228,7 +242,7 @@ def _verify(args: argparse.Namespace) -> int:
     from .verify import verify_store
 
     with _suggest_import(args.store):
-        report = verify_store(args.store, progress=_progress(args), decode=args.decode)
+        report = verify_store(args.store, progress=_progress(args), decode=args.decode, open_check=args.open)
     if args.json:
         print(json.dumps(report.to_json(), indent=1))
     else:
@@ -531,19 +545,24 @@ def _add_verify(sub: Any) -> None:
         "verify",
         help="check every file and blob checksum",
         description="Check every file the manifest names (presence, size, header) and the "
-        "checksum of every stored blob. Opens the store read-only. Exit code 0: "
+        "checksum of every stored blob, reading the files directly (no torch: fast on a "
+        "small store); --open also opens the store read-only as a user would. Exit code 0: "
         "no problem; 3: damage found (each damaged blob is named with its field, "
         "rows, file and byte offset).",
         epilog="""
             examples:
               tiered verify pong.tiered
               tiered verify pong.tiered --decode      # also decompress every blob
+              tiered verify pong.tiered --open        # then open it through tiered.open (imports torch)
               tiered verify pong.tiered --json -q > report.json
             """,
     )
     s.add_argument("store", help="the store directory")
     s.add_argument("--json", action="store_true", help="print the report as JSON")
     s.add_argument("--decode", action="store_true", help="also decompress every blob (slower)")
+    s.add_argument("--open", action="store_true",
+                   help="when the files check clean, also open the store read-only through tiered.open "
+                   "(imports torch; slower)")
     s.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     s.set_defaults(func=_verify)
 

@@ -16,8 +16,10 @@ code that wrote it (the verifier must not share the writer's bugs):
    overlaps a stored blob or another extent;
 6. the row tables: every written row points at stored blobs of its field's family, at a slot
    inside the blob; stored reference counts are at least a recount (one bincount);
-7. finally the store is opened read-only through :func:`tiered.open`, as a user would (the array
-   pages checked in step 2 are not checksummed a second time).
+7. finally, with ``open_check=True`` (the default; ``tiered verify --open``), the store is opened
+   read-only through :func:`tiered.open`, as a user would (the array pages checked in step 2 are
+   not checksummed a second time). Steps 1-6 need numpy and zstandard only; this one imports
+   torch, so the ``tiered verify`` command runs it only when asked.
 
 A damaged blob is reported with the field and rows that use it, the segment file and the byte
 offset of the blob in that file.
@@ -47,11 +49,10 @@ from typing import Any
 import numpy as np
 
 from . import fileio
+from .engine.commit_arrays import array_path, expand_derived, page_checksums_of
 from .engine.manifest import MANIFEST, arrays_verified, gen_dir_name, load_npy, read_manifest
 from .engine.pages import ARRAYS_DIR
-from .engine.persistence import array_path, expand_derived, page_checksums_of
 from .errors import ChecksumError, CorruptionError, FormatVersionError, NotATieredStoreError, TieredError
-from .store import TieredStore
 
 __all__ = ["Problem", "Report", "verify_store"]
 
@@ -160,6 +161,7 @@ def verify_store(
     progress: bool | None = True,
     *,
     decode: bool = False,
+    open_check: bool = True,
     batch_bytes: int = _BATCH_BYTES,
 ) -> Report:
     """Check every file and every blob checksum of a store (read-only; see the module docstring).
@@ -168,6 +170,8 @@ def verify_store(
         path: the store directory.
         progress: show a progress bar over the blob bytes (``None``: only on a terminal).
         decode: also decompress every blob (slower; checks the codec's framing too).
+        open_check: last, open the store read-only through :func:`tiered.open` (step 7; imports
+            torch); only when steps 1-6 found nothing.
         batch_bytes: bytes read per call from a segment file.
 
     Returns:
@@ -182,7 +186,7 @@ def verify_store(
     for _attempt in range(3):
         report = Report(path)
         try:
-            _StoreCheck(path, report, progress, decode, batch_bytes).run()
+            _StoreCheck(path, report, progress, decode, batch_bytes, open_check).run()
         except (NotATieredStoreError, FormatVersionError):
             raise
         except (TieredError, ValueError, TypeError, KeyError, IndexError, ArithmeticError, MemoryError,
@@ -250,9 +254,10 @@ class _StoreCheck:
     leaves nothing for the later steps to check.
     """
 
-    def __init__(self, path: str, report: Report, progress: bool | None, decode: bool, batch_bytes: int):
+    def __init__(self, path: str, report: Report, progress: bool | None, decode: bool, batch_bytes: int,
+                 open_check: bool = True):
         self.path, self.report = path, report
-        self.progress, self.decode, self.batch_bytes = progress, decode, batch_bytes
+        self.progress, self.decode, self.batch_bytes, self.open_check = progress, decode, batch_bytes, open_check
         self.manifest_file = os.path.join(path, MANIFEST)
         self.body: dict[str, Any] = {}
         self.files: dict[str, int] = {}
@@ -291,9 +296,9 @@ class _StoreCheck:
             return
         _check_references(self)
         self.report_unused_damage()
-        if self.report.ok:
+        if self.report.ok and self.open_check:
             with arrays_verified(self.verified_files):  # checked above: not read a second time
-                self.check_open()
+                _check_open(self)
 
     def file_of(self, name: str) -> str:
         """The file of array ``name`` in the commit verified."""
@@ -680,19 +685,23 @@ class _StoreCheck:
                     blob=bid,
                 )
 
-    # 6. the store opens as a user opens it --------------------------------------------------------------
-    def check_open(self) -> None:
-        try:
-            store = TieredStore.open(self.path, mode="r", warm_bytes=0, hot_bytes=0)
-            store.close()
-        except TieredError as e:
-            self.report.add("open", f"tiered.open(mode='r') fails: {type(e).__name__}: {e}")
-        except Exception as e:  # noqa: BLE001 - a raw error here is a bug of the store, report it as such
-            self.report.add(
-                "open",
-                f"tiered.open(mode='r') fails with a raw {type(e).__name__} (a tiered bug; "
-                f"please report it): {e}",
-            )
+
+def _check_open(c: _StoreCheck) -> None:
+    """Step 7 of a verify pass: the store opens read-only through :func:`tiered.open`, as a user opens it."""
+    # here, not at the top: the facade imports torch, which the steps before do without
+    from .store import TieredStore
+
+    try:
+        store = TieredStore.open(c.path, mode="r", warm_bytes=0, hot_bytes=0)
+        store.close()
+    except TieredError as e:
+        c.report.add("open", f"tiered.open(mode='r') fails: {type(e).__name__}: {e}")
+    except Exception as e:  # noqa: BLE001 - a raw error here is a bug of the store, report it as such
+        c.report.add(
+            "open",
+            f"tiered.open(mode='r') fails with a raw {type(e).__name__} (a tiered bug; "
+            f"please report it): {e}",
+        )
 
 
 def _check_index_pools(c: _StoreCheck) -> None:

@@ -25,13 +25,33 @@ import importlib
 import importlib.util
 import threading
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from ..errors import UnknownCodecError
 from .base import Codec, EncodedBatch
 from .checksum import segment_checksums, segment_checksums_torch, verify
-from .lz4 import Lz4Codec
-from .raw import RawCodec
-from .zstd import ZstdCodec
+
+if TYPE_CHECKING:
+    from .lz4 import Lz4Codec
+    from .raw import RawCodec
+    from .zstd import ZstdCodec
+
+# The codec classes load on first use (PEP 562): their modules import the byte-copy engine, which
+# imports torch, and `tiered verify` (checksums of stored bytes only) must not wait for torch.
+_LAZY = {"RawCodec": "raw", "Lz4Codec": "lz4", "ZstdCodec": "zstd"}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
 
 __all__ = [
     "Codec",
@@ -59,28 +79,28 @@ _lock = threading.Lock()
 
 def _zstd_factory(arg: str | None) -> Codec:
     if arg is None:
-        return ZstdCodec()
+        return __getattr__("ZstdCodec")()
     try:
         level = int(arg.strip())
     except ValueError:
         raise UnknownCodecError(
             f"zstd level must be an integer, got {arg!r}; write e.g. 'zstd:3' or 'zstd:-5'"
         ) from None
-    return ZstdCodec(level)
+    return __getattr__("ZstdCodec")(level)
 
 
-def _no_argument(name: str, cls: Callable[[], Codec]) -> CodecFactory:
+def _no_argument(name: str, class_name: str) -> CodecFactory:
     def factory(arg: str | None) -> Codec:
         if arg is not None:
             raise UnknownCodecError(f"codec {name!r} takes no argument, got {name}:{arg}; write {name!r}")
-        return cls()
+        return __getattr__(class_name)()
 
     return factory
 
 
 _FACTORIES: dict[str, CodecFactory] = {
-    "raw": _no_argument("raw", RawCodec),
-    "lz4": _no_argument("lz4", Lz4Codec),
+    "raw": _no_argument("raw", "RawCodec"),
+    "lz4": _no_argument("lz4", "Lz4Codec"),
     "zstd": _zstd_factory,
 }
 
@@ -239,5 +259,6 @@ def codec_for_format_id(format_id: int, level: int | None = None) -> Codec:
             + "; the store was written by a newer tiered or its index is damaged"
         )
     if name == "zstd":
-        return ZstdCodec() if level is None else ZstdCodec(level)
+        zstd = __getattr__("ZstdCodec")
+        return zstd() if level is None else zstd(level)
     return get_codec(name)

@@ -72,7 +72,8 @@ import numpy as np
 
 from ..errors import CodecUnavailableError, CorruptionError, DeviceFailedError, UnknownCodecError
 from ..util.batch import exclusive_cumsum
-from ..util.copy import copy_blobs, copy_host_blobs
+from ..util.copy import copy_blobs
+from ..util.hostcopy import copy_host_blobs
 from .base import Codec, EncodedBatch
 from .checksum import segment_checksums
 from .raw import as_batch, check_out

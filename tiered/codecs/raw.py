@@ -3,10 +3,10 @@
 ``RawCodec`` stores cells unchanged (format ``"raw"``, format_id 0): encode packs the batch into
 one compact buffer, decode copies it into the caller's output. It is the baseline the other
 codecs are measured against and the codec for data that does not compress. Both move the blobs
-with the package's batched copy (:mod:`tiered.util.copy`): no Python frame per blob.
+with the package's batched host copy (:mod:`tiered.util.hostcopy`): no Python frame per blob.
 
 :func:`as_batch` and :func:`check_out` normalize and check a batch and a decode destination
-once, so that the codecs copy with the unchecked :func:`~tiered.util.copy.copy_host_blobs`.
+once, so that the codecs copy with the unchecked :func:`~tiered.util.hostcopy.copy_host_blobs`.
 
 Example:
     >>> import numpy as np
@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import CorruptionError
-from ..util.copy import copy_host_blobs, pack_blobs
+from ..util.hostcopy import copy_host_blobs, pack_blobs
 from .base import Codec, EncodedBatch
 from .checksum import segment_checksums
 

@@ -17,13 +17,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..index import OPEN, STORED, BlobIndex
+from ..index import STORED, BlobIndex
 from ..schema import dtype_to_str, key_to_str
 from ..util.resident import resident_nbytes
 from .layout import FieldLayout
 from .placement import Placement
 from .rows import RowSpace
 from .stage import WriteStage
+from .summary import FieldFacts, field_figures
 
 __all__ = ["store_stats", "tier_stats_with_mass", "resident_figures"]
 
@@ -33,41 +34,12 @@ MEMORY_TIER_NAMES = ("hot", "warm")
 
 def field_stats(rows: RowSpace, layout: FieldLayout, index: BlobIndex) -> dict[str, dict[str, Any]]:
     """Per field: logical and stored bytes, ratio; blob fields add dedup and compression factors."""
-    live = index.live_ids()
-    n, cap = rows.length, rows.capacity
-    fields: dict[str, dict[str, Any]] = {}
-    flags = len(layout.schema.flag_fields)
-    for f in layout.schema.dense_fields:
-        # a flag field's share of the flags byte it shares with the other flag fields
-        row_bytes = f.column_nbytes if f.flag_bit is None else 1 / flags
-        fields[key_to_str(f.key)] = {"kind": "dense", "logical_bytes": f.cell_nbytes * n,
-                                     "stored_bytes": round(row_bytes * cap),
-                                     "ratio": f.cell_nbytes / row_bytes}
-        if f.stored_dtype is not None:
-            fields[key_to_str(f.key)]["stored_dtype"] = dtype_to_str(f.stored_dtype)
-        if f.flag_bit is not None:
-            fields[key_to_str(f.key)]["flag_bit"] = f.flag_bit
-    for fid, fam in enumerate(layout.families):  # a loop over families and fields, not blobs
-        sel = live[index.family[live] == fam.family_id]
-        is_open = index.state[sel] == OPEN
-        stored = int(index.nbytes[sel[index.state[sel] == STORED]].sum()) + int(index.raw_nbytes[sel[is_open]].sum())
-        unique_bytes = int(index.raw_nbytes[sel].sum())
-        fam_logical = sum(f.cell_nbytes * n for f in layout.fields_of[fid])
-        for f in layout.fields_of[fid]:
-            logical = f.cell_nbytes * n
-            share = stored * (logical / fam_logical if fam_logical else 0.0)
-            fields[key_to_str(f.key)] = {
-                "kind": "blob",
-                "family": f.family,
-                "logical_bytes": logical,
-                "stored_bytes": int(share),
-                "ratio": logical / share if share else float("inf") if logical else 1.0,
-                "unique_frames": unique_bytes // fam.frame_nbytes,
-                "dedup_factor": fam_logical / unique_bytes if unique_bytes else 1.0,
-                "compression_factor": unique_bytes / stored if stored else 1.0,
-            }
-    # schema order, as before: dense and blob fields interleaved as they were written
-    return {key_to_str(f.key): fields[key_to_str(f.key)] for f in layout.schema.values()}
+    facts = [FieldFacts(key=key_to_str(f.key), kind=f.kind, cell_nbytes=f.cell_nbytes, column_nbytes=f.column_nbytes,
+                        family=f.family if f.kind == "blob" else "",
+                        stored_dtype=None if f.stored_dtype is None else dtype_to_str(f.stored_dtype),
+                        flag_bit=f.flag_bit)
+             for f in layout.schema.values()]
+    return field_figures(facts, [fam.frame_nbytes for fam in layout.families], rows.length, rows.capacity, index)
 
 
 def tier_stats_with_mass(rows: RowSpace, layout: FieldLayout | None, placement: Placement,

@@ -270,8 +270,8 @@ class WritePath:
             self.adopt_schema(schema)
             o.frames = frames  # saved in the manifest as if it had been passed
             names = list(schema.families())
-            first_write_advice(data, schema, frames, dict(zip(names, self.family_codecs)),
-                               {name: fam.chunk_frames for name, fam in zip(names, self.layout.families)}, o.dedup)
+            first_write_advice(data, schema, frames, dict(zip(names, self.family_codecs, strict=True)),
+                               {name: fam.chunk_frames for name, fam in zip(names, self.layout.families, strict=True)}, o.dedup)
             return n
         schema = self.layout.schema
         n = schema.validate(data)

@@ -41,12 +41,12 @@ from typing import Any
 
 from ..errors import TieredError, UnsupportedFormatError
 from ..schema import NARROWABLE_DTYPES, Schema
+from ..sidecar import read_source
 from .common import (
     atomic_output,
     check_new_output,
     chronological_rows,
     progress_bar,
-    read_source,
     write_source,
 )
 

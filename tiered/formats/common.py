@@ -21,10 +21,9 @@ from tensordict import TensorDictBase
 
 from .. import fileio
 from ..errors import InvalidDatasetError, PickledDataError, UnsupportedFormatError
+from ..sidecar import SOURCE_FILE
 
 __all__ = [
-    "SOURCE_FILE",
-    "read_source",
     "write_source",
     "atomic_output",
     "check_new_output",
@@ -43,10 +42,6 @@ __all__ = [
     "DEFAULT_CHUNK_ROWS",
 ]
 
-#: Name of the sidecar a store made by ``tiered import`` keeps next to its manifest: where the
-#: data came from (format, original names, dtypes, shapes, file metadata) and which fields the
-#: import derived, so that ``tiered export`` to the same format is the exact inverse.
-SOURCE_FILE = "source.json"
 #: Rows per slice read from a source or from a store, whichever of the two limits is smaller.
 #: The importer's peak memory is a small multiple of one slice (the store's extend makes a few
 #: working copies of a batch), so the byte limit is what bounds it.
@@ -92,29 +87,6 @@ def read_npy_header(f: BinaryIO, where: str,
             f"{where}: the array holds Python objects (a pickle); tiered never unpickles data: save it as "
             "a plain array (np.save(..., allow_pickle=False))")
     return tuple(int(d) for d in shape), bool(fortran), dtype
-
-
-def read_source(store_path: str | os.PathLike[str]) -> dict[str, Any] | None:
-    """The import sidecar of a store, or ``None`` (store not made by ``tiered import``).
-
-    Raises:
-        CorruptionError: the sidecar exists but is not valid JSON.
-    """
-    path = os.path.join(os.fspath(store_path), SOURCE_FILE)
-    try:
-        with open(path, "rb") as f:
-            raw = f.read()
-    except FileNotFoundError:
-        return None
-    try:
-        doc = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        from ..errors import CorruptionError
-
-        raise CorruptionError(
-            f"{path}: the import sidecar is not valid JSON; delete it to export with the default key mapping"
-        ) from None
-    return doc if isinstance(doc, dict) else None
 
 
 def write_source(store_path: str | os.PathLike[str], info: dict[str, Any]) -> None:

@@ -3,6 +3,7 @@
 * :mod:`~tiered.util.batch`: batch index arithmetic (offsets, ranges, membership, balanced splits);
 * :mod:`~tiered.util.buffers`: byte buffers and their checks (numpy arrays and torch tensors);
 * :mod:`~tiered.util.copy`: the byte-copy engine (many blobs between buffers, any device);
+* :mod:`~tiered.util.hostcopy`: its host half (numpy buffers only; no torch);
 * :mod:`~tiered.util.pool`: the worker pool;
 * :mod:`~tiered.util.scratch`: per-thread reusable scratch buffers;
 * :mod:`~tiered.util.units`: byte units and alignment.

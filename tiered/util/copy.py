@@ -10,28 +10,8 @@ their sizes, only on the kind of layout (the store's "no per-item Python loop" t
 them): every branch below is taken on the layout, and the size classes are all visited, empty
 or not.
 
-* Host memory (numpy arrays, CPU tensors viewed as numpy), :func:`copy_host_blobs`, in this
-  order (:data:`HOST_COPY_PATHS`):
-
-  - ``"slice"``: a batch packed back to back in both buffers is one slice copy;
-  - ``"strided"``: equal-sized blobs at a constant stride in both buffers (rows of a larger
-    array) are one strided 2-D copy;
-  - ``"runs"``: anything else. Blobs adjacent in both buffers are merged into runs (a single
-    run is one slice copy), and each run goes by its size:
-
-    * under 128 bytes, its bytes: one fancy-index copy of every such byte, the indices built
-      with ``np.repeat``;
-    * under 2 KiB, rows of 128 bytes, its last row shifted back to end at its last byte: one
-      fancy-index copy between overlapping 128-byte windows of the buffers (a ``memcpy`` per
-      row, no per-byte index);
-    * from 2 KiB, one ``memcpy``: a C-level ``map`` of memoryview slice assignments (``map``,
-      ``slice`` and ``operator.setitem`` are C callables, so the loop runs in the
-      interpreter's C code, no Python frame per run).
-
-    A memoryview assignment costs about a microsecond whatever its size, a 128-byte row 50-80 ns
-    and a gathered byte a few ns, so each size goes where it is cheapest; the classes cost about
-    40 numpy calls per copy in all (timed with ``benchmarks/bench_copy.py``).
-
+* Host memory (numpy arrays, CPU tensors viewed as numpy): :func:`tiered.util.hostcopy.copy_host_blobs`
+  (slices, strided rows and size-classed runs; numpy only).
 * Torch tensors on one device (CUDA), :func:`copy_tensor_blobs`: runs, then one
   ``index_select``/``index_copy_`` over 8-byte words when every offset is 8-aligned, plus one
   over the remaining bytes (GPU gathers are bandwidth-bound; a flat index is cheap there).
@@ -42,196 +22,23 @@ Destination ranges must not overlap each other (sources may).
 
 Example:
     >>> import numpy as np
-    >>> from tiered.util.copy import copy_blobs, pack_blobs
+    >>> from tiered.util.copy import copy_blobs
     >>> src = np.arange(10, dtype=np.uint8); dst = np.zeros(6, dtype=np.uint8)
     >>> copy_blobs(src, np.array([7, 0]), dst, np.array([0, 3]), np.array([3, 2]))
     >>> dst.tolist()
     [7, 8, 9, 0, 1, 0]
-    >>> packed, offsets = pack_blobs(src, np.array([7, 0]), np.array([3, 2]))
-    >>> packed.tolist(), offsets.tolist()
-    ([7, 8, 9, 0, 1], [0, 3])
 """
 
 from __future__ import annotations
-
-import operator
-from collections import deque
-from itertools import repeat
 
 import numpy as np
 import torch
 
 from .batch import exclusive_cumsum, is_packed
 from .buffers import Buffer, as_int64, as_tensor, check_bounds, check_buffer, host_view
+from .hostcopy import copy_host_blobs, merge_runs
 
-__all__ = [
-    "HOST_COPY_PATHS",
-    "copy_blobs",
-    "copy_host_blobs",
-    "copy_tensor_blobs",
-    "host_copy_path",
-    "merge_runs",
-    "pack_blobs",
-]
-
-#: The ways :func:`copy_host_blobs` copies a batch (``"none"``: nothing to copy).
-HOST_COPY_PATHS = ("none", "slice", "strided", "runs")
-
-# The "runs" path copies a run under _ROW bytes byte by byte, one under _MEMCPY_MIN_BYTES as rows
-# of _ROW bytes, and a larger one with one memcpy: 16 rows cost about the microsecond of one
-# memoryview assignment. Sampled blobs are small (compressed Atari chunks: median ~320 B).
-_ROW = 128
-_MEMCPY_MIN_BYTES = 2048
-_CLASS_EDGES = np.array([_ROW, _MEMCPY_MIN_BYTES], dtype=np.int64)
-_CLASS_STARTS = np.array([1, 2], dtype=np.int64)
-_TRUE = np.ones(1, dtype=bool)
-
-
-def _follows(src_offsets: np.ndarray, dst_offsets: np.ndarray, sizes: np.ndarray) -> np.ndarray:
-    """Per blob after the first: does it start where the previous one ends, in both buffers?"""
-    ends = sizes[:-1]
-    return (src_offsets[1:] == src_offsets[:-1] + ends) & (dst_offsets[1:] == dst_offsets[:-1] + ends)
-
-
-def _runs(src_offsets: np.ndarray, dst_offsets: np.ndarray, sizes: np.ndarray,
-          follows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    first = np.concatenate([_TRUE, ~follows]).nonzero()[0]
-    return src_offsets[first], dst_offsets[first], np.add.reduceat(sizes, first)
-
-
-def merge_runs(src_offsets: np.ndarray, dst_offsets: np.ndarray,
-               sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Merge blobs that follow each other in both buffers into runs (one copy each).
-
-    Args:
-        src_offsets, dst_offsets, sizes: int64 arrays of one entry per blob.
-
-    Returns:
-        ``(src_offsets, dst_offsets, sizes)`` of the runs, in blob order.
-
-    Example:
-        >>> s, d, n = merge_runs(np.array([0, 4, 9]), np.array([10, 14, 30]), np.array([4, 5, 1]))
-        >>> s.tolist(), d.tolist(), n.tolist()
-        ([0, 9], [10, 30], [9, 1])
-    """
-    if sizes.size == 0:
-        return src_offsets, dst_offsets, sizes
-    return _runs(src_offsets, dst_offsets, sizes, _follows(src_offsets, dst_offsets, sizes))
-
-
-def _uniform_stride(offsets: np.ndarray, sizes: np.ndarray) -> int | None:
-    """The constant stride between blobs of one size, or None when the layout is irregular."""
-    if offsets.size < 2 or not (sizes == sizes[0]).all():
-        return None
-    steps = np.diff(offsets)
-    stride = int(steps[0])
-    if stride < int(sizes[0]) or not (steps == stride).all():
-        return None
-    return stride
-
-
-def _strides(s: np.ndarray, d: np.ndarray, n: np.ndarray) -> tuple[int, int] | None:
-    """``(source stride, destination stride)`` when the batch is equal blobs at constant strides."""
-    src_stride = _uniform_stride(s, n)
-    dst_stride = _uniform_stride(d, n) if src_stride is not None else None
-    return None if src_stride is None or dst_stride is None else (src_stride, dst_stride)
-
-
-def host_copy_path(src_offsets: np.ndarray, dst_offsets: np.ndarray, sizes: np.ndarray) -> str:
-    """The name of the path (:data:`HOST_COPY_PATHS`) :func:`copy_host_blobs` takes for a batch.
-
-    For tests and benchmarks: the copy itself does not call it.
-
-    Example:
-        >>> host_copy_path(np.array([0, 8]), np.array([0, 8]), np.array([8, 8]))
-        'slice'
-        >>> host_copy_path(np.array([0, 100]), np.array([0, 8]), np.array([8, 8]))
-        'strided'
-        >>> host_copy_path(np.array([0, 100, 200]), np.array([0, 300, 8]), np.array([8, 300, 2]))
-        'runs'
-    """
-    s, d, n = as_int64(src_offsets), as_int64(dst_offsets), as_int64(sizes)
-    if int(n.sum()) == 0:
-        return "none"
-    if _follows(s, d, n).all():
-        return "slice"
-    return "runs" if _strides(s, d, n) is None else "strided"
-
-
-def _strided(buf: np.ndarray, first: int, count: int, stride: int, size: int) -> np.ndarray:
-    """``count`` rows of ``size`` bytes of ``buf``, ``stride`` apart from byte ``first`` (a view)."""
-    return np.ndarray((count, size), np.uint8, buf, first, (stride, 1))
-
-
-def _windows(buf: np.ndarray, width: int) -> np.ndarray:
-    """Every ``width``-byte window of ``buf``: row ``i`` is ``buf[i:i + width]`` (a view, as writable as ``buf``)."""
-    # the ndarray constructor: one C call (as_strided is a few Python-level ones)
-    return np.ndarray((max(0, buf.size - width + 1), width), np.uint8, buf, 0, (1, 1))
-
-
-def _copy_runs(src: np.ndarray, s: np.ndarray, dst: np.ndarray, d: np.ndarray, n: np.ndarray) -> None:
-    """The "runs" path: bytes, 128-byte rows or a memcpy per run, by size (0-byte runs allowed)."""
-    # Runs sorted by size class, so each class is one slice of the arrays; no class is skipped
-    # when empty, so the calls are the same for every batch.
-    cls = _CLASS_EDGES.searchsorted(n, side="right")
-    order = cls.argsort(kind="stable")
-    s, d, n = s[order], d[order], n[order]
-    rows_from, memcpy_from = cls[order].searchsorted(_CLASS_STARTS).tolist()
-    # Small runs: every byte, indexed.
-    ss, dd, nn = s[:rows_from], d[:rows_from], n[:rows_from]
-    # (array methods, not np.repeat: the module functions add Python-level wrapper calls)
-    within = np.arange(int(nn.sum()), dtype=np.int64) - exclusive_cumsum(nn).repeat(nn)
-    dst[dd.repeat(nn) + within] = src[ss.repeat(nn) + within]
-    # Mid-sized runs: a run of n bytes is ceil(n / 128) rows; its last row is shifted back to end
-    # exactly at byte n, so rows overlap inside the run (bytes written twice) but never leave it.
-    ss, dd, nn = s[rows_from:memcpy_from], d[rows_from:memcpy_from], n[rows_from:memcpy_from]
-    rows = (nn + _ROW - 1) // _ROW
-    step = np.minimum((np.arange(int(rows.sum()), dtype=np.int64) - exclusive_cumsum(rows).repeat(rows)) * _ROW,
-                      (nn - _ROW).repeat(rows))
-    _windows(dst, _ROW)[dd.repeat(rows) + step] = _windows(src, _ROW)[ss.repeat(rows) + step]
-    # Large runs: one memcpy each, from C.
-    ss, dd, nn = s[memcpy_from:], d[memcpy_from:], n[memcpy_from:]
-    parts = map(operator.getitem, repeat(memoryview(src)), map(slice, ss.tolist(), (ss + nn).tolist()))
-    deque(map(operator.setitem, repeat(memoryview(dst)), map(slice, dd.tolist(), (dd + nn).tolist()), parts),
-          maxlen=0)
-
-
-def copy_host_blobs(src: np.ndarray, src_offsets: np.ndarray, dst: np.ndarray, dst_offsets: np.ndarray,
-                    sizes: np.ndarray) -> None:
-    """:func:`copy_blobs` between host buffers, for arguments already checked.
-
-    ``src`` and ``dst`` are contiguous 1-D uint8 numpy arrays; the offsets and sizes are int64
-    arrays of one entry per blob whose ranges lie inside the buffers (``copy_blobs`` checks
-    all that; codecs check it once per batch with ``as_batch``). 0-byte blobs are allowed.
-
-    Example:
-        >>> out = np.zeros(4, np.uint8)
-        >>> copy_host_blobs(np.arange(4, dtype=np.uint8), np.array([0, 2]), out, np.array([2, 0]),
-        ...                 np.array([2, 2]))
-        >>> out.tolist()
-        [2, 3, 0, 1]
-    """
-    total = int(sizes.sum())
-    if total == 0:
-        return
-    follows = _follows(src_offsets, dst_offsets, sizes)
-    if follows.all():  # packed back to back in both buffers
-        a, b = int(src_offsets[0]), int(dst_offsets[0])
-        dst[b:b + total] = src[a:a + total]
-        return
-    strides = _strides(src_offsets, dst_offsets, sizes)
-    if strides is not None:
-        count, size = sizes.size, int(sizes[0])
-        np.copyto(_strided(dst, int(dst_offsets[0]), count, strides[1], size),
-                  _strided(src, int(src_offsets[0]), count, strides[0], size))
-        return
-    # (0-byte blobs stay: they cost nothing in the byte class, and filtering them costs calls)
-    s, d, n = _runs(src_offsets, dst_offsets, sizes, follows)
-    if n.size == 1:
-        a, b = int(s[0]), int(d[0])
-        dst[b:b + total] = src[a:a + total]
-        return
-    _copy_runs(src, s, dst, d, n)
+__all__ = ["copy_blobs", "copy_tensor_blobs"]
 
 
 def _gather_scatter(src: torch.Tensor, s: np.ndarray, dst: torch.Tensor, d: np.ndarray,
@@ -354,20 +161,3 @@ def copy_blobs(src: Buffer, src_offsets: np.ndarray, dst: Buffer, dst_offsets: n
         packed = torch.empty(total, dtype=torch.uint8, device=src_t.device)
         copy_blobs(src_t, s, packed, packed_offsets, n)
     copy_blobs(packed.to(dst_t.device), packed_offsets, dst_t, d, n)
-
-
-def pack_blobs(data: np.ndarray, offsets: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Copy the blobs of a host buffer back to back into a new buffer (arguments already checked).
-
-    Returns:
-        ``(packed, packed_offsets)`` where blob ``i`` is ``packed[packed_offsets[i]:...]``.
-
-    Example:
-        >>> p, o = pack_blobs(np.arange(6, dtype=np.uint8), np.array([4, 0]), np.array([2, 1]))
-        >>> p.tolist(), o.tolist()
-        ([4, 5, 0], [0, 2])
-    """
-    packed_offsets = exclusive_cumsum(sizes)
-    packed = np.empty(int(sizes.sum()), dtype=np.uint8)
-    copy_host_blobs(data, offsets, packed, packed_offsets, sizes)
-    return packed, packed_offsets

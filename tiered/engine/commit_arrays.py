@@ -1,0 +1,158 @@
+"""Where a commit's arrays are and what its saved row tables expand to: manifest arithmetic.
+
+The store's open path (:mod:`tiered.engine.persistence`) and the verifier (:mod:`tiered.verify`)
+both need these; they live apart from the open path so that ``tiered verify`` and ``tiered info``
+load numpy and the manifest reader, not torch.
+
+Example:
+    >>> array_path("/s", {"format_version": 2, "copy": {"written": 1}}, "written")
+    '/s/arrays/written.1.npy'
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+from ..errors import CorruptionError
+from ..index import DerivedRowTable, NextRowTable, RowTable, ShiftedRowTable
+from .manifest import FORMAT_VERSION, MANIFEST, PAGE_BYTES, gen_dir_name
+from .pages import NCOPIES, copy_path
+
+__all__ = ["CHECKSUMS", "DERIVED_SUFFIXES", "array_path", "derived_tables", "expand_derived", "page_checksums_of",
+           "shifted_tables", "table_file"]
+
+#: Manifest entry holding the page checksums of the generation's arrays (absent: an older store).
+CHECKSUMS = "checksums"
+
+#: What a derived row table saves (:meth:`~tiered.index.DerivedRowTable.state_arrays`).
+DERIVED_SUFFIXES = ("blob", "slot", "exc_rows", "exc_blob", "exc_slot")
+
+
+def table_file(i: int, suffix: str, shifted: bool = False) -> str:
+    """The array name of part ``suffix`` of blob field ``i``'s row table: ``rows.<i>.blob`` and
+    ``rows.<i>.slot`` (indexed by row), ``next.<i>.rows|blob|slot`` (a derived table's
+    exceptions), ``shift.<i>.rows|blob|slot`` (a shifted table's).
+
+    Example:
+        >>> table_file(3, "slot"), table_file(3, "exc_rows"), table_file(0, "exc_blob", shifted=True)
+        ('rows.3.slot', 'next.3.rows', 'shift.0.blob')
+    """
+    if suffix.startswith("exc_"):
+        return f"{'shift' if shifted else 'next'}.{i}.{suffix[4:]}"
+    return f"rows.{i}.{suffix}"
+
+
+
+def shifted_tables(body: dict[str, Any], kinds: list[str]) -> set[int]:
+    """The field indexes of the row tables the commit ``body`` saved shifted (format 4; none
+    before); ``kinds``: the kind of each schema field.
+
+    Raises:
+        CorruptionError: the entry is not a list of the schema's blob fields.
+    """
+    entry = body.get("shifted_tables", [])
+    try:
+        out = {int(i) for i in entry}
+    except (TypeError, ValueError):
+        raise CorruptionError(f"the manifest's shifted_tables is {entry!r}, expected a list of field indexes") from None
+    derived = body.get("derived_tables", {})
+    if not isinstance(derived, dict) or not all(0 <= i < len(kinds) and kinds[i] == "blob" and str(i) not in derived
+                                                for i in out):
+        raise CorruptionError(f"the manifest's shifted_tables {entry!r} names fields that are not blob fields")
+    return out
+
+
+def derived_tables(body: dict[str, Any], kinds: list[str]) -> dict[int, int]:
+    """``{field index: base field index}`` of the row tables the commit ``body`` saved derived
+    (format 3; none before); ``kinds``: the kind of each schema field.
+
+    Raises:
+        CorruptionError: the entry is not such a map over the schema's blob fields.
+    """
+    entry = body.get("derived_tables", {})
+    try:
+        out = {int(i): int(j) for i, j in entry.items()}
+    except (AttributeError, TypeError, ValueError):
+        raise CorruptionError(f"the manifest's derived_tables is {entry!r}, expected a map of field indexes") from None
+    n = len(kinds)
+    if not all(0 <= i < n and 0 <= j < n and i != j and j not in out and kinds[i] == kinds[j] == "blob"
+               for i, j in out.items()):
+        raise CorruptionError(f"the manifest's derived_tables {entry!r} names fields that are not blob fields")
+    return out
+
+
+def expand_derived(body: dict[str, Any], kinds: list[str], arrays: dict[str, np.ndarray]) -> list[str]:
+    """Replace, in ``arrays`` (a commit's arrays by name), each derived row table's saved parts by
+    its whole ``rows.<i>.blob`` / ``rows.<i>.slot`` (for checks that read the files directly).
+
+    Returns:
+        The problems found, in words (a derived table whose arrays do not fit).
+    """
+    try:
+        derived = derived_tables(body, kinds)
+        shifted = shifted_tables(body, kinds)
+    except CorruptionError as e:
+        return [str(e)]
+    problems = []
+    for i in sorted(shifted):  # first: a derived table's base may be shifted
+        try:
+            parts = {s: np.asarray(arrays[table_file(i, s, True)]) for s in DERIVED_SUFFIXES}
+            width = parts["exc_blob"].shape[1] + 1 if parts["exc_blob"].ndim == 2 else -1
+            table = ShiftedRowTable.from_state(parts["blob"].shape[0], width, parts)
+            arrays[f"rows.{i}.blob"], arrays[f"rows.{i}.slot"] = table.full()
+        except (KeyError, ValueError, IndexError) as e:
+            problems.append(f"the shifted row table of field {i}: {e}")
+    for i, j in derived.items():
+        try:
+            base = RowTable.from_arrays(np.asarray(arrays[f"rows.{j}.blob"]), np.asarray(arrays[f"rows.{j}.slot"]))
+            if body.get("format_version", FORMAT_VERSION) >= 5:  # the exception list only
+                table = NextRowTable.from_state(base, {s: np.asarray(arrays[table_file(i, s)])
+                                                       for s in DERIVED_SUFFIXES[2:]})
+            else:
+                table = DerivedRowTable.from_state(base, {s: np.asarray(arrays[table_file(i, s)])
+                                                          for s in DERIVED_SUFFIXES})
+            arrays[f"rows.{i}.blob"], arrays[f"rows.{i}.slot"] = table.full()
+        except (KeyError, ValueError, IndexError) as e:
+            problems.append(f"the derived row table of field {i}: {e}")
+    return problems
+
+
+
+def page_checksums_of(body: dict[str, Any]) -> dict[str, list[int]]:
+    """The commit's page checksums per array name; empty for a store written before they existed
+    (format v1 stores without a ``checksums`` entry: docs/format.md).
+
+    Raises:
+        CorruptionError: the entry exists but is not what tiered writes.
+    """
+    entry = body.get(CHECKSUMS)
+    if entry is None:
+        return {}
+    ok = (isinstance(entry, dict) and entry.get("algorithm") == "crc32" and entry.get("page_bytes") == PAGE_BYTES
+          and isinstance(entry.get("files"), dict)
+          and all(isinstance(v, list) and all(isinstance(x, int) for x in v) for v in entry["files"].values()))
+    if not ok:
+        raise CorruptionError(f"the manifest's {CHECKSUMS!r} entry is not the crc32 page list tiered writes; "
+                              "the store is damaged")
+    return entry["files"]
+
+
+
+def array_path(store: str, body: dict[str, Any], name: str) -> str:
+    """The file holding array ``name`` of the commit ``body`` of the store ``store``: format 1,
+    ``gen-<generation>/<name>.npy``; format 2, the copy ``arrays/<name>.<copy>.npy`` it names.
+
+    Raises:
+        CorruptionError: a format-2 manifest names no valid copy for the array.
+    """
+    if body.get("format_version") == 1:
+        return os.path.join(store, gen_dir_name(body["generation"]), name + ".npy")
+    copies = body.get("copy")
+    c = copies.get(name) if isinstance(copies, dict) else None
+    if not isinstance(c, int) or isinstance(c, bool) or not 0 <= c < NCOPIES:
+        raise CorruptionError(f"{os.path.join(store, MANIFEST)}: the manifest names no copy of array {name!r} "
+                              f"(got {c!r}, expected 0..{NCOPIES - 1}); the store is damaged")
+    return copy_path(store, name, c)
