@@ -399,7 +399,14 @@ class WritePath:
         return n, cells
 
     def stage_write(self, rows: np.ndarray, cells: dict[Key, torch.Tensor]) -> None:
-        """Stage a small write whose cells match the schema (nothing here can fail on input)."""
+        """Stage a small write whose cells match the schema (nothing here can fail on input).
+
+        Raises:
+            ChecksumError, CorruptionError: a page of the rows it overwrites is damaged (checked
+                before anything changes, as the batched path checks them).
+        """
+        self.layout.check_rows(rows)
+        self.rows.check_dense(rows)
         stage = self.stage
         if stage is None:
             stage = self.stage = WriteStage(self.layout.schema, self.stage_rows, self.rows.capacity)
