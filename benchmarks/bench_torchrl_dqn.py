@@ -314,6 +314,8 @@ def main(argv: list[str] | None = None) -> int:
             if cache is not None:
                 torch.cat(pools[pipeline]).memmap(cache)
             how = "collected"
+        if pipeline == "uint8":  # the recipe stores what the loss reads (examples/torchrl_dqn_atari.py)
+            pools[pipeline] = [td.exclude(*ex.Q_VALUE_KEYS) for td in pools[pipeline]]
         n = sum(len(b) for b in pools[pipeline])
         print(f"{n:,} real transitions through TorchRL's DQN env ({pipeline} pipeline) {how} in "
               f"{time.perf_counter() - t0:.0f} s; buffers are filled with them repeatedly", flush=True)

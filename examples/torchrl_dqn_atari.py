@@ -5,7 +5,7 @@ Run: ``python examples/torchrl_dqn_atari.py [--frames 16000] [--init-random-fram
 
 The loop, its environment transforms, network, loss, optimizer, configuration values and
 timers ("collecting", "rb - extend", "rb - sample", "update") are those of TorchRL's
-``dqn_atari.py`` / ``utils_atari.py`` / ``config_atari.yaml``, with three changes (the recipe,
+``dqn_atari.py`` / ``utils_atari.py`` / ``config_atari.yaml``, with four changes (the recipe,
 docs/torchrl-pipelines.md):
 
 1. the frames stay uint8: ``ToTensorImage(from_int=False, dtype=torch.uint8)`` instead of
@@ -13,7 +13,10 @@ docs/torchrl-pipelines.md):
 2. ``VecNorm(in_keys=["pixels"])`` is dropped: normalized after ``CatFrames``, the same frame has
    different float values in consecutive stacks, so no stack can share frames with its neighbour;
 3. the Q-network starts with :class:`ScaleFrames` (``x / 255``), since the collector's policy
-   sees the same uint8 pixels as the loss (a transform on sampled batches alone would not do).
+   sees the same uint8 pixels as the loss (a transform on sampled batches alone would not do);
+4. the buffer gets what the loss reads: the collector's ``action_value`` and
+   ``chosen_action_value`` (the exploring policy's Q-values, recomputed by ``DQNLoss``; float32,
+   28 bytes per transition at Pong's 6 actions, more than the frames take) are left out.
 
 and the storage: ``TieredStorage(buffer_size)`` instead of ``LazyMemmapStorage(buffer_size)``.
 ``--as-shipped`` runs TorchRL's float pipeline unchanged (float32 stacks, VecNorm) on
@@ -92,7 +95,7 @@ def make_env(env_name: str = CONFIG["env_name"], frame_skip: int = CONFIG["frame
     if not is_test:
         env.append_transform(EndOfLifeTransform())
         env.append_transform(SignTransform(in_keys=["reward"]))
-    # the recipe, 1 of 3: frames stay uint8 (ToTensorImage() would divide by 255 into float32)
+    # the recipe, 1 of 4: frames stay uint8 (ToTensorImage() would divide by 255 into float32)
     env.append_transform(ToTensorImage(from_int=False, dtype=torch.uint8) if uint8 else ToTensorImage())
     env.append_transform(GrayScale())
     env.append_transform(Resize(84, 84))
@@ -101,9 +104,13 @@ def make_env(env_name: str = CONFIG["env_name"], frame_skip: int = CONFIG["frame
     env.append_transform(StepCounter(max_steps=4500))
     env.append_transform(DoubleToFloat())
     if not uint8:
-        # the recipe, 2 of 3: no VecNorm (its running statistics make every stack's floats unique)
+        # the recipe, 2 of 4: no VecNorm (its running statistics make every stack's floats unique)
         env.append_transform(VecNorm(in_keys=["pixels"]))
     return env
+
+
+#: what TorchRL's QValueActor adds to each transition, which DQNLoss never reads back
+Q_VALUE_KEYS = ("action_value", "chosen_action_value")
 
 
 def make_dqn_model(env: TransformedEnv, device: str = "cpu", uint8: bool = True) -> QValueActor:
@@ -112,7 +119,7 @@ def make_dqn_model(env: TransformedEnv, device: str = "cpu", uint8: bool = True)
     action_spec = env.specs["input_spec", "full_action_spec", "action"]
     cnn = ConvNet(activation_class=torch.nn.ReLU, num_cells=[32, 64, 64], kernel_sizes=[8, 4, 3],
                   strides=[4, 2, 1], device=device)
-    # the recipe, 3 of 3: the network scales the frames (the collector's policy sees uint8 pixels too)
+    # the recipe, 3 of 4: the network scales the frames (the collector's policy sees uint8 pixels too)
     layers = [ScaleFrames()] if uint8 else []
     probe = torch.ones(input_shape, device=device, dtype=torch.uint8 if uint8 else torch.float32)
     cnn_out = torch.nn.Sequential(*layers, cnn)(probe)
@@ -194,7 +201,9 @@ def main(argv: list[str] | None = None) -> int:
         collected_frames += current_frames
         greedy.step(current_frames)
         with timeit("rb - extend"):
-            replay_buffer.extend(data)
+            # the recipe, 4 of 4: DQNLoss recomputes the Q-values; storing the policy's would cost
+            # more per transition than the frames
+            replay_buffer.extend(data.exclude(*Q_VALUE_KEYS) if uint8 else data)
         if collected_frames < args.init_random_frames:
             continue
         for _ in range(args.num_updates):
