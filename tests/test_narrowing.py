@@ -265,3 +265,38 @@ def test_float_noise_is_stored_raw_and_saved(tmp_path):
         s.extend(data[:4])
         assert_td_equal(s.get(slice(0, 28)), torch.cat([data, data[:4]]))
     assert verify_store(path, progress=False).ok
+
+
+def test_a_widening_over_a_damaged_page_is_refused_before_anything_changes(tmp_path):
+    """The wider column is made (its pages checked) before the write changes a byte: a damaged
+    page refuses the write, every row reads as before, and the damaged page is still refused."""
+    n = 50_000
+
+    def data(count: int, start: int, action: int) -> TensorDict:
+        ids = torch.arange(start, start + count)[:, None] + torch.arange(4)
+        obs = ((ids[:, :, None, None] * 7 + torch.arange(16)[:, None]) % 251).to(torch.uint8)
+        return rows(observation=obs.expand(count, 4, 16, 16).contiguous(),
+                    action=torch.full((count, 64), action, dtype=torch.int64))
+
+    path = tmp_path / "s"
+    with TieredStore(n, path, frames={"observation": 0}, hot_bytes=0, warm_bytes=0) as s:
+        for lo in range(0, n, 10_000):
+            s.extend(data(10_000, lo, 3))
+        assert stored(s, "action") == "uint8"
+    body = manifest_body(path)
+    column = next(k for k in body["files"] if k.startswith("dense."))
+    copy = path / "arrays" / f"{column}.{body['copy'][column]}.npy"
+    with open(copy, "r+b") as fh:  # one flipped byte in the last page, far from the rows written
+        at = copy.stat().st_size - 100
+        fh.seek(at)
+        b = fh.read(1)
+        fh.seek(at)
+        fh.write(bytes([b[0] ^ 0xFF]))
+    with tiered.open(path, "r+") as w:
+        before = w.get(torch.arange(64))
+        with pytest.raises(tiered.ChecksumError):
+            w.extend(data(64, 10**6, 1000))  # rows 0..63; 1000 widens the uint8 column
+        assert_td_equal(w.get(torch.arange(64)), before)
+        assert stored(w, "action") == "uint8"
+        with pytest.raises(tiered.ChecksumError):
+            w.get(torch.tensor([n - 1]))  # the damaged page is still checked

@@ -315,19 +315,33 @@ class RowSpace:
             self.dense_checks.pop(f.key, None)
             self._note_widen(f)
 
-    def widen_columns(self, fields: list[Field]) -> None:
-        """Rewrite the columns of ``fields`` in their (wider) ``column_dtype``, every value kept
+    def widened_columns(self, fields: list[Field]) -> dict[Key, torch.Tensor]:
+        """The columns of ``fields`` rewritten in their (wider) ``column_dtype``, every value kept
         (:func:`~tiered.schema.holds_dtype`): one copy of each column, a few times in a store's
-        life. A column memory-mapped from a store has its pages checked first; the new one is
-        anonymous until the next commit writes its file whole (the dtype in its header changed)."""
+        life. Nothing changes here (:meth:`install_columns` puts them in), so a failure leaves the
+        store as it was. A column memory-mapped from a store has its pages checked first; the new
+        one is anonymous until the next commit writes its file whole (the dtype in its header
+        changed).
+
+        Raises:
+            ChecksumError: a page of a column is damaged (its check stays in force).
+        """
+        out = {}
         for f in fields:  # a loop over the fields that widen
-            check = self.dense_checks.pop(f.key, None)
+            check = self.dense_checks.get(f.key)
             if check is not None:
                 check.all()
             col = torch.from_numpy(file_array((self.capacity, *f.shape), f.column_file_dtype))
             col = col if col.dtype == f.column_dtype else col.view(f.column_dtype)
             col.copy_(self.dense[f.key])
-            self.dense[f.key] = col
+            out[f.key] = col
+        return out
+
+    def install_columns(self, fields: list[Field], columns: dict[Key, torch.Tensor]) -> None:
+        """Put in the columns :meth:`widened_columns` made (assignments only: cannot fail)."""
+        for f in fields:  # a loop over the fields that widen
+            self.dense_checks.pop(f.key, None)  # every page was checked when it was copied
+            self.dense[f.key] = columns[f.key]
             self._note_widen(f)
 
     def _note_widen(self, field: Field) -> None:

@@ -281,20 +281,30 @@ class WritePath:
 
     def validate_values(self, schema: Schema, data: Any) -> None:
         """Refuse values a ``dense_dtypes`` column cannot hold; note the self-narrowing columns
-        this write widens (:attr:`widen`, applied by :meth:`apply_widening` when it writes)."""
+        this write widens (:attr:`widen`, put in by :meth:`install_widening` when it writes)."""
         check_values_fit(schema, data, self.narrowing.forced)
         self.widen = self.narrowing.widenings(schema, data)
 
-    def apply_widening(self) -> None:
-        """Rewrite the columns :attr:`widen` names in their wider dtype (every value kept) and put
-        the new dtypes in the schema: the next commit saves both (the column file whole)."""
-        widen, self.widen = self.widen, {}
-        if not widen:
+    def prepare_widening(self) -> tuple[list[Field], dict[Key, torch.Tensor], Schema] | None:
+        """The columns :attr:`widen` names, rewritten in their wider dtype, and the schema naming
+        the new dtypes, made before the write changes anything (a damaged page, or no memory,
+        refuses the write with the store unchanged); :meth:`install_widening` puts them in."""
+        if not self.widen:
+            return None
+        schema = self.layout.schema
+        fields = [dataclasses.replace(schema[k], stored_dtype=d) for k, d in self.widen.items()]
+        columns = self.rows.widened_columns(fields)
+        return fields, columns, Schema([next((g for g in fields if g.key == f.key), f) for f in schema.values()])
+
+    def install_widening(self, prepared: tuple[list[Field], dict[Key, torch.Tensor], Schema] | None) -> None:
+        """Put in what :meth:`prepare_widening` made (assignments only: cannot fail): the next
+        commit saves the new dtypes and the column files whole."""
+        self.widen = {}
+        if prepared is None:
             return
-        layout = self.layout
-        fields = [dataclasses.replace(layout.schema[k], stored_dtype=d) for k, d in widen.items()]
-        self.rows.widen_columns(fields)
-        layout.schema = Schema([next((g for g in fields if g.key == f.key), f) for f in layout.schema.values()])
+        fields, columns, schema = prepared
+        self.rows.install_columns(fields, columns)
+        self.layout.schema = schema
 
     def adopt_schema(self, schema: Schema, allocate: bool = True,
                      families: list[dict[str, Any]] | None = None) -> FieldLayout:
@@ -411,9 +421,10 @@ class WritePath:
         if stage is None:
             stage = self.stage = WriteStage(self.layout.schema, self.stage_rows, self.rows.capacity)
         if not stage.room_for(rows):
-            # the only step that can fail (tier space, disk): before this write touches anything
+            # a write of the rows staged before (tier space or the disk can fail it): before this
+            # write touches anything
             self.flush_stage()
-        self.apply_widening()
+        self.install_widening(self.prepare_widening())
         self.rows.write_dense_cells(self.layout.schema, rows, cells)
         with torch.no_grad():
             stage.put(rows, cells)
@@ -461,6 +472,7 @@ class WritePath:
         traj, ended, next_trajectory = self.rows.trajectory_ids(layout.schema, data, n, self.options.traj_key)
         plans: list[FramePlan] = []
         undecided = [fam for fam in layout.families if fam.stored_raw is None]
+        widening = self.prepare_widening()
         try:
             for fid, fields in enumerate(layout.fields_of):  # a loop over frame families
                 fam = layout.families[fid]
@@ -493,7 +505,7 @@ class WritePath:
             dead += [self.index.decref(old) for old in old_refs]
             previous += old_refs
             self.placement.policy.on_insert(plan.closed_ids)
-        self.apply_widening()  # nothing below can fail: the wider columns come with the rows
+        self.install_widening(widening)  # the wider columns come with the rows
         self.rows.write_dense(layout.schema, rows, data)
         self.rows.mark_written(rows)
         self.rows.next_trajectory = next_trajectory

@@ -20,7 +20,10 @@ The directory's life (:class:`SpillDir`):
   lock is held is never touched, nor one whose owner is still creating it.
 
 Space freed in the spill tier is reused at once (no commit will ever name it), its writes are
-never fsynced, and a copy of the store in a forked process may read it but never write it.
+never fsynced, and a copy of the store in a forked process may read it but never write it: its
+reads are its fork-time rows until the owner frees spill space, and raise
+:class:`~tiered.errors.StaleReadError` from then on (a count of frees the owner keeps in memory
+shared with its forked children, checked after each read).
 
 Example:
     >>> import numpy as np, os, tempfile
@@ -40,8 +43,10 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import mmap
 import os
 import shutil
+import struct
 import tempfile
 import time
 import weakref
@@ -50,7 +55,7 @@ from typing import Any
 import numpy as np
 
 from .. import fileio
-from ..errors import InvalidArgumentError, NotSharedError, StoreClosedError
+from ..errors import InvalidArgumentError, NotSharedError, StaleReadError, StoreClosedError
 from .extents import ExtentAllocator
 from .memmap import SEGMENT_BYTES, MemmapTier
 
@@ -307,6 +312,11 @@ class SpillTier(MemmapTier):
         except BaseException:
             self.spill_dir.remove()
             raise
+        # Frees so far: this process's count, and the owner's in an anonymous shared page that a
+        # forked child shares. A child's own count stays what it was at the fork, so the two
+        # differ once the owner may have reused space the child's index still names.
+        self.frees = 0
+        self._shared_frees = mmap.mmap(-1, 8)
 
     def writable_here(self) -> bool:
         """Whether this process may write the tier: it made it (not a forked copy) and it is open."""
@@ -323,7 +333,29 @@ class SpillTier(MemmapTier):
 
     def free(self, offsets: np.ndarray, sizes: np.ndarray, *, defer: bool = False) -> None:
         """Release blobs; the space is reusable at once (``defer`` is ignored: nothing is durable)."""
+        self._writable()
+        # counted before the space can be reused: a forked copy that reads after this sees it
+        self.frees += 1
+        struct.pack_into("<q", self._shared_frees, 0, self.frees)
         super().free(offsets, sizes, defer=False)
+
+    def read(self, offsets: np.ndarray, sizes: np.ndarray, out: np.ndarray | Any,
+             out_offsets: np.ndarray) -> None:
+        """Read blobs, as :meth:`MemmapTier.read`; in a forked copy, only while the owner has
+        freed no spill space since the fork.
+
+        Raises:
+            StaleReadError: this is a forked copy, and the owner freed space (maybe reused for
+                other blobs) since the fork: nothing read is returned.
+        """
+        super().read(offsets, sizes, out, out_offsets)
+        # checked after the bytes are copied: a reuse during the read shows too
+        if os.getpid() != self.spill_dir.owner and struct.unpack_from("<q", self._shared_frees)[0] != self.frees:
+            raise StaleReadError(
+                f"this process was forked from process {self.spill_dir.owner}, whose store (no path) has since "
+                f"overwritten rows and reused their space in its spill directory {self.directory}: the rows of "
+                "the fork cannot be read here any more. Read in the process that writes the store, or give the "
+                "store a path and share() it (tiered.open(path) then reads the latest commit).")
 
     def flush(self) -> None:
         """Nothing: spilled bytes need not survive a crash (they are removed with the process)."""
