@@ -132,12 +132,18 @@ class StoreSpec:
 
 
 def _default_chunk_frames() -> int:
+    """The K a default store takes for 84x84 uint8 frames (``chunk_frames=None`` lets the store
+    choose per frame family; Atari frames get the most, ``DEFAULT_CHUNK_FRAMES``)."""
     import inspect
 
     import tiered
+    from tiered.engine.frames import auto_chunk_frames
+    from tiered.engine.write import DEFAULT_CHUNK_FRAMES
 
     p = inspect.signature(tiered.TieredStore.__init__).parameters.get("chunk_frames")
-    return int(p.default) if p is not None and p.default is not inspect.Parameter.empty else -1
+    if p is None or p.default is inspect.Parameter.empty:
+        return -1
+    return int(p.default) if p.default is not None else auto_chunk_frames(84 * 84, DEFAULT_CHUNK_FRAMES)
 
 
 _DEFAULT_K = _default_chunk_frames()

@@ -35,14 +35,9 @@ H.ensure_repo_on_path()
 import torch  # noqa: E402
 
 
-def count_calls(fn) -> int:
-    count = 0
-
-    def prof(frame, event, arg):
-        nonlocal count
-        if event in ("call", "c_call"):
-            count += 1
-
+def _profiled(fn, prof) -> None:
+    """Run ``fn()`` with ``prof`` as the profile hook (garbage collection, e.g. another object's
+    finalizers, must not run inside the measurement)."""
     gc.collect()
     gc.disable()
     sys.setprofile(prof)
@@ -51,6 +46,17 @@ def count_calls(fn) -> int:
     finally:
         sys.setprofile(None)
         gc.enable()
+
+
+def count_calls(fn) -> int:
+    count = 0
+
+    def prof(frame, event, arg):
+        nonlocal count
+        if event in ("call", "c_call"):
+            count += 1
+
+    _profiled(fn, prof)
     return count
 
 
@@ -77,14 +83,7 @@ def breakdown(fn) -> tuple[int, int, collections.Counter]:
         elif event == "c_call":
             per[owner(frame)] += 1
 
-    gc.collect()
-    gc.disable()
-    sys.setprofile(prof)
-    try:
-        fn()
-    finally:
-        sys.setprofile(None)
-        gc.enable()
+    _profiled(fn, prof)
     return sum(per.values()), python, per
 
 
