@@ -393,7 +393,9 @@ def test_python_call_count_does_not_grow_with_batch(atari_mixed, config):
             g = _count_calls(lambda: store.get(idx))  # noqa: B023
         counts[b] = (ext[0], g[0])
         python[b] = (ext[1], g[1])
-    assert counts[32][1] == counts[1024][1], counts
+    # the same work whatever the batch, but for a constant: a large decode is split over the
+    # decode threads (one slice call each), a small one stays on the calling thread
+    assert abs(counts[32][1] - counts[1024][1]) <= 12, counts
     assert abs(counts[32][0] - counts[1024][0]) <= 10, counts
     for b in (32, 1024):
         assert python[b][1] <= MAX_GET_PYTHON_CALLS, python

@@ -22,7 +22,7 @@ Threads: a batch is cut into ``threads`` slices of similar byte size; each slice
 calling thread taking the last slice. zstandard's own ``threads=N`` (``native_threads = True``)
 starts and joins N native threads inside every call instead; the sliced pool is the default
 (it never starts threads per call). ``threads=1`` starts no thread, and a decode of under
-1 MiB of output stays on the calling thread (a handoff can cost more than it saves there).
+8 MiB of output stays on the calling thread (a handoff can cost more than it saves there).
 
 Example:
     >>> import numpy as np
@@ -66,11 +66,13 @@ DEFAULT_LEVEL = 3
 # With native_threads, zstandard's own threads start only from this many blobs: starting and
 # joining them costs more than a smaller batch saves.
 _MIN_BLOBS_FOR_THREADS = 8
-# A decode producing less than this stays on the calling thread: under ~0.5 ms of zstd work.
-# Handing half of it to a pool thread saves at most half of that, and on a busy small VM the
-# handoff alone (waking the thread, the GIL back and forth) was measured at milliseconds; samples
-# of 1-8 rows of Atari stacks at K=8 decode 0.1-0.7 MB and stay here, B=32 (~2.5 MB) is split.
-_MIN_BYTES_FOR_THREADS = 1 << 20
+# A decode producing less than this stays on the calling thread. Handing half of it to a pool
+# thread saves at most half of the zstd work, and the handoff (waking the thread, the GIL back and
+# forth) costs more than that up to a few MB: a B=32 `storage.get` of Atari stacks at K=8 (~2.5-6
+# MB of output) took 1.40 ms on one thread against 1.68 ms split over two, on a quiet 2-core VM
+# (`python benchmarks/profile_calls.py --only storage.get32 rb.sample32 storage.get256 --threads 2`
+# with 1 MiB and 8 MiB here); B=256 (tens of MB) is split either way.
+_MIN_BYTES_FOR_THREADS = 8 << 20
 _ZSTD_MAGIC = 0xFD2FB528
 _ITEM_RE = re.compile(r"item (\d+)")
 
