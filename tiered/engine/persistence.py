@@ -128,9 +128,13 @@ def _before_fork() -> None:
     pid = os.getpid()
     for files in list(_ALL_FILES):  # the stores of this process: a few
         if not files.read_only and files.writer_lock is not None and files.writer_lock.pid == pid:
+            files.fork_private = False  # inherited by the child as it is when the fork happens
             try:
                 filemap.privatize_files(os.path.join(files.path, ARRAYS_DIR))
+                files.fork_private = True
             except Exception:  # noqa: BLE001 - a fork hook must go on to the other stores
+                # the child's arrays may still show the files: its reads then refuse as soon as
+                # the writer commits again (check_fresh), never return rows that changed under it
                 pass
 
 
@@ -177,6 +181,8 @@ class StoreFiles:
         self._sums: tuple[dict[str, Any], dict[str, list[int]]] | None = None
         #: per-row arrays some of whose pages are mapped from their copy files (map_back)
         self.mapped: dict[str, filemap.FileLayout] = {}
+        #: whether the last fork made the writer's mapped array pages private (:func:`_before_fork`)
+        self.fork_private = True
         _ALL_FILES.add(self)
 
     @property
@@ -344,7 +350,11 @@ class StoreFiles:
         intent = read_intent(self.path)
         if intent is None:
             return
-        if (intent >= self.generation + 2 and blobs) or (intent >= self.generation + NCOPIES and not forked):
+        # a forked copy whose pages the fork could not make private reads the writer's copy
+        # files, the oldest of which its next commit may rewrite
+        unprotected = forked and not self.fork_private
+        if ((intent >= self.generation + 2 and blobs) or (intent >= self.generation + NCOPIES and not forked)
+                or (unprotected and intent > self.generation)):
             if forked:
                 raise StaleReadError(
                     f"{self.path}: this process was forked from the store's writer at commit {self.generation}; "
