@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import collections
 import cProfile
-import gc
 import io
 import pstats
 import sys
@@ -34,30 +33,7 @@ H.ensure_repo_on_path()
 
 import torch  # noqa: E402
 
-
-def _profiled(fn, prof) -> None:
-    """Run ``fn()`` with ``prof`` as the profile hook (garbage collection, e.g. another object's
-    finalizers, must not run inside the measurement)."""
-    gc.collect()
-    gc.disable()
-    sys.setprofile(prof)
-    try:
-        fn()
-    finally:
-        sys.setprofile(None)
-        gc.enable()
-
-
-def count_calls(fn) -> int:
-    count = 0
-
-    def prof(frame, event, arg):
-        nonlocal count
-        if event in ("call", "c_call"):
-            count += 1
-
-    _profiled(fn, prof)
-    return count
+from tiered.testing import count_calls, run_profiled  # noqa: E402
 
 
 def breakdown(fn) -> tuple[int, int, collections.Counter]:
@@ -83,7 +59,7 @@ def breakdown(fn) -> tuple[int, int, collections.Counter]:
         elif event == "c_call":
             per[owner(frame)] += 1
 
-    _profiled(fn, prof)
+    run_profiled(fn, prof)
     return sum(per.values()), python, per
 
 
@@ -163,7 +139,7 @@ def main(argv=None) -> int:
                     times[k].append(dt)
         for k, fn in fns.items():
             state["row"] += 1
-            counts[k] = count_calls(fn)
+            counts[k] = count_calls(fn).all
         # writes: the mean (every few small writes one compresses the write stage: a median
         # would hide it); reads: the median
         if "add" in name or "extend" in name:

@@ -8,12 +8,11 @@ layouts) and the errors a caller gets for buffers and batches it cannot copy.
 
 from __future__ import annotations
 
-import sys
-
 import numpy as np
 import pytest
 import torch
 
+from tiered.testing import count_calls
 from tiered.util.buffers import check_buffer, host_view
 from tiered.util.copy import copy_blobs, copy_tensor_blobs
 from tiered.util.hostcopy import HOST_COPY_PATHS, copy_host_blobs, host_copy_path, merge_runs, pack_blobs
@@ -234,21 +233,6 @@ def test_host_view_of_each_kind_of_buffer():
 # ------------------------------------------------------------------------------- Python-level work
 
 
-def count_calls(fn, *args) -> int:
-    """Python-level calls ("call" and "c_call" profiler events) made by ``fn(*args)``."""
-    count = 0
-
-    def profiler(frame, event, arg):
-        nonlocal count
-        if event in ("call", "c_call"):
-            count += 1
-
-    sys.setprofile(profiler)
-    try:
-        fn(*args)
-    finally:
-        sys.setprofile(None)
-    return count
 
 
 @pytest.mark.parametrize("small,large", [((1, 100), (1, 100)), ((150, 700), (150, 700)),
@@ -266,7 +250,7 @@ def test_python_calls_do_not_grow_with_the_batch(small, large):
         dst = np.zeros(dst_len, np.uint8)
         assert host_copy_path(so, do, sizes) == "runs"
         copy_blobs(src, so, dst, do, sizes)
-        counts[n] = count_calls(copy_blobs, src, so, dst, do, sizes)
+        counts[n] = count_calls(copy_blobs, src, so, dst, do, sizes).all
         assert np.array_equal(dst, reference(src, so, np.zeros(dst_len, np.uint8), do, sizes))
     assert counts[16] == counts[2048] > 0
 

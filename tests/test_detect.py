@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
 from tensordict import TensorDict
@@ -12,6 +10,7 @@ from torchrl.data import LazyTensorStorage, RandomSampler, ReplayBuffer, TensorD
 from tiered import TieredStore
 from tiered.engine.detect import detect_frames, stack_dim
 from tiered.schema import Schema
+from tiered.testing import count_calls
 from tiered.torchrl import TieredStorage
 
 OBS, NEXT_OBS = ("observation",), ("next", "observation")
@@ -161,19 +160,7 @@ def test_plain_tensor_buffer_detects(atari_pong):
 
 
 def _python_calls(fn) -> int:
-    count = 0
-
-    def prof(frame, event, arg):
-        nonlocal count
-        if event in ("call", "c_call"):
-            count += 1
-
-    sys.setprofile(prof)
-    try:
-        fn()
-    finally:
-        sys.setprofile(None)
-    return count
+    return count_calls(fn).all
 
 
 def test_detection_is_vectorized(atari_pong):

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import gc
-import sys
-
 import numpy as np
 import pytest
 import torch
@@ -15,7 +12,7 @@ import tiered
 from tiered import TieredStore
 from tiered.errors import IndexOutOfRangeError, SchemaMismatchError, UnknownCodecError
 from tiered.index import OPEN
-from tiered.testing import parts
+from tiered.testing import count_calls, parts
 
 CONFIGS = {
     "default": {},
@@ -338,26 +335,9 @@ def test_stats_keys(atari_pong):
 
 
 def _count_calls(fn) -> tuple[int, int]:
-    """``(all calls, Python-level calls)`` of ``fn()``: every Python and C function called, and the
-    Python functions alone (the measure the per-call bounds below use)."""
-    count = python = 0
-
-    def prof(frame, event, arg):
-        nonlocal count, python
-        if event in ("call", "c_call"):
-            count += 1
-            python += event == "call"
-
-    # garbage collection (e.g. another test's finalizers) must not run inside the measurement
-    gc.collect()
-    gc.disable()
-    sys.setprofile(prof)
-    try:
-        fn()
-    finally:
-        sys.setprofile(None)
-        gc.enable()
-    return count, python
+    """``(all calls, Python-level calls)`` of ``fn()`` (the measure the per-call bounds below use)."""
+    c = count_calls(fn)
+    return c.all, c.python
 
 
 #: the most Python-level calls (Python functions, numpy's Python wrappers included) one get and

@@ -16,12 +16,13 @@ import importlib.util
 import sys
 from typing import TYPE_CHECKING, Any
 
+from .calls import CallCount, count_calls, run_profiled
 from .inspection import EngineParts, decode_blobs, parts, spread_over_tiers, tier_counts
 
 if TYPE_CHECKING:
     from .suites import BlobHistory, CodecTests, PolicyTests, TierTests
 
-__all__ = ["EngineParts", "parts", "decode_blobs", "spread_over_tiers", "tier_counts", "CodecTests", "TierTests", "PolicyTests", "BlobHistory"]
+__all__ = ["CallCount", "count_calls", "run_profiled", "EngineParts", "parts", "decode_blobs", "spread_over_tiers", "tier_counts", "CodecTests", "TierTests", "PolicyTests", "BlobHistory"]
 
 _SUITES = "tiered.testing.suites"
 _SUITE_NAMES = {"CodecTests", "TierTests", "PolicyTests", "BlobHistory"}
