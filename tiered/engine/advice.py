@@ -189,5 +189,6 @@ def _message(field: Field, nxt: Field | None, ratio: float, rows: int, unstacked
                "in the network")
     else:
         why = (f", less than {ADVICE_MIN_RATIO:.0f}x. Pixels: store them as uint8 and normalize in the network; "
-               "noise or already-compressed bytes: create the store with codec='raw'")
+               "noise or already-compressed bytes: stored raw without being asked once they compress under "
+               "1.5x (codec='raw' also skips the trial compression)")
     return f"{head}{why}. See {DOCS_PAGE}."
