@@ -166,9 +166,10 @@ def test_d4rl_frames_with_next_observations_round_trip_and_dedup(atari_pong, tmp
     assert (
         run(
             "import",
-            "d4rl",
             str(src),
             str(tmp_path / "s"),
+            "--format",
+            "d4rl",
             "--frames",
             "observation=0",
             "--chunk-rows",

@@ -73,7 +73,7 @@ _COLUMNS: dict[str, tuple[Any, tuple[int, ...], int]] = {
     "loc": (np.int64, (3,), -1),
     "open_slot": (np.int64, (), -1),
 }
-# Format v1 names of the columns whose attribute names changed.
+# File names (docs/format.md) of the columns whose attribute names differ.
 _FILE_NAMES = {"open_slot": "aux"}
 
 
@@ -185,7 +185,7 @@ class BlobIndex:
     def state_arrays(self) -> dict[str, np.ndarray]:
         out = {_FILE_NAMES.get(name, name): getattr(self, name)[: self.size] for name in _COLUMNS}
         out["free_ids"] = self._free_ids
-        # [size, 0]: format v1 kept a write sequence number in the second entry (now unused)
+        # [size, 0]: the second entry is not used (always 0)
         out["meta"] = np.array([self.size, 0], dtype=np.int64)
         return out
 
@@ -400,10 +400,49 @@ def _exceptions(arrays: dict[str, np.ndarray], cap: int, width: int,
     return np.asarray(rows), np.asarray(eb), np.asarray(es)
 
 
-class _LastColumnTable(_ExceptionTable):
-    """A compact table keeping the last frame column per row (``last_blob``, ``last_slot``) and,
-    per exception row, its first ``F - 1`` entries. Subclasses say how the first ``F - 1`` frames
-    of the other rows are found."""
+class ShiftedRowTable(_ExceptionTable):
+    """The row table of a stacked field ``X`` (frame stacks of ``F`` frames) kept as its newest
+    frames only.
+
+    Frame ``j < F - 1`` of row ``r`` is, as a rule, frame ``j + 1`` of row ``r - 1`` (the ring's
+    previous row, mod capacity): the stack shifted by one step. Only the last frame column is
+    kept per row, plus an exception list: the sorted rows where the rule does not hold (episode
+    starts, the first row after a gap or a rewrite, rows written out of order), with their first
+    ``F - 1`` entries. Frame ``j`` of row ``r`` is then, with ``e`` the nearest exception row at
+    or before ``r`` (around the ring) and ``d = r - e``: ``exc[e][j + d]`` if ``j + d < F - 1``,
+    else ``last[r - (F - 1 - j)]``; a read of any rows is a gather and a ``searchsorted``.
+    A write keeps every other row's stack as it was (rows after the written ones whose stacks
+    no longer follow become exceptions).
+
+    Example:
+        >>> t = ShiftedRowTable(6, 3)
+        >>> stacks = np.array([[0, 0, 0], [0, 0, 1], [0, 1, 2], [1, 2, 3], [7, 7, 7], [7, 7, 8]])
+        >>> t.put(np.arange(6), stacks, np.zeros((6, 3)))
+        >>> t.ids(np.arange(6)).tolist() == stacks.tolist(), t.exc_rows.tolist(), t.last_blob.tolist()
+        (True, [0, 4], [0, 1, 2, 3, 7, 8])
+        >>> t.put(np.array([2]), np.array([[5, 5, 5]]), np.zeros((1, 3)))  # rows 3 and 4 keep their stacks
+        >>> t.ids(np.arange(6))[2:5].tolist(), t.exc_rows.tolist()
+        ([[5, 5, 5], [1, 2, 3], [7, 7, 7]], [0, 2, 3, 4])
+    """
+
+    shifted = True
+    kind = "shifted"
+    crowd_divisor = 32
+
+    def __init__(self, capacity: int, frames: int):
+        self._empty(capacity, frames)
+
+    @classmethod
+    def from_state(cls, capacity: int, frames: int, arrays: dict[str, np.ndarray]) -> ShiftedRowTable:
+        """A table over the arrays :meth:`state_arrays` saved.
+
+        Raises:
+            ValueError: the arrays' shapes, dtypes or exception rows are not what a commit writes.
+        """
+        table = cls.__new__(cls)  # no empty columns of `capacity` rows: the saved ones replace them
+        table._empty(capacity, frames, allocate=False)
+        table._load(arrays, capacity)
+        return table
 
     def _empty(self, capacity: int, frames: int, allocate: bool = True) -> None:
         """An empty table (``allocate=False``: no last-frame columns yet, :meth:`_load` sets them)."""
@@ -448,51 +487,6 @@ class _LastColumnTable(_ExceptionTable):
     def state_arrays(self) -> dict[str, np.ndarray]:
         return {"blob": self.last_blob[:, None], "slot": self.last_slot[:, None], "exc_rows": self.exc_rows,
                 "exc_blob": self.exc_blob, "exc_slot": self.exc_slot}
-
-
-class ShiftedRowTable(_LastColumnTable):
-    """The row table of a stacked field ``X`` (frame stacks of ``F`` frames) kept as its newest
-    frames only.
-
-    Frame ``j < F - 1`` of row ``r`` is, as a rule, frame ``j + 1`` of row ``r - 1`` (the ring's
-    previous row, mod capacity): the stack shifted by one step. Only the last frame column is
-    kept per row, plus an exception list: the sorted rows where the rule does not hold (episode
-    starts, the first row after a gap or a rewrite, rows written out of order), with their first
-    ``F - 1`` entries. Frame ``j`` of row ``r`` is then, with ``e`` the nearest exception row at
-    or before ``r`` (around the ring) and ``d = r - e``: ``exc[e][j + d]`` if ``j + d < F - 1``,
-    else ``last[r - (F - 1 - j)]``; a read of any rows is a gather and a ``searchsorted``.
-    A write keeps every other row's stack as it was (rows after the written ones whose stacks
-    no longer follow become exceptions).
-
-    Example:
-        >>> t = ShiftedRowTable(6, 3)
-        >>> stacks = np.array([[0, 0, 0], [0, 0, 1], [0, 1, 2], [1, 2, 3], [7, 7, 7], [7, 7, 8]])
-        >>> t.put(np.arange(6), stacks, np.zeros((6, 3)))
-        >>> t.ids(np.arange(6)).tolist() == stacks.tolist(), t.exc_rows.tolist(), t.last_blob.tolist()
-        (True, [0, 4], [0, 1, 2, 3, 7, 8])
-        >>> t.put(np.array([2]), np.array([[5, 5, 5]]), np.zeros((1, 3)))  # rows 3 and 4 keep their stacks
-        >>> t.ids(np.arange(6))[2:5].tolist(), t.exc_rows.tolist()
-        ([[5, 5, 5], [1, 2, 3], [7, 7, 7]], [0, 2, 3, 4])
-    """
-
-    shifted = True
-    kind = "shifted"
-    crowd_divisor = 32
-
-    def __init__(self, capacity: int, frames: int):
-        self._empty(capacity, frames)
-
-    @classmethod
-    def from_state(cls, capacity: int, frames: int, arrays: dict[str, np.ndarray]) -> ShiftedRowTable:
-        """A table over the arrays :meth:`state_arrays` saved.
-
-        Raises:
-            ValueError: the arrays' shapes, dtypes or exception rows are not what a commit writes.
-        """
-        table = cls.__new__(cls)  # no empty columns of `capacity` rows: the saved ones replace them
-        table._empty(capacity, frames, allocate=False)
-        table._load(arrays, capacity)
-        return table
 
     def reach(self, rows: np.ndarray) -> np.ndarray:
         """Rows whose entries a read or a write of ``rows`` may use: ``rows - F .. rows + F - 1``

@@ -42,7 +42,7 @@ class FieldLayout:
             family, or one per family (in family-id order).
         dedup: share equal frames between rows.
         stored_raw: per family, whether its blobs are stored raw (None: decided by its first
-            encode); default: none is, as in stores written before this choice existed.
+            encode); default: none is.
         tables: make empty row tables (False: the caller sets ``tables``, e.g. memory-mapped
             from a store).
     """

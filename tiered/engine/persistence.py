@@ -780,7 +780,7 @@ def commit_parts(files: StoreFiles, rows: RowSpace, write: WritePath, placement:
 
 def snapshot_arrays(rows: RowSpace, layout: FieldLayout | None, index: BlobIndex,
                     policy: Policy) -> dict[str, np.ndarray]:
-    """The arrays of a commit, by file name (format v1 names; the cold tier adds ``cold.*``)."""
+    """The arrays of a commit, by file name (docs/format.md; the cold tier adds ``cold.*``)."""
     arrays = {f"index.{k}": v for k, v in index.state_arrays().items()}
     arrays.update({f"policy.{policy.name}.{k}": v for k, v in policy.state_views().items()})
     arrays["written"] = rows.written
@@ -829,13 +829,13 @@ def load_policy(policy: Policy, body: dict[str, Any], load: ArrayLoader, live: n
     if names:
         # the private memory maps, used as they are (their pages were checked when mapped)
         policy.load_state_arrays({k[len(prefix):]: load(k) for k in names}, copy=False)
-    else:  # an older commit, or another policy: every live blob counts as just inserted
+    else:  # a store reopened with another policy: every live blob counts as just inserted
         policy.on_insert(live)
 
 
 def load_priorities(placement: Placement, body: dict[str, Any], load: ArrayLoader, write: WritePath,
                     path: str) -> None:
-    """Restore the saved row priorities (older commits have none: every row keeps the default)
+    """Restore the saved row priorities (none saved: no row was ever given one, all keep the default)
     and, when blob maxima are tracked, recount every blob from them."""
     priorities = placement.priorities
     if priorities is None:
@@ -868,11 +868,10 @@ def unpin(index: BlobIndex, pins: np.ndarray) -> list[str]:
 def check_table_rows(path: str, key: Any, rows: RowSpace, layout: FieldLayout, index: BlobIndex,
                      at: np.ndarray) -> None:
     """Check the row table entries of field ``key`` at rows ``at`` (sorted), as
-    :func:`check_references` checks a whole table: called when their pages are first checked.
-    A derived table checks its own entries (last frames, and the exceptions of those rows); the
-    entries it shares with its base table are checked by the base's own checks. A shifted table
-    checks the whole stacks of the written rows (their first frames are the last frames of the
-    rows before, which a read of them checks first).
+    :func:`check_references` checks a whole table: called when their pages are first checked
+    (a next table has no per-row pages: its exceptions are checked when the store opens). A
+    shifted table checks the whole stacks of the written rows (their first frames are the last
+    frames of the rows before, which a read of them checks first).
 
     Raises:
         CorruptionError: naming the store, the field and the first bad row.
@@ -884,15 +883,7 @@ def check_table_rows(path: str, key: Any, rows: RowSpace, layout: FieldLayout, i
         blob, slot = t.refs(at)
         _check_row_entries(path, key, rows, layout, index, at, blob, slot, rows.written[pick])
         return
-    if not t.derived:
-        _check_row_entries(path, key, rows, layout, index, at, t.blob[pick], t.slot[pick], rows.written[pick])
-        return
-    _check_row_entries(path, key, rows, layout, index, at, t.last_blob[pick][:, None], t.last_slot[pick][:, None],
-                   rows.written[pick])
-    lo, hi = np.searchsorted(t.exc_rows, [int(at[0]), int(at[-1]) + 1])
-    if hi > lo:
-        exc = t.exc_rows[lo:hi]
-        _check_row_entries(path, key, rows, layout, index, exc, t.exc_blob[lo:hi], t.exc_slot[lo:hi], rows.written[exc])
+    _check_row_entries(path, key, rows, layout, index, at, t.blob[pick], t.slot[pick], rows.written[pick])
 
 
 def _check_row_entries(path: str, key: Any, rows: RowSpace, layout: FieldLayout, index: BlobIndex, at: np.ndarray,
@@ -1142,8 +1133,8 @@ def check_references(rows: RowSpace, layout: FieldLayout, index: BlobIndex) -> l
         return problems
     cap, n = rows.capacity, index.size
     written = rows.written
-    # explicit tables first: a derived table's first frames are its base's, checked there; its
-    # own arrays (last frames, exceptions) are checked as they are, never rebuilt whole
+    # explicit tables first: a next table's rule entries are its base's, checked there; its
+    # own arrays (the exceptions) are checked as they are, never rebuilt whole
     for key, t in sorted(layout.tables.items(), key=lambda kv: kv[1].derived):
         name = key_to_str(key)
         if (t.capacity, t.frames) != (cap, layout.schema[key].frames_per_row):
