@@ -30,8 +30,8 @@ subprocess** that samples its own anonymous resident memory (``RssAnon``) every 
   has mapped stay cached, which flatters the cold rate of mapped metadata).
 
 Bytes on disk per transition are counted over all files, and over one generation (the segments
-and the array files of the last commit: format 1's newest ``gen-*`` folder, format 2's published
-copy of each array; format 2 keeps three copies of each array, format 1 two generations); "arrays"
+and the array files of the last commit: the published copy of each array, of the three copies
+each array keeps); "arrays"
 is the part of one generation that is metadata (row tables, dense columns, blob index), "dense"
 the dense columns alone.
 Side by side on the same frames: the Dopamine checkpoint layout (``np.save`` of the per-step
@@ -225,13 +225,10 @@ def part_of(p: Path, arrays: set[Path]) -> str:
 
 def disk_bytes(path: Path) -> dict[str, int]:
     files = store_files(path)
-    gens = sorted(p for p in path.glob("gen-*") if p.is_dir())
-    older = {p for g in gens[:-1] for p in g.rglob("*") if p.is_file()}
     body = json.loads((path / "manifest.json").read_text())["body"]
-    if body.get("format_version", 1) >= 2:  # format 2: the copies the last commit did not publish
-        current = {path / "arrays" / f"{n}.{c}.npy" for n, c in body["copy"].items()}
-        older |= {p for p in (path / "arrays").glob("*.npy") if p not in current}
-    arrays = {p for p in files if p.parent.name == "arrays"}  # format 2: row tables, dense columns, index
+    current = {path / "arrays" / f"{n}.{c}.npy" for n, c in body["copy"].items()}
+    older = {p for p in (path / "arrays").glob("*.npy") if p not in current}  # copies not published
+    arrays = {p for p in files if p.parent.name == "arrays"}  # row tables, dense columns, index
     parts: dict[str, int] = dict.fromkeys(PARTS, 0)
     for p in files:
         if p not in older:
@@ -286,8 +283,8 @@ def step_commit(path: Path, rows: int, new_rows: int, rounds: int = 1) -> dict[s
         seconds.append(time.perf_counter() - t)
         written.append(write_bytes() - before)
     store.close()
-    # the first commit also rewrites what the two commits before it changed (format 2's copies
-    # rotate over three commits: docs/format.md); from the third on, a commit writes the pages of
+    # the first commit also rewrites what the two commits before it changed (the copies rotate
+    # over three commits: docs/format.md); from the third on, a commit writes the pages of
     # its own and the two previous commits' rows
     return {"commit_s": seconds[0], "commit_bytes_written": written[0], "commit_s_all": seconds,
             "commit_bytes_written_all": written}

@@ -44,7 +44,10 @@ mode="r+")`` is exercised on every store by ``tests/test_golden.py``).
 A fixture must decode forever: never regenerate one that exists because a test fails; a failing
 golden test means format v1 broke. Add new fixtures for new features instead. This script
 therefore refuses to overwrite an existing fixture unless ``--force`` is given (for a
-deliberate change of the fixture set, which must come with a note in docs/format.md).
+deliberate change of the fixture set, which must come with a note in docs/format.md). The set
+was written once more, with ``--force``, when the pre-release layouts were folded into the one
+format v1 (the codec blobs came out byte for byte the same); from then on the stores and the
+blobs decode forever, and every later tiered reads them.
 
 Dense dtypes: format v1 commits dense fields of ``bool``, ``uint8``, ``int8``, ``int16``,
 ``int32``, ``int64``, ``float16``, ``float32``, ``float64``, ``complex64`` and ``complex128``.
@@ -94,6 +97,8 @@ sys.path.insert(0, str(REPO))
 import tiered  # noqa: E402
 from tiered.atari import load_fixture  # noqa: E402
 from tiered.codecs import get_codec, segment_checksums  # noqa: E402
+from tiered.engine.commit_arrays import array_path  # noqa: E402
+from tiered.engine.manifest import FORMAT_VERSION  # noqa: E402
 from tiered.verify import verify_store  # noqa: E402
 
 __all__ = ["pack_directory", "extract_archive", "tensor_bytes", "main"]
@@ -120,9 +125,10 @@ LEFT_OUT = frozenset({"lock"})
 #: rewards, an episode end (Breakout at 127, MsPacman at 420) and three different screens.
 WINDOWS = (("Pong", 40, 140), ("Breakout", 100, 140), ("MsPacman", 400, 40))
 #: Rows per ``extend`` call of the ring stores, and where they commit. 5 and 3 are staged
-#: writes (below ``stage_rows // 8``); 320 rows into capacity 256 wrap the ring, the last two
-#: writes overwrite committed rows, so free ids and free and deferred cold extents are on disk.
-RING_PLAN: tuple[int | str, ...] = (100, "flush", 5, 3, 92, "flush", 80, "flush", 40, "close")
+#: writes (below ``stage_rows // 8``); 320 rows into capacity 256 wrap the ring, the last three
+#: writes overwrite committed rows in three commits (cold space freed before the previous commit
+#: is reusable, the rest deferred), so free ids and free and deferred cold extents are on disk.
+RING_PLAN: tuple[int | str, ...] = (100, "flush", 5, 3, 92, "flush", 80, "flush", 20, "flush", 20, "close")
 RING_CAPACITY = 256
 #: Dense dtypes format v1 commits today (see the module docstring for the others).
 DENSE_DTYPES = ("bool", "uint8", "int8", "int16", "int32", "int64", "float16", "float32", "float64",
@@ -342,12 +348,11 @@ def store_specs(rows: Any) -> dict[str, dict[str, Any]]:
 
 
 def _cold_state(store_dir: Path) -> dict[str, int]:
-    """Counts of the free lists in the committed arrays (docs/format.md, gen-XXXXXXXX/*.npy)."""
+    """Counts of the free lists in the committed arrays (docs/format.md, arrays/NAME.COPY.npy)."""
     body = json.loads((store_dir / "manifest.json").read_text())["body"]
-    gen = store_dir / f"gen-{int(body['generation']):08d}"
 
     def count(name: str) -> int:
-        return int(np.load(gen / f"{name}.npy", allow_pickle=False).shape[0])
+        return int(np.load(array_path(str(store_dir), body, name), allow_pickle=False).shape[0])
 
     return {"free_ids": count("index.free_ids"), "free_extents": count("cold.free_offsets"),
             "pending_extents": count("cold.pending_offsets")}
@@ -493,7 +498,7 @@ def main(argv: list[str] | None = None, log: Callable[[str], None] = print) -> i
     manifest: dict[str, Any] = {
         "about": "golden fixtures of tiered format v1; written by benchmarks/make_golden.py, read by "
                  "tests/test_golden.py; see docs/format.md, section 'Golden fixtures'",
-        "format_version": 1,
+        "format_version": FORMAT_VERSION,
         "written_by": f"tiered {tiered.__version__}",
         "source": {"file": source.relative_to(REPO).as_posix() if source.is_relative_to(REPO) else str(source),
                    "windows": [list(w) for w in WINDOWS]},

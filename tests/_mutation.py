@@ -80,29 +80,24 @@ def build_store(path: Path, backend: str, data: TensorDict) -> Store:
         rows = ro.get(torch.arange(len(ro)))
     files = sorted(p.relative_to(path) for p in path.rglob("*") if p.is_file())
     current = {p.relative_to(path) for p in _current_arrays(path)}
-    files = [p for p in files if not p.parts[0].startswith(("gen-", "arrays")) or p.parts[0] == _current_gen(path)
-             or p in current]
+    files = [p for p in files if p.parts[0] != "arrays" or p in current]
     return Store(path, backend, rows, older_rows, older_manifest, older_len, files)
 
 
 def _current_arrays(path: Path) -> list[Path]:
-    """The array files the last commit names (format 2: one copy of each array)."""
+    """The array files the last commit names (one copy of each array)."""
     body = json.loads((path / "manifest.json").read_text())["body"]
     files = gen_files(path, body)
     return [files / f"{name}.npy" for name in body["files"]]
 
 
 def _older_copy(path: Path, rel: Path) -> Path | None:
-    """The same array in the copy the commit before the last wrote (format 2), if any."""
+    """The same array in the copy the commit before the last wrote, if any."""
     if rel.parts[0] != "arrays":
         return None
     name, c, _ = rel.name.rsplit(".", 2)
     older = Path("arrays") / f"{name}.{(int(c) - 1) % 3}.npy"
     return older if (path / older).exists() else None
-
-
-def _current_gen(path: Path) -> str:
-    return f"gen-{json.loads((path / 'manifest.json').read_text())['body']['generation']:08d}"
 
 
 def _data_offset(store: Store, rel: Path) -> int:
@@ -144,7 +139,7 @@ def file_kind(rel: Path) -> str:
     if rel.name in ("manifest.json", "lock", "commit.intent"):
         return rel.name
     name = rel.name[: -len(".npy")]
-    if rel.parts[0] == "arrays":  # format 2: <name>.<copy>.npy
+    if rel.parts[0] == "arrays":  # <name>.<copy>.npy
         name = name.rsplit(".", 1)[0]
     if name.startswith("rows."):
         return "rows.*." + name.rsplit(".", 1)[1]
@@ -161,7 +156,6 @@ def mutations(store: Store, flips: int, seed: int, thorough: bool) -> Iterator[M
     by_size: dict[int, list[Path]] = {}
     for rel in store.files:
         by_size.setdefault(os.path.getsize(store.path / rel), []).append(rel)
-    older_gen = store.path / f"gen-{int(_current_gen(store.path)[4:]) - 1:08d}"
     for rel in store.files:
         size = os.path.getsize(store.path / rel)
         used = _used_end(store, rel)
@@ -190,9 +184,7 @@ def mutations(store: Store, flips: int, seed: int, thorough: bool) -> Iterator[M
         others = same or [o for o in store.files if o != rel and o.parent == rel.parent]
         if others:
             yield Mutation(rel, "swap", 0, rng.choice(others))
-        if rel.parts[0].startswith("gen-") and (older_gen / rel.name).exists():
-            yield Mutation(rel, "older-copy", 0, older_gen.relative_to(store.path) / rel.name)
-        elif _older_copy(store.path, rel) is not None:
+        if _older_copy(store.path, rel) is not None:
             yield Mutation(rel, "older-copy", 0, _older_copy(store.path, rel))
     yield Mutation(Path("manifest.json"), "older-manifest")
 

@@ -24,23 +24,6 @@ def assert_td_equal(a: TensorDict, b: TensorDict) -> None:
         assert torch.equal(x, y), f"field {k} differs"
 
 
-def open_golden_pong(tar_path: Path, tmp_path: Path, atari_pong: TensorDict) -> tuple[Path, TensorDict]:
-    """Extract a golden Pong fixture store (``tests/fixtures/format<N>/pong_format<N>.tar.xz``,
-    all written by the same recipe: rows 400:600 of the cached rollout, row 20's next
-    observation replaced by row 90's, rows 30 and 150 swapped) into ``tmp_path``: its path and
-    the 200 rows it must read back."""
-    import tarfile
-
-    with tarfile.open(tar_path) as tar:
-        tar.extractall(tmp_path, filter="data")
-    path = tmp_path / Path(tar_path).name.removesuffix(".tar.xz")
-    data = atari_pong[400:600].clone()
-    data["next", "observation"][20] = data["next", "observation"][90]
-    order = torch.arange(200)
-    order[150], order[30] = 30, 150
-    return path, data[order]
-
-
 def edit_manifest(path: Path, fn) -> None:
     """Change the manifest body in place (``fn(body)``) and recompute its digest: a self-consistent
     lie, as damage a digest cannot catch. The format version is left as it was."""
@@ -48,6 +31,22 @@ def edit_manifest(path: Path, fn) -> None:
     fn(doc["body"])
     doc["sha256"] = hashlib.sha256(json.dumps(doc["body"], sort_keys=True, separators=(",", ":")).encode()).hexdigest()
     (Path(path) / "manifest.json").write_text(json.dumps(doc))
+
+
+def restamp(path: Path) -> None:
+    """Record in the manifest the page checksums of every array file of the last commit as the
+    files are now (and the digest; sizes are left as recorded): edits made to the files become a
+    self-consistent lie, so what is tested is the checks behind the page checksums (a writer bug
+    would look so)."""
+    from tiered.engine.commit_arrays import array_path
+    from tiered.engine.manifest import page_checksums
+
+    def stamp(body: dict) -> None:
+        for name in body["files"]:  # a loop over a commit's array files (a few dozen)
+            data = Path(array_path(str(path), body, name)).read_bytes()
+            body["checksums"]["files"][name] = page_checksums([memoryview(data)])
+
+    edit_manifest(path, stamp)
 
 
 def schema_entry(body: dict, key: list[str]) -> dict:
@@ -74,8 +73,8 @@ def check_refcounts(store: TieredStore) -> None:
 
 
 class GenFiles:
-    """The array files of a store's last commit, addressed as ``files / "name.npy"`` whatever the
-    format: ``gen-<g>/name.npy`` (format 1) or the copy ``arrays/name.<c>.npy`` (format 2)."""
+    """The array files of a store's last commit, addressed as ``files / "name.npy"``: the copy
+    ``arrays/name.<c>.npy`` the manifest names."""
 
     def __init__(self, path, body=None) -> None:
         import json
@@ -87,7 +86,7 @@ class GenFiles:
     def __truediv__(self, fname: str):
         from pathlib import Path
 
-        from tiered.engine.persistence import array_path
+        from tiered.engine.commit_arrays import array_path
 
         assert fname.endswith(".npy"), fname
         return Path(array_path(str(self.path), self.body, fname[:-4]))

@@ -20,7 +20,7 @@ from tiered.engine.lock import acquire_writer_lock, release
 from tiered.engine.manifest import FORMAT_VERSION
 from tiered.formats import import_dataset
 
-COMMANDS = ["info", "verify", "upgrade", "import", "export", "demo"]
+COMMANDS = ["info", "verify", "import", "export", "demo"]
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +58,7 @@ def test_top_level_help_and_version(capsys):
         ([], "required: COMMAND"),
         (["frobnicate"], "invalid choice: 'frobnicate'"),
         (["info"], "required: store"),
-        (["import", "hdf9", "a", "b"], "FORMAT is one of d4rl, minari, torchrl, npz, dqn-replay"),
+        (["import", "hdf9", "a", "b"], "unrecognized arguments: b"),
         (["import", "a", "b", "--format", "hdf9"], "invalid choice: 'hdf9'"),
         (["export", "s", "d"], "required: --format"),
         (["import", "SRC", "DST", "--format", "d4rl", "--frames", "observation"], "--frames takes KEY=DIM"),
@@ -167,20 +167,19 @@ def _d4rl_file(path: Path) -> Path:
     return path
 
 
-def test_import_takes_format_like_export_and_the_old_spelling_warns(tmp_path, capsys):
+def test_import_takes_src_dst_and_format_like_export(tmp_path, capsys):
     src = _d4rl_file(tmp_path / "d.hdf5")
     assert main(["import", str(src), str(tmp_path / "new"), "--format", "d4rl", "-q"]) == 0
-    assert "deprecated" not in capsys.readouterr().err
-    assert main(["import", "d4rl", str(src), str(tmp_path / "old"), "-q"]) == 0
-    err = capsys.readouterr().err
-    assert "'tiered import FORMAT SRC DST' is deprecated" in err and "--format d4rl" in err
-    for name in ("new", "old"):
-        assert main(["info", str(tmp_path / name), "--json"]) == 0
-        assert json.loads(capsys.readouterr().out)["rows"] == 10
-    # both spellings at once is ambiguous: refused, nothing written
-    assert main(["import", "d4rl", str(src), str(tmp_path / "both"), "--format", "d4rl"]) == 2
-    assert "takes SRC DST --format FORMAT" in capsys.readouterr().err
-    assert not (tmp_path / "both").exists()
+    assert main(["info", str(tmp_path / "new"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["rows"] == 10
+    # FORMAT SRC DST is not a spelling: refused by the parser, nothing written
+    assert main(["import", "d4rl", str(src), str(tmp_path / "old")]) == 2
+    assert "unrecognized arguments" in capsys.readouterr().err
+    assert not (tmp_path / "old").exists()
+    # without --format: refused, naming the format the source looks like
+    assert main(["import", str(src), str(tmp_path / "none")]) == 2
+    assert "needs --format FORMAT (one of d4rl" in capsys.readouterr().err
+    assert not (tmp_path / "none").exists()
 
 
 def test_info_verify_export_on_a_dataset_suggest_the_import_command(tmp_path, capsys):
@@ -219,11 +218,11 @@ def test_import_force_over_a_locked_store_exits_5(pong_store, tmp_path, capsys):
         f["terminals"] = np.zeros(10, bool)
     h = acquire_writer_lock(target)
     try:
-        assert main(["import", "d4rl", str(tmp_path / "d.hdf5"), str(target), "--force", "-q"]) == 5
+        assert main(["import", str(tmp_path / "d.hdf5"), str(target), "--format", "d4rl", "--force", "-q"]) == 5
         assert f"pid {os.getpid()}" in capsys.readouterr().err
     finally:
         release(h)
-    assert main(["import", "d4rl", str(tmp_path / "d.hdf5"), str(target), "--force", "-q"]) == 0
+    assert main(["import", str(tmp_path / "d.hdf5"), str(target), "--format", "d4rl", "--force", "-q"]) == 0
     assert main(["info", str(target), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["rows"] == 10
     # export --force over a store its writer has open is refused the same way, store untouched

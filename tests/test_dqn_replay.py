@@ -188,7 +188,7 @@ def test_cli_import_export_and_help(dataset: str, tmp_path, capsys) -> None:
     assert main(["import", src, str(tmp_path / "p.tiered"), "--format", "dqn-replay", "-q"]) == 0
     assert main(["export", str(tmp_path / "p.tiered"), str(tmp_path / "o"), "--format", "dqn-replay", "-q"]) == 0
     assert sorted(os.listdir(tmp_path / "o")) == ["1", "2"]
-    assert main(["import", "dqn-replay", src, str(tmp_path / "q.tiered"), "-q"]) == 0  # FORMAT SRC DST
+    assert main(["import", src, str(tmp_path / "q.tiered"), "--format", "dqn-replay", "-q"]) == 0
     assert main(["import", dataset, str(tmp_path / "r.tiered"), "--format", "dqn-replay", "-q"]) == 2
     assert "several games" in capsys.readouterr().err
     assert main(["import", "--help"]) == 0

@@ -19,6 +19,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -366,20 +367,27 @@ def test_store_files_without_a_manifest_are_reported_as_damage(damaged_base):
     assert main(["verify", str(damaged_base), "-q"]) == 3
 
 
-def test_future_format_version(damaged_base, capsys):
+@pytest.mark.parametrize("version", [99, 2, 6, 0, "1", None])
+def test_any_other_format_version_is_refused_saying_what_to_do(damaged_base, capsys, version):
+    """One on-disk format: a later one (99), a pre-release layout (2..6) or garbage is refused,
+    naming the version read and the one supported, and the way to rewrite the store."""
     m = damaged_base / "manifest.json"
     doc = json.loads(m.read_text())
-    doc["body"]["format_version"] = 99
+    doc["body"]["format_version"] = version
     body = doc["body"]
     doc["sha256"] = hashlib.sha256(
         json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
     ).hexdigest()
     m.write_text(json.dumps(doc))
-    with pytest.raises(FormatVersionError, match="99"):
+    with pytest.raises(FormatVersionError, match=re.escape(f"format version {version!r};")) as e:
         tiered.open(damaged_base)
+    assert "reads format version 1 only" in str(e.value) and "tiered export" in str(e.value)
+    for mode in ("r", "r+"):
+        with pytest.raises(FormatVersionError):
+            tiered.open(damaged_base, mode=mode)
     assert main(["info", str(damaged_base)]) == 6
     assert main(["verify", str(damaged_base), "-q"]) == 6
-    assert "99" in capsys.readouterr().err
+    assert repr(version) in capsys.readouterr().err
 
 
 def _rewrite(path: Path, fn) -> None:

@@ -1,4 +1,4 @@
-"""Dense bool fields of one value per row share one flags byte per row (format 6).
+"""Dense bool fields of one value per row share one flags byte per row.
 
 A TorchRL rollout has three such fields (``("next", "done")``, ``terminated``, ``truncated``): as
 columns of their own they take a byte per row each, as bits of one ``flags`` column one byte in
@@ -15,22 +15,18 @@ all. These tests show that:
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
-from helpers import assert_td_equal, edit_manifest, manifest_body, open_golden_pong, schema_entry
+from helpers import assert_td_equal, edit_manifest, manifest_body, schema_entry
 from tensordict import TensorDict
 
 import tiered
 from tiered import TieredStore
-from tiered.cli import main
 from tiered.errors import ChecksumError, CorruptionError
 from tiered.verify import verify_store
 
 OPTS = {"frames": {"observation": 0}, "chunk_frames": 4}
-FIXTURES = Path(__file__).parent / "fixtures"
 FLAGS = [["next", "done"], ["next", "terminated"], ["next", "truncated"]]
 
 
@@ -76,7 +72,7 @@ def test_one_flags_file_of_a_byte_per_row(atari_pong, tmp_path):
         # action (uint8), traj id (uint8), reward (int8: -1/0/1), each narrowed; the flags byte
         assert s.stats()["memory"]["dense"] == 1000 * (1 + 1 + 1 + 1)
     body = manifest_body(tmp_path / "s")
-    assert body["format_version"] == 6
+    assert body["format_version"] == 1
     # the rollout's six flags (done, terminated, truncated, and the same under "next"), in schema order
     assert [schema_entry(body, k)["flag_bit"] for k in [[k[-1]] for k in FLAGS] + FLAGS] == [0, 1, 2, 3, 4, 5]
     index_of = {tuple(f["key"]): i for i, f in enumerate(body["schema"])}
@@ -181,65 +177,3 @@ def test_a_torchrl_slice_sampler_reads_the_flags(atari_pong, tmp_path):
     assert not done[:, :-1].any()
     whole = rb[:]
     assert torch.equal(whole["next", "done"], atari_pong["next", "done"][:1000])
-
-
-RECIPE = """
-        data = cached_rollout(game="Pong", steps=2000, seed=0, max_episode_steps=500)[400:600].clone()
-        data["next", "observation"][20] = data["next", "observation"][90]
-        with tiered.TieredStore(40_000, NAME, chunk_frames=8) as s:
-            for a in range(0, 200, 50):
-                s.extend(data[a:a + 50])
-            s.set(torch.tensor([150, 30]), data[torch.tensor([30, 150])])
-"""
-
-
-def _arrays(path: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in (path / "arrays").iterdir()}
-
-
-def test_a_format5_store_keeps_its_bool_columns_and_upgrades_to_format6(tmp_path, atari_pong, capsys):
-    """``tests/fixtures/format5/pong_format5.tar.xz``: a store written by tiered at format 5 (the
-    last commit before format 6), NAME ``pong_format5``, by :data:`RECIPE`.
-
-    A failure here means old stores stopped reading: fix the code, never the fixture.
-    """
-    path, expected = open_golden_pong(FIXTURES / "format5" / "pong_format5.tar.xz", tmp_path, atari_pong)
-    body = manifest_body(path)
-    assert body["format_version"] == 5 and "flags" not in body["files"]
-    before = _arrays(path)
-    with tiered.open(path) as s:
-        assert_td_equal(s.get(torch.arange(200)), expected)
-    assert _arrays(path) == before
-    assert main(["upgrade", str(path)]) == 0 and "upgraded" in capsys.readouterr().out
-    body = manifest_body(path)
-    # format 6 with the layout it had: its bool fields keep their columns
-    assert body["format_version"] == 6 and "flags" not in body["files"]
-    assert all("flag_bit" not in f for f in body["schema"])
-    assert verify_store(path, progress=False).ok
-    with tiered.open(path, mode="r+") as s:
-        assert_td_equal(s.get(torch.arange(200)), expected)
-        s.extend(atari_pong[600:650])
-        assert_td_equal(s.get(torch.arange(200, 250)), atari_pong[600:650])
-    assert verify_store(path, progress=False).ok
-
-
-def test_the_format6_fixture_reads_back(tmp_path, atari_pong):
-    """``tests/fixtures/format6/pong_format6.tar.xz``: a store written by tiered at format 6, NAME
-    ``pong_format6``, by :data:`RECIPE` (its six bool fields in the flags byte).
-
-    A failure here means format 6 changed: fix the code, never the fixture.
-    """
-    path, expected = open_golden_pong(FIXTURES / "format6" / "pong_format6.tar.xz", tmp_path, atari_pong)
-    body = manifest_body(path)
-    assert body["format_version"] == 6 and body["files"]["flags"] > 40_000
-    assert sorted(f["flag_bit"] for f in body["schema"] if "flag_bit" in f) == [0, 1, 2, 3, 4, 5]
-    before = _arrays(path)
-    with tiered.open(path) as s:
-        assert_td_equal(s.get(torch.arange(200)), expected)
-        assert_td_equal(s.get(torch.tensor([199, 0, 150, 30])), expected[torch.tensor([199, 0, 150, 30])])
-    assert _arrays(path) == before
-    assert verify_store(path, progress=False).ok
-    with tiered.open(path, mode="r+") as s:
-        s.extend(atari_pong[600:650])
-        assert_td_equal(s.get(torch.arange(250)), torch.cat([expected, atari_pong[600:650]]))
-    assert verify_store(path, progress=False).ok

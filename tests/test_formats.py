@@ -127,7 +127,7 @@ def _assert_minari_equal(src, dst):
 
 
 def test_d4rl_round_trip_is_exact(d4rl_cartpole, tmp_path):
-    assert run("import", "d4rl", str(d4rl_cartpole), str(tmp_path / "s")) == 0
+    assert run("import", str(d4rl_cartpole), str(tmp_path / "s"), "--format", "d4rl") == 0
     assert run("export", str(tmp_path / "s"), str(tmp_path / "out.hdf5"), "--format", "d4rl") == 0
     assert_arrays_equal(h5_datasets(d4rl_cartpole), h5_datasets(tmp_path / "out.hdf5"))
     with h5py.File(tmp_path / "out.hdf5") as f:
@@ -166,9 +166,10 @@ def test_d4rl_frames_with_next_observations_round_trip_and_dedup(atari_pong, tmp
     assert (
         run(
             "import",
-            "d4rl",
             str(src),
             str(tmp_path / "s"),
+            "--format",
+            "d4rl",
             "--frames",
             "observation=0",
             "--chunk-rows",
@@ -214,7 +215,7 @@ def test_d4rl_float_terminals_come_back_as_floats(cartpole, tmp_path):
 
 
 def test_minari_round_trip_is_exact(minari_cartpole, tmp_path):
-    assert run("import", "minari", str(minari_cartpole), str(tmp_path / "s")) == 0
+    assert run("import", str(minari_cartpole), str(tmp_path / "s"), "--format", "minari") == 0
     assert run("export", str(tmp_path / "s"), str(tmp_path / "out"), "--format", "minari") == 0
     _assert_minari_equal(minari_cartpole, tmp_path / "out")
     # vector observations are stored raw by minari too: the HDF5 arrays are identical
@@ -259,7 +260,7 @@ def test_minari_infos_with_t_plus_one_entries(minari_frozenlake, tmp_path):
 
 def test_minari_jpeg_frames_import_decoded_and_export_lossless(minari_pong, tmp_path):
     assert json.loads((minari_pong / "data" / "metadata.json").read_text())["jpeg_encoding"] is True
-    assert run("import", "minari", str(minari_pong), str(tmp_path / "s"), "--chunk-frames", "8") == 0
+    assert run("import", str(minari_pong), str(tmp_path / "s"), "--format", "minari", "--chunk-frames", "8") == 0
     ds, eps = _episodes(minari_pong)
     with tiered.open(tmp_path / "s") as store:
         td = store.get(slice(None))
@@ -292,7 +293,7 @@ def test_minari_export_from_a_torchrl_store_loads_in_minari(atari_pong, tmp_path
 def test_torchrl_memmap_round_trip_is_exact(atari_pong, tmp_path):
     atari_pong.memmap(tmp_path / "td")
     assert (
-        run("import", "torchrl", str(tmp_path / "td"), str(tmp_path / "s"), "--frames", "observation=0") == 0
+        run("import", str(tmp_path / "td"), str(tmp_path / "s"), "--format", "torchrl", "--frames", "observation=0") == 0
     )
     assert run("export", str(tmp_path / "s"), str(tmp_path / "out"), "--format", "torchrl") == 0
     back = TensorDict.load_memmap(tmp_path / "out")
@@ -337,7 +338,7 @@ def test_torchrl_replay_buffer_checkpoint_imports(atari_pong, tmp_path):
 
 def test_npz_d4rl_names_round_trip(cartpole, tmp_path):
     np.savez(tmp_path / "a.npz", **{k: v for k, v in cartpole.items() if k != "next_observations"})
-    assert run("import", "npz", str(tmp_path / "a.npz"), str(tmp_path / "s")) == 0
+    assert run("import", str(tmp_path / "a.npz"), str(tmp_path / "s"), "--format", "npz") == 0
     assert run("export", str(tmp_path / "s"), str(tmp_path / "b.npz"), "--format", "npz") == 0
     with np.load(tmp_path / "a.npz") as a, np.load(tmp_path / "b.npz") as b:
         assert_arrays_equal(dict(a), dict(b))
@@ -397,19 +398,19 @@ def test_import_of_a_wrapped_capacity_exports_oldest_first(d4rl_cartpole, cartpo
 
 def test_import_errors_exit_2_and_leave_nothing(d4rl_cartpole, tmp_path, capsys):
     (tmp_path / "junk.hdf5").write_bytes(b"not hdf5 at all")
-    assert run("import", "d4rl", str(tmp_path / "junk.hdf5"), str(tmp_path / "s")) == 2
-    assert run("import", "d4rl", str(tmp_path / "missing.hdf5"), str(tmp_path / "s")) == 2
-    assert run("import", "minari", str(d4rl_cartpole), str(tmp_path / "s")) == 2
-    assert run("import", "torchrl", str(tmp_path), str(tmp_path / "s")) == 2
+    assert run("import", str(tmp_path / "junk.hdf5"), str(tmp_path / "s"), "--format", "d4rl") == 2
+    assert run("import", str(tmp_path / "missing.hdf5"), str(tmp_path / "s"), "--format", "d4rl") == 2
+    assert run("import", str(d4rl_cartpole), str(tmp_path / "s"), "--format", "minari") == 2
+    assert run("import", str(tmp_path), str(tmp_path / "s"), "--format", "torchrl") == 2
     with h5py.File(tmp_path / "other.hdf5", "w") as f:
         f["x"] = np.zeros(3)
-    assert run("import", "d4rl", str(tmp_path / "other.hdf5"), str(tmp_path / "s")) == 2
+    assert run("import", str(tmp_path / "other.hdf5"), str(tmp_path / "s"), "--format", "d4rl") == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err and err.count("tiered: error:") == 5
     assert not (tmp_path / "s").exists()
     assert not [p for p in os.listdir(tmp_path) if ".partial" in p]
     (tmp_path / "taken").mkdir()
-    assert run("import", "d4rl", str(d4rl_cartpole), str(tmp_path / "taken")) == 2
+    assert run("import", str(d4rl_cartpole), str(tmp_path / "taken"), "--format", "d4rl") == 2
     assert "already exists" in capsys.readouterr().err
 
 
@@ -516,7 +517,7 @@ def test_imported_dataset_samples_episode_slices_through_torchrl(fmt, request, t
 def test_import_into_the_hdf5_backend(d4rl_cartpole, atari_pong, tmp_path):
     src = write_d4rl(tmp_path / "pong.hdf5", pong_d4rl_arrays(atari_pong[:400]), metadata=False)
     args = ("--backend", "hdf5", "--frames", "observation=0")
-    assert run("import", "d4rl", str(src), str(tmp_path / "s"), *args) == 0
+    assert run("import", str(src), str(tmp_path / "s"), "--format", "d4rl", *args) == 0
     assert sorted(p.suffix for p in (tmp_path / "s" / "cold").iterdir()) == [".h5"]
     assert run("verify", str(tmp_path / "s")) == 0
     assert run("export", str(tmp_path / "s"), str(tmp_path / "out.hdf5"), "--format", "d4rl") == 0

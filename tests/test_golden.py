@@ -31,6 +31,7 @@ import torch
 
 import tiered
 from tiered.codecs import codec_for_format_id, get_codec, segment_checksums, segment_checksums_torch
+from tiered.engine.commit_arrays import array_path
 from tiered.errors import TieredError
 from tiered.verify import verify_store
 
@@ -192,10 +193,9 @@ def test_committed_free_lists_match(name: str, extracted: dict[str, Path]):
     expected = GOLDEN["stores"][name]
     body = json.loads((extracted[name] / "manifest.json").read_text())["body"]
     assert body["format_version"] == 1 and body["generation"] == expected["generation"]
-    generation = extracted[name] / f"gen-{expected['generation']:08d}"
 
     def count(array: str) -> int:
-        return int(np.load(generation / f"{array}.npy", allow_pickle=False).shape[0])
+        return int(np.load(array_path(str(extracted[name]), body, array), allow_pickle=False).shape[0])
 
     assert {"free_ids": count("index.free_ids"), "free_extents": count("cold.free_offsets"),
             "pending_extents": count("cold.pending_offsets")} == expected["cold"]

@@ -10,9 +10,10 @@
   deeply nested manifest JSON (``RecursionError``), negative offsets.
 * A damaged ``index.free_ids`` is found at open and by ``verify``, not by the next write.
 
-Stores written before the commit record carried array checksums are modelled by removing the
-``checksums`` entry from the manifest (and recomputing its digest): the bounds and consistency
-checks must hold without them.
+Damage the page checksums would catch first is also tried restamped (``helpers.restamp``: the
+manifest records the checksums of the damaged bytes, a self-consistent lie): the bounds and
+consistency checks behind the checksums must hold on their own. A manifest without its
+``checksums`` entry is damage.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import GenFiles, gen_files
+from helpers import GenFiles, gen_files, restamp
 
 import tiered
 from tiered import TieredStore
@@ -60,9 +61,12 @@ def _edit_manifest(path: Path, fn) -> None:
     (path / "manifest.json").write_text(json.dumps(doc))
 
 
-def _older_store(path: Path) -> None:
-    """As a store written before array checksums: no ``checksums`` entry."""
-    _edit_manifest(path, lambda b: b.pop("checksums"))
+def test_a_manifest_without_page_checksums_is_damage(store, capsys):
+    _edit_manifest(store, lambda b: b.pop("checksums"))
+    with pytest.raises(CorruptionError, match="checksums"):
+        tiered.open(store)
+    rep = verify_store(store, progress=False)
+    assert not rep.ok and "checksums" in rep.summary(), rep.summary()
 
 
 def _rewrite_array(path: Path, name: str, fn) -> None:
@@ -119,16 +123,17 @@ _LIES = {"capacity-5e7": _capacity_lie, "index-meta-1e9": _meta_lie, "npy-header
 
 @pytest.mark.timeout(300)
 def test_size_lies_are_refused_before_allocating(store, tmp_path):
-    """Every lie, with and without array checksums, opened in one fresh process: each is refused
-    with a CorruptionError and the process's peak RSS grows by less than 100 MB."""
+    """Every lie, with the page checksums of the files before it and restamped after it, opened
+    in one fresh process: each is refused with a CorruptionError and the process's peak RSS grows
+    by less than 100 MB."""
     paths = []
     for checksums in (True, False):
         for name, lie in _LIES.items():
-            p = tmp_path / f"{name}-{'checksummed' if checksums else 'older'}"
+            p = tmp_path / f"{name}-{'checksummed' if checksums else 'restamped'}"
             shutil.copytree(store, p)
-            if not checksums:
-                _older_store(p)
             lie(p)
+            if not checksums:
+                restamp(p)
             paths.append(str(p))
     r = subprocess.run([sys.executable, "-c", _RSS_PROBE, *paths], capture_output=True, text=True, timeout=240,
                        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
@@ -185,12 +190,12 @@ def test_store_files_that_are_not_regular_files(store, target, kind):
 
 
 def test_a_damaged_npy_header_names_the_file(store):
-    _older_store(store)  # without checksums the header itself must be refused
     f = _gen(store) / "index.nbytes.npy"
     raw = bytearray(f.read_bytes())
     i = raw.index(b"'descr'")
     raw[i:i + 7] = b"'descr\n"  # an unterminated string: tokenize.TokenError inside numpy's parser
     f.write_bytes(bytes(raw))
+    restamp(store)  # checksums of the damaged header: the header itself must be refused
     with pytest.raises(CorruptionError, match=re.escape(f.name)):
         tiered.open(store)
     rep = verify_store(store, progress=False)
@@ -206,11 +211,9 @@ def test_deeply_nested_manifest_json(store, capsys):
     assert "Traceback" not in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("checksums", [True, False], ids=["checksummed", "older-store"])
+@pytest.mark.parametrize("checksums", [True, False], ids=["checksummed", "restamped"])
 @pytest.mark.parametrize("case", ["negative-offset", "row-blob-far", "row-blob-negative", "slot-past-blob"])
 def test_flipped_index_entries_are_tiered_errors(store, case, checksums):
-    if not checksums:
-        _older_store(store)
     name, fn = {
         "negative-offset": ("index.loc", lambda a: np.where(a >= 0, -a - 4096, a)),
         "row-blob-far": ("rows.0.blob", lambda a: np.where(a >= 0, a + (1 << 30), a)),  # int32 tables
@@ -221,6 +224,8 @@ def test_flipped_index_entries_are_tiered_errors(store, case, checksums):
     a = np.load(f)
     b = fn(a).astype(a.dtype)
     f.write_bytes(f.read_bytes()[: os.path.getsize(f) - b.nbytes] + b.tobytes())  # same header, same size
+    if not checksums:
+        restamp(store)
     with pytest.raises(ChecksumError if checksums else CorruptionError):
         tiered.open(store).get(list(range(100)))
     assert not verify_store(store, progress=False).ok
@@ -236,7 +241,6 @@ def test_a_damaged_free_id_pool_is_found_at_open_and_by_verify(atari_pong, tmp_p
         s.extend(atari_pong[:40])
         s.flush()
         s.extend(atari_pong[40:70])
-    _older_store(path)
     free = np.load(_gen(path) / "index.free_ids.npy")
     assert free.size >= 2
     state = np.load(_gen(path) / "index.state.npy")
@@ -244,6 +248,7 @@ def test_a_damaged_free_id_pool_is_found_at_open_and_by_verify(atari_pong, tmp_p
     edit = {"duplicate": lambda a: np.r_[a[:-1], a[:1]], "a-stored-id": lambda a: np.r_[a[:-1], stored],
             "out-of-range": lambda a: np.r_[a[:-1], 10**9], "missing": lambda a: a[:-1]}[how]
     _rewrite_array(path, "index.free_ids", edit)
+    restamp(path)
     for mode in ("r", "r+"):
         with pytest.raises(CorruptionError, match="free_ids"):
             tiered.open(path, mode=mode)
@@ -260,8 +265,7 @@ def test_not_a_store_is_still_not_a_store(tmp_path):
 
 
 def _wrapped_store(atari_pong, tmp_path) -> tuple[Path, object]:
-    """An older store (no array checksums, so edits reach the consistency checks) whose ring
-    wrapped: freed cold extents and free ids; with every row it holds."""
+    """A store whose ring wrapped: freed cold extents and free ids; with every row it holds."""
     path = tmp_path / "s"
     with TieredStore(40, path, **OPTS) as s:
         s.extend(atari_pong[:40])
@@ -270,7 +274,6 @@ def _wrapped_store(atari_pong, tmp_path) -> tuple[Path, object]:
         s.flush()
         s.extend(atari_pong[70:75])
         rows = s.get(list(range(40)))
-    _older_store(path)
     return path, rows
 
 
@@ -300,6 +303,7 @@ def test_overlapping_cold_extents_stop_a_writer_and_never_give_a_reader_wrong_ro
         moved = int(ids[np.argsort(loc)[1]])  # the blob after the first one, onto the first one's bytes
         _rewrite_array(path, "index.loc", lambda a: np.where(np.arange(a.shape[0])[:, None] == moved,
                                                               np.array([-1, -1, loc[first]]), a).astype(a.dtype))
+    restamp(path)  # the edits' page checksums: the consistency checks must catch them
     before = {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in path.rglob("*") if p.is_file() and p.name != "lock"}
     with pytest.raises(CorruptionError, match="overlap"):
         tiered.open(path, mode="r+")

@@ -1,4 +1,4 @@
-"""Next row tables (format 5): a stacked ``("next", X)`` field keeps nothing per row. As a rule,
+"""Next row tables: a stacked ``("next", X)`` field keeps nothing per row. As a rule,
 row ``r``'s next stack is ``X``'s stack of ``r`` shifted by one step, then the newest frame of
 row ``r + 1``; only the rows where that fails (episode ends, the row before the write cursor,
 rows written out of order) are kept, with their whole stacks.
@@ -6,20 +6,17 @@ rows written out of order) are kept, with their whole stacks.
 Random puts/unsets through a layout match explicit tables, reference counts included (a write of
 ``X``'s rows must not change what the rows before them reference); real Atari stacks sampled
 through a TorchRL replay buffer over ring laps read back bit-exactly with exact reference
-counts; a format-4 fixture store reads the same, converts in memory and upgrades to format 5;
-damaged exception entries are refused at open.
+counts; damaged exception entries are refused at open.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from helpers import assert_td_equal, check_refcounts, manifest_body, open_golden_pong
+from helpers import assert_td_equal, check_refcounts, manifest_body, restamp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tensordict import TensorDict
@@ -40,7 +37,6 @@ from tiered.torchrl import TieredStorage
 from tiered.verify import verify_store
 
 OBS, NEXT = ("observation",), ("next", "observation")
-FIXTURE4 = Path(__file__).parent / "fixtures" / "format4" / "pong_format4.tar.xz"
 
 
 def _rule_breaks(td: TensorDict, written: np.ndarray) -> np.ndarray:
@@ -98,7 +94,7 @@ def test_a_replay_buffer_over_ring_laps_samples_exact_stacks_with_exact_referenc
     storage.close()
     body = manifest_body(path)
     i = index_of[NEXT]
-    assert body["format_version"] == FORMAT_VERSION == 6 and body["derived_tables"] == {str(i): index_of[OBS]}
+    assert body["format_version"] == FORMAT_VERSION == 1 and body["derived_tables"] == {str(i): index_of[OBS]}
     assert f"rows.{i}.blob" not in body["files"] and f"next.{i}.rows" in body["files"]
     assert verify_store(path, progress=False).ok
     assert main(["verify", str(path)]) == 0
@@ -118,60 +114,17 @@ def test_a_replay_buffer_over_ring_laps_samples_exact_stacks_with_exact_referenc
         check_refcounts(s)
 
 
-def test_a_format4_store_reads_the_same_and_upgrades_to_format5(tmp_path, atari_pong, capsys):
-    """``tests/fixtures/format4/pong_format4.tar.xz``: a store written by tiered at format 4::
-
-        data = cached_rollout(game="Pong", steps=2000, seed=0, max_episode_steps=500)[400:600].clone()
-        data["next", "observation"][20] = data["next", "observation"][90]
-        with tiered.TieredStore(40_000, "pong_format4", chunk_frames=8) as s:
-            for a in range(0, 200, 50):
-                s.extend(data[a:a + 50])
-            s.set(torch.tensor([150, 30]), data[torch.tensor([30, 150])])
-
-    A failure here means old stores stopped reading: fix the code, never the fixture.
-    """
-    path, expected = open_golden_pong(FIXTURE4, tmp_path, atari_pong)
-    body = manifest_body(path)
-    i = {k: n for n, k in enumerate(Schema.from_json(body["schema"]))}[NEXT]
-    assert body["format_version"] == 4 and f"rows.{i}.blob" in body["files"]
-    before = {p.name: p.read_bytes() for p in (path / "arrays").iterdir()}
-    with tiered.open(path) as s:  # converted in memory, nothing written
-        assert_td_equal(s.get(torch.arange(200)), expected)
-        obs, nxt = parts(s).layout.tables[OBS], parts(s).layout.tables[NEXT]
-        assert obs.shifted and isinstance(nxt, NextRowTable) and nxt.base is obs
-        # 20 (another row's next stack), 29/30, 149/150 (swapped rows), 99 (the episode end),
-        # 199 (before the first unwritten row), the last row (unwritten, before row 0)
-        assert nxt.exc_rows.tolist() == [20, 29, 30, 99, 149, 150, 199, 39_999]
-        check_refcounts(s)
-    assert {p.name: p.read_bytes() for p in (path / "arrays").iterdir()} == before
-    assert main(["upgrade", str(path)]) == 0 and "upgraded" in capsys.readouterr().out
-    body = manifest_body(path)
-    assert body["format_version"] == FORMAT_VERSION == 6 and f"rows.{i}.blob" not in body["files"]
-    assert verify_store(path, progress=False).ok
-    with tiered.open(path, mode="r+") as s:
-        assert_td_equal(s.get(torch.arange(200)), expected)
-        check_refcounts(s)
-        s.extend(atari_pong[600:650])
-        assert_td_equal(s.get(torch.arange(200, 250)), atari_pong[600:650])
-        check_refcounts(s)
-    assert verify_store(path, progress=False).ok
-
-
 def _corrupt_exception(path: Path, value: int) -> Path:
-    """Set the first blob id of a next table's first exception to ``value``, as a store without
-    page checksums (the content check must catch it)."""
-    doc = json.loads((path / "manifest.json").read_text())
-    body = doc["body"]
+    """Set the first blob id of a next table's first exception to ``value``, with the page
+    checksums of the damaged bytes (the content check must catch it)."""
+    body = manifest_body(path)
     (i,) = body["derived_tables"]
     name = f"next.{i}.blob"
     f = path / "arrays" / f"{name}.{body['copy'][name]}.npy"
     arr = np.load(f)
     arr[0, 0] = value
     np.save(f, arr)
-    body["files"][name] = f.stat().st_size
-    body.pop("checksums")
-    doc["sha256"] = hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
-    (path / "manifest.json").write_text(json.dumps(doc))
+    restamp(path)
     return f
 
 

@@ -70,7 +70,7 @@ def test_planted_pickle_in_a_torchrl_memmap_source_never_runs(tmp_path):
     _plant_in_memmap(src, marker)
     with pytest.raises(E.PickledDataError, match="pickled"):
         import_dataset("torchrl", src, tmp_path / "dst")
-    assert main(["import", "torchrl", str(src), str(tmp_path / "dst2")]) == 2
+    assert main(["import", str(src), str(tmp_path / "dst2"), "--format", "torchrl"]) == 2
     assert not marker.exists()
     assert not (tmp_path / "dst").exists()
 
@@ -294,7 +294,7 @@ def test_d4rl_per_row_column_of_the_wrong_length_is_refused(tmp_path, column):
         import_dataset("d4rl", src, tmp_path / "dst")
     assert f"'{column}' has 17 rows" in str(e.value) and "'observations' (20)" in str(e.value)
     assert str(src) in str(e.value)
-    assert main(["import", "d4rl", str(src), str(tmp_path / "dst2")]) == 2
+    assert main(["import", str(src), str(tmp_path / "dst2"), "--format", "d4rl"]) == 2
     assert not (tmp_path / "dst").exists() and not (tmp_path / "dst2").exists()
 
 
@@ -307,7 +307,7 @@ def test_a_damaged_npz_member_header_exits_2(tmp_path):
     src.write_bytes(bytes(raw))
     with pytest.raises(E.UnsupportedFormatError, match="a.npz"):
         import_dataset("npz", src, tmp_path / "dst")
-    assert main(["import", "npz", str(src), str(tmp_path / "dst2")]) == 2
+    assert main(["import", str(src), str(tmp_path / "dst2"), "--format", "npz"]) == 2
 
 
 # ------------------------------------------------------------------------------------------------

@@ -1,23 +1,21 @@
-"""Shifted row tables (format 4): a stacked field keeps only each row's newest frame, the rest of
+"""Shifted row tables: a stacked field keeps only each row's newest frame, the rest of
 its stack being the previous row's shifted by one step, plus the rows where that rule fails.
 
 Real Atari stacks (Pong truncated every 500 steps, MsPacman game overs) read back bit-exactly
 after sequential writes, ring laps, random overwrites and single-row rewrites; stacks that never
-follow the rule turn the table explicit; commits write format 4, damage is refused; random
+follow the rule turn the table explicit; commits save them shifted, damage is refused; random
 put/unset sequences match an explicit table.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import re
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from helpers import assert_td_equal, manifest_body, open_golden_pong
+from helpers import assert_td_equal, manifest_body, restamp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tensordict import TensorDict
@@ -25,7 +23,6 @@ from tensordict import TensorDict
 import tiered
 from tiered import TieredStore
 from tiered.atari import concat_rollouts
-from tiered.cli import main
 from tiered.engine.manifest import FORMAT_VERSION, PAGE_BYTES
 from tiered.errors import ChecksumError, CorruptionError
 from tiered.index import RowTable, ShiftedRowTable
@@ -34,7 +31,6 @@ from tiered.torchrl import TieredStorage
 from tiered.verify import verify_store
 
 OBS, NEXT = ("observation",), ("next", "observation")
-FIXTURE3 = Path(__file__).parent / "fixtures" / "format3" / "pong_format3.tar.xz"
 
 
 def _breaks(stacks: torch.Tensor) -> np.ndarray:
@@ -71,7 +67,7 @@ def test_sequential_writes_and_ring_laps_read_bit_exactly(games, tmp_path):
                                                      + nxt.exc_rows.size * (8 + 4 * 6))
         index_of = {k: i for i, k in enumerate(s.schema)}
     body = manifest_body(path)
-    assert body["format_version"] == FORMAT_VERSION == 6 and body["shifted_tables"] == [index_of[OBS]]
+    assert body["format_version"] == FORMAT_VERSION == 1 and body["shifted_tables"] == [index_of[OBS]]
     assert f"shift.{index_of[OBS]}.rows" in body["files"] and body["files"][f"rows.{index_of[OBS]}.blob"] < cap * 8
     with tiered.open(path) as s:
         assert_td_equal(s.get(torch.arange(cap)), truth)
@@ -138,32 +134,6 @@ def test_stacks_that_never_shift_turn_the_table_explicit(atari_pong):
         assert_td_equal(s.get(torch.arange(5000, 5010)), data[:10])
 
 
-def test_a_format3_store_reads_the_same_and_upgrades_to_the_current_format(tmp_path, atari_pong, capsys):
-    """``tests/fixtures/format3/pong_format3.tar.xz``: a store written by tiered at format 3::
-
-        data = cached_rollout(game="Pong", steps=2000, seed=0, max_episode_steps=500)[400:600].clone()
-        data["next", "observation"][20] = data["next", "observation"][90]
-        with tiered.TieredStore(40_000, "pong_format3", chunk_frames=8) as s:
-            for a in range(0, 200, 50):
-                s.extend(data[a:a + 50])
-            s.set(torch.tensor([150, 30]), data[torch.tensor([30, 150])])
-
-    A failure here means old stores stopped reading: fix the code, never the fixture.
-    """
-    path, expected = open_golden_pong(FIXTURE3, tmp_path, atari_pong)
-    assert manifest_body(path)["format_version"] == 3 and "shifted_tables" not in manifest_body(path)
-    with tiered.open(path) as s:  # converted in memory
-        assert_td_equal(s.get(torch.arange(200)), expected)
-        table = parts(s).layout.tables[OBS]
-        assert table.shifted and parts(s).layout.tables[NEXT].base is table
-        assert table.exc_rows.tolist() == [0, 30, 31, 100, 150, 151, 200]
-    assert main(["upgrade", str(path)]) == 0 and "upgraded" in capsys.readouterr().out
-    assert manifest_body(path)["format_version"] == FORMAT_VERSION and manifest_body(path)["shifted_tables"]
-    assert verify_store(path, progress=False).ok
-    with tiered.open(path) as s:
-        assert_td_equal(s.get(torch.arange(200)), expected)
-
-
 def _obs_file(path: Path, prefix: str) -> Path:
     body = manifest_body(path)
     (i,) = body["shifted_tables"]
@@ -179,11 +149,7 @@ def test_a_damaged_exception_list_is_refused_at_open(tmp_path, atari_pong):
     f = _obs_file(path, "shift")
     raw = f.read_bytes()
     f.write_bytes(raw[:-16] + raw[-8:] + raw[-16:-8])  # [500, 0]: not sorted
-    doc = json.loads((path / "manifest.json").read_text())
-    body = doc["body"]
-    body.pop("checksums")  # as a store without page checksums: the content check must catch it
-    doc["sha256"] = hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
-    (path / "manifest.json").write_text(json.dumps(doc))
+    restamp(path)  # checksums of the damaged bytes: the content check must catch it
     with pytest.raises(CorruptionError, match=re.escape(f.name)):
         tiered.open(path)
     assert not verify_store(path, progress=False).ok

@@ -6,7 +6,6 @@ Commands (``tiered COMMAND --help`` shows each one's options and examples)::
     tiered verify STORE [--json] [--decode]    check every file and every blob checksum
     tiered import SRC DST --format FORMAT      d4rl | minari | torchrl | npz | dqn-replay -> a new store
     tiered export STORE DST --format FORMAT    a store -> d4rl | minari | torchrl | npz | dqn-replay
-    tiered upgrade STORE                       rewrite an older store in the current format version
     tiered demo                                Atari frames in a TorchRL replay buffer
 
 ``python -m tiered`` is the same command. ``--debug`` (show the traceback of an error) is
@@ -283,7 +282,7 @@ def _parse_dense_dtypes(items: Sequence[str] | None) -> dict[tuple[str, ...], st
 def _import(args: argparse.Namespace) -> int:
     from .formats import import_dataset
 
-    _resolve_import_spelling(args)
+    _require_format(args)
 
     report = import_dataset(
         args.format,
@@ -419,20 +418,8 @@ def _suggest_import(path: str) -> Iterator[None]:
         ) from e
 
 
-def _resolve_import_spelling(args: argparse.Namespace) -> None:
-    """Fill ``args.format/src/dst`` from ``SRC DST --format F`` or the deprecated ``F SRC DST``."""
-    if args.legacy_dst is not None:  # three positionals: the old `tiered import FORMAT SRC DST`
-        if args.format is not None or args.src not in FORMATS:
-            raise E.UnsupportedFormatError(
-                f"tiered import takes SRC DST --format FORMAT, got three paths "
-                f"({args.src!r} {args.dst!r} {args.legacy_dst!r}); FORMAT is one of {', '.join(FORMATS)}"
-            )
-        args.format, args.src, args.dst = args.src, args.dst, args.legacy_dst
-        print(
-            f"tiered: warning: 'tiered import FORMAT SRC DST' is deprecated; "
-            f"write 'tiered import SRC DST --format {args.format}'",
-            file=sys.stderr,
-        )
+def _require_format(args: argparse.Namespace) -> None:
+    """Refuse ``tiered import`` without ``--format``, naming the format ``SRC`` looks like."""
     if args.format is None:
         guess = guess_format(args.src)
         hint = f"; {args.src!r} looks like {guess[1]}: add --format {guess[0]}" if guess else ""
@@ -497,7 +484,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="show the traceback of an error")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_parser_with(debug))
     sub.required = True
-    for add_command in (_add_info, _add_verify, _add_upgrade, _add_import, _add_export, _add_demo):
+    for add_command in (_add_info, _add_verify, _add_import, _add_export, _add_demo):
         add_command(sub)
     return p
 
@@ -567,44 +554,6 @@ def _add_verify(sub: Any) -> None:
     s.set_defaults(func=_verify)
 
 
-def _add_upgrade(sub: Any) -> None:
-    s = _command(
-        sub,
-        "upgrade",
-        help="rewrite a store of an older format (1 to 4) in the current format",
-        description="Rewrite a store's arrays in the current on-disk format (format 5: arrays "
-        "in rotating copies, commits that write only what changed, 32-bit row tables, stacked fields' tables "
-        "kept as each row's newest frame, ('next', X) tables kept only where they differ from X's). Takes the writer lock and "
-        "commits once; a crash at any point leaves the old or the new commit, both readable. "
-        "A store already in the current format is left as it is.",
-        epilog="""
-            examples:
-              tiered upgrade pong.tiered
-            """,
-    )
-    s.add_argument("store", help="the store directory")
-    s.set_defaults(func=_upgrade)
-
-
-def _upgrade(args: argparse.Namespace) -> int:
-    from .engine.manifest import FORMAT_VERSION, read_manifest
-    from .store import TieredStore
-
-    with _suggest_import(args.store):
-        body = read_manifest(os.fspath(args.store))
-    old = body.get("format_version")
-    if old == FORMAT_VERSION:
-        print(f"{args.store}: already format {FORMAT_VERSION}, generation {body.get('generation')}; nothing to do")
-        return EXIT_OK
-    print(f"{args.store}: format {old} -> {FORMAT_VERSION}: opening (checks every array) ...", flush=True)
-    with TieredStore.open(args.store, mode="r+", warm_bytes=0, hot_bytes=0) as store:
-        print(f"{args.store}: writing the arrays of generation {store.generation + 1} ...", flush=True)
-        store.flush(force=True)
-    print(f"{args.store}: format {read_manifest(os.fspath(args.store))['format_version']}, "
-          f"generation {store.generation}: upgraded")
-    return EXIT_OK
-
-
 def _add_import(sub: Any) -> None:
     s = _command(
         sub,
@@ -634,14 +583,10 @@ def _add_import(sub: Any) -> None:
               tiered import rollouts.npz rollouts.tiered --format npz --codec zstd:9
               tiered import dqn/Pong pong.tiered --format dqn-replay --chunk-frames 8
               tiered import dqn/Pong pong.tiered --format dqn-replay --dense-dtype action=uint8
-
-            The older spelling 'tiered import FORMAT SRC DST' still works (with a warning).
             """,
     )
     s.add_argument("src", metavar="SRC", help="the dataset (file or directory)")
     s.add_argument("dst", metavar="DST", help="the new store directory (must not exist)")
-    # the deprecated `tiered import FORMAT SRC DST` has a third positional; see _resolve_import_spelling
-    s.add_argument("legacy_dst", nargs="?", help=argparse.SUPPRESS)
     s.add_argument("--format", choices=FORMATS,
                    help="the dataset's format (required; as for export)")
     s.add_argument(

@@ -84,7 +84,8 @@ class StaleReadError(ChecksumError):
 
 
 class FormatVersionError(CorruptionError):
-    """The store was written in a format version this version of tiered cannot read."""
+    """The store is in an on-disk format version other than the one this tiered reads (there is
+    no converter: the message says how to rewrite the store)."""
 
 
 class NotATieredStoreError(CorruptionError, FileNotFoundError):

@@ -26,8 +26,7 @@ arithmetic on them widens to ``int64`` first. Stacked fields keep compact forms 
 same entries: a :class:`ShiftedRowTable` keeps each row's newest frame (the rest of a stack is
 the previous row's, shifted by one step), a :class:`NextRowTable` nothing per row for a
 ``("next", X)`` stack (it is ``X``'s stack of the row shifted, then the newest frame of the next
-row), each with a list of the rows where that rule fails. A :class:`DerivedRowTable` (formats 3
-and 4) kept a ``("next", X)`` stack's newest frame per row; stores of those formats convert at open.
+row), each with a list of the rows where that rule fails.
 
 Example:
     >>> import numpy as np
@@ -49,7 +48,7 @@ from .errors import StorageFullError
 from .util.dirty import DirtyBlocks
 from .util.filemap import file_array
 
-__all__ = ["BlobIndex", "RowTable", "DerivedRowTable", "NextRowTable", "ShiftedRowTable", "FREE", "OPEN", "STORED", "HOT", "WARM", "COLD", "MAX_BLOB_IDS",
+__all__ = ["BlobIndex", "RowTable", "NextRowTable", "ShiftedRowTable", "FREE", "OPEN", "STORED", "HOT", "WARM", "COLD", "MAX_BLOB_IDS",
            "BLOB_DTYPE", "SLOT_DTYPE", "check_blob_ids"]
 
 #: dtype of the blob ids in row tables (-1: no blob)
@@ -74,7 +73,7 @@ _COLUMNS: dict[str, tuple[Any, tuple[int, ...], int]] = {
     "loc": (np.int64, (3,), -1),
     "open_slot": (np.int64, (), -1),
 }
-# Format v1 names of the columns whose attribute names changed.
+# File names (docs/format.md) of the columns whose attribute names differ.
 _FILE_NAMES = {"open_slot": "aux"}
 
 
@@ -186,7 +185,7 @@ class BlobIndex:
     def state_arrays(self) -> dict[str, np.ndarray]:
         out = {_FILE_NAMES.get(name, name): getattr(self, name)[: self.size] for name in _COLUMNS}
         out["free_ids"] = self._free_ids
-        # [size, 0]: format v1 kept a write sequence number in the second entry (now unused)
+        # [size, 0]: the second entry is not used (always 0)
         out["meta"] = np.array([self.size, 0], dtype=np.int64)
         return out
 
@@ -224,7 +223,8 @@ class RowTable:
     (``int32`` blob ids, -1: none; ``uint16`` slots).
 
     Every user goes through :meth:`ids`, :meth:`refs`, :meth:`full`, :meth:`put` and
-    :meth:`unset`, so a :class:`DerivedRowTable` can stand in for it.
+    :meth:`unset`, so a compact table (:class:`ShiftedRowTable`, :class:`NextRowTable`) can
+    stand in for it.
 
     Example:
         >>> t = RowTable(4, 2)
@@ -247,8 +247,7 @@ class RowTable:
 
     @classmethod
     def from_arrays(cls, blob: np.ndarray, slot: np.ndarray) -> RowTable:
-        """A table over saved arrays, kept as they are (a store written before 32-bit tables has
-        ``int64`` ids and ``int32`` slots: :meth:`compact` converts them once they are checked)."""
+        """A table over saved arrays (memory-mapped ones of a store: used as they are)."""
         table = cls.__new__(cls)
         table.blob = blob
         table.slot = slot
@@ -308,24 +307,6 @@ class RowTable:
     def state_arrays(self) -> dict[str, np.ndarray]:
         """The arrays a commit saves, by suffix (``rows.<i>.<suffix>``)."""
         return {"blob": self.blob, "slot": self.slot}
-
-    def compact(self) -> None:
-        """Convert saved tables of wider dtypes to ``int32`` ids and ``uint16`` slots.
-
-        Call it once the ids are known to lie in ``[-1, MAX_BLOB_IDS)``; slots outside
-        ``[0, 65536)`` (only unwritten rows may hold them) become 0.
-
-        Raises:
-            ValueError: a blob id does not fit 32 bits.
-        """
-        if self.blob.dtype != BLOB_DTYPE:
-            if self.blob.size and (int(self.blob.min()) < -1 or int(self.blob.max()) >= MAX_BLOB_IDS):
-                raise ValueError(f"row table blob ids span [{int(self.blob.min())}, {int(self.blob.max())}], "
-                                 f"outside [-1, {MAX_BLOB_IDS})")
-            self.blob = self.blob.astype(BLOB_DTYPE)
-        if self.slot.dtype != SLOT_DTYPE:
-            hi = int(np.iinfo(SLOT_DTYPE).max)
-            self.slot = np.where((self.slot >= 0) & (self.slot <= hi), self.slot, 0).astype(SLOT_DTYPE)
 
 
 class _ExceptionTable(RowTable):
@@ -398,9 +379,6 @@ class _ExceptionTable(RowTable):
         exception list is rebuilt at every write and rewritten whole at every commit)."""
         return self.exc_rows.size > max(4096, self.capacity // self.crowd_divisor)
 
-    def compact(self) -> None:
-        """Saved compact tables are already compact."""
-
 
 def _exceptions(arrays: dict[str, np.ndarray], cap: int, width: int,
                 kind: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -422,10 +400,49 @@ def _exceptions(arrays: dict[str, np.ndarray], cap: int, width: int,
     return np.asarray(rows), np.asarray(eb), np.asarray(es)
 
 
-class _LastColumnTable(_ExceptionTable):
-    """A compact table keeping the last frame column per row (``last_blob``, ``last_slot``) and,
-    per exception row, its first ``F - 1`` entries. Subclasses say how the first ``F - 1`` frames
-    of the other rows are found."""
+class ShiftedRowTable(_ExceptionTable):
+    """The row table of a stacked field ``X`` (frame stacks of ``F`` frames) kept as its newest
+    frames only.
+
+    Frame ``j < F - 1`` of row ``r`` is, as a rule, frame ``j + 1`` of row ``r - 1`` (the ring's
+    previous row, mod capacity): the stack shifted by one step. Only the last frame column is
+    kept per row, plus an exception list: the sorted rows where the rule does not hold (episode
+    starts, the first row after a gap or a rewrite, rows written out of order), with their first
+    ``F - 1`` entries. Frame ``j`` of row ``r`` is then, with ``e`` the nearest exception row at
+    or before ``r`` (around the ring) and ``d = r - e``: ``exc[e][j + d]`` if ``j + d < F - 1``,
+    else ``last[r - (F - 1 - j)]``; a read of any rows is a gather and a ``searchsorted``.
+    A write keeps every other row's stack as it was (rows after the written ones whose stacks
+    no longer follow become exceptions).
+
+    Example:
+        >>> t = ShiftedRowTable(6, 3)
+        >>> stacks = np.array([[0, 0, 0], [0, 0, 1], [0, 1, 2], [1, 2, 3], [7, 7, 7], [7, 7, 8]])
+        >>> t.put(np.arange(6), stacks, np.zeros((6, 3)))
+        >>> t.ids(np.arange(6)).tolist() == stacks.tolist(), t.exc_rows.tolist(), t.last_blob.tolist()
+        (True, [0, 4], [0, 1, 2, 3, 7, 8])
+        >>> t.put(np.array([2]), np.array([[5, 5, 5]]), np.zeros((1, 3)))  # rows 3 and 4 keep their stacks
+        >>> t.ids(np.arange(6))[2:5].tolist(), t.exc_rows.tolist()
+        ([[5, 5, 5], [1, 2, 3], [7, 7, 7]], [0, 2, 3, 4])
+    """
+
+    shifted = True
+    kind = "shifted"
+    crowd_divisor = 32
+
+    def __init__(self, capacity: int, frames: int):
+        self._empty(capacity, frames)
+
+    @classmethod
+    def from_state(cls, capacity: int, frames: int, arrays: dict[str, np.ndarray]) -> ShiftedRowTable:
+        """A table over the arrays :meth:`state_arrays` saved.
+
+        Raises:
+            ValueError: the arrays' shapes, dtypes or exception rows are not what a commit writes.
+        """
+        table = cls.__new__(cls)  # no empty columns of `capacity` rows: the saved ones replace them
+        table._empty(capacity, frames, allocate=False)
+        table._load(arrays, capacity)
+        return table
 
     def _empty(self, capacity: int, frames: int, allocate: bool = True) -> None:
         """An empty table (``allocate=False``: no last-frame columns yet, :meth:`_load` sets them)."""
@@ -470,134 +487,6 @@ class _LastColumnTable(_ExceptionTable):
     def state_arrays(self) -> dict[str, np.ndarray]:
         return {"blob": self.last_blob[:, None], "slot": self.last_slot[:, None], "exc_rows": self.exc_rows,
                 "exc_blob": self.exc_blob, "exc_slot": self.exc_slot}
-
-
-class DerivedRowTable(_LastColumnTable):
-    """The row table of a stacked ``("next", X)`` field, derived from ``X``'s table ``base``, as
-    formats 3 and 4 saved it (a store of those formats converts it to a :class:`NextRowTable` at
-    open).
-
-    Frame ``j < F - 1`` of a next stack is, as a rule, frame ``j + 1`` of the row's ``X`` stack
-    (the stack shifted by one step), so only the last frame column is kept per row, plus an
-    exception list: the sorted rows where the rule does not hold, with their first ``F - 1``
-    entries. Reads rebuild ``[rows, F]`` with index arithmetic (no per-row loops). The caller
-    writes ``base``'s rows before this table's (:meth:`put` compares with them).
-
-    Example:
-        >>> x = RowTable(3, 2)
-        >>> x.put(np.arange(3), np.array([[0, 1], [1, 2], [5, 6]]), np.zeros((3, 2)))
-        >>> nxt = DerivedRowTable(x)
-        >>> nxt.put(np.arange(3), np.array([[1, 9], [2, 9], [4, 9]]), np.zeros((3, 2)))
-        >>> nxt.ids(np.arange(3)).tolist(), nxt.exc_rows.tolist()
-        ([[1, 9], [2, 9], [4, 9]], [2])
-    """
-
-    derived = True
-    kind = "derived"
-
-    def __init__(self, base: RowTable):
-        self.base = base
-        self._empty(base.capacity, base.frames)
-
-    @classmethod
-    def from_state(cls, base: RowTable, arrays: dict[str, np.ndarray]) -> DerivedRowTable:
-        """A table over the arrays :meth:`state_arrays` saved.
-
-        Raises:
-            ValueError: the arrays' shapes, dtypes or exception rows are not what a commit writes.
-        """
-        table = cls.__new__(cls)  # no empty columns of `capacity` rows: the saved ones replace them
-        table.base = base
-        table._empty(base.capacity, base.frames, allocate=False)
-        table._load(arrays, base.capacity)
-        return table
-
-    def refs(self, rows: Any) -> tuple[np.ndarray, np.ndarray]:
-        rows = _row_ids(rows)
-        b, s = self.base.refs(rows)
-        blob = np.empty((rows.size, self._frames), dtype=BLOB_DTYPE)
-        slot = np.empty((rows.size, self._frames), dtype=SLOT_DTYPE)
-        blob[:, :-1], slot[:, :-1] = b[:, 1:], s[:, 1:]
-        blob[:, -1], slot[:, -1] = self.last_blob[rows], self.last_slot[rows]
-        pos, hit = self._exceptions(rows)
-        if hit.any():
-            blob[hit, :-1], slot[hit, :-1] = self.exc_blob[pos[hit]], self.exc_slot[pos[hit]]
-        return blob, slot
-
-    def ids(self, rows: Any) -> np.ndarray:
-        rows = _row_ids(rows)
-        blob = np.empty((rows.size, self._frames), dtype=BLOB_DTYPE)
-        blob[:, :-1] = self.base.ids(rows)[:, 1:]
-        blob[:, -1] = self.last_blob[rows]
-        pos, hit = self._exceptions(rows)
-        if hit.any():
-            blob[hit, :-1] = self.exc_blob[pos[hit]]
-        return blob
-
-    def put(self, rows: np.ndarray, blob: np.ndarray, slot: np.ndarray) -> None:
-        rows = _row_ids(rows)
-        blob, slot = np.asarray(blob), np.asarray(slot)
-        self.last_blob[rows], self.last_slot[rows] = blob[:, -1], slot[:, -1]
-        b, s = self.base.refs(rows)
-        bad = ((blob[:, :-1] != b[:, 1:]) | (slot[:, :-1] != s[:, 1:])).any(1)
-        self._replace(rows, rows[bad], blob[bad, :-1], slot[bad, :-1])
-
-    def unset(self, rows: Any) -> None:
-        rows = _row_ids(rows)
-        self.last_blob[rows] = -1
-        self._replace(rows, rows[:0], self.exc_blob[:0], self.exc_slot[:0])
-
-
-class ShiftedRowTable(_LastColumnTable):
-    """The row table of a stacked field ``X`` (frame stacks of ``F`` frames) kept as its newest
-    frames only.
-
-    Frame ``j < F - 1`` of row ``r`` is, as a rule, frame ``j + 1`` of row ``r - 1`` (the ring's
-    previous row, mod capacity): the stack shifted by one step. Only the last frame column is
-    kept per row, plus an exception list: the sorted rows where the rule does not hold (episode
-    starts, the first row after a gap or a rewrite, rows written out of order), with their first
-    ``F - 1`` entries. Frame ``j`` of row ``r`` is then, with ``e`` the nearest exception row at
-    or before ``r`` (around the ring) and ``d = r - e``: ``exc[e][j + d]`` if ``j + d < F - 1``,
-    else ``last[r - (F - 1 - j)]``; a read of any rows is a gather and a ``searchsorted``.
-    A write keeps every other row's stack as it was (rows after the written ones whose stacks
-    no longer follow become exceptions).
-
-    Example:
-        >>> t = ShiftedRowTable(6, 3)
-        >>> stacks = np.array([[0, 0, 0], [0, 0, 1], [0, 1, 2], [1, 2, 3], [7, 7, 7], [7, 7, 8]])
-        >>> t.put(np.arange(6), stacks, np.zeros((6, 3)))
-        >>> t.ids(np.arange(6)).tolist() == stacks.tolist(), t.exc_rows.tolist(), t.last_blob.tolist()
-        (True, [0, 4], [0, 1, 2, 3, 7, 8])
-        >>> t.put(np.array([2]), np.array([[5, 5, 5]]), np.zeros((1, 3)))  # rows 3 and 4 keep their stacks
-        >>> t.ids(np.arange(6))[2:5].tolist(), t.exc_rows.tolist()
-        ([[5, 5, 5], [1, 2, 3], [7, 7, 7]], [0, 2, 3, 4])
-    """
-
-    shifted = True
-    kind = "shifted"
-    crowd_divisor = 32
-
-    def __init__(self, capacity: int, frames: int):
-        self._empty(capacity, frames)
-
-    @classmethod
-    def from_state(cls, capacity: int, frames: int, arrays: dict[str, np.ndarray]) -> ShiftedRowTable:
-        """A table over the arrays :meth:`state_arrays` saved.
-
-        Raises:
-            ValueError: the arrays' shapes, dtypes or exception rows are not what a commit writes.
-        """
-        table = cls.__new__(cls)  # no empty columns of `capacity` rows: the saved ones replace them
-        table._empty(capacity, frames, allocate=False)
-        table._load(arrays, capacity)
-        return table
-
-    @classmethod
-    def shift(cls, table: RowTable) -> ShiftedRowTable:
-        """The shifted form of the explicit ``table`` (same entries)."""
-        out = cls(table.capacity, table.frames)
-        out.put(np.arange(table.capacity), *table.full())
-        return out
 
     def reach(self, rows: np.ndarray) -> np.ndarray:
         """Rows whose entries a read or a write of ``rows`` may use: ``rows - F .. rows + F - 1``
@@ -730,13 +619,6 @@ class NextRowTable(_ExceptionTable):
         table = cls(base)
         table.exc_rows, table.exc_blob, table.exc_slot = _exceptions(arrays, table.capacity, table.frames, cls.kind)
         return table
-
-    @classmethod
-    def derive(cls, base: RowTable, table: RowTable) -> NextRowTable:
-        """The next form of ``table`` (any form; same entries)."""
-        out = cls(base)
-        out.put(np.arange(table.capacity), *table.full())
-        return out
 
     @property
     def capacity(self) -> int:

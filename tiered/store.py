@@ -703,7 +703,7 @@ class TieredStore(_StoreSharing):
 
     def flush(self, *, force: bool = False) -> None:
         """Close open time chunks (compress and place them); with a path, commit durably (with
-        ``force``, even if nothing changed: ``tiered upgrade`` rewrites a format-1 store so)."""
+        ``force``, even if nothing changed: ``close`` settles the array copies so)."""
         with self._lock:
             self._check_writable()
             if self._files is not None and not (self._changed or self._rows.live_views()) and not force:

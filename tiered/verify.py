@@ -4,9 +4,9 @@
 code that wrote it (the verifier must not share the writer's bugs):
 
 1. ``manifest.json``: present, valid JSON, its SHA-256, its format name and version;
-2. every ``.npy`` file of the current generation: a regular file, present, the size the
-   manifest records, a valid ``.npy`` header that accounts for the file's size, and (stores that
-   record them) the CRC-32 of each 1 MiB page;
+2. every ``.npy`` file of the current commit: a regular file, present, the size the manifest
+   records, a valid ``.npy`` header that accounts for the file's size, and the CRC-32 of each
+   1 MiB page;
 3. every cold segment: present and at least as long as the manifest says (HDF5 segments: an
    HDF5 file whose ``blobs`` dataset sits at the recorded offset);
 4. every live blob: its compressed bytes are read from the cold tier in large sequential reads
@@ -50,7 +50,7 @@ import numpy as np
 
 from . import fileio
 from .engine.commit_arrays import array_path, expand_derived, page_checksums_of
-from .engine.manifest import MANIFEST, arrays_verified, gen_dir_name, load_npy, read_manifest
+from .engine.manifest import MANIFEST, arrays_verified, load_npy, read_manifest
 from .engine.pages import ARRAYS_DIR
 from .errors import ChecksumError, CorruptionError, FormatVersionError, NotATieredStoreError, TieredError
 
@@ -263,7 +263,7 @@ class _StoreCheck:
         self.files: dict[str, int] = {}
         self.cold: dict[str, Any] = {}
         self.schema: list[dict[str, Any]] = []
-        self.gen_dir = ""
+        self.arrays_dir = os.path.join(self.path, ARRAYS_DIR)
         self.arrays: dict[str, np.ndarray] = {}
         # index columns, read by locate_blobs
         self.state = np.empty(0)
@@ -274,13 +274,10 @@ class _StoreCheck:
         self.bad_ids: dict[int, tuple[str, str, int | None]] = {}  # blob -> (kind, file, offset)
         self.listed: set[int] = set()  # damaged blobs reported with the rows that use them
         self.verified_files: list[str] = []  # array files whose page checksums matched
-        self.unchecked_arrays = False
 
     def run(self) -> None:
         if not self.read_manifest():
             return
-        self.gen_dir = (os.path.join(self.path, gen_dir_name(self.report.generation))
-                        if self.report.format_version == 1 else os.path.join(self.path, ARRAYS_DIR))
         if not self.load_arrays():
             return
         segments = self.check_segments()
@@ -305,7 +302,7 @@ class _StoreCheck:
         try:
             return array_path(self.path, self.body, name)
         except CorruptionError:
-            return os.path.join(self.gen_dir, name + ".npy")
+            return os.path.join(self.arrays_dir, name + ".npy")
 
     # 1. manifest -------------------------------------------------------------------------------
     def read_manifest(self) -> bool:
@@ -359,18 +356,16 @@ class _StoreCheck:
             )
         return True
 
-    # 2. generation files ---------------------------------------------------------------------
+    # 2. array files --------------------------------------------------------------------------
     def load_arrays(self) -> bool:
         """Every array file: present, regular, its recorded size, a valid header that accounts for
-        the file's size, and (stores that record them) its page checksums."""
+        the file's size, and its page checksums."""
         report = self.report
         try:
             sums = page_checksums_of(self.body)
         except CorruptionError as e:
             report.add("manifest", str(e), file=self.manifest_file)
             sums = {}
-        if not sums:
-            self.unchecked_arrays = True  # an older store: its arrays carry no checksums
         for name, size in sorted(self.files.items()):
             f = self.file_of(name)
             try:
@@ -464,7 +459,7 @@ class _StoreCheck:
                 "index",
                 f"index columns disagree in shape: state {state.shape}, nbytes {nbytes.shape}, "
                 f"checksum {sums.shape}, loc {loc.shape}",
-                file=self.gen_dir,
+                file=self.arrays_dir,
             )
             return None
         self.state, self.live, self.sums = state, live, sums
@@ -727,7 +722,7 @@ def _check_index_pools(c: _StoreCheck) -> None:
     off = np.concatenate([loc, ext[0], ext[2]])
     ln = np.concatenate([(size + 15) // 16 * 16, ext[1], ext[3]])
     if off.shape != ln.shape or (ln < 0).any() or (off < 0).any():
-        report.add("index", "the cold tier's free extents are malformed", file=c.gen_dir)
+        report.add("index", "the cold tier's free extents are malformed", file=c.arrays_dir)
         return
     order = np.argsort(off, kind="stable")
     o, e = off[order], (off + ln)[order]

@@ -5,7 +5,7 @@ both need these; they live apart from the open path so that ``tiered verify`` an
 load numpy and the manifest reader, not torch.
 
 Example:
-    >>> array_path("/s", {"format_version": 2, "copy": {"written": 1}}, "written")
+    >>> array_path("/s", {"copy": {"written": 1}}, "written")
     '/s/arrays/written.1.npy'
 """
 
@@ -17,23 +17,23 @@ from typing import Any
 import numpy as np
 
 from ..errors import CorruptionError
-from ..index import DerivedRowTable, NextRowTable, RowTable, ShiftedRowTable
-from .manifest import FORMAT_VERSION, MANIFEST, PAGE_BYTES, gen_dir_name
+from ..index import NextRowTable, RowTable, ShiftedRowTable
+from .manifest import MANIFEST, PAGE_BYTES
 from .pages import NCOPIES, copy_path
 
-__all__ = ["CHECKSUMS", "DERIVED_SUFFIXES", "array_path", "derived_tables", "expand_derived", "page_checksums_of",
+__all__ = ["CHECKSUMS", "EXCEPTION_SUFFIXES", "array_path", "derived_tables", "expand_derived", "page_checksums_of",
            "shifted_tables", "table_file"]
 
-#: Manifest entry holding the page checksums of the generation's arrays (absent: an older store).
+#: Manifest entry holding the page checksums of the commit's arrays.
 CHECKSUMS = "checksums"
 
-#: What a derived row table saves (:meth:`~tiered.index.DerivedRowTable.state_arrays`).
-DERIVED_SUFFIXES = ("blob", "slot", "exc_rows", "exc_blob", "exc_slot")
+#: The exception list a next or shifted row table saves besides its per-row arrays (if any).
+EXCEPTION_SUFFIXES = ("exc_rows", "exc_blob", "exc_slot")
 
 
 def table_file(i: int, suffix: str, shifted: bool = False) -> str:
     """The array name of part ``suffix`` of blob field ``i``'s row table: ``rows.<i>.blob`` and
-    ``rows.<i>.slot`` (indexed by row), ``next.<i>.rows|blob|slot`` (a derived table's
+    ``rows.<i>.slot`` (indexed by row), ``next.<i>.rows|blob|slot`` (a next table's
     exceptions), ``shift.<i>.rows|blob|slot`` (a shifted table's).
 
     Example:
@@ -47,8 +47,8 @@ def table_file(i: int, suffix: str, shifted: bool = False) -> str:
 
 
 def shifted_tables(body: dict[str, Any], kinds: list[str]) -> set[int]:
-    """The field indexes of the row tables the commit ``body`` saved shifted (format 4; none
-    before); ``kinds``: the kind of each schema field.
+    """The field indexes of the row tables the commit ``body`` saved shifted; ``kinds``: the kind
+    of each schema field.
 
     Raises:
         CorruptionError: the entry is not a list of the schema's blob fields.
@@ -66,8 +66,8 @@ def shifted_tables(body: dict[str, Any], kinds: list[str]) -> set[int]:
 
 
 def derived_tables(body: dict[str, Any], kinds: list[str]) -> dict[int, int]:
-    """``{field index: base field index}`` of the row tables the commit ``body`` saved derived
-    (format 3; none before); ``kinds``: the kind of each schema field.
+    """``{field index: base field index}`` of the ``("next", X)`` row tables the commit ``body``
+    saved as next tables, derived from ``X``'s; ``kinds``: the kind of each schema field.
 
     Raises:
         CorruptionError: the entry is not such a map over the schema's blob fields.
@@ -85,11 +85,12 @@ def derived_tables(body: dict[str, Any], kinds: list[str]) -> dict[int, int]:
 
 
 def expand_derived(body: dict[str, Any], kinds: list[str], arrays: dict[str, np.ndarray]) -> list[str]:
-    """Replace, in ``arrays`` (a commit's arrays by name), each derived row table's saved parts by
-    its whole ``rows.<i>.blob`` / ``rows.<i>.slot`` (for checks that read the files directly).
+    """Replace, in ``arrays`` (a commit's arrays by name), each shifted or next row table's saved
+    parts by its whole ``rows.<i>.blob`` / ``rows.<i>.slot`` (for checks that read the files
+    directly).
 
     Returns:
-        The problems found, in words (a derived table whose arrays do not fit).
+        The problems found, in words (a table whose arrays do not fit).
     """
     try:
         derived = derived_tables(body, kinds)
@@ -97,9 +98,9 @@ def expand_derived(body: dict[str, Any], kinds: list[str], arrays: dict[str, np.
     except CorruptionError as e:
         return [str(e)]
     problems = []
-    for i in sorted(shifted):  # first: a derived table's base may be shifted
+    for i in sorted(shifted):  # first: a next table's base may be shifted
         try:
-            parts = {s: np.asarray(arrays[table_file(i, s, True)]) for s in DERIVED_SUFFIXES}
+            parts = {s: np.asarray(arrays[table_file(i, s, True)]) for s in ("blob", "slot", *EXCEPTION_SUFFIXES)}
             width = parts["exc_blob"].shape[1] + 1 if parts["exc_blob"].ndim == 2 else -1
             table = ShiftedRowTable.from_state(parts["blob"].shape[0], width, parts)
             arrays[f"rows.{i}.blob"], arrays[f"rows.{i}.slot"] = table.full()
@@ -108,48 +109,45 @@ def expand_derived(body: dict[str, Any], kinds: list[str], arrays: dict[str, np.
     for i, j in derived.items():
         try:
             base = RowTable.from_arrays(np.asarray(arrays[f"rows.{j}.blob"]), np.asarray(arrays[f"rows.{j}.slot"]))
-            if body.get("format_version", FORMAT_VERSION) >= 5:  # the exception list only
-                table = NextRowTable.from_state(base, {s: np.asarray(arrays[table_file(i, s)])
-                                                       for s in DERIVED_SUFFIXES[2:]})
-            else:
-                table = DerivedRowTable.from_state(base, {s: np.asarray(arrays[table_file(i, s)])
-                                                          for s in DERIVED_SUFFIXES})
+            table = NextRowTable.from_state(base, {s: np.asarray(arrays[table_file(i, s)]) for s in EXCEPTION_SUFFIXES})
             arrays[f"rows.{i}.blob"], arrays[f"rows.{i}.slot"] = table.full()
         except (KeyError, ValueError, IndexError) as e:
-            problems.append(f"the derived row table of field {i}: {e}")
+            problems.append(f"the next row table of field {i}: {e}")
     return problems
 
 
 
 def page_checksums_of(body: dict[str, Any]) -> dict[str, list[int]]:
-    """The commit's page checksums per array name; empty for a store written before they existed
-    (format v1 stores without a ``checksums`` entry: docs/format.md).
+    """The commit's page checksums per array name.
 
     Raises:
-        CorruptionError: the entry exists but is not what tiered writes.
+        CorruptionError: the entry is missing or is not what tiered writes.
     """
     entry = body.get(CHECKSUMS)
     if entry is None:
-        return {}
+        raise CorruptionError(f"the manifest has no {CHECKSUMS!r} entry (every commit writes one); the store is "
+                              "damaged")
     ok = (isinstance(entry, dict) and entry.get("algorithm") == "crc32" and entry.get("page_bytes") == PAGE_BYTES
           and isinstance(entry.get("files"), dict)
           and all(isinstance(v, list) and all(isinstance(x, int) for x in v) for v in entry["files"].values()))
     if not ok:
         raise CorruptionError(f"the manifest's {CHECKSUMS!r} entry is not the crc32 page list tiered writes; "
                               "the store is damaged")
+    files = body.get("files")
+    if isinstance(files, dict) and set(files) != set(entry["files"]):
+        raise CorruptionError(f"the manifest's {CHECKSUMS!r} entry lists other arrays than its 'files' "
+                              f"({sorted(set(files) ^ set(entry['files']))[:5]}); the store is damaged")
     return entry["files"]
 
 
 
 def array_path(store: str, body: dict[str, Any], name: str) -> str:
-    """The file holding array ``name`` of the commit ``body`` of the store ``store``: format 1,
-    ``gen-<generation>/<name>.npy``; format 2, the copy ``arrays/<name>.<copy>.npy`` it names.
+    """The file holding array ``name`` of the commit ``body`` of the store ``store``: the copy
+    ``arrays/<name>.<copy>.npy`` the manifest names.
 
     Raises:
-        CorruptionError: a format-2 manifest names no valid copy for the array.
+        CorruptionError: the manifest names no valid copy for the array.
     """
-    if body.get("format_version") == 1:
-        return os.path.join(store, gen_dir_name(body["generation"]), name + ".npy")
     copies = body.get("copy")
     c = copies.get(name) if isinstance(copies, dict) else None
     if not isinstance(c, int) or isinstance(c, bool) or not 0 <= c < NCOPIES:

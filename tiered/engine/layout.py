@@ -42,7 +42,7 @@ class FieldLayout:
             family, or one per family (in family-id order).
         dedup: share equal frames between rows.
         stored_raw: per family, whether its blobs are stored raw (None: decided by its first
-            encode); default: none is, as in stores written before this choice existed.
+            encode); default: none is.
         tables: make empty row tables (False: the caller sets ``tables``, e.g. memory-mapped
             from a store).
     """
@@ -107,32 +107,6 @@ class FieldLayout:
                 if guard is not None:  # every row is read: every page checked first
                     guard.all()
             self._swap(key, RowTable.from_arrays(*table.full()))
-
-    def shift(self, key: Key) -> None:
-        """Keep ``key``'s explicit table (a stacked field's, from a store of format 1..3) shifted
-        from now on: same entries, every page checked first; left explicit if too many rows break
-        the rule."""
-        table = self.tables[key]
-        if key not in self.shifted or table.shifted or table.derived:
-            return
-        self.check_rows(None, [self.schema[key]])
-        new = ShiftedRowTable.shift(table)
-        if not new.crowded:
-            self._swap(key, new)
-
-    def derive(self, key: Key) -> None:
-        """Keep ``key``'s table (a ``("next", X)`` field's, explicit or of format 3/4) as a
-        :class:`~tiered.index.NextRowTable` from now on: same entries, every page checked first;
-        explicit if too many rows break the rule."""
-        table, base = self.tables[key], self.derived_from.get(key)
-        if base is None or isinstance(table, NextRowTable):
-            return
-        self.check_rows(None, [self.schema[key], self.schema[base]])
-        new = NextRowTable.derive(self.tables[base], table)
-        if not new.crowded:
-            self._swap(key, new)
-        elif table.derived:  # a format-3/4 derived table: commits write explicit tables or next ones
-            self.explicit(key)
 
     def _swap(self, key: Key, new: RowTable) -> None:
         """Put ``new`` (same entries) in place of ``key``'s table; a table derived from it reads ``new``."""

@@ -155,7 +155,7 @@ def map_checked(path: str, expected_size: int, crcs: list[int] | None,
     and accounts for the file's size (the caller has matched its shape and dtype with the
     manifest). No page is read: every page, the header's too, is checked by a :class:`RowCheck`
     over the returned :class:`PageChecks` when its rows are first used (all pages count as
-    checked when ``crcs`` is None, a store written before page checksums, or inside
+    checked when ``crcs`` is None, or inside
     :func:`~tiered.engine.manifest.arrays_verified`).
 
     Raises:

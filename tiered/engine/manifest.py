@@ -1,20 +1,17 @@
-"""Snapshots of the index, row tables and dense columns, and the manifest (format version 1).
+"""The manifest (format version 1) and the checked ``.npy`` array files a commit names.
 
-A commit writes, in this order (docs/format.md):
+``manifest.json`` is the commit record (docs/format.md): ``{"body": {...}, "sha256": ...}``, the
+SHA-256 of the body so that a torn or garbage manifest is detected rather than trusted. It is
+published atomically (:func:`write_manifest`: a temp file, fsync, rename, fsync of the store
+directory) after every array file it names is written and fsynced, so a reader always finds
+either the old commit or the new one, never a mix. :func:`read_manifest` refuses anything that
+is not a tiered manifest of :data:`FORMAT_VERSION`.
 
-1. new blob bytes to the cold segments, then fsync them (the tier's ``flush``);
-2. a new generation directory ``gen-<g>/`` holding ``.npy`` files of every index column, row
-   table and dense column, each fsynced, then the directory fsynced;
-3. ``manifest.json`` via a temp file, fsync, rename, fsync of the store directory.
-
-Only then is the previous generation directory removed. Opening reads ``manifest.json``
-(always either the old or the new one, never a mix) and memory-maps the files it names,
-and checks them: every file listed in the manifest carries its size and the CRC-32 of each
-1 MiB page (:func:`write_array`, :func:`load_npy`; stores written before the page checksums
-have none and are opened without them), every ``.npy`` header is parsed without running code
-and must account for exactly its file's size (:func:`read_npy_header`), and only regular files
-are opened. The manifest carries a SHA-256 of its own body, so a torn or garbage manifest is
-detected rather than trusted.
+Every array file (``arrays/<name>.<copy>.npy``, :mod:`tiered.engine.pages`) is a ``.npy`` file
+whose size and the CRC-32 of each 1 MiB page the manifest records (:func:`write_array`,
+:func:`page_checksums`); opening one (:func:`map_npy`, :func:`load_npy`) takes regular files
+only, parses and bounds its header without running code (:func:`read_npy_header`: it must
+account for exactly the file's size) and checks its pages before the bytes are trusted.
 
 All file writes go through :mod:`tiered.fileio`.
 """
@@ -41,19 +38,17 @@ import numpy as np
 from .. import fileio
 from ..errors import ChecksumError, CorruptionError, FormatVersionError, NotATieredStoreError
 from ..util.pool import run_parallel
+from ..version import __version__
 
 __all__ = ["FORMAT_NAME", "FORMAT_VERSION", "MANIFEST", "PAGE_BYTES", "ArrayFile", "NpyHeader", "save_npy",
            "write_array", "load_npy", "read_npy_header", "page_checksums", "check_pages", "arrays_verified",
            "already_verified", "map_npy",
-           "write_manifest", "read_manifest", "gen_dir_name"]
+           "write_manifest", "read_manifest"]
 
 FORMAT_NAME = "tiered"
-FORMAT_VERSION = 6
+#: The one on-disk format this tiered writes and reads (docs/format.md).
+FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
-
-
-def gen_dir_name(generation: int) -> str:
-    return f"gen-{generation:08d}"
 
 
 #: Bytes of one checksummed page of an array file (the last page of a file may be shorter).
@@ -356,10 +351,11 @@ def read_manifest(directory: str) -> dict[str, Any]:
         raise NotATieredStoreError(f"{path}: not a tiered manifest (format={body.get('format')!r})"
                                    if isinstance(body, dict) else f"{path}: not a tiered manifest")
     version = body.get("format_version")
-    if not isinstance(version, int) or version > FORMAT_VERSION or version < 1:
+    if version != FORMAT_VERSION or isinstance(version, bool):
         raise FormatVersionError(
-            f"{path}: format version {version!r}; this tiered reads versions 1..{FORMAT_VERSION}. "
-            "Upgrade tiered (pip install -U tiered) to open it.")
+            f"{path}: on-disk format version {version!r}; this tiered ({__version__}) reads format version "
+            f"{FORMAT_VERSION} only and has no converter. Open the store with the tiered that wrote it, run "
+            "`tiered export STORE OUT --format npz` there, then `tiered import OUT NEW --format npz` with this one.")
     try:
         ok = isinstance(digest, str) and _body_digest(body) == digest
     except (TypeError, ValueError, RecursionError):

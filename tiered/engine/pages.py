@@ -1,4 +1,4 @@
-"""Format 2's array files: rotating copies of each array, rewritten page by page.
+"""The array files of a store: rotating copies of each array, rewritten page by page.
 
 Each array of a commit (index columns, row tables, dense columns, ...) lives in
 ``arrays/<name>.<copy>.npy`` with :data:`NCOPIES` copies. Commit ``g`` writes each array into

@@ -1,15 +1,16 @@
 """The durable store: the cold tier's files, commits, opening, consistency checks, the writer lock.
 
 A store with a path is a directory (docs/format.md): ``manifest.json`` (schema, options, format
-version, generation, the list of array files with their sizes), one ``gen-<g>/`` directory of
-``.npy`` arrays per commit (blob index columns, row tables, dense columns, the written mask, the
-cold tier's allocator state, the policy's state), and the cold segments under ``cold/``.
+version, generation, the array files of the commit with their sizes and page checksums), the
+``.npy`` arrays under ``arrays/`` (blob index columns, row tables, dense columns, the written
+mask, the cold tier's allocator state, the policy's state; the copies of each array and how a
+commit rewrites one: :mod:`tiered.engine.pages`), and the cold segments under ``cold/``.
 
-A commit writes the blob bytes first (the cold tier's ``flush``), then the new generation's
-arrays, each fsynced, then the manifest through a temp file, fsync, rename and fsync of the
-directory (:mod:`tiered.engine.manifest`). Only then is the previous-but-one generation removed
-and the cold space freed by overwritten rows made reusable. Opening picks the last complete
-commit and checks that its arrays agree with the manifest before anything is trusted.
+A commit writes the blob bytes first (the cold tier's ``flush``), then the arrays, each
+fsynced, then the manifest through a temp file, fsync, rename and fsync of the directory
+(:mod:`tiered.engine.manifest`). Only then is the cold space freed by overwritten rows before
+the previous commit made reusable. Opening picks the last complete commit and checks that its
+arrays agree with the manifest before anything is trusted.
 
 Example:
     >>> import tempfile, torch
@@ -51,7 +52,6 @@ from ..index import (
     SLOT_DTYPE,
     STORED,
     BlobIndex,
-    DerivedRowTable,
     NextRowTable,
     RowTable,
     ShiftedRowTable,
@@ -65,7 +65,7 @@ from ..util.dirty import blocks_of_ranges, ranges_of, union
 from ..util.units import align
 from .commit_arrays import (
     CHECKSUMS,
-    DERIVED_SUFFIXES,
+    EXCEPTION_SUFFIXES,
     array_path,
     derived_tables,
     expand_derived,
@@ -77,10 +77,8 @@ from .layout import FieldLayout
 from .lazy import PageChecks, RowCheck, map_checked
 from .lock import acquire_writer_lock, release
 from .manifest import (
-    FORMAT_VERSION,
     MANIFEST,
     PAGE_BYTES,
-    gen_dir_name,
     load_npy,
     read_manifest,
     read_npy_header,
@@ -105,7 +103,7 @@ from .write import WriteOptions, WritePath
 T = TypeVar("T")
 
 __all__ = ["StoreFiles", "SETTLE_BLOCKS", "BACKENDS", "CHECKSUMS", "array_path", "read_fresh", "open_commit", "restore_commit", "commit_parts",
-           "snapshot_arrays", "check_consistency", "check_bounds", "row_table_dtypes", "derived_tables", "shifted_tables",
+           "snapshot_arrays", "check_consistency", "check_bounds", "derived_tables", "shifted_tables",
            "table_file", "schema_of", "options_of", "settle",
            "expand_derived", "check_references", "check_table_rows", "unpin", "page_checksums_of"]
 
@@ -167,8 +165,6 @@ class StoreFiles:
         self.generation = 0
         self.read_only = False
         self.writer_lock: Any = None
-        #: format version of the last commit (a new store: the current one)
-        self.version = FORMAT_VERSION
         #: per array: the copy the last commit published, and what each copy file holds
         self.current: dict[str, int] = {}
         self.copies: dict[str, dict[int, CopyState]] = {}
@@ -243,19 +239,16 @@ class StoreFiles:
         arr, pages = map_checked(array_path(self.path, body, name), files[name], self.page_checksums(body).get(name),
                                  stale=self.check_fresh)
         self.lazy[name] = (pages, arr.__array_interface__["data"][0])
-        if int(body["format_version"]) >= 2 and isinstance(pages.view.obj, mmap.mmap):
+        if isinstance(pages.view.obj, mmap.mmap):
             # mapped from its copy, laid out as it: a commit maps the pages it writes back too
             filemap.adopt(pages.view.obj, arr, int(body["copy"][name]))
         return arr, pages
 
     def adopt_copies(self, body: dict[str, Any], mode: str) -> None:
         """Learn which copy of each array the commit ``body`` published and what the other copies
-        hold (format 2). A writer that finds a commit died while writing copies (its intent is not
-        this commit) forgets the other copies: its next commit rewrites them whole."""
-        self.version = int(body["format_version"])
+        hold. A writer that finds a commit died while writing copies (its intent is not this
+        commit) forgets the other copies: its next commit rewrites them whole."""
         self.current, self.copies, self.changes = {}, {}, []
-        if self.version < 2:
-            return
         g = int(body["generation"])
         sums = self.page_checksums(body)
         for name, c in body["copy"].items():
@@ -345,7 +338,7 @@ class StoreFiles:
             StaleReadError: saying to reopen the store.
         """
         forked = self.forked
-        if not (self.read_only or forked) or self.version < 2:
+        if not (self.read_only or forked):
             return
         intent = read_intent(self.path)
         if intent is None:
@@ -483,17 +476,9 @@ class StoreFiles:
         self.current = target
         self.map_back({n: a for n, a in arrays.items() if n not in keep_anonymous}, target, written)
         self.changes = history[-(NCOPIES - 1):]
-        self.version = FORMAT_VERSION
         self.last_commit_bytes = sum(a.written for a in written.values()) + sum(
             a.written for extra in seeded.values() for a in extra.values())
-        # a format-1 generation directory is kept one commit longer: a reader (or `tiered verify`)
-        # that read the old manifest an instant ago can still load its arrays
-        old = os.path.join(self.path, gen_dir_name(self.generation - 1))
         self.generation = g
-        if os.path.isdir(old):
-            for name in os.listdir(old):
-                fileio.remove(os.path.join(old, name))
-            os.rmdir(old)
         # Space freed by overwritten rows before the previous commit is reusable only now: a
         # read-only open of the commit before that one may read it until this commit lands.
         cold.release_deferred(hold_last=True)
@@ -635,9 +620,8 @@ def restore_commit(files: StoreFiles, body: dict[str, Any], mode: str, rows: Row
 
     The blob index must already be the commit's (``BlobIndex.from_arrays``). The row tables and
     dense columns are checked page by page on first use (:mod:`tiered.engine.lazy`). Reference
-    counts are the saved ones less the writer's tail pins (a commit without pins: recounted from
-    the row tables); blobs that only the previous writer's tail pinned are freed (``r+``) or
-    forgotten (``r``).
+    counts are the saved ones less the writer's tail pins; blobs that only the previous writer's
+    tail pinned are freed (``r+``) or forgotten (``r``).
     """
     load = files.arrays(body)
     index = write.index
@@ -679,43 +663,15 @@ def restore_commit(files: StoreFiles, body: dict[str, Any], mode: str, rows: Row
                 table.guard = RowCheck([blob_pages, slot_pages], rows.capacity,
                                        functools.partial(check_table_rows, files.path, f.key, rows, layout, index))
                 layout.tables[f.key] = table
-        version = int(body["format_version"])
-        for i, j in derived.items():
+        for i, j in derived.items():  # no per-row arrays: the exception list, read (checked) whole
             base = layout.tables[fields[j].key]
-            if version >= 5:  # no per-row arrays: the exception list, read (checked) whole
-                layout.tables[fields[i].key] = table = _compact_table(
-                    files, body, i, False, functools.partial(NextRowTable.from_state, base))
-                _check_row_entries(files.path, fields[i].key, rows, layout, index, table.exc_rows, table.exc_blob,
-                                   table.exc_slot, rows.written[table.exc_rows])
-                continue
-            # formats 3 and 4: the last frame column per row is mapped like a table; the
-            # exception lists are small and read (checked) whole
-            (blob, blob_pages), (slot, slot_pages) = (files.lazy_array(body, table_file(i, s)) for s in ("blob", "slot"))
-            table = _compact_table(files, body, i, False, functools.partial(DerivedRowTable.from_state, base),
-                                   blob, slot)
-            table.guard = RowCheck([blob_pages, slot_pages], rows.capacity,
-                                   functools.partial(check_table_rows, files.path, fields[i].key, rows, layout, index))
-            layout.tables[fields[i].key] = table
-        older = version < 3  # int64 ids and int32 slots, explicit next tables
+            layout.tables[fields[i].key] = table = _compact_table(
+                files, body, i, False, functools.partial(NextRowTable.from_state, base))
+            _check_row_entries(files.path, fields[i].key, rows, layout, index, table.exc_rows, table.exc_blob,
+                               table.exc_slot, rows.written[table.exc_rows])
         problems = check_index(index, [(f.frame_nbytes, f.chunk_frames) for f in layout.families])
-        if "pins" in body["files"] and not older:  # saved counts, less the pins of the writer's tail (gone now)
-            problems += unpin(index, np.asarray(load("pins")))
-        elif not problems:  # a commit that saved no pins, or an older format: recount every reference
-            # every page and every row's references, before the tables are used as indices
-            # (a flipped id must not size a bincount)
-            layout.check_rows(None)
-            if older:
-                for table in layout.tables.values():  # to int32 ids and uint16 slots (copies, checked)
-                    table.compact()
-                    table.guard = None
-            refs = layout.referenced(rows.written)
-            index.refcount[: index.size] = np.bincount(refs, minlength=index.size)[: index.size].astype(np.int32)
-        if not problems and version < 4:  # stacked tables of older formats go shifted
-            for key in layout.shifted:  # a loop over fields
-                layout.shift(key)
-        if not problems and version < 5:  # next tables of older formats keep no per-row column
-            for key in layout.derived_from:  # a loop over fields
-                layout.derive(key)
+        # saved counts, less the pins of the writer's tail (gone now)
+        problems += unpin(index, np.asarray(load("pins")))
         if problems:
             raise CorruptionError(f"{files.path}: the store is damaged: " + "; ".join(problems[:5])
                                   + f". Run `tiered verify {files.path}` for details.")
@@ -824,7 +780,7 @@ def commit_parts(files: StoreFiles, rows: RowSpace, write: WritePath, placement:
 
 def snapshot_arrays(rows: RowSpace, layout: FieldLayout | None, index: BlobIndex,
                     policy: Policy) -> dict[str, np.ndarray]:
-    """The arrays of a commit, by file name (format v1 names; the cold tier adds ``cold.*``)."""
+    """The arrays of a commit, by file name (docs/format.md; the cold tier adds ``cold.*``)."""
     arrays = {f"index.{k}": v for k, v in index.state_arrays().items()}
     arrays.update({f"policy.{policy.name}.{k}": v for k, v in policy.state_views().items()})
     arrays["written"] = rows.written
@@ -849,14 +805,14 @@ def snapshot_arrays(rows: RowSpace, layout: FieldLayout | None, index: BlobIndex
 def _compact_table(files: StoreFiles, body: dict[str, Any], i: int, shifted: bool,
                    make: Callable[[dict[str, np.ndarray]], T], blob: np.ndarray | None = None,
                    slot: np.ndarray | None = None) -> T:
-    """Field ``i``'s derived or shifted table over its mapped last column (a next table of format
-    5: none) and its exception lists, read (page-checked) whole and checked before use.
+    """Field ``i``'s next or shifted table over its mapped last column (a next table has none) and
+    its exception lists, read (page-checked) whole and checked before use.
 
     Raises:
         CorruptionError: naming the exception file.
     """
     load = files.arrays(body)
-    parts = {s: load(table_file(i, s, shifted)) for s in DERIVED_SUFFIXES[2:]}
+    parts = {s: load(table_file(i, s, shifted)) for s in EXCEPTION_SUFFIXES}
     if blob is not None:
         parts.update(blob=blob, slot=slot)
     try:
@@ -873,13 +829,13 @@ def load_policy(policy: Policy, body: dict[str, Any], load: ArrayLoader, live: n
     if names:
         # the private memory maps, used as they are (their pages were checked when mapped)
         policy.load_state_arrays({k[len(prefix):]: load(k) for k in names}, copy=False)
-    else:  # an older commit, or another policy: every live blob counts as just inserted
+    else:  # a store reopened with another policy: every live blob counts as just inserted
         policy.on_insert(live)
 
 
 def load_priorities(placement: Placement, body: dict[str, Any], load: ArrayLoader, write: WritePath,
                     path: str) -> None:
-    """Restore the saved row priorities (older commits have none: every row keeps the default)
+    """Restore the saved row priorities (none saved: no row was ever given one, all keep the default)
     and, when blob maxima are tracked, recount every blob from them."""
     priorities = placement.priorities
     if priorities is None:
@@ -912,11 +868,10 @@ def unpin(index: BlobIndex, pins: np.ndarray) -> list[str]:
 def check_table_rows(path: str, key: Any, rows: RowSpace, layout: FieldLayout, index: BlobIndex,
                      at: np.ndarray) -> None:
     """Check the row table entries of field ``key`` at rows ``at`` (sorted), as
-    :func:`check_references` checks a whole table: called when their pages are first checked.
-    A derived table checks its own entries (last frames, and the exceptions of those rows); the
-    entries it shares with its base table are checked by the base's own checks. A shifted table
-    checks the whole stacks of the written rows (their first frames are the last frames of the
-    rows before, which a read of them checks first).
+    :func:`check_references` checks a whole table: called when their pages are first checked
+    (a next table has no per-row pages: its exceptions are checked when the store opens). A
+    shifted table checks the whole stacks of the written rows (their first frames are the last
+    frames of the rows before, which a read of them checks first).
 
     Raises:
         CorruptionError: naming the store, the field and the first bad row.
@@ -928,15 +883,7 @@ def check_table_rows(path: str, key: Any, rows: RowSpace, layout: FieldLayout, i
         blob, slot = t.refs(at)
         _check_row_entries(path, key, rows, layout, index, at, blob, slot, rows.written[pick])
         return
-    if not t.derived:
-        _check_row_entries(path, key, rows, layout, index, at, t.blob[pick], t.slot[pick], rows.written[pick])
-        return
-    _check_row_entries(path, key, rows, layout, index, at, t.last_blob[pick][:, None], t.last_slot[pick][:, None],
-                   rows.written[pick])
-    lo, hi = np.searchsorted(t.exc_rows, [int(at[0]), int(at[-1]) + 1])
-    if hi > lo:
-        exc = t.exc_rows[lo:hi]
-        _check_row_entries(path, key, rows, layout, index, exc, t.exc_blob[lo:hi], t.exc_slot[lo:hi], rows.written[exc])
+    _check_row_entries(path, key, rows, layout, index, at, t.blob[pick], t.slot[pick], rows.written[pick])
 
 
 def _check_row_entries(path: str, key: Any, rows: RowSpace, layout: FieldLayout, index: BlobIndex, at: np.ndarray,
@@ -1034,19 +981,6 @@ def _header(store: str, body: dict[str, Any], name: str, files: dict[str, Any]) 
         os.close(fd)
 
 
-def row_table_dtypes(version: int) -> tuple[np.dtype, np.dtype]:
-    """``(blob id, slot)`` dtypes of the row tables a commit of format ``version`` saved: int32
-    and uint16 since format 3, int64 and int32 before (read, then converted on open).
-
-    Example:
-        >>> [str(d) for d in row_table_dtypes(3)], [str(d) for d in row_table_dtypes(2)]
-        (['int32', 'uint16'], ['int64', 'int32'])
-    """
-    if version >= 3:
-        return BLOB_DTYPE, SLOT_DTYPE
-    return np.dtype(np.int64), np.dtype(np.int32)
-
-
 def check_bounds(path: str, body: dict[str, Any]) -> None:
     """Check every size the manifest gives against what its files hold, before anything sized by
     them is allocated: a lie (capacity 5e7 for a 100-row store, an index of 1e9 blobs) is refused
@@ -1114,8 +1048,6 @@ def check_bounds(path: str, body: dict[str, Any]) -> None:
             except CorruptionError as e:
                 problems.append(str(e))
                 derived, shifted = {}, set()
-            blob_dtype, slot_dtype = row_table_dtypes(body["format_version"])
-            whole = body["format_version"] >= 5  # a next table keeps whole stacks per exception, no rows
             if any(f.flag_bit is not None for f in fields):
                 expect("flags", (capacity,), np.dtype(np.uint8))
             for i, f in enumerate(fields):
@@ -1123,17 +1055,17 @@ def check_bounds(path: str, body: dict[str, Any]) -> None:
                     continue  # a bit of the flags byte
                 if f.kind == "dense":
                     expect(f"dense.{i}", (capacity, *f.shape), f.column_file_dtype)
-                elif not (whole and i in derived):
-                    width = 1 if i in derived or i in shifted else f.frames_per_row
-                    expect(f"rows.{i}.blob", (capacity, width), blob_dtype)
-                    expect(f"rows.{i}.slot", (capacity, width), slot_dtype)
+                elif i not in derived:  # a next table keeps no per-row arrays
+                    width = 1 if i in shifted else f.frames_per_row
+                    expect(f"rows.{i}.blob", (capacity, width), BLOB_DTYPE)
+                    expect(f"rows.{i}.slot", (capacity, width), SLOT_DTYPE)
             for i in [*derived, *sorted(shifted)]:
                 exc = _header(path, body, table_file(i, "exc_rows", i in shifted), files)
                 k = exc.shape[0] if len(exc.shape) == 1 else -1
-                width = fields[i].frames_per_row - (0 if whole and i in derived else 1)
+                width = fields[i].frames_per_row - (1 if i in shifted else 0)  # next: whole stacks
                 expect(table_file(i, "exc_rows", i in shifted), (k,), np.int64)
-                expect(table_file(i, "exc_blob", i in shifted), (k, width), blob_dtype)
-                expect(table_file(i, "exc_slot", i in shifted), (k, width), slot_dtype)
+                expect(table_file(i, "exc_blob", i in shifted), (k, width), BLOB_DTYPE)
+                expect(table_file(i, "exc_slot", i in shifted), (k, width), SLOT_DTYPE)
     if problems:
         raise CorruptionError(f"{path}: the store is damaged: " + "; ".join(problems[:5])
                               + f". Run `tiered verify {path}` for details.")
@@ -1201,8 +1133,8 @@ def check_references(rows: RowSpace, layout: FieldLayout, index: BlobIndex) -> l
         return problems
     cap, n = rows.capacity, index.size
     written = rows.written
-    # explicit tables first: a derived table's first frames are its base's, checked there; its
-    # own arrays (last frames, exceptions) are checked as they are, never rebuilt whole
+    # explicit tables first: a next table's rule entries are its base's, checked there; its
+    # own arrays (the exceptions) are checked as they are, never rebuilt whole
     for key, t in sorted(layout.tables.items(), key=lambda kv: kv[1].derived):
         name = key_to_str(key)
         if (t.capacity, t.frames) != (cap, layout.schema[key].frames_per_row):

@@ -8,8 +8,7 @@ one computation of the per-field figures: :meth:`tiered.TieredStore.stats` gives
 parts' facts, :func:`read_summary` the manifest's.
 
 :func:`read_summary` answers ``None`` where its figures could differ from what an opened store
-reports (an older format converted on open, row priorities, open time chunks): the caller then
-opens the store.
+reports (row priorities, open time chunks): the caller then opens the store.
 
 Example:
     >>> import tempfile, torch
@@ -36,7 +35,7 @@ import numpy as np
 from ..errors import TieredError
 from ..index import COLD, OPEN, STORED, BlobIndex
 from .commit_arrays import array_path, page_checksums_of
-from .manifest import FORMAT_VERSION, load_npy
+from .manifest import load_npy
 from .pages import kind_of
 
 __all__ = ["DTYPE_NBYTES", "FieldFacts", "field_facts", "field_figures", "read_summary"]
@@ -160,8 +159,7 @@ def read_summary(path: str, body: dict[str, Any]) -> dict[str, Any] | None:
 
 def _summary(path: str, body: dict[str, Any]) -> dict[str, Any] | None:
     files, cold = body["files"], body["cold"]
-    if (body["format_version"] != FORMAT_VERSION or body["policy"] == "priority"
-            or any(k.startswith("priority.") for k in files)):
+    if body["policy"] == "priority" or any(k.startswith("priority.") for k in files):
         return None
     sums = page_checksums_of(body)
 

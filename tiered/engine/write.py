@@ -173,11 +173,10 @@ class WriteOptions:
             normalize_key(k): _as_dtype(k, d) for k, d in (dense_dtypes or {}).items()}
 
     def to_json(self) -> dict[str, Any]:
-        """The manifest's ``options`` entry (format v1 spelling: keys as lists / "a/b" strings).
+        """The manifest's ``options`` entry (keys as lists / "a/b" strings: docs/format.md).
 
         Detection still to come (no write yet) is ``frames: {}`` plus ``frames_auto: true``; a
-        manifest without ``frames_auto`` (every store written before detection existed) keeps
-        exactly the frames it names."""
+        manifest without ``frames_auto`` keeps exactly the frames it names."""
         out = dict(
             blob_min_bytes=self.blob_min_bytes,
             blob_keys=[list(k) for k in self.blob_keys],
@@ -635,7 +634,7 @@ def check_layout_fits(schema: Schema, capacity: int, chunk_frames: int) -> None:
 def saved_families(families: Any, frame_nbytes: list[int]) -> tuple[list[int], list[bool | None]]:
     """The chunk lengths and codec choices (stored raw or not; None: still to decide) a manifest's
     ``families`` entry gives, checked against the schema's families (``frame_nbytes`` each). An
-    entry without ``stored_raw`` (stores written before the choice existed) uses the store's codec.
+    entry without ``stored_raw`` uses the store's codec (docs/format.md).
 
     Raises:
         CorruptionError: an entry that does not fit.

@@ -2,7 +2,8 @@
 
 A :class:`DirtyBlocks` is a bitmap over blocks of :data:`BLOCK` consecutive ids. Marking is one
 vectorized shift and scatter per call (no per-id loop), its memory is one byte per block, and a
-commit turns the blocks into the byte ranges of each array it saves (docs/format.md, format 2).
+commit turns the blocks into the byte ranges of each array it saves (docs/format.md, "Commit
+protocol").
 
 Example:
     >>> import numpy as np

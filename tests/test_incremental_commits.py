@@ -1,9 +1,8 @@
-"""Format 2: a v1 golden store upgrades (``tiered upgrade``) and reads the same rows; commits
-after the first ones write what changed, not the whole store (nor whole checksum pages)."""
+"""Commits after the first ones write what changed, not the whole store (nor whole checksum
+pages), into the copies of each array (docs/format.md, "Commit protocol")."""
 
 from __future__ import annotations
 
-import tarfile
 from pathlib import Path
 
 import numpy as np
@@ -14,30 +13,10 @@ from tensordict import TensorDict
 
 import tiered
 from tiered import TieredStore
-from tiered.cli import main
-from tiered.engine.manifest import FORMAT_VERSION, PAGE_BYTES, page_checksums
+from tiered.engine.manifest import PAGE_BYTES, page_checksums
 from tiered.engine.pages import WRITE_UNIT, write_copy
 from tiered.util.dirty import BLOCK, BLOCK_SHIFT
 from tiered.verify import verify_store
-
-GOLDEN = Path(__file__).parent / "fixtures" / "golden" / "stores"
-
-
-def test_a_v1_store_upgrades_and_reads_the_same_rows(tmp_path, capsys):
-    with tarfile.open(GOLDEN / "memmap_k4.tar.xz") as tar:
-        tar.extractall(tmp_path, filter="data")
-    path = tmp_path / "memmap_k4"
-    assert manifest_body(path)["format_version"] == 1
-    with tiered.open(path) as old:
-        before = old.get(torch.arange(len(old)))
-    assert main(["upgrade", str(path)]) == 0
-    assert "upgraded" in capsys.readouterr().out
-    assert manifest_body(path)["format_version"] == FORMAT_VERSION == 6
-    with tiered.open(path) as new:
-        after = new.get(torch.arange(len(new)))
-    assert all(torch.equal(before.get(k), after.get(k)) for k in before.keys(True, True))
-    assert verify_store(path, progress=False).ok
-    assert main(["upgrade", str(path)]) == 0 and "nothing to do" in capsys.readouterr().out
 
 
 def test_a_commit_writes_what_changed(tmp_path):
