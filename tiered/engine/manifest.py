@@ -105,7 +105,7 @@ def page_checksums(parts: list[memoryview], page_bytes: int = PAGE_BYTES, thread
     def one(k: int) -> None:
         lo, hi = k * page_bytes, min(total, (k + 1) * page_bytes)
         crc = 0
-        for i, part in enumerate(parts):  # a loop over the (one or two) parts of a file
+        for i, part in enumerate(parts):  # a page may straddle two parts: its CRC runs on over both
             a, b = max(lo, int(bounds[i])), min(hi, int(bounds[i + 1]))
             if a < b:
                 crc = zlib.crc32(part[a - int(bounds[i]):b - int(bounds[i])], crc)
