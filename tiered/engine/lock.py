@@ -1,10 +1,10 @@
 """The writer lock of a store directory: one writer at a time, any number of readers.
 
 A store opened for writing holds an exclusive ``flock`` on the file ``lock`` in its directory
-for as long as it is open. A second writer (another process, or a second ``mode="r+"`` open in
-the same process) fails at once with :class:`~tiered.errors.StoreLockedError` naming the
-holder's pid, host, start time and command, which the holder wrote into the lock file.
-Read-only opens never touch the lock.
+for as long as it is open, through :class:`filelock.UnixFileLock`. A second writer (another
+process, or a second ``mode="r+"`` open in the same process) fails at once with
+:class:`~tiered.errors.StoreLockedError` naming the holder's pid, host, start time and command,
+which the holder wrote into the lock file. Read-only opens never touch the lock.
 
 Why ``flock`` on a held file descriptor (and not a pid file, nor ``fcntl`` record locks):
 
@@ -15,14 +15,22 @@ Why ``flock`` on a held file descriptor (and not a pid file, nor ``fcntl`` recor
 * unlike POSIX ``fcntl`` locks, a ``flock`` is not released when the process closes *another*
   descriptor of the same file, and it conflicts between two descriptions in one process, so a
   second writer in the same process is refused too (SQLite's and LMDB's ``fcntl`` caveats);
-* the descriptor is opened ``O_CLOEXEC``: a program the writer ``exec``s does not inherit the
-  lock. A child that is only ``fork``ed shares the description, so the lock lives until both
-  have closed it (DataLoader workers forked from a writer keep it until they exit).
+* the descriptor is not inheritable: a program the writer ``exec``s does not get the lock. A
+  child that is only ``fork``ed does not own it either (its release is a no-op), but the lock
+  lives while the child keeps the inherited descriptor (DataLoader workers forked from a writer
+  keep it until they exit).
+
+``filelock`` is told to keep the lock file (it holds the holder's details), never to fall back
+to its "soft" marker-file lock where ``flock`` is missing (a marker left by a killed process
+would block the next writer: the open fails instead), and to count holds per lock, not per
+thread (a store may be closed by another thread than the one that opened it). What it cannot
+do is written here: the holder's details (:func:`read_holder`) that the refusal names.
 
 ``flock`` is advisory and does not work across NFS on every kernel; keep stores on a local
 file system (as for HDF5 and LMDB).
 
-Writes to the lock file go through :mod:`tiered.fileio` like every other write of the package.
+The holder's details are written through :mod:`tiered.fileio` like every other write of the
+package.
 
 Example:
     >>> import tempfile
@@ -41,15 +49,15 @@ Example:
 from __future__ import annotations
 
 import datetime
-import errno
-import fcntl
 import json
 import os
 import socket
 import sys
-import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+import filelock
 
 from .. import fileio
 from ..errors import StoreLockedError, TieredError
@@ -61,6 +69,16 @@ LOCK_FILE = "lock"
 
 # The holder's details are at most this long; longer commands are cut (the file stays small).
 _MAX_INFO = 4096
+# How often a shared writer looks again while another process holds the lock: its holds last
+# one call (a commit at most), so a short wait costs little polling.
+_SHARED_POLL = 0.002
+
+
+def _file_lock(path: str, *, timeout: float, poll_interval: float = 0.05,
+               on_acquired: Callable[[int], None] | None = None) -> filelock.UnixFileLock:
+    return filelock.UnixFileLock(path, timeout=timeout, mode=0o644, thread_local=False, is_singleton=False,
+                                 poll_interval=poll_interval, fallback_to_soft=False, preserve_lock_file=True,
+                                 on_acquired=on_acquired)
 
 
 @dataclass
@@ -69,20 +87,21 @@ class WriterLock:
 
     Attributes:
         path: the lock file.
-        fd: the descriptor holding the ``flock`` (-1 once released).
+        lock: the :class:`filelock.UnixFileLock` holding the ``flock``.
         pid: the process that took it (a forked child does not own it).
         info: the holder details written into the file.
     """
 
     path: str
-    fd: int
+    lock: filelock.UnixFileLock
     pid: int
     info: dict[str, Any] = field(default_factory=dict)
 
     @property
     def held(self) -> bool:
         """Whether this handle still holds the lock."""
-        return self.fd >= 0 and self.pid == os.getpid()
+        # filelock refuses an instance a forked child inherited: its owner alone asks it
+        return self.pid == os.getpid() and self.lock.is_locked
 
     def __enter__(self) -> WriterLock:
         return self
@@ -157,28 +176,28 @@ def acquire_writer_lock(directory: str | os.PathLike[str]) -> WriterLock:
     """
     directory = os.path.abspath(os.fspath(directory))
     path = os.path.join(directory, LOCK_FILE)
-    fd = fileio.open_for_write(path)
+    info = _holder_info()
+
+    def write_info(fd: int) -> None:
+        try:
+            data = json.dumps(info).encode()[:_MAX_INFO]
+            fileio.truncate(fd, 0)
+            fileio.pwrite(fd, data, 0)
+        except (OSError, TieredError):
+            # The details are informative only: a full disk must not stop a writer that holds the
+            # lock (its own writes will report the full disk where it matters).
+            pass
+
+    lock = _file_lock(path, timeout=0, on_acquired=write_info)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-        fileio.close(fd)
-        if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-            raise
+        lock.acquire(blocking=False)
+    except filelock.Timeout:
         raise StoreLockedError(
             f"{directory} is locked for writing by {_describe(read_holder(directory))}. Only one "
             "writer may open a store: close the other writer first, or open this one read-only "
             "with tiered.open(path, mode='r')"
         ) from None
-    info = _holder_info()
-    try:
-        data = json.dumps(info).encode()[:_MAX_INFO]
-        fileio.truncate(fd, 0)
-        fileio.pwrite(fd, data, 0)
-    except (OSError, TieredError):
-        # The details are informative only: a full disk must not stop a writer that holds the
-        # lock (its own writes will report the full disk where it matters).
-        pass
-    return WriterLock(path=path, fd=fd, pid=os.getpid(), info=info)
+    return WriterLock(path=path, lock=lock, pid=os.getpid(), info=info)
 
 
 def release(handle: WriterLock | None) -> None:
@@ -186,21 +205,8 @@ def release(handle: WriterLock | None) -> None:
 
     The lock file stays, holding the last writer's details; the next writer overwrites them.
     """
-    if handle is None or handle.fd < 0:
-        return
-    fd, handle.fd = handle.fd, -1
-    if handle.pid != os.getpid():
-        # A forked copy: closing our descriptor is enough; unlocking would drop the parent's lock
-        # (flock is shared by the open file description).
-        try:
-            os.close(fd)
-        except OSError:
-            pass
-        return
-    try:
-        fcntl.flock(fd, fcntl.LOCK_UN)
-    finally:
-        fileio.close(fd)
+    if handle is not None and handle.held:
+        handle.lock.release()
 
 
 class SharedWriterLock:
@@ -208,10 +214,10 @@ class SharedWriterLock:
 
     Each process takes the same ``flock`` as :func:`acquire_writer_lock`, but only for the span
     of one operation (:meth:`acquire` ... :meth:`release`), waiting for the other processes
-    instead of failing. Each process opens the lock file itself: a ``fork``ed child must not
-    use its parent's descriptor (a ``flock`` belongs to the open file description, which the
-    two would share, so neither would exclude the other). A process killed while holding the
-    lock loses it with its descriptors, as for the one-writer lock.
+    instead of failing. Each hold opens the lock file anew, so a ``fork``ed child never uses
+    its parent's open file description (the two would share the ``flock``, and neither would
+    exclude the other). A process killed while holding the lock loses it with its descriptors,
+    as for the one-writer lock.
 
     Args:
         directory: the store directory.
@@ -231,14 +237,22 @@ class SharedWriterLock:
     def __init__(self, directory: str | os.PathLike[str], timeout: float = 600.0) -> None:
         self.directory = os.path.abspath(os.fspath(directory))
         self.timeout = timeout
-        self.fd = -1
-        self.pid = -1
-        self.held = False
+        self._lock: filelock.UnixFileLock | None = None
+        self._pid = -1
 
-    def _descriptor(self) -> int:
-        if self.pid != os.getpid():  # first use, or a forked copy: open our own description
-            self.fd, self.pid, self.held = fileio.open_for_write(os.path.join(self.directory, LOCK_FILE)), os.getpid(), False
-        return self.fd
+    def _file_lock(self) -> filelock.UnixFileLock:
+        # A forked child uses this object too (a shared store travels by fork), but filelock
+        # refuses an instance inherited across fork: each process makes its own.
+        if self._pid != os.getpid():
+            self._lock = _file_lock(os.path.join(self.directory, LOCK_FILE), timeout=self.timeout,
+                                    poll_interval=_SHARED_POLL)
+            self._pid = os.getpid()
+        return self._lock
+
+    @property
+    def held(self) -> bool:
+        """Whether this process holds the lock through this object."""
+        return self._file_lock().is_locked
 
     def acquire(self) -> None:
         """Take the lock, waiting while another process holds it.
@@ -246,35 +260,21 @@ class SharedWriterLock:
         Raises:
             StoreLockedError: it stayed held for ``timeout`` seconds (naming the holder).
         """
-        fd = self._descriptor()
-        deadline = time.monotonic() + self.timeout
-        pause = 0.0005
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except OSError as e:
-                if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                    raise
-            if time.monotonic() > deadline:
-                raise StoreLockedError(
-                    f"{self.directory} stayed locked for {self.timeout:.0f} s by "
-                    f"{_describe(read_holder(self.directory))}. A store written by several processes "
-                    "is locked for one operation at a time; a writer that opened it alone (mode='r+' "
-                    "without share()) holds the lock until it closes: close it, or share() it too")
-            time.sleep(pause)
-            pause = min(pause * 2, 0.02)
-        self.held = True
+        try:
+            self._file_lock().acquire()
+        except filelock.Timeout:
+            raise StoreLockedError(
+                f"{self.directory} stayed locked for {self.timeout:.0f} s by "
+                f"{_describe(read_holder(self.directory))}. A store written by several processes "
+                "is locked for one operation at a time; a writer that opened it alone (mode='r+' "
+                "without share()) holds the lock until it closes: close it, or share() it too") from None
 
     def release(self) -> None:
         """Give the lock back (a no-op when not held)."""
-        if self.held and self.pid == os.getpid():
-            self.held = False
-            fcntl.flock(self.fd, fcntl.LOCK_UN)
+        lock = self._file_lock()
+        if lock.is_locked:
+            lock.release()
 
     def close(self) -> None:
-        """Release and close this process's descriptor."""
+        """Release the lock; its file is open only while it is held."""
         self.release()
-        if self.fd >= 0 and self.pid == os.getpid():
-            fileio.close(self.fd)
-        self.fd, self.pid = -1, -1
