@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import pickle
+import shutil
 import signal
 
 import numpy as np
@@ -19,7 +20,13 @@ from torchrl.data import ReplayBuffer, TensorDictReplayBuffer
 
 import tiered
 from tiered import TieredStore, fileio
-from tiered.errors import InvalidArgumentError, NotSharedError, SchemaMismatchError, StorageFullError
+from tiered.errors import (
+    InvalidArgumentError,
+    NotSharedError,
+    SchemaMismatchError,
+    StorageFullError,
+    StoreClosedError,
+)
 from tiered.testing import parts
 from tiered.torchrl import TieredStorage
 from tiered.verify import verify_store
@@ -256,6 +263,9 @@ def test_another_process_commit_is_reloaded_into_the_same_store(tmp_path):
     assert a.get(slice(None))["x"].tolist() == [0.0, 1.0, 2.0, 1.0, 1.0, 7.0]
     for s in (c, b, a):
         s.close()
+    shutil.rmtree(tmp_path / "s")  # a closed shared store looks at its files no more
+    with pytest.raises(StoreClosedError):
+        a.get(0)
 
 
 def test_a_failed_call_of_a_shared_store_leaves_the_last_commit(tmp_path):

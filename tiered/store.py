@@ -303,15 +303,13 @@ class TieredStore:
 
     def _reload(self) -> None:
         """(Shared, under the lock) rebuild the parts from the latest commit, another process's."""
-        if self._closed:
-            return
         old, path = self._placement, self._files.path
         open_commit(path, "r+", lambda body, lock: self._build_from(path, body, "r+", self._runtime, lock),
                     take_lock=False)
         old.close()
 
     def _pending(self) -> bool:
-        return not self._closed and self._changed
+        return self._changed
 
     def _fresh(self) -> None:
         """Bring a shared store up to the latest commit (nothing for a store of one process)."""

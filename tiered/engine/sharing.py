@@ -67,11 +67,13 @@ class SharedWriting:
         self.seen = manifest_stamp(path)
         #: the parts may hold changes of a call that failed: reload the last commit at the next call
         self.stale = False
+        #: the store closed: calls only take the thread lock (and find the store closed)
+        self.closed = False
 
     def __enter__(self) -> SharedWriting:
         self.rlock.acquire()
         self.depth += 1  # first: the reload's own calls into the store are nested ones
-        if self.depth == 1:
+        if self.depth == 1 and not self.closed:
             try:
                 self.lock.acquire()
                 try:
@@ -87,7 +89,7 @@ class SharedWriting:
 
     def __exit__(self, exc_type: Any, *exc: object) -> None:
         try:
-            if self.depth == 1:
+            if self.depth == 1 and not self.closed:
                 try:
                     self._publish(failed=exc_type is not None)
                 finally:
@@ -118,5 +120,6 @@ class SharedWriting:
         self.seen = manifest_stamp(self.path)
 
     def close(self) -> None:
-        """Close this process's descriptor of the lock file."""
+        """Give the lock back for good (the store closes)."""
+        self.closed = True
         self.lock.close()
