@@ -11,9 +11,9 @@ The rules:
 * nothing below the facade (``tiered.store``) imports it or the package root;
 * no module imports another module's private name, and no code reads another object's private
   attribute (``obj._name`` where ``obj`` is not ``self`` or ``cls``); ``tiered.testing`` may,
-  since it is the one public place that looks inside a store;
-* no class over 450 lines; at most three functions over 100 lines, each with a comment on its
-  ``def`` line or the line above saying why it stays whole ("stays whole: ...").
+  since it is the one public place that looks inside a store.
+
+How long a class or function is, is not a rule: classes and functions follow their job.
 """
 
 from __future__ import annotations
@@ -32,9 +32,6 @@ ABOVE_FACADE = ("tiered.store", "tiered.cli", "tiered.__main__", "tiered.verify"
                 "tiered.atari", "tiered.formats", "tiered.torchrl", "tiered.testing", "tiered.ray")
 # where reading into private state is the job: the conformance suites and the inspection helper
 MAY_LOOK_INSIDE = ("tiered.testing",)
-MAX_CLASS_LINES = 450
-MAX_FUNCTION_LINES = 100
-MAX_LONG_FUNCTIONS = 3
 
 
 @dataclass
@@ -252,32 +249,6 @@ def _own_private_attributes(name: str) -> set[str]:
                         own.update(t.id for t in targets if isinstance(t, ast.Name))
         _OWN_CACHE[name] = own
     return _OWN_CACHE[name]
-
-
-def _length(node: ast.AST) -> int:
-    start = min([node.lineno, *(d.lineno for d in getattr(node, "decorator_list", []))])
-    return node.end_lineno - start + 1
-
-
-def test_no_class_over_450_lines():
-    big = [f"{m.name}.{n.name}: {_length(n)} lines" for m in MODULES.values() for n in ast.walk(m.tree)
-           if isinstance(n, ast.ClassDef) and _length(n) > MAX_CLASS_LINES]
-    assert not big, f"classes over {MAX_CLASS_LINES} lines:\n" + "\n".join(big)
-
-
-def test_at_most_three_long_functions_each_saying_why():
-    long = [(m, n) for m in MODULES.values() for n in ast.walk(m.tree)
-            if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef) and _length(n) > MAX_FUNCTION_LINES]
-    names = [f"{m.name}.{n.name}: {_length(n)} lines" for m, n in long]
-    assert len(long) <= MAX_LONG_FUNCTIONS, f"more than {MAX_LONG_FUNCTIONS} functions over " \
-        f"{MAX_FUNCTION_LINES} lines:\n" + "\n".join(names)
-    unexplained = []
-    for (m, n), name in zip(long, names, strict=True):
-        near = " ".join(m.lines[max(0, n.lineno - 3): n.lineno + 1]).lower()
-        if "stays whole" not in near:
-            unexplained.append(name)
-    assert not unexplained, ("functions over 100 lines need a comment on or just above their def "
-                             "saying why they stay whole ('stays whole: ...'):\n" + "\n".join(unexplained))
 
 
 def test_docstrings_and_comments_name_only_what_ships():

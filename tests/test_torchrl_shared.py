@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import pickle
+import shutil
 import signal
 
 import numpy as np
@@ -19,7 +20,14 @@ from torchrl.data import ReplayBuffer, TensorDictReplayBuffer
 
 import tiered
 from tiered import TieredStore, fileio
-from tiered.errors import InvalidArgumentError, NotSharedError
+from tiered.errors import (
+    InvalidArgumentError,
+    NotSharedError,
+    SchemaMismatchError,
+    StorageFullError,
+    StoreClosedError,
+)
+from tiered.testing import parts
 from tiered.torchrl import TieredStorage
 from tiered.verify import verify_store
 
@@ -237,6 +245,44 @@ def test_store_share_and_open_shared(tmp_path):
     b.close()
     a.close()
     assert tiered.open(tmp_path / "s").get(slice(None))["x"].tolist() == [0.0, 1.0, 2.0, 1.0, 1.0]
+
+
+def test_another_process_commit_is_reloaded_into_the_same_store(tmp_path):
+    """A shared store rebuilds its parts from the other writer's commit: the object stays, its
+    counters go on, and a copy pickled while shared writes as a shared store too."""
+    a = TieredStore(8, tmp_path / "s").share()
+    b = tiered.open(tmp_path / "s", mode="r+", shared=True)
+    a.extend(TensorDict({"x": torch.arange(3.0)}, [3]))
+    rows_before = parts(a).rows
+    b.extend(TensorDict({"x": torch.ones(2)}, [2]))
+    assert len(a) == 5 and parts(a).rows is not rows_before  # rebuilt from b's commit
+    assert a.stats()["counters"]["extends"] == 1 and a.shared
+    c = pickle.loads(pickle.dumps(a))
+    assert c.shared and c is not a
+    c.extend(TensorDict({"x": torch.full((1,), 7.0)}, [1]))
+    assert a.get(slice(None))["x"].tolist() == [0.0, 1.0, 2.0, 1.0, 1.0, 7.0]
+    for s in (c, b, a):
+        s.close()
+    shutil.rmtree(tmp_path / "s")  # a closed shared store looks at its files no more
+    with pytest.raises(StoreClosedError):
+        a.get(0)
+
+
+def test_a_failed_call_of_a_shared_store_leaves_the_last_commit(tmp_path):
+    """A call whose commit fails (a full disk) or that fails part-way is not committed, and the
+    next call starts again from the last commit."""
+    a = TieredStore(8, tmp_path / "s").share()
+    a.extend(TensorDict({"x": torch.arange(3.0)}, [3]))
+    with fileio.inject_faults(enospc_on=1), pytest.raises(StorageFullError):
+        a.extend(TensorDict({"x": torch.full((2,), 9.0)}, [2]))  # in memory, then its commit fails
+    assert len(a) == 3 and a.cursor == 3
+    with pytest.raises(SchemaMismatchError):
+        a.extend(TensorDict({"y": torch.zeros(2)}, [2]))
+    assert len(a) == 3 and a.cursor == 3
+    a.extend(TensorDict({"x": torch.full((2,), 5.0)}, [2]))
+    assert a.get(slice(None))["x"].tolist() == [0.0, 1.0, 2.0, 5.0, 5.0]
+    a.close()
+    assert tiered.open(tmp_path / "s").get(slice(None))["x"].tolist() == [0.0, 1.0, 2.0, 5.0, 5.0]
 
 
 def _spawned_extends(rb, queue) -> None:

@@ -591,7 +591,7 @@ class GpuReadPipeline(ReadPipeline):
             flat_np = flat.numpy().reshape(-1, fam.frame_nbytes)
         else:
             flat2 = flat.reshape(-1, fam.frame_nbytes)
-        for f, (a, b) in zip(fields, spans, strict=True):  # a loop over fields, not rows
+        for f, (a, b) in zip(fields, spans, strict=True):
             if extra_t is None:
                 part = torch.from_numpy(flat_np[extra[a:b]])
             else:
@@ -786,7 +786,7 @@ class GpuReadPipeline(ReadPipeline):
         ctx.bucket, ctx.pads = False, 0
         size = max(n // 2, 1)
         i = 0
-        while i < n:  # a loop over halves of the batch (log2 of it at most), not over blobs
+        while i < n:  # parts of `size` blobs; a part that runs out of memory again halves `size`
             part = np.arange(i, min(i + size, n), dtype=np.int64)
             _tls.oom = False
             try:

@@ -534,7 +534,7 @@ class ShiftedRowTable(_ExceptionTable):
             touched = touched[np.concatenate([[True], touched[1:] != touched[:-1]])]
         else:  # a large share of the ring (a whole table at open): a mask, not a sort
             mask = np.zeros(cap, dtype=bool)
-            for k in range(f):  # a loop over the frames of a stack
+            for k in range(f):  # a row's stack of f frames touches the rows r .. r + f - 1
                 mask[(rows + k) % cap] = True
             touched = mask.ravel().nonzero()[0]
         prev = (touched - 1) % cap

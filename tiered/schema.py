@@ -296,7 +296,7 @@ def narrowest_dtype(values: torch.Tensor, dtype: torch.dtype, at_least: torch.dt
         >>> narrowest_dtype(torch.tensor([0.1]), torch.float32) is None
         True
     """
-    for cand in narrow_candidates(dtype):  # a loop over at most 6 dtypes, done once per field and widening
+    for cand in narrow_candidates(dtype):  # narrowest first: the first that holds the values is the answer
         if (at_least is None or holds_dtype(cand, at_least)) and fits_exactly(values, cand):
             return cand
     return None
@@ -331,7 +331,7 @@ class Narrowing:
     def first(self, schema: Schema, data: Any) -> Schema:
         """``schema`` with each self-narrowing column in the narrowest dtype the first write's values fit."""
         fields = []
-        for f in schema.values():  # a loop over fields
+        for f in schema.values():
             if self.auto(f):
                 f = dataclasses.replace(f, stored_dtype=narrowest_dtype(_cells(data, f.key), f.dtype))
             fields.append(f)
@@ -349,7 +349,7 @@ class Narrowing:
                             if f.stored_dtype is not None and f.key not in self.forced]
         out: dict[Key, torch.dtype | None] = {}
         is_dict = isinstance(data, dict)
-        for key, f, lo, hi in self._checks:  # a loop over fields: one check each
+        for key, f, lo, hi in self._checks:
             values = data[key] if is_dict else data.get(key)
             if lo is not None and values.numel() == 1:
                 x = values.item()
@@ -753,7 +753,7 @@ class Schema(Mapping[Key, Field]):
         entries = self._entries(td)
         if entries is None:
             return False
-        for key in self._fields:  # a loop over fields
+        for key in self._fields:
             if not isinstance(entries[key[:-1]][key[-1]], torch.Tensor):
                 return False
         return True

@@ -9,6 +9,7 @@ batched call and placed into the fastest tier with room. The parts (``tiered/eng
 * :class:`~tiered.engine.placement.Placement`: the tiers and every move between them (asks the policy);
 * :class:`~tiered.engine.read.CpuReadPipeline` / :class:`~tiered.gpu.GpuReadPipeline`: the reads;
 * :class:`~tiered.engine.persistence.StoreFiles`: commits, opening, the writer lock;
+* :class:`~tiered.engine.sharing.SharedWriting`: several writer processes (:meth:`TieredStore.share`);
 * :func:`~tiered.engine.stats.store_stats`.
 
 Example:
@@ -44,7 +45,6 @@ from tensordict import TensorDictBase
 
 from . import codecs
 from .engine.lock import SharedWriterLock
-from .engine.manifest import MANIFEST
 from .engine.parts import build_parts
 from .engine.persistence import (
     StoreFiles,
@@ -58,6 +58,7 @@ from .engine.persistence import (
 from .engine.priorities import checked_row_priorities
 from .engine.read import CpuReadPipeline, ReadPipeline
 from .engine.rows import IndexLike, as_row_array
+from .engine.sharing import SharedWriting
 from .engine.stats import store_stats
 from .engine.transport import REPACK_FRAMES, CompressedRows, export_rows
 from .engine.write import WriteOptions
@@ -89,234 +90,7 @@ _RUNTIME_DEFAULTS: dict[str, Any] = dict(hot_bytes=None, warm_bytes=None, hot_de
 _OPEN_OPTIONS = frozenset(_RUNTIME_DEFAULTS)
 
 
-class _SharedSection:
-    """The lock of a store that several processes write (:meth:`TieredStore.share`).
-
-    It stands in for the store's thread lock. The outermost ``with`` of a call takes the
-    store's :class:`~tiered.engine.lock.SharedWriterLock`, reloads the latest commit if another
-    process committed since this one last looked, and on the way out commits what the call
-    changed before the lock is given back. Nested ``with`` blocks (a method calling another)
-    only take the thread lock.
-    """
-
-    def __init__(self, store: _StoreSharing, lock: SharedWriterLock) -> None:
-        self.store = store
-        self.lock = lock
-        self.rlock = threading.RLock()
-        self.depth = 0
-
-    def __enter__(self) -> _SharedSection:
-        self.rlock.acquire()
-        if self.depth == 0:
-            try:
-                self.lock.acquire()
-                try:
-                    self.store._sync()
-                except BaseException:
-                    self.lock.release()
-                    raise
-            except BaseException:
-                self.rlock.release()
-                raise
-        self.depth += 1
-        return self
-
-    def __exit__(self, exc_type: Any, *exc: object) -> None:
-        try:
-            if self.depth == 1:
-                try:
-                    self.store._publish(failed=exc_type is not None)
-                finally:
-                    self.lock.release()
-        finally:
-            self.depth -= 1
-            self.rlock.release()
-
-
-def _manifest_stamp(path: str) -> tuple[int, int, int]:
-    """What changes when a commit lands (the manifest is replaced by a rename each time)."""
-    st = os.stat(os.path.join(path, MANIFEST))
-    return st.st_ino, st.st_mtime_ns, st.st_size
-
-
-class _StoreSharing:
-    """TieredStore's several-process writing (:meth:`share`), pickling and the open/writable checks
-    its calls make; a part of :class:`TieredStore`, kept apart to keep each class short."""
-
-    _lock: Any
-    _files: StoreFiles | None
-    _changed: bool
-    _shared: bool
-    _closed: bool
-    _runtime: dict[str, Any]
-    _counters: dict[str, int]
-    read_only: bool
-    path: str | None
-
-    def _check_open(self, mode: str = "") -> None:
-        if self._closed:
-            raise StoreClosedError(f"the store is closed; reopen it with tiered.open(path{mode})")
-
-    def _check_writable(self) -> None:
-        self._check_open(", mode='r+'")
-        if self.read_only:
-            raise ReadOnlyStoreError(
-                f"store {self.path!r} was opened read-only (mode='r'); reopen with mode='r+' to write")
-
-    def share(self) -> TieredStore:
-        """Let other processes write this store too, each through its own open of the path.
-
-        The store commits, gives up the writer lock it held since it was opened, and from then on
-        takes it for the span of each call instead (waiting while another process holds it). A
-        call first reloads the latest commit if another process committed since this one last
-        looked, and a call that changed the store commits before it returns. So every process
-        sees every other's writes, at the cost of a commit per writing call and a reload after
-        another process's commit. Open the store in the other processes with
-        ``tiered.open(path, mode="r+", shared=True)``, or pickle it to them (a shared store
-        travels as "reopen shared"; a ``fork``ed child may use its copy directly). A process
-        killed during a call leaves the last commit intact: the others go on from it.
-
-        Returns:
-            This store.
-
-        Raises:
-            InvalidArgumentError: an in-memory store (there is no path to share).
-            ReadOnlyStoreError, StoreClosedError: as for writes.
-
-        Example:
-            >>> import tempfile, torch, tiered
-            >>> from tensordict import TensorDict
-            >>> d = tempfile.mkdtemp() + "/s"
-            >>> a = TieredStore(8, d).share()
-            >>> b = tiered.open(d, mode="r+", shared=True)   # another process would do the same
-            >>> _ = a.extend(TensorDict({"x": torch.arange(3.0)}, [3]))
-            >>> len(b), b.get(2)["x"].item()
-            (3, 2.0)
-            >>> _ = b.extend(TensorDict({"x": torch.ones(2)}, [2]))
-            >>> len(a), a.cursor
-            (5, 5)
-        """
-        with self._lock:
-            if self._shared:
-                return self  # type: ignore[return-value]
-            self._check_writable()
-            if self._files is None:
-                raise InvalidArgumentError(
-                    "an in-memory store cannot be shared with other processes: create it with a path "
-                    "(TieredStore(capacity, path)) and share() that")
-            self.flush()
-            self._files.release_lock()
-            self._become_shared(SharedWriterLock(self._files.path))
-        return self  # type: ignore[return-value]
-
-    @property
-    def shared(self) -> bool:
-        """Whether the store is written by several processes (:meth:`share`)."""
-        return self._shared
-
-    def _read_rows(self, index: Any, rows: np.ndarray, keys: Any, index_key: str | None, copy: bool) -> Any:
-        """:meth:`get`'s read of ``rows``, checked (:meth:`_checked_read`).
-
-        ``copy=False`` gives views of the dense columns only where nothing but this process
-        rewrites the files their pages may be mapped from. A read-only open maps its commit's copy
-        files, which the writer's later commits rewrite in place; a shared store's columns are
-        reloaded from files that other processes rewrite: a view there would come to show rows of
-        neither commit, so such a store returns copies."""
-        copy = copy or self._shared or self.read_only
-        return self._checked_read(lambda: self._reader.get_rows(self._rows, self._write, index, rows, keys,
-                                                                index_key, copy, self._device))
-
-    def _checked_read(self, read: Callable[[], T]) -> T:
-        """``read()``, or :class:`~tiered.errors.StaleReadError` where the writer may have rewritten
-        what it used (a read-only open, a process forked from the writer): see
-        :func:`~tiered.engine.persistence.read_fresh`."""
-        return read_fresh(self._files, read, verify=self._runtime["verify"])
-
-    def _become_shared(self, lock: SharedWriterLock) -> None:
-        self._shared = True
-        self._stale_state = False
-        self._seen = _manifest_stamp(self._files.path)
-        self._lock = _SharedSection(self, lock)
-
-    def _fresh(self) -> None:
-        """Bring a shared store up to the latest commit (nothing for a store of one process)."""
-        if self._shared:
-            with self._lock:
-                pass
-
-    def _sync(self) -> None:
-        """(Shared, under the lock) reload the latest commit if another process made one."""
-        if self._closed:
-            return
-        if self._stale_state or _manifest_stamp(self._files.path) != self._seen:
-            self._reload()
-
-    def _reload(self) -> None:
-        section, counters = self._lock, dict(self._counters)
-        other = self._open(self._files.path, "r+", self._runtime, take_lock=False)
-        self._placement.close()
-        self.__dict__.update(other.__dict__)
-        self._counters.update(counters)
-        self._lock = section
-        self._shared, self._stale_state = True, False
-        self._seen = _manifest_stamp(self._files.path)
-
-    def _publish(self, *, failed: bool) -> None:
-        """(Shared, at the end of a call, under the lock) commit what the call changed; after a
-        call that failed, reload the last commit at the next call instead."""
-        if self._closed or not self._changed:
-            return
-        if failed:
-            self._stale_state = True
-            return
-        try:
-            self.flush()
-        except BaseException:
-            self._stale_state = True
-            raise
-        self._seen = _manifest_stamp(self._files.path)
-
-    @classmethod
-    def _open(cls, path: str, mode: str, options: dict[str, Any], *, take_lock: bool) -> TieredStore:
-        def build(body: dict[str, Any], lock: Any) -> TieredStore:
-            files = StoreFiles(path, body.get("backend", "memmap"))
-            runtime = {**_RUNTIME_DEFAULTS, "policy": body.get("policy", "lru"), **options}
-            self = cls.__new__(cls)
-            self._build(int(body["capacity"]), body["codec"], options_of(body),
-                        files.blob_index(body), runtime)
-            self._files, self._backend = files, files.backend
-            restore_commit(files, body, mode, self._rows, self._write, self._placement)
-            files.writer_lock = lock
-            self._changed = False
-            return self
-
-        return open_commit(path, mode, build, take_lock=take_lock)
-
-    # Pickling: a store with a path travels as "reopen this path" (shared: for writing) ---------
-    def __getstate__(self) -> dict[str, Any]:
-        if self._files is not None:
-            if not self.read_only and not self._closed:
-                self.flush()
-            return {"__reopen__": self._files.path, "shared": self._shared,
-                    "options": {"verify": self._runtime["verify"]}}
-        # the lock and the read pipelines are rebuilt on unpickling (a GPU decoder stays behind)
-        return {k: v for k, v in self.__dict__.items() if k not in ("_lock", "_gpu", "_reader", "_cpu_reader")}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        if "__reopen__" in state:
-            shared = state.get("shared", False)
-            other = TieredStore.open(state["__reopen__"], mode="r+" if shared else "r", shared=shared,
-                                     **state["options"])
-            self.__dict__.update(other.__dict__)
-            if shared:
-                self._lock.store = self
-            return
-        self.__dict__.update(state)
-        self._lock = threading.RLock()
-        self._make_readers()
-
-
-class TieredStore(_StoreSharing):
+class TieredStore:
     """A fixed-capacity ring of rows with compressed, tiered blob fields.
 
     Args:
@@ -380,6 +154,7 @@ class TieredStore(_StoreSharing):
         _check_sizes(capacity, chunk_frames, stage_rows)
         _check_devices(hot_device, device)
         _check_spill(spill, spill_dir, path)
+        self._start()
         options = WriteOptions(blob_min_bytes=blob_min_bytes, blob_keys=blob_keys, dense_keys=dense_keys,
                                frames=frames, chunk_frames=chunk_frames, dedup=dedup, traj_key=traj_key,
                                dense_dtypes=dense_dtypes)
@@ -398,6 +173,14 @@ class TieredStore(_StoreSharing):
                 raise
             self._changed = False
 
+    def _start(self) -> None:
+        """What a store keeps for its life, whatever commit its parts were last built from."""
+        self._lock: threading.RLock | SharedWriting = threading.RLock()
+        #: set by share(): the store is written by several processes
+        self._sharing: SharedWriting | None = None
+        self._closed = False
+        self._counters = {"blobs_decoded": 0, "gets": 0, "extends": 0}
+
     def _build(self, capacity: int, codec: str, options: WriteOptions, index: BlobIndex,
                runtime: dict[str, Any]) -> None:
         """Create the parts (no cold tier: the caller adds it when the store has a path)."""
@@ -405,13 +188,40 @@ class TieredStore(_StoreSharing):
         self._committed = False
         self._codec, self._device, self._rows, self._index, self._placement, self._write = build_parts(
             capacity, codec, options, index, **runtime)
-        self._lock = threading.RLock()
-        self._shared = False  # share(): written by several processes
-        self._closed = False
         #: whether anything changed since the last commit (a flush of an unchanged store writes nothing)
         self._changed = True
-        self._counters = {"blobs_decoded": 0, "gets": 0, "extends": 0}
         self._make_readers()
+
+    def _build_from(self, path: str, body: dict[str, Any], mode: str, runtime: dict[str, Any], lock: Any) -> None:
+        """Build the parts from the commit ``body`` of the store at ``path`` (an open; a shared
+        store's reload of another process's commit)."""
+        files = StoreFiles(path, body.get("backend", "memmap"))
+        self._build(int(body["capacity"]), body["codec"], options_of(body), files.blob_index(body), runtime)
+        self._files, self._backend = files, files.backend
+        restore_commit(files, body, mode, self._rows, self._write, self._placement)
+        files.writer_lock = lock
+        self._changed = False
+
+    def _open_path(self, path: str, mode: str, shared: bool, options: dict[str, Any]) -> None:
+        """Open the store at ``path`` into this new object (:meth:`open`, unpickling)."""
+        if shared and mode != "r+":
+            raise InvalidArgumentError(f"shared=True opens a store for writing: pass mode='r+', not {mode!r}")
+        self._start()
+
+        def build(body: dict[str, Any], lock: Any) -> None:
+            runtime = {**_RUNTIME_DEFAULTS, "policy": body.get("policy", "lru"), **options}
+            self._build_from(path, body, mode, runtime, lock)
+
+        if not shared:
+            open_commit(path, mode, build, take_lock=True)
+            return
+        lock = SharedWriterLock(path)
+        lock.acquire()
+        try:
+            open_commit(path, mode, build, take_lock=False)
+            self._share(lock)
+        finally:
+            lock.release()
 
     def _make_readers(self) -> None:
         rt = self._runtime
@@ -423,6 +233,89 @@ class TieredStore(_StoreSharing):
 
     def _stale(self) -> tuple[int, int] | None:
         return self._files.newer_generation() if self._files is not None else None
+
+    def _check_open(self, mode: str = "") -> None:
+        if self._closed:
+            raise StoreClosedError(f"the store is closed; reopen it with tiered.open(path{mode})")
+
+    def _check_writable(self) -> None:
+        self._check_open(", mode='r+'")
+        if self.read_only:
+            raise ReadOnlyStoreError(
+                f"store {self.path!r} was opened read-only (mode='r'); reopen with mode='r+' to write")
+
+    # -- Several writer processes ------------------------------------------------------------------
+    def share(self) -> TieredStore:
+        """Let other processes write this store too, each through its own open of the path.
+
+        The store commits, gives up the writer lock it held since it was opened, and from then on
+        takes it for the span of each call instead (waiting while another process holds it). A
+        call first reloads the latest commit if another process committed since this one last
+        looked, and a call that changed the store commits before it returns. So every process
+        sees every other's writes, at the cost of a commit per writing call and a reload after
+        another process's commit. Open the store in the other processes with
+        ``tiered.open(path, mode="r+", shared=True)``, or pickle it to them (a shared store
+        travels as "reopen shared"; a ``fork``ed child may use its copy directly). A process
+        killed during a call leaves the last commit intact: the others go on from it.
+
+        Returns:
+            This store.
+
+        Raises:
+            InvalidArgumentError: an in-memory store (there is no path to share).
+            ReadOnlyStoreError, StoreClosedError: as for writes.
+
+        Example:
+            >>> import tempfile, torch, tiered
+            >>> from tensordict import TensorDict
+            >>> d = tempfile.mkdtemp() + "/s"
+            >>> a = TieredStore(8, d).share()
+            >>> b = tiered.open(d, mode="r+", shared=True)   # another process would do the same
+            >>> _ = a.extend(TensorDict({"x": torch.arange(3.0)}, [3]))
+            >>> len(b), b.get(2)["x"].item()
+            (3, 2.0)
+            >>> _ = b.extend(TensorDict({"x": torch.ones(2)}, [2]))
+            >>> len(a), a.cursor
+            (5, 5)
+        """
+        with self._lock:
+            if self._sharing is not None:
+                return self
+            self._check_writable()
+            if self._files is None:
+                raise InvalidArgumentError(
+                    "an in-memory store cannot be shared with other processes: create it with a path "
+                    "(TieredStore(capacity, path)) and share() that")
+            self.flush()
+            self._files.release_lock()
+            self._share(SharedWriterLock(self._files.path))
+        return self
+
+    @property
+    def shared(self) -> bool:
+        """Whether the store is written by several processes (:meth:`share`)."""
+        return self._sharing is not None
+
+    def _share(self, lock: SharedWriterLock) -> None:
+        self._sharing = SharedWriting(self._files.path, lock, reload=self._reload, pending=self._pending,
+                                      commit=self.flush)
+        self._lock = self._sharing
+
+    def _reload(self) -> None:
+        """(Shared, under the lock) rebuild the parts from the latest commit, another process's."""
+        old, path = self._placement, self._files.path
+        open_commit(path, "r+", lambda body, lock: self._build_from(path, body, "r+", self._runtime, lock),
+                    take_lock=False)
+        old.close()
+
+    def _pending(self) -> bool:
+        return self._changed
+
+    def _fresh(self) -> None:
+        """Bring a shared store up to the latest commit (nothing for a store of one process)."""
+        if self._sharing is not None:
+            with self._lock:
+                pass
 
     # -- Properties --------------------------------------------------------------------------------
     @property
@@ -620,6 +513,24 @@ class TieredStore(_StoreSharing):
         stage = self._write.stage
         return self._rows.resolve_read(index, stage.staged if stage is not None and stage.count else None)
 
+    def _read_rows(self, index: Any, rows: np.ndarray, keys: Any, index_key: str | None, copy: bool) -> Any:
+        """:meth:`get`'s read of ``rows``, checked (:meth:`_checked_read`).
+
+        ``copy=False`` gives views of the dense columns only where nothing but this process
+        rewrites the files their pages may be mapped from. A read-only open maps its commit's copy
+        files, which the writer's later commits rewrite in place; a shared store's columns are
+        reloaded from files that other processes rewrite: a view there would come to show rows of
+        neither commit, so such a store returns copies."""
+        copy = copy or self._sharing is not None or self.read_only
+        return self._checked_read(lambda: self._reader.get_rows(self._rows, self._write, index, rows, keys,
+                                                                index_key, copy, self._device))
+
+    def _checked_read(self, read: Callable[[], T]) -> T:
+        """``read()``, or :class:`~tiered.errors.StaleReadError` where the writer may have rewritten
+        what it used (a read-only open, a process forked from the writer): see
+        :func:`~tiered.engine.persistence.read_fresh`."""
+        return read_fresh(self._files, read, verify=self._runtime["verify"])
+
     def rows_of(self, index: IndexLike) -> np.ndarray:
         """The row positions :meth:`get` reads for ``index`` (negative indices resolved).
 
@@ -729,8 +640,29 @@ class TieredStore(_StoreSharing):
                 self._closed = True
                 if self._files is not None:
                     self._files.release_lock()
-                if self._shared:
-                    self._lock.lock.close()
+                if self._sharing is not None:
+                    self._sharing.close()
+
+    # Pickling: a store with a path travels as "reopen this path" (shared: for writing) ---------
+    def __getstate__(self) -> dict[str, Any]:
+        if self._files is not None:
+            if not self.read_only and not self._closed:
+                self.flush()
+            return {"__reopen__": self._files.path, "shared": self._sharing is not None,
+                    "options": {"verify": self._runtime["verify"]}}
+        # the lock and the read pipelines are rebuilt on unpickling (a GPU decoder stays behind)
+        return {k: v for k, v in self.__dict__.items() if k not in ("_lock", "_gpu", "_reader", "_cpu_reader")}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        if "__reopen__" in state:
+            shared = state.get("shared", False)
+            self._open_path(state["__reopen__"], "r+" if shared else "r", shared, state["options"])
+            return
+        self.__dict__.update(state)
+        self._lock = threading.RLock()
+        self._make_readers()
+
+
 
     # -- The durable format (docs/format.md; tiered/engine/persistence.py) -------------------------
     def _commit(self) -> None:
@@ -750,18 +682,8 @@ class TieredStore(_StoreSharing):
         :class:`~tiered.errors.CorruptionError` naming the store, never a raw ``KeyError``.
         """
         _check_open_options(options)
-        path = os.fspath(path)
-        if not shared:
-            return cls._open(path, mode, options, take_lock=True)
-        if mode != "r+":
-            raise InvalidArgumentError(f"shared=True opens a store for writing: pass mode='r+', not {mode!r}")
-        lock = SharedWriterLock(path)
-        lock.acquire()
-        try:
-            store = cls._open(path, mode, options, take_lock=False)
-            store._become_shared(lock)
-        finally:
-            lock.release()
+        store = cls.__new__(cls)
+        store._open_path(os.fspath(path), mode, shared, options)
         return store
 
 

@@ -12,8 +12,8 @@ code that wrote it (the verifier must not share the writer's bugs):
 4. every live blob: its compressed bytes are read from the cold tier in large sequential reads
    (about 64 MiB at a time) and their checksums computed in one vectorized call per read and
    compared with the index; with ``decode=True`` they are also decompressed;
-5. the index pools: ``free_ids`` lists exactly the free ids; no free or deferred cold extent
-   overlaps a stored blob or another extent;
+5. the index: ``free_ids`` lists exactly the free ids; no free or deferred cold extent
+   overlaps a stored blob or another extent; row tables saved as another's shifted by one expand;
 6. the row tables: every written row points at stored blobs of its field's family, at a slot
    inside the blob; stored reference counts are at least a recount (one bincount);
 7. finally, with ``open_check=True`` (the default; ``tiered verify --open``), the store is opened
@@ -265,7 +265,7 @@ class _StoreCheck:
         self.schema: list[dict[str, Any]] = []
         self.arrays_dir = os.path.join(self.path, ARRAYS_DIR)
         self.arrays: dict[str, np.ndarray] = {}
-        # index columns, read by locate_blobs
+        # index columns, read by check_blob_locations
         self.state = np.empty(0)
         self.live = np.empty(0, np.int64)  # ids of the stored blobs
         self.sums = np.empty(0)
@@ -276,26 +276,26 @@ class _StoreCheck:
         self.verified_files: list[str] = []  # array files whose page checksums matched
 
     def run(self) -> None:
-        if not self.read_manifest():
+        """The checks, in the order they run; one that returns ``False`` leaves nothing for the
+        later ones to check."""
+        if not self.check_manifest():
             return
-        if not self.load_arrays():
+        if not self.check_array_files():
             return
         segments = self.check_segments()
-        blobs = self.locate_blobs(segments)
+        blobs = self.check_blob_locations(segments)
         if blobs is None:
             return
-        self.checksum_blobs(blobs, segments)
+        self.check_checksums(blobs, segments)
         self.check_raw_sizes()
-        _check_index_pools(self)
-        for problem in expand_derived(self.body, [spec.get("kind") for spec in self.schema], self.arrays):
-            self.report.add("index", problem, file=self.manifest_file)
-        if not self.check_rows():
+        self.check_index_pools()
+        self.check_derived_tables()
+        if not self.check_row_tables():
             return
-        _check_references(self)
-        self.report_unused_damage()
+        self.check_references()
+        self.report_damage_no_row_uses()
         if self.report.ok and self.open_check:
-            with arrays_verified(self.verified_files):  # checked above: not read a second time
-                _check_open(self)
+            self.check_open()
 
     def file_of(self, name: str) -> str:
         """The file of array ``name`` in the commit verified."""
@@ -304,8 +304,8 @@ class _StoreCheck:
         except CorruptionError:
             return os.path.join(self.arrays_dir, name + ".npy")
 
-    # 1. manifest -------------------------------------------------------------------------------
-    def read_manifest(self) -> bool:
+    # 1. the manifest ---------------------------------------------------------------------------
+    def check_manifest(self) -> bool:
         report, path = self.report, self.path
         try:
             body = read_manifest(path)
@@ -356,8 +356,8 @@ class _StoreCheck:
             )
         return True
 
-    # 2. array files --------------------------------------------------------------------------
-    def load_arrays(self) -> bool:
+    # 2. the array files ------------------------------------------------------------------------
+    def check_array_files(self) -> bool:
         """Every array file: present, regular, its recorded size, a valid header that accounts for
         the file's size, and its page checksums."""
         report = self.report
@@ -396,7 +396,7 @@ class _StoreCheck:
             report.add("manifest", f"the manifest lists no {missing} arrays", file=self.manifest_file)
         return False
 
-    # 3. cold segments ---------------------------------------------------------------------------
+    # 3. the cold segments ----------------------------------------------------------------------
     def check_segments(self) -> _Segments:
         cold, report = self.cold, self.report
         sizes = [int(x) for x in cold.get("segment_sizes", [])]
@@ -439,8 +439,8 @@ class _StoreCheck:
             segments.ok.append(True)
         return segments
 
-    # 4. blobs ------------------------------------------------------------------------------------
-    def locate_blobs(self, segments: _Segments) -> _Blobs | None:
+    # 4. the blobs ------------------------------------------------------------------------------
+    def check_blob_locations(self, segments: _Segments) -> _Blobs | None:
         """The live blobs inside the segments, in file order; those the index places outside are
         reported. ``None``: the index columns cannot be read together."""
         arrays, report = self.arrays, self.report
@@ -492,7 +492,7 @@ class _StoreCheck:
         order = np.lexsort((in_seg, seg))
         return _Blobs(ids[order], size[order], seg[order], in_seg[order])
 
-    def checksum_blobs(self, blobs: _Blobs, segments: _Segments) -> None:
+    def check_checksums(self, blobs: _Blobs, segments: _Segments) -> None:
         """Read the blobs in large sequential reads and compare their checksums with the index."""
         bar = _progress_bar(self.progress, int(blobs.size.sum()))
         try:
@@ -581,8 +581,48 @@ class _StoreCheck:
                 file=self.file_of("index.raw_nbytes"),
             )
 
-    # 5. rows -> blobs -------------------------------------------------------------------------------
-    def check_rows(self) -> bool:
+    # 5. the index ------------------------------------------------------------------------------
+    def check_index_pools(self) -> None:
+        """The free-id pool lists exactly the free ids, and the cold tier's free and deferred extents
+        overlap neither the stored blobs nor each other (a write would overwrite them)."""
+        a, report, n = self.arrays, self.report, self.state.shape[0]
+        file = self.file_of("index.free_ids")
+        if "index.free_ids" in a:
+            free = np.asarray(a["index.free_ids"])
+            is_free = self.state == 0
+            if free.ndim != 1 or (free.size and (int(free.min()) < 0 or int(free.max()) >= n)):
+                report.add("index", f"index.free_ids holds ids outside [0, {n})", file=file)
+            elif (np.unique(free).size != free.size or not is_free[free].all()
+                  or int(is_free.sum()) != free.size):
+                report.add("index", f"index.free_ids lists {free.size} ids, the index has {int(is_free.sum())} "
+                           "free ids (an id listed twice, a stored id listed, or a free id missing)", file=file)
+        names = ["cold.free_offsets", "cold.free_sizes", "cold.pending_offsets", "cold.pending_sizes"]
+        if not all(k in a for k in names) or "index.nbytes" not in a:
+            return
+        loc = np.asarray(a["index.loc"])[self.live, _COLD].astype(np.int64)
+        size = np.asarray(a["index.nbytes"])[self.live].astype(np.int64)
+        ext = [np.asarray(a[k]).astype(np.int64).reshape(-1) for k in names]
+        off = np.concatenate([loc, ext[0], ext[2]])
+        ln = np.concatenate([(size + 15) // 16 * 16, ext[1], ext[3]])
+        if off.shape != ln.shape or (ln < 0).any() or (off < 0).any():
+            report.add("index", "the cold tier's free extents are malformed", file=self.arrays_dir)
+            return
+        order = np.argsort(off, kind="stable")
+        o, e = off[order], (off + ln)[order]
+        keep = ln[order] > 0
+        o, e = o[keep], e[keep]
+        if o.size > 1 and bool((o[1:] < np.maximum.accumulate(e)[:-1]).any()):
+            report.add("index", "the cold tier's free or deferred extents overlap stored blobs or each other",
+                       file=self.file_of("cold.free_offsets"))
+
+    def check_derived_tables(self) -> None:
+        """Each row table saved as another's shifted by one (plus exceptions) expands from its saved
+        arrays into a whole table, which the row-table checks read."""
+        for problem in expand_derived(self.body, [spec.get("kind") for spec in self.schema], self.arrays):
+            self.report.add("index", problem, file=self.manifest_file)
+
+    # 6. the row tables -------------------------------------------------------------------------
+    def check_row_tables(self) -> bool:
         """Every written row of every row table points at stored blobs; damaged blobs are reported
         with the field and rows that use them. ``False``: the written mask is unreadable."""
         report = self.report
@@ -668,7 +708,64 @@ class _StoreCheck:
             )
             self.listed.add(bid)
 
-    def report_unused_damage(self) -> None:
+    def check_references(self) -> None:
+        """Every written row's frames name a stored blob of the field's family, at a slot inside
+        the blob; the stored reference counts are at least the recount (the writer's tail pins
+        may add to it) and zero for free ids. Vectorized (one bincount over every table)."""
+        a, report = self.arrays, self.report
+        written = np.asarray(a["written"]).astype(bool)
+        n = self.state.shape[0]
+        families = self.body.get("families") or []
+        family_col = np.asarray(a["index.family"]) if "index.family" in a else None
+        raw_col = self.raw_col
+        counts = np.zeros(n, np.int64)
+        fam_id = {}
+        for spec in self.schema:  # family ids in first-appearance order (as Schema.families)
+            if spec.get("kind") == "blob":
+                shape = tuple(spec.get("shape", ()))
+                fd = spec.get("frame_dim")
+                frame_shape = shape[:fd] + shape[fd + 1:] if isinstance(fd, int) and 0 <= fd < len(shape) else shape
+                fam_id.setdefault((spec.get("dtype"), frame_shape), len(fam_id))
+        for fi, spec in enumerate(self.schema):
+            name, slot_name = f"rows.{fi}.blob", f"rows.{fi}.slot"
+            if spec.get("kind") != "blob" or name not in a or slot_name not in a:
+                continue
+            table, slots = np.asarray(a[name]), np.asarray(a[slot_name])
+            if table.shape != slots.shape or table.ndim != 2 or table.shape[0] != written.shape[0]:
+                continue  # reported by check_row_tables
+            fname = "/".join(spec.get("key", [f"field{fi}"]))
+            if table.size and (int(table.min()) < -1 or int(table.max()) >= n):
+                report.add("index", f"row table of {fname!r} names blob ids outside [-1, {n})",
+                           file=self.file_of(name))
+                continue
+            ids = table[written]
+            ok = ids >= 0
+            counts += np.bincount(ids[ok], minlength=n)[:n]
+            shape = tuple(spec.get("shape", ()))
+            fd = spec.get("frame_dim")
+            frame_shape = shape[:fd] + shape[fd + 1:] if isinstance(fd, int) and 0 <= fd < len(shape) else shape
+            fam = fam_id.get((spec.get("dtype"), frame_shape), -1)
+            if family_col is None or raw_col is None or not 0 <= fam < len(families):
+                continue
+            frame_nbytes = max(int(families[fam].get("frame_nbytes", 1)), 1)
+            safe = np.where(ok, ids, 0)
+            s = slots[written]
+            bad = ok & ((family_col[safe] != fam) | (s < 0) | (s >= raw_col[safe] // frame_nbytes))
+            if bad.any():
+                r = np.flatnonzero(written)[bad.any(1)]
+                report.add("index", f"{r.size} written rows of {fname!r} name a frame outside their blob or a "
+                           "blob of another field", field=fname, rows=r[:_MAX_ROWS_LISTED].tolist(),
+                           n_rows=int(r.size), file=self.file_of(slot_name))
+        if "index.refcount" in a:
+            stored = np.asarray(a["index.refcount"]).astype(np.int64)
+            live = self.state == _STORED
+            if stored.shape == counts.shape and ((stored[live] < counts[live]).any() or (stored[~live] != 0).any()):
+                b = int(np.flatnonzero((live & (stored < counts)) | (~live & (stored != 0)))[0])
+                report.add("index", f"reference counts disagree with a recount of the row tables (first: blob {b}, "
+                           f"stored {int(stored[b])}, counted {int(counts[b])})",
+                           file=self.file_of("index.refcount"), blob=b)
+
+    def report_damage_no_row_uses(self) -> None:
         """Damaged blobs that no written row uses (index problems were reported already)."""
         for bid, (kind, file, offset) in self.bad_ids.items():
             if bid not in self.listed and kind != "index":
@@ -680,114 +777,25 @@ class _StoreCheck:
                     blob=bid,
                 )
 
+    # 7. the open --------------------------------------------------------------------------------
+    def check_open(self) -> None:
+        """The store opens read-only through :func:`tiered.open`, as a user opens it (the array
+        pages checked already are not read a second time)."""
+        # here, not at the top: the facade imports torch, which the steps before do without
+        from .store import TieredStore
 
-def _check_open(c: _StoreCheck) -> None:
-    """Step 7 of a verify pass: the store opens read-only through :func:`tiered.open`, as a user opens it."""
-    # here, not at the top: the facade imports torch, which the steps before do without
-    from .store import TieredStore
-
-    try:
-        store = TieredStore.open(c.path, mode="r", warm_bytes=0, hot_bytes=0)
-        store.close()
-    except TieredError as e:
-        c.report.add("open", f"tiered.open(mode='r') fails: {type(e).__name__}: {e}")
-    except Exception as e:  # noqa: BLE001 - a raw error here is a bug of the store, report it as such
-        c.report.add(
-            "open",
-            f"tiered.open(mode='r') fails with a raw {type(e).__name__} (a tiered bug; "
-            f"please report it): {e}",
-        )
-
-
-def _check_index_pools(c: _StoreCheck) -> None:
-    """Step 4b of a verify pass: the free-id pool lists exactly the free ids, and the cold tier's free and deferred
-    extents overlap neither the stored blobs nor each other (a write would overwrite them)."""
-    a, report, n = c.arrays, c.report, c.state.shape[0]
-    file = c.file_of("index.free_ids")
-    if "index.free_ids" in a:
-        free = np.asarray(a["index.free_ids"])
-        is_free = c.state == 0
-        if free.ndim != 1 or (free.size and (int(free.min()) < 0 or int(free.max()) >= n)):
-            report.add("index", f"index.free_ids holds ids outside [0, {n})", file=file)
-        elif (np.unique(free).size != free.size or not is_free[free].all()
-              or int(is_free.sum()) != free.size):
-            report.add("index", f"index.free_ids lists {free.size} ids, the index has {int(is_free.sum())} "
-                       "free ids (an id listed twice, a stored id listed, or a free id missing)", file=file)
-    names = ["cold.free_offsets", "cold.free_sizes", "cold.pending_offsets", "cold.pending_sizes"]
-    if not all(k in a for k in names) or "index.nbytes" not in a:
-        return
-    loc = np.asarray(a["index.loc"])[c.live, _COLD].astype(np.int64)
-    size = np.asarray(a["index.nbytes"])[c.live].astype(np.int64)
-    ext = [np.asarray(a[k]).astype(np.int64).reshape(-1) for k in names]
-    off = np.concatenate([loc, ext[0], ext[2]])
-    ln = np.concatenate([(size + 15) // 16 * 16, ext[1], ext[3]])
-    if off.shape != ln.shape or (ln < 0).any() or (off < 0).any():
-        report.add("index", "the cold tier's free extents are malformed", file=c.arrays_dir)
-        return
-    order = np.argsort(off, kind="stable")
-    o, e = off[order], (off + ln)[order]
-    keep = ln[order] > 0
-    o, e = o[keep], e[keep]
-    if o.size > 1 and bool((o[1:] < np.maximum.accumulate(e)[:-1]).any()):
-        report.add("index", "the cold tier's free or deferred extents overlap stored blobs or each other",
-                   file=c.file_of("cold.free_offsets"))
-
-def _check_references(c: _StoreCheck) -> None:
-    """Step 5b of a verify pass: every written row's frames name a stored blob of the field's family, at a slot inside
-    the blob; the stored reference counts are at least the recount (the writer's tail pins
-    may add to it) and zero for free ids. Vectorized (one bincount over every table)."""
-    a, report = c.arrays, c.report
-    written = np.asarray(a["written"]).astype(bool)
-    n = c.state.shape[0]
-    families = c.body.get("families") or []
-    family_col = np.asarray(a["index.family"]) if "index.family" in a else None
-    raw_col = c.raw_col
-    counts = np.zeros(n, np.int64)
-    fam_id = {}
-    for spec in c.schema:  # family ids in first-appearance order (as Schema.families)
-        if spec.get("kind") == "blob":
-            shape = tuple(spec.get("shape", ()))
-            fd = spec.get("frame_dim")
-            frame_shape = shape[:fd] + shape[fd + 1:] if isinstance(fd, int) and 0 <= fd < len(shape) else shape
-            fam_id.setdefault((spec.get("dtype"), frame_shape), len(fam_id))
-    for fi, spec in enumerate(c.schema):
-        name, slot_name = f"rows.{fi}.blob", f"rows.{fi}.slot"
-        if spec.get("kind") != "blob" or name not in a or slot_name not in a:
-            continue
-        table, slots = np.asarray(a[name]), np.asarray(a[slot_name])
-        if table.shape != slots.shape or table.ndim != 2 or table.shape[0] != written.shape[0]:
-            continue  # reported by check_rows
-        fname = "/".join(spec.get("key", [f"field{fi}"]))
-        if table.size and (int(table.min()) < -1 or int(table.max()) >= n):
-            report.add("index", f"row table of {fname!r} names blob ids outside [-1, {n})",
-                       file=c.file_of(name))
-            continue
-        ids = table[written]
-        ok = ids >= 0
-        counts += np.bincount(ids[ok], minlength=n)[:n]
-        shape = tuple(spec.get("shape", ()))
-        fd = spec.get("frame_dim")
-        frame_shape = shape[:fd] + shape[fd + 1:] if isinstance(fd, int) and 0 <= fd < len(shape) else shape
-        fam = fam_id.get((spec.get("dtype"), frame_shape), -1)
-        if family_col is None or raw_col is None or not 0 <= fam < len(families):
-            continue
-        frame_nbytes = max(int(families[fam].get("frame_nbytes", 1)), 1)
-        safe = np.where(ok, ids, 0)
-        s = slots[written]
-        bad = ok & ((family_col[safe] != fam) | (s < 0) | (s >= raw_col[safe] // frame_nbytes))
-        if bad.any():
-            r = np.flatnonzero(written)[bad.any(1)]
-            report.add("index", f"{r.size} written rows of {fname!r} name a frame outside their blob or a "
-                       "blob of another field", field=fname, rows=r[:_MAX_ROWS_LISTED].tolist(),
-                       n_rows=int(r.size), file=c.file_of(slot_name))
-    if "index.refcount" in a:
-        stored = np.asarray(a["index.refcount"]).astype(np.int64)
-        live = c.state == _STORED
-        if stored.shape == counts.shape and ((stored[live] < counts[live]).any() or (stored[~live] != 0).any()):
-            b = int(np.flatnonzero((live & (stored < counts)) | (~live & (stored != 0)))[0])
-            report.add("index", f"reference counts disagree with a recount of the row tables (first: blob {b}, "
-                       f"stored {int(stored[b])}, counted {int(counts[b])})",
-                       file=c.file_of("index.refcount"), blob=b)
+        try:
+            with arrays_verified(self.verified_files):
+                store = TieredStore.open(self.path, mode="r", warm_bytes=0, hot_bytes=0)
+            store.close()
+        except TieredError as e:
+            self.report.add("open", f"tiered.open(mode='r') fails: {type(e).__name__}: {e}")
+        except Exception as e:  # noqa: BLE001 - a raw error here is a bug of the store, report it as such
+            self.report.add(
+                "open",
+                f"tiered.open(mode='r') fails with a raw {type(e).__name__} (a tiered bug; "
+                f"please report it): {e}",
+            )
 
 
 def _progress_bar(progress: bool | None, total: int) -> Any:

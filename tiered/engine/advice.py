@@ -78,7 +78,7 @@ def first_write_advice(td: TensorDictBase, schema: Schema, frames: dict[Key, int
     """
     blob = {f.key: f for f in schema.blob_fields}
     messages = []
-    for key, field in blob.items():  # a loop over fields
+    for key, field in blob.items():
         if key[0] == "next" and key[1:] in blob:
             continue  # judged with X
         if field.cell_nbytes < ADVICE_MIN_BYTES:

@@ -140,7 +140,7 @@ class FrameColumns:
         """Frames at positions ``q`` (a copy, ``[len(q), frame_nbytes]``); one gather per field."""
         out = np.empty((q.size, self.frame_nbytes), dtype=np.uint8)
         row, column = np.divmod(q, self.per_row)
-        for f, c in enumerate(self.cells):  # a loop over the family's fields, not over frames
+        for f, c in enumerate(self.cells):  # each field holds the frame columns of its own range
             sel = ((column >= self.offsets[f]) & (column < self.offsets[f + 1])).ravel().nonzero()[0]
             out[sel] = c[row[sel], column[sel] - self.offsets[f]]
         return out

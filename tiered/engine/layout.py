@@ -111,7 +111,7 @@ class FieldLayout:
     def _swap(self, key: Key, new: RowTable) -> None:
         """Put ``new`` (same entries) in place of ``key``'s table; a table derived from it reads ``new``."""
         old, self.tables[key] = self.tables[key], new
-        for other in self.tables.values():  # a loop over fields
+        for other in self.tables.values():
             if other.derived and other.base is old:
                 other.base = new
 
@@ -131,7 +131,7 @@ class FieldLayout:
             ChecksumError, CorruptionError: a damaged page, or rows naming impossible blobs.
         """
         tables = self.tables.values() if fields is None else [self.tables[f.key] for f in fields]
-        for t in tables:  # a loop over fields
+        for t in tables:
             # a derived table's reads gather its base's rows too (a next table's, the rows around
             # each row): those pages first; a shifted table's, the rows before (and a write's,
             # after) each row
@@ -151,7 +151,7 @@ class FieldLayout:
         edges = np.cumsum([0] + [f.frames_per_row for f in fields])
         # explicit and shifted tables first: a derived one compares with its base's new entries
         for f, a, b in sorted(zip(fields, edges[:-1], edges[1:], strict=True),
-                              key=lambda x: self.tables[x[0].key].derived):  # a loop over fields
+                              key=lambda x: self.tables[x[0].key].derived):
             table = self.tables[f.key]
             table.put(rows, blob[:, a:b], slot[:, a:b])
             if (table.derived or table.shifted) and table.crowded:
@@ -172,7 +172,7 @@ class FieldLayout:
         """Before any base table's ``rows`` change: the next tables' rows just before them keep
         their entries (:meth:`~tiered.index.NextRowTable.hold`), so only written rows change
         what they reference (reference counts stay exact)."""
-        for t in tables:  # a loop over fields
+        for t in tables:
             if isinstance(t, NextRowTable):
                 t.hold(rows)
 

@@ -18,7 +18,6 @@ All file writes go through :mod:`tiered.fileio`.
 
 from __future__ import annotations
 
-import ast
 import contextlib
 import contextvars
 import hashlib
@@ -27,7 +26,6 @@ import json
 import math
 import mmap as mmap_module
 import os
-import struct
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -57,7 +55,8 @@ PAGE_BYTES = 1 << 20
 MAX_MANIFEST_BYTES = 64 << 20
 # Largest .npy header accepted (numpy's own default limit is 10000 bytes).
 _MAX_HEADER = 1 << 16
-_MAGIC = b"\x93NUMPY"
+# Bytes of a .npy file before its header: magic, version and the header's length (12 at most).
+_NPY_PREFIX = 12
 # Pages checked on one thread below this many (a thread hop costs more than a small CRC).
 _THREADED_PAGES = 8
 
@@ -100,7 +99,7 @@ def page_checksums(parts: list[memoryview], page_bytes: int = PAGE_BYTES, thread
     def one(k: int) -> None:
         lo, hi = k * page_bytes, min(total, (k + 1) * page_bytes)
         crc = 0
-        for i, part in enumerate(parts):  # a loop over the (one or two) parts of a file
+        for i, part in enumerate(parts):  # a page may straddle two parts: its CRC runs on over both
             a, b = max(lo, int(bounds[i])), min(hi, int(bounds[i + 1]))
             if a < b:
                 crc = zlib.crc32(part[a - int(bounds[i]):b - int(bounds[i])], crc)
@@ -171,38 +170,32 @@ def read_npy_header(fd: int, path: str, size: int) -> NpyHeader:
         CorruptionError: naming the file, for any header that is not what :func:`write_array`
             writes (bad magic, version, length, dict, dtype, shape, or a size lie).
     """
-    pre = os.pread(fd, 12, 0)
-    if len(pre) < 10 or pre[:6] != _MAGIC:
-        raise _bad(path, "no .npy magic at the start")
-    major = pre[6]
-    if major == 1:
-        hlen, start = struct.unpack("<H", pre[8:10])[0], 10
-    elif major in (2, 3) and len(pre) >= 12:
-        hlen, start = struct.unpack("<I", pre[8:12])[0], 12
-    else:
-        raise _bad(path, f"unknown .npy version {major}.{pre[7]}")
-    if hlen > _MAX_HEADER or start + hlen > size:
-        raise _bad(path, f"a header of {hlen} bytes in a file of {size}")
-    raw = os.pread(fd, hlen, start)
+    # numpy's parser reads from a bounded prefix: no length written in the file makes us read more
+    f = io.BytesIO(os.pread(fd, min(size, _NPY_PREFIX + _MAX_HEADER), 0))
     try:
-        # literal_eval of a bounded string: no code runs; any failure (SyntaxError, tokenize's
-        # TokenError, MemoryError, RecursionError on deep nesting) is damage
-        d = ast.literal_eval(raw.decode("latin1"))
-        descr, shape, fortran = d["descr"], d["shape"], d["fortran_order"]
-        if not isinstance(descr, str) or not isinstance(shape, tuple) or not isinstance(fortran, bool):
-            raise TypeError("descr, shape or fortran_order has the wrong type")
-        if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in shape) or len(shape) > 32:
+        # numpy's own reader: the header dict is a literal (ast.literal_eval, no code runs); any
+        # failure (bad magic, version, length, dict, dtype; a header longer than _MAX_HEADER or than
+        # the file; MemoryError, RecursionError on deep nesting) is damage
+        version = np.lib.format.read_magic(f)
+        if version == (1, 0):
+            shape, fortran, dtype = np.lib.format.read_array_header_1_0(f, max_header_size=_MAX_HEADER)
+        elif version in ((2, 0), (3, 0)):
+            shape, fortran, dtype = np.lib.format.read_array_header_2_0(f, max_header_size=_MAX_HEADER)
+        else:
+            raise ValueError(f"unknown .npy version {version}")
+        # numpy checks the types; the values a reader allocates by are bounded here
+        if not all(not isinstance(x, bool) and x >= 0 for x in shape) or len(shape) > 32:
             raise ValueError(f"shape {shape!r}")
-        dtype = np.dtype(descr)
     except Exception as e:  # noqa: BLE001 - whatever the parser raises, the header is damaged
         raise _bad(path, f"unreadable header: {type(e).__name__}: {str(e)[:200]}") from None
     if dtype.hasobject or dtype.itemsize == 0:
-        raise _bad(path, f"dtype {descr!r} is not a plain numeric type")
+        raise _bad(path, f"dtype {dtype.descr!r} is not a plain numeric type")
+    start = f.tell()
     nbytes = math.prod(shape) * dtype.itemsize  # Python ints: no overflow
-    if start + hlen + nbytes != size:
+    if start + nbytes != size:
         raise _bad(path, f"the header promises {nbytes} bytes of {dtype} {shape}, the file holds "
-                         f"{size - start - hlen}")
-    return NpyHeader(dtype, shape, fortran, start + hlen)
+                         f"{size - start}")
+    return NpyHeader(dtype, shape, fortran, start)
 
 
 @contextlib.contextmanager

@@ -420,7 +420,7 @@ class StoreFiles:
         seeded: dict[str, dict[int, CopyState]] = {}
         write_intent(self.path, g)  # from here on, copies of older commits are being overwritten
         try:
-            for name, arr in arrays.items():  # a loop over arrays (a few dozen), not rows
+            for name, arr in arrays.items():
                 t = target[name]
                 base = self.copies.get(name, {}).get(t)
                 blocks = None
@@ -500,7 +500,7 @@ class StoreFiles:
         """
         if self.writer_lock is None or not filemap.supported():
             return
-        for name, arr in arrays.items():  # a loop over arrays (a few dozen)
+        for name, arr in arrays.items():
             if kind_of(name) == "rows" and filemap.remap(arr, copy_path(self.path, name, target[name]), target[name],
                                                          written[name].ranges):
                 self.mapped[name] = filemap.layout_of(arr)

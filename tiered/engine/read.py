@@ -120,7 +120,7 @@ class ReadPlan:
         dense fields first: one constructor call per nesting level."""
         batch = torch.Size([n])
         levels = {prefix: dict.fromkeys(names) for prefix, names in self.levels}
-        for prefix, name, key in self.leaves:  # a loop over fields, not rows
+        for prefix, name, key in self.leaves:
             levels[prefix][name] = cells[key]
         for prefix, _ in self.levels[:-1]:  # nested levels, deepest first
             levels[prefix[:-1]][prefix[-1]] = _make_td(levels[prefix], batch)
@@ -308,7 +308,7 @@ def assemble_cells(fields: list[Field], flat: np.ndarray, frame_idx: np.ndarray,
                    out: dict[Key, torch.Tensor]) -> None:
     """Rebuild ``n`` rows' cells of ``fields`` from decoded frames ``flat`` ``[frames, frame_nbytes]``."""
     col = 0
-    for f in fields:  # a loop over fields, not rows
+    for f in fields:
         width = f.frames_per_row
         # numpy row gathers run at memcpy speed (torch's uint8 index_select is ~8x slower here)
         out[f.key] = f.cells_from_frames(torch.from_numpy(flat[frame_idx[:, col:col + width].reshape(-1)]), n)
@@ -372,7 +372,7 @@ class ReadPipeline(ABC):
         hit_pos = torch.from_numpy(np.flatnonzero(hit))
         hit_slots = torch.from_numpy(slots[hit].astype(np.int64))
         for fs in by_family.values():
-            for f in fs:  # a loop over fields, not rows
+            for f in fs:
                 staged = stage.cells[f.key].index_select(0, hit_slots)
                 if miss.size:
                     cells = out[f.key]

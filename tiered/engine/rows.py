@@ -327,7 +327,7 @@ class RowSpace:
             ChecksumError: a page of a column is damaged (its check stays in force).
         """
         out = {}
-        for f in fields:  # a loop over the fields that widen
+        for f in fields:
             check = self.dense_checks.get(f.key)
             if check is not None:
                 check.all()
@@ -339,7 +339,7 @@ class RowSpace:
 
     def install_columns(self, fields: list[Field], columns: dict[Key, torch.Tensor]) -> None:
         """Put in the columns :meth:`widened_columns` made (assignments only: cannot fail)."""
-        for f in fields:  # a loop over the fields that widen
+        for f in fields:
             self.dense_checks.pop(f.key, None)  # every page was checked when it was copied
             self.dense[f.key] = columns[f.key]
             self._note_widen(f)
@@ -364,7 +364,7 @@ class RowSpace:
             ChecksumError: a damaged page.
         """
         checks = [*self.dense_checks.values(), *([self.flags_check] if self.flags_check is not None else [])]
-        for check in checks:  # a loop over columns
+        for check in checks:
             if span is not None:
                 check.span(*span)
             elif rows is None:
@@ -377,7 +377,7 @@ class RowSpace:
         rows_t = torch.from_numpy(rows)
         n = rows.size
         self.dirty.mark(rows)
-        for f in schema.column_fields:  # a loop over fields, not rows
+        for f in schema.column_fields:
             col = self.dense[f.key]
             # in the column's dtype: narrowed values were checked to fit before the write began
             cells = data.get(f.key).detach().reshape(n, *f.shape).to(col.dtype)
@@ -394,7 +394,7 @@ class RowSpace:
         if n == 1:  # one row (rb.add): its byte as a Python int, no tensor ops per flag
             r = int(rows_t[0])
             byte = int(self.flags[r])
-            for f in fields:  # a loop over flag fields (at most 8), not rows
+            for f in fields:  # one row: its bits set in the byte it shares with the other flags
                 byte = (byte & ~(1 << f.flag_bit)) | (int(bool(values[f.key])) << f.flag_bit)
             self.flags[r] = byte
             return
@@ -462,10 +462,10 @@ class RowSpace:
             shifts = self._flag_shifts([self.flag_fields[f.key] for f in flags])
             # [flags, n]: each flag's row is contiguous, so its cells are a plain view
             bits = ((byte.unsqueeze(0) >> shifts) & 1).to(torch.bool).unbind(0)
-            for f, b in zip(flags, bits, strict=True):  # a loop over flag fields (at most 8), not rows
+            for f, b in zip(flags, bits, strict=True):
                 out[f.key] = b.view(-1, *f.shape)
         dense, checks, widen = self.dense, self.dense_checks, self.widen
-        for f in fields:  # a loop over columns, not rows
+        for f in fields:
             key = f.key
             if key not in dense:
                 continue

@@ -109,7 +109,7 @@ def field_figures(fields: Sequence[FieldFacts], frame_nbytes: Sequence[int], len
     flags = sum(f.flag_bit is not None for f in fields)
     families: dict[str, list[FieldFacts]] = {}
     out: dict[str, dict[str, Any]] = {}
-    for f in fields:  # a loop over fields, not rows or blobs
+    for f in fields:
         if f.kind == "blob":
             families.setdefault(f.family, []).append(f)
             continue

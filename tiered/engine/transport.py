@@ -147,7 +147,7 @@ def _pack(arrays: list[torch.Tensor]) -> tuple[list[tuple[torch.dtype, tuple[int
     nbytes = np.array([a.numel() * a.element_size() for a in arrays], dtype=np.int64)
     starts = exclusive_cumsum(-(-nbytes // 8) * 8)
     raw = np.zeros(int(starts[-1] + nbytes[-1]) if arrays else 0, dtype=np.uint8)
-    for a, lo, n in zip(arrays, starts.tolist(), nbytes.tolist(), strict=True):  # a loop over fields
+    for a, lo, n in zip(arrays, starts.tolist(), nbytes.tolist(), strict=True):
         raw[lo:lo + n] = a.reshape(-1).view(torch.uint8).numpy()
     enc = _pack_codec().encode(raw, np.zeros(1, dtype=np.int64), np.array([raw.size], dtype=np.int64))
     return [(a.dtype, tuple(a.shape)) for a in arrays], enc.data, int(enc.checksums[0])
@@ -300,7 +300,7 @@ def decode_batch(parts: Sequence[CompressedRows], positions: Sequence[np.ndarray
     single = len(parts) == 1 and torch.equal(at[0], torch.arange(n))
     first = parts[0]
     rows = np.empty(n, dtype=np.int64)
-    for p, pos in zip(parts, positions, strict=True):  # a loop over pieces (shards), not rows
+    for p, pos in zip(parts, positions, strict=True):  # each piece's rows back where the caller asked for them
         rows[pos] = p.rows
     cells: dict[Key, torch.Tensor] = {}
     for key, col in first.dense.items():

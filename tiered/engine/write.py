@@ -101,7 +101,7 @@ def check_values_fit(schema: Schema, data: Any, forced: Any = None) -> None:
         >>> schema = Schema([Field(("action",), torch.int64, (), "dense", stored_dtype=torch.uint8)])
         >>> check_values_fit(schema, {("action",): torch.tensor([3, 17])})   # fits: no error
     """
-    for f in schema.dense_fields:  # a loop over fields, not rows
+    for f in schema.dense_fields:
         if f.stored_dtype is not None and (forced is None or f.key in forced):
             f.to_column(data[f.key] if isinstance(data, dict) else data.get(f.key))
 
@@ -130,7 +130,7 @@ def check_cells_readable(schema: Schema | None, data: Any) -> None:
         leaves = [(normalize_key(k), v) for k, v in data.items(include_nested=True, leaves_only=True)]
     else:
         leaves = [(f.key, data[f.key] if isinstance(data, dict) else data.get(f.key, None)) for f in schema.values()]
-    for key, v in leaves:  # a loop over fields, not rows
+    for key, v in leaves:
         if not isinstance(v, torch.Tensor):
             continue  # the schema check names it
         if v.device.type == "meta":
@@ -473,7 +473,7 @@ class WritePath:
         undecided = [fam for fam in layout.families if fam.stored_raw is None]
         widening = self.prepare_widening()
         try:
-            for fid, fields in enumerate(layout.fields_of):  # a loop over frame families
+            for fid, fields in enumerate(layout.fields_of):
                 fam = layout.families[fid]
                 # frames row-major (row, field, frame) so a trajectory's frames come in time order
                 frames = FrameColumns([_cell_frames(f, data.get(f.key), n) for f in fields])
@@ -648,7 +648,7 @@ def saved_families(families: Any, frame_nbytes: list[int]) -> tuple[list[int], l
                               f"{len(frame_nbytes)} frame families; the store is damaged")
     chunks: list[int] = []
     raw: list[bool | None] = []
-    for entry, nbytes in zip(families, frame_nbytes, strict=True):  # a loop over families
+    for entry, nbytes in zip(families, frame_nbytes, strict=True):
         k = entry.get("chunk_frames") if isinstance(entry, dict) else None
         choice = entry.get("stored_raw", False) if isinstance(entry, dict) else 0
         if (type(k) is not int or not 1 <= k or k * nbytes > MAX_CHUNK_BYTES

@@ -153,7 +153,7 @@ class _RewardRange:
     def add(self, values: np.ndarray) -> None:
         v = torch.from_numpy(values)
         no_nan = not bool(torch.isnan(v).any())
-        for dtype in self.CANDIDATES:  # a loop over three dtypes, not values
+        for dtype in self.CANDIDATES:  # a dtype stays a candidate while every value so far round-trips
             if self.fits[dtype]:
                 self.fits[dtype] = bool(round_trip(v, dtype)[2].all()) and (no_nan or dtype != torch.float16)
 
@@ -572,7 +572,7 @@ class DQNReplaySource:
         total = 2 * sum(seg.rows for seg in self.segments)
         bar = progress_bar(total, "scan actions and rewards", unit="values", enabled=progress)
         try:
-            for seg in self.segments:  # a loop over checkpoints, each read in slices of SCAN_ROWS
+            for seg in self.segments:  # read in slices of SCAN_ROWS: memory stays bounded whatever a checkpoint's size
                 for name, scan in (("action", None), ("reward", rewards)):
                     r = _open_reader(seg.path(STORE_PREFIX + name), *ARRAYS[name])
                     try:  # the files' slot counts were checked against each other at construction

@@ -653,7 +653,7 @@ def _write_slice(
         cols[lf.path] = to_numpy(td.get(lf.key), lf.dtype, lf.shape)
         if lf.kind != "step":
             cols[("next",) + lf.path] = to_numpy(td.get(lf.next_key), lf.dtype, lf.shape)
-    for e in range(e0, e1 + 1):  # a loop over episodes of this slice, not rows
+    for e in range(e0, e1 + 1):  # each episode is its own HDF5 group: one slice write per dataset
         a, b = max(lo, int(starts[e])), min(hi, int(ends[e]))
         off = a - int(starts[e])
         ds = episodes.datasets[e]

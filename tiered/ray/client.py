@@ -374,7 +374,7 @@ class ShardedStore:
             return first
         keys = list(first.keys(True, True))
         cells = {k: torch.empty((n, *first.get(k).shape[1:]), dtype=first.get(k).dtype) for k in keys}
-        for s in shards:  # a loop over shards and fields, not rows
+        for s in shards:
             at = torch.from_numpy(parts[s])
             for k in keys:  # as same-size integers: torch cannot index_put uint16/32/64 and float8
                 as_bits(cells[k])[at] = as_bits(pieces[s].get(k))

@@ -149,7 +149,7 @@ def remove_abandoned(root: str | os.PathLike[str] | None = None) -> list[str]:
     except OSError:
         return []
     removed = []
-    for name in names:  # a loop over directories in the root, once per spill directory made
+    for name in names:
         path = os.path.join(root, name)
         if _try_remove(path):
             removed.append(path)

@@ -45,7 +45,7 @@ class SideColumns:
     def check(self, values: dict[Key, torch.Tensor]) -> None:
         """Refuse, before anything is written (the store's fields included), cells that :meth:`write`
         could not write: not plain tensors with values (meta, sparse, nested), or another dtype or
-        cell shape than the column holds. A loop over keys, not rows.
+        cell shape than the column holds.
 
         Raises:
             SchemaMismatchError: naming the field.

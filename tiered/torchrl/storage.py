@@ -63,193 +63,6 @@ from .views import BlobLoader, LazyColumn, RowsView
 __all__ = ["TieredStorage"]
 
 
-class _RowReads:
-    """TieredStorage's reads: rows, lazy views, column reads and TorchRL's conditional-update hooks.
-
-    A part of :class:`TieredStorage` (kept apart to keep each class short); it uses the storage's
-    store, form, side columns and ndim grid.
-    """
-
-    _store: TieredStore
-    _form: DataForm | None
-    _side: SideColumns
-    _grid: torch.Tensor | None
-
-    @property
-    def _storage(self) -> Any:
-        # TorchRL's code and tests read ``storage._storage`` as "the rows": None before the first
-        # write, then the written rows as a lazy view (storage[:]; frames decode only when used)
-        if not self.initialized or not len(self._store):
-            return None
-        return self[tuple(slice(None) for _ in range(self.ndim))] if self._grid is not None else self[:]
-
-    @_storage.setter
-    def _storage(self, value: Any) -> None:
-        if value is not None:
-            raise AttributeError("TieredStorage keeps its rows in its store; write them with set()")
-
-    # -- reading ---------------------------------------------------------------------------------
-    def _check_initialized(self) -> None:
-        if not self.initialized:
-            raise RuntimeError("Cannot get elements out of a non-initialized storage.")
-        if self._form is None:  # another process wrote first (a store shared by processes)
-            self._form = DataForm("tensor" if list(self._store.schema) == [(TENSOR_KEY,)] else "tensordict")
-
-    def _one_call(self) -> Any:
-        """A block whose store calls see one state: for a store written by several processes, the
-        store's lock (no other process commits in between); nothing otherwise."""
-        return self._store.locked() if self._store.shared else contextlib.nullcontext()
-
-    def _read_rows(self, index: Any) -> tuple[np.ndarray, torch.Size]:
-        """The stored rows an index reads (checked), and the shape of the result's batch."""
-        store = self._store
-        if self._grid is not None:
-            grid = self._grid[: self._len_along_dim0]
-            cells = grid[_torch_index(index)]
-            rows = cells.reshape(-1).numpy()
-            store.rows_of(rows)  # checks that every row was written
-            return rows, cells.shape
-        rows = store.rows_of(index)
-        if isinstance(index, slice):
-            return rows, torch.Size([rows.size])
-        if isinstance(index, tuple) and len(index) == 1:
-            index = index[0]
-        if isinstance(index, torch.Tensor) and index.dtype != torch.bool:
-            return rows, index.shape
-        if isinstance(index, np.ndarray) and index.dtype != bool:
-            return rows, torch.Size(index.shape)
-        return rows, torch.Size([] if as_row_array(index)[1] else [rows.size])
-
-    @torch.compiler.disable  # decoding compressed rows cannot be traced: run eagerly
-    def get(self, index: Any) -> Any:
-        """Read rows, decoded in one batched call (a slice returns a lazy view, see ``__getitem__``).
-
-        Args:
-            index: an int (no batch dimension), a tensor/array/list, a 1-tuple of one (as TorchRL's
-                slice samplers produce), a range or a slice (physical row order); for ``ndim>1``, any
-                index of the grid. A key (``"done"``, ``("next", "done")``) reads that field of
-                every row, as ``storage[:][key]``. As ``LazyTensorStorage``: ``...`` reads every
-                row, ``None`` and ``True`` every row under a new leading dimension, ``False`` none,
-                and a uint8 tensor is a mask (deprecated, as in torch).
-
-        Returns:
-            The rows in the form they were written (a TensorDict, tensor, tensorclass or pytree) on
-            ``device``.
-        """
-        with self._one_call():
-            self._check_initialized()
-            if is_key(index):
-                return self._column(index)
-            if isinstance(index, slice):
-                return self._view(index)
-            if index is None or index is Ellipsis or isinstance(index, bool):
-                return _whole(self.get(torch.arange(self._len_along_dim0)), index)
-            if isinstance(index, torch.Tensor) and index.dtype == torch.uint8:
-                index = as_mask(index)
-            rows, shape = self._read_rows(index)
-            td = self._store.get(int(rows[0]) if len(shape) == 0 else rows)
-        if len(self._side):
-            for k, v in self._side.read(rows).items():
-                td.set(k, v[0] if len(shape) == 0 else v.to(td.device))
-        if len(shape) > 1:
-            td = td.reshape(shape)
-        return self._form.from_rows(_unfold_row_batch(td, self._form.row_batch))
-
-    @torch.compiler.disable
-    def __getitem__(self, index: Any) -> Any:
-        """Like :meth:`get`, but slices and tuples (how TorchRL's samplers read) return lazy views.
-
-        A lazy view holds the dense columns (trajectory ids, done flags, rewards, ...) and decodes
-        its blob columns (frames) only when one of them is used, in one batched call.
-        """
-        if isinstance(index, (slice, tuple)) and not is_key(index):
-            with self._one_call():
-                self._check_initialized()
-                return self._view(index)
-        return self.get(index)
-
-    def _column(self, key: Any) -> torch.Tensor:
-        if self._form.kind != "tensordict":
-            raise SchemaMismatchError(
-                f"reading the field {key!r} of every row needs TensorDict data; this storage holds "
-                f"{self._form.kind} data: read rows (storage[index]) instead")
-        value = self._view(slice(None)).get(key)
-        return value.materialize() if isinstance(value, LazyColumn) else value
-
-    def _view(self, index: Any) -> Any:
-        store = self._store
-        rows, shape = self._read_rows(index)
-        form = self._form
-        if form.kind in ("tensor", "pytree"):
-            return self.get(index if not isinstance(index, slice) else rows)
-        schema = store.schema
-        flat_slice = self._grid is None and isinstance(index, slice)
-        # a slice reads dense columns as views (no per-sample copy that grows with the buffer)
-        dense = store.get(index if flat_slice else rows, keys=[f.key for f in schema.dense_fields], copy=False)
-        blob_keys = [f.key for f in schema.blob_fields]
-        loader = None
-        if blob_keys:
-            loader = BlobLoader(lambda: {_as_key(k): v for k, v in store.get(rows, keys=blob_keys).items(True, True)},
-                                tuple(shape))
-        view = RowsView(batch_size=[*shape, *form.row_batch], device=dense.device)
-        for f in schema.values():  # the schema's key order, as a decoded get has
-            if f.kind == "dense":
-                view.set(f.key, dense.get(f.key).reshape(*shape, *f.shape))
-            else:
-                view.set(f.key, LazyColumn(loader, f.key, torch.Size([*shape, *f.shape]), f.dtype, store.device))
-        if len(self._side):
-            side = self._side.span(int(rows[0]), rows.size) if flat_slice and rows.size and index.step in (None, 1) \
-                else self._side.read(rows)
-            for k, v in side.items():
-                view.set(k, v.reshape(*shape, *v.shape[1:]).to(view.device))
-        # rb.set_at_/set_/update_ bump the revision themselves, once per call, as for TorchRL's storages
-        view.bind(rows.reshape(shape) if len(shape) else rows, partial(self.write_fields, bump_revision=False))
-        return form.from_rows(view)
-
-    def _fill_missing(self, rows: np.ndarray, cells: TensorDictBase, missing: list[Key], old_len: int,
-                      scalar: bool) -> TensorDictBase:
-        """``cells`` plus the stored values of the fields it leaves out (zeros for rows never written)."""
-        schema = self._store.schema
-        cells = cells.clone(recurse=False)
-        n = rows.size
-        values = {k: torch.zeros((n, *schema[k].shape), dtype=schema[k].dtype) for k in missing}
-        known = rows < old_len
-        if known.any():
-            try:
-                old = self._store.get(rows[known], keys=missing)
-            except IndexOutOfRangeError:
-                old = None  # rows below the length that were never written (write_at) read zeros
-            if old is not None:
-                mask = torch.from_numpy(known)
-                for k in missing:
-                    values[k][mask] = old.get(k).to(values[k].device)
-        for k, v in values.items():
-            cells.set(k, v[0] if scalar else v.to(self._store.device))
-        return cells
-
-    # -- conditional updates (rb.update_if_present) ------------------------------------------------
-    def _conditional_patch_leaf(self, key: Any) -> torch.Tensor:
-        if not self.initialized:
-            raise RuntimeError(
-                "Conditional updates require an initialized storage. Write some "
-                "data to the buffer before calling update_if_present.")
-        view = self._view(slice(None))
-        leaf = view.get(key, default=None) if isinstance(view, TensorDictBase) else None
-        if leaf is None:
-            raise KeyError(
-                f"Key {key} does not exist in the storage. Conditional patches "
-                "can only target existing tensor fields of a tensordict storage.")
-        return leaf
-
-    def _apply_conditional_patch(self, index: torch.Tensor, patch: dict[Any, torch.Tensor]) -> None:
-        if self._grid is not None:
-            coords = tuple(index.unbind(-1)) if index.ndim > 1 else (index,)
-            rows = self._grid[tuple(c.cpu() for c in coords)].reshape(-1).numpy()
-        else:
-            rows = index.reshape(-1).cpu().numpy()
-        self.write_fields(rows, {_as_key(k): v.reshape(rows.size, *v.shape[1:]) for k, v in patch.items()})
-
-
 # Keywords of TorchRL's storages that TieredStorage does not take, and what to write instead
 # (users swap LazyMemmapStorage(n, scratch_dir=...) for TieredStorage(n, ...) and keep the rest).
 _TORCHRL_ONLY_KEYWORDS = {
@@ -285,7 +98,8 @@ def _check_storage_keywords(store_options: dict[str, Any]) -> None:
             f"({', '.join(p for p in inspect.signature(TieredStore).parameters if p not in ('capacity', 'path', 'device'))})")
 
 
-# Storages with a path whose store goes shared when the process forks (see _ProcessSharing)
+# Storages with a path whose store goes shared when the process forks (see
+# TieredStorage.share_with_children)
 _AUTO_SHARED: weakref.WeakSet = weakref.WeakSet()
 
 
@@ -304,56 +118,7 @@ def _share_before_fork() -> None:
 os.register_at_fork(before=_share_before_fork)
 
 
-class _ProcessSharing:
-    """TieredStorage across processes: sharing a path store with the processes the storage goes
-    to, refusing writes to copies, pickling. A part of :class:`TieredStorage`."""
-
-    _store: TieredStore
-    _snapshot: bool
-    _owner_pid: int
-    _shared: bool | None
-
-    def _track_sharing(self, shared: bool | None) -> None:
-        store = self._store
-        self._shared = shared
-        self._snapshot = False  # a copy another process received (see __getstate__)
-        self._owner_pid = os.getpid()
-        if store.path is None or store.read_only or shared is False:
-            return
-        if shared:
-            store.share()
-        else:
-            _AUTO_SHARED.add(self)
-
-    def share_with_children(self, pid: int) -> None:
-        """Share the store (:meth:`TieredStore.share`) now, as a ``fork`` or pickling to a spawned
-        process does for a storage with a path (``shared=None``); nothing for other storages."""
-        if self._shared is False or self._owner_pid != pid or self._store.shared:
-            return
-        try:
-            self._store.share()
-        except TieredError as e:  # closed, read-only or in memory: nothing to share
-            # kept (as text: it may be pickled) for the error a child's write raises
-            self._share_error = f"{type(e).__name__}: {e}"
-
-    def __getstate__(self) -> dict[str, Any]:
-        # Storage's version handles the shared counters; the store pickles itself (a store with a
-        # path is flushed and travels as "reopen", for writing once shared; no file handles).
-        state = Storage.__getstate__(self)
-        if get_spawning_popen() is not None:
-            if self._store.path is None:
-                state["_snapshot"] = True  # the receiving process gets a copy: refuse its writes
-            else:
-                self.share_with_children(os.getpid())
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        Storage.__setstate__(self, state)
-        if self._store.shared and self._shared is None:
-            _AUTO_SHARED.add(self)
-
-
-class TieredStorage(_RowReads, _ProcessSharing, TensorStorage):
+class TieredStorage(TensorStorage):
     """A TorchRL storage whose rows live in a compressed, tiered :class:`~tiered.TieredStore`.
 
     It is a ``TensorStorage`` (so TorchRL picks the identity collate function, and SliceSampler's
@@ -575,6 +340,180 @@ class TieredStorage(_RowReads, _ProcessSharing, TensorStorage):
         return (f"{type(self).__name__}(max_size={self.max_size}, len={len(self)}, ndim={self.ndim}, "
                 f"device={self.device}, store={self._store!r})")
 
+    # -- reading ---------------------------------------------------------------------------------
+    @property
+    def _storage(self) -> Any:
+        # TorchRL's code and tests read ``storage._storage`` as "the rows": None before the first
+        # write, then the written rows as a lazy view (storage[:]; frames decode only when used)
+        if not self.initialized or not len(self._store):
+            return None
+        return self[tuple(slice(None) for _ in range(self.ndim))] if self._grid is not None else self[:]
+
+    @_storage.setter
+    def _storage(self, value: Any) -> None:
+        if value is not None:
+            raise AttributeError("TieredStorage keeps its rows in its store; write them with set()")
+
+    def _check_initialized(self) -> None:
+        if not self.initialized:
+            raise RuntimeError("Cannot get elements out of a non-initialized storage.")
+        if self._form is None:  # another process wrote first (a store shared by processes)
+            self._form = DataForm("tensor" if list(self._store.schema) == [(TENSOR_KEY,)] else "tensordict")
+
+    def _one_call(self) -> Any:
+        """A block whose store calls see one state: for a store written by several processes, the
+        store's lock (no other process commits in between); nothing otherwise."""
+        return self._store.locked() if self._store.shared else contextlib.nullcontext()
+
+    def _read_rows(self, index: Any) -> tuple[np.ndarray, torch.Size]:
+        """The stored rows an index reads (checked), and the shape of the result's batch."""
+        store = self._store
+        if self._grid is not None:
+            grid = self._grid[: self._len_along_dim0]
+            cells = grid[_torch_index(index)]
+            rows = cells.reshape(-1).numpy()
+            store.rows_of(rows)  # checks that every row was written
+            return rows, cells.shape
+        rows = store.rows_of(index)
+        if isinstance(index, slice):
+            return rows, torch.Size([rows.size])
+        if isinstance(index, tuple) and len(index) == 1:
+            index = index[0]
+        if isinstance(index, torch.Tensor) and index.dtype != torch.bool:
+            return rows, index.shape
+        if isinstance(index, np.ndarray) and index.dtype != bool:
+            return rows, torch.Size(index.shape)
+        return rows, torch.Size([] if as_row_array(index)[1] else [rows.size])
+
+    @torch.compiler.disable  # decoding compressed rows cannot be traced: run eagerly
+    def get(self, index: Any) -> Any:
+        """Read rows, decoded in one batched call (a slice returns a lazy view, see ``__getitem__``).
+
+        Args:
+            index: an int (no batch dimension), a tensor/array/list, a 1-tuple of one (as TorchRL's
+                slice samplers produce), a range or a slice (physical row order); for ``ndim>1``, any
+                index of the grid. A key (``"done"``, ``("next", "done")``) reads that field of
+                every row, as ``storage[:][key]``. As ``LazyTensorStorage``: ``...`` reads every
+                row, ``None`` and ``True`` every row under a new leading dimension, ``False`` none,
+                and a uint8 tensor is a mask (deprecated, as in torch).
+
+        Returns:
+            The rows in the form they were written (a TensorDict, tensor, tensorclass or pytree) on
+            ``device``.
+        """
+        with self._one_call():
+            self._check_initialized()
+            if is_key(index):
+                return self._column(index)
+            if isinstance(index, slice):
+                return self._view(index)
+            if index is None or index is Ellipsis or isinstance(index, bool):
+                return _whole(self.get(torch.arange(self._len_along_dim0)), index)
+            if isinstance(index, torch.Tensor) and index.dtype == torch.uint8:
+                index = as_mask(index)
+            rows, shape = self._read_rows(index)
+            td = self._store.get(int(rows[0]) if len(shape) == 0 else rows)
+        if len(self._side):
+            for k, v in self._side.read(rows).items():
+                td.set(k, v[0] if len(shape) == 0 else v.to(td.device))
+        if len(shape) > 1:
+            td = td.reshape(shape)
+        return self._form.from_rows(_unfold_row_batch(td, self._form.row_batch))
+
+    @torch.compiler.disable
+    def __getitem__(self, index: Any) -> Any:
+        """Like :meth:`get`, but slices and tuples (how TorchRL's samplers read) return lazy views.
+
+        A lazy view holds the dense columns (trajectory ids, done flags, rewards, ...) and decodes
+        its blob columns (frames) only when one of them is used, in one batched call.
+        """
+        if isinstance(index, (slice, tuple)) and not is_key(index):
+            with self._one_call():
+                self._check_initialized()
+                return self._view(index)
+        return self.get(index)
+
+    def _column(self, key: Any) -> torch.Tensor:
+        if self._form.kind != "tensordict":
+            raise SchemaMismatchError(
+                f"reading the field {key!r} of every row needs TensorDict data; this storage holds "
+                f"{self._form.kind} data: read rows (storage[index]) instead")
+        value = self._view(slice(None)).get(key)
+        return value.materialize() if isinstance(value, LazyColumn) else value
+
+    def _view(self, index: Any) -> Any:
+        store = self._store
+        rows, shape = self._read_rows(index)
+        form = self._form
+        if form.kind in ("tensor", "pytree"):
+            return self.get(index if not isinstance(index, slice) else rows)
+        schema = store.schema
+        flat_slice = self._grid is None and isinstance(index, slice)
+        # a slice reads dense columns as views (no per-sample copy that grows with the buffer)
+        dense = store.get(index if flat_slice else rows, keys=[f.key for f in schema.dense_fields], copy=False)
+        blob_keys = [f.key for f in schema.blob_fields]
+        loader = None
+        if blob_keys:
+            loader = BlobLoader(lambda: {_as_key(k): v for k, v in store.get(rows, keys=blob_keys).items(True, True)},
+                                tuple(shape))
+        view = RowsView(batch_size=[*shape, *form.row_batch], device=dense.device)
+        for f in schema.values():  # the schema's key order, as a decoded get has
+            if f.kind == "dense":
+                view.set(f.key, dense.get(f.key).reshape(*shape, *f.shape))
+            else:
+                view.set(f.key, LazyColumn(loader, f.key, torch.Size([*shape, *f.shape]), f.dtype, store.device))
+        if len(self._side):
+            side = self._side.span(int(rows[0]), rows.size) if flat_slice and rows.size and index.step in (None, 1) \
+                else self._side.read(rows)
+            for k, v in side.items():
+                view.set(k, v.reshape(*shape, *v.shape[1:]).to(view.device))
+        # rb.set_at_/set_/update_ bump the revision themselves, once per call, as for TorchRL's storages
+        view.bind(rows.reshape(shape) if len(shape) else rows, partial(self.write_fields, bump_revision=False))
+        return form.from_rows(view)
+
+    def _fill_missing(self, rows: np.ndarray, cells: TensorDictBase, missing: list[Key], old_len: int,
+                      scalar: bool) -> TensorDictBase:
+        """``cells`` plus the stored values of the fields it leaves out (zeros for rows never written)."""
+        schema = self._store.schema
+        cells = cells.clone(recurse=False)
+        n = rows.size
+        values = {k: torch.zeros((n, *schema[k].shape), dtype=schema[k].dtype) for k in missing}
+        known = rows < old_len
+        if known.any():
+            try:
+                old = self._store.get(rows[known], keys=missing)
+            except IndexOutOfRangeError:
+                old = None  # rows below the length that were never written (write_at) read zeros
+            if old is not None:
+                mask = torch.from_numpy(known)
+                for k in missing:
+                    values[k][mask] = old.get(k).to(values[k].device)
+        for k, v in values.items():
+            cells.set(k, v[0] if scalar else v.to(self._store.device))
+        return cells
+
+    # -- conditional updates (rb.update_if_present) ------------------------------------------------
+    def _conditional_patch_leaf(self, key: Any) -> torch.Tensor:
+        if not self.initialized:
+            raise RuntimeError(
+                "Conditional updates require an initialized storage. Write some "
+                "data to the buffer before calling update_if_present.")
+        view = self._view(slice(None))
+        leaf = view.get(key, default=None) if isinstance(view, TensorDictBase) else None
+        if leaf is None:
+            raise KeyError(
+                f"Key {key} does not exist in the storage. Conditional patches "
+                "can only target existing tensor fields of a tensordict storage.")
+        return leaf
+
+    def _apply_conditional_patch(self, index: torch.Tensor, patch: dict[Any, torch.Tensor]) -> None:
+        if self._grid is not None:
+            coords = tuple(index.unbind(-1)) if index.ndim > 1 else (index,)
+            rows = self._grid[tuple(c.cpu() for c in coords)].reshape(-1).numpy()
+        else:
+            rows = index.reshape(-1).cpu().numpy()
+        self.write_fields(rows, {_as_key(k): v.reshape(rows.size, *v.shape[1:]) for k, v in patch.items()})
+
     # -- writing ---------------------------------------------------------------------------------
     @torch.compiler.disable  # decoding and encoding compressed rows cannot be traced: run eagerly
     def set(self, cursor: Any, data: Any, *, set_cursor: bool = True) -> None:
@@ -777,6 +716,46 @@ class TieredStorage(_RowReads, _ProcessSharing, TensorStorage):
         ``LazyTensorStorage.load_state_dict`` takes them."""
         from .checkpoint import as_lazy_tensor_storage
         return as_lazy_tensor_storage(self).state_dict()
+
+    # -- other processes: sharing the store with them, refusing writes to copies, pickling --------
+    def _track_sharing(self, shared: bool | None) -> None:
+        store = self._store
+        self._shared = shared
+        self._snapshot = False  # a copy another process received (see __getstate__)
+        self._owner_pid = os.getpid()
+        if store.path is None or store.read_only or shared is False:
+            return
+        if shared:
+            store.share()
+        else:
+            _AUTO_SHARED.add(self)
+
+    def share_with_children(self, pid: int) -> None:
+        """Share the store (:meth:`TieredStore.share`) now, as a ``fork`` or pickling to a spawned
+        process does for a storage with a path (``shared=None``); nothing for other storages."""
+        if self._shared is False or self._owner_pid != pid or self._store.shared:
+            return
+        try:
+            self._store.share()
+        except TieredError as e:  # closed, read-only or in memory: nothing to share
+            # kept (as text: it may be pickled) for the error a child's write raises
+            self._share_error = f"{type(e).__name__}: {e}"
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Storage's version handles the shared counters; the store pickles itself (a store with a
+        # path is flushed and travels as "reopen", for writing once shared; no file handles).
+        state = Storage.__getstate__(self)
+        if get_spawning_popen() is not None:
+            if self._store.path is None:
+                state["_snapshot"] = True  # the receiving process gets a copy: refuse its writes
+            else:
+                self.share_with_children(os.getpid())
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        Storage.__setstate__(self, state)
+        if self._store.shared and self._shared is None:
+            _AUTO_SHARED.add(self)
 
     # -- priorities: the prioritized samplers of the attached buffers reach the store ------------
     def _observe_prioritized_samplers(self) -> None:

@@ -62,8 +62,8 @@ def _span(arr: Any) -> tuple[int, int]:
 def resident_nbytes(arrays: Iterable[Any]) -> int:
     """Bytes of the pages of ``arrays`` (numpy arrays or CPU tensors) resident in memory.
 
-    A loop over arrays (a store's columns and tables), never rows. A page shared by two arrays
-    counts once per array; a page partly outside an array counts whole (what it costs).
+    A page shared by two arrays counts once per array; a page partly outside an array counts
+    whole (what it costs).
 
     Args:
         arrays: contiguous arrays; empty ones count nothing.
