@@ -395,6 +395,29 @@ def test_segment_checksums_across_chunk_boundaries(
         ).tolist() == (expected)
 
 
+@pytest.mark.parametrize("chunk", [None, 40_000, 9_000])
+@pytest.mark.parametrize("fill", ["random", "255"])
+def test_segment_checksums_of_large_blobs_match_reference(
+    chunk: int | None, fill: str, monkeypatch: pytest.MonkeyPatch, rng: np.random.Generator
+) -> None:
+    # Blobs of 2 KiB and more on average are summed by 256-byte blocks: lengths and offsets off
+    # the block grid, empties among them, passes cut inside the batch (chunk) and blobs longer
+    # than a pass; all-255 bytes give the largest sums.
+    if chunk is not None:
+        monkeypatch.setattr(checksum_mod, "_NP_CHUNK", chunk)
+        monkeypatch.setattr(checksum_mod, "_ARANGE32", None)
+    sizes = rng.integers(2_000, 30_000, 40)
+    sizes[[3, 17]] = 0
+    sizes[5] = 70_001
+    offsets = 131 + np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    total = int(offsets[-1] + sizes[-1]) + 77
+    data = rng.integers(0, 256, total, dtype=np.uint8) if fill == "random" else np.full(total, 255, np.uint8)
+    assert int(sizes.sum()) >= checksum_mod._BLOCK_MIN_MEAN_BYTES * sizes.size
+    assert segment_checksums(data, offsets, sizes).tolist() == reference_checksums(data, offsets, sizes)
+    one = np.array([offsets[5]]), np.array([sizes[5]])
+    assert segment_checksums(data, *one).tolist() == reference_checksums(data, *one)
+
+
 def test_checksum_formula_and_edge_values() -> None:
     assert checksum_reference(b"") == 0
     # s1 = 97 + 98 + 99 = 294, s2 = 97 + 2*98 + 3*99 = 590.
