@@ -438,9 +438,11 @@ class CpuReadPipeline(ReadPipeline):
                     out: dict[Key, torch.Tensor]) -> None:
         fam = layout.families[family_id]
         uniq, frame_idx = blob_frames(layout, fam, fields, rows)
-        if fam.chunk_frames == 1 and frame_idx.shape[1] == len(fields):
+        if fam.chunk_frames == 1 and frame_idx.shape[1] == len(fields) and 4 * (frame_idx.size - uniq.size) <= frame_idx.size:
             # every cell is one blob (large frames, no stacks: float observations): decode each
-            # straight into the result, no reused buffer and no second copy of every byte
+            # straight into the result, no reused buffer and no second copy of every byte. Not
+            # when many cells share blobs (consecutive rows: X[t + 1] is ("next", X)[t]): a copy
+            # costs less than decoding a shared blob again
             self.decode_cells(self.gather_blobs(layout, fam, uniq), fields, frame_idx, out)
             return
         flat = self.decode_blobs(layout, fam, uniq).reshape(-1, fam.frame_nbytes)  # reused buffer
