@@ -163,3 +163,17 @@ def test_one_blob_cells_are_checked_before_use(atari_pong):
     with pytest.raises(ChecksumError):
         s.get([3])
     assert_td_equal(s.get([0, 8, 15]), data[torch.tensor([0, 8, 15])])
+
+
+def test_one_blob_cells_of_a_raw_family_decode_straight_into_new_results():
+    # Noise in cells too large to share a chunk: stored raw, one blob per cell, read with the
+    # raw codec straight into the result.
+    rng = np.random.default_rng(3)
+    x = torch.from_numpy(rng.integers(0, 256, (24, 70_000), dtype=np.uint8))
+    data = TensorDict({"x": x, "a": torch.arange(24)}, [24])
+    s = TieredStore(32, stage_rows=0, frames={})
+    s.extend(data)
+    fam = parts(s).layout.families[0]
+    assert fam.stored_raw is True and fam.chunk_frames == 1
+    idx = torch.tensor([7, 0, 23, 7, 12])
+    assert_td_equal(s.get(idx), data[idx])
