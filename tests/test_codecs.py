@@ -217,6 +217,72 @@ def test_zstd_decodes_frames_from_a_plain_compressor(rng: np.random.Generator) -
     assert out.tobytes() == data.tobytes()
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_zstd_large_decode_writes_exactly_its_slices(threads: int, rng: np.random.Generator) -> None:
+    # Frames of 32 KiB of output and more are each decoded straight into its slice of `out` (readinto):
+    # every cell comes back, the bytes between the slices are left as they were.
+    sizes = rng.integers(100_000, 200_000, 48)
+    data, offsets = packed_batch(sizes, rng, "compressible")
+    enc = ZstdCodec(-1, threads=threads).encode(data, offsets, sizes)
+    gap = 7
+    out_offsets = offsets + gap * np.arange(1, sizes.size + 1)
+    out = np.full(int(out_offsets[-1] + sizes[-1] + gap), 0xAB, np.uint8)
+    ZstdCodec(-1, threads=threads).decode(enc.data, enc.offsets, enc.sizes, out, out_offsets, sizes)
+    assert int(sizes.min()) >= 32 << 10
+    for i, cell in enumerate(cells(data, offsets, sizes)):
+        o = int(out_offsets[i])
+        assert out[o:o + len(cell)].tobytes() == cell
+    covered = np.zeros(out.size, bool)
+    for o, n in zip(out_offsets.tolist(), sizes.tolist(), strict=True):
+        covered[o:o + n] = True
+    assert (out[~covered] == 0xAB).all()
+
+
+def large_frames(rng: np.random.Generator, n: int = 48) -> tuple[np.ndarray, np.ndarray, list[bytes], np.ndarray]:
+    """``(cells, their offsets, one zstd frame per cell, cell sizes)``: 96 kB frames."""
+    sizes = np.full(n, 96_000, dtype=np.int64)
+    data, offsets = packed_batch(sizes, rng, "compressible")
+    frames = [zstandard.ZstdCompressor(level=1).compress(c) for c in cells(data, offsets, sizes)]
+    return data, offsets, frames, sizes
+
+
+def pack_frames(frames: list[bytes]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    comp_sizes = np.array([len(f) for f in frames], dtype=np.int64)
+    return np.frombuffer(b"".join(frames), np.uint8), np.concatenate([[0], np.cumsum(comp_sizes)[:-1]]), comp_sizes
+
+
+def test_zstd_large_decode_names_a_truncated_frame(rng: np.random.Generator) -> None:
+    data, offsets, frames, sizes = large_frames(rng)
+    frames[5] = frames[5][: len(frames[5]) // 2]  # the header still declares the full size
+    comp, comp_offsets, comp_sizes = pack_frames(frames)
+    out = np.empty(int(sizes.sum()), np.uint8)
+    with pytest.raises(CorruptionError, match=r"zstd blob 5 of this batch"):
+        ZstdCodec(threads=1).decode(comp, comp_offsets, comp_sizes, out, offsets, sizes)
+
+
+def test_zstd_large_decode_refuses_a_frame_declaring_another_size(rng: np.random.Generator) -> None:
+    # A frame longer than its slot would fill the slot and stop there: the headers are checked
+    # first and such a batch takes the batch decoder, which refuses it by name.
+    data, offsets, frames, sizes = large_frames(rng)
+    frames[3] = zstandard.ZstdCompressor(level=1).compress(bytes(int(sizes[3]) + 100))
+    comp, comp_offsets, comp_sizes = pack_frames(frames)
+    out = np.empty(int(sizes.sum()), np.uint8)
+    with pytest.raises(CorruptionError, match=r"zstd blob 3 of this batch"):
+        ZstdCodec(threads=1).decode(comp, comp_offsets, comp_sizes, out, offsets, sizes)
+
+
+def test_zstd_large_decode_reads_frames_without_a_content_size(rng: np.random.Generator) -> None:
+    # A GPU encoder may leave the size out of the header; such frames decode (batch path).
+    data, offsets, frames, sizes = large_frames(rng)
+    plain = zstandard.ZstdCompressor(level=1, write_content_size=False)
+    frames[::2] = [plain.compress(c) for c in cells(data, offsets, sizes)[::2]]
+    assert zstandard.get_frame_parameters(frames[0]).content_size == zstandard.CONTENTSIZE_UNKNOWN
+    comp, comp_offsets, comp_sizes = pack_frames(frames)
+    out = np.empty(int(sizes.sum()), np.uint8)
+    ZstdCodec(threads=1).decode(comp, comp_offsets, comp_sizes, out, offsets, sizes)
+    assert out.tobytes() == data.tobytes()
+
+
 def test_lz4_blobs_are_raw_blocks_without_size_prefix(rng: np.random.Generator) -> None:
     sizes = rng.integers(1, 9000, 40)
     data, offsets = packed_batch(sizes, rng, "compressible")
@@ -260,6 +326,23 @@ def test_zstd_python_calls_do_not_grow_with_batch(threads: int, rng: np.random.G
         assert out.tobytes() == data.tobytes()
     assert counts[80] == counts[1024]
     assert counts[80][0] > 0 and counts[80][1] > 0
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_zstd_large_decode_python_calls_do_not_grow_with_batch(threads: int, rng: np.random.Generator) -> None:
+    # The readinto path (frames of 32 KiB of output and more) creates and runs one reader per frame inside
+    # C iteration: the same calls for 24 frames as for 240 (both split over the threads at 2).
+    codec = ZstdCodec(-1, threads=threads)
+    counts = {}
+    for n in (24, 240):
+        sizes = np.full(n, 400_000, dtype=np.int64)
+        data, offsets = packed_batch(sizes, rng, "compressible")
+        enc = codec.encode(data, offsets, sizes)
+        out = np.empty(int(sizes.sum()), np.uint8)
+        codec.decode(enc.data, enc.offsets, enc.sizes, out, offsets, sizes)  # warm up
+        counts[n] = count_calls(codec.decode, enc.data, enc.offsets, enc.sizes, out, offsets, sizes).all
+        assert out.tobytes() == data.tobytes()
+    assert counts[24] == counts[240] > 0
 
 
 # -- checksum ---------------------------------------------------------------------------------
@@ -310,6 +393,29 @@ def test_segment_checksums_across_chunk_boundaries(
         assert segment_checksums_torch(
             torch.from_numpy(data), torch.tensor(offsets), torch.tensor(sizes)
         ).tolist() == (expected)
+
+
+@pytest.mark.parametrize("chunk", [None, 40_000, 9_000])
+@pytest.mark.parametrize("fill", ["random", "255"])
+def test_segment_checksums_of_large_blobs_match_reference(
+    chunk: int | None, fill: str, monkeypatch: pytest.MonkeyPatch, rng: np.random.Generator
+) -> None:
+    # Blobs of 2 KiB and more on average are summed by 256-byte blocks: lengths and offsets off
+    # the block grid, empties among them, passes cut inside the batch (chunk) and blobs longer
+    # than a pass; all-255 bytes give the largest sums.
+    if chunk is not None:
+        monkeypatch.setattr(checksum_mod, "_NP_CHUNK", chunk)
+        monkeypatch.setattr(checksum_mod, "_ARANGE32", None)
+    sizes = rng.integers(2_000, 30_000, 40)
+    sizes[[3, 17]] = 0
+    sizes[5] = 70_001
+    offsets = 131 + np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    total = int(offsets[-1] + sizes[-1]) + 77
+    data = rng.integers(0, 256, total, dtype=np.uint8) if fill == "random" else np.full(total, 255, np.uint8)
+    assert int(sizes.sum()) >= checksum_mod._BLOCK_MIN_MEAN_BYTES * sizes.size
+    assert segment_checksums(data, offsets, sizes).tolist() == reference_checksums(data, offsets, sizes)
+    one = np.array([offsets[5]]), np.array([sizes[5]])
+    assert segment_checksums(data, *one).tolist() == reference_checksums(data, *one)
 
 
 def test_checksum_formula_and_edge_values() -> None:

@@ -123,3 +123,57 @@ def test_a_family_entry_that_does_not_fit_is_damage(atari_pong, tmp_path, entry,
     for mode in ("r", "r+"):
         with pytest.raises(CorruptionError, match="family entry"):
             tiered.open(path, mode=mode)
+
+
+def test_one_blob_cells_decode_straight_into_new_results(atari_pong):
+    # Stacks that share no frame are one blob per cell (chunk length 1): a get decodes each cell
+    # straight into its result. Results are exact with repeated rows and with rows whose
+    # ("next", "pixels") is the next row's "pixels" (one blob, decoded for both), never reused
+    # by a later get, and staged rows are merged in.
+    data = normalized_stacks(atari_pong, 48)
+    s = TieredStore(64, stage_rows=4)
+    s.extend(data[:40])
+    p = parts(s)
+    assert p.layout.families[0].chunk_frames == 1 and p.layout.schema["pixels"].frames_per_row == 1
+    idx = torch.tensor([5, 6, 6, 39, 0, 5, 38])
+    first = s.get(idx)
+    assert_td_equal(first, data[idx])
+    assert_td_equal(s.get(torch.tensor([1, 2, 3, 4, 7, 8, 9])), data[torch.tensor([1, 2, 3, 4, 7, 8, 9])])
+    assert_td_equal(first, data[idx])  # the second get wrote somewhere else
+    s.extend(data[40:41])  # a small write: staged
+    mixed = torch.tensor([40, 3, 40, 39])
+    assert_td_equal(s.get(mixed), data[mixed])
+    assert_td_equal(s.get(slice(0, 41)), data[:41])
+
+
+def test_one_blob_cells_are_checked_before_use(atari_pong):
+    from tiered.errors import ChecksumError
+    from tiered.index import WARM
+
+    data = normalized_stacks(atari_pong, 16)
+    s = TieredStore(32, stage_rows=0)
+    s.extend(data)
+    p = parts(s)
+    blob = int(p.layout.blob_refs([p.layout.schema["pixels"]], np.array([3]))[0][0, 0])
+    at, size = int(p.index.loc[blob, WARM]), int(p.index.nbytes[blob])
+    assert at >= 0
+    byte = np.empty(1, np.uint8)
+    p.tiers[WARM].read(np.array([at + size // 2]), np.array([1]), byte, np.array([0]))
+    p.tiers[WARM].write(np.array([at + size // 2]), byte ^ 0x20, np.array([0]), np.array([1]))
+    with pytest.raises(ChecksumError):
+        s.get([3])
+    assert_td_equal(s.get([0, 8, 15]), data[torch.tensor([0, 8, 15])])
+
+
+def test_one_blob_cells_of_a_raw_family_decode_straight_into_new_results():
+    # Noise in cells too large to share a chunk: stored raw, one blob per cell, read with the
+    # raw codec straight into the result.
+    rng = np.random.default_rng(3)
+    x = torch.from_numpy(rng.integers(0, 256, (24, 70_000), dtype=np.uint8))
+    data = TensorDict({"x": x, "a": torch.arange(24)}, [24])
+    s = TieredStore(32, stage_rows=0, frames={})
+    s.extend(data)
+    fam = parts(s).layout.families[0]
+    assert fam.stored_raw is True and fam.chunk_frames == 1
+    idx = torch.tensor([7, 0, 23, 7, 12])
+    assert_td_equal(s.get(idx), data[idx])

@@ -58,6 +58,15 @@ _MASK32 = 0xFFFFFFFF
 # never once per blob.
 _NP_CHUNK = 1 << 22
 _TRUE = np.ones(1, dtype=bool)
+# Blobs of at least this many bytes on average are summed by blocks (:func:`_block_prefix`):
+# block reductions beat numpy's casting reduceat there; smaller blobs (hundreds of bytes: Atari
+# frames) have too many block edges for it to pay.
+_BLOCK_MIN_MEAN_BYTES = 2048
+# Block length: a block's weighted sum, at most 255 * (0 + 1 + ... + 255) < 2**31, fits the
+# int32 the einsum accumulates in.
+_BLOCK = 256
+_BLOCK_WEIGHTS = np.arange(_BLOCK, dtype=np.int32)
+_BLOCK_LANES = np.arange(_BLOCK, dtype=np.int64)
 _TORCH_CHUNK = 1 << 26
 
 
@@ -188,13 +197,20 @@ def _packed_checksums(data: np.ndarray, offsets: np.ndarray, sizes: np.ndarray) 
     cuts = starts.searchsorted(np.arange(lo, hi, step), side="left")
     cuts = cuts[np.concatenate([_TRUE, cuts[1:] != cuts[:-1]])]
     bounds = np.concatenate([cuts[cuts < starts.size], [starts.size]]).tolist()
-    weights = _arange32(min(_NP_CHUNK, hi - lo))
+    blocks = int(np.add.reduce(lens)) >= _BLOCK_MIN_MEAN_BYTES * lens.size
+    weights = None if blocks else _arange32(min(_NP_CHUNK, hi - lo))
     with np.errstate(over="ignore"):
         for a, b in zip(bounds[:-1], bounds[1:], strict=True):
             g0 = int(starts[a])
             g1 = int(starts[b - 1] + lens[b - 1])
             span = data[g0:g1]
             local = starts[a:b] - g0
+            if blocks:
+                # the same two sums (local weights g - g0), as differences of exact prefix sums
+                f1, f2 = _block_prefix(span, np.append(local, g1 - g0))
+                s1[a:b] = (f1[1:] - f1[:-1]).astype(np.uint32)
+                bg[a:b] = (f2[1:] - f2[:-1]).astype(np.uint32) + np.uint32(g0 & _MASK32) * s1[a:b]
+                continue
             w = weights[: g1 - g0] if g1 - g0 <= weights.size else np.arange(g1 - g0, dtype=np.uint32)
             part1 = np.add.reduceat(span, local, dtype=np.uint32)
             # sum(b * g) with g = (g - g0) + g0; then s2 = sum(b * g) - (start - 1) * s1.
@@ -208,6 +224,40 @@ def _packed_checksums(data: np.ndarray, offsets: np.ndarray, sizes: np.ndarray) 
     full = np.zeros(sizes.size, dtype=np.uint64)
     full[nonempty] = result
     return full.view(np.int64)
+
+
+def _block_prefix(span: np.ndarray, points: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(sum(b[g], g < p), sum(b[g] * g, g < p))`` modulo 2**64 (int64 arithmetic wraps; the
+    caller keeps the low 32 bits) of a uint8 ``span`` at each of the sorted ``points`` in
+    ``[0, span.size]``.
+
+    The span is cut into blocks of ``_BLOCK`` bytes; one reduction and one integer ``einsum``
+    give every block's sum and weighted sum (numpy's own loops: no BLAS threads), prefix sums
+    over the blocks give the values at block starts, and the few blocks holding a point add
+    their part before it.
+    """
+    m = span.size
+    q = m // _BLOCK
+    whole = span[: q * _BLOCK].reshape(q, _BLOCK)
+    tail = span[q * _BLOCK:]
+    s1 = np.empty(q + 1, np.int64)  # block q: the tail (maybe empty), where a point at m lies
+    s2 = np.empty(q + 1, np.int64)
+    s1[:q] = np.add.reduce(whole, axis=1, dtype=np.uint32)
+    s2[:q] = np.einsum("rl,l->r", whole, _BLOCK_WEIGHTS)
+    s1[q] = np.add.reduce(tail, dtype=np.uint32)
+    s2[q] = np.einsum("l,l->", tail, _BLOCK_WEIGHTS[: tail.size])
+    starts = np.arange(q + 1, dtype=np.int64) * _BLOCK
+    f1 = np.zeros(q + 2, np.int64)
+    f2 = np.zeros(q + 2, np.int64)
+    np.cumsum(s1, out=f1[1:])
+    # a block's weighted sum with global weights: its local one + start * its sum
+    np.cumsum(s2 + starts * s1, out=f2[1:])
+    r = points // _BLOCK
+    at = starts[r, None] + _BLOCK_LANES
+    head = np.where(at < points[:, None], span[np.minimum(at, max(m - 1, 0))], 0).astype(np.int64)
+    p1 = np.add.reduce(head, axis=1)
+    p2 = head @ _BLOCK_LANES + starts[r] * p1
+    return f1[r] + p1, f2[r] + p2
 
 
 _ARANGE32: np.ndarray | None = None
