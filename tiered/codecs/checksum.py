@@ -177,6 +177,20 @@ def _packed_checksums(data: np.ndarray, offsets: np.ndarray, sizes: np.ndarray) 
     hi = int(starts[-1] + lens[-1])
     if not np.logical_and.reduce(starts[1:] == starts[:-1] + lens[:-1]):
         return None
+    if hi - lo <= _NP_CHUNK:
+        # one pass (any sampled batch): weights relative to lo, so with local = start - lo,
+        # s2 = sum(b * (g - lo)) - (local - 1) * s1 (integer arrays wrap silently in numpy)
+        span = data[lo:hi]
+        local = starts - lo
+        s1 = np.add.reduceat(span, local, dtype=np.uint32)
+        bg = np.add.reduceat(np.multiply(span, _arange32(hi - lo)[:hi - lo], dtype=np.uint32), local)
+        s2 = bg - (local - 1).astype(np.uint32) * s1
+        result = (s2.astype(np.uint64) << np.uint64(32)) | s1
+        if all_nonempty:
+            return result.view(np.int64)
+        full = np.zeros(sizes.size, dtype=np.uint64)
+        full[nonempty] = result
+        return full.view(np.int64)
     s1 = np.empty(starts.size, dtype=np.uint32)
     bg = np.empty(starts.size, dtype=np.uint32)
     # Groups of whole blobs spanning at most _NP_CHUNK bytes keep the uint32 temporary in cache;
