@@ -107,28 +107,33 @@ STAGES = [
 ]
 
 
-def time_stages(fn, calls: int, before=None) -> dict[str, tuple[float, float]]:
+def time_stages(fn, calls: int, before=None, *, median: bool = True) -> dict[str, tuple[float, float]]:
     """``{stage: (us per call of fn, calls of the stage per call of fn)}`` over ``calls`` calls of
-    ``fn`` (``before()`` runs untimed ahead of each), every function of STAGES wrapped in a timer."""
+    ``fn`` (``before()`` runs untimed ahead of each), every function of STAGES wrapped in a timer.
+
+    ``median``: each stage's median over the calls (a read: robust to other processes' bursts on a
+    shared machine); else its mean (a write: the mean counts the stage compressions that only some
+    calls make, as the table's write rates do)."""
     import functools
     import importlib
 
-    totals: dict[str, list[float]] = {}
+    import numpy as np
+
+    acc = np.zeros((len(STAGES) + 1, 2))  # per stage of the current call: ns, calls
     undo = []
-    for mod_name, qual in STAGES:
+    for i, (mod_name, qual) in enumerate(STAGES):
         mod = importlib.import_module(mod_name)
         owner, _, attr = qual.rpartition(".")
         holder = getattr(mod, owner) if owner else mod
         orig = holder.__dict__[attr] if owner else getattr(mod, attr)
-        acc = totals.setdefault(qual, [0.0, 0])
 
-        def wrapped(*a, _orig=orig, _acc=acc, **k):
+        def wrapped(*a, _orig=orig, _row=acc[i], **k):
             t0 = time.perf_counter_ns()
             try:
                 return _orig(*a, **k)
             finally:
-                _acc[0] += time.perf_counter_ns() - t0
-                _acc[1] += 1
+                _row[0] += time.perf_counter_ns() - t0
+                _row[1] += 1
 
         functools.update_wrapper(wrapped, orig)
         setattr(holder, attr, wrapped)
@@ -138,19 +143,23 @@ def time_stages(fn, calls: int, before=None) -> dict[str, tuple[float, float]]:
                 if getattr(other, "__name__", "").startswith("tiered") and other.__dict__.get(attr) is orig:
                     setattr(other, attr, wrapped)
                     undo.append((other, attr, orig))
+    per_call = np.zeros((calls, len(STAGES) + 1, 2))
     try:
-        t_all = 0.0
-        for _ in range(calls):
+        for c in range(calls):
             if before is not None:
                 before()
+            acc[:] = 0
             t0 = time.perf_counter_ns()
             fn()
-            t_all += time.perf_counter_ns() - t0
+            acc[-1] = time.perf_counter_ns() - t0, 1
+            per_call[c] = acc
     finally:
         for holder, attr, orig in reversed(undo):
             setattr(holder, attr, orig)
-    out = {"(whole call)": (t_all / calls / 1e3, 1.0)}
-    out.update({q: (v[0] / calls / 1e3, v[1] / calls) for q, v in totals.items() if v[1]})
+    us = (np.median(per_call[:, :, 0], axis=0) if median else per_call[:, :, 0].mean(axis=0)) / 1e3
+    count = per_call[:, :, 1].mean(axis=0)
+    out = {"(whole call)": (float(us[-1]), 1.0)}
+    out.update({q: (float(us[i]), float(count[i])) for i, (_, q) in enumerate(STAGES) if count[i]})
     return out
 
 
@@ -266,8 +275,10 @@ def main(argv=None) -> int:
         for _ in range(20):  # warm: plans, buffers
             before()
             fn()
-        print(f"### stages of tiered {name}, {args.stage_calls} calls (us per call, inclusive; calls per call)")
-        for q, (us, c) in time_stages(fn, args.stage_calls, before).items():
+        write = "add" in name or "extend" in name
+        print(f"### stages of tiered {name}, {args.stage_calls} calls (us per call, inclusive, "
+              f"{'mean' if write else 'median'}; calls per call)")
+        for q, (us, c) in time_stages(fn, args.stage_calls, before, median=not write).items():
             print(f"  {us:9.1f} us  {c:5.2f}x  {q}")
     for name in args.profile:
         fn = table[name]["tiered"]
