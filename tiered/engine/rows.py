@@ -474,7 +474,7 @@ class RowSpace:
             # [flags, n]: one lookup of every row's byte (torch's shift, mask and cast cost ~5 us
             # each even for one row); each flag's row is contiguous, so its cells are a plain view
             bits = torch.from_numpy(table[:, byte.numpy()]).unbind(0)
-            for f, b in zip(flags, bits, strict=True):  # a loop over flag fields (at most 8), not rows
+            for f, b in zip(flags, bits, strict=True):
                 out[f.key] = b.view(-1, *f.shape)
         dense, checks, widen = self.dense, self.dense_checks, self.widen
         for f in fields:  # a loop over columns, not rows
