@@ -58,11 +58,11 @@ _MASK32 = 0xFFFFFFFF
 # never once per blob.
 _NP_CHUNK = 1 << 22
 _TRUE = np.ones(1, dtype=bool)
+_TORCH_CHUNK = 1 << 26
 # Batches of smaller blobs than this on average (compressed Atari chunks: ~1 KB) that fit one
 # pass skip the pass loop's bookkeeping (~20 numpy calls: ~18 us of thread CPU for 2 blobs);
 # larger blobs go through the loop, where their own summation belongs.
 _ONE_PASS_MAX_MEAN_BYTES = 2048
-_TORCH_CHUNK = 1 << 26
 
 
 def _as_index(a: np.ndarray, name: str) -> np.ndarray:
