@@ -12,6 +12,7 @@ Usage:
     python benchmarks/profile_calls.py --profile get32 # + cProfile of one operation (tiered)
     python benchmarks/profile_calls.py --threads 1
     python benchmarks/profile_calls.py --only --breakdown store.get32 rb.add1   # calls per tiered function
+    python benchmarks/profile_calls.py --only --stages store.get32 rb.add1 rb.extend16  # us per stage
 """
 
 from __future__ import annotations
@@ -63,6 +64,105 @@ def breakdown(fn) -> tuple[int, int, collections.Counter]:
     return sum(per.values()), python, per
 
 
+# The stages of a read and a small write, as (module, qualified name) of the function that does
+# each; --stages wraps them with a timer (a wrapper costs ~0.3 us a call: stage totals, not tiny
+# functions). Inner stages are timed inside outer ones: each line is inclusive.
+STAGES = [
+    ("tiered.store", "TieredStore.get"),
+    ("tiered.store", "TieredStore._resolve_read"),
+    ("tiered.engine.read", "ReadPipeline.get_rows"),
+    ("tiered.engine.read", "ReadPipeline.plan"),
+    ("tiered.engine.rows", "RowSpace.read_dense_fields"),
+    ("tiered.engine.write", "WritePath.staged_slots"),
+    ("tiered.engine.read", "blob_frames"),
+    ("tiered.engine.read", "CpuReadPipeline.gather_blobs"),
+    ("tiered.engine.placement", "Placement.locate"),
+    ("tiered.engine.placement", "Placement.read"),
+    ("tiered.codecs", "segment_checksums"),
+    ("tiered.engine.placement", "Placement.note_reads"),
+    ("tiered.engine.placement", "Placement.promote"),
+    ("tiered.engine.frames", "FrameFamily.open_raw"),
+    ("tiered.engine.read", "decode_gathered"),
+    ("tiered.codecs.zstd", "ZstdCodec._decompress_slice"),
+    ("tiered.engine.read", "assemble_cells"),
+    ("tiered.engine.read", "as_tensordict"),
+    ("tiered.torchrl.storage", "_RowReads.get"),
+    ("tiered.torchrl.storage", "TieredStorage._set"),
+    ("tiered.engine.write", "WritePath.append"),
+    ("tiered.engine.write", "WritePath.overwrite"),
+    ("tiered.engine.write", "WritePath.small_write"),
+    ("tiered.engine.write", "WritePath.stage_write"),
+    ("tiered.engine.write", "WritePath.flush_stage"),
+    ("tiered.engine.write", "WritePath.write_rows"),
+    ("tiered.engine.write", "check_cells_readable"),
+    ("tiered.engine.rows", "RowSpace.write_dense_cells"),
+    ("tiered.engine.stage", "WriteStage.put"),
+    ("tiered.engine.layout", "FieldLayout.check_rows"),
+    ("tiered.engine.rows", "RowSpace.check_dense"),
+    ("tiered.engine.rows", "RowSpace.resolve_write"),
+    ("tiered.engine.write", "WritePath.prepare_widening"),
+    ("tiered.engine.write", "WritePath.validate_values"),
+    ("tiered.schema", "Schema.match"),
+    ("tiered.engine.placement", "Placement.rows_staged"),
+]
+
+
+def time_stages(fn, calls: int, before=None, *, median: bool = True) -> dict[str, tuple[float, float]]:
+    """``{stage: (us per call of fn, calls of the stage per call of fn)}`` over ``calls`` calls of
+    ``fn`` (``before()`` runs untimed ahead of each), every function of STAGES wrapped in a timer.
+
+    ``median``: each stage's median over the calls (a read: robust to other processes' bursts on a
+    shared machine); else its mean (a write: the mean counts the stage compressions that only some
+    calls make, as the table's write rates do)."""
+    import functools
+    import importlib
+
+    import numpy as np
+
+    acc = np.zeros((len(STAGES) + 1, 2))  # per stage of the current call: ns, calls
+    undo = []
+    for i, (mod_name, qual) in enumerate(STAGES):
+        mod = importlib.import_module(mod_name)
+        owner, _, attr = qual.rpartition(".")
+        holder = getattr(mod, owner) if owner else mod
+        orig = holder.__dict__[attr] if owner else getattr(mod, attr)
+
+        def wrapped(*a, _orig=orig, _row=acc[i], **k):
+            t0 = time.perf_counter_ns()
+            try:
+                return _orig(*a, **k)
+            finally:
+                _row[0] += time.perf_counter_ns() - t0
+                _row[1] += 1
+
+        functools.update_wrapper(wrapped, orig)
+        setattr(holder, attr, wrapped)
+        undo.append((holder, attr, orig))
+        if not owner:  # module-level functions are also called through the modules importing them
+            for other in list(sys.modules.values()):
+                if getattr(other, "__name__", "").startswith("tiered") and other.__dict__.get(attr) is orig:
+                    setattr(other, attr, wrapped)
+                    undo.append((other, attr, orig))
+    per_call = np.zeros((calls, len(STAGES) + 1, 2))
+    try:
+        for c in range(calls):
+            if before is not None:
+                before()
+            acc[:] = 0
+            t0 = time.perf_counter_ns()
+            fn()
+            acc[-1] = time.perf_counter_ns() - t0, 1
+            per_call[c] = acc
+    finally:
+        for holder, attr, orig in reversed(undo):
+            setattr(holder, attr, orig)
+    us = (np.median(per_call[:, :, 0], axis=0) if median else per_call[:, :, 0].mean(axis=0)) / 1e3
+    count = per_call[:, :, 1].mean(axis=0)
+    out = {"(whole call)": (float(us[-1]), 1.0)}
+    out.update({q: (float(us[i]), float(count[i])) for i, (_, q) in enumerate(STAGES) if count[i]})
+    return out
+
+
 def build(n: int, data):
     from torchrl.data import LazyTensorStorage, RandomSampler, TensorDictReplayBuffer
 
@@ -112,6 +212,9 @@ def main(argv=None) -> int:
     p.add_argument("--only", nargs="*", default=None, help="operations to time")
     p.add_argument("--breakdown", nargs="*", default=[],
                    help="operations whose calls to print per tiered function (tiered and lts)")
+    p.add_argument("--stages", nargs="*", default=[],
+                   help="operations to time stage by stage (tiered; us per call, inclusive)")
+    p.add_argument("--stage-calls", type=int, default=2000, help="calls per operation for --stages")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -161,6 +264,22 @@ def main(argv=None) -> int:
             print(f"### {name} ({k}): {total} calls, {python} of them Python functions")
             for who, c in per.most_common(25):
                 print(f"  {c:5d} {who}")
+    for name in args.stages:
+        fn = table[name]["tiered"]
+        b = int("".join(c for c in name.split(".")[-1] if c.isdigit()) or 1)
+
+        def before(b=b):
+            state["idx"] = torch.randint(0, n, (b,), generator=gen)
+            state["row"] += 1
+
+        for _ in range(20):  # warm: plans, buffers
+            before()
+            fn()
+        write = "add" in name or "extend" in name
+        print(f"### stages of tiered {name}, {args.stage_calls} calls (us per call, inclusive, "
+              f"{'mean' if write else 'median'}; calls per call)")
+        for q, (us, c) in time_stages(fn, args.stage_calls, before, median=not write).items():
+            print(f"  {us:9.1f} us  {c:5.2f}x  {q}")
     for name in args.profile:
         fn = table[name]["tiered"]
         b = int("".join(c for c in name.split(".")[-1] if c.isdigit()) or 1)

@@ -238,11 +238,13 @@ def test_host_view_of_each_kind_of_buffer():
 @pytest.mark.parametrize("small,large", [((1, 100), (1, 100)), ((150, 700), (150, 700)),
                                          ((3000, 9000), (3000, 9000)), ((1, 100), (1, 20000))])
 def test_python_calls_do_not_grow_with_the_batch(small, large):
-    """The same calls for 16 and 2048 blobs, whatever their sizes (the last case puts the 16 in
-    one size class and spreads the 2048 over all of them)."""
+    """The same calls for 100 and 2048 blobs, whatever their sizes (the last case puts the 100 in
+    one size class and spreads the 2048 over all of them); a batch of up to 64 runs (a small
+    sample) is one memcpy per run, with the same calls for 2 and 64 blobs, and no more than the
+    size classes make."""
     rng = np.random.default_rng(6)
     counts = {}
-    for n, (lo, hi) in ((16, small), (2048, large)):
+    for n, (lo, hi) in ((2, small), (64, small), (100, small), (2048, large)):
         sizes = rng.integers(lo, hi, n)
         so, src_len = scattered(rng, sizes, align_to=16)
         do, dst_len = scattered(rng, sizes)
@@ -252,7 +254,8 @@ def test_python_calls_do_not_grow_with_the_batch(small, large):
         copy_blobs(src, so, dst, do, sizes)
         counts[n] = count_calls(copy_blobs, src, so, dst, do, sizes).all
         assert np.array_equal(dst, reference(src, so, np.zeros(dst_len, np.uint8), do, sizes))
-    assert counts[16] == counts[2048] > 0
+    assert counts[2] == counts[64] > 0
+    assert counts[100] == counts[2048] > counts[64]
 
 
 # ------------------------------------------------------------------------------- CUDA

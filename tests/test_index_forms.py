@@ -67,3 +67,20 @@ def test_a_meta_index_is_a_tiered_error():
         with pytest.raises(E.IndexOutOfRangeError, match="meta device"):
             call(meta)
     assert store.get(slice(None))["a"].tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+@pytest.mark.parametrize("index", [torch.tensor([3, 0, 3]), torch.tensor([2, 1], dtype=torch.int32),
+                                   torch.tensor([], dtype=torch.long), torch.tensor([[0, 1], [3, 2]])],
+                         ids=["int64", "int32", "empty", "2-D"])
+def test_tensor_indices_match_lazy_tensor_storage(index):
+    """A sampler's index tensor (read by the store in one call) gives what LazyTensorStorage gives."""
+    lazy, ours = _pair()
+    assert _plain(ours.get(index)) == _plain(lazy.get(index))
+
+
+def test_a_tensor_index_resolves_and_refuses_as_a_list_does():
+    _, ours = _pair()
+    assert _plain(ours.get(torch.tensor([-1, -4]))) == _plain(ours.get([-1, -4])) == ((2,), [3.0, 0.0], [[1.0] * 2] * 2)
+    for index in (torch.tensor([4]), [4]):
+        with pytest.raises(E.IndexOutOfRangeError):
+            ours.get(index)

@@ -212,6 +212,21 @@ class BlobIndex:
         return index
 
 
+_WINDOW_STEPS: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+
+
+def _window_steps(frames: int, step: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(back, cols)`` of :meth:`ShiftedRowTable._window`, made once per (frames, step): how far
+    back each frame's row lies (``[F]``) and the frames' columns (``[1, F]``)."""
+    got = _WINDOW_STEPS.get((frames, step))
+    if got is None:
+        back = np.arange(frames - 1, -1, -1, dtype=np.int64) - step
+        cols = np.arange(step, frames + step, dtype=np.int64)[None, :]
+        back.flags.writeable = cols.flags.writeable = False
+        got = _WINDOW_STEPS[(frames, step)] = (back, cols)
+    return got
+
+
 def _row_ids(rows: Any) -> np.ndarray:
     """Row indices (an int array) of ``rows``: an int array or a bool mask over the rows."""
     rows = np.asarray(rows)
@@ -506,15 +521,16 @@ class ShiftedRowTable(_ExceptionTable):
     def _window(self, rows: np.ndarray, step: int) -> tuple[np.ndarray, np.ndarray]:
         """Frames ``step .. step + F - 1`` of each row's stack (frame ``F``: the newest of the row
         after): one gather of the last column and a ``searchsorted``."""
-        f, cap = self._frames, self.capacity
-        src = (rows[:, None] + step - np.arange(f - 1, -1, -1)) % cap  # the rows whose last frames make the stack
+        f, cap = self._frames, int(self.last_blob.shape[0])
+        back, cols = _window_steps(f, step)
+        src = (rows[:, None] - back) % cap  # the rows whose last frames make the stack
         blob, slot = self.last_blob[src], self.last_slot[src]
         if not self.exc_rows.size or not rows.size:
             return blob, slot
         pos = self.exc_rows.searchsorted(rows, side="right") - 1  # -1: the last one, a lap before
-        d = rows - self.exc_rows[pos] + np.where(pos < 0, cap, 0)
+        d = (rows - self.exc_rows[pos]) % cap  # (a lap before: negative, hence the modulo)
         near = (d < f - 1).nonzero()[0]  # rows within F - 1 of their exception (no branch on it:
-        col = np.arange(step, f + step)[None, :] + d[near, None]  # the same calls for every batch)
+        col = cols + d[near, None]  # the same calls for every batch)
         i, j = (col < f - 1).nonzero()  # [m, F]: the exception's column of frame j + step, where it has one
         at, p, c = near[i], pos[near][i], col[i, j]
         blob[at, j], slot[at, j] = self.exc_blob[p, c], self.exc_slot[p, c]

@@ -584,6 +584,12 @@ class Schema(Mapping[Key, Field]):
     def __len__(self) -> int:
         return len(self._fields)
 
+    def values(self):
+        # the field dict's own view: Mapping's would look every key up again through __getitem__
+        # (a normalize_key call each), and every write goes over the fields. (keys() and items()
+        # stay Mapping's: theirs find "obs" as ("obs",), a dict view would not.)
+        return self._fields.values()
+
     def __repr__(self) -> str:
         inner = ", ".join(f"{key_to_str(k)}: {f.kind} {f.describe()}" for k, f in self._fields.items())
         return f"Schema({inner})"

@@ -411,6 +411,12 @@ class TieredStorage(TensorStorage):
                 return _whole(self.get(torch.arange(self._len_along_dim0)), index)
             if isinstance(index, torch.Tensor) and index.dtype == torch.uint8:
                 index = as_mask(index)
+            if (self._grid is None and not len(self._side) and isinstance(index, torch.Tensor)
+                    and index.ndim == 1 and index.dtype != torch.bool):
+                # a sampler's 1-D index: the store resolves and checks it (as rows_of would) in
+                # the same call, and its batch is the index's
+                td = self._store.get(index)
+                return self._form.from_rows(_unfold_row_batch(td, self._form.row_batch))
             rows, shape = self._read_rows(index)
             td = self._store.get(int(rows[0]) if len(shape) == 0 else rows)
         if len(self._side):
