@@ -37,7 +37,7 @@ def field_stats(rows: RowSpace, layout: FieldLayout, index: BlobIndex) -> dict[s
     facts = [FieldFacts(key=key_to_str(f.key), kind=f.kind, cell_nbytes=f.cell_nbytes, column_nbytes=f.column_nbytes,
                         family=f.family if f.kind == "blob" else "",
                         stored_dtype=None if f.stored_dtype is None else dtype_to_str(f.stored_dtype),
-                        flag_bit=f.flag_bit)
+                        flag_bit=f.flag_bit, row_number=f.row_number)
              for f in layout.schema.values()]
     return field_figures(facts, [fam.frame_nbytes for fam in layout.families], rows.length, rows.capacity, index)
 
