@@ -323,6 +323,8 @@ class Narrowing:
         (torch.uint8, torch.int8)
         >>> Narrowing().widenings(schema, {("step",): torch.tensor([300]), ("r",): torch.tensor([0.1])})
         {('step',): torch.int16, ('r',): None}
+        >>> Narrowing(capacity=1000).first(Schema.infer(td), td)["step"].row_number   # decided with the rows
+        True
     """
 
     def __init__(self, forced: Iterable[Key] = (), capacity: int | None = None) -> None:
