@@ -353,10 +353,10 @@ class RowSpace:
         """The columns of ``fields`` rewritten in their (wider) ``column_dtype``, every value kept
         (:func:`~tiered.schema.holds_dtype`): one copy of each column, a few times in a store's
         life; a row-number field's column gets the row numbers of the ``held`` rows
-        (:meth:`held_row_numbers`) and nothing else (pages no row uses stay untouched). Nothing changes here (:meth:`install_columns` puts them in), so a failure leaves the
-        store as it was. A column memory-mapped from a store has its pages checked first; the new
-        one is anonymous until the next commit writes its file whole (the dtype in its header
-        changed).
+        (:meth:`held_row_numbers`) and nothing else (pages no row uses stay untouched). Nothing
+        changes here (:meth:`install_columns` puts them in), so a failure leaves the store as it was.
+        A column memory-mapped from a store has its pages checked first; the new one is anonymous
+        until the next commit writes its file whole (the dtype in its header changed).
 
         Raises:
             ChecksumError: a page of a column is damaged (its check stays in force).
