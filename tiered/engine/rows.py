@@ -33,7 +33,7 @@ from ..util.batch import exclusive_cumsum
 from ..util.dirty import DirtyBlocks
 from ..util.filemap import file_array
 
-__all__ = ["as_mask", "RowSpace", "IndexLike", "as_row_array", "index_shape", "DONE_KEYS", "row_number_cells"]
+__all__ = ["as_mask", "RowSpace", "IndexLike", "as_row_array", "index_shape", "DONE_KEYS", "row_number_cells", "held_rows"]
 
 IndexLike = int | slice | range | list | tuple | np.ndarray | torch.Tensor
 
@@ -167,6 +167,19 @@ def row_number_cells(field: Field, rows: np.ndarray, span: tuple[int, int] | Non
     # a copy, never a view of ``rows`` (a caller's own index array)
     cells = at.to(field.dtype, copy=True).view(n, *([1] * len(field.shape)))
     return cells if math.prod(field.shape) == 1 else cells.expand(n, *field.shape).contiguous()
+
+
+def held_rows(written: np.ndarray, staged: np.ndarray | None) -> np.ndarray:
+    """The rows whose cells a reader could see (``written``: the written mask, or ``staged``),
+    sorted: what a row-number column that widens must hold (one pass over the mask, a few times
+    in a store's life).
+
+    Example:
+        >>> held_rows(np.array([True, False, True, False]), np.array([3])).tolist()
+        [0, 2, 3]
+    """
+    held = np.flatnonzero(written)
+    return held if staged is None or not staged.size else np.union1d(held, staged)
 
 
 class RowSpace:
@@ -342,18 +355,11 @@ class RowSpace:
             self.dense_checks.pop(f.key, None)
             self._note_widen(f)
 
-    def held_row_numbers(self, staged: np.ndarray | None) -> np.ndarray:
-        """The rows whose row-number cells a reader could see (written or ``staged``), sorted: what
-        a row-number column that widens must hold (one pass over the written mask, a few times in a
-        store's life)."""
-        held = np.flatnonzero(self.written)
-        return held if staged is None or not staged.size else np.union1d(held, staged)
-
     def widened_columns(self, fields: list[Field], held: np.ndarray | None = None) -> dict[Key, torch.Tensor]:
         """The columns of ``fields`` rewritten in their (wider) ``column_dtype``, every value kept
         (:func:`~tiered.schema.holds_dtype`): one copy of each column, a few times in a store's
         life; a row-number field's column gets the row numbers of the ``held`` rows
-        (:meth:`held_row_numbers`) and nothing else (pages no row uses stay untouched). Nothing
+        (:func:`held_rows`) and nothing else (pages no row uses stay untouched). Nothing
         changes here (:meth:`install_columns` puts them in), so a failure leaves the store as it was.
         A column memory-mapped from a store has its pages checked first; the new one is anonymous
         until the next commit writes its file whole (the dtype in its header changed).

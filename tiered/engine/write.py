@@ -55,7 +55,7 @@ from .detect import detect_frames
 from .frames import FrameColumns, FrameFamily, FramePlan, auto_chunk_frames
 from .layout import FieldLayout
 from .placement import Placement
-from .rows import RowSpace, index_shape
+from .rows import RowSpace, held_rows, index_shape
 from .stage import WriteStage
 
 __all__ = ["WritePath", "WriteOptions", "check_cells_readable", "check_layout_fits", "check_values_fit", "MAX_CHUNK_BYTES",
@@ -315,7 +315,7 @@ class WritePath:
         held = None
         if numbered:  # a row-number column becomes a column: one compare per column said so
             stage = self.stage
-            held = self.rows.held_row_numbers(stage.rows[:stage.count] if stage is not None else None)
+            held = held_rows(self.rows.written, stage.rows[:stage.count] if stage is not None else None)
             widen = {**widen, **{f.key: row_number_dtype(f, data[f.key].detach(), held) for f in numbered}}
         if not widen:
             return None
