@@ -635,6 +635,8 @@ class Schema(Mapping[Key, Field]):
             for depth in range(len(key)):
                 levels.setdefault(key[:depth], set()).add(key[depth])
         self._levels = levels
+        # every write looks at them (a small write too): listed once
+        self._row_numbers = [f for f in self._fields.values() if f.row_number]
 
     # Mapping interface -------------------------------------------------------------------
     def __getitem__(self, key: str | Key) -> Field:
@@ -667,7 +669,7 @@ class Schema(Mapping[Key, Field]):
     @property
     def row_number_fields(self) -> list[Field]:
         """The dense fields whose values are their rows, stored as nothing (``row_number``)."""
-        return [f for f in self._fields.values() if f.row_number]
+        return list(self._row_numbers)
 
     @property
     def flag_fields(self) -> list[Field]:
