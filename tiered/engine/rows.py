@@ -157,16 +157,26 @@ def row_number_cells(field: Field, rows: np.ndarray, span: tuple[int, int] | Non
         >>> row_number_cells(f, np.array([5, 2])).tolist(), row_number_cells(f, None, (3, 2)).tolist()
         ([[5], [2]], [[3], [4]])
     """
-    on_gpu = device is not None and device.type != "cpu"
-    if span is not None:
-        at = torch.arange(span[0], span[0] + span[1], dtype=torch.int64, device=device if on_gpu else None)
-    else:
-        at = torch.from_numpy(rows)
-        at = at.to(device, non_blocking=True) if on_gpu else at
-    n = at.numel()
-    # a copy, never a view of ``rows`` (a caller's own index array)
-    cells = at.to(field.dtype, copy=True).view(n, *([1] * len(field.shape)))
+    n = span[1] if span is not None else rows.size
+    if device is not None and device.type != "cpu":
+        if span is not None:
+            at = torch.arange(span[0], span[0] + n, dtype=torch.int64, device=device)
+        else:
+            at = torch.from_numpy(rows).to(device, non_blocking=True)
+        cells = at.to(field.dtype)
+    else:  # numpy's cast is a few times cheaper than torch's for a sample's rows; always a copy,
+        # never a view of ``rows`` (a caller's own index array)
+        at = np.arange(span[0], span[0] + n) if span is not None else rows
+        cells = torch.from_numpy(at.astype(_NUMPY_INT[field.dtype]))
+    if not field.shape:
+        return cells
+    cells = cells.view(n, *([1] * len(field.shape)))
     return cells if math.prod(field.shape) == 1 else cells.expand(n, *field.shape).contiguous()
+
+
+#: the numpy dtype of each dtype a row-number field may have (:func:`~tiered.schema.row_number_eligible`)
+_NUMPY_INT = {torch.uint8: np.uint8, torch.int8: np.int8, torch.int16: np.int16, torch.int32: np.int32,
+              torch.int64: np.int64}
 
 
 def held_rows(written: np.ndarray, staged: np.ndarray | None) -> np.ndarray:
