@@ -71,6 +71,8 @@ STORAGES = {
     "tiered_recipe": ("TieredStorage, recipe (uint8)", "uint8"),
     "lts_uint8": ("LazyTensorStorage, uint8", "uint8"),
 }
+#: short names --stores takes
+SHORT = {"lmm": "lmm_float", "plain": "tiered_plain", "recipe": "tiered_recipe", "lts": "lts_uint8"}
 
 
 def load_example() -> Any:
@@ -166,12 +168,13 @@ def run_storage(key: str, pool: list[TensorDict], rows: int, args: argparse.Name
     times = timeit.todict(percall=True)
     warned = [str(w.message) for w in caught if issubclass(w.category, LowCompressionWarning)]
     held = len(rb)
-    fixed = 0
+    fixed, parts = 0, {}
     if key.startswith("tiered"):
         s = storage.stats()
         per_row, resident = s["bytes_per_row"], s["resident_bytes"]
         # raw frames waiting (open time chunks, tails, stage): bounded by the trajectories, not the rows
         fixed = s["resident"]["raw"]
+        parts = {name: nbytes / held for name, nbytes in s["resident"].items()}  # what each row costs, by part
         pixels = s["fields"]["pixels"]
         stacks = ("pixels",) in storage.store.options["frames"]
         dense = sum(f["stored_bytes"] for f in s["fields"].values() if f["kind"] == "dense") / s["capacity"]
@@ -193,7 +196,7 @@ def run_storage(key: str, pool: list[TensorDict], rows: int, args: argparse.Name
         "extend_ms": extend_s * 1e3, "sample_ms": sample_s * 1e3, "update_ms": times.get("update", 0.0) * 1e3,
         # per update: its share of the 400-row extend, plus its sample
         "replay_ms_per_update": (extend_s / UPDATES_PER_BATCH + sample_s) * 1e3,
-        "warnings": warned, "note": note, "load": load,
+        "warnings": warned, "note": note, "load": load, "bytes_per_transition_by_part": parts,
     }
 
 
@@ -285,13 +288,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--updates", type=int, default=UPDATES_PER_BATCH,
                    help="of the 100 samples per round, how many are followed by the DQN update (all: 100)")
     p.add_argument("--threads", type=int, default=None, help="tiered's decode threads (default: its choice)")
-    p.add_argument("--storages", default=",".join(STORAGES), help="comma-separated subset of " + ",".join(STORAGES))
+    p.add_argument("--storages", "--stores", default=",".join(STORAGES),
+                   help="comma-separated subset of " + ",".join(STORAGES) + " (or their short names "
+                   + ",".join(SHORT) + ")")
     p.add_argument("--pool-cache", default=None,
                    help="directory keeping the collected transitions for reruns (collected once per --pool)")
     p.add_argument("--scratch", default=None, help="directory for LazyMemmapStorage's files (default: a temp dir)")
     H.add_output_arguments(p)
     args = p.parse_args(argv)
-    keys = [k.strip() for k in args.storages.split(",") if k.strip()]
+    keys = [SHORT.get(k.strip(), k.strip()) for k in args.storages.split(",") if k.strip()]
     unknown = sorted(set(keys) - set(STORAGES))
     if unknown:
         p.error(f"unknown storages {unknown}; choose from {list(STORAGES)}")
@@ -329,6 +334,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{res['bytes_per_transition']:,.0f} B/transition, extend {res['extend_ms']:.1f} ms, "
               f"sample {res['sample_ms']:.2f} ms, update {res['update_ms']:.1f} ms; "
               f"other processes used {res['load']['other_cores']:.2f} cores", flush=True)
+        if res["bytes_per_transition_by_part"]:
+            print("  bytes per transition by part: " + ", ".join(
+                f"{name} {b:,.1f}" for name, b in res["bytes_per_transition_by_part"].items()))
         for w in res["warnings"]:
             print(f"  warning: {w}")
     data = {"facts": facts, "args": {**vars(args), "baseline_rows": baseline_rows, "quick": args.rows < 100_000},

@@ -409,11 +409,15 @@ def _attach(c: Ctx, store):
 
 
 def _tier_store(path, data, device: str, hot_device: str, key: str, **kw):
+    import torch
+
     from tiered import TieredStore
     from tiered.testing import spread_over_tiers
 
     n = data.batch_size[0]
     body = n - 3
+    data = data.clone()
+    data.set("index", torch.arange(n))  # TorchRL's index: a row-number column (stored as nothing)
     store = TieredStore(n + 64, path, frames={key: 0}, hot_device=hot_device, hot_bytes="256MiB",
                         warm_bytes="256MiB", promote=False, device=device, stage_rows=0, **kw)
     for i in range(0, body, 50):
@@ -480,9 +484,16 @@ def stage_tiers(c: Ctx) -> None:
                     raised = True
                 arena[pos] ^= 0x5A
             result["damaged_blob_raises"] = raised
+            # made on the device from the rows read (no host copy of the values)
+            numbers = store.get(np.array([len(store) - 1, 0]))["index"]
+            result["row_numbers_on_device"] = (store.stats()["fields"]["index"].get("row_number") is True
+                                               and numbers.device.type == torch.device(dev).type
+                                               and numbers.cpu().tolist() == [len(store) - 1, 0])
             c.rec.put(label, result)
-            say(f"  {'OK  ' if result['bit_exact'] and raised else 'FAIL'} {label}: bit-exact vs CPU twin "
-                f"{result['bit_exact']}, damaged hot blob raises {raised}, tiers {counts}, "
+            ok = result["bit_exact"] and raised and result["row_numbers_on_device"]
+            say(f"  {'OK  ' if ok else 'FAIL'} {label}: bit-exact vs CPU twin "
+                f"{result['bit_exact']}, damaged hot blob raises {raised}, row numbers on the device "
+                f"{result['row_numbers_on_device']}, tiers {counts}, "
                 f"decoder {result['decoder']}")
             store.close()
             ref.close()

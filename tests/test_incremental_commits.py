@@ -145,7 +145,8 @@ def test_close_settles_the_copies_after_large_commits(tmp_path):
     changed. After a commit of many rows (a build), ``close()`` commits twice more, so the first
     commit after the next open writes only its own rows; after small commits it does not."""
     n = 300_000  # 74 blocks of rows: above SETTLE_BLOCKS
-    td = TensorDict({"reward": torch.zeros(n), "step": torch.arange(n)}, [n])
+    # step: a column (a row's own number would be stored as nothing, and the write below would widen it)
+    td = TensorDict({"reward": torch.zeros(n), "step": torch.arange(n) + 1}, [n])
     path = tmp_path / "big"
     with TieredStore(n, path) as s:
         s.extend(td)
@@ -164,7 +165,7 @@ def test_close_settles_the_copies_after_large_commits(tmp_path):
     assert manifest_body(path)["generation"] == generation
     with tiered.open(path) as r:
         got = r.get(torch.arange(n))
-    assert torch.equal(got["step"][:20], torch.arange(20) + 1) and torch.equal(got["step"][20:], torch.arange(20, n))
+    assert torch.equal(got["step"][:20], torch.arange(20) + 2) and torch.equal(got["step"][20:], torch.arange(20, n) + 1)
     assert verify_store(path, progress=False).ok
 
 

@@ -300,3 +300,183 @@ def test_a_widening_over_a_damaged_page_is_refused_before_anything_changes(tmp_p
         assert stored(w, "action") == "uint8"
         with pytest.raises(tiered.ChecksumError):
             w.get(torch.tensor([n - 1]))  # the damaged page is still checked
+
+
+# -- row-number columns: every value is its row, stored as nothing ------------------------------
+
+def row_number(s: TieredStore, key: str) -> bool:
+    return s.stats()["fields"][key].get("row_number", False)
+
+
+@pytest.mark.parametrize("staged", [False, True])
+def test_a_column_of_its_rows_stores_nothing_and_reads_them_back(staged):
+    s = TieredStore(32, stage_rows=16 if staged else 0)
+    if staged:
+        for r in range(6):  # ReplayBuffer.add: one row at a time, staged
+            s.extend(rows(index=torch.tensor([r]), pair=torch.tensor([[r, r]], dtype=torch.int32)))
+    else:
+        s.extend(rows(index=torch.arange(6), pair=torch.arange(6, dtype=torch.int32)[:, None].expand(6, 2)))
+    assert row_number(s, "index") and row_number(s, "pair")
+    assert s.stats()["fields"]["index"]["stored_bytes"] == 0 and s.stats()["memory"]["dense"] == 0
+    got = s.get(torch.tensor([5, 0, 3]))
+    assert got["index"].dtype == torch.int64 and got["index"].tolist() == [5, 0, 3]
+    assert got["pair"].dtype == torch.int32 and got["pair"].tolist() == [[5, 5], [0, 0], [3, 3]]
+    view = s.get(slice(0, 6), copy=False)["index"]  # a new tensor: writing to it reaches nothing
+    view += 100
+    assert s.get(slice(0, 6))["index"].tolist() == list(range(6))
+
+
+@pytest.mark.parametrize("staged", [False, True])
+def test_the_first_value_that_is_not_its_row_makes_a_column_keeping_the_rows_before(staged):
+    s = TieredStore(1000, stage_rows=16 if staged else 0)
+    s.extend(rows(index=torch.arange(300)))  # rows 0..299 (batched)
+    if staged:
+        s.extend(rows(index=torch.tensor([300])))  # staged, not yet compressed: still its row
+        s.extend(rows(index=torch.tensor([-7])))   # row 301: the column is made with 300 staged
+    else:
+        s.extend(rows(index=torch.tensor([300, -7])))
+    assert not row_number(s, "index")
+    assert stored(s, "index") == "int16"  # holds -7 and row 300, which no 8-bit dtype does
+    want = list(range(301)) + [-7]
+    assert s.get(slice(0, 302))["index"].tolist() == want
+    s.extend(rows(index=torch.tensor([302])))  # a column now: its row is stored as any value
+    assert s.get(slice(0, 303))["index"].tolist() == [*want, 302]
+
+
+def test_a_first_write_that_is_not_its_rows_is_a_narrowed_column_from_the_start():
+    s = TieredStore(1000, stage_rows=0)
+    s.extend(rows(index=torch.tensor([3, 1, 2])))
+    assert not row_number(s, "index") and stored(s, "index") == "uint8"
+    assert s.get(slice(0, 3))["index"].tolist() == [3, 1, 2]
+
+
+def test_set_at_any_rows_keeps_the_kind_while_each_value_is_its_row():
+    s = TieredStore(100, stage_rows=4)
+    s.set(torch.tensor([70, 3, 41]), rows(index=torch.tensor([70, 3, 41])))
+    s.set(9, TensorDict({"index": torch.tensor(9)}, []))  # one row, staged
+    s.set(torch.tensor([5, 5]), rows(index=torch.tensor([5, 5])))  # duplicates: the last wins
+    assert row_number(s, "index")
+    s.set(torch.tensor([41]), rows(index=torch.tensor([40])))  # not its row: a column
+    assert not row_number(s, "index") and stored(s, "index") == "uint8"
+    assert s.get(torch.tensor([70, 3, 41, 9, 5]))["index"].tolist() == [70, 3, 40, 9, 5]
+
+
+def test_the_round_robin_writer_wrapping_around_keeps_the_kind():
+    from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
+
+    from tiered.torchrl import TieredStorage
+
+    rbs = [TensorDictReplayBuffer(storage=st, batch_size=4) for st in (TieredStorage(10), LazyTensorStorage(10))]
+    for step in range(7):  # 7 x 3 rows into 10: the cursor wraps twice
+        data = rows(a=torch.arange(3) + 10 * step, obs=torch.full((3, 1500), step, dtype=torch.uint8))
+        for rb in rbs:
+            rb.extend(data.clone())
+        rbs[0].add(TensorDict({"a": torch.tensor(-step), "obs": torch.zeros(1500, dtype=torch.uint8)}, []))
+        rbs[1].add(TensorDict({"a": torch.tensor(-step), "obs": torch.zeros(1500, dtype=torch.uint8)}, []))
+    store = rbs[0].storage.store
+    assert row_number(store, "index") and not row_number(store, "a")
+    assert_td_equal(rbs[0].storage.get(torch.arange(10)), rbs[1].storage.get(torch.arange(10)))
+    assert rbs[0].storage.get(torch.arange(10))["index"].tolist() == list(range(10))
+
+
+def test_dense_dtypes_names_a_column_and_there_are_no_row_numbers():
+    s = TieredStore(16, stage_rows=0, dense_dtypes={"index": torch.int32})
+    s.extend(rows(index=torch.arange(4)))
+    assert not row_number(s, "index") and stored(s, "index") == "int32"
+    assert s.get(slice(0, 4))["index"].dtype == torch.int64
+
+
+def test_a_row_number_column_is_saved_as_nothing_and_reopened(tmp_path):
+    path = tmp_path / "s"
+    data = rows(index=torch.arange(40), obs=(torch.arange(40 * 2048) % 7).to(torch.uint8).reshape(40, 2048))
+    with TieredStore(64, path) as s:
+        s.extend(data)
+    body = manifest_body(path)
+    entry = schema_entry(body, ["index"])
+    assert entry["row_number"] is True and "stored_dtype" not in entry
+    i = [f["key"] for f in body["schema"]].index(["index"])
+    assert f"dense.{i}" not in body["files"]
+    assert verify_store(path, progress=False).ok
+    for mode in ("r", "r+"):
+        with tiered.open(path, mode=mode) as s:
+            assert row_number(s, "index")
+            assert_td_equal(s.get(slice(0, 40)), data)
+    with tiered.open(path, mode="r+") as s:  # the widening is part of the next commit
+        s.extend(rows(index=torch.tensor([1000]), obs=data["obs"][:1]))
+        assert stored(s, "index") == "int16"
+    entry = schema_entry(manifest_body(path), ["index"])
+    assert entry["stored_dtype"] == "int16" and "row_number" not in entry
+    with tiered.open(path) as s:
+        assert s.get(slice(0, 41))["index"].tolist() == [*range(40), 1000]
+    assert verify_store(path, progress=False).ok
+
+
+def _read_index(store: TieredStore) -> list[int]:
+    return store.get(slice(0, len(store)))["index"].tolist()
+
+
+def test_forked_readers_and_read_only_opens_read_the_rows(tmp_path):
+    import multiprocessing as mp
+
+    path = tmp_path / "s"
+    with TieredStore(64, path) as s:
+        s.extend(rows(index=torch.arange(20), obs=torch.zeros(20, 2048, dtype=torch.uint8)))
+    reader = tiered.open(path)
+    with mp.get_context("fork").Pool(1) as pool:
+        assert pool.apply(_read_index, (reader,)) == list(range(20))
+    writer = tiered.open(path, mode="r+")  # the writer widens; the reader keeps its commit
+    writer.extend(rows(index=torch.tensor([7]), obs=torch.zeros(1, 2048, dtype=torch.uint8)))
+    writer.flush()
+    assert _read_index(reader) == list(range(20))
+    assert _read_index(tiered.open(path)) == [*range(20), 7]
+    writer.close()
+
+
+def test_a_row_number_widening_whose_commit_fails_half_way_leaves_the_last_commit(tmp_path):
+    n = 6_000  # a column of several memory pages once it widens
+    first = rows(index=torch.arange(n), r=torch.zeros(n))
+    wide = rows(index=torch.full((16,), 70_000), r=torch.zeros(16))
+    want = torch.cat([first["index"], wide["index"]])
+    with TieredStore(2 * n, tmp_path / "pristine") as s:
+        s.extend(first)
+        assert row_number(s, "index")
+    failed = 0
+    for k in range(1, 200):  # a full disk at the k-th write of the commit, until the commit lands
+        path = tmp_path / "s"
+        if path.exists():
+            shutil.rmtree(path)
+        shutil.copytree(tmp_path / "pristine", path)
+        s = tiered.open(path, mode="r+")
+        s.extend(wide)
+        assert stored(s, "index") == "int32"
+        with inject_faults(enospc_on=k):
+            try:
+                s.flush()
+                landed = True
+            except StorageFullError:
+                landed = False
+        assert torch.equal(s.get(slice(0, n + 16))["index"], want)  # the writer still reads it all
+        if not landed:
+            failed += 1
+            with tiered.open(path, mode="r") as old:  # the last commit, as it was
+                assert len(old) == n and row_number(old, "index")
+                assert torch.equal(old.get(slice(0, n))["index"], first["index"])
+        s.close()  # no fault now: the commit at close lands
+        with tiered.open(path, mode="r") as now:
+            assert stored(now, "index") == "int32" and torch.equal(now.get(slice(0, n + 16))["index"], want)
+        if landed:
+            break
+    assert failed >= 2, "the sweep never failed inside the commit"
+    assert verify_store(path, progress=False).ok
+
+
+def test_a_refused_write_leaves_a_row_number_column_as_it_was(tmp_path):
+    s = TieredStore(16, tmp_path / "s", stage_rows=4, dense_dtypes={"a": torch.uint8})
+    s.extend(rows(a=torch.tensor([1, 2]), index=torch.arange(2)))
+    for bad in (rows(a=torch.tensor([300]), index=torch.tensor([9])),  # 'a' does not fit
+                rows(a=torch.tensor([1]), index=torch.tensor([9]), y=torch.tensor([0]))):  # a key too many
+        with pytest.raises((LossyValueError, SchemaMismatchError)):
+            s.extend(bad)
+        assert row_number(s, "index") and len(s) == 2
+    s.close()
+    assert schema_entry(manifest_body(tmp_path / "s"), ["index"])["row_number"] is True

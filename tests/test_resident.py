@@ -85,3 +85,23 @@ def test_row_priorities_count_once_set(atari_pong):
     store.set_priority(np.arange(10), np.full(10, 2.0))
     # the per-row priorities start at the default: the whole capacity-sized array is written
     assert store.stats()["resident"]["priorities"] >= (100_000 * 8 if MINCORE else 1)
+
+
+def test_the_blob_index_counts_the_ids_handed_out_not_its_grown_capacity(atari_pong):
+    from tiered.index import BlobIndex
+
+    idx = BlobIndex()
+    first = idx.allocate(40_000)
+    idx.release(first[:10])
+    more = idx.allocate(20)  # ten reused, ten fresh: the columns double to 80,000 ids
+    assert idx.capacity == 80_000 and idx.size == 40_010
+    assert (idx.loc[more] == -1).all() and (idx.open_slot[more] == -1).all() and (idx.state[more] == 2).all()
+    held = resident_nbytes(idx.arrays_held())
+    if MINCORE:  # the 40,000 ids never handed out cost no page
+        assert held <= 64 * idx.size + 20 * 4096 < idx.nbytes_held * 0.6
+    else:
+        assert held == idx.nbytes_held
+    store = TieredStore(ROWS, stage_rows=0)
+    store.extend(atari_pong[:ROWS])
+    s = store.stats()
+    assert 0 < s["resident"]["index"] <= s["memory"]["index"]

@@ -209,6 +209,9 @@ def _info(args: argparse.Namespace) -> int:
         narrowed = [f"{f['key']} as {f['stored_dtype']}" for f in schema if f.get("stored_dtype")]
         if narrowed:
             p(f"stored narrower (dense_dtypes, or the values fit; reads give the dtype above): {', '.join(narrowed)}")
+        numbered = [f["key"] for f in schema if f.get("row_number")]
+        if numbered:
+            p(f"row numbers, stored as nothing (every value is its row; reads give the dtype above): {', '.join(numbered)}")
         flagged = [f["key"] for f in schema if f.get("flag_bit") is not None]
         if flagged:
             p(f"bits of one flags byte per row (stored: each field's share): {', '.join(flagged)}")

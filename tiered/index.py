@@ -40,6 +40,8 @@ Example:
 
 from __future__ import annotations
 
+import math
+import mmap
 from typing import Any
 
 import numpy as np
@@ -97,6 +99,18 @@ def check_blob_ids(size: int, more: int) -> None:
             "(fewer, larger blobs), lower the capacity, or split the data over several stores; nothing was written")
 
 
+def _unused_ids(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """Column entries of ids not handed out yet: zero pages that cost no memory until an id is
+    (a doubled column is mostly such pages). Nothing reads them: every reader stops at ``size``,
+    and :meth:`BlobIndex.allocate` sets the entries whose fill is not zero (``loc``, ``open_slot``)."""
+    nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+    if nbytes == 0:
+        return np.zeros(shape, dtype=dtype)
+    # private: a forked process's writes stay its own
+    pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    return np.frombuffer(pages, dtype=dtype).reshape(shape)
+
+
 class BlobIndex:
     """Columns of blob attributes plus a free-id pool. See the module docstring."""
 
@@ -105,8 +119,8 @@ class BlobIndex:
         self._free_ids = np.empty(0, dtype=np.int64)
         #: ids whose entries changed since the last commit (a commit rewrites only their pages)
         self.dirty = DirtyBlocks()
-        for name, (dtype, extra, fill) in _COLUMNS.items():
-            setattr(self, name, np.full((initial, *extra), fill, dtype=dtype))
+        for name, (dtype, extra, _) in _COLUMNS.items():
+            setattr(self, name, _unused_ids((initial, *extra), dtype))
 
     @property
     def capacity(self) -> int:
@@ -117,9 +131,9 @@ class BlobIndex:
         if need <= cap:
             return
         new_cap = max(need, cap * 2)
-        for name, (dtype, extra, fill) in _COLUMNS.items():
+        for name, (dtype, extra, _) in _COLUMNS.items():
             old = getattr(self, name)
-            new = np.full((new_cap, *extra), fill, dtype=dtype)
+            new = _unused_ids((new_cap, *extra), dtype)
             new[:cap] = old
             setattr(self, name, new)
 
@@ -178,8 +192,14 @@ class BlobIndex:
 
     @property
     def nbytes_held(self) -> int:
-        """Bytes of RAM the index columns take."""
+        """Bytes the index columns take as allocated (the pages of ids not handed out yet cost no
+        memory until they are: :meth:`arrays_held` gives the arrays to measure)."""
         return sum(getattr(self, name).nbytes for name in _COLUMNS) + self._free_ids.nbytes
+
+    def arrays_held(self) -> list[np.ndarray]:
+        """The index's arrays as allocated: its columns and the free ids (what
+        :func:`~tiered.util.resident.resident_nbytes` measures)."""
+        return [*(getattr(self, name) for name in _COLUMNS), self._free_ids]
 
     # Persistence -------------------------------------------------------------------------
     def state_arrays(self) -> dict[str, np.ndarray]:

@@ -42,7 +42,8 @@ from .errors import LossyValueError, SchemaMismatchError
 
 __all__ = ["Field", "Schema", "Key", "normalize_key", "key_to_str", "str_to_key", "SUPPORTED_DTYPES", "bits_dtype",
            "as_bits", "check_key", "dtype_from_str", "dtype_to_str", "NARROWABLE_DTYPES", "check_narrowing", "MAX_FLAGS",
-           "round_trip", "narrow_candidates", "holds_dtype", "fits_exactly", "narrowest_dtype", "Narrowing"]
+           "round_trip", "narrow_candidates", "holds_dtype", "fits_exactly", "narrowest_dtype", "Narrowing",
+           "row_number_eligible", "row_number_mismatch"]
 
 Key = tuple[str, ...]
 
@@ -309,6 +310,10 @@ class Narrowing:
     Args:
         forced: the keys ``dense_dtypes`` names: their columns keep the dtype given (a value that
             does not fit is refused), never narrowed or widened by the data.
+        capacity: rows of the store; an integer column whose dtype holds every row number starts
+            as a row-number column (:attr:`Field.row_number`: nothing stored while every value
+            equals its row), else in the narrowest dtype of the first write's values. None: no
+            row-number columns.
 
     Example:
         >>> from tensordict import TensorDict
@@ -318,10 +323,13 @@ class Narrowing:
         (torch.uint8, torch.int8)
         >>> Narrowing().widenings(schema, {("step",): torch.tensor([300]), ("r",): torch.tensor([0.1])})
         {('step',): torch.int16, ('r',): None}
+        >>> Narrowing(capacity=1000).first(Schema.infer(td), td)["step"].row_number   # decided with the rows
+        True
     """
 
-    def __init__(self, forced: Iterable[Key] = ()) -> None:
+    def __init__(self, forced: Iterable[Key] = (), capacity: int | None = None) -> None:
         self.forced = frozenset(forced)
+        self.capacity = capacity
 
     def auto(self, f: Field) -> bool:
         """Whether ``f``'s column narrows and widens itself."""
@@ -329,10 +337,14 @@ class Narrowing:
                 and bool(narrow_candidates(f.dtype)))
 
     def first(self, schema: Schema, data: Any) -> Schema:
-        """``schema`` with each self-narrowing column in the narrowest dtype the first write's values fit."""
+        """``schema`` with each self-narrowing column in the narrowest dtype the first write's values
+        fit, or a row-number column (whether the values are their rows is known with the rows: the
+        write path widens such a column before anything is written, :func:`row_number_mismatch`)."""
         fields = []
         for f in schema.values():
-            if self.auto(f):
+            if self.capacity is not None and f.key not in self.forced and row_number_eligible(f, self.capacity):
+                f = dataclasses.replace(f, row_number=True)
+            elif self.auto(f):
                 f = dataclasses.replace(f, stored_dtype=narrowest_dtype(_cells(data, f.key), f.dtype))
             fields.append(f)
         return Schema(fields)
@@ -375,6 +387,43 @@ def _bounds(dtype: torch.dtype) -> tuple[int | None, int | None]:
 def _cells(data: Any, key: Key) -> torch.Tensor:
     """A field's cells from a TensorDict or the dict :meth:`Schema.match` gives."""
     return (data[key] if isinstance(data, dict) else data.get(key)).detach()
+
+
+def row_number_eligible(field: Field, capacity: int) -> bool:
+    """Whether ``field`` may be a row-number column in a store of ``capacity`` rows: a dense
+    integer column (not a flag bit) whose dtype holds every row number.
+
+    Example:
+        >>> row_number_eligible(Field(("index",), torch.int64, (), "dense"), 1_000_000)
+        True
+        >>> row_number_eligible(Field(("index",), torch.uint8, (), "dense"), 1_000)
+        False
+    """
+    dtype = field.dtype
+    return (field.kind == "dense" and field.flag_bit is None and field.stored_dtype is None
+            and dtype in (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+            and torch.iinfo(dtype).max >= capacity - 1)
+
+
+def row_number_mismatch(values: torch.Tensor, rows: Any) -> bool:
+    """Whether a write of ``values`` (cells of ``len(rows)`` rows) to ``rows`` (numpy int64
+    positions) stores a value that is not its row: one vectorized compare (a Python one for a
+    single value).
+
+    Example:
+        >>> import numpy as np
+        >>> row_number_mismatch(torch.tensor([4, 5, 0]), np.array([4, 5, 0]))
+        False
+        >>> row_number_mismatch(torch.tensor([[7], [9]]), np.array([7, 8]))
+        True
+    """
+    n = len(rows)
+    if n == 0 or values.numel() == 0:
+        return False
+    if values.numel() == 1:  # one row (rb.add): a Python compare
+        return values.reshape(()).item() != int(rows[0])
+    at = torch.from_numpy(rows).to(values.device).view(n, 1)
+    return not bool((values.reshape(n, -1) == at).all())
 
 
 def check_narrowing(key: Key, dtype: torch.dtype, stored: torch.dtype, kind: str) -> None:
@@ -426,6 +475,9 @@ class Field:
         flag_bit: for a dense bool field of one value per row (done, terminated, truncated), the
             bit of the store's shared flags byte that holds it (:data:`MAX_FLAGS` such fields
             share one byte per row); ``None``: the field has a column of its own.
+        row_number: a dense integer field whose every value written so far equals the row it is
+            stored at (TorchRL's ``index``): nothing is stored, reads give the row numbers in
+            ``dtype``. The first value that is not its row makes it a column (a widening).
     """
 
     key: Key
@@ -435,6 +487,7 @@ class Field:
     frame_dim: int | None = None
     stored_dtype: torch.dtype | None = None
     flag_bit: int | None = None
+    row_number: bool = False
 
     @property
     def flaggable(self) -> bool:
@@ -467,7 +520,10 @@ class Field:
 
     @property
     def column_nbytes(self) -> int:
-        """Bytes a row of the field's dense column takes (``cell_nbytes`` unless narrowed)."""
+        """Bytes a row of the field's dense column takes (``cell_nbytes`` unless narrowed; 0 for a
+        row-number field)."""
+        if self.row_number:
+            return 0
         return math.prod(self.shape) * torch.empty((), dtype=self.column_dtype).element_size()
 
     @property
@@ -496,6 +552,8 @@ class Field:
             out["stored_dtype"] = dtype_to_str(self.stored_dtype)
         if self.flag_bit is not None:
             out["flag_bit"] = self.flag_bit
+        if self.row_number:
+            out["row_number"] = True
         return out
 
     @classmethod
@@ -508,6 +566,7 @@ class Field:
             frame_dim=d.get("frame_dim"),
             stored_dtype=dtype_from_str(d["stored_dtype"]) if d.get("stored_dtype") is not None else None,
             flag_bit=d.get("flag_bit"),
+            row_number=d.get("row_number", False),
         )
         if field.stored_dtype is not None:
             check_narrowing(field.key, field.dtype, field.stored_dtype, field.kind)
@@ -515,6 +574,9 @@ class Field:
                 type(field.flag_bit) is int and 0 <= field.flag_bit < MAX_FLAGS and field.flaggable):
             raise ValueError(f"field {key_to_str(field.key)!r}: flag_bit {field.flag_bit!r} is not a bit of the "
                              f"flags byte (0..{MAX_FLAGS - 1}) of a dense bool field of one value per row")
+        if field.row_number is not False and not (field.row_number is True and row_number_eligible(field, 1)):
+            raise ValueError(f"field {key_to_str(field.key)!r}: row_number {field.row_number!r} is not true on a "
+                             "dense integer field without a stored dtype or flag bit")
         return field
 
     def describe(self) -> str:
@@ -573,6 +635,8 @@ class Schema(Mapping[Key, Field]):
             for depth in range(len(key)):
                 levels.setdefault(key[:depth], set()).add(key[depth])
         self._levels = levels
+        # every write looks at them (a small write too): listed once
+        self._row_numbers = [f for f in self._fields.values() if f.row_number]
 
     # Mapping interface -------------------------------------------------------------------
     def __getitem__(self, key: str | Key) -> Field:
@@ -604,8 +668,14 @@ class Schema(Mapping[Key, Field]):
 
     @property
     def column_fields(self) -> list[Field]:
-        """The dense fields with a column of their own (every dense field but the flag bits)."""
-        return [f for f in self._fields.values() if f.kind == "dense" and f.flag_bit is None]
+        """The dense fields with a column of their own (every dense field but the flag bits and
+        the row-number fields)."""
+        return [f for f in self._fields.values() if f.kind == "dense" and f.flag_bit is None and not f.row_number]
+
+    @property
+    def row_number_fields(self) -> list[Field]:
+        """The dense fields whose values are their rows, stored as nothing (``row_number``)."""
+        return list(self._row_numbers)
 
     @property
     def flag_fields(self) -> list[Field]:

@@ -649,7 +649,7 @@ def restore_commit(files: StoreFiles, body: dict[str, Any], mode: str, rows: Row
             rows.load_flags(layout.schema, col, RowCheck([pages], rows.capacity))
         for i, f in enumerate(fields):
             if f.kind == "dense":
-                if f.flag_bit is None:  # else a bit of the flags byte, loaded above
+                if f.flag_bit is None and not f.row_number:  # else a bit of the flags byte (above), or the rows
                     col, pages = files.lazy_array(body, f"dense.{i}")
                     rows.load_dense(f, col, RowCheck([pages], rows.capacity))
             elif i not in derived:
@@ -788,8 +788,8 @@ def snapshot_arrays(rows: RowSpace, layout: FieldLayout | None, index: BlobIndex
         if rows.flags is not None:
             arrays["flags"] = rows.flags_array()
         for i, f in enumerate(layout.schema.values()):
-            if f.flag_bit is not None:
-                continue  # a bit of the flags byte
+            if f.flag_bit is not None or f.row_number:
+                continue  # a bit of the flags byte, or the rows themselves
             if f.kind == "dense":
                 arrays[f"dense.{i}"] = rows.dense_array(f.key)
             else:
@@ -1051,8 +1051,8 @@ def check_bounds(path: str, body: dict[str, Any]) -> None:
             if any(f.flag_bit is not None for f in fields):
                 expect("flags", (capacity,), np.dtype(np.uint8))
             for i, f in enumerate(fields):
-                if f.flag_bit is not None:
-                    continue  # a bit of the flags byte
+                if f.flag_bit is not None or f.row_number:
+                    continue  # a bit of the flags byte, or the rows themselves (no file)
                 if f.kind == "dense":
                     expect(f"dense.{i}", (capacity, *f.shape), f.column_file_dtype)
                 elif i not in derived:  # a next table keeps no per-row arrays

@@ -392,7 +392,7 @@ class ReadPipeline(ABC):
         if layout is not None:
             plan = self.plan(layout, keys)
             span = None if copy else contiguous_span(index, rows)
-            space.read_dense_fields(plan.dense, rows, out, span)
+            space.read_dense_fields(plan.dense, rows, out, span, device)
             self.read(layout, plan.fields, rows, out, write.stage, write.staged_slots(rows), plan.by_family)
             self.counters["gets"] += 1
         td = as_tensordict(out, rows, index_key, device, plan)

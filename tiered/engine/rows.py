@@ -17,6 +17,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 import warnings
 import weakref
 from collections.abc import Callable
@@ -27,12 +28,12 @@ import torch
 from tensordict import TensorDictBase
 
 from ..errors import CorruptionError, IndexOutOfRangeError, SchemaMismatchError, UnwrittenRowError
-from ..schema import Field, Key, Schema, as_bits, bits_dtype, key_to_str
+from ..schema import Field, Key, Schema, as_bits, bits_dtype, key_to_str, row_number_eligible
 from ..util.batch import exclusive_cumsum
 from ..util.dirty import DirtyBlocks
 from ..util.filemap import file_array
 
-__all__ = ["as_mask", "RowSpace", "IndexLike", "as_row_array", "index_shape", "DONE_KEYS"]
+__all__ = ["as_mask", "RowSpace", "IndexLike", "as_row_array", "index_shape", "DONE_KEYS", "row_number_cells", "held_rows"]
 
 IndexLike = int | slice | range | list | tuple | np.ndarray | torch.Tensor
 
@@ -145,6 +146,52 @@ def index_shape(index: IndexLike) -> tuple[int, ...] | None:
     return None
 
 
+def row_number_cells(field: Field, rows: np.ndarray, span: tuple[int, int] | None = None,
+                     device: torch.device | None = None) -> torch.Tensor:
+    """The cells of a row-number field (:attr:`~tiered.schema.Field.row_number`) at ``rows`` (or
+    the ``span = (start, n)``): the rows themselves in the field's dtype, a new tensor, made on
+    ``device`` (a GPU read copies the row positions there and casts them there: no host sync).
+
+    Example:
+        >>> f = Field(("index",), torch.int64, (1,), "dense", row_number=True)
+        >>> row_number_cells(f, np.array([5, 2])).tolist(), row_number_cells(f, None, (3, 2)).tolist()
+        ([[5], [2]], [[3], [4]])
+    """
+    n = span[1] if span is not None else rows.size
+    if device is not None and device.type != "cpu":
+        if span is not None:
+            at = torch.arange(span[0], span[0] + n, dtype=torch.int64, device=device)
+        else:
+            at = torch.from_numpy(rows).to(device, non_blocking=True)
+        cells = at.to(field.dtype)
+    else:  # numpy's cast is a few times cheaper than torch's for a sample's rows; always a copy,
+        # never a view of ``rows`` (a caller's own index array)
+        at = np.arange(span[0], span[0] + n) if span is not None else rows
+        cells = torch.from_numpy(at.astype(_NUMPY_INT[field.dtype]))
+    if not field.shape:
+        return cells
+    cells = cells.view(n, *([1] * len(field.shape)))
+    return cells if math.prod(field.shape) == 1 else cells.expand(n, *field.shape).contiguous()
+
+
+#: the numpy dtype of each dtype a row-number field may have (:func:`~tiered.schema.row_number_eligible`)
+_NUMPY_INT = {torch.uint8: np.uint8, torch.int8: np.int8, torch.int16: np.int16, torch.int32: np.int32,
+              torch.int64: np.int64}
+
+
+def held_rows(written: np.ndarray, staged: np.ndarray | None) -> np.ndarray:
+    """The rows whose cells a reader could see (``written``: the written mask, or ``staged``),
+    sorted: what a row-number column that widens must hold (one pass over the mask, a few times
+    in a store's life).
+
+    Example:
+        >>> held_rows(np.array([True, False, True, False]), np.array([3])).tolist()
+        [0, 2, 3]
+    """
+    held = np.flatnonzero(written)
+    return held if staged is None or not staged.size else np.union1d(held, staged)
+
+
 class RowSpace:
     """Capacity, cursor, length, the written mask and the dense columns of a store.
 
@@ -168,6 +215,8 @@ class RowSpace:
         #: that byte per row (``uint8 [capacity]``; None without such fields), and its page check
         self.flags: torch.Tensor | None = None
         self.flags_check: Any = None
+        #: the dense fields stored as nothing: every value is its row (``Field.row_number``)
+        self.row_numbers: dict[Key, Field] = {}
         self._shifts: tuple[tuple[int, ...], torch.Tensor] | None = None
         self._flag_tables: tuple[tuple[int, ...], np.ndarray] | None = None
         #: trajectory id the next write without a trajectory-id field starts from
@@ -302,13 +351,14 @@ class RowSpace:
     # -- dense columns ----------------------------------------------------------------------
     @property
     def dense_keys(self) -> list[Key]:
-        """Every dense field's key: the columns' and the flags byte's."""
-        return [*self.dense, *self.flag_fields]
+        """Every dense field's key: the columns', the flags byte's and the row-number fields'."""
+        return [*self.dense, *self.flag_fields, *self.row_numbers]
 
     def init_dense(self, schema: Schema) -> None:
         self.flag_fields = {f.key: f for f in schema.flag_fields}
         self.flags = torch.from_numpy(file_array(self.capacity, np.uint8)) if self.flag_fields else None
         self.flags_check = None
+        self.load_row_numbers(schema)
         for f in schema.column_fields:
             dtype = f.column_dtype
             col = torch.from_numpy(file_array((self.capacity, *f.shape), f.column_file_dtype))
@@ -316,13 +366,14 @@ class RowSpace:
             self.dense_checks.pop(f.key, None)
             self._note_widen(f)
 
-    def widened_columns(self, fields: list[Field]) -> dict[Key, torch.Tensor]:
+    def widened_columns(self, fields: list[Field], held: np.ndarray | None = None) -> dict[Key, torch.Tensor]:
         """The columns of ``fields`` rewritten in their (wider) ``column_dtype``, every value kept
         (:func:`~tiered.schema.holds_dtype`): one copy of each column, a few times in a store's
-        life. Nothing changes here (:meth:`install_columns` puts them in), so a failure leaves the
-        store as it was. A column memory-mapped from a store has its pages checked first; the new
-        one is anonymous until the next commit writes its file whole (the dtype in its header
-        changed).
+        life; a row-number field's column gets the row numbers of the ``held`` rows
+        (:func:`held_rows`) and nothing else (pages no row uses stay untouched). Nothing
+        changes here (:meth:`install_columns` puts them in), so a failure leaves the store as it was.
+        A column memory-mapped from a store has its pages checked first; the new one is anonymous
+        until the next commit writes its file whole (the dtype in its header changed).
 
         Raises:
             ChecksumError: a page of a column is damaged (its check stays in force).
@@ -334,7 +385,11 @@ class RowSpace:
                 check.all()
             col = torch.from_numpy(file_array((self.capacity, *f.shape), f.column_file_dtype))
             col = col if col.dtype == f.column_dtype else col.view(f.column_dtype)
-            col.copy_(self.dense[f.key])
+            if f.key in self.row_numbers:
+                at = torch.from_numpy(held)
+                col[at] = row_number_cells(f, held).to(col.dtype)
+            else:
+                col.copy_(self.dense[f.key])
             out[f.key] = col
         return out
 
@@ -342,6 +397,7 @@ class RowSpace:
         """Put in the columns :meth:`widened_columns` made (assignments only: cannot fail)."""
         for f in fields:
             self.dense_checks.pop(f.key, None)  # every page was checked when it was copied
+            self.row_numbers.pop(f.key, None)
             self.dense[f.key] = columns[f.key]
             self._note_widen(f)
 
@@ -355,7 +411,7 @@ class RowSpace:
         """Whether :meth:`read_dense` of a span gives a view of ``key``'s column (a column stored
         narrower gives a widened copy: a write to it does not reach the store; so does a bit of the
         flags byte)."""
-        return key not in self.widen and key not in self.flag_fields
+        return key not in self.widen and key not in self.flag_fields and key not in self.row_numbers
 
     def check_dense(self, rows: np.ndarray | None, span: tuple[int, int] | None = None) -> None:
         """Check the pages of the dense columns holding ``rows`` (or the ``span = (start, n)``;
@@ -446,6 +502,8 @@ class RowSpace:
     def read_dense(self, key: Key, rows: np.ndarray, span: tuple[int, int] | None = None) -> torch.Tensor:
         """A dense column's cells of ``rows`` (a copy), or a view of ``span = (start, n)`` rows
         (a copy for a column stored narrower: see :meth:`is_view`), in the field's dtype."""
+        if key in self.row_numbers:
+            return row_number_cells(self.row_numbers[key], rows, span)
         flag = self.flag_fields.get(key)
         if flag is not None:
             if self.flags_check is not None:
@@ -461,9 +519,10 @@ class RowSpace:
         return out if wide is None else out.to(wide)
 
     def read_dense_fields(self, fields: list[Field], rows: np.ndarray, out: dict[Key, torch.Tensor],
-                          span: tuple[int, int] | None = None) -> None:
+                          span: tuple[int, int] | None = None, device: torch.device | None = None) -> None:
         """:meth:`read_dense` of every dense field of ``fields`` into ``out``, with the flags byte
-        gathered once and split into all its bits in one step (a get reads up to 8 flags)."""
+        gathered once and split into all its bits in one step (a get reads up to 8 flags); the
+        row-number fields made on ``device`` (the others come from the columns, on the CPU)."""
         rows_t = None if span else torch.from_numpy(rows)
         flags = [f for f in fields if f.key in self.flag_fields]
         if flags:
@@ -480,6 +539,8 @@ class RowSpace:
         for f in fields:
             key = f.key
             if key not in dense:
+                if key in self.row_numbers:
+                    out[key] = row_number_cells(f, rows, span, device)
                 continue
             if key in checks:
                 checks[key].span(*span) if span else checks[key].rows(rows)
@@ -525,6 +586,18 @@ class RowSpace:
         self.flag_fields = {f.key: f for f in schema.flag_fields}
         self.flags = torch.from_numpy(array)
         self.flags_check = check
+
+    def load_row_numbers(self, schema: Schema) -> None:
+        """Take ``schema``'s row-number fields (saved as nothing: their cells are the rows).
+
+        Raises:
+            CorruptionError: a field's dtype cannot hold every row of the store.
+        """
+        bad = [f for f in schema.row_number_fields if not row_number_eligible(f, self.capacity)]
+        if bad:
+            raise CorruptionError(f"field {key_to_str(bad[0].key)!r} is a row-number field of dtype {bad[0].dtype}, "
+                                  f"which cannot hold row {self.capacity - 1}; the store is damaged")
+        self.row_numbers = {f.key: f for f in schema.row_number_fields}
 
     def load_dense(self, field: Field, array: np.ndarray, check: Any = None) -> None:
         """Use a saved column (:meth:`dense_array`'s form) as ``field``'s column, without a copy;

@@ -37,7 +37,7 @@ def field_stats(rows: RowSpace, layout: FieldLayout, index: BlobIndex) -> dict[s
     facts = [FieldFacts(key=key_to_str(f.key), kind=f.kind, cell_nbytes=f.cell_nbytes, column_nbytes=f.column_nbytes,
                         family=f.family if f.kind == "blob" else "",
                         stored_dtype=None if f.stored_dtype is None else dtype_to_str(f.stored_dtype),
-                        flag_bit=f.flag_bit)
+                        flag_bit=f.flag_bit, row_number=f.row_number)
              for f in layout.schema.values()]
     return field_figures(facts, [fam.frame_nbytes for fam in layout.families], rows.length, rows.capacity, index)
 
@@ -59,13 +59,13 @@ def tier_stats_with_mass(rows: RowSpace, layout: FieldLayout | None, placement: 
     return tiers, {"alpha": priorities.alpha, "in_memory_raw": mass["memory"]}
 
 
-def resident_figures(rows: RowSpace, layout: FieldLayout | None, placement: Placement,
+def resident_figures(rows: RowSpace, layout: FieldLayout | None, placement: Placement, index: BlobIndex,
                      tiers: dict[str, dict[str, Any]], memory: dict[str, int]) -> dict[str, int]:
     """What the process holds for the store, by part: blobs in the memory tiers, the raw bytes
-    waiting (stage, open chunks, tails), the blob index, and the pages of the capacity-sized
-    arrays (row tables, dense columns and flags, the written mask) in memory: a page never
-    written costs nothing (:mod:`tiered.util.resident`), so a large store holding few rows counts
-    the rows it holds."""
+    waiting (stage, open chunks, tails), and the pages in memory of the blob index (grown
+    geometrically: the ids not handed out yet cost nothing) and of the capacity-sized arrays (row
+    tables, dense columns and flags, the written mask): a page never written costs nothing
+    (:mod:`tiered.util.resident`), so a large store holding few rows counts the rows it holds."""
     tables = [a for t in (layout.tables.values() if layout is not None else ())
               for a in t.state_arrays().values()]
     span = rows.length  # rows at or past it were never written (the ring fills from row 0)
@@ -74,7 +74,7 @@ def resident_figures(rows: RowSpace, layout: FieldLayout | None, placement: Plac
     return {
         "tiers": sum(int(tiers[name]["bytes_used"]) for name in MEMORY_TIER_NAMES if name in tiers),
         "raw": memory["staged"] + memory["open_chunks"] + memory["tail"],
-        "index": memory["index"],
+        "index": resident_nbytes(index.arrays_held()),
         "row_tables": resident_nbytes(tables),
         "dense": resident_nbytes(dense),
         "priorities": resident_nbytes(placement.priorities.state_arrays().values())
@@ -91,7 +91,7 @@ def store_stats(rows: RowSpace, layout: FieldLayout | None, index: BlobIndex, pl
         ``{"rows", "capacity", "codec", "blobs", "resident_bytes", "bytes_per_row", "fields":
         {name: {...}}, "tiers": {name: {...}}, "staged_rows", "memory", "resident", "counters",
         "gpu", "priority"}``. ``resident_bytes``: what the process holds in memory for the store
-        (blobs in the memory tiers, raw bytes waiting, the index, and the pages in use of the row
+        (blobs in the memory tiers, raw bytes waiting, and the pages in use of the blob index, row
         tables, dense columns, written mask and row priorities; ``resident`` gives these parts). ``bytes_per_row``:
         what one row costs at the current length, dense columns and metadata included, each blob
         counted once wherever it lies (a store with a path counts its cold blobs, not their cached
@@ -116,7 +116,7 @@ def store_stats(rows: RowSpace, layout: FieldLayout | None, index: BlobIndex, pl
         "dense": sum(v.numel() * v.element_size() for v in rows.dense.values())
         + (rows.flags.numel() if rows.flags is not None else 0),
     }
-    resident = resident_figures(rows, layout, placement, tiers, memory)
+    resident = resident_figures(rows, layout, placement, index, tiers, memory)
     resident_bytes = sum(resident.values())
     live = index.live_ids()
     # each blob once, whichever tiers hold it (a store with a path caches cold blobs in memory)

@@ -61,6 +61,7 @@ class FieldFacts:
         family: blob fields: the frame family they share (dtype and frame shape); dense: ``""``.
         stored_dtype: the narrower dtype a dense column is kept in, or ``None``.
         flag_bit: the bit of the shared flags byte holding the field, or ``None``.
+        row_number: whether the field's values are its rows, stored as nothing.
     """
 
     key: str
@@ -70,6 +71,7 @@ class FieldFacts:
     family: str
     stored_dtype: str | None = None
     flag_bit: int | None = None
+    row_number: bool = False
 
 
 def field_facts(entry: dict[str, Any]) -> FieldFacts:
@@ -80,7 +82,7 @@ def field_facts(entry: dict[str, Any]) -> FieldFacts:
 
     Example:
         >>> field_facts({"key": ["obs"], "dtype": "uint8", "shape": [4, 84, 84], "kind": "blob", "frame_dim": 0})
-        FieldFacts(key='obs', kind='blob', cell_nbytes=28224, column_nbytes=28224, family='uint8[84,84]', stored_dtype=None, flag_bit=None)
+        FieldFacts(key='obs', kind='blob', cell_nbytes=28224, column_nbytes=28224, family='uint8[84,84]', stored_dtype=None, flag_bit=None, row_number=False)
     """
     shape = [int(s) for s in entry["shape"]]
     frame_dim, stored = entry.get("frame_dim"), entry.get("stored_dtype")
@@ -88,9 +90,9 @@ def field_facts(entry: dict[str, Any]) -> FieldFacts:
     frame_shape = shape if frame_dim is None else shape[:frame_dim] + shape[frame_dim + 1:]
     return FieldFacts(
         key="/".join(entry["key"]), kind=entry["kind"], cell_nbytes=cells * DTYPE_NBYTES[entry["dtype"]],
-        column_nbytes=cells * DTYPE_NBYTES[stored if stored is not None else entry["dtype"]],
+        column_nbytes=0 if entry.get("row_number") else cells * DTYPE_NBYTES[stored if stored is not None else entry["dtype"]],
         family=f"{entry['dtype']}[{','.join(map(str, frame_shape))}]" if entry["kind"] == "blob" else "",
-        stored_dtype=stored, flag_bit=entry.get("flag_bit"))
+        stored_dtype=stored, flag_bit=entry.get("flag_bit"), row_number=entry.get("row_number") is True)
 
 
 def field_figures(fields: Sequence[FieldFacts], frame_nbytes: Sequence[int], length: int, capacity: int,
@@ -116,11 +118,14 @@ def field_figures(fields: Sequence[FieldFacts], frame_nbytes: Sequence[int], len
         # a flag field's share of the flags byte it shares with the other flag fields
         row_bytes = f.column_nbytes if f.flag_bit is None else 1 / flags
         out[f.key] = {"kind": "dense", "logical_bytes": f.cell_nbytes * length,
-                      "stored_bytes": round(row_bytes * capacity), "ratio": f.cell_nbytes / row_bytes}
+                      "stored_bytes": round(row_bytes * capacity),
+                      "ratio": f.cell_nbytes / row_bytes if row_bytes else float("inf")}
         if f.stored_dtype is not None:
             out[f.key]["stored_dtype"] = f.stored_dtype
         if f.flag_bit is not None:
             out[f.key]["flag_bit"] = f.flag_bit
+        if f.row_number:
+            out[f.key]["row_number"] = True
     for fid, members in enumerate(families.values()):
         sel = live[index.family[live] == fid]
         is_open = index.state[sel] == OPEN
@@ -184,7 +189,7 @@ def _summary(path: str, body: dict[str, Any]) -> dict[str, Any] | None:
     for e in entries:
         doc = {"key": "/".join(e["key"]), "dtype": e["dtype"], "shape": [int(s) for s in e["shape"]],
                "kind": e["kind"], "frame_dim": e.get("frame_dim")}
-        doc.update({k: e[k] for k in ("stored_dtype", "flag_bit") if e.get(k) is not None})
+        doc.update({k: e[k] for k in ("stored_dtype", "flag_bit", "row_number") if e.get(k) is not None})
         schema.append(doc)
     length, capacity = int(body["len"]), int(body["capacity"])
     frame_nbytes = [int(f["frame_nbytes"]) for f in body.get("families") or []]

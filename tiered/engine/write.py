@@ -44,7 +44,9 @@ from ..schema import (
     dtype_from_str,
     dtype_to_str,
     key_to_str,
+    narrowest_dtype,
     normalize_key,
+    row_number_mismatch,
     str_to_key,
 )
 from ..util.batch import exclusive_cumsum
@@ -53,7 +55,7 @@ from .detect import detect_frames
 from .frames import FrameColumns, FrameFamily, FramePlan, auto_chunk_frames
 from .layout import FieldLayout
 from .placement import Placement
-from .rows import RowSpace, index_shape
+from .rows import RowSpace, held_rows, index_shape
 from .stage import WriteStage
 
 __all__ = ["WritePath", "WriteOptions", "check_cells_readable", "check_layout_fits", "check_values_fit", "MAX_CHUNK_BYTES",
@@ -104,6 +106,21 @@ def check_values_fit(schema: Schema, data: Any, forced: Any = None) -> None:
     for f in schema.dense_fields:
         if f.stored_dtype is not None and (forced is None or f.key in forced):
             f.to_column(data[f.key] if isinstance(data, dict) else data.get(f.key))
+
+
+def row_number_dtype(field: Field, values: torch.Tensor, held: np.ndarray) -> torch.dtype | None:
+    """The dtype a row-number column becomes when ``values`` are written to it: the narrowest that
+    holds them and the row numbers of the ``held`` rows (sorted) it keeps (None: the field's own).
+
+    Example:
+        >>> f = Field(("index",), torch.int64, (), "dense", row_number=True)
+        >>> row_number_dtype(f, torch.tensor([7]), np.arange(300)), row_number_dtype(f, torch.tensor([-1]), np.empty(0, np.int64))
+        (torch.int16, torch.int8)
+    """
+    rows = narrowest_dtype(torch.tensor([int(held[-1])]), field.dtype) if held.size else None
+    if held.size and rows is None:
+        return None
+    return narrowest_dtype(values, field.dtype, rows)
 
 
 def check_cells_readable(schema: Schema | None, data: Any) -> None:
@@ -236,7 +253,7 @@ class WritePath:
         self.stage: WriteStage | None = None  # created by the first staged write
         self.raw_codec = RawCodec()
         #: which dense columns narrow themselves (all but those dense_dtypes names)
-        self.narrowing = Narrowing(options.dense_dtypes)
+        self.narrowing = Narrowing(options.dense_dtypes, rows.capacity)
         #: the widenings the write being validated needs (:meth:`validate_values`), applied by it
         self.widen: dict[Key, torch.dtype | None] = {}
 
@@ -284,15 +301,25 @@ class WritePath:
         check_values_fit(schema, data, self.narrowing.forced)
         self.widen = self.narrowing.widenings(schema, data)
 
-    def prepare_widening(self) -> tuple[list[Field], dict[Key, torch.Tensor], Schema] | None:
-        """The columns :attr:`widen` names, rewritten in their wider dtype, and the schema naming
-        the new dtypes, made before the write changes anything (a damaged page, or no memory,
-        refuses the write with the store unchanged); :meth:`install_widening` puts them in."""
-        if not self.widen:
-            return None
+    def prepare_widening(self, at: np.ndarray,
+                         data: dict[Key, torch.Tensor]) -> tuple[list[Field], dict[Key, torch.Tensor], Schema] | None:
+        """The columns :attr:`widen` names, and the row-number columns a value of ``data`` (the
+        cells written at rows ``at``) is not the row of, rewritten in their wider dtype, and the
+        schema naming the new dtypes, made before the write changes anything (a damaged page, or
+        no memory, refuses the write with the store unchanged); :meth:`install_widening` puts
+        them in."""
         schema = self.layout.schema
-        fields = [dataclasses.replace(schema[k], stored_dtype=d) for k, d in self.widen.items()]
-        columns = self.rows.widened_columns(fields)
+        widen = self.widen
+        numbered = [f for f in schema.row_number_fields if row_number_mismatch(data[f.key].detach(), at)]
+        held = None
+        if numbered:  # a row-number column becomes a column: one compare per column said so
+            stage = self.stage
+            held = held_rows(self.rows.written, stage.rows[:stage.count] if stage is not None else None)
+            widen = {**widen, **{f.key: row_number_dtype(f, data[f.key].detach(), held) for f in numbered}}
+        if not widen:
+            return None
+        fields = [dataclasses.replace(schema[k], stored_dtype=d, row_number=False) for k, d in widen.items()]
+        columns = self.rows.widened_columns(fields, held)
         return fields, columns, Schema([next((g for g in fields if g.key == f.key), f) for f in schema.values()])
 
     def install_widening(self, prepared: tuple[list[Field], dict[Key, torch.Tensor], Schema] | None) -> None:
@@ -312,7 +339,8 @@ class WritePath:
         ``families``: the manifest's entries, whose chunk lengths and codec choices are kept.
 
         Raises:
-            CorruptionError: ``families`` does not fit the schema.
+            CorruptionError: ``families`` does not fit the schema, or a row-number field's dtype cannot
+                hold every row.
         """
         frame_nbytes = [fields[0].frame_nbytes for fields in schema.families().values()]
         if families is not None:
@@ -331,6 +359,8 @@ class WritePath:
         self.family_codecs = [large if fast and k < DEFAULT_CHUNK_FRAMES else self.codec for k in chunks]
         if allocate:
             self.rows.init_dense(schema)
+        else:  # an open: the row-number fields have nothing to load (their cells are the rows)
+            self.rows.load_row_numbers(schema)
         return self.layout
 
     # -- appends and overwrites ----------------------------------------------------------------
@@ -423,7 +453,7 @@ class WritePath:
             # a write of the rows staged before (tier space or the disk can fail it): before this
             # write touches anything
             self.flush_stage()
-        self.install_widening(self.prepare_widening())
+        self.install_widening(self.prepare_widening(rows, cells))
         self.rows.write_dense_cells(self.layout.schema, rows, cells)
         with torch.no_grad():
             stage.put(rows, cells)
@@ -471,7 +501,7 @@ class WritePath:
         traj, ended, next_trajectory = self.rows.trajectory_ids(layout.schema, data, n, self.options.traj_key)
         plans: list[FramePlan] = []
         undecided = [fam for fam in layout.families if fam.stored_raw is None]
-        widening = self.prepare_widening()
+        widening = self.prepare_widening(rows, data)
         try:
             for fid, fields in enumerate(layout.fields_of):
                 fam = layout.families[fid]
