@@ -30,12 +30,15 @@ Not part of CI; prints a table.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from functools import partial
 from pathlib import Path
 
 import numpy as np
 import zstandard
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's tiered
 
 FIXTURE = Path(__file__).resolve().parent / "data" / "atari_frames.npz"
 
