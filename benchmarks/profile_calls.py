@@ -86,7 +86,7 @@ STAGES = [
     ("tiered.codecs.zstd", "ZstdCodec._decompress_slice"),
     ("tiered.engine.read", "assemble_cells"),
     ("tiered.engine.read", "as_tensordict"),
-    ("tiered.torchrl.storage", "_RowReads.get"),
+    ("tiered.torchrl.storage", "TieredStorage.get"),
     ("tiered.torchrl.storage", "TieredStorage._set"),
     ("tiered.engine.write", "WritePath.append"),
     ("tiered.engine.write", "WritePath.overwrite"),

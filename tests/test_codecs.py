@@ -219,7 +219,7 @@ def test_zstd_decodes_frames_from_a_plain_compressor(rng: np.random.Generator) -
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_zstd_large_decode_writes_exactly_its_slices(threads: int, rng: np.random.Generator) -> None:
-    # Frames of 32 KiB of output and more are each decoded straight into its slice of `out` (readinto):
+    # Frames of 16 KiB of output and more are each decoded straight into its slice of `out` (readinto):
     # every cell comes back, the bytes between the slices are left as they were.
     sizes = rng.integers(100_000, 200_000, 48)
     data, offsets = packed_batch(sizes, rng, "compressible")
@@ -228,7 +228,7 @@ def test_zstd_large_decode_writes_exactly_its_slices(threads: int, rng: np.rando
     out_offsets = offsets + gap * np.arange(1, sizes.size + 1)
     out = np.full(int(out_offsets[-1] + sizes[-1] + gap), 0xAB, np.uint8)
     ZstdCodec(-1, threads=threads).decode(enc.data, enc.offsets, enc.sizes, out, out_offsets, sizes)
-    assert int(sizes.min()) >= 32 << 10
+    assert int(sizes.min()) >= 16 << 10
     for i, cell in enumerate(cells(data, offsets, sizes)):
         o = int(out_offsets[i])
         assert out[o:o + len(cell)].tobytes() == cell
@@ -330,7 +330,7 @@ def test_zstd_python_calls_do_not_grow_with_batch(threads: int, rng: np.random.G
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_zstd_large_decode_python_calls_do_not_grow_with_batch(threads: int, rng: np.random.Generator) -> None:
-    # The readinto path (frames of 32 KiB of output and more) creates and runs one reader per frame inside
+    # The readinto path (frames of 16 KiB of output and more) creates and runs one reader per frame inside
     # C iteration: the same calls for 24 frames as for 240 (both split over the threads at 2).
     codec = ZstdCodec(-1, threads=threads)
     counts = {}

@@ -194,3 +194,28 @@ def test_close_settles_only_after_its_own_commits_and_a_failed_settle_only_warns
     with tiered.open(path) as r:
         assert torch.equal(r.get(torch.arange(4))["step"], torch.tensor([1, 2, 3, 3]))
     assert verify_store(path, progress=False).ok
+
+
+def test_one_row_writes_in_several_blocks_are_committed(tmp_path):
+    # one-row writes (staged: dense cells and flag bits written at once, the row's block marked
+    # alone) in rows of three dirty blocks reach the reopened store, values and flags exact
+    n = 3 * BLOCK
+    obs = torch.randint(0, 255, (n, 4, 8, 8), dtype=torch.uint8)
+    td = TensorDict({"observation": obs, "action": torch.arange(n), "reward": torch.zeros(n),
+                     "done": torch.zeros(n, dtype=torch.bool)}, [n])
+    path = tmp_path / "s"
+    rows = [5, BLOCK + 9, 2 * BLOCK + 1]
+    with TieredStore(n, path, frames={"observation": 0}) as s:
+        s.extend(td)
+        s.flush()
+        for k, r in enumerate(rows):
+            row = td[r].clone()
+            row["action"], row["reward"], row["done"] = torch.tensor(-7 - k), torch.tensor(2.5 + k), torch.tensor(True)
+            s.set(r, row)
+        s.flush()
+    with tiered.open(path) as r:
+        got = r.get(torch.tensor(rows + [6, BLOCK + 10]))
+    assert got["action"].tolist() == [-7, -8, -9, 6, BLOCK + 10]
+    assert got["reward"].tolist() == [2.5, 3.5, 4.5, 0.0, 0.0]
+    assert got["done"].tolist() == [True, True, True, False, False]
+    assert torch.equal(got["observation"], obs[rows + [6, BLOCK + 10]])

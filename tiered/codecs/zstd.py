@@ -17,7 +17,7 @@ into the caller's ``out`` on decode: one memcpy per blob, no Python frame per bl
 blob against ~3-13 us to decode it). The number of Python-level calls is the same for 80 blobs
 and for 1024 (tests/test_codecs.py counts them).
 
-Decodes of large frames (32 KiB of output or more each) skip that memcpy and zstandard's fresh
+Decodes of large frames (16 KiB of output or more each) skip that memcpy and zstandard's fresh
 output buffer: when every frame's header declares exactly the expected size, each is decoded by
 a ``ZstdDecompressionReader.readinto`` straight into its slice of ``out`` (libzstd decodes a
 whole frame of known size in one pass into a buffer that holds it), again through ``map`` (C
@@ -84,10 +84,11 @@ _MIN_BYTES_FOR_THREADS = 8 << 20
 # Frames of at least this much output each (on average over a batch) are decoded straight into
 # ``out`` (``readinto``); smaller ones go through the batch decoder, whose cost per frame is
 # lower. A property of the data, not of the batch size: a store's gets all take one path. Thread
-# CPU per decode on a 2-core VM, direct against batch: 48 chunks of 8 Atari frames (56 kB each,
-# 2.7 MB) 0.40 against 0.45 ms; 64 float32 4x84x84 stacks (113 kB each, 7.2 MB) 1.71 against
-# 2.08 ms; 4 such stacks 0.095 against 0.113 ms.
-_MIN_FRAME_BYTES_FOR_DIRECT = 32 << 10
+# CPU per chunk of real Atari frames on a 2-core VM, direct against batch + copy
+# (`python benchmarks/bench_zstd_decode_paths.py`): K=1 (7 kB) 2.4 against 1.9 us, K=2 (14 kB)
+# 3.3 against 3.1, K=4 (28 kB) 5.9 against 7.8, K=8 (56 kB) 10.0 against 13.6; 64 float32
+# 4x84x84 stacks (113 kB each, 7.2 MB) 1.71 against 2.08 ms.
+_MIN_FRAME_BYTES_FOR_DIRECT = 16 << 10
 _READINTO = zstandard.ZstdDecompressionReader.readinto
 _ZSTD_MAGIC = 0xFD2FB528
 _ITEM_RE = re.compile(r"item (\d+)")

@@ -48,6 +48,19 @@ class DirtyBlocks:
             self._grow(int(np.maximum.reduce(blocks)))  # (the ufunc: .max() adds wrapper calls)
             self.bits[blocks] = True
 
+    def mark_one(self, i: int) -> None:
+        """Mark the block of one id (>= 0): a one-row write's mark without the array steps.
+
+        Example:
+            >>> d = DirtyBlocks()
+            >>> d.mark_one(BLOCK + 7)
+            >>> d.blocks().tolist()
+            [1]
+        """
+        block = i >> BLOCK_SHIFT
+        self._grow(block)
+        self.bits[block] = True
+
     def mark_range(self, lo: int, hi: int) -> None:
         """Mark the blocks of ids ``[lo, hi)``."""
         if hi > lo:
