@@ -228,7 +228,10 @@ def disk_bytes(path: Path) -> dict[str, int]:
     gens = sorted(p for p in path.glob("gen-*") if p.is_dir())
     older = {p for g in gens[:-1] for p in g.rglob("*") if p.is_file()}
     body = json.loads((path / "manifest.json").read_text())["body"]
-    if body.get("format_version", 1) >= 2:  # format 2: the copies the last commit did not publish
+    if "array_files" in body:  # the before-images and files replaced lately are not the generation's
+        current = {path / "arrays" / f"{n}.{f}.npy" for n, f in body["array_files"].items()}
+        older |= {p for p in (path / "arrays").iterdir() if p not in current}
+    elif body.get("format_version", 1) >= 2:  # formats 2-6: the copies the last commit did not publish
         current = {path / "arrays" / f"{n}.{c}.npy" for n, c in body["copy"].items()}
         older |= {p for p in (path / "arrays").glob("*.npy") if p not in current}
     arrays = {p for p in files if p.parent.name == "arrays"}  # format 2: row tables, dense columns, index

@@ -53,7 +53,6 @@ from .engine.persistence import (
     options_of,
     read_fresh,
     restore_commit,
-    settle,
 )
 from .engine.priorities import checked_row_priorities
 from .engine.read import CpuReadPipeline, ReadPipeline
@@ -279,7 +278,7 @@ class _StoreSharing:
     @classmethod
     def _open(cls, path: str, mode: str, options: dict[str, Any], *, take_lock: bool) -> TieredStore:
         def build(body: dict[str, Any], lock: Any) -> TieredStore:
-            files = StoreFiles(path, body.get("backend", "memmap"))
+            files = StoreFiles(path, body.get("backend", "memmap"), read_only=mode == "r")
             runtime = {**_RUNTIME_DEFAULTS, "policy": body.get("policy", "lru"), **options}
             self = cls.__new__(cls)
             self._build(int(body["capacity"]), body["codec"], options_of(body),
@@ -402,7 +401,6 @@ class TieredStore(_StoreSharing):
                runtime: dict[str, Any]) -> None:
         """Create the parts (no cold tier: the caller adds it when the store has a path)."""
         self._runtime = runtime
-        self._committed = False
         self._codec, self._device, self._rows, self._index, self._placement, self._write = build_parts(
             capacity, codec, options, index, **runtime)
         self._lock = threading.RLock()
@@ -714,16 +712,13 @@ class TieredStore(_StoreSharing):
             self._changed = False
 
     def close(self) -> None:
-        """Flush (stores with a path) and release memory, files and handles. Idempotent. After
-        commits of 262,144 rows or more, two more bring every copy up to date (docs/format.md)."""
+        """Flush (stores with a path) and release memory, files and handles. Idempotent."""
         with self._lock:
             if self._closed:
                 return
             try:
                 if self._files is not None and not self.read_only:
                     self.flush()
-                    if self._committed:  # a writer that committed nothing leaves the generation as it was
-                        settle(self._files, lambda: self.flush(force=True))
             finally:
                 self._placement.close()
                 self._closed = True
@@ -737,7 +732,6 @@ class TieredStore(_StoreSharing):
         """Durably publish the current state (no-op without a path or read-only)."""
         if self._files is not None:
             commit_parts(self._files, self._rows, self._write, self._placement, self._codec.name)
-            self._committed = True  # by this writer: close() may settle the copies
 
     @classmethod
     def open(cls, path: str | os.PathLike, mode: str = "r", *, shared: bool = False, **options: Any) -> TieredStore:

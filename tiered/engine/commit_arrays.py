@@ -5,8 +5,8 @@ both need these; they live apart from the open path so that ``tiered verify`` an
 load numpy and the manifest reader, not torch.
 
 Example:
-    >>> array_path("/s", {"format_version": 2, "copy": {"written": 1}}, "written")
-    '/s/arrays/written.1.npy'
+    >>> array_path("/s", {"format_version": 7, "array_files": {"written": 12}}, "written")
+    '/s/arrays/written.12.npy'
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import numpy as np
 from ..errors import CorruptionError
 from ..index import DerivedRowTable, NextRowTable, RowTable, ShiftedRowTable
 from .manifest import FORMAT_VERSION, MANIFEST, PAGE_BYTES, gen_dir_name
-from .pages import NCOPIES, copy_path
+from .pages import ARRAYS_DIR, array_file
 
 __all__ = ["CHECKSUMS", "DERIVED_SUFFIXES", "array_path", "derived_tables", "expand_derived", "page_checksums_of",
            "shifted_tables", "table_file"]
@@ -142,17 +142,25 @@ def page_checksums_of(body: dict[str, Any]) -> dict[str, list[int]]:
 
 
 def array_path(store: str, body: dict[str, Any], name: str) -> str:
-    """The file holding array ``name`` of the commit ``body`` of the store ``store``: format 1,
-    ``gen-<generation>/<name>.npy``; format 2, the copy ``arrays/<name>.<copy>.npy`` it names.
+    """The file holding array ``name`` of the commit ``body`` of the store ``store``: the file
+    ``arrays/<name>.<f>.npy`` its ``array_files`` names; formats 2 to 6, the copy
+    ``arrays/<name>.<copy>.npy``; format 1, ``gen-<generation>/<name>.npy``.
 
     Raises:
-        CorruptionError: a format-2 manifest names no valid copy for the array.
+        CorruptionError: the manifest names no valid file for the array.
     """
+    files = body.get("array_files")
+    if files is not None:
+        f = files.get(name) if isinstance(files, dict) else None
+        if not isinstance(f, int) or isinstance(f, bool) or not 0 <= f <= body.get("generation", -1):
+            raise CorruptionError(f"{os.path.join(store, MANIFEST)}: the manifest names no file of array {name!r} "
+                                  f"(got {f!r}, expected the commit that made it); the store is damaged")
+        return array_file(store, name, f)
     if body.get("format_version") == 1:
         return os.path.join(store, gen_dir_name(body["generation"]), name + ".npy")
     copies = body.get("copy")
     c = copies.get(name) if isinstance(copies, dict) else None
-    if not isinstance(c, int) or isinstance(c, bool) or not 0 <= c < NCOPIES:
+    if not isinstance(c, int) or isinstance(c, bool) or not 0 <= c < 3:
         raise CorruptionError(f"{os.path.join(store, MANIFEST)}: the manifest names no copy of array {name!r} "
-                              f"(got {c!r}, expected 0..{NCOPIES - 1}); the store is damaged")
-    return copy_path(store, name, c)
+                              f"(got {c!r}, expected 0..2); the store is damaged")
+    return os.path.join(store, ARRAYS_DIR, f"{name}.{c}.npy")

@@ -48,7 +48,7 @@ __all__ = ["FORMAT_NAME", "FORMAT_VERSION", "MANIFEST", "PAGE_BYTES", "ArrayFile
            "write_manifest", "read_manifest", "gen_dir_name"]
 
 FORMAT_NAME = "tiered"
-FORMAT_VERSION = 6
+FORMAT_VERSION = 7
 MANIFEST = "manifest.json"
 
 
