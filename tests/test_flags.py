@@ -76,7 +76,7 @@ def test_one_flags_file_of_a_byte_per_row(atari_pong, tmp_path):
         # action (uint8), traj id (uint8), reward (int8: -1/0/1), each narrowed; the flags byte
         assert s.stats()["memory"]["dense"] == 1000 * (1 + 1 + 1 + 1)
     body = manifest_body(tmp_path / "s")
-    assert body["format_version"] == 6
+    assert body["format_version"] == 7
     # the rollout's six flags (done, terminated, truncated, and the same under "next"), in schema order
     assert [schema_entry(body, k)["flag_bit"] for k in [[k[-1]] for k in FLAGS] + FLAGS] == [0, 1, 2, 3, 4, 5]
     index_of = {tuple(f["key"]): i for i, f in enumerate(body["schema"])}
@@ -130,7 +130,7 @@ def test_a_damaged_flags_page_is_found_before_use(atari_pong, tmp_path):
     with TieredStore(64, path, **OPTS) as s:
         s.extend(_with_random_flags(atari_pong[:64]))
     body = manifest_body(path)
-    file = path / "arrays" / f"flags.{body['copy']['flags']}.npy"
+    file = path / "arrays" / f"flags.{body['array_files']['flags']}.npy"
     raw = bytearray(file.read_bytes())
     raw[-10] ^= 0x04  # a bit of row 54's byte
     file.write_bytes(bytes(raw))
@@ -213,7 +213,7 @@ def test_a_format5_store_keeps_its_bool_columns_and_upgrades_to_format6(tmp_path
     assert main(["upgrade", str(path)]) == 0 and "upgraded" in capsys.readouterr().out
     body = manifest_body(path)
     # format 6 with the layout it had: its bool fields keep their columns
-    assert body["format_version"] == 6 and "flags" not in body["files"]
+    assert body["format_version"] == 7 and "flags" not in body["files"]
     assert all("flag_bit" not in f for f in body["schema"])
     assert verify_store(path, progress=False).ok
     with tiered.open(path, mode="r+") as s:

@@ -98,7 +98,7 @@ def test_a_replay_buffer_over_ring_laps_samples_exact_stacks_with_exact_referenc
     storage.close()
     body = manifest_body(path)
     i = index_of[NEXT]
-    assert body["format_version"] == FORMAT_VERSION == 6 and body["derived_tables"] == {str(i): index_of[OBS]}
+    assert body["format_version"] == FORMAT_VERSION == 7 and body["derived_tables"] == {str(i): index_of[OBS]}
     assert f"rows.{i}.blob" not in body["files"] and f"next.{i}.rows" in body["files"]
     assert verify_store(path, progress=False).ok
     assert main(["verify", str(path)]) == 0
@@ -146,7 +146,7 @@ def test_a_format4_store_reads_the_same_and_upgrades_to_format5(tmp_path, atari_
     assert {p.name: p.read_bytes() for p in (path / "arrays").iterdir()} == before
     assert main(["upgrade", str(path)]) == 0 and "upgraded" in capsys.readouterr().out
     body = manifest_body(path)
-    assert body["format_version"] == FORMAT_VERSION == 6 and f"rows.{i}.blob" not in body["files"]
+    assert body["format_version"] == FORMAT_VERSION == 7 and f"rows.{i}.blob" not in body["files"]
     assert verify_store(path, progress=False).ok
     with tiered.open(path, mode="r+") as s:
         assert_td_equal(s.get(torch.arange(200)), expected)
@@ -164,7 +164,7 @@ def _corrupt_exception(path: Path, value: int) -> Path:
     body = doc["body"]
     (i,) = body["derived_tables"]
     name = f"next.{i}.blob"
-    f = path / "arrays" / f"{name}.{body['copy'][name]}.npy"
+    f = path / "arrays" / f"{name}.{body['array_files'][name]}.npy"
     arr = np.load(f)
     arr[0, 0] = value
     np.save(f, arr)

@@ -71,7 +71,7 @@ def test_sequential_writes_and_ring_laps_read_bit_exactly(games, tmp_path):
                                                      + nxt.exc_rows.size * (8 + 4 * 6))
         index_of = {k: i for i, k in enumerate(s.schema)}
     body = manifest_body(path)
-    assert body["format_version"] == FORMAT_VERSION == 6 and body["shifted_tables"] == [index_of[OBS]]
+    assert body["format_version"] == FORMAT_VERSION == 7 and body["shifted_tables"] == [index_of[OBS]]
     assert f"shift.{index_of[OBS]}.rows" in body["files"] and body["files"][f"rows.{index_of[OBS]}.blob"] < cap * 8
     with tiered.open(path) as s:
         assert_td_equal(s.get(torch.arange(cap)), truth)

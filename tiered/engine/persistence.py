@@ -423,10 +423,11 @@ class StoreFiles:
             dirty: bitmaps of the row blocks and blob-id blocks changed since the last commit.
             keep_anonymous: arrays not to map back (dense columns a caller holds views of).
         """
-        self.check_untouched()
-        if self.rollback_pending:  # a failed commit's in-place writes are undone first
+        if self.rollback_pending and not self.forked:  # a failed commit's in-place writes are undone first
             roll_back(self.path, self.generation)
+            self.stamp_files()
             self.rollback_pending = False
+        self.check_untouched()
         self.release_mapped(arrays)
         cold.flush()
         g = self.generation + 1
@@ -520,6 +521,7 @@ class StoreFiles:
             for arr in arrays.values():  # a few dozen arrays
                 filemap.privatize(arr)
             roll_back(self.path, self.generation)
+            self.stamp_files()  # written by this writer: what the files are now
         except BaseException:  # noqa: BLE001 - the commit's own error is the one raised
             self.rollback_pending = True
 
@@ -951,6 +953,7 @@ def unpin(index: BlobIndex, pins: np.ndarray) -> list[str]:
     if (left < 0).any() or (index.refcount[:n][index.state[:n] != STORED] != 0).any() or (index.refcount[:n] < 0).any():
         return ["reference counts of the blob index are negative or name free blobs"]
     index.refcount[pinned] = left  # only those: pages of a mapped index stay unwritten
+    index.dirty.mark(pinned)  # the file still counts the pins: the next commit writes these counts
     return []
 
 
