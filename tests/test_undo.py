@@ -119,7 +119,8 @@ def test_a_commit_killed_at_any_event_leaves_the_previous_commit_bit_exact_or_th
     events = counting.events
     store.close()
     outcomes = {"previous": 0, "new": 0, "between in-place writes and manifest": 0}
-    for kill_on in range(1, events + 1, max(1, events // 40)):  # about 40 points, every phase of the commit
+    # about 40 points, every phase of the commit, and its last events (after the manifest's rename)
+    for kill_on in sorted({*range(1, events + 1, max(1, events // 40)), *range(max(1, events - 3), events + 1)}):
         path = tmp_path / f"k{kill_on}"
         shutil.copytree(path0, path)
         log = tmp_path / f"k{kill_on}.log"
@@ -144,7 +145,8 @@ def test_a_commit_killed_at_any_event_leaves_the_previous_commit_bit_exact_or_th
             assert same(ro.get(torch.arange(CAP)), expect), f"kill at event {kill_on}/{events}"
         assert verify_store(path, progress=False).ok
         shutil.rmtree(path)
-    assert outcomes["between in-place writes and manifest"] > 0 and outcomes["new"] > 0, outcomes
+    assert outcomes["between in-place writes and manifest"] > 0, outcomes
+    assert outcomes["new"] > 0 or power_loss, outcomes  # a power cut before the last fsync of the directory: the old one
 
 
 def test_a_read_only_open_reads_its_commit_across_the_writers_next_two_commits(tmp_path):
