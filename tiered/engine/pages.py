@@ -7,9 +7,9 @@ Design note (format 7):
   ``arrays/<name>.<f>.npy``, ``f`` being the commit that created the file (the manifest's
   ``array_files``). A commit whose array keeps its ``.npy`` header (same dtype and shape) writes
   only what changed, in place: the dirty row or blob-id blocks widened to :data:`WRITE_UNIT`
-  (arrays indexed by row or blob id), or the units that differ from the file (the small arrays
-  whose changes are not tracked by block). An array whose header changed (it grew or shrank) is
-  written whole to a new file ``<name>.<g>.npy``; the old file is never written again.
+  (arrays indexed by row or blob id). An array whose header changed (it grew or shrank), and a
+  small array whose changes are not tracked by block that differs from its file, is written
+  whole to a new file ``<name>.<g>.npy``; the old file is never written again.
 * **What commit g writes, in order.** (1) The before-image file ``arrays/undo.<g>``: for each
   byte range the commit will change in place, the bytes the file holds now (commit ``g - 1``'s),
   checked by a CRC-32 per :data:`PAGE_BYTES` page, written under a temp name, fsynced, renamed;
@@ -64,14 +64,14 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .. import fileio
-from ..errors import CorruptionError
+from ..errors import CorruptionError, StaleReadError
 from ..util.crc import crc32_patch
 from ..util.dirty import BLOCK_SHIFT
 from ..util.filemap import npy_header
 from .manifest import PAGE_BYTES, page_checksums, read_npy_header
 
 __all__ = ["KEEP", "ARRAYS_DIR", "INTENT", "WRITE_UNIT", "FileState", "UndoImage", "UndoChain", "array_file",
-           "undo_file", "kind_of", "plan_in_place", "read_runs", "write_in_place", "write_new", "write_undo",
+           "undo_file", "stale_error", "kind_of", "plan_in_place", "read_runs", "write_in_place", "write_new", "write_undo",
            "roll_back", "remove_obsolete", "write_intent", "read_intent", "stamp_of"]
 
 #: Commits whose before-images are kept: a read-only open reads its commit until the writer's
@@ -581,6 +581,42 @@ class UndoChain:
                 image = self.images[g] = UndoImage(undo_file(self.store, g), g)
             image.overlay(name, file, lo, buf)
         return (buf if zlib.crc32(memoryview(buf)) == crc else None), intent
+
+
+    def page(self, name: str, file: int, lo: int, hi: int, crc: int) -> np.ndarray | None:
+        """:meth:`rebuild`, again while a commit starts or is rolled back meanwhile (a few times);
+        None: the bytes are damaged (no commit after :attr:`generation` was started, or they
+        cannot be made to match ``crc``).
+
+        Raises:
+            StaleReadError: the writer is more than :data:`KEEP` commits ahead: the before-images
+                of the commits after :attr:`generation` are gone (:func:`stale_error`).
+        """
+        for _attempt in range(3):  # a few: each retry follows a commit that started meanwhile
+            try:
+                got, intent = self.rebuild(name, file, lo, hi, crc)
+            except (FileNotFoundError, CorruptionError) as e:
+                intent = read_intent(self.store)
+                if intent is not None and intent > self.generation:
+                    raise stale_error(self.store, self.generation, intent) from e
+                raise
+            if got is not None:
+                return got
+            if intent is None or intent <= self.generation:
+                return None  # no commit after this one was started: the bytes are damaged
+            if intent > self.generation + KEEP:
+                raise stale_error(self.store, self.generation, intent)
+            self.images.clear()  # a commit rolled back and made again rewrites its images
+        return None
+
+
+def stale_error(store: str, generation: int, intent: int) -> StaleReadError:
+    """The error of a reader of commit ``generation`` whose writer has moved on to ``intent``."""
+    return StaleReadError(
+        f"{store}: this store was opened read-only at commit {generation}; a writer has since "
+        f"committed up to generation {intent} and reused the files of older commits. The files are "
+        "most likely not damaged: reopen the store (tiered.open(path)) to read the latest commit, and "
+        "run `tiered verify` if the error stays after that.")
 
 
 def roll_back(store: str, published: int) -> bool:

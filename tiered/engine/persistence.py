@@ -86,7 +86,6 @@ from .manifest import (
 )
 from .pages import (
     ARRAYS_DIR,
-    KEEP,
     FileState,
     UndoChain,
     array_file,
@@ -96,6 +95,7 @@ from .pages import (
     read_runs,
     remove_obsolete,
     roll_back,
+    stale_error,
     stamp_of,
     write_in_place,
     write_intent,
@@ -287,35 +287,13 @@ class StoreFiles:
         if not self.read_only or state is None:
             return None
 
-        def rebuild(lo: int, hi: int, crc: int) -> np.ndarray | None:
-            if self.undo is None:
-                self.undo = UndoChain(self.path, self.generation)
-            for _attempt in range(3):  # again if a commit started or was rolled back meanwhile
-                try:
-                    got, intent = self.undo.rebuild(name, state.file, lo, hi, crc)
-                except (FileNotFoundError, CorruptionError) as e:
-                    intent = read_intent(self.path)
-                    if intent is not None and intent > self.generation:
-                        raise self.stale_error(intent) from e
-                    raise
-                if got is not None:
-                    return got
-                if intent is None or intent <= self.generation:
-                    return None  # no commit after this one was started: the bytes are damaged
-                if intent > self.generation + KEEP:
-                    raise self.stale_error(intent)
-                self.undo.images.clear()  # a commit rolled back and made again rewrites its images
-            return None
-
-        return rebuild
+        if self.undo is None:
+            self.undo = UndoChain(self.path, self.generation)
+        return functools.partial(self.undo.page, name, state.file)
 
     def stale_error(self, intent: int) -> StaleReadError:
         """The error of a read-only open whose writer moved too far ahead (to ``intent``)."""
-        return StaleReadError(
-            f"{self.path}: this store was opened read-only at commit {self.generation}; a writer has "
-            f"since committed up to generation {intent} and reused the files of older commits. "
-            "The files are most likely not damaged: reopen the store (tiered.open(path)) to read the "
-            "latest commit, and run `tiered verify` if the error stays after that.")
+        return stale_error(self.path, self.generation, intent)
 
     def stamp_files(self) -> None:
         """Note what each array file known to a writer is now (:func:`~tiered.engine.pages.stamp_of`),
@@ -448,6 +426,10 @@ class StoreFiles:
                 continue
             path = array_file(self.path, name, base.file)
             plans[name] = runs = plan_in_place(path, arr, None if kind == "whole" else dirty[1 if kind == "blobs" else 0], base)
+            if kind == "whole" and runs is not None and runs.size:
+                # small arrays that change go to a new file: what an open checks before it reads
+                # any page (index.meta's count) is never half a commit's
+                plans[name] = runs = None
             if runs is not None and runs.size:
                 images.append((name, base.file, runs, read_runs(path, runs)))
         written: dict[str, FileState] = {}
