@@ -16,10 +16,9 @@ subprocess** that samples its own anonymous resident memory (``RssAnon``) every 
   1,000,000; 0: none), then ``close()``: rows/s and peak RssAnon growth;
 - ``commit``: ``tiered.open(path, "r+")``, extend ``--commit-rows`` new rows, time ``flush()``
   and count the bytes it wrote (``/proc/self/io`` ``write_bytes``), ``--commit-rounds`` times
-  (default 6; each commit writes the copy the commit three before it wrote, so it also rewrites
-  what the two commits before it changed: the build's ``close()`` settles the copies after its
-  large flushes, so the first two do not pay for them; the ratio of the sizes is also given for
-  the median of the commits from the third on);
+  (default 6; each commit writes the old bytes of what it changes to a before-image file, then
+  the changes in place; the ratio of the sizes is also given for the median of the commits from
+  the third on);
 - ``reopen``: time ``tiered.open(path)`` (the fastest of three opens in a row, each store closed and
   collected before the next; then the fastest of three more, each after ``posix_fadvise(DONTNEED)``
   on every file of the store: "cold") and the growth of RssAnon the first open causes (over a process that
@@ -30,8 +29,9 @@ subprocess** that samples its own anonymous resident memory (``RssAnon``) every 
   has mapped stay cached, which flatters the cold rate of mapped metadata).
 
 Bytes on disk per transition are counted over all files, and over one generation (the segments
-and the array files of the last commit: format 1's newest ``gen-*`` folder, format 2's published
-copy of each array; format 2 keeps three copies of each array, format 1 two generations); "arrays"
+and the array files of the last commit: format 7's file of each array, without the before-images
+of the last two commits and the files they replaced; formats 2-6 kept three copies of each
+array, format 1 two generations); "arrays"
 is the part of one generation that is metadata (row tables, dense columns, blob index), "dense"
 the dense columns alone.
 Side by side on the same frames: the Dopamine checkpoint layout (``np.save`` of the per-step

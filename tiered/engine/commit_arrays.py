@@ -5,7 +5,7 @@ both need these; they live apart from the open path so that ``tiered verify`` an
 load numpy and the manifest reader, not torch.
 
 Example:
-    >>> array_path("/s", {"format_version": 7, "array_files": {"written": 12}}, "written")
+    >>> array_path("/s", {"format_version": 7, "generation": 40, "array_files": {"written": 12}}, "written")
     '/s/arrays/written.12.npy'
 """
 

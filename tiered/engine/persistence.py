@@ -1,15 +1,19 @@
 """The durable store: the cold tier's files, commits, opening, consistency checks, the writer lock.
 
 A store with a path is a directory (docs/format.md): ``manifest.json`` (schema, options, format
-version, generation, the list of array files with their sizes), one ``gen-<g>/`` directory of
-``.npy`` arrays per commit (blob index columns, row tables, dense columns, the written mask, the
-cold tier's allocator state, the policy's state), and the cold segments under ``cold/``.
+version, generation, each array's file with its size and page checksums), one ``.npy`` file per
+array under ``arrays/`` (blob index columns, row tables, dense columns, the written mask, the
+cold tier's allocator state, the policy's state) with the before-images of the last two commits,
+and the cold segments under ``cold/``.
 
-A commit writes the blob bytes first (the cold tier's ``flush``), then the new generation's
-arrays, each fsynced, then the manifest through a temp file, fsync, rename and fsync of the
-directory (:mod:`tiered.engine.manifest`). Only then is the previous-but-one generation removed
-and the cold space freed by overwritten rows made reusable. Opening picks the last complete
-commit and checks that its arrays agree with the manifest before anything is trusted.
+A commit writes the blob bytes first (the cold tier's ``flush``), then the arrays: the old bytes
+of what it changes in place to a before-image file, its intent, the changes in place, each file
+fsynced (the order and what a crash leaves: :mod:`tiered.engine.pages`), then the manifest
+through a temp file, fsync, rename and fsync of the directory (:mod:`tiered.engine.manifest`).
+Only then are the before-images no reader needs removed and the cold space freed by overwritten
+rows made reusable. A writer's open first undoes a commit that died after its intent; opening
+picks the last complete commit and checks that its arrays agree with the manifest before
+anything is trusted.
 
 Example:
     >>> import tempfile, torch
