@@ -475,7 +475,7 @@ class StoreFiles:
         """After the manifest of commit ``g`` was renamed into place: the writer's state is the
         commit's, the pages written are mapped back, and what no reader needs goes."""
         if os.environ.get("TIERED_CHECK_COMMITS"):  # tests: every file written equals the array in memory
-            self.check_written(arrays, written, g)
+            check_written(self, arrays, written, g)
         self.array_files = written
         self.map_back({n: a for n, a in arrays.items() if n not in keep_anonymous}, written)
         self.version = FORMAT_VERSION
@@ -510,25 +510,6 @@ class StoreFiles:
             self.stamp_files()  # written by this writer: what the files are now
         except BaseException:  # noqa: BLE001 - the commit's own error is the one raised
             self.rollback_pending = True
-
-    def check_written(self, arrays: dict[str, np.ndarray], written: dict[str, FileState], g: int) -> None:
-        """(Tests, ``TIERED_CHECK_COMMITS``) every array file commit ``g`` wrote equals the array
-        in memory, except on pages of lazily opened arrays that no use checked (which hold what
-        the file held)."""
-        for name, arr in arrays.items():  # a few dozen arrays
-            disk = load_npy(array_file(self.path, name, written[name].file), mmap=False)
-            lazy = self.unchecked_pages(name, arr) and self.lazy[name][0]
-            if lazy and not lazy.checked.all():
-                ok = lazy.checked.copy()
-                ok[0] = False  # the header page's head may differ; compare only array bytes
-                keep = np.repeat(ok, PAGE_BYTES)[lazy.offset:lazy.offset + arr.nbytes]
-                same = disk.shape == arr.shape and np.array_equal(
-                    disk.reshape(-1).view(np.uint8)[keep[:disk.nbytes]],
-                    np.ascontiguousarray(arr).reshape(-1).view(np.uint8)[keep])
-                if not same:
-                    raise AssertionError(f"incremental commit {g} left array {name!r} different from memory")
-            elif disk.shape != arr.shape or disk.tobytes() != np.ascontiguousarray(arr).tobytes():
-                raise AssertionError(f"incremental commit {g} left array {name!r} different from memory")
 
     def map_back(self, arrays: dict[str, np.ndarray], written: dict[str, FileState]) -> None:
         """After a commit was published: map the pages it wrote of each per-row array laid out as
@@ -591,6 +572,26 @@ class StoreFiles:
     def release_lock(self) -> None:
         release(self.writer_lock)
         self.writer_lock = None
+
+
+def check_written(files: StoreFiles, arrays: dict[str, np.ndarray], written: dict[str, FileState], g: int) -> None:
+    """(Tests, ``TIERED_CHECK_COMMITS``) every array file commit ``g`` wrote equals the array
+    in memory, except on pages of lazily opened arrays that no use checked (which hold what
+    the file held)."""
+    for name, arr in arrays.items():  # a few dozen arrays
+        disk = load_npy(array_file(files.path, name, written[name].file), mmap=False)
+        lazy = files.unchecked_pages(name, arr) and files.lazy[name][0]
+        if lazy and not lazy.checked.all():
+            ok = lazy.checked.copy()
+            ok[0] = False  # the header page's head may differ; compare only array bytes
+            keep = np.repeat(ok, PAGE_BYTES)[lazy.offset:lazy.offset + arr.nbytes]
+            same = disk.shape == arr.shape and np.array_equal(
+                disk.reshape(-1).view(np.uint8)[keep[:disk.nbytes]],
+                np.ascontiguousarray(arr).reshape(-1).view(np.uint8)[keep])
+            if not same:
+                raise AssertionError(f"incremental commit {g} left array {name!r} different from memory")
+        elif disk.shape != arr.shape or disk.tobytes() != np.ascontiguousarray(arr).tobytes():
+            raise AssertionError(f"incremental commit {g} left array {name!r} different from memory")
 
 
 def read_fresh(files: StoreFiles | None, read: Callable[[], T], *, verify: bool = True) -> T:
