@@ -539,11 +539,16 @@ class UndoImage:
         runs, where = self.runs(name, file)
         hi = lo + buf.size
         pick = np.flatnonzero((runs[:, 0] < hi) & (runs[:, 1] > lo))
-        for r in pick.tolist():  # the runs of one checksum page: a few
+        if not pick.size:
+            return
+        # the old bytes of these runs lie together in the body: read (and checked) at once
+        b0 = int(where[pick[0]])
+        old = self.body(b0, int(where[pick[-1]] + runs[pick[-1], 1] - runs[pick[-1], 0]))
+        for r in pick.tolist():  # the runs of one checksum page
             r0, r1 = int(runs[r, 0]), int(runs[r, 1])
             a, b = max(r0, lo), min(r1, hi)
-            src = int(where[r]) + a - r0
-            buf[a - lo:b - lo] = self.body(src, src + b - a)
+            src = int(where[r]) + a - r0 - b0
+            buf[a - lo:b - lo] = old[src:src + b - a]
 
 
 class UndoChain:
