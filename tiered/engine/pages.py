@@ -670,8 +670,9 @@ def roll_back(store: str, published: int) -> bool:
 def remove_obsolete(store: str, published: int, current: dict[str, int]) -> None:
     """Remove what no reader of commit ``published - KEEP`` or later needs: before-images of
     commits up to ``published - KEEP`` and after ``published`` (left by a commit that died), array
-    files replaced by commit ``published - KEEP`` or before, files of commits after ``published``,
-    and temp files. ``current``: the file of each array of commit ``published``."""
+    files replaced by commit ``published - KEEP`` or before, files newer than their array's (no
+    commit published them), and temp files. ``current``: the file of each array of commit
+    ``published``."""
     adir = os.path.join(store, ARRAYS_DIR)
     try:
         names = os.listdir(adir)
@@ -696,7 +697,8 @@ def remove_obsolete(store: str, published: int, current: dict[str, int]) -> None
             continue  # an array no longer saved: kept (which commit dropped it is not known)
         made.sort()
         for f, successor in zip(made, [*made[1:], None], strict=True):
-            if f > published or (f != current[name] and successor is not None and successor <= published - KEEP):
+            # newer than the array's file: no commit published it (one that failed wrote it)
+            if f > current[name] or (f != current[name] and successor is not None and successor <= published - KEEP):
                 doomed.append(f"{name}.{f}.npy")
     for entry in doomed:  # a few per commit
         fileio.remove(os.path.join(adir, entry))
