@@ -173,7 +173,7 @@ def _pages_of(runs: np.ndarray, n_pages: int) -> np.ndarray:
 
 
 def _reusable(fd: int, path: str, base: FileState | None, hlen: int, arr: np.ndarray) -> bool:
-    """Whether the copy on disk is the one ``base`` describes, with a header of ``hlen`` bytes and
+    """Whether the file on disk is the one ``base`` describes, with a header of ``hlen`` bytes and
     the dtype and row shape of ``arr`` (an array whose dtype changed, as row tables did in format
     3, has every page moved: it is rewritten whole)."""
     if base is None:
@@ -705,7 +705,7 @@ def remove_obsolete(store: str, published: int, current: dict[str, int]) -> None
 
 
 def write_intent(store: str, generation: int) -> None:
-    """Durably record that the commit of ``generation`` starts overwriting array copies."""
+    """Durably record that the commit of ``generation`` starts changing array files in place."""
     fd = fileio.open_for_write(os.path.join(store, INTENT))
     try:
         fileio.pwrite(fd, struct.pack("<qq", generation, generation ^ _INTENT_MAGIC), 0)
@@ -715,7 +715,7 @@ def write_intent(store: str, generation: int) -> None:
 
 
 def read_intent(store: str) -> int | None:
-    """The generation the last commit that started writing array copies was to publish (None:
+    """The generation the last commit that started changing array files was to publish (None:
     no intent file, or one that is not what :func:`write_intent` writes)."""
     try:
         fd = fileio.open_for_read(os.path.join(store, INTENT))

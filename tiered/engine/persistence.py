@@ -310,7 +310,7 @@ class StoreFiles:
 
     def check_untouched(self) -> None:
         """Before a commit reads a byte of its arrays: check that it is the writer's (not a forked
-        copy's) and that no copy file it knows was changed by another program since this writer
+        copy's) and that no array file it knows was changed by another program since this writer
         wrote or opened it.
 
         The writer's arrays are partly private maps of these files (pages never written since
@@ -535,9 +535,9 @@ class StoreFiles:
                 self.mapped[name] = filemap.layout_of(arr)
 
     def release_mapped(self, arrays: dict[str, np.ndarray]) -> None:
-        """Before a commit writes copies: give the pages mapped from copies back an anonymous copy
+        """Before a commit writes array files: give the pages mapped from them back an anonymous copy
         of their bytes, for each array whose mapping is no longer the one the commit writes (a
-        replaced or resized array: its copies will be written with other bytes, or truncated)."""
+        replaced or resized array: its file will be written with other bytes, or replaced)."""
         for name, layout in list(self.mapped.items()):  # a few dozen arrays
             arr = arrays.get(name)
             if layout.alive and arr is not None and filemap.layout_of(arr) is layout:
@@ -551,7 +551,7 @@ class StoreFiles:
     def unchecked_pages(self, name: str, arr: np.ndarray) -> Callable[[int, int], None] | None:
         """What checks the pages of ``arr`` a commit copies (array bytes ``[lo, hi)``), when it is
         the memory map of an array opened lazily: a page no use checked is checked before its
-        bytes go into a new copy with a new checksum."""
+        bytes are written with a new checksum."""
         entry = self.lazy.get(name)
         if entry is None or entry[1] != arr.__array_interface__["data"][0]:
             return None
