@@ -28,7 +28,8 @@ import tiered
 from tiered import TieredStore, fileio
 from tiered.engine.commit_arrays import array_path
 from tiered.engine.pages import KEEP, read_intent
-from tiered.errors import StaleReadError
+from tiered.errors import CorruptionError, StaleReadError
+from tiered.testing import parts
 from tiered.verify import verify_store
 
 CAP = 6_000
@@ -208,4 +209,53 @@ def test_a_committed_store_holds_one_file_per_array_and_two_commits_of_before_im
     with tiered.open(path, mode="r+") as w:
         w.extend(batch(10, 99))
     assert len([f for f in os.listdir(path / "arrays") if f.startswith("undo.")]) == KEEP
+    assert verify_store(path, progress=False).ok
+
+
+def _died_after_intent(tmp_path) -> tuple[Path, TensorDict]:
+    """A store whose last commit died after changing its arrays in place (and what it held)."""
+    path = tmp_path / "s"
+    with TieredStore(CAP, path, warm_bytes=0, hot_bytes=0) as s:
+        s.extend(batch(CAP, 0, blobs=False))
+        before = s.get(torch.arange(CAP))
+    with tiered.open(path, mode="r+") as w, fileio.inject_faults() as counting:  # a commit like the ones below
+        w.set(torch.arange(CAP), batch(CAP, 2, blobs=False))
+        w.flush()
+        before = w.get(torch.arange(CAP))
+    for at in range(counting.ops + 2, 0, -1):  # the first write count that fails the commit is its last (the manifest's)
+        w = tiered.open(path, mode="r+")
+        w.set(torch.arange(CAP), batch(CAP, 1, blobs=False))
+        g = w.generation
+        try:
+            with fileio.inject_faults(enospc_on=at):  # the roll-back fails too: left to the next open
+                w.flush()
+        except OSError:
+            parts(w).files.release_lock()  # the writer dies here: its lock goes with it
+            break
+        before = w.get(torch.arange(CAP))
+        w.close()
+    assert read_intent(str(path)) == g + 1 and manifest_body(path)["generation"] == g
+    return path, before
+
+
+def test_a_damaged_before_image_is_refused_not_rolled_back(tmp_path):
+    path, _ = _died_after_intent(tmp_path)
+    image = path / "arrays" / f"undo.{read_intent(str(path))}"
+    raw = bytearray(image.read_bytes())
+    raw[-1] ^= 0xFF  # a byte of the old bytes
+    image.write_bytes(bytes(raw))
+    with pytest.raises(CorruptionError, match="before-image"):
+        tiered.open(path, mode="r+")
+    image.write_bytes(bytes(raw[:40]))  # cut inside its table
+    with pytest.raises(CorruptionError, match="before-image"):
+        tiered.open(path, mode="r+")
+
+
+def test_a_commit_that_failed_with_its_roll_back_is_rolled_back_at_the_next_open(tmp_path):
+    path, before = _died_after_intent(tmp_path)
+    with tiered.open(path) as ro:  # a reader meanwhile: the last commit, rebuilt
+        assert same(ro.get(torch.arange(CAP)), before)
+    with tiered.open(path, mode="r+") as w:
+        assert same(w.get(torch.arange(CAP)), before)
+    assert read_intent(str(path)) == manifest_body(path)["generation"]
     assert verify_store(path, progress=False).ok

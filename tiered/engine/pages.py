@@ -481,13 +481,13 @@ class UndoImage:
             size = os.fstat(fd).st_size
             raw = os.pread(fd, _UNDO_HEAD.size, 0)
             if len(raw) != _UNDO_HEAD.size:
-                raise self._bad("shorter than its head")
+                raise self.bad("shorter than its head")
             magic, g, n, crc = _UNDO_HEAD.unpack(raw)
             if magic != _UNDO_MAGIC or g != generation or not 0 < n <= min(_MAX_UNDO_TABLE, size - _UNDO_HEAD.size):
-                raise self._bad(f"not the before-images of commit {generation}")
+                raise self.bad(f"not the before-images of commit {generation}")
             meta = os.pread(fd, n, _UNDO_HEAD.size)
             if len(meta) != n or zlib.crc32(meta) != crc:
-                raise self._bad("its table fails its checksum")
+                raise self.bad("its table fails its checksum")
         finally:
             fileio.close(fd)
         try:
@@ -497,12 +497,13 @@ class UndoImage:
             self.arrays: dict[tuple[str, int], tuple[int, int]] = {
                 (str(name), int(file)): (int(k), int(at)) for name, file, k, at in doc["arrays"]}
         except (ValueError, TypeError, KeyError) as e:
-            raise self._bad(f"its table cannot be read ({e})") from None
+            raise self.bad(f"its table cannot be read ({e})") from None
         if self.start + self.size != size or len(self.crcs) != -(-self.size // PAGE_BYTES) or any(
                 k < 0 or at < 0 or at + 16 * k > self.size for k, at in self.arrays.values()):
-            raise self._bad("its table does not fit the file")
+            raise self.bad("its table does not fit the file")
 
-    def _bad(self, what: str) -> CorruptionError:
+    def bad(self, what: str) -> CorruptionError:
+        """The error for this file, saying ``what`` is wrong with it."""
         return CorruptionError(f"{self.path}: a before-image file of the store, {what}; the store is damaged. "
                                "Run `tiered verify` for details.")
 
@@ -511,7 +512,7 @@ class UndoImage:
         if hi <= lo:
             return np.empty(0, dtype=np.uint8)
         if hi > self.size:
-            raise self._bad("a run lies past its end")
+            raise self.bad("a run lies past its end")
         p0, p1 = lo // PAGE_BYTES, -(-hi // PAGE_BYTES)
         buf = np.empty(min(p1 * PAGE_BYTES, self.size) - p0 * PAGE_BYTES, dtype=np.uint8)
         fd = fileio.open_for_read(self.path)
@@ -520,7 +521,7 @@ class UndoImage:
         finally:
             fileio.close(fd)
         if got != buf.size or page_checksums([memoryview(buf)]) != self.crcs[p0:p1]:
-            raise self._bad("its bytes fail their checksums")
+            raise self.bad("its bytes fail their checksums")
         return buf[lo - p0 * PAGE_BYTES:hi - p0 * PAGE_BYTES]
 
     def runs(self, name: str, file: int) -> tuple[np.ndarray, np.ndarray]:
@@ -530,7 +531,7 @@ class UndoImage:
         runs = self.body(at, at + 16 * k).view("<i8").reshape(k, 2).astype(np.int64)
         lengths = runs[:, 1] - runs[:, 0]
         if k and (int(runs[:, 0].min()) < 0 or int(lengths.min()) <= 0 or at + 16 * k + int(lengths.sum()) > self.size):
-            raise self._bad(f"the runs of {name} are impossible")
+            raise self.bad(f"the runs of {name} are impossible")
         return runs, at + 16 * k + np.cumsum(lengths) - lengths
 
     def overlay(self, name: str, file: int, lo: int, buf: np.ndarray) -> None:
@@ -657,6 +658,8 @@ def roll_back(store: str, published: int) -> bool:
             raise CorruptionError(f"{target}: missing, though commit {intent} changed it; the store is "
                                   "damaged") from None
         try:
+            if int(runs[:, 1].max()) > os.fstat(fd).st_size:  # in place: never past the file's end
+                raise image.bad(f"its runs of {name} lie past the end of {target}")
             for (lo, hi), src in zip(runs.tolist(), where.tolist(), strict=True):  # the dead commit's runs
                 fileio.pwrite(fd, body[src:src + hi - lo], lo)
             fileio.fsync(fd)
