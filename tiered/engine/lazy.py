@@ -35,16 +35,20 @@ Example:
 from __future__ import annotations
 
 import math
+import mmap
+import os
 import zlib
 from collections.abc import Callable
 
 import numpy as np
 
+from .. import fileio
 from ..errors import ChecksumError, CorruptionError
 from ..util.filemap import make_private
-from .manifest import PAGE_BYTES, already_verified, map_npy, page_checksums
+from .manifest import PAGE_BYTES, NpyHeader, already_verified, map_npy, page_checksums
+from .pages import header_of
 
-__all__ = ["PageChecks", "RowCheck", "map_checked", "load_checked"]
+__all__ = ["PageChecks", "RowCheck", "map_checked", "map_commit", "load_checked"]
 
 #: ``rebuild(lo, hi, crc)``: the bytes ``[lo, hi)`` of a file as the reader's commit left them
 #: (None: they cannot be rebuilt, so they are damaged)
@@ -169,6 +173,35 @@ class RowCheck:
         self.done[todo] = True
 
 
+def map_commit(path: str, expected_size: int, crcs: list[int] | None,
+               rebuild: Rebuild | None) -> tuple[mmap.mmap, os.stat_result, NpyHeader, int]:
+    """:func:`~tiered.engine.manifest.map_npy` of the commit's bytes of a file: ``(map, stat,
+    header, size)``. For a reader (``rebuild`` given), a file that a writer has since grown in
+    place is mapped to the commit's size, with the header the commit wrote (rebuilt from the
+    writer's before-images); its first page is rebuilt like any other when first checked.
+
+    Raises:
+        CorruptionError: naming the file.
+    """
+    try:
+        whole, st, head = map_npy(path, expected_size)
+        return whole, st, head, st.st_size
+    except CorruptionError:
+        if rebuild is None or not crcs:
+            raise
+        fd = fileio.open_for_read(path)
+        try:
+            st = os.fstat(fd)
+            raw = rebuild(0, min(PAGE_BYTES, expected_size), crcs[0]) if st.st_size > expected_size else None
+            if raw is None:
+                raise
+            head = header_of(raw.tobytes(), path, expected_size)
+            whole = mmap.mmap(fd, expected_size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            fileio.close(fd)
+        return whole, st, head, expected_size
+
+
 def map_checked(path: str, expected_size: int, crcs: list[int] | None,
                 stale: Callable[[], None] | None = None, rebuild: Rebuild | None = None) -> tuple[np.ndarray, PageChecks]:
     """Memory-map (copy-on-write) a ``.npy`` array file whose pages are checked on first use.
@@ -183,8 +216,7 @@ def map_checked(path: str, expected_size: int, crcs: list[int] | None,
     Raises:
         CorruptionError (its subclass ChecksumError for a page mismatch): naming the file.
     """
-    whole, st, head = map_npy(path, expected_size)
-    size = st.st_size
+    whole, st, head, size = map_commit(path, expected_size, crcs, rebuild)
     if not head.shape or head.fortran_order:
         raise CorruptionError(f"{path}: not a row array of a tiered store (shape {head.shape}); "
                               "the store is damaged")
@@ -212,14 +244,14 @@ def load_checked(path: str, expected_size: int, crcs: list[int] | None, rebuild:
     Raises:
         CorruptionError (its subclass ChecksumError for a page mismatch): naming the file.
     """
-    whole, st, head = map_npy(path, expected_size)
+    whole, st, head, size = map_commit(path, expected_size, crcs, rebuild)
     if crcs is not None and not already_verified(st):
-        n_pages = -(-st.st_size // PAGE_BYTES)
+        n_pages = -(-size // PAGE_BYTES)
         if len(crcs) != n_pages:
             raise ChecksumError(f"{path}: the commit records {len(crcs)} checksummed pages, the file has "
                                 f"{n_pages}; the store is damaged. Run `tiered verify` for details.")
         view = memoryview(whole)
-        make_private(view, 0, st.st_size)  # all at once, then hashed on several threads
+        make_private(view, 0, size)  # all at once, then hashed on several threads
         bad = np.flatnonzero(np.array(page_checksums([view]), dtype=np.int64) != np.array(crcs, dtype=np.int64))
         if bad.size:  # pages a writer changed since (or damaged): rebuilt, or raised
             PageChecks(path, view, list(crcs), head.offset, 1, rebuild=rebuild).check(bad)

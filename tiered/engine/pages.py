@@ -68,11 +68,11 @@ from ..errors import CorruptionError, StaleReadError
 from ..util.crc import crc32_patch
 from ..util.dirty import BLOCK_SHIFT
 from ..util.filemap import npy_header
-from .manifest import PAGE_BYTES, page_checksums, read_npy_header
+from .manifest import PAGE_BYTES, NpyHeader, page_checksums, read_npy_header
 
 __all__ = ["KEEP", "ARRAYS_DIR", "INTENT", "WRITE_UNIT", "FileState", "UndoImage", "UndoChain", "array_file",
            "undo_file", "stale_error", "kind_of", "plan_in_place", "read_runs", "write_in_place", "write_new", "write_undo",
-           "roll_back", "remove_obsolete", "write_intent", "read_intent", "stamp_of"]
+           "roll_back", "remove_obsolete", "write_intent", "read_intent", "stamp_of", "header_of"]
 
 #: Commits whose before-images are kept: a read-only open reads its commit until the writer's
 #: ``KEEP + 1``-th commit after it starts.
@@ -203,13 +203,17 @@ def plan_in_place(path: str, arr: np.ndarray, blocks: np.ndarray | None, base: F
     dirty id ``blocks``, widened to whole :data:`WRITE_UNIT` units, or with ``blocks`` None, the
     units whose bytes differ from the file's.
 
+    An array that grew (a blob-indexed array gets longer as blob ids are added) is written in
+    place too: its header and its new tail with the dirty blocks; the file only gets longer
+    (what a reader maps stays where it was).
+
     Returns:
         None where the array cannot be written in place: no ``base``, a file that is not the one
-        ``base`` describes, or a header that changed (another shape or dtype): the array then
-        goes to a new file (:func:`write_new`).
+        ``base`` describes, an array that shrank or whose dtype or row shape changed, or one not
+        tracked by block that grew: the array then goes to a new file (:func:`write_new`).
     """
     source, size = _source(arr)
-    if base is None or size != base.size:
+    if base is None or size < base.size or (size > base.size and blocks is None):
         return None
     try:
         fd = fileio.open_for_read(path)
@@ -217,11 +221,17 @@ def plan_in_place(path: str, arr: np.ndarray, blocks: np.ndarray | None, base: F
         return None
     try:
         hlen = len(source.head)
-        if not _reusable(fd, path, base, hlen, arr) or os.pread(fd, hlen, 0) != source.head:
+        if not _reusable(fd, path, base, hlen, arr):
             return None
-        if blocks is not None:
-            return _dirty_runs(arr, hlen, size, blocks)
-        return _differing_runs(fd, source, size)
+        if size == base.size:
+            if os.pread(fd, hlen, 0) != source.head:
+                return None
+            return _dirty_runs(arr, hlen, size, blocks) if blocks is not None else _differing_runs(fd, source, size)
+        # grown (more blob ids): the header and the tail too, in place; the file only gets longer
+        runs = _dirty_runs(arr, hlen, size, blocks)
+        tail = base.size // WRITE_UNIT * WRITE_UNIT
+        return _merge(np.append(runs[:, 0], [0, tail]),
+                      np.append(runs[:, 1], [min(size, -(-hlen // WRITE_UNIT) * WRITE_UNIT), size]))
     finally:
         fileio.close(fd)
 
@@ -266,7 +276,7 @@ def write_in_place(path: str, arr: np.ndarray, runs: np.ndarray, base: FileState
     source, size = _source(arr, before)
     fd = fileio.open_for_write(path)
     try:
-        crcs = list(base.crcs)
+        crcs = list(base.crcs) + [0] * max(0, -(-size // PAGE_BYTES) - len(base.crcs))
         written, ranges = _write_runs(fd, path, source, runs, base, crcs, size)
         fileio.fsync(fd)
         stamp = stamp_of(os.fstat(fd))
@@ -428,21 +438,22 @@ def _splice_pages(fd: int, source: _Source, runs: np.ndarray, base: FileState, c
     return written, ranges
 
 
-def write_undo(store: str, generation: int, images: list[tuple[str, int, np.ndarray, np.ndarray]]) -> int:
-    """Durably write the before-images of commit ``generation``: per array ``(name, file, runs,
-    old)``, the byte ``runs`` of its file ``file`` about to be rewritten and their ``old`` bytes.
+def write_undo(store: str, generation: int, images: list[tuple[str, int, int, np.ndarray, np.ndarray]]) -> int:
+    """Durably write the before-images of commit ``generation``: per array ``(name, file, size,
+    runs, old)``, the byte ``runs`` of its file ``file`` (``size`` bytes now) about to be
+    rewritten, within ``size``, and their ``old`` bytes.
     The file is written under a temp name, fsynced and renamed; the caller fsyncs the directory
     before the intent names the commit. Returns the bytes written.
 
-    Layout: :data:`_UNDO_HEAD`, a JSON table (``arrays``: ``[name, file, runs, offset]`` each,
+    Layout: :data:`_UNDO_HEAD`, a JSON table (``arrays``: ``[name, file, runs, offset, size]`` each,
     ``body``: bytes of the body, ``crcs``: CRC-32 of each :data:`PAGE_BYTES` page of the body),
     then the body: per array its runs as ``(n, 2)`` little-endian int64, then their old bytes.
     """
     parts: list[memoryview] = []
     table, at = [], 0
-    for name, file, runs, old in images:  # the arrays the commit changes in place (a few dozen)
+    for name, file, size, runs, old in images:  # the arrays the commit changes in place (a few dozen)
         spans = np.ascontiguousarray(runs, dtype="<i8")
-        table.append([name, int(file), int(spans.shape[0]), at])
+        table.append([name, int(file), int(spans.shape[0]), at, int(size)])
         parts += [memoryview(spans).cast("B"), memoryview(np.ascontiguousarray(old, dtype=np.uint8))]
         at += spans.nbytes + old.nbytes
     meta = json.dumps({"generation": generation, "arrays": table, "body": at,
@@ -495,11 +506,14 @@ class UndoImage:
             self.start, self.size = _UNDO_HEAD.size + n, int(doc["body"])
             self.crcs = [int(c) for c in doc["crcs"]]
             self.arrays: dict[tuple[str, int], tuple[int, int]] = {
-                (str(name), int(file)): (int(k), int(at)) for name, file, k, at in doc["arrays"]}
+                (str(name), int(file)): (int(k), int(at)) for name, file, k, at, _ in doc["arrays"]}
+            #: bytes of each file before the commit (a file that grew is cut back to them)
+            self.sizes = {(str(name), int(file)): int(size) for name, file, _, _, size in doc["arrays"]}
         except (ValueError, TypeError, KeyError) as e:
             raise self.bad(f"its table cannot be read ({e})") from None
         if self.start + self.size != size or len(self.crcs) != -(-self.size // PAGE_BYTES) or any(
-                k < 0 or at < 0 or at + 16 * k > self.size for k, at in self.arrays.values()):
+                k < 0 or at < 0 or at + 16 * k > self.size for k, at in self.arrays.values()) or any(
+                n < 0 for n in self.sizes.values()):
             raise self.bad("its table does not fit the file")
 
     def bad(self, what: str) -> CorruptionError:
@@ -625,6 +639,21 @@ def stale_error(store: str, generation: int, intent: int) -> StaleReadError:
         "run `tiered verify` if the error stays after that.")
 
 
+def header_of(raw: bytes, path: str, size: int) -> NpyHeader:
+    """The ``.npy`` header at the start of ``raw`` (a file's first bytes, as a commit left them),
+    checked as :func:`~tiered.engine.manifest.read_npy_header` checks a file of ``size`` bytes.
+
+    Raises:
+        CorruptionError: naming ``path``.
+    """
+    fd = os.memfd_create("tiered-npy-header", getattr(os, "MFD_CLOEXEC", 0))
+    try:
+        os.write(fd, raw)
+        return read_npy_header(fd, path, size)
+    finally:
+        os.close(fd)
+
+
 def roll_back(store: str, published: int) -> bool:
     """Undo what a commit that died after its intent wrote in place (the writer's open of a store,
     or a writer whose commit failed): write the before-images of the commit the intent names back,
@@ -647,10 +676,8 @@ def roll_back(store: str, published: int) -> bool:
         raise CorruptionError(f"{path}: missing, though {os.path.join(store, INTENT)} says commit {intent} was "
                               "being written; the store is damaged. Run `tiered verify` for details.") from None
     body = image.body(0, image.size)
-    for (name, file), (k, _at) in image.arrays.items():  # the arrays the dead commit changed
+    for name, file in image.arrays:  # the arrays the dead commit changed
         runs, where = image.runs(name, file)
-        if not k:
-            continue
         target = array_file(store, name, file)
         try:
             fd = fileio.open_for_write(target)
@@ -658,10 +685,13 @@ def roll_back(store: str, published: int) -> bool:
             raise CorruptionError(f"{target}: missing, though commit {intent} changed it; the store is "
                                   "damaged") from None
         try:
-            if int(runs[:, 1].max()) > os.fstat(fd).st_size:  # in place: never past the file's end
+            old_size = image.sizes[(name, file)]
+            if int(runs[:, 1].max(initial=0)) > old_size or os.fstat(fd).st_size < old_size:
                 raise image.bad(f"its runs of {name} lie past the end of {target}")
             for (lo, hi), src in zip(runs.tolist(), where.tolist(), strict=True):  # the dead commit's runs
                 fileio.pwrite(fd, body[src:src + hi - lo], lo)
+            if os.fstat(fd).st_size > old_size:  # grown by the dead commit: cut back
+                fileio.truncate(fd, old_size)
             fileio.fsync(fd)
         finally:
             fileio.close(fd)

@@ -93,6 +93,7 @@ from .pages import (
     FileState,
     UndoChain,
     array_file,
+    header_of,
     kind_of,
     plan_in_place,
     read_intent,
@@ -435,7 +436,10 @@ class StoreFiles:
                 # any page (index.meta's count) is never half a commit's
                 plans[name] = runs = None
             if runs is not None and runs.size:
-                images.append((name, base.file, runs, read_runs(path, runs)))
+                # the old bytes: those of the file as it is (a grown array's tail has none)
+                old = np.minimum(runs, base.size)
+                old = old[old[:, 1] > old[:, 0]]
+                images.append((name, base.file, base.size, old, read_runs(path, old)))
         written: dict[str, FileState] = {}
         # before the intent: files no commit names yet (a crash leaves them to remove)
         for name, arr in arrays.items():  # a loop over arrays
@@ -1062,6 +1066,13 @@ def _header(store: str, body: dict[str, Any], name: str, files: dict[str, Any]) 
         raise CorruptionError(f"{path}: file named by the manifest is missing; the store is damaged") from None
     try:
         size = os.fstat(fd).st_size
+        if size > files[name] and isinstance(body.get("array_files"), dict):
+            # a writer may have grown the file in place since: the header as this commit wrote it
+            raw = UndoChain(store, int(body["generation"])).page(
+                name, body["array_files"].get(name), 0, min(PAGE_BYTES, files[name]),
+                page_checksums_of(body).get(name, [None])[0])
+            if raw is not None:
+                return header_of(raw.tobytes(), path, files[name])
         if size != files[name]:
             raise CorruptionError(f"{path}: expected {files[name]} bytes, found {size} (truncated or overwritten)")
         return read_npy_header(fd, path, size)
