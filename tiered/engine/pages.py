@@ -5,14 +5,16 @@ Design note (format 7):
 
 * **Files.** Each array of a commit (index columns, row tables, dense columns, ...) lives in
   ``arrays/<name>.<f>.npy``, ``f`` being the commit that created the file (the manifest's
-  ``array_files``). A commit whose array keeps its ``.npy`` header (same dtype and shape) writes
-  only what changed, in place: the dirty row or blob-id blocks widened to :data:`WRITE_UNIT`
-  (arrays indexed by row or blob id). An array whose header changed (it grew or shrank), and a
-  small array whose changes are not tracked by block that differs from its file, is written
-  whole to a new file ``<name>.<g>.npy``; the old file is never written again.
+  ``array_files``). A commit writes only what changed of an array indexed by row or blob id, in
+  place: the dirty row or blob-id blocks widened to :data:`WRITE_UNIT`, and for an array that
+  grew (blob ids added) its header and new tail: the file only gets longer. An array that shrank
+  or changed dtype, and a small array whose changes are not tracked by block that differs from
+  its file, is written whole to a new file ``<name>.<g>.npy``; the old file is never written
+  again.
 * **What commit g writes, in order.** (1) The before-image file ``arrays/undo.<g>``: for each
-  byte range the commit will change in place, the bytes the file holds now (commit ``g - 1``'s),
-  checked by a CRC-32 per :data:`PAGE_BYTES` page, written under a temp name, fsynced, renamed;
+  byte range the commit will change in place, the bytes the file holds now (commit ``g - 1``'s)
+  and the file's size, checked by a CRC-32 per :data:`PAGE_BYTES` page, written under a temp
+  name, fsynced, renamed;
   the new files of resized arrays, fsynced; the directory fsynced. (2) ``commit.intent`` = ``g``,
   fsynced. (3) The changed ranges, in place, each file fsynced; each page's CRC-32 patched from
   its old one and the bytes that changed. (4) The manifest. Then the before-images of commit
@@ -20,15 +22,16 @@ Design note (format 7):
 * **What a crash leaves.** Before (2): the arrays as commit ``g - 1`` left them (a stray
   before-image or new file is removed at the next writer open). Between (2) and (4): arrays partly
   written; the next writer open (or the writer itself, after an error) sees an intent newer than
-  the manifest and writes the before-images of ``g`` back (:func:`roll_back`), bit-exact, then
-  sets the intent back. After (4): commit ``g``. A before-image is complete and fsynced before the
+  the manifest and writes the before-images of ``g`` back, cutting grown files to their old
+  size (:func:`roll_back`), bit-exact, then sets the intent back. After (4): commit ``g``. A before-image is complete and fsynced before the
   intent names its commit, so a power loss at any point leaves one of these.
 * **What readers see.** A read-only open of commit ``g`` maps the files; each page is copied
   private and checked against commit ``g``'s CRC-32 at its first use
   (:class:`~tiered.engine.lazy.PageChecks`), so the writer's later writes never reach a page once
   checked. A page the writer changed since fails its check; its bytes as of ``g`` are rebuilt from
   the before-images of commits ``g + 1`` to the intent (the oldest image of a byte wins) and
-  checked again (:meth:`UndoChain.rebuild`). The before-images of the last :data:`KEEP` commits
+  checked again (:meth:`UndoChain.rebuild`); a file grown since is mapped to its commit's size,
+  with the header rebuilt the same way. The before-images of the last :data:`KEEP` commits
   are kept: a reader up to ``KEEP`` commits behind reads its commit; further behind, a page it
   cannot rebuild raises ``StaleReadError``. A process forked from the writer has private arrays
   (the fork hook of :mod:`tiered.engine.persistence`).
