@@ -16,10 +16,9 @@ subprocess** that samples its own anonymous resident memory (``RssAnon``) every 
   1,000,000; 0: none), then ``close()``: rows/s and peak RssAnon growth;
 - ``commit``: ``tiered.open(path, "r+")``, extend ``--commit-rows`` new rows, time ``flush()``
   and count the bytes it wrote (``/proc/self/io`` ``write_bytes``), ``--commit-rounds`` times
-  (default 6; each commit writes the copy the commit three before it wrote, so it also rewrites
-  what the two commits before it changed: the build's ``close()`` settles the copies after its
-  large flushes, so the first two do not pay for them; the ratio of the sizes is also given for
-  the median of the commits from the third on);
+  (default 6; each commit writes the old bytes of what it changes to a before-image file, then
+  the changes in place; the ratio of the sizes is also given for the median of the commits from
+  the third on);
 - ``reopen``: time ``tiered.open(path)`` (the fastest of three opens in a row, each store closed and
   collected before the next; then the fastest of three more, each after ``posix_fadvise(DONTNEED)``
   on every file of the store: "cold") and the growth of RssAnon the first open causes (over a process that
@@ -30,8 +29,8 @@ subprocess** that samples its own anonymous resident memory (``RssAnon``) every 
   has mapped stay cached, which flatters the cold rate of mapped metadata).
 
 Bytes on disk per transition are counted over all files, and over one generation (the segments
-and the array files of the last commit: the published copy of each array, of the three copies
-each array keeps); "arrays"
+and the array files of the last commit: the file of each array, without the before-images
+of the last two commits and the files they replaced); "arrays"
 is the part of one generation that is metadata (row tables, dense columns, blob index), "dense"
 the dense columns alone.
 Side by side on the same frames: the Dopamine checkpoint layout (``np.save`` of the per-step
@@ -226,8 +225,8 @@ def part_of(p: Path, arrays: set[Path]) -> str:
 def disk_bytes(path: Path) -> dict[str, int]:
     files = store_files(path)
     body = json.loads((path / "manifest.json").read_text())["body"]
-    current = {path / "arrays" / f"{n}.{c}.npy" for n, c in body["copy"].items()}
-    older = {p for p in (path / "arrays").glob("*.npy") if p not in current}  # copies not published
+    current = {path / "arrays" / f"{n}.{f}.npy" for n, f in body["array_files"].items()}
+    older = {p for p in (path / "arrays").iterdir() if p not in current}  # before-images, files replaced lately
     arrays = {p for p in files if p.parent.name == "arrays"}  # row tables, dense columns, index
     parts: dict[str, int] = dict.fromkeys(PARTS, 0)
     for p in files:

@@ -92,12 +92,14 @@ def _current_arrays(path: Path) -> list[Path]:
 
 
 def _older_copy(path: Path, rel: Path) -> Path | None:
-    """The same array in the copy the commit before the last wrote, if any."""
+    """The same array in the newest file an earlier commit wrote and a later one replaced, if any
+    (kept while readers of the last two commits may map it)."""
     if rel.parts[0] != "arrays":
         return None
-    name, c, _ = rel.name.rsplit(".", 2)
-    older = Path("arrays") / f"{name}.{(int(c) - 1) % 3}.npy"
-    return older if (path / older).exists() else None
+    name, f, _ = rel.name.rsplit(".", 2)
+    older = sorted((int(p.name.rsplit(".", 2)[1]), p) for p in (path / "arrays").glob(f"{name}.*.npy")
+                   if p.name.rsplit(".", 2)[0] == name and int(p.name.rsplit(".", 2)[1]) < int(f))
+    return older[-1][1].relative_to(path) if older else None
 
 
 def _data_offset(store: Store, rel: Path) -> int:

@@ -19,9 +19,10 @@ from tensordict import TensorDict
 import tiered
 from tiered import TieredStore
 from tiered.atari import concat_rollouts
+from tiered.engine.commit_arrays import array_path
 from tiered.engine.layout import FieldLayout
 from tiered.engine.manifest import FORMAT_VERSION, PAGE_BYTES
-from tiered.engine.pages import write_copy
+from tiered.engine.pages import plan_in_place, write_new
 from tiered.errors import CorruptionError, StorageFullError
 from tiered.index import MAX_BLOB_IDS, BlobIndex, check_blob_ids
 from tiered.schema import Schema
@@ -33,9 +34,9 @@ def _table_dtypes(path: Path) -> set[tuple[str, str]]:
     """``(name, dtype)`` of every row table array the last commit published."""
     body = manifest_body(path)
     out = set()
-    for name, copy in body["copy"].items():
+    for name in body["files"]:
         if name.startswith("rows."):
-            out.add((name, str(np.load(path / "arrays" / f"{name}.{copy}.npy", mmap_mode="r").dtype)))
+            out.add((name, str(np.load(array_path(str(path), body, name), mmap_mode="r").dtype)))
     return out
 
 
@@ -94,19 +95,21 @@ def test_a_write_needing_more_blob_ids_than_32_bits_hold_is_refused(atari_pong):
 
 
 def test_an_array_whose_dtype_changed_is_rewritten_whole(tmp_path):
-    """A copy holding an array of another dtype (a narrowed dense column widened by a write that
-    did not fit it) is not patched page by page (every page moved): the commit rewrites it whole."""
-    path = str(tmp_path / "rows.0.blob.0.npy")
+    """A file holding an array of another dtype (a narrowed dense column widened by a write that
+    did not fit it) is not patched page by page (every page moved): the commit writes the array
+    whole to a new file."""
+    path = str(tmp_path / "rows.0.blob.1.npy")
     old = np.arange(3 * PAGE_BYTES // 8 * 4, dtype=np.int64).reshape(-1, 4)  # int32: 6 pages
-    base = write_copy(path, old, None, None, 1)
+    base = write_new(path, old, 1)
     new = old.astype(np.int32)
     new[0] = -1
     blocks = np.zeros(1, dtype=bool)
     blocks[0] = True  # only the first block of rows changed
-    state = write_copy(path, new, blocks, base, 2)
-    disk = np.load(path)
+    assert plan_in_place(path, new, blocks, base) is None  # not in place
+    state = write_new(str(tmp_path / "rows.0.blob.2.npy"), new, 2)
+    disk = np.load(str(tmp_path / "rows.0.blob.2.npy"))
     assert disk.dtype == np.int32 and np.array_equal(disk, new)
-    assert state.written == state.size
+    assert state.written == state.size and np.array_equal(np.load(path), old)
 
 
 def _stacks_mismatch(td: TensorDict) -> np.ndarray:
@@ -213,7 +216,7 @@ def test_a_damaged_exception_list_is_refused_naming_its_file(tmp_path, atari_pon
     body = doc["body"]
     (i,) = body["derived_tables"]
     name = f"next.{i}.rows"
-    f = path / "arrays" / f"{name}.{body['copy'][name]}.npy"
+    f = path / "arrays" / f"{name}.{body['array_files'][name]}.npy"
     raw = f.read_bytes()
     f.write_bytes(raw[:-16] + raw[-8:] + raw[-16:-8])  # [5, 99, 50]: not sorted
     restamp(path)  # checksums of the damaged bytes: the content check must catch it

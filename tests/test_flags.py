@@ -126,7 +126,7 @@ def test_a_damaged_flags_page_is_found_before_use(atari_pong, tmp_path):
     with TieredStore(64, path, **OPTS) as s:
         s.extend(_with_random_flags(atari_pong[:64]))
     body = manifest_body(path)
-    file = path / "arrays" / f"flags.{body['copy']['flags']}.npy"
+    file = path / "arrays" / f"flags.{body['array_files']['flags']}.npy"
     raw = bytearray(file.read_bytes())
     raw[-10] ^= 0x04  # a bit of row 54's byte
     file.write_bytes(bytes(raw))

@@ -51,7 +51,7 @@ def store(built, tmp_path) -> Path:
 
 def _array_file(path: Path, name: str) -> Path:
     body = json.loads((path / "manifest.json").read_text())["body"]
-    return path / "arrays" / f"{name}.{body['copy'][name]}.npy"
+    return path / "arrays" / f"{name}.{body['array_files'][name]}.npy"
 
 
 def _damage(path: Path, name: str, page: int) -> range:
@@ -127,12 +127,15 @@ def test_a_writer_never_copies_a_damaged_page_into_a_new_commit(store):
     rows = _damage(store, name, 1)
     with tiered.open(store, "r+") as w, pytest.raises(ChecksumError, match=name):
         w.set(torch.arange(rows[0], rows[0] + 10), _data(10, start=7))  # refused before any byte changes
-    # the commit at close copied no damaged page: its copy of the table is built from the
-    # older, intact copy plus what changed (nothing), so every row reads as before
-    assert verify_store(store, progress=False).ok
+    # the commit at close gave the damaged page no new checksum (it wrote nothing there): the
+    # damage is still found, and the rows of the other pages read as before
+    report = verify_store(store, progress=False)
+    assert not report.ok and name in report.summary()
     with tiered.open(store) as s:
-        got = s.get(torch.arange(N))
-    assert all(torch.equal(got.get(k), expected.get(k)) for k in expected.keys(True, True))
+        got = s.get(torch.arange(N - 1000, N))
+        with pytest.raises(ChecksumError, match=name):
+            s.get(torch.arange(rows[0], rows[0] + 10))
+    assert all(torch.equal(got.get(k), expected[N - 1000:].get(k)) for k in expected.keys(True, True))
 
 
 def test_commits_after_a_reopen_keep_every_row(store):
@@ -161,8 +164,11 @@ def test_a_damaged_header_page_is_found_at_first_use_not_at_open(store):
             s.get(torch.tensor([0]))
     with tiered.open(store, "r+") as w:  # a write elsewhere, then the commit at close
         w.set(torch.tensor([N - 1]), _data(1, start=N - 1))
-    # the new commit's copy of the column took no byte of the damaged page
-    assert verify_store(store, progress=False).ok
+    # the commit wrote no byte of the damaged page and gave it no new checksum: still found
+    report = verify_store(store, progress=False)
+    assert not report.ok and name in report.summary()
     with tiered.open(store) as s:
-        got = s.get(torch.arange(N - 1))  # every row the writer did not set reads as before
-    assert all(torch.equal(got.get(k), expected.get(k)[:N - 1]) for k in expected.keys(True, True))
+        got = s.get(torch.arange(N - 1000, N - 1))  # rows of other pages the writer did not set read as before
+        with pytest.raises(ChecksumError, match=name):
+            s.get(torch.tensor([0]))
+    assert all(torch.equal(got.get(k), expected.get(k)[N - 1000:N - 1]) for k in expected.keys(True, True))

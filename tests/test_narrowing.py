@@ -285,7 +285,7 @@ def test_a_widening_over_a_damaged_page_is_refused_before_anything_changes(tmp_p
         assert stored(s, "action") == "uint8"
     body = manifest_body(path)
     column = next(k for k in body["files"] if k.startswith("dense."))
-    copy = path / "arrays" / f"{column}.{body['copy'][column]}.npy"
+    copy = path / "arrays" / f"{column}.{body['array_files'][column]}.npy"
     with open(copy, "r+b") as fh:  # one flipped byte in the last page, far from the rows written
         at = copy.stat().st_size - 100
         fh.seek(at)

@@ -120,7 +120,7 @@ def _corrupt_exception(path: Path, value: int) -> Path:
     body = manifest_body(path)
     (i,) = body["derived_tables"]
     name = f"next.{i}.blob"
-    f = path / "arrays" / f"{name}.{body['copy'][name]}.npy"
+    f = path / "arrays" / f"{name}.{body['array_files'][name]}.npy"
     arr = np.load(f)
     arr[0, 0] = value
     np.save(f, arr)

@@ -191,8 +191,8 @@ KINDS = ["dense.", "rows.", "index.state", "flags", "written"]
 
 def current_file(path: str, prefix: str) -> str:
     body = read_manifest(path)
-    name = next(n for n in body["copy"] if n.startswith(prefix))
-    return os.path.join(path, ARRAYS_DIR, f"{name}.{body['copy'][name]}.npy")
+    name = next(n for n in body["array_files"] if n.startswith(prefix))
+    return os.path.join(path, ARRAYS_DIR, f"{name}.{body['array_files'][name]}.npy")
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -243,15 +243,16 @@ def test_outside_truncation_is_refused_before_the_commit_reads_mapped_pages(tmp_
     assert run.stdout.strip() == "refused"
 
 
-def test_a_shrinking_copy_is_replaced_not_truncated_under_its_readers(tmp_path):
-    from tiered.engine.pages import write_copy
-    p = str(tmp_path / "x.npy")
+def test_a_resized_array_goes_to_a_new_file_not_cut_under_its_readers(tmp_path):
+    from tiered.engine.pages import plan_in_place, write_new
+    p = str(tmp_path / "x.1.npy")
     big = np.arange(100_000, dtype=np.int64)
-    first = write_copy(p, big, None, None)
-    mapped = np.load(p, mmap_mode="r")  # a reader maps the copy
-    write_copy(p, big[:10], None, first)  # a later commit writes a shorter array to the same copy
-    assert int(mapped[-1]) == 99_999  # the reader's file lives on (a truncation would be SIGBUS here)
-    assert np.load(p).tolist() == list(range(10))
+    first = write_new(p, big, 1)
+    mapped = np.load(p, mmap_mode="r")  # a reader maps the file
+    assert plan_in_place(p, big[:10], None, first) is None  # a shorter array: not in place
+    write_new(str(tmp_path / "x.2.npy"), big[:10], 2)
+    assert int(mapped[-1]) == 99_999  # the reader's file is untouched (a truncation would be SIGBUS here)
+    assert np.load(str(tmp_path / "x.2.npy")).tolist() == list(range(10))
 
 
 def _worker_samples(rb, expect: TensorDict, go, done) -> None:

@@ -19,7 +19,7 @@ from tensordict import TensorDict
 
 import tiered
 from tiered import TieredStore, fileio
-from tiered.engine.pages import NCOPIES, copy_path
+from tiered.engine.pages import array_file, read_intent
 from tiered.errors import StorageFullError
 from tiered.testing.inspection import parts
 from tiered.util import filemap
@@ -164,41 +164,45 @@ def test_values_survive_commits_that_wrap_the_copies(tmp_path):
 
 
 def test_a_mapped_page_is_rewritten_only_with_its_own_bytes(tmp_path):
-    """A page mapped clean from copy ``c`` stays mapped while later commits write the other copies
-    and then ``c`` again (incrementally, and whole after a failed commit): its bytes never change,
-    and copy ``c`` on disk keeps holding them.
+    """A page mapped clean from an array's file stays mapped while later commits change other
+    pages of the file in place: its bytes never change, and the file keeps holding them. A
+    commit that fails after changing pages in place writes their before-images back, the
+    writer's mapped pages made anonymous first: memory keeps the new values, the next commit
+    writes them.
 
-    Why (StoreFiles.map_back): only the writer writes a copy of an array, only from that array,
-    so it writes a page mapped from ``c`` into ``c`` from that very page: the same bytes.
+    Why (StoreFiles.map_back): only the writer writes the file of an array, only from that array,
+    so it writes a page mapped from the file from that very page: the same bytes.
     """
     cap = 16_000
     store, model = committed_store(tmp_path, cap)
     files = parts(store).files
     layout = filemap.layout_of(parts(store).rows.dense_array(("state",)))
     state = next(name for name, mapped in files.mapped.items() if mapped is layout)
-    c = files.current[state]
-    assert layout.size > 3 * (1 << 20) and layout.source[0] == c
+    f = files.array_files[state].file
+    assert layout.size > 3 * (1 << 20) and layout.source[0] == 0
     first = per_row_arrays(store)
     # rows in the column's last page only: its first page is never written again
-    for g in range(NCOPIES):
+    for g in range(3):
         write(store, model, np.arange(15_000 + g * 100, 15_100 + g * 100), batch(500_000 + g * 100, 100, salt=9))
         store.flush()
-        assert layout.source[0] == c
-    assert files.current[state] == c  # the third commit after wrote copy c again, page 0 untouched
-    disk = np.load(copy_path(store.path, state, c))
+        assert layout.source[0] == 0
+    assert files.array_files[state].file == f  # the same file, changed in place
+    disk = np.load(array_file(store.path, state, f))
     assert np.array_equal(disk, parts(store).rows.dense_array(("state",)))
-    # a commit that fails leaves the copy it was writing unknown: the next commit rewrites it
-    # whole, here copy c, from the very pages mapped from it
-    for g in range(NCOPIES - 1):
-        write(store, model, np.arange(15_500 + g * 10, 15_510 + g * 10), batch(700_000 + g * 10, 10, salt=3))
-        store.flush()
-    assert (files.current[state] + 1) % NCOPIES == c and layout.source[0] == c
-    write(store, model, np.arange(15_600, 15_610), batch(800_000, 10, salt=3))
-    with fileio.inject_faults(enospc_on=6), pytest.raises(StorageFullError):
-        store.flush()
+    for at in range(120, 0, -1):  # the first write count that fails a commit is its last write
+        write(store, model, np.arange(15_600 + at, 15_610 + at), batch(800_000 + at * 10, 10, salt=3))
+        published, g = np.load(array_file(store.path, state, f)), store.generation
+        try:
+            with fileio.inject_faults(eio_on=at):  # one write fails (a full disk would fail the roll-back too)
+                store.flush()
+        except OSError:
+            break
+    assert store.generation == g and read_intent(store.path) == g  # rolled back after its intent
+    assert np.array_equal(np.load(array_file(store.path, state, f)), published)
+    assert layout.source[0] == -1  # made anonymous before the roll-back wrote the file
     model.check(store)
     store.flush()
-    assert files.current[state] == c and layout.source[0] == c
+    assert files.array_files[state].file == f
     model.check(store)
     now = per_row_arrays(store)
     for name in first:
@@ -214,9 +218,9 @@ def test_writes_after_the_remap_stay_private_until_committed(tmp_path):
     cap = 12_000
     store, model = committed_store(tmp_path, cap)
     files = parts(store).files
-    published = copy_path(store.path, "written", files.current["written"])
-    dense = sorted(n for n in files.current if n.startswith("dense."))[0]
-    published_dense = copy_path(store.path, dense, files.current[dense])
+    published = array_file(store.path, "written", files.array_files["written"].file)
+    dense = sorted(n for n in files.array_files if n.startswith("dense."))[0]
+    published_dense = array_file(store.path, dense, files.array_files[dense].file)
     on_disk = np.load(published_dense).copy()
     write(store, model, np.array([5, 6, 7]), batch(900_000, 3, salt=4))
     store.set_length(cap)
@@ -296,7 +300,7 @@ def test_a_replaced_table_gets_its_pages_back_before_its_copies_change(tmp_path)
     write(store, model, np.arange(6000), batch(0, 6000, salt=7, shuffled=True))
     assert not parts(store).layout.tables[key].shifted  # explicit now
     kept = view.copy()  # what the old table held when it was replaced
-    for _ in range(NCOPIES + 1):  # every copy of the table rewritten with the explicit layout
+    for _ in range(4):  # the table's file replaced with the explicit layout, then written again
         store.flush(force=True)
     assert layout.alive and not (layout.source >= 0).any()
     assert np.array_equal(view, kept)
@@ -345,7 +349,7 @@ def test_a_store_opened_for_writing_maps_back_what_it_commits(tmp_path, monkeypa
     after = rss_anon()
     assert before - after > size // 2, (before, after, size)
     files = parts(store).files
-    assert {os.path.basename(copy_path(path, n, files.current[n])) for n in files.mapped} <= {
+    assert {os.path.basename(array_file(path, n, files.array_files[n].file)) for n in files.mapped} <= {
         os.path.basename(f) for f in mapped_files(path)}
     model.check(store)
     write(store, model, np.arange(100), batch(0, 100, salt=6))

@@ -125,11 +125,21 @@ def _child_killed_mid_write(rb, data, kill_on: int) -> None:
     raise SystemExit(7)  # not killed: kill_on was past this write's last file event
 
 
-# The child's write is 165 file events (blob bytes, then the commit: intent, array copies, fsyncs,
-# manifest rename, directory fsync; TorchRL's index column saves no array: its values are the rows):
-# kill points from the first to the last.
-@pytest.mark.parametrize("kill_on", [1, 30, 90, 150, 163, 165])
-def test_writer_killed_mid_write_leaves_the_store_whole(pong, tmp_path, kill_on):
+def _write_events(pong, path) -> int:
+    """File events of the child's write (blob bytes, then the commit: before-images, intent, array
+    files, fsyncs, manifest rename, directory fsync), counted on a twin of the store."""
+    rb = TensorDictReplayBuffer(storage=TieredStorage(100, path, **OPTS)).share()
+    rb.extend(pong[:30])
+    with fileio.inject_faults() as counting:
+        rb.extend(pong[200:220])
+    return counting.events
+
+
+# kill points from the first file event of the child's write to its last
+@pytest.mark.parametrize("at", [0.0, 0.2, 0.5, 0.85, 0.98, 1.0])
+def test_writer_killed_mid_write_leaves_the_store_whole(pong, tmp_path, at):
+    events = _write_events(pong, tmp_path / "twin")
+    kill_on = min(events, max(1, round(at * events)))
     storage = TieredStorage(100, tmp_path / "rb", **OPTS)
     rb = TensorDictReplayBuffer(storage=storage).share()
     rb.extend(pong[:30])

@@ -53,7 +53,6 @@ from .engine.persistence import (
     options_of,
     read_fresh,
     restore_commit,
-    settle,
 )
 from .engine.priorities import checked_row_priorities
 from .engine.read import CpuReadPipeline, ReadPipeline
@@ -185,7 +184,6 @@ class TieredStore:
                runtime: dict[str, Any]) -> None:
         """Create the parts (no cold tier: the caller adds it when the store has a path)."""
         self._runtime = runtime
-        self._committed = False
         self._codec, self._device, self._rows, self._index, self._placement, self._write = build_parts(
             capacity, codec, options, index, **runtime)
         #: whether anything changed since the last commit (a flush of an unchanged store writes nothing)
@@ -195,7 +193,7 @@ class TieredStore:
     def _build_from(self, path: str, body: dict[str, Any], mode: str, runtime: dict[str, Any], lock: Any) -> None:
         """Build the parts from the commit ``body`` of the store at ``path`` (an open; a shared
         store's reload of another process's commit)."""
-        files = StoreFiles(path, body.get("backend", "memmap"))
+        files = StoreFiles(path, body.get("backend", "memmap"), read_only=mode == "r")
         self._build(int(body["capacity"]), body["codec"], options_of(body), files.blob_index(body), runtime)
         self._files, self._backend = files, files.backend
         restore_commit(files, body, mode, self._rows, self._write, self._placement)
@@ -614,7 +612,7 @@ class TieredStore:
 
     def flush(self, *, force: bool = False) -> None:
         """Close open time chunks (compress and place them); with a path, commit durably (with
-        ``force``, even if nothing changed: ``close`` settles the array copies so)."""
+        ``force``, even if nothing changed)."""
         with self._lock:
             self._check_writable()
             if self._files is not None and not (self._changed or self._rows.live_views()) and not force:
@@ -625,16 +623,13 @@ class TieredStore:
             self._changed = False
 
     def close(self) -> None:
-        """Flush (stores with a path) and release memory, files and handles. Idempotent. After
-        commits of 262,144 rows or more, two more bring every copy up to date (docs/format.md)."""
+        """Flush (stores with a path) and release memory, files and handles. Idempotent."""
         with self._lock:
             if self._closed:
                 return
             try:
                 if self._files is not None and not self.read_only:
                     self.flush()
-                    if self._committed:  # a writer that committed nothing leaves the generation as it was
-                        settle(self._files, lambda: self.flush(force=True))
             finally:
                 self._placement.close()
                 self._closed = True
@@ -669,7 +664,6 @@ class TieredStore:
         """Durably publish the current state (no-op without a path or read-only)."""
         if self._files is not None:
             commit_parts(self._files, self._rows, self._write, self._placement, self._codec.name)
-            self._committed = True  # by this writer: close() may settle the copies
 
     @classmethod
     def open(cls, path: str | os.PathLike, mode: str = "r", *, shared: bool = False, **options: Any) -> TieredStore:

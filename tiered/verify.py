@@ -40,6 +40,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import stat
 import time
@@ -50,8 +51,9 @@ import numpy as np
 
 from . import fileio
 from .engine.commit_arrays import array_path, expand_derived, page_checksums_of
+from .engine.lazy import load_checked
 from .engine.manifest import MANIFEST, arrays_verified, load_npy, read_manifest
-from .engine.pages import ARRAYS_DIR
+from .engine.pages import ARRAYS_DIR, UndoChain, read_intent
 from .errors import ChecksumError, CorruptionError, FormatVersionError, NotATieredStoreError, TieredError
 
 __all__ = ["Problem", "Report", "verify_store"]
@@ -366,6 +368,11 @@ class _StoreCheck:
         except CorruptionError as e:
             report.add("manifest", str(e), file=self.manifest_file)
             sums = {}
+        # a writer may change the arrays in place while they are checked (or have died doing so):
+        # each page is copied private, and one it changed is checked as this commit left it, from
+        # the writer's before-images
+        g = self.body.get("generation")
+        chain = UndoChain(self.path, g) if isinstance(g, int) else None
         for name, size in sorted(self.files.items()):
             f = self.file_of(name)
             try:
@@ -374,12 +381,17 @@ class _StoreCheck:
                 report.add("missing", f"array {name!r} named by the manifest is missing or unreachable", file=f)
                 continue
             report.files_checked += 1
-            if actual != size:
+            grown = actual > size and (read_intent(self.path) or -1) > self.body.get("generation", -1)
+            if actual != size and not grown:  # grown in place by a newer commit: read as this one left it
                 report.add("truncated", f"array {name!r} is {actual} bytes, the manifest says {size}", file=f)
                 continue
             try:
-                self.arrays[name] = load_npy(f, size, pages=sums.get(name))
-                self.verified_files.append(f)
+                made = self.body.get("array_files", {}).get(name)
+                if chain is not None and isinstance(made, int):
+                    self.arrays[name] = load_checked(f, size, sums.get(name), functools.partial(chain.page, name, made))
+                else:
+                    self.arrays[name] = load_npy(f, size, pages=sums.get(name))
+                    self.verified_files.append(f)
             except ChecksumError as e:
                 report.add("checksum", f"array {name!r}: {e}", file=f)
             except CorruptionError as e:

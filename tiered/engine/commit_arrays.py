@@ -5,8 +5,8 @@ both need these; they live apart from the open path so that ``tiered verify`` an
 load numpy and the manifest reader, not torch.
 
 Example:
-    >>> array_path("/s", {"copy": {"written": 1}}, "written")
-    '/s/arrays/written.1.npy'
+    >>> array_path("/s", {"generation": 40, "array_files": {"written": 12}}, "written")
+    '/s/arrays/written.12.npy'
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import numpy as np
 from ..errors import CorruptionError
 from ..index import NextRowTable, RowTable, ShiftedRowTable
 from .manifest import MANIFEST, PAGE_BYTES
-from .pages import NCOPIES, copy_path
+from .pages import array_file
 
 __all__ = ["CHECKSUMS", "EXCEPTION_SUFFIXES", "array_path", "derived_tables", "expand_derived", "page_checksums_of",
            "shifted_tables", "table_file"]
@@ -142,15 +142,15 @@ def page_checksums_of(body: dict[str, Any]) -> dict[str, list[int]]:
 
 
 def array_path(store: str, body: dict[str, Any], name: str) -> str:
-    """The file holding array ``name`` of the commit ``body`` of the store ``store``: the copy
-    ``arrays/<name>.<copy>.npy`` the manifest names.
+    """The file holding array ``name`` of the commit ``body`` of the store ``store``: the file
+    ``arrays/<name>.<f>.npy`` its ``array_files`` names (``f``: the commit that made the file).
 
     Raises:
-        CorruptionError: the manifest names no valid copy for the array.
+        CorruptionError: the manifest names no valid file for the array.
     """
-    copies = body.get("copy")
-    c = copies.get(name) if isinstance(copies, dict) else None
-    if not isinstance(c, int) or isinstance(c, bool) or not 0 <= c < NCOPIES:
-        raise CorruptionError(f"{os.path.join(store, MANIFEST)}: the manifest names no copy of array {name!r} "
-                              f"(got {c!r}, expected 0..{NCOPIES - 1}); the store is damaged")
-    return copy_path(store, name, c)
+    files = body.get("array_files")
+    f = files.get(name) if isinstance(files, dict) else None
+    if not isinstance(f, int) or isinstance(f, bool) or not 0 <= f <= body.get("generation", -1):
+        raise CorruptionError(f"{os.path.join(store, MANIFEST)}: the manifest names no file of array {name!r} "
+                              f"(got {f!r}, expected the commit that made it); the store is damaged")
+    return array_file(store, name, f)

@@ -10,6 +10,12 @@ never rows), and the rows they hold are then handed to a callback (the reference
 row tables). A damaged page raises :class:`~tiered.errors.ChecksumError` at the first read or
 write that touches it (docs/durability.md).
 
+A reader of a commit that a writer goes on changing in place (a read-only open) passes
+``rebuild``: each page is first copied private (:func:`~tiered.util.filemap.make_private`), so
+the writer's later writes never reach it, and a page that fails its check is rebuilt as the
+reader's commit left it from the writer's before-images (:class:`~tiered.engine.pages.UndoChain`)
+before it is declared damaged.
+
 Example:
     >>> import os, tempfile
     >>> import numpy as np
@@ -29,15 +35,24 @@ Example:
 from __future__ import annotations
 
 import math
+import mmap
+import os
 import zlib
 from collections.abc import Callable
 
 import numpy as np
 
+from .. import fileio
 from ..errors import ChecksumError, CorruptionError
-from .manifest import PAGE_BYTES, already_verified, map_npy
+from ..util.filemap import make_private
+from .manifest import PAGE_BYTES, NpyHeader, already_verified, map_npy, page_checksums
+from .pages import header_of
 
-__all__ = ["PageChecks", "RowCheck", "map_checked"]
+__all__ = ["PageChecks", "RowCheck", "map_checked", "map_commit", "load_checked"]
+
+#: ``rebuild(lo, hi, crc)``: the bytes ``[lo, hi)`` of a file as the reader's commit left them
+#: (None: they cannot be rebuilt, so they are damaged)
+Rebuild = Callable[[int, int, int], "np.ndarray | None"]
 
 
 class PageChecks:
@@ -51,12 +66,15 @@ class PageChecks:
         row_bytes: bytes of one row (first-axis entry) of the array.
         stale: called before a mismatch is reported; raises its own error when the bytes were
             replaced by a newer commit rather than damaged (a read-only store a writer moved past).
+        rebuild: for a reader of a file a writer changes in place: each page is copied private
+            before its check, and one that fails is rebuilt by ``rebuild`` (see the module
+            docstring).
     """
 
     def __init__(self, path: str, view: memoryview, crcs: list[int], offset: int, row_bytes: int,
-                 stale: Callable[[], None] | None = None) -> None:
+                 stale: Callable[[], None] | None = None, rebuild: Rebuild | None = None) -> None:
         self.path, self.view, self.crcs = path, view, crcs
-        self.offset, self.row_bytes, self.stale = offset, max(row_bytes, 1), stale
+        self.offset, self.row_bytes, self.stale, self.rebuild = offset, max(row_bytes, 1), stale, rebuild
         self.size = view.nbytes
         #: per page: its CRC-32 was compared with the commit's
         self.checked = np.zeros(len(crcs), dtype=bool)
@@ -80,7 +98,15 @@ class PageChecks:
         todo = pages[~self.checked[pages]]
         for p in todo.tolist():  # one CRC per 1 MiB page: the unit of work here
             lo = p * PAGE_BYTES
-            got = zlib.crc32(self.view[lo:min(self.size, lo + PAGE_BYTES)])
+            hi = min(self.size, lo + PAGE_BYTES)
+            if self.rebuild is not None:
+                make_private(self.view, lo, hi)
+            got = zlib.crc32(self.view[lo:hi])
+            if got != self.crcs[p] and self.rebuild is not None:
+                fixed = self.rebuild(lo, hi, self.crcs[p])
+                if fixed is not None:  # the page as the reader's commit left it, checked
+                    np.frombuffer(self.view, dtype=np.uint8)[lo:hi] = fixed
+                    got = self.crcs[p]
             if got != self.crcs[p]:
                 if self.stale is not None:
                     self.stale()
@@ -147,8 +173,37 @@ class RowCheck:
         self.done[todo] = True
 
 
+def map_commit(path: str, expected_size: int, crcs: list[int] | None,
+               rebuild: Rebuild | None) -> tuple[mmap.mmap, os.stat_result, NpyHeader, int]:
+    """:func:`~tiered.engine.manifest.map_npy` of the commit's bytes of a file: ``(map, stat,
+    header, size)``. For a reader (``rebuild`` given), a file that a writer has since grown in
+    place is mapped to the commit's size, with the header the commit wrote (rebuilt from the
+    writer's before-images); its first page is rebuilt like any other when first checked.
+
+    Raises:
+        CorruptionError: naming the file.
+    """
+    try:
+        whole, st, head = map_npy(path, expected_size)
+        return whole, st, head, st.st_size
+    except CorruptionError:
+        if rebuild is None or not crcs:
+            raise
+        fd = fileio.open_for_read(path)
+        try:
+            st = os.fstat(fd)
+            raw = rebuild(0, min(PAGE_BYTES, expected_size), crcs[0]) if st.st_size > expected_size else None
+            if raw is None:
+                raise
+            head = header_of(raw.tobytes(), path, expected_size)
+            whole = mmap.mmap(fd, expected_size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            fileio.close(fd)
+        return whole, st, head, expected_size
+
+
 def map_checked(path: str, expected_size: int, crcs: list[int] | None,
-                stale: Callable[[], None] | None = None) -> tuple[np.ndarray, PageChecks]:
+                stale: Callable[[], None] | None = None, rebuild: Rebuild | None = None) -> tuple[np.ndarray, PageChecks]:
     """Memory-map (copy-on-write) a ``.npy`` array file whose pages are checked on first use.
 
     Checked now: the file is a regular file of ``expected_size`` bytes and its header is valid
@@ -161,8 +216,7 @@ def map_checked(path: str, expected_size: int, crcs: list[int] | None,
     Raises:
         CorruptionError (its subclass ChecksumError for a page mismatch): naming the file.
     """
-    whole, st, head = map_npy(path, expected_size)
-    size = st.st_size
+    whole, st, head, size = map_commit(path, expected_size, crcs, rebuild)
     if not head.shape or head.fortran_order:
         raise CorruptionError(f"{path}: not a row array of a tiered store (shape {head.shape}); "
                               "the store is damaged")
@@ -173,10 +227,36 @@ def map_checked(path: str, expected_size: int, crcs: list[int] | None,
     rows = head.shape[0]
     row_bytes = math.prod(head.shape[1:]) * head.dtype.itemsize
     pages = PageChecks(path, memoryview(whole), list(crcs) if crcs is not None else [0] * n_pages,
-                       head.offset, row_bytes, stale)
+                       head.offset, row_bytes, stale, rebuild)
     if crcs is None or already_verified(st):
         pages.checked[:] = True
     if rows * row_bytes == 0:
         return np.empty(head.shape, head.dtype), pages
     arr = np.frombuffer(whole, dtype=head.dtype, count=rows * (row_bytes // head.dtype.itemsize), offset=head.offset)
     return arr.reshape(head.shape), pages
+
+
+def load_checked(path: str, expected_size: int, crcs: list[int] | None, rebuild: Rebuild) -> np.ndarray:
+    """Memory-map (copy-on-write) a ``.npy`` file and check every page now, as
+    :func:`~tiered.engine.manifest.load_npy` does, for a reader of a file a writer changes in
+    place: each page is copied private first and rebuilt when it fails (:class:`PageChecks`).
+
+    Raises:
+        CorruptionError (its subclass ChecksumError for a page mismatch): naming the file.
+    """
+    whole, st, head, size = map_commit(path, expected_size, crcs, rebuild)
+    if crcs is not None and not already_verified(st):
+        n_pages = -(-size // PAGE_BYTES)
+        if len(crcs) != n_pages:
+            raise ChecksumError(f"{path}: the commit records {len(crcs)} checksummed pages, the file has "
+                                f"{n_pages}; the store is damaged. Run `tiered verify` for details.")
+        view = memoryview(whole)
+        make_private(view, 0, size)  # all at once, then hashed on several threads
+        bad = np.flatnonzero(np.array(page_checksums([view]), dtype=np.int64) != np.array(crcs, dtype=np.int64))
+        if bad.size:  # pages a writer changed since (or damaged): rebuilt, or raised
+            PageChecks(path, view, list(crcs), head.offset, 1, rebuild=rebuild).check(bad)
+    count = math.prod(head.shape)
+    order = "F" if head.fortran_order else "C"
+    if count == 0:
+        return np.empty(head.shape, head.dtype, order=order)
+    return np.frombuffer(whole, dtype=head.dtype, count=count, offset=head.offset).reshape(head.shape, order=order)

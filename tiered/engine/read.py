@@ -462,7 +462,7 @@ class CpuReadPipeline(ReadPipeline):
                                                 np.arange(which.size, dtype=np.int64) * nb,
                                                 np.full(which.size, nb, dtype=np.int64))
         self.counters["blobs_decoded"] += int(g.ids.size)
-        for k, f in enumerate(fields):  # a loop over fields, not rows
+        for k, f in enumerate(fields):
             out[f.key] = f.cells_from_frames(cells[k], n)
 
     def gather_blobs(self, layout: FieldLayout, fam: FrameFamily, uniq: np.ndarray, *,

@@ -49,7 +49,7 @@ from typing import Any
 import numpy as np
 
 __all__ = ["FileLayout", "file_array", "adopt", "layout_of", "remap", "privatize", "privatize_files", "supported",
-           "npy_header"]
+           "npy_header", "make_private"]
 
 #: Bytes of one memory page (the unit a mapping is replaced in).
 PAGE = mmap.PAGESIZE
@@ -264,6 +264,36 @@ def privatize(arr: np.ndarray | FileLayout, source: int | None = None) -> None:
         at = pages * PAGE
         view[at] = view[at]  # a write to each page copies it (copy-on-write): anonymous from now on
         layout.source[pages] = -1
+
+
+def make_private(view: memoryview, lo: int, hi: int) -> None:
+    """Give bytes ``[lo, hi)`` (``lo`` page-aligned) of a private, writable file mapping ``view``
+    an anonymous copy of their pages, made as the pages are now: a later write to the file no
+    longer shows there.
+
+    Example:
+        >>> import os, tempfile
+        >>> p = os.path.join(tempfile.mkdtemp(), "f")
+        >>> with open(p, "wb") as f:
+        ...     _ = f.write(bytes(3 * PAGE))
+        >>> with open(p, "rb") as f:
+        ...     m = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        >>> make_private(memoryview(m), 0, PAGE + 1)
+        >>> with open(p, "r+b") as f:  # the file changes...
+        ...     _ = f.write(b"x")
+        >>> m[0]  # ...the private page does not
+        0
+    """
+    if hi <= lo:
+        return
+    view_bytes = np.frombuffer(view, dtype=np.uint8)
+    start = view_bytes.__array_interface__["data"][0] + lo
+    # the kernel copies each page as a write fault would, without a write (no byte read and
+    # written back that a writer may be changing meanwhile); older kernels: a write of each
+    # page's first byte as it is
+    if _madvise is None or _madvise(start, hi - lo, _MADV_POPULATE_WRITE) != 0:
+        part = view_bytes[lo:hi]
+        part[::PAGE] = part[::PAGE].copy()
 
 
 def privatize_files(directory: str) -> int:
