@@ -138,7 +138,7 @@ def _obs_file(path: Path, prefix: str) -> Path:
     body = manifest_body(path)
     (i,) = body["shifted_tables"]
     name = f"{prefix}.{i}.{'blob' if prefix == 'rows' else 'rows'}"
-    return path / "arrays" / f"{name}.{body['copy'][name]}.npy"
+    return path / "arrays" / f"{name}.{body['array_files'][name]}.npy"
 
 
 def test_a_damaged_exception_list_is_refused_at_open(tmp_path, atari_pong):
