@@ -7,7 +7,7 @@ for every call, reads included. This compares, on one lock file, the time of one
 release of:
 
 - ``filelock.UnixFileLock``: opens the lock file, ``flock``, and closes it again on every hold;
-- ``SharedWriterLock``: ``tiered.engine.lock``'s, which keeps its descriptor open and takes the
+- ``SharedWriterLock``: ``tiered.durable.lock``'s, which keeps its descriptor open and takes the
   ``flock`` with ``filelock.lock_descriptor`` / ``unlock_descriptor``;
 
 and then the time of ``rb.sample(32)`` on a shared ``TieredStorage`` (2,048 rows of 4x84x84
@@ -34,7 +34,7 @@ import torch  # noqa: E402
 from tensordict import TensorDict  # noqa: E402
 
 from benchmarks._harness import machine_facts, markdown_table  # noqa: E402
-from tiered.engine.lock import LOCK_FILE, SharedWriterLock  # noqa: E402
+from tiered.durable.lock import LOCK_FILE, SharedWriterLock  # noqa: E402
 
 
 class _FileLockPerHold:

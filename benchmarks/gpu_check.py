@@ -281,7 +281,7 @@ def _dist_version(mod: str) -> str:
 
 
 def stage_probe(c: Ctx) -> None:
-    from tiered.gpu import GpuDecoder
+    from tiered.engine.gpu_read import GpuDecoder
 
     if c.dry:
         say("  probe: none (dry run: nvCOMP is not used; the decoder's CPU stand-in decodes)")
@@ -395,7 +395,7 @@ def _aligned_upload(c: Ctx, data, offsets, sizes):
 
 
 def _attach(c: Ctx, store):
-    from tiered.gpu import GpuDecoder
+    from tiered.engine.gpu_read import GpuDecoder
 
     dec = store.gpu_decoder
     if dec is None:
@@ -433,8 +433,8 @@ def stage_tiers(c: Ctx) -> None:
     import torch
 
     from tiered.atari import load_fixture
+    from tiered.engine.blob_index import HOT, OPEN
     from tiered.errors import ChecksumError
-    from tiered.index import HOT, OPEN
     from tiered.testing import parts, tier_counts
 
     atari = load_fixture(FIXTURE, games=["Breakout", "MsPacman"])[:603]
@@ -799,7 +799,7 @@ def stage_tests(c: Ctx) -> None:
 
     files = sorted(str(p.relative_to(REPO)) for p in (REPO / "tests").glob("test_gpu*.py"))
     # test_copy and test_tiers: the host-to-CUDA copies and the CUDA arenas the GPU path relies on
-    args = ["-m", "cuda", *files, "tests/test_prefetch.py", "tests/test_copy.py", "tests/test_tiers.py", "-q", "-rfEs",
+    args = ["-m", "cuda", *files, "tests/engine/test_prefetch.py", "tests/engine/test_copy.py", "tests/tiers/test_tiers.py", "-q", "-rfEs",
             "-p", "no:cacheprovider", "-p", "no:faulthandler"]
     try:
         import pytest_timeout  # noqa: F401  (carried to the GPU machine; bounds each test)

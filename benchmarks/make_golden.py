@@ -39,7 +39,7 @@ files of the same length and the same bytes (sparse on disk). The archives are x
 with fixed metadata (mtime 0, uid 0), so an archive depends only on the bytes of the store.
 The one file left out is ``lock``: it is the writer lock, not data, it holds the writing
 machine's host name and pid, and the next writer creates it again (``tiered.open(path,
-mode="r+")`` is exercised on every store by ``tests/test_golden.py``).
+mode="r+")`` is exercised on every store by ``tests/durable/test_golden.py``).
 
 A fixture must decode forever: never regenerate one that exists because a test fails; a failing
 golden test means format v1 broke. Add new fixtures for new features instead. This script
@@ -97,8 +97,8 @@ sys.path.insert(0, str(REPO))
 import tiered  # noqa: E402
 from tiered.atari import load_fixture  # noqa: E402
 from tiered.codecs import get_codec, segment_checksums  # noqa: E402
-from tiered.engine.commit_arrays import array_path  # noqa: E402
-from tiered.engine.manifest import FORMAT_VERSION  # noqa: E402
+from tiered.durable.commit_arrays import array_path  # noqa: E402
+from tiered.durable.manifest import FORMAT_VERSION  # noqa: E402
 from tiered.verify import verify_store  # noqa: E402
 
 __all__ = ["pack_directory", "extract_archive", "tensor_bytes", "main"]
@@ -497,7 +497,7 @@ def main(argv: list[str] | None = None, log: Callable[[str], None] = print) -> i
     rows = source_rows(source)
     manifest: dict[str, Any] = {
         "about": "golden fixtures of tiered format v1; written by benchmarks/make_golden.py, read by "
-                 "tests/test_golden.py; see docs/format.md, section 'Golden fixtures'",
+                 "tests/durable/test_golden.py; see docs/format.md, section 'Golden fixtures'",
         "format_version": FORMAT_VERSION,
         "written_by": f"tiered {tiered.__version__}",
         "source": {"file": source.relative_to(REPO).as_posix() if source.is_relative_to(REPO) else str(source),

@@ -1,4 +1,4 @@
-"""The long mutation sweep: many more cases than tests/test_mutation.py, counts per file kind.
+"""The long mutation sweep: many more cases than tests/durable/test_mutation.py, counts per file kind.
 
 Builds committed stores from real Atari frames (Pong, ``tiered.atari.cached_rollout``) with the
 memmap and the HDF5 backend, then damages every file of each, one case at a time (truncations at

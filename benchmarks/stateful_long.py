@@ -1,4 +1,4 @@
-"""The stateful model test of ``tests/test_stateful.py``, run for minutes with random seeds.
+"""The stateful model test of ``tests/durable/test_stateful.py``, run for minutes with random seeds.
 
 Each round runs one store kind's state machine (in-memory, memmap, HDF5, in turn) under a fresh
 random seed; a failure is printed with its seed and hypothesis's shrunk steps, and the run goes on.

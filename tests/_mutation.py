@@ -1,5 +1,5 @@
 """The mutation sweep: damage every file of a committed store, one way at a time, and classify
-what a user then gets (used by tests/test_mutation.py and benchmarks/mutation_sweep.py).
+what a user then gets (used by tests/durable/test_mutation.py and benchmarks/mutation_sweep.py).
 
 A store is built from real Atari rows in three commits (the ring wraps, so its arrays hold free
 blob ids and free and deferred cold extents, and the previous generation's files still exist).

@@ -14,11 +14,11 @@ pixels changed, so near-identical frames must not be shared, and some repeat one
 Stores with a path also get reopened, read by read-only openers, and crashed: the store is
 dropped without a close (its writer lock released, as the kernel does for a killed process) and
 every file write not made durable by an fsync is undone through the fault-injection seam
-(``tiered.fileio.inject_faults(undo_log=...)`` then ``apply_power_loss``). The store must then
+(``tiered.util.faults.inject_faults(undo_log=...)`` then ``apply_power_loss``). The store must then
 reopen as exactly its last commit. Single I/O errors are injected into flushes and extends
 through the same seam.
 
-Used by ``tests/test_stateful.py`` (fixed budget, CI) and ``benchmarks/stateful_long.py``.
+Used by ``tests/durable/test_stateful.py`` (fixed budget, CI) and ``benchmarks/stateful_long.py``.
 """
 
 from __future__ import annotations
@@ -44,11 +44,10 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from tensordict import TensorDict
 
 import tiered
-from tiered import fileio
 from tiered.atari import load_fixture
+from tiered.engine.blob_index import STORED
 from tiered.errors import ChecksumError, IndexOutOfRangeError, SchemaMismatchError, StorageFullError
-from tiered.index import STORED
-from tiered.testing import parts
+from tiered.testing import faults, parts
 from tiered.verify import verify_store
 
 FIXTURE = Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "atari_frames.npz"
@@ -210,7 +209,7 @@ class StoreModel(RuleBasedStateMachine):
         self.config: StoreConfig | None = None
         self.tmp: str | None = None
         self.path: str | None = None
-        self.injector: fileio.FaultInjector | None = None
+        self.injector: faults.FaultInjector | None = None
         self.injector_ctx: Any = None
         self.logs = 0
         self.graveyard: list[tiered.TieredStore] = []  # crashed stores: never closed, never finalized
@@ -255,7 +254,7 @@ class StoreModel(RuleBasedStateMachine):
     def _start_undo_log(self) -> None:
         self.logs += 1
         self.log = os.path.join(self.tmp, f"undo-{self.logs}.log")
-        self.injector_ctx = fileio.inject_faults(undo_log=self.log)
+        self.injector_ctx = faults.inject_faults(undo_log=self.log)
         self.injector = self.injector_ctx.__enter__()
 
     def _stop_undo_log(self) -> None:
@@ -583,7 +582,7 @@ class StoreModel(RuleBasedStateMachine):
         self.graveyard.append(zombie)  # never closed: a killed process closes nothing
         parts(zombie).files.release_lock()  # the kernel drops a dead process's flock
         self._stop_undo_log()
-        RUN_COUNTS["writes_undone"] += fileio.apply_power_loss(self.log)
+        RUN_COUNTS["writes_undone"] += faults.apply_power_loss(self.log)
         self._start_undo_log()
         self.store = tiered.open(self.path, mode="r+", **self.config.runtime())
         s = self.store

@@ -8,16 +8,15 @@ Without ale-py and without a cache file, tests that use them are skipped with th
 
 from __future__ import annotations
 
-import os
-
-# every commit of the tests checks that its incremental writes left each array file equal to memory
-os.environ.setdefault("TIERED_CHECK_COMMITS", "1")
-
 import pytest
 import torch
 from tensordict import TensorDict
 
 from tiered.atari import cached_rollout, concat_rollouts
+from tiered.testing.commit_check import check_commits
+
+# every commit of the tests checks that its incremental writes left each array file equal to memory
+check_commits()
 
 # Arguments of each fixture, kept here so tests can check properties against them.
 PONG_ARGS = {"game": "Pong", "steps": 2000, "seed": 0, "max_episode_steps": 500}

@@ -38,8 +38,8 @@ def restamp(path: Path) -> None:
     files are now (and the digest; sizes are left as recorded): edits made to the files become a
     self-consistent lie, so what is tested is the checks behind the page checksums (a writer bug
     would look so)."""
-    from tiered.engine.commit_arrays import array_path
-    from tiered.engine.manifest import page_checksums
+    from tiered.durable.commit_arrays import array_path
+    from tiered.durable.manifest import page_checksums
 
     def stamp(body: dict) -> None:
         for name in body["files"]:  # a loop over a commit's array files (a few dozen)
@@ -86,7 +86,7 @@ class GenFiles:
     def __truediv__(self, fname: str):
         from pathlib import Path
 
-        from tiered.engine.commit_arrays import array_path
+        from tiered.durable.commit_arrays import array_path
 
         assert fname.endswith(".npy"), fname
         return Path(array_path(str(self.path), self.body, fname[:-4]))

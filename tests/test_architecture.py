@@ -277,3 +277,41 @@ def test_the_package_exports_every_exception():
 
     missing = sorted(set(errors.__all__) - set(tiered.__all__))
     assert not missing, f"tiered.__all__ lacks {missing}"
+
+
+# The folders of docs/architecture.md's diagram, top to bottom: a module imports only from its own
+# box or the boxes below it.
+LAYERS = (
+    ("tiered.cli", "tiered.__main__", "tiered.demo", "tiered.verify", "tiered.formats", "tiered.torchrl",
+     "tiered.ray", "tiered.testing", "tiered.atari", "tiered.prefetch", "tiered.sidecar"),
+    ("tiered.store",),
+    ("tiered.durable",),
+    ("tiered.engine",),
+    ("tiered.schema", "tiered.policy"),
+    ("tiered.tiers", "tiered.codecs"),
+    ("tiered.util", "tiered.errors", "tiered.version"),
+)
+
+
+def _layer(name: str) -> int | None:
+    for i, box in enumerate(LAYERS):
+        if _below(name, box):
+            return i
+    return None
+
+
+def test_folders_import_only_downwards():
+    upward = []
+    for m in MODULES.values():
+        here = _layer(m.name)
+        if here is None:
+            continue
+        for target, line in m.imports:
+            there = _layer(_owner(target))
+            if there is not None and there < here:
+                upward.append(f"{m.path.relative_to(PACKAGE.parent)}:{line} imports {target} (a box above)")
+    assert not upward, "\n".join(upward)
+
+
+def test_every_module_is_in_a_box():
+    assert [m for m in MODULES if m != "tiered" and _layer(m) is None] == []

@@ -74,7 +74,7 @@ def __getattr__(name: str) -> Any:
         globals()[name] = value  # later lookups skip this function
         return value
     if not name.startswith("_"):
-        # `import tiered; tiered.fileio...` kept working while the package root imported
+        # `import tiered; tiered.util.fileio...` kept working while the package root imported
         # everything; a submodule still loads on first attribute access.
         try:
             return importlib.import_module(f".{name}", __name__)

@@ -137,8 +137,8 @@ def _info_spill(args: argparse.Namespace, dirs: list[str]) -> int:
 
 
 def _info(args: argparse.Namespace) -> int:
-    from .engine.manifest import MANIFEST, read_manifest
-    from .engine.summary import read_summary
+    from .durable.manifest import MANIFEST, read_manifest
+    from .durable.summary import read_summary
     from .sidecar import read_source
 
     if os.path.isdir(args.store) and not os.path.exists(os.path.join(args.store, MANIFEST)):

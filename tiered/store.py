@@ -7,9 +7,9 @@ batched call and placed into the fastest tier with room. The parts (``tiered/eng
 * :class:`~tiered.engine.rows.RowSpace`: capacity, cursor, length, written rows, dense columns;
 * :class:`~tiered.engine.write.WritePath`: validate -> plan -> encode -> place -> index, the stage;
 * :class:`~tiered.engine.placement.Placement`: the tiers and every move between them (asks the policy);
-* :class:`~tiered.engine.read.CpuReadPipeline` / :class:`~tiered.gpu.GpuReadPipeline`: the reads;
-* :class:`~tiered.engine.persistence.StoreFiles`: commits, opening, the writer lock;
-* :class:`~tiered.engine.sharing.SharedWriting`: several writer processes (:meth:`TieredStore.share`);
+* :class:`~tiered.engine.read.CpuReadPipeline` / :class:`~tiered.engine.gpu_read.GpuReadPipeline`: the reads;
+* :class:`~tiered.durable.store_files.StoreFiles`: commits, opening, the writer lock;
+* :class:`~tiered.durable.sharing.SharedWriting`: several writer processes (:meth:`TieredStore.share`);
 * :func:`~tiered.engine.stats.store_stats`.
 
 Example:
@@ -44,20 +44,15 @@ import torch
 from tensordict import TensorDictBase
 
 from . import codecs
-from .engine.lock import SharedWriterLock
+from .durable.lock import SharedWriterLock
+from .durable.sharing import SharedWriting
+from .durable.store_files import StoreFiles, commit_parts, open_commit, options_of, read_fresh, restore_commit
+from .engine.blob_index import COLD, BlobIndex
+from .engine.gpu_read import GpuDecoder, GpuReadPipeline, maybe_gpu_decoder
 from .engine.parts import build_parts
-from .engine.persistence import (
-    StoreFiles,
-    commit_parts,
-    open_commit,
-    options_of,
-    read_fresh,
-    restore_commit,
-)
 from .engine.priorities import checked_row_priorities
 from .engine.read import CpuReadPipeline, ReadPipeline
 from .engine.rows import IndexLike, as_row_array
-from .engine.sharing import SharedWriting
 from .engine.stats import store_stats
 from .engine.transport import REPACK_FRAMES, CompressedRows, export_rows
 from .engine.write import WriteOptions
@@ -66,8 +61,6 @@ from .errors import (
     ReadOnlyStoreError,
     StoreClosedError,
 )
-from .gpu import GpuDecoder, GpuReadPipeline, maybe_gpu_decoder
-from .index import COLD, BlobIndex
 from .schema import Key, Schema
 
 __all__ = ["TieredStore", "IndexLike", "as_row_array", "MAX_CAPACITY", "MAX_CHUNK_FRAMES", "MAX_STAGE_ROWS"]
@@ -364,7 +357,7 @@ class TieredStore:
 
     @property
     def gpu_decoder(self) -> GpuDecoder | None:
-        """The :class:`~tiered.gpu.GpuDecoder` the store reads through (None: the CPU pipeline)."""
+        """The :class:`~tiered.engine.gpu_read.GpuDecoder` the store reads through (None: the CPU pipeline)."""
         return self._gpu
 
     @property
@@ -526,7 +519,7 @@ class TieredStore:
     def _checked_read(self, read: Callable[[], T]) -> T:
         """``read()``, or :class:`~tiered.errors.StaleReadError` where the writer may have rewritten
         what it used (a read-only open, a process forked from the writer): see
-        :func:`~tiered.engine.persistence.read_fresh`."""
+        :func:`~tiered.durable.store_files.read_fresh`."""
         return read_fresh(self._files, read, verify=self._runtime["verify"])
 
     def rows_of(self, index: IndexLike) -> np.ndarray:
@@ -546,7 +539,7 @@ class TieredStore:
             return self._resolve_read(index)[0]
 
     def use_gpu_decoder(self, decoder: GpuDecoder | None) -> None:
-        """Decode blob fields with ``decoder`` (a :class:`~tiered.gpu.GpuDecoder`), or go back
+        """Decode blob fields with ``decoder`` (a :class:`~tiered.engine.gpu_read.GpuDecoder`), or go back
         to the CPU pipeline with None. :meth:`GpuDecoder.attach` calls this."""
         with self._lock:
             self._gpu = decoder
@@ -659,7 +652,7 @@ class TieredStore:
 
 
 
-    # -- The durable format (docs/format.md; tiered/engine/persistence.py) -------------------------
+    # -- The durable format (docs/format.md; tiered/durable/store_files.py) -------------------------
     def _commit(self) -> None:
         """Durably publish the current state (no-op without a path or read-only)."""
         if self._files is not None:

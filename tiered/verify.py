@@ -49,12 +49,12 @@ from typing import Any
 
 import numpy as np
 
-from . import fileio
-from .engine.commit_arrays import array_path, expand_derived, page_checksums_of
-from .engine.lazy import load_checked
-from .engine.manifest import MANIFEST, arrays_verified, load_npy, read_manifest
-from .engine.pages import ARRAYS_DIR, UndoChain, read_intent
+from .durable.array_files import ARRAYS_DIR, UndoChain, read_intent
+from .durable.checked_maps import load_checked
+from .durable.commit_arrays import array_path, expand_derived, page_checksums_of
+from .durable.manifest import MANIFEST, arrays_verified, load_npy, read_manifest
 from .errors import ChecksumError, CorruptionError, FormatVersionError, NotATieredStoreError, TieredError
+from .util import fileio
 
 __all__ = ["Problem", "Report", "verify_store"]
 

@@ -3,7 +3,7 @@
 The package's docstrings head their doctest examples ``Example:``, which the Google style parser
 reads as a note of plain Markdown: prompts become text and ``[...]`` outputs look like links.
 Renamed ``Examples:``, they are parsed as examples and rendered as Python code. The docstrings
-themselves are left as they are (``tests/test_docstrings.py`` runs them either way).
+themselves are left as they are (``tests/docs/test_docstrings.py`` runs them either way).
 """
 
 from __future__ import annotations

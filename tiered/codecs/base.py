@@ -6,7 +6,7 @@ buffer*: a batch is ``(data, offsets, sizes)`` where blob ``i`` is
 ``data[offsets[i] : offsets[i] + sizes[i]]``. No Python object exists per blob, so the
 number of Python-level calls does not grow with the batch.
 
-Contract (every codec passes ``tests/test_codecs.py``):
+Contract (every codec passes ``tests/codecs/test_codecs.py``):
 
 * ``decode(encode(x)) == x`` byte for byte, for any sizes including 0 bytes.
 * ``encode`` returns the checksum of every blob's *compressed* bytes, computed in batch

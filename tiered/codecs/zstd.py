@@ -15,7 +15,7 @@ backend does not expose; the segments are moved with C-level iteration instead
 (``bytearray().join(collection)`` on encode, a ``map`` of memoryview slice assignments straight
 into the caller's ``out`` on decode: one memcpy per blob, no Python frame per blob, ~0.3 us per
 blob against ~3-13 us to decode it). The number of Python-level calls is the same for 80 blobs
-and for 1024 (tests/test_codecs.py counts them).
+and for 1024 (tests/codecs/test_codecs.py counts them).
 
 Decodes of large frames (16 KiB of output or more each) skip that memcpy and zstandard's fresh
 output buffer: when every frame's header declares exactly the expected size, each is decoded by

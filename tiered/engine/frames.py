@@ -28,8 +28,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..index import OPEN, BlobIndex
 from ..util.batch import exclusive_cumsum, isin, ranges
+from .blob_index import OPEN, BlobIndex
 
 __all__ = ["FrameFamily", "FramePlan", "FrameColumns", "layout_rules", "auto_chunk_frames", "CHUNK_TARGET_BYTES"]
 

@@ -3,7 +3,7 @@
 A :class:`FieldLayout` is built from the schema once, by the first write (or on open). It holds,
 per frame family (blob fields whose frames have one dtype and shape), the family's dedup and
 chunking state (:class:`~tiered.engine.frames.FrameFamily`), its fields in layout order, the
-neighbour rules that predict shared frames, and one :class:`~tiered.index.RowTable` per blob
+neighbour rules that predict shared frames, and one :class:`~tiered.engine.row_tables.RowTable` per blob
 field. The write path fills the tables; the read pipelines gather from them.
 
 Example:
@@ -25,9 +25,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..index import NextRowTable, RowTable, ShiftedRowTable
 from ..schema import Field, Key, Schema, key_to_str
 from .frames import FrameFamily, layout_rules
+from .row_tables import NextRowTable, RowTable, ShiftedRowTable
 
 __all__ = ["FieldLayout"]
 
@@ -170,7 +170,7 @@ class FieldLayout:
     @staticmethod
     def _hold(rows: np.ndarray, tables: list[RowTable]) -> None:
         """Before any base table's ``rows`` change: the next tables' rows just before them keep
-        their entries (:meth:`~tiered.index.NextRowTable.hold`), so only written rows change
+        their entries (:meth:`~tiered.engine.row_tables.NextRowTable.hold`), so only written rows change
         what they reference (reference counts stay exact)."""
         for t in tables:
             if isinstance(t, NextRowTable):

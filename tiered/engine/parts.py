@@ -6,7 +6,7 @@
 Example:
     >>> from tiered.engine.parts import build_parts
     >>> from tiered.engine.write import WriteOptions
-    >>> from tiered.index import BlobIndex
+    >>> from tiered.engine.blob_index import BlobIndex
     >>> parts = build_parts(8, "zstd", WriteOptions(), BlobIndex(), policy="lru", threads=None,
     ...                     hot_bytes=0, warm_bytes=None, hot_device=None, device=None, stage_rows=64)
     >>> parts.rows.capacity, parts.placement.policy.name, parts.codec.name
@@ -22,9 +22,9 @@ from typing import Any, NamedTuple
 import torch
 
 from .. import codecs
-from ..index import BlobIndex
 from ..policy import PriorityPolicy, get_policy
 from ..tiers.spill import SpillTier
+from .blob_index import BlobIndex
 from .placement import Placement, memory_tiers
 from .priorities import RowPriorities
 from .rows import RowSpace

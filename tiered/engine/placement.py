@@ -20,7 +20,7 @@ Two tier models:
 
 Example:
     >>> import numpy as np
-    >>> from tiered.index import BlobIndex, WARM
+    >>> from tiered.engine.blob_index import BlobIndex, WARM
     >>> from tiered.policy import get_policy
     >>> from tiered.tiers import HostTier
     >>> from tiered.engine.placement import Placement
@@ -41,13 +41,13 @@ import numpy as np
 import torch
 
 from ..errors import StorageFullError
-from ..index import COLD, HOT, WARM, BlobIndex
 from ..policy import Policy, TierState
 from ..tiers import DeviceTier, HostTier, Tier, default_budgets, parse_bytes
 from ..tiers.arena import cuda_usable
 from ..tiers.spill import SpillTier
 from ..util.batch import exclusive_cumsum, isin
 from ..util.units import align
+from .blob_index import COLD, HOT, WARM, BlobIndex
 from .layout import FieldLayout
 from .priorities import RowPriorities
 from .stage import WriteStage

@@ -52,10 +52,10 @@ from typing import Any
 import numpy as np
 
 from ..errors import CorruptionError, InvalidPriorityError
-from ..index import FREE, STORED, BlobIndex
 from ..util.batch import isin, ranges
 from ..util.dirty import DirtyBlocks
 from ..util.filemap import file_array
+from .blob_index import FREE, STORED, BlobIndex
 from .layout import FieldLayout
 from .stage import WriteStage
 

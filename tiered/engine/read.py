@@ -3,7 +3,7 @@
 :class:`ReadPipeline` is the interface, with the steps every implementation shares (turning rows
 into unique blob ids, serving staged rows, assembling cells from decoded frames, describing
 damage). :class:`CpuReadPipeline` decodes with the CPU codecs (multi-threaded zstd); the GPU
-pipeline (:class:`tiered.gpu.GpuReadPipeline`) is its sibling and decodes with nvCOMP.
+pipeline (:class:`tiered.engine.gpu_read.GpuReadPipeline`) is its sibling and decodes with nvCOMP.
 
 Neither path loops over rows or blobs in Python: per call there is one gather per field, one
 ``np.unique``, one batched read per tier, one checksum call and one batched decode per family.
@@ -32,10 +32,10 @@ from tensordict import TensorDict
 
 from .. import codecs
 from ..errors import ChecksumError
-from ..index import OPEN, BlobIndex
 from ..schema import Field, Key, as_bits
 from ..util.batch import exclusive_cumsum
 from ..util.scratch import ScratchBuffers
+from .blob_index import OPEN, BlobIndex
 from .frames import FrameFamily
 from .layout import FieldLayout
 from .placement import TIER_NAMES, Placement

@@ -17,14 +17,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..index import STORED, BlobIndex
 from ..schema import dtype_to_str, key_to_str
 from ..util.resident import resident_nbytes
+from .blob_index import STORED, BlobIndex
+from .figures import FieldFacts, field_figures
 from .layout import FieldLayout
 from .placement import Placement
 from .rows import RowSpace
 from .stage import WriteStage
-from .summary import FieldFacts, field_figures
 
 __all__ = ["store_stats", "tier_stats_with_mass", "resident_figures"]
 

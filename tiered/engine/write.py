@@ -35,7 +35,6 @@ from tensordict import TensorDictBase
 from ..codecs import Codec, RawCodec, ZstdCodec
 from ..codecs.zstd import DEFAULT_LEVEL
 from ..errors import CorruptionError, InvalidArgumentError, SchemaMismatchError
-from ..index import OPEN, STORED, BlobIndex
 from ..schema import (
     Field,
     Key,
@@ -51,6 +50,7 @@ from ..schema import (
 )
 from ..util.batch import exclusive_cumsum
 from .advice import first_write_advice
+from .blob_index import OPEN, STORED, BlobIndex
 from .detect import detect_frames
 from .frames import FrameColumns, FrameFamily, FramePlan, auto_chunk_frames
 from .layout import FieldLayout

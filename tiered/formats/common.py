@@ -19,9 +19,9 @@ import numpy as np
 import torch
 from tensordict import TensorDictBase
 
-from .. import fileio
 from ..errors import InvalidDatasetError, PickledDataError, UnsupportedFormatError
 from ..sidecar import SOURCE_FILE
+from ..util import fileio
 
 __all__ = [
     "write_source",
@@ -90,7 +90,7 @@ def read_npy_header(f: BinaryIO, where: str,
 
 
 def write_source(store_path: str | os.PathLike[str], info: dict[str, Any]) -> None:
-    """Atomically write the import sidecar (through :mod:`tiered.fileio`)."""
+    """Atomically write the import sidecar (through :mod:`tiered.util.fileio`)."""
     data = json.dumps(json_safe(info), indent=1, allow_nan=True).encode()
     fileio.write_file_atomic(os.path.join(os.fspath(store_path), SOURCE_FILE), data)
 
@@ -150,8 +150,8 @@ def atomic_output(dst: str, *, force: bool = False) -> Iterator[str]:
         StoreLockedError: ``force`` and ``dst`` is a tiered store that a writer has open (import
             and export alike: a store is never replaced under its writer).
     """
-    from ..engine.lock import acquire_writer_lock, release
-    from ..engine.manifest import MANIFEST
+    from ..durable.lock import acquire_writer_lock, release
+    from ..durable.manifest import MANIFEST
 
     dst = check_new_output(dst, force=force)
     parent, name = os.path.split(dst)
@@ -268,7 +268,7 @@ def iter_store(
 
 @contextlib.contextmanager
 def writing(f: Any) -> Iterator[Any]:
-    """Fsync and close an :class:`tiered.fileio.WritableFile` after the block.
+    """Fsync and close an :class:`tiered.util.fileio.WritableFile` after the block.
 
     If the block fails, the file is closed and the I/O error the file recorded (a full disk hit
     inside h5py or zipfile, which report it as something else) is raised in place of the error it

@@ -44,9 +44,9 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from .. import fileio
 from ..errors import InvalidDatasetError, UnsupportedFormatError
 from ..schema import str_to_key
+from ..util import fileio
 from .common import (
     chunk_rows_for,
     iter_store,
@@ -442,7 +442,7 @@ def write_d4rl(
     chunk_rows: int | None = None,
     progress: Any = None,
 ) -> dict[str, Any]:
-    """Write a store's rows as a D4RL HDF5 file at ``tmp`` (through :mod:`tiered.fileio`).
+    """Write a store's rows as a D4RL HDF5 file at ``tmp`` (through :mod:`tiered.util.fileio`).
 
     Returns:
         ``{"columns": [...names...], "rows": n}``.

@@ -77,9 +77,9 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from .. import fileio
 from ..errors import InvalidDatasetError, TieredError, UnsupportedFormatError
 from ..schema import round_trip
+from ..util import fileio
 from ..util.batch import isin
 from .common import NPY_MAX_HEADER, chunk_rows_for, iter_store, progress_bar, read_npy_header, writing
 from .keymap import ACTION, DONE, NEXT_OBS, OBS, REWARD, TERMINATED, TRUNCATED

@@ -45,8 +45,8 @@ import h5py
 import numpy as np
 from tensordict import TensorDict
 
-from .. import fileio
 from ..errors import UnsupportedFormatError
+from ..util import fileio
 from .common import (
     chunk_rows_for,
     iter_store,
@@ -491,7 +491,7 @@ def write_minari(
     progress: Any = None,
     dataset_id: str | None = None,
 ) -> dict[str, Any]:
-    """Write a store's rows as a minari dataset directory at ``tmp`` (through :mod:`tiered.fileio`).
+    """Write a store's rows as a minari dataset directory at ``tmp`` (through :mod:`tiered.util.fileio`).
 
     Returns:
         ``{"episodes": n, "rows": n, "dropped": [keys not representable in minari]}``.

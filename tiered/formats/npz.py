@@ -33,8 +33,8 @@ from typing import Any
 
 import numpy as np
 
-from .. import fileio
 from ..errors import UnsupportedFormatError
+from ..util import fileio
 from .common import chunk_rows_for, iter_store, read_npy_header, row_nbytes, to_numpy, writing
 from .d4rl import FlatSource, plan_flat_columns
 

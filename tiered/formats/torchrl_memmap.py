@@ -13,7 +13,7 @@ Import also accepts a replay-buffer checkpoint directory (``rb.dumps(DIR)`` of a
 
 Keys are kept exactly (the store's layout *is* TorchRL's). Leaves are read with ``pread`` in
 slices of rows (not through the memory map, so the importer's resident memory does not grow with
-the file) and written with ``pwrite`` through :mod:`tiered.fileio` (a full disk is an error, never
+the file) and written with ``pwrite`` through :mod:`tiered.util.fileio` (a full disk is an error, never
 a ``SIGBUS``).
 
 Example:
@@ -39,8 +39,8 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from .. import fileio
 from ..errors import PickledDataError, UnsupportedFormatError
+from ..util import fileio
 from .common import chunk_rows_for, iter_store
 from .keymap import Key, key_str
 
@@ -180,7 +180,7 @@ def write_torchrl(
 
     ``TensorDict.load_memmap(dst, allow_pickle=False)`` reads it back (or :func:`load_tensordict_memmap`);
     ``TensorStorage(...)`` of that serves it in a TorchRL replay buffer. tensordict writes ``meta.json`` (and creates empty
-    files), the rows go in with ``pwrite`` through :mod:`tiered.fileio`.
+    files), the rows go in with ``pwrite`` through :mod:`tiered.util.fileio`.
 
     Returns:
         ``{"keys": [...], "rows": n}``.

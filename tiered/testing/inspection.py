@@ -24,14 +24,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..durable.sharing import SharedWriting
+from ..durable.store_files import StoreFiles
+from ..engine.blob_index import COLD, HOT, OPEN, WARM, BlobIndex
 from ..engine.layout import FieldLayout
-from ..engine.persistence import StoreFiles
 from ..engine.placement import Placement
 from ..engine.read import CpuReadPipeline, ReadPipeline
 from ..engine.rows import RowSpace
-from ..engine.sharing import SharedWriting
 from ..engine.write import WritePath
-from ..index import COLD, HOT, OPEN, WARM, BlobIndex
 from ..store import TieredStore
 from ..util.batch import exclusive_cumsum
 from ..util.units import align

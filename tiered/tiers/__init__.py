@@ -1,7 +1,7 @@
 """Tiers: byte arenas under budgets (``hot`` GPU memory, ``warm`` host memory, ``cold`` files).
 
 Every tier implements :class:`Tier` (see :mod:`tiered.tiers.base`) and passes the
-conformance suite in ``tests/test_tiers.py``.
+conformance suite in ``tests/tiers/test_tiers.py``.
 
 Example:
     >>> import numpy as np

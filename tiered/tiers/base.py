@@ -8,7 +8,7 @@ Batches are laid out like codec batches: ``offsets``/``sizes`` int64 arrays, one
 blob, and one contiguous source or destination buffer. No method loops over blobs in
 Python when the work can be done by one vectorized copy.
 
-Every tier passes the conformance suite in ``tests/test_tiers.py``.
+Every tier passes the conformance suite in ``tests/tiers/test_tiers.py``.
 """
 
 from __future__ import annotations

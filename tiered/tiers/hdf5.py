@@ -9,11 +9,11 @@ filled, so unwritten space stays sparse on disk) and without timestamps
 How bytes move (and why):
 
 * The file and its metadata are created by h5py writing through
-  :class:`tiered.fileio.WritableFile` (h5py's ``fileobj`` driver), so even HDF5's own writes go
-  through :mod:`tiered.fileio`, the package's single write seam, where tests inject full
+  :class:`tiered.util.fileio.WritableFile` (h5py's ``fileobj`` driver), so even HDF5's own writes go
+  through :mod:`tiered.util.fileio`, the package's single write seam, where tests inject full
   disks and power cuts. h5py then closes the file; it is never held open.
 * A contiguous, unfiltered dataset is a plain byte range of the file starting at
-  ``dset.id.get_offset()``. Blob bytes are written there with :func:`tiered.fileio.pwrite` and
+  ``dset.id.get_offset()``. Blob bytes are written there with :func:`tiered.util.fileio.pwrite` and
   read with the same coalesced, threaded ``pread`` code as
   :class:`~tiered.tiers.memmap.MemmapTier` (:func:`~tiered.tiers.memmap.read_blobs`),
   bypassing HDF5's pipeline (which would serialize every read behind h5py's global lock).
@@ -31,8 +31,8 @@ import os
 
 import h5py
 
-from .. import fileio
 from ..errors import CorruptionError
+from ..util import fileio
 from .memmap import MemmapTier
 
 __all__ = ["HDF5Tier"]

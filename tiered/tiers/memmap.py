@@ -7,7 +7,7 @@ each at most; a blob never straddles two segments. Offsets are global:
 Writes: files grow by ``posix_fallocate`` at :meth:`allocate` (:func:`grown_size`: a new file
 starts at 64 KiB and at least doubles up to steps of 16 MiB, so a small store stays small), so a full disk raises :class:`~tiered.errors.StorageFullError` there and
 never ``SIGBUS`` later; bytes go in with ``pwrite`` (one call per contiguous run), never
-through a memory map. Every write goes through :mod:`tiered.fileio`.
+through a memory map. Every write goes through :mod:`tiered.util.fileio`.
 
 Reads: the requested blobs are sorted by offset, ranges closer than 4 KiB are coalesced, and
 explicit ``preadv`` calls (from a thread pool when there are many) land single-blob runs
@@ -38,8 +38,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import fileio
 from ..errors import CorruptionError, ReadOnlyStoreError
+from ..util import fileio
 from ..util.batch import exclusive_cumsum, split_balanced
 from ..util.buffers import as_int64, check_buffer, host_view
 from ..util.copy import copy_blobs

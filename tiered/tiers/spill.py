@@ -54,8 +54,8 @@ from typing import Any
 
 import numpy as np
 
-from .. import fileio
 from ..errors import InvalidArgumentError, NotSharedError, StaleReadError, StoreClosedError
+from ..util import fileio
 from .extents import ExtentAllocator
 from .memmap import SEGMENT_BYTES, MemmapTier
 

@@ -42,7 +42,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError(
         "tiered.torchrl needs TorchRL: pip install 'tiered[torchrl]' (torchrl>=0.9)") from e
 
-from ..engine.manifest import MANIFEST
+from ..durable.manifest import MANIFEST
 from ..engine.priorities import checked_row_priorities
 from ..engine.rows import as_mask
 from ..errors import (

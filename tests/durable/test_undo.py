@@ -1,0 +1,261 @@
+"""One file per array, changed in place, with before-images (tiered/durable/array_files.py).
+
+* A writer killed at every file event of a commit, with and without a power cut after: the next
+  writer open finds the previous commit bit-exact (every array file the manifest names holds the
+  bytes it held before) or the new one; kill points between the in-place writes and the
+  manifest are among them, and a read-only open made there reads the previous commit too.
+* A read-only open reads its commit across the writer's next two commits, which rewrite every
+  page it has not read yet (rebuilt from their before-images); at the third, what it already read
+  stays its commit's and what it had not read says to reopen.
+* A committed store holds one file per array and the before-images of its last two commits.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import traceback
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from helpers import manifest_body
+from tensordict import TensorDict
+
+import tiered
+from tiered import TieredStore
+from tiered.durable.array_files import KEEP, read_intent
+from tiered.durable.commit_arrays import array_path
+from tiered.errors import CorruptionError, StaleReadError
+from tiered.testing import faults, parts
+from tiered.verify import verify_store
+
+CAP = 6_000
+
+
+def batch(n: int, seed: int, *, blobs: bool = True) -> TensorDict:
+    g = torch.Generator().manual_seed(seed)
+    fields = {"reward": torch.randn(n, generator=g), "action": torch.randint(0, 1 << 30, (n,), generator=g),
+              "state": torch.randn(n, 128, generator=g)}  # 512 B a row: three checksum pages
+    if blobs:
+        fields["observation"] = torch.randint(0, 4, (n, 16, 16), dtype=torch.uint8, generator=g)
+    return TensorDict(fields, [n])
+
+
+def same(a: TensorDict, b: TensorDict) -> bool:
+    return set(a.keys()) == set(b.keys()) and all(torch.equal(a[k], b[k]) for k in a.keys())
+
+
+def array_bytes(path: Path) -> dict[str, bytes]:
+    """The bytes of every array file the manifest names."""
+    body = manifest_body(path)
+    return {name: Path(array_path(str(path), body, name)).read_bytes() for name in body["files"]}
+
+
+def _fork(fn) -> int:
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            torch.set_num_threads(1)
+            fn()
+        except BaseException:
+            traceback.print_exc()
+            code = 3
+        os._exit(code)
+    return pid
+
+
+def _wait(pid: int) -> tuple[str, int]:
+    _, status = os.waitpid(pid, 0)
+    return ("killed", os.WTERMSIG(status)) if os.WIFSIGNALED(status) else ("exited", os.WEXITSTATUS(status))
+
+
+ROWS = np.arange(0, CAP, 3)  # rows the crashing commit overwrites: on every page of every array
+
+
+def _commit_in_child(path: Path, **faults) -> tuple[str, int]:
+    def child():
+        with faults.inject_faults(**faults):
+            store = tiered.open(path, mode="r+", warm_bytes=0, hot_bytes=0)
+            store.set(torch.as_tensor(ROWS), batch(ROWS.size, 77))
+            store.flush()
+        os._exit(0)
+
+    return _wait(_fork(child))
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> tuple[Path, TensorDict, TensorDict]:
+    """A committed store, what it reads, and what it reads after the crashing commit lands."""
+    path = tmp_path_factory.mktemp("undo") / "s"
+    with TieredStore(CAP, path, frames={"observation": 0}, chunk_frames=4, warm_bytes=0, hot_bytes=0) as s:
+        for k in range(3):
+            s.extend(batch(CAP // 2, k))
+            s.flush()
+        before = s.get(torch.arange(CAP))
+        after = before.clone()
+        after[torch.as_tensor(ROWS)] = batch(ROWS.size, 77)
+    return path, before, after
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("power_loss", [False, True], ids=["crash", "power-loss"])
+def test_a_commit_killed_at_any_event_leaves_the_previous_commit_bit_exact_or_the_new_one(base, tmp_path,
+                                                                                           power_loss):
+    path0, before, after = base
+    g = manifest_body(path0)["generation"]
+    files0 = array_bytes(path0)
+    counted = tmp_path / "counted"
+    shutil.copytree(path0, counted)
+    log = tmp_path / "count.log"
+    assert _commit_in_child(counted, undo_log=str(log)) == ("exited", 0)
+    assert manifest_body(counted)["generation"] == g + 1
+    with faults.inject_faults() as counting:  # the events of the same commit, counted here
+        store = tiered.open(counted, mode="r+", warm_bytes=0, hot_bytes=0)
+        store.set(torch.as_tensor(ROWS), batch(ROWS.size, 78))
+        store.flush()
+    events = counting.events
+    store.close()
+    outcomes = {"previous": 0, "new": 0, "between in-place writes and manifest": 0}
+    # about 40 points, every phase of the commit, and its last events (after the manifest's rename)
+    for kill_on in sorted({*range(1, events + 1, max(1, events // 40)), *range(max(1, events - 3), events + 1)}):
+        path = tmp_path / f"k{kill_on}"
+        shutil.copytree(path0, path)
+        log = tmp_path / f"k{kill_on}.log"
+        assert _commit_in_child(path, undo_log=str(log), kill_on=kill_on) == ("killed", signal.SIGKILL)
+        if power_loss:
+            faults.apply_power_loss(log)
+        published = manifest_body(path)["generation"]
+        if published == g and (read_intent(str(path)) or 0) > g:  # died after changing arrays in place
+            outcomes["between in-place writes and manifest"] += 1
+            with tiered.open(path) as ro:  # a reader now: the previous commit, rebuilt from its before-images
+                assert same(ro.get(torch.arange(CAP)), before)
+        with tiered.open(path, mode="r+") as w:  # rolls a dead commit back
+            assert w.generation == published
+        if published == g:
+            outcomes["previous"] += 1
+            assert array_bytes(path) == files0, f"kill at event {kill_on}/{events}"  # bit-exact
+            expect = before
+        else:
+            outcomes["new"] += 1
+            expect = after
+        with tiered.open(path) as ro:
+            assert same(ro.get(torch.arange(CAP)), expect), f"kill at event {kill_on}/{events}"
+        assert verify_store(path, progress=False).ok
+        shutil.rmtree(path)
+    assert outcomes["between in-place writes and manifest"] > 0, outcomes
+    assert outcomes["new"] > 0 or power_loss, outcomes  # a power cut before the last fsync of the directory: the old one
+
+
+def test_a_read_only_open_reads_its_commit_across_the_writers_next_two_commits(tmp_path):
+    path = tmp_path / "s"
+    writer = TieredStore(CAP, path, warm_bytes=0, hot_bytes=0)
+    writer.extend(batch(CAP, 0, blobs=False))
+    writer.flush()
+    expect = writer.get(torch.arange(CAP))
+    child_go_r, child_go_w = os.pipe()
+    opened_r, opened_w = os.pipe()
+
+    def child():  # another process, opened at the same commit before the writer moved on
+        other = tiered.open(path)
+        os.write(opened_w, b"o")
+        assert os.read(child_go_r, 1) == b"g"
+        assert same(other.get(torch.arange(CAP)), expect)
+
+    # forked first: the fork makes this process's mapped array pages private, a reader's too
+    pid = _fork(child)
+    assert os.read(opened_r, 1) == b"o"
+    reader = tiered.open(path)  # reads nothing yet: no page of its arrays is checked
+    g = reader.generation
+    for k in (1, 2):  # every row rewritten: every page of every per-row array changes in place
+        writer.set(torch.arange(CAP), batch(CAP, 10 + k, blobs=False))
+        writer.flush()
+    assert read_intent(str(path)) == g + KEEP
+    os.write(child_go_w, b"g")
+    assert _wait(pid) == ("exited", 0)
+    half = torch.arange(100)  # the first two pages of the widest column (its rows lie across them)
+    assert same(reader.get(half), expect[half])  # pages rebuilt from the before-images of both commits
+    writer.set(torch.arange(CAP), batch(CAP, 13, blobs=False))
+    writer.flush()  # a third commit: the reader's oldest before-images are gone
+    assert same(reader.get(half), expect[half])  # pages it checked are its own: still its commit
+    with pytest.raises(StaleReadError, match="reopen"):
+        reader.get(torch.arange(CAP - 10, CAP))  # pages it never read cannot be rebuilt: reopen
+    reader.close()
+    with tiered.open(path) as again:
+        assert same(again.get(torch.arange(CAP)), writer.get(torch.arange(CAP)))
+    writer.close()
+
+
+def test_a_committed_store_holds_one_file_per_array_and_two_commits_of_before_images(tmp_path):
+    path = tmp_path / "s"
+    with TieredStore(CAP, path, frames={"observation": 0}, chunk_frames=4) as s:
+        for k in range(6):  # varying sizes: some small arrays grow and shrink (new files)
+            s.extend(batch(300 + 700 * (k % 3), k))
+            s.flush()
+        g = s.generation
+    body = manifest_body(path)
+    named = {os.path.basename(array_path(str(path), body, n)) for n in body["files"]}
+    on_disk = set(os.listdir(path / "arrays"))
+    assert {f"undo.{g}", f"undo.{g - 1}"} <= on_disk
+    per_array: dict[str, int] = {}
+    for f in on_disk - {f"undo.{g}", f"undo.{g - 1}"}:
+        assert f.endswith(".npy"), f
+        per_array[f.rsplit(".", 2)[0]] = per_array.get(f.rsplit(".", 2)[0], 0) + 1
+    # besides its file, an array keeps only files replaced by the last KEEP commits (their readers map them)
+    assert named <= on_disk and max(per_array.values()) <= KEEP + 1, per_array
+    with tiered.open(path, mode="r+") as w:
+        w.extend(batch(10, 99))
+    assert len([f for f in os.listdir(path / "arrays") if f.startswith("undo.")]) == KEEP
+    assert verify_store(path, progress=False).ok
+
+
+def _died_after_intent(tmp_path) -> tuple[Path, TensorDict]:
+    """A store whose last commit died after changing its arrays in place (and what it held)."""
+    path = tmp_path / "s"
+    with TieredStore(CAP, path, warm_bytes=0, hot_bytes=0) as s:
+        s.extend(batch(CAP, 0, blobs=False))
+        before = s.get(torch.arange(CAP))
+    with tiered.open(path, mode="r+") as w, faults.inject_faults() as counting:  # a commit like the ones below
+        w.set(torch.arange(CAP), batch(CAP, 2, blobs=False))
+        w.flush()
+        before = w.get(torch.arange(CAP))
+    for at in range(counting.ops + 2, 0, -1):  # the first write count that fails the commit is its last (the manifest's)
+        w = tiered.open(path, mode="r+")
+        w.set(torch.arange(CAP), batch(CAP, 1, blobs=False))
+        g = w.generation
+        try:
+            with faults.inject_faults(enospc_on=at):  # the roll-back fails too: left to the next open
+                w.flush()
+        except OSError:
+            parts(w).files.release_lock()  # the writer dies here: its lock goes with it
+            break
+        before = w.get(torch.arange(CAP))
+        w.close()
+    assert read_intent(str(path)) == g + 1 and manifest_body(path)["generation"] == g
+    return path, before
+
+
+def test_a_damaged_before_image_is_refused_not_rolled_back(tmp_path):
+    path, _ = _died_after_intent(tmp_path)
+    image = path / "arrays" / f"undo.{read_intent(str(path))}"
+    raw = bytearray(image.read_bytes())
+    raw[-1] ^= 0xFF  # a byte of the old bytes
+    image.write_bytes(bytes(raw))
+    with pytest.raises(CorruptionError, match="before-image"):
+        tiered.open(path, mode="r+")
+    image.write_bytes(bytes(raw[:40]))  # cut inside its table
+    with pytest.raises(CorruptionError, match="before-image"):
+        tiered.open(path, mode="r+")
+
+
+def test_a_commit_that_failed_with_its_roll_back_is_rolled_back_at_the_next_open(tmp_path):
+    path, before = _died_after_intent(tmp_path)
+    with tiered.open(path) as ro:  # a reader meanwhile: the last commit, rebuilt
+        assert same(ro.get(torch.arange(CAP)), before)
+    with tiered.open(path, mode="r+") as w:
+        assert same(w.get(torch.arange(CAP)), before)
+    assert read_intent(str(path)) == manifest_body(path)["generation"]
+    assert verify_store(path, progress=False).ok

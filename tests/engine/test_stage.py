@@ -1,0 +1,315 @@
+"""The write stage (tiered/engine/stage.py): small writes wait raw and are compressed together.
+
+Checked against a plain TensorDict model on real Atari rows: reads see staged rows at once and
+bit-exactly, every error is raised by the write that causes it and leaves the store as it was,
+and staged rows survive flush, reopen and pickling.
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import pytest
+import torch
+from helpers import assert_td_equal, check_refcounts
+from tensordict import TensorDict
+
+import tiered
+from tiered import TieredStore
+from tiered.engine.gpu_read import GpuDecoder
+from tiered.errors import IndexOutOfRangeError, SchemaMismatchError, StorageFullError
+from tiered.testing import faults, parts
+
+
+class Model:
+    """What a store must hold: rows in a plain TensorDict, with the store's length rules."""
+
+    def __init__(self, capacity: int, like: TensorDict):
+        self.rows = like[:1].expand(capacity).clone().zero_()
+        self.capacity, self.len, self.cursor = capacity, 0, 0
+        self.written = np.zeros(capacity, dtype=bool)  # set() may leave rows below len unwritten
+        self.max_staged = 0  # the most rows the store held staged after an op
+
+    def extend(self, data: TensorDict) -> None:
+        n = data.batch_size[0]
+        rows = (self.cursor + torch.arange(n)) % self.capacity
+        self.rows[rows] = data
+        self.written[rows.numpy()] = True
+        self.cursor = int((self.cursor + n) % self.capacity)
+        self.len = min(self.capacity, self.len + n)
+
+    def set(self, rows: np.ndarray, data: TensorDict) -> None:
+        for r, i in zip(rows.tolist(), range(rows.size), strict=True):  # duplicates: last wins
+            self.rows[r] = data[i]
+        self.written[rows] = True
+        self.len = max(self.len, int(rows.max()) + 1)
+
+
+def random_ops(store: TieredStore, data: TensorDict, steps: int, seed: int) -> Model:
+    """Mixed small and large writes at random, each followed by a read checked against the model."""
+    rng = np.random.default_rng(seed)
+    model = Model(store.capacity, data)
+    src = 0
+
+    def take(n: int) -> TensorDict:
+        nonlocal src
+        if src + n > data.batch_size[0]:
+            src = 0
+        src += n
+        return data[src - n:src]
+
+    store.extend(take(3))
+    model.extend(data[src - 3:src])
+    for _ in range(steps):
+        op = rng.random()
+        if op < 0.45:
+            n = int(rng.choice([1, 1, 1, 2, 3, 5, 8, 9, 40]))
+            d = take(n)
+            store.extend(d)
+            model.extend(d)
+        elif op < 0.65:  # one row at a scalar index, data without a batch dimension
+            r = int(rng.integers(0, store.capacity))
+            d = take(1)
+            store.set(r, d[0])
+            model.set(np.array([r]), d)
+        elif op < 0.8:  # a few rows at random places, duplicates included
+            rows = rng.integers(0, store.capacity, int(rng.integers(1, 5)))
+            d = take(rows.size)
+            store.set(rows, d)
+            model.set(rows, d)
+        elif op < 0.85:
+            store.flush()
+        model.max_staged = max(model.max_staged, store.stats()["staged_rows"])
+        ix = rng.choice(np.flatnonzero(model.written), int(rng.integers(1, 40)))
+        assert_td_equal(store.get(ix), model.rows[torch.from_numpy(ix)])
+        assert len(store) == model.len and store.cursor == model.cursor
+    return model
+
+
+@pytest.mark.parametrize("stage_rows", [16, 64])
+@pytest.mark.parametrize("chunk_frames", [1, 4])
+def test_staged_rows_read_back_bit_exact(atari_mixed, stage_rows, chunk_frames):
+    store = TieredStore(50, frames={"observation": 0}, chunk_frames=chunk_frames, stage_rows=stage_rows)
+    model = random_ops(store, atari_mixed, steps=300, seed=stage_rows + chunk_frames)
+    assert model.max_staged > 1  # the reads above did meet staged rows
+    every = np.flatnonzero(model.written)
+    assert_td_equal(store.get(every), model.rows[torch.from_numpy(every)])
+    store.flush()
+    assert store.stats()["staged_rows"] == 0
+    check_refcounts(store)
+    assert_td_equal(store.get(every), model.rows[torch.from_numpy(every)])
+
+
+def test_one_row_writes_are_staged_until_the_stage_fills(atari_pong):
+    store = TieredStore(1000, frames={"observation": 0}, stage_rows=16)
+    store.extend(atari_pong[:1])  # the first write fixes the schema and goes through
+    for i in range(1, 17):
+        store.extend(atari_pong[i:i + 1])
+    assert store.stats()["staged_rows"] == 16
+    assert store.stats()["counters"]["blobs_decoded"] == 0
+    # a staged row that was never written before is a row like any other
+    assert_td_equal(store.get(5), atari_pong[5])
+    assert_td_equal(store.get([-1, 0, 7]), atari_pong[torch.tensor([16, 0, 7])])
+    with pytest.raises(IndexOutOfRangeError):
+        store.get(17)
+    store.extend(atari_pong[17:18])  # finds the stage full: the staged rows go through first
+    assert store.stats()["staged_rows"] == 1
+    check_refcounts(store)
+    store.extend(atari_pong[18:60])  # a larger write sends the stage first, then writes through
+    assert store.stats()["staged_rows"] == 0
+    assert_td_equal(store.get(slice(None)), atari_pong[:60])
+
+
+def test_a_small_collector_batch_is_staged(atari_mixed):
+    """A write of 16 rows (a collector of 16 vectorized envs) waits in the default stage (writes
+    of up to stage_rows // 4 rows do); 17 rows go through; reads are exact either way."""
+    data = atari_mixed[1900:2100]  # Pong's end, MsPacman's start: trajectories end and begin
+    store = TieredStore(500)
+    store.extend(data[:16])  # the first write fixes the schema and goes through
+    assert store.stats()["staged_rows"] == 0
+    store.extend(data[16:32])
+    assert store.stats()["staged_rows"] == 16
+    assert_td_equal(store.get(torch.arange(8, 24)), data[8:24])  # stored and staged rows in one read
+    store.extend(data[32:49])  # 17 rows: the stage goes first, then the write goes through
+    assert store.stats()["staged_rows"] == 0
+    for lo in range(49, 49 + 16 * 5, 16):  # the fifth 16-row write finds the stage full
+        store.extend(data[lo:lo + 16])
+    assert store.stats()["staged_rows"] == 16
+    assert_td_equal(store.get(slice(None)), data[:129])
+    check_refcounts(store)
+
+
+def test_staged_rows_are_stored_as_one_batched_write_of_them(atari_mixed):
+    # one row at a time comes out as writes of `stage_rows` rows: same sharing, same chunks
+    data = atari_mixed[1900:2300]  # Pong's end, MsPacman's start: trajectories end and begin
+    batched = TieredStore(500, frames={"observation": 0}, stage_rows=0)
+    batched.extend(data[:1])
+    for lo in range(1, 400, 64):
+        batched.extend(data[lo:lo + 64])
+    batched.flush()
+    staged = TieredStore(500, frames={"observation": 0}, stage_rows=64)
+    for i in range(data.batch_size[0]):
+        staged.extend(data[i:i + 1])
+    staged.flush()
+    a, b = batched.stats()["fields"]["observation"], staged.stats()["fields"]["observation"]
+    assert a["unique_frames"] == b["unique_frames"] and a["stored_bytes"] == b["stored_bytes"]
+    assert np.array_equal(parts(batched).layout.tables[("observation",)].blob, parts(staged).layout.tables[("observation",)].blob)
+    assert_td_equal(staged.get(slice(None)), data)
+
+
+def test_a_bad_small_write_raises_and_changes_nothing(atari_pong):
+    store = TieredStore(100, frames={"observation": 0})
+    store.extend(atari_pong[:5])
+    store.extend(atari_pong[5:6])
+    before = store.get(slice(None)).clone()
+    bad = atari_pong[6:7].clone()
+    bad.set("action", bad.get("action").to(torch.int32))
+    with pytest.raises(SchemaMismatchError, match="'action': expected int64"):
+        store.extend(bad)
+    extra = atari_pong[6:7].clone()
+    extra.set("surprise", torch.zeros(1))
+    with pytest.raises(SchemaMismatchError, match="'surprise': not in the schema"):
+        store.extend(extra)
+    with pytest.raises(SchemaMismatchError, match="missing"):
+        store.set(3, atari_pong[6].exclude(("next", "observation")))
+    with pytest.raises(IndexOutOfRangeError):
+        store.set(100, atari_pong[6])
+    assert len(store) == 6 and store.cursor == 6 and store.stats()["staged_rows"] == 1
+    assert_td_equal(store.get(slice(None)), before)
+
+
+def test_storage_full_is_raised_by_the_write_that_meets_it(atari_pong):
+    # no cold tier, no spill and a small warm budget: compressing the stage eventually finds no room
+    store = TieredStore(2000, frames={"observation": 0}, hot_bytes=0, warm_bytes="48KiB", stage_rows=16,
+                        spill=False)
+    model = Model(2000, atari_pong)
+    store.extend(atari_pong[:1])
+    model.extend(atari_pong[:1])
+    for i in range(1, 2000):
+        staged = store.stats()["staged_rows"]
+        try:
+            store.extend(atari_pong[i:i + 1])
+        except StorageFullError as e:
+            assert "warm" in str(e) or "budget" in str(e), e
+            break
+        model.extend(atari_pong[i:i + 1])
+    else:
+        pytest.fail("the warm budget never filled")
+    # the failing write added nothing; every earlier row, staged ones included, is intact
+    assert len(store) == model.len == i and store.stats()["staged_rows"] == staged
+    assert_td_equal(store.get(slice(None)), model.rows[: model.len])
+    # trying again fails the same way and still changes nothing
+    with pytest.raises(StorageFullError):
+        store.extend(atari_pong[i:i + 1])
+    assert len(store) == i and store.stats()["staged_rows"] == staged
+    assert_td_equal(store.get(slice(None)), model.rows[: model.len])
+    store.clear()  # room again
+    store.extend(atari_pong[i:i + 1])
+    assert_td_equal(store.get(slice(None)), atari_pong[i:i + 1])
+
+
+def test_full_disk_while_compressing_the_stage(atari_pong, tmp_path):
+    store = TieredStore(500, tmp_path / "s", frames={"observation": 0}, stage_rows=16)
+    store.extend(atari_pong[:1])
+    for i in range(1, 17):
+        store.extend(atari_pong[i:i + 1])
+    with faults.inject_faults(enospc_on=1), pytest.raises(StorageFullError):
+        store.extend(atari_pong[17:18])  # the stage is full: compressing it needs the disk
+    assert len(store) == 17 and store.stats()["staged_rows"] == 16
+    assert_td_equal(store.get(slice(None)), atari_pong[:17])
+    for i in range(17, 40):  # space is back
+        store.extend(atari_pong[i:i + 1])
+    store.close()
+    with TieredStore.open(tmp_path / "s") as back:
+        assert_td_equal(back.get(slice(None)), atari_pong[:40])
+        check_refcounts(back)
+
+
+def test_staged_rows_are_committed_by_flush_and_close(atari_pong, tmp_path):
+    store = TieredStore(100, tmp_path / "s", frames={"observation": 0})
+    store.extend(atari_pong[:10])
+    for i in range(10, 13):
+        store.extend(atari_pong[i:i + 1])
+    assert store.stats()["staged_rows"] == 3
+    store.flush()
+    with TieredStore.open(tmp_path / "s") as reader:
+        assert_td_equal(reader.get(slice(None)), atari_pong[:13])
+    for i in range(13, 15):
+        store.set(i, atari_pong[i])
+    assert store.stats()["staged_rows"] == 2
+    store.close()
+    with TieredStore.open(tmp_path / "s") as reader:
+        assert_td_equal(reader.get(slice(None)), atari_pong[:15])
+
+
+def test_pickled_store_keeps_its_staged_rows(atari_pong):
+    store = TieredStore(100, frames={"observation": 0})
+    store.extend(atari_pong[:10])
+    for i in range(10, 14):
+        store.extend(atari_pong[i:i + 1])
+    copy = pickle.loads(pickle.dumps(store))
+    assert copy.stats()["staged_rows"] == 4
+    assert_td_equal(copy.get(slice(None)), atari_pong[:14])
+    copy.extend(atari_pong[14:40])
+    assert_td_equal(copy.get(slice(None)), atari_pong[:40])
+
+
+def test_clear_drops_staged_rows(atari_pong):
+    store = TieredStore(100, frames={"observation": 0})
+    store.extend(atari_pong[:10])
+    store.extend(atari_pong[10:11])
+    assert store.stats()["staged_rows"] == 1
+    store.clear()
+    assert len(store) == 0 and store.stats()["staged_rows"] == 0
+    check_refcounts(store)
+    store.extend(atari_pong[20:21])
+    assert_td_equal(store.get(slice(None)), atari_pong[20:21])
+
+
+def test_staged_rows_with_the_gpu_decoder_stand_in(atari_pong):
+    store = TieredStore(200, frames={"observation": 0}, hot_device="cpu")
+    dec = GpuDecoder("cpu").attach(store)
+    store.extend(atari_pong[:100])
+    for i in range(100, 110):
+        store.extend(atari_pong[i:i + 1])
+    assert store.stats()["staged_rows"] == 10
+    ix = np.random.default_rng(0).integers(0, 110, 64)
+    assert_td_equal(store.get(ix), atari_pong[torch.from_numpy(ix)])
+    assert_td_equal(store.get(np.arange(100, 110)), atari_pong[100:110])
+    assert dec.stats()["batches"] > 0  # the unstaged rows went through the decoder
+
+
+def test_stage_rows_must_be_a_non_negative_int():
+    with pytest.raises(ValueError, match="stage_rows"):
+        TieredStore(10, stage_rows=-1)
+    with pytest.raises(ValueError, match="stage_rows"):
+        TieredStore(10, stage_rows=2.5)
+
+
+def test_stage_rows_can_be_set_on_open(tmp_path):
+    # a runtime setting like threads: not stored in the manifest, given again on open
+    TieredStore(10, tmp_path / "s", stage_rows=0).close()
+    with tiered.open(tmp_path / "s", mode="r+", stage_rows=0) as store:
+        store.extend(TensorDict({"x": torch.zeros(1, 3)}, [1]))
+        assert store.stats()["staged_rows"] == 0
+    with tiered.open(tmp_path / "s", mode="r+", stage_rows=16) as store:
+        store.extend(TensorDict({"x": torch.ones(1, 3)}, [1]))
+        assert store.stats()["staged_rows"] == 1
+
+
+@pytest.mark.parametrize("rows_per_write", [1, 50], ids=["staged", "batched"])
+def test_values_with_autograd_history_are_stored_detached(rows_per_write):
+    # policy outputs often carry autograd history: stored copies must not (nor fail on it)
+    torch.manual_seed(0)
+    logits = torch.randn(100, 6, requires_grad=True) * 2  # dense, with a grad_fn
+    features = torch.randn(100, 512, requires_grad=True) * 2  # 2 KiB per row: a blob field
+    data = TensorDict({"logits": logits, "features": features}, batch_size=[100])
+    store = TieredStore(100)
+    for lo in range(0, 100, rows_per_write):
+        store.extend(data[lo:lo + rows_per_write])
+    assert (store.stats()["staged_rows"] > 0) == (rows_per_write == 1)
+    out = store.get(slice(None))
+    assert not out["logits"].requires_grad and not out["features"].requires_grad
+    assert torch.equal(out["logits"], logits.detach()) and torch.equal(out["features"], features.detach())
+    assert store.schema["features"].kind == "blob"

@@ -1,0 +1,769 @@
+"""The arrays' files: one file per array holding the last commit, changed in place, and the
+before-images through which a crash, and a reader of an older commit, get the old bytes back.
+
+Design note:
+
+* **Files.** Each array of a commit (index columns, row tables, dense columns, ...) lives in
+  ``arrays/<name>.<f>.npy``, ``f`` being the commit that created the file (the manifest's
+  ``array_files``). A commit writes only what changed of an array indexed by row or blob id, in
+  place: the dirty row or blob-id blocks widened to :data:`WRITE_UNIT`, and for an array that
+  grew (blob ids added) its header and new tail: the file only gets longer. An array that shrank
+  or changed dtype, and a small array whose changes are not tracked by block that differs from
+  its file, is written whole to a new file ``<name>.<g>.npy``; the old file is never written
+  again.
+* **What commit g writes, in order.** (1) The before-image file ``arrays/undo.<g>``: for each
+  byte range the commit will change in place, the bytes the file holds now (commit ``g - 1``'s)
+  and the file's size, checked by a CRC-32 per :data:`PAGE_BYTES` page, written under a temp
+  name, fsynced, renamed;
+  the new files of resized arrays, fsynced; the directory fsynced. (2) ``commit.intent`` = ``g``,
+  fsynced. (3) The changed ranges, in place, each file fsynced; each page's CRC-32 patched from
+  its old one and the bytes that changed. (4) The manifest. Then the before-images of commit
+  ``g - KEEP`` and files replaced ``KEEP`` commits ago are deleted.
+* **What a crash leaves.** Before (2): the arrays as commit ``g - 1`` left them (a stray
+  before-image or new file is removed at the next writer open). Between (2) and (4): arrays partly
+  written; the next writer open (or the writer itself, after an error) sees an intent newer than
+  the manifest and writes the before-images of ``g`` back, cutting grown files to their old
+  size (:func:`roll_back`), bit-exact, then sets the intent back. After (4): commit ``g``. A before-image is complete and fsynced before the
+  intent names its commit, so a power loss at any point leaves one of these.
+* **What readers see.** A read-only open of commit ``g`` maps the files; each page is copied
+  private and checked against commit ``g``'s CRC-32 at its first use
+  (:class:`~tiered.durable.checked_maps.PageChecks`), so the writer's later writes never reach a page once
+  checked. A page the writer changed since fails its check; its bytes as of ``g`` are rebuilt from
+  the before-images of commits ``g + 1`` to the intent (the oldest image of a byte wins) and
+  checked again (:meth:`UndoChain.rebuild`); a file grown since is mapped to its commit's size,
+  with the header rebuilt the same way. The before-images of the last :data:`KEEP` commits
+  are kept: a reader up to ``KEEP`` commits behind reads its commit; further behind, a page it
+  cannot rebuild raises ``StaleReadError``. A process forked from the writer has private arrays
+  (the fork hook of :mod:`tiered.durable.store_files`).
+
+Example:
+    >>> import os, tempfile
+    >>> import numpy as np
+    >>> d = tempfile.mkdtemp()
+    >>> a = np.arange(10_000, dtype=np.int64)
+    >>> first = write_new(os.path.join(d, "x.npy"), a, 1)
+    >>> a[5] = -1
+    >>> blocks = np.zeros(1, dtype=bool); blocks[0] = True
+    >>> runs = plan_in_place(os.path.join(d, "x.npy"), a, blocks, first)
+    >>> old = read_runs(os.path.join(d, "x.npy"), runs)
+    >>> again = write_in_place(os.path.join(d, "x.npy"), a, runs, first)
+    >>> again.size == first.size and again.written < first.written, int(np.load(os.path.join(d, "x.npy"))[5])
+    (True, -1)
+    >>> int(np.frombuffer(old, np.int64, 1, 128 + 40)[0])  # the before-image of element 5
+    5
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import re
+import struct
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..errors import CorruptionError, StaleReadError
+from ..util import fileio
+from ..util.crc import crc32_patch
+from ..util.dirty import BLOCK_SHIFT
+from ..util.filemap import npy_header
+from .manifest import PAGE_BYTES, NpyHeader, page_checksums, read_npy_header
+
+__all__ = ["KEEP", "ARRAYS_DIR", "INTENT", "WRITE_UNIT", "FileState", "UndoImage", "UndoChain", "array_file",
+           "undo_file", "stale_error", "kind_of", "plan_in_place", "read_runs", "write_in_place", "write_new", "write_undo",
+           "roll_back", "remove_obsolete", "write_intent", "read_intent", "stamp_of", "header_of"]
+
+#: Commits whose before-images are kept: a read-only open reads its commit until the writer's
+#: ``KEEP + 1``-th commit after it starts.
+KEEP = 2
+ARRAYS_DIR = "arrays"
+INTENT = "commit.intent"
+_INTENT_MAGIC = 0x7469657265643221  # "tiered2!"
+#: Bytes a commit writes at least around a change (a memory page: a whole page of a file is then
+#: what a writer maps back from it).
+WRITE_UNIT = max(4096, mmap.PAGESIZE)
+_UNDO_MAGIC = b"tieredU1"
+#: A before-image file's head: magic, generation, bytes of its JSON table, CRC-32 of the table.
+_UNDO_HEAD = struct.Struct("<8sqqI4x")
+#: Largest JSON table of a before-image file accepted (it lists the arrays a commit changed).
+_MAX_UNDO_TABLE = 16 << 20
+_ARRAY_FILE = re.compile(r"^(.+)\.(\d+)\.npy$")
+_UNDO_FILE = re.compile(r"^undo\.(\d+)$")
+
+
+@dataclass
+class FileState:
+    """What an array's file holds: the array as the last commit left it.
+
+    Attributes:
+        file: the commit that created the file (its name's number, :func:`array_file`).
+        size: bytes of the file.
+        crcs: CRC-32 of each :data:`PAGE_BYTES` page of the file.
+        written: bytes the last write of the file wrote (for measurements).
+        ranges: the byte ranges ``[lo, hi)`` the last write wrote (what a writer may map back from
+            the file, :func:`tiered.util.filemap.remap`).
+        stamp: the file's identity and time stamps once written (:func:`stamp_of`; None: not known).
+    """
+
+    file: int
+    size: int
+    crcs: list[int]
+    written: int = 0
+    ranges: list[tuple[int, int]] = field(default_factory=list)
+    stamp: tuple[int, int, int, int] | None = None
+
+
+def array_file(store: str, name: str, file: int) -> str:
+    """The file of array ``name`` created by commit ``file`` in the store directory ``store``."""
+    return os.path.join(store, ARRAYS_DIR, f"{name}.{file}.npy")
+
+
+def undo_file(store: str, generation: int) -> str:
+    """The before-image file of commit ``generation``."""
+    return os.path.join(store, ARRAYS_DIR, f"undo.{generation}")
+
+
+def kind_of(name: str) -> str:
+    """How an array's first axis is indexed: ``"rows"``, ``"blobs"``, or ``"whole"`` (arrays whose
+    changes are not tracked by block: a commit compares them with their file)."""
+    if name in ("written", "flags") or name.startswith(("dense.", "rows.")) or name == "priority.rows":
+        return "rows"
+    if name.startswith("index.") and name not in ("index.free_ids", "index.meta"):
+        return "blobs"
+    if name.startswith("policy.") and not name.endswith(".clock"):
+        return "blobs"
+    return "whole"
+
+
+def _dirty_runs(arr: np.ndarray, hlen: int, size: int, blocks: np.ndarray) -> np.ndarray:
+    """Byte runs ``[lo, hi)`` of the file holding the elements of the dirty id ``blocks`` (first
+    axis of ``arr``), widened to whole :data:`WRITE_UNIT` units (clipped to the file's end) and
+    merged: an ``(n, 2)`` int64 array, sorted."""
+    ids = np.flatnonzero(blocks)
+    if not (ids.size and arr.ndim and arr.shape[0]):
+        return np.empty((0, 2), dtype=np.int64)
+    row_bytes = arr.nbytes // arr.shape[0]
+    lo = hlen + (ids << BLOCK_SHIFT) * row_bytes
+    hi = np.minimum(hlen + ((ids + 1) << BLOCK_SHIFT) * row_bytes, size)
+    keep = lo < hi
+    return _merge(lo[keep] // WRITE_UNIT * WRITE_UNIT, np.minimum(-(-hi[keep] // WRITE_UNIT) * WRITE_UNIT, size))
+
+
+def _merge(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """Sorted, merged runs of the byte ranges ``[lo, hi)`` (touching ranges join)."""
+    if not lo.size:
+        return np.empty((0, 2), dtype=np.int64)
+    order = np.argsort(lo, kind="stable")
+    lo, hi = lo[order].astype(np.int64), np.maximum.accumulate(hi[order].astype(np.int64))
+    start = np.ones(lo.size, dtype=bool)
+    start[1:] = lo[1:] > hi[:-1]  # a gap before it: a new run
+    first = np.flatnonzero(start)
+    last = np.append(first[1:], lo.size) - 1
+    return np.stack([lo[first], hi[last]], axis=1)
+
+
+def _pages_of(runs: np.ndarray, n_pages: int) -> np.ndarray:
+    """Which :data:`PAGE_BYTES` pages the byte ``runs`` touch (a bool per page)."""
+    pages = np.zeros(n_pages + 1, dtype=np.int64)
+    if runs.size:
+        np.add.at(pages, runs[:, 0] // PAGE_BYTES, 1)
+        np.add.at(pages, (runs[:, 1] - 1) // PAGE_BYTES + 1, -1)
+    return np.cumsum(pages)[:n_pages] > 0
+
+
+def _reusable(fd: int, path: str, base: FileState | None, hlen: int, arr: np.ndarray) -> bool:
+    """Whether the file on disk is the one ``base`` describes, with a header of ``hlen`` bytes and
+    the dtype and row shape of ``arr`` (an array whose dtype changed, as row tables did in format
+    3, has every page moved: it is rewritten whole)."""
+    if base is None:
+        return False
+    size = os.fstat(fd).st_size
+    if size != base.size or len(base.crcs) != -(-size // PAGE_BYTES):
+        return False
+    try:
+        head = read_npy_header(fd, path, size)
+    except CorruptionError:
+        return False
+    return head.offset == hlen and head.dtype == arr.dtype and tuple(head.shape[1:]) == arr.shape[1:]
+
+
+def _source(arr: np.ndarray, before: Callable[[int, int], None] | None = None) -> tuple[_Source, int]:
+    """The ``.npy`` file's bytes of ``arr`` (:class:`_Source`) and the file's size."""
+    if not (arr.flags.c_contiguous or arr.ndim == 1):
+        arr = np.ascontiguousarray(arr)
+    head = npy_header(arr.shape, arr.dtype)  # the same header file_array lays out in memory
+    flat = arr.reshape(-1) if arr.flags.c_contiguous else arr
+    return _Source(head, flat, max(arr.itemsize, 1), before), len(head) + arr.nbytes
+
+
+def plan_in_place(path: str, arr: np.ndarray, blocks: np.ndarray | None, base: FileState | None) -> np.ndarray | None:
+    """The byte runs ``[lo, hi)`` (an ``(n, 2)`` int64 array) of the file ``path``, which holds
+    ``base``, that a commit rewrites in place to make it ``arr``'s ``.npy`` file: those of the
+    dirty id ``blocks``, widened to whole :data:`WRITE_UNIT` units, or with ``blocks`` None, the
+    units whose bytes differ from the file's.
+
+    An array that grew (a blob-indexed array gets longer as blob ids are added) is written in
+    place too: its header and its new tail with the dirty blocks; the file only gets longer
+    (what a reader maps stays where it was).
+
+    Returns:
+        None where the array cannot be written in place: no ``base``, a file that is not the one
+        ``base`` describes, an array that shrank or whose dtype or row shape changed, or one not
+        tracked by block that grew: the array then goes to a new file (:func:`write_new`).
+    """
+    source, size = _source(arr)
+    if base is None or size < base.size or (size > base.size and blocks is None):
+        return None
+    try:
+        fd = fileio.open_for_read(path)
+    except (FileNotFoundError, CorruptionError):
+        return None
+    try:
+        hlen = len(source.head)
+        if not _reusable(fd, path, base, hlen, arr):
+            return None
+        if size == base.size:
+            if os.pread(fd, hlen, 0) != source.head:
+                return None
+            return _dirty_runs(arr, hlen, size, blocks) if blocks is not None else _differing_runs(fd, source, size)
+        # grown (more blob ids): the header and the tail too, in place; the file only gets longer
+        runs = _dirty_runs(arr, hlen, size, blocks)
+        tail = base.size // WRITE_UNIT * WRITE_UNIT
+        return _merge(np.append(runs[:, 0], [0, tail]),
+                      np.append(runs[:, 1], [min(size, -(-hlen // WRITE_UNIT) * WRITE_UNIT), size]))
+    finally:
+        fileio.close(fd)
+
+
+def read_runs(path: str, runs: np.ndarray) -> np.ndarray:
+    """The bytes of the file ``path`` in the byte ``runs``, one after the other (``uint8``).
+
+    Raises:
+        CorruptionError: the file is shorter than the runs.
+    """
+    lengths = runs[:, 1] - runs[:, 0]
+    out = np.empty(int(lengths.sum()), dtype=np.uint8)
+    if not out.size:
+        return out
+    fd = fileio.open_for_read(path)
+    try:
+        at = 0
+        for (lo, hi), n in zip(runs.tolist(), lengths.tolist(), strict=True):  # the commit's runs of this file
+            if fileio.read_into(fd, memoryview(out)[at:at + n], lo) != n:
+                raise CorruptionError(f"{path}: shorter than its last commit wrote it (at least {hi} bytes "
+                                      "expected); another process changed the store's files: open the store again")
+            at += n
+    finally:
+        fileio.close(fd)
+    return out
+
+
+def write_in_place(path: str, arr: np.ndarray, runs: np.ndarray, base: FileState,
+                   before: Callable[[int, int], None] | None = None) -> FileState:
+    """Write the byte ``runs`` of ``arr``'s ``.npy`` file into ``path`` (which holds ``base``, with
+    the same header) and fsync it. Returns what the file now holds, with the CRC-32 of every page
+    (those not touched are ``base``'s). ``before(lo, hi)`` is called with each range of ``arr``'s
+    bytes before they are read (to check bytes memory-mapped from a file whose pages are checked
+    on first use).
+
+    A page that a run covers in part gets its new CRC from ``base``'s and the bytes that changed
+    (:func:`_write_runs`): what a commit writes and hashes is what changed, not the size of the
+    array (nor of a checksum page).
+    """
+    if not runs.size:
+        return FileState(base.file, base.size, base.crcs, 0, [], base.stamp)
+    source, size = _source(arr, before)
+    fd = fileio.open_for_write(path)
+    try:
+        crcs = list(base.crcs) + [0] * max(0, -(-size // PAGE_BYTES) - len(base.crcs))
+        written, ranges = _write_runs(fd, path, source, runs, base, crcs, size)
+        fileio.fsync(fd)
+        stamp = stamp_of(os.fstat(fd))
+    finally:
+        fileio.close(fd)
+    return FileState(base.file, size, crcs, written, ranges, stamp)
+
+
+def write_new(path: str, arr: np.ndarray, file: int, before: Callable[[int, int], None] | None = None) -> FileState:
+    """Write ``arr`` whole as the new ``.npy`` file ``path`` (created by commit ``file``) and fsync
+    it; the caller fsyncs the directory before publishing. A file left there by a commit that died
+    is replaced: no commit published it, so no reader maps it."""
+    source, size = _source(arr, before)
+    fileio.remove(path)
+    fd = fileio.open_for_write(path, exclusive=True)
+    try:
+        fileio.truncate(fd, size)
+        parts, at = source.parts(0, size), 0
+        for part in parts:  # header and data: two at most
+            fileio.pwrite(fd, part, at)
+            at += part.nbytes
+        fileio.fsync(fd)
+        stamp = stamp_of(os.fstat(fd))
+    finally:
+        fileio.close(fd)
+    return FileState(file, size, page_checksums(parts), size, [(0, size)], stamp)
+
+
+def stamp_of(st: os.stat_result) -> tuple[int, int, int, int]:
+    """What changes when another program writes, truncates or replaces a file: its inode, size,
+    and modification and change times."""
+    return st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
+@dataclass
+class _Source:
+    """The bytes of a ``.npy`` file as they are in memory: its header, then the array's bytes."""
+
+    head: bytes
+    flat: np.ndarray
+    item: int
+    before: Callable[[int, int], None] | None
+
+    def parts(self, b0: int, b1: int) -> list[memoryview]:
+        """The file's bytes ``[b0, b1)``: a piece of the header and a piece of the array."""
+        hlen, out = len(self.head), []
+        if b0 < hlen:
+            out.append(memoryview(self.head)[b0:min(b1, hlen)])
+        if b1 > hlen:
+            if self.before is not None:
+                self.before(max(b0, hlen) - hlen, b1 - hlen)
+            e0, e1 = (max(b0, hlen) - hlen) // self.item, (b1 - hlen) // self.item
+            out.append(memoryview(np.ascontiguousarray(self.flat[e0:e1]).reshape(-1).view(np.uint8)))
+        return out
+
+
+def _differing_runs(fd: int, source: _Source, size: int) -> np.ndarray | None:
+    """The :data:`WRITE_UNIT` runs of the file (``size`` bytes, as the array's) whose bytes differ
+    from ``source``'s (None: the file is shorter than it should be)."""
+    disk = np.empty(size, dtype=np.uint8)
+    if fileio.read_into(fd, memoryview(disk), 0) != size:
+        return None
+    mem = np.concatenate([np.frombuffer(part, dtype=np.uint8) for part in source.parts(0, size)])
+    full, unit = size // WRITE_UNIT, WRITE_UNIT
+    differ = np.zeros(-(-size // unit), dtype=bool)
+    differ[:full] = (disk[:full * unit].reshape(full, unit) != mem[:full * unit].reshape(full, unit)).any(axis=1)
+    if full < differ.size:
+        differ[full] = not np.array_equal(disk[full * unit:], mem[full * unit:])
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], differ.astype(np.int8), [0]]))).reshape(-1, 2)
+    return np.minimum(edges.astype(np.int64) * unit, size)
+
+
+#: Most bytes of pages read at once while a commit rewrites parts of them.
+_SPAN_BYTES = 16 * PAGE_BYTES
+
+
+def _write_runs(fd: int, path: str, source: _Source, runs: np.ndarray, base: FileState, crcs: list[int],
+                size: int) -> tuple[int, list[tuple[int, int]]]:
+    """Write the byte ``runs`` of the file from ``source``, updating ``crcs`` of the pages they
+    touch; returns the bytes written and the ranges written.
+
+    A page that is whole before and after (all but the last one or two) gets its new CRC from
+    its old one and the bytes that changed (:func:`~tiered.util.crc.crc32_patch`): a few KiB
+    written in a 1 MiB page cost a few KiB to hash. The others are read, checked and hashed
+    whole (:func:`_splice_pages`)."""
+    whole = min(size, base.size) // PAGE_BYTES * PAGE_BYTES  # bytes of the pages whole before and after
+    written, ranges, rest = 0, [], []
+    for r0, r1 in runs.tolist():  # a few runs per array
+        if r0 < whole:
+            written += _patch_pages(fd, path, source, r0, min(r1, whole), crcs)
+            ranges.append((r0, min(r1, whole)))
+        if r1 > whole:
+            rest.append((max(r0, whole), r1))
+    if rest:
+        more, where = _splice_pages(fd, source, np.array(rest, dtype=np.int64), base, crcs, size)
+        written += more
+        ranges += where
+    return written, ranges
+
+
+def _patch_pages(fd: int, path: str, source: _Source, b0: int, b1: int, crcs: list[int]) -> int:
+    """Write bytes ``[b0, b1)`` (on pages whole before and after) from ``source``; pages it covers
+    whole get the CRC of their bytes, the others their CRC patched. Returns the bytes written."""
+    m0, m1 = -(-b0 // PAGE_BYTES) * PAGE_BYTES, b1 // PAGE_BYTES * PAGE_BYTES  # the whole pages inside
+    if m0 < m1:
+        parts, at = source.parts(m0, m1), m0
+        for part in parts:  # header and data: two at most
+            fileio.pwrite(fd, part, at)
+            at += part.nbytes
+        crcs[m0 // PAGE_BYTES:m1 // PAGE_BYTES] = page_checksums(parts)
+    pieces = [(b0, min(b1, m0)), (max(b0, m1), b1)] if m0 < m1 else [(b0, min(b1, m0)), (max(b0, m0), b1)]
+    for a, b in pieces:  # the parts of pages at either end (each within one page)
+        if a >= b:
+            continue
+        new = b"".join(source.parts(a, b))
+        old = bytearray(b - a)
+        if fileio.read_into(fd, memoryview(old), a) != b - a:
+            raise CorruptionError(f"{path}: shorter than its last commit wrote it (at least {b} bytes expected); "
+                                  "another process changed the store's files: open the store again")
+        p = a // PAGE_BYTES
+        crcs[p] = crc32_patch(crcs[p], PAGE_BYTES, a - p * PAGE_BYTES, old, new)
+        fileio.pwrite(fd, new, a)
+    return b1 - b0
+
+
+def _splice_pages(fd: int, source: _Source, runs: np.ndarray, base: FileState, crcs: list[int],
+                  size: int) -> tuple[int, list[tuple[int, int]]]:
+    """Write the byte ``runs`` on pages whose size changed (or that are new): each page is read,
+    checked against ``base``'s CRC (one that fails is rewritten whole from ``source``), the runs
+    are written into it and its CRC is that of the whole page."""
+    n_pages = len(crcs)
+    touched = _pages_of(runs, n_pages)
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], touched.astype(np.int8), [0]]))).reshape(-1, 2)
+    spans = [(p, min(p + _SPAN_BYTES // PAGE_BYTES, p1)) for p0, p1 in edges.tolist()
+             for p in range(p0, p1, _SPAN_BYTES // PAGE_BYTES)]  # a few per array
+    written, ranges = 0, []
+    for p0, p1 in spans:
+        b0, b1 = p0 * PAGE_BYTES, min(p1 * PAGE_BYTES, size)
+        page = np.empty(b1 - b0, dtype=np.uint8)
+        old = max(0, min(b1, base.size) - b0)  # bytes of the span the file held before
+        got = fileio.read_into(fd, memoryview(page)[:old], b0)
+        sums = page_checksums([memoryview(page)[:got]]) if got else []
+        for k, p in enumerate(range(p0, p1)):  # the pages as base's commit left them (16 at most)
+            lo, hi = p * PAGE_BYTES, min((p + 1) * PAGE_BYTES, base.size)
+            if lo < base.size and (b0 + got < hi or p >= len(base.crcs) or sums[k] != base.crcs[p]):
+                # not what base's commit wrote: rewritten whole from memory
+                runs = _merge(np.append(runs[:, 0], lo), np.append(runs[:, 1], min(lo + PAGE_BYTES, size)))
+        inside = runs[(runs[:, 0] < b1) & (runs[:, 1] > b0)]
+        for r0, r1 in inside.tolist():  # the dirty runs of these pages: a few
+            r0, r1 = max(r0, b0), min(r1, b1)
+            at = r0
+            for part in source.parts(r0, r1):
+                page[at - b0:at - b0 + part.nbytes] = np.frombuffer(part, dtype=np.uint8)
+                at += part.nbytes
+            fileio.pwrite(fd, memoryview(page)[r0 - b0:r1 - b0], r0)
+            written += r1 - r0
+            ranges.append((r0, r1))
+        crcs[p0:p1] = page_checksums([memoryview(page)])
+    return written, ranges
+
+
+def write_undo(store: str, generation: int, images: list[tuple[str, int, int, np.ndarray, np.ndarray]]) -> int:
+    """Durably write the before-images of commit ``generation``: per array ``(name, file, size,
+    runs, old)``, the byte ``runs`` of its file ``file`` (``size`` bytes now) about to be
+    rewritten, within ``size``, and their ``old`` bytes.
+    The file is written under a temp name, fsynced and renamed; the caller fsyncs the directory
+    before the intent names the commit. Returns the bytes written.
+
+    Layout: :data:`_UNDO_HEAD`, a JSON table (``arrays``: ``[name, file, runs, offset, size]`` each,
+    ``body``: bytes of the body, ``crcs``: CRC-32 of each :data:`PAGE_BYTES` page of the body),
+    then the body: per array its runs as ``(n, 2)`` little-endian int64, then their old bytes.
+    """
+    parts: list[memoryview] = []
+    table, at = [], 0
+    for name, file, size, runs, old in images:  # the arrays the commit changes in place (a few dozen)
+        spans = np.ascontiguousarray(runs, dtype="<i8")
+        table.append([name, int(file), int(spans.shape[0]), at, int(size)])
+        parts += [memoryview(spans).cast("B"), memoryview(np.ascontiguousarray(old, dtype=np.uint8))]
+        at += spans.nbytes + old.nbytes
+    meta = json.dumps({"generation": generation, "arrays": table, "body": at,
+                       "crcs": page_checksums(parts)}).encode()
+    path = undo_file(store, generation)
+    tmp = path + ".new"
+    fileio.remove(tmp)  # left by a commit that died here: it holds nothing known
+    fd = fileio.open_for_write(tmp, exclusive=True)
+    try:
+        fileio.pwrite(fd, _UNDO_HEAD.pack(_UNDO_MAGIC, generation, len(meta), zlib.crc32(meta)) + meta, 0)
+        pos = _UNDO_HEAD.size + len(meta)
+        for part in parts:  # two per array
+            if part.nbytes:
+                fileio.pwrite(fd, part, pos)
+                pos += part.nbytes
+        fileio.fsync(fd)
+    finally:
+        fileio.close(fd)
+    fileio.replace(tmp, path)
+    return pos
+
+
+class UndoImage:
+    """The before-images of one commit (:func:`write_undo`), read and checked: the head and table
+    at once, the body a page at a time as it is used (each page against its CRC-32).
+
+    Raises:
+        FileNotFoundError: no such file.
+        CorruptionError: naming the file, for anything :func:`write_undo` does not write.
+    """
+
+    def __init__(self, path: str, generation: int) -> None:
+        self.path = path
+        fd = fileio.open_for_read(path)
+        try:
+            size = os.fstat(fd).st_size
+            raw = os.pread(fd, _UNDO_HEAD.size, 0)
+            if len(raw) != _UNDO_HEAD.size:
+                raise self.bad("shorter than its head")
+            magic, g, n, crc = _UNDO_HEAD.unpack(raw)
+            if magic != _UNDO_MAGIC or g != generation or not 0 < n <= min(_MAX_UNDO_TABLE, size - _UNDO_HEAD.size):
+                raise self.bad(f"not the before-images of commit {generation}")
+            meta = os.pread(fd, n, _UNDO_HEAD.size)
+            if len(meta) != n or zlib.crc32(meta) != crc:
+                raise self.bad("its table fails its checksum")
+        finally:
+            fileio.close(fd)
+        try:
+            doc = json.loads(meta)
+            self.start, self.size = _UNDO_HEAD.size + n, int(doc["body"])
+            self.crcs = [int(c) for c in doc["crcs"]]
+            self.arrays: dict[tuple[str, int], tuple[int, int]] = {
+                (str(name), int(file)): (int(k), int(at)) for name, file, k, at, _ in doc["arrays"]}
+            #: bytes of each file before the commit (a file that grew is cut back to them)
+            self.sizes = {(str(name), int(file)): int(size) for name, file, _, _, size in doc["arrays"]}
+        except (ValueError, TypeError, KeyError) as e:
+            raise self.bad(f"its table cannot be read ({e})") from None
+        if self.start + self.size != size or len(self.crcs) != -(-self.size // PAGE_BYTES) or any(
+                k < 0 or at < 0 or at + 16 * k > self.size for k, at in self.arrays.values()) or any(
+                n < 0 for n in self.sizes.values()):
+            raise self.bad("its table does not fit the file")
+
+    def bad(self, what: str) -> CorruptionError:
+        """The error for this file, saying ``what`` is wrong with it."""
+        return CorruptionError(f"{self.path}: a before-image file of the store, {what}; the store is damaged. "
+                               "Run `tiered verify` for details.")
+
+    def body(self, lo: int, hi: int) -> np.ndarray:
+        """Bytes ``[lo, hi)`` of the body, once the pages holding them passed their checksums."""
+        if hi <= lo:
+            return np.empty(0, dtype=np.uint8)
+        if hi > self.size:
+            raise self.bad("a run lies past its end")
+        p0, p1 = lo // PAGE_BYTES, -(-hi // PAGE_BYTES)
+        buf = np.empty(min(p1 * PAGE_BYTES, self.size) - p0 * PAGE_BYTES, dtype=np.uint8)
+        fd = fileio.open_for_read(self.path)
+        try:
+            got = fileio.read_into(fd, memoryview(buf), self.start + p0 * PAGE_BYTES)
+        finally:
+            fileio.close(fd)
+        if got != buf.size or page_checksums([memoryview(buf)]) != self.crcs[p0:p1]:
+            raise self.bad("its bytes fail their checksums")
+        return buf[lo - p0 * PAGE_BYTES:hi - p0 * PAGE_BYTES]
+
+    def runs(self, name: str, file: int) -> tuple[np.ndarray, np.ndarray]:
+        """The byte runs of array ``name``'s file ``file`` this commit changed (``(n, 2)``) and
+        where each run's old bytes start in the body."""
+        k, at = self.arrays.get((name, file), (0, 0))
+        runs = self.body(at, at + 16 * k).view("<i8").reshape(k, 2).astype(np.int64)
+        lengths = runs[:, 1] - runs[:, 0]
+        if k and (int(runs[:, 0].min()) < 0 or int(lengths.min()) <= 0 or at + 16 * k + int(lengths.sum()) > self.size):
+            raise self.bad(f"the runs of {name} are impossible")
+        return runs, at + 16 * k + np.cumsum(lengths) - lengths
+
+    def overlay(self, name: str, file: int, lo: int, buf: np.ndarray) -> None:
+        """Write this commit's before-images of ``name``'s file ``file`` over ``buf``, which holds
+        the file's bytes ``[lo, lo + buf.size)``."""
+        runs, where = self.runs(name, file)
+        hi = lo + buf.size
+        pick = np.flatnonzero((runs[:, 0] < hi) & (runs[:, 1] > lo))
+        if not pick.size:
+            return
+        # the old bytes of these runs lie together in the body: read (and checked) at once
+        b0 = int(where[pick[0]])
+        old = self.body(b0, int(where[pick[-1]] + runs[pick[-1], 1] - runs[pick[-1], 0]))
+        for r in pick.tolist():  # the runs of one checksum page
+            r0, r1 = int(runs[r, 0]), int(runs[r, 1])
+            a, b = max(r0, lo), min(r1, hi)
+            src = int(where[r]) + a - r0 - b0
+            buf[a - lo:b - lo] = old[src:src + b - a]
+
+
+class UndoChain:
+    """The before-images a read-only open of commit ``generation`` rebuilds its pages from: those
+    of the commits after it (each read once, then kept)."""
+
+    def __init__(self, store: str, generation: int) -> None:
+        self.store, self.generation = store, generation
+        self.images: dict[int, UndoImage] = {}
+
+    def rebuild(self, name: str, file: int, lo: int, hi: int, crc: int) -> tuple[np.ndarray | None, int | None]:
+        """The bytes ``[lo, hi)`` of array ``name``'s file ``file`` as commit :attr:`generation`
+        left them, and the intent they were rebuilt under: the file's bytes now, then over them
+        the before-images of commits ``generation + 1`` to the intent (read *after* the file's
+        bytes, so no commit after it wrote any of them), newest first, so that a byte changed by
+        several commits is the oldest image's. The bytes are None where they fail ``crc``, or
+        where the intent names no commit after :attr:`generation` (nothing to rebuild from) or
+        one more than :data:`KEEP` after it (its images may be gone).
+
+        Raises:
+            FileNotFoundError: an image (or the file) is gone: the writer moved on meanwhile.
+        """
+        buf = np.empty(hi - lo, dtype=np.uint8)
+        fd = fileio.open_for_read(array_file(self.store, name, file))
+        try:
+            got = fileio.read_into(fd, memoryview(buf), lo)
+        finally:
+            fileio.close(fd)
+        intent = read_intent(self.store)
+        if got != buf.size or intent is None or not self.generation < intent <= self.generation + KEEP:
+            return None, intent
+        for g in range(intent, self.generation, -1):  # newest first: the oldest image of a byte wins
+            image = self.images.get(g)
+            if image is None:
+                image = self.images[g] = UndoImage(undo_file(self.store, g), g)
+            image.overlay(name, file, lo, buf)
+        return (buf if zlib.crc32(memoryview(buf)) == crc else None), intent
+
+
+    def page(self, name: str, file: int, lo: int, hi: int, crc: int) -> np.ndarray | None:
+        """:meth:`rebuild`, again while a commit starts or is rolled back meanwhile (a few times);
+        None: the bytes are damaged (no commit after :attr:`generation` was started, or they
+        cannot be made to match ``crc``).
+
+        Raises:
+            StaleReadError: the writer is more than :data:`KEEP` commits ahead: the before-images
+                of the commits after :attr:`generation` are gone (:func:`stale_error`).
+        """
+        for _attempt in range(3):  # a few: each retry follows a commit that started meanwhile
+            try:
+                got, intent = self.rebuild(name, file, lo, hi, crc)
+            except (FileNotFoundError, CorruptionError) as e:
+                intent = read_intent(self.store)
+                if intent is not None and intent > self.generation:
+                    raise stale_error(self.store, self.generation, intent) from e
+                raise
+            if got is not None:
+                return got
+            if intent is None or intent <= self.generation:
+                return None  # no commit after this one was started: the bytes are damaged
+            if intent > self.generation + KEEP:
+                raise stale_error(self.store, self.generation, intent)
+            self.images.clear()  # a commit rolled back and made again rewrites its images
+        return None
+
+
+def stale_error(store: str, generation: int, intent: int) -> StaleReadError:
+    """The error of a reader of commit ``generation`` whose writer has moved on to ``intent``."""
+    return StaleReadError(
+        f"{store}: this store was opened read-only at commit {generation}; a writer has since "
+        f"committed up to generation {intent} and reused the files of older commits. The files are "
+        "most likely not damaged: reopen the store (tiered.open(path)) to read the latest commit, and "
+        "run `tiered verify` if the error stays after that.")
+
+
+def header_of(raw: bytes, path: str, size: int) -> NpyHeader:
+    """The ``.npy`` header at the start of ``raw`` (a file's first bytes, as a commit left them),
+    checked as :func:`~tiered.durable.manifest.read_npy_header` checks a file of ``size`` bytes.
+
+    Raises:
+        CorruptionError: naming ``path``.
+    """
+    fd = os.memfd_create("tiered-npy-header", getattr(os, "MFD_CLOEXEC", 0))
+    try:
+        os.write(fd, raw)
+        return read_npy_header(fd, path, size)
+    finally:
+        os.close(fd)
+
+
+def roll_back(store: str, published: int) -> bool:
+    """Undo what a commit that died after its intent wrote in place (the writer's open of a store,
+    or a writer whose commit failed): write the before-images of the commit the intent names back,
+    fsync, set the intent back to ``published`` (the manifest's generation), then remove the
+    images. Idempotent: a crash here is rolled back again by the next open.
+
+    Returns:
+        Whether there was anything to roll back.
+
+    Raises:
+        CorruptionError: the intent names a commit whose before-images are missing or damaged.
+    """
+    intent = read_intent(store)
+    if intent is None or intent <= published:
+        return False
+    path = undo_file(store, intent)
+    try:
+        image = UndoImage(path, intent)
+    except FileNotFoundError:
+        raise CorruptionError(f"{path}: missing, though {os.path.join(store, INTENT)} says commit {intent} was "
+                              "being written; the store is damaged. Run `tiered verify` for details.") from None
+    body = image.body(0, image.size)
+    for name, file in image.arrays:  # the arrays the dead commit changed
+        runs, where = image.runs(name, file)
+        target = array_file(store, name, file)
+        try:
+            fd = fileio.open_for_write(target)
+        except FileNotFoundError:
+            raise CorruptionError(f"{target}: missing, though commit {intent} changed it; the store is "
+                                  "damaged") from None
+        try:
+            old_size = image.sizes[(name, file)]
+            if int(runs[:, 1].max(initial=0)) > old_size or os.fstat(fd).st_size < old_size:
+                raise image.bad(f"its runs of {name} lie past the end of {target}")
+            for (lo, hi), src in zip(runs.tolist(), where.tolist(), strict=True):  # the dead commit's runs
+                fileio.pwrite(fd, body[src:src + hi - lo], lo)
+            if os.fstat(fd).st_size > old_size:  # grown by the dead commit: cut back
+                fileio.truncate(fd, old_size)
+            fileio.fsync(fd)
+        finally:
+            fileio.close(fd)
+    write_intent(store, published)
+    fileio.remove(path)
+    return True
+
+
+def remove_obsolete(store: str, published: int, current: dict[str, int]) -> None:
+    """Remove what no reader of commit ``published - KEEP`` or later needs: before-images of
+    commits up to ``published - KEEP`` and after ``published`` (left by a commit that died), array
+    files replaced by commit ``published - KEEP`` or before, files newer than their array's (no
+    commit published them), and temp files. ``current``: the file of each array of commit
+    ``published``."""
+    adir = os.path.join(store, ARRAYS_DIR)
+    try:
+        names = os.listdir(adir)
+    except FileNotFoundError:
+        return
+    files: dict[str, list[int]] = {}
+    doomed = []
+    for entry in names:  # the store's array files: a few dozen
+        m = _UNDO_FILE.match(entry)
+        if m:
+            g = int(m.group(1))
+            if g <= published - KEEP or g > published:
+                doomed.append(entry)
+            continue
+        m = _ARRAY_FILE.match(entry)
+        if m:
+            files.setdefault(m.group(1), []).append(int(m.group(2)))
+        elif entry.endswith(".new"):
+            doomed.append(entry)
+    for name, made in files.items():  # per array, its files oldest first
+        if name not in current:
+            continue  # an array no longer saved: kept (which commit dropped it is not known)
+        made.sort()
+        for f, successor in zip(made, [*made[1:], None], strict=True):
+            # newer than the array's file: no commit published it (one that failed wrote it)
+            if f > current[name] or (f != current[name] and successor is not None and successor <= published - KEEP):
+                doomed.append(f"{name}.{f}.npy")
+    for entry in doomed:  # a few per commit
+        fileio.remove(os.path.join(adir, entry))
+
+
+def write_intent(store: str, generation: int) -> None:
+    """Durably record that the commit of ``generation`` starts changing array files in place."""
+    fd = fileio.open_for_write(os.path.join(store, INTENT))
+    try:
+        fileio.pwrite(fd, struct.pack("<qq", generation, generation ^ _INTENT_MAGIC), 0)
+        fileio.fsync(fd)
+    finally:
+        fileio.close(fd)
+
+
+def read_intent(store: str) -> int | None:
+    """The generation the last commit that started changing array files was to publish (None:
+    no intent file, or one that is not what :func:`write_intent` writes)."""
+    try:
+        fd = fileio.open_for_read(os.path.join(store, INTENT))
+    except (FileNotFoundError, CorruptionError):
+        return None
+    try:
+        raw = os.pread(fd, 16, 0)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    if len(raw) != 16:
+        return None
+    g, check = struct.unpack("<qq", raw)
+    return g if check == g ^ _INTENT_MAGIC else None

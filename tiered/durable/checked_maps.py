@@ -1,0 +1,262 @@
+"""Array files checked on first use: memory-mapped, each page's CRC-32 checked the first time a
+read or a write touches it.
+
+A store's per-row arrays (row tables, dense columns) are as large as the store; reading every
+page at open to check its checksum would make opening cost the size of the store. Instead they
+are memory-mapped copy-on-write (reads are served from the page cache, a write makes a private
+page) and :class:`RowCheck` checks the pages holding a set of rows before their bytes are used:
+the pages not yet checked are read and compared with the commit's CRC-32 (a loop over pages,
+never rows), and the rows they hold are then handed to a callback (the reference checks of the
+row tables). A damaged page raises :class:`~tiered.errors.ChecksumError` at the first read or
+write that touches it (docs/durability.md).
+
+A reader of a commit that a writer goes on changing in place (a read-only open) passes
+``rebuild``: each page is first copied private (:func:`~tiered.util.filemap.make_private`), so
+the writer's later writes never reach it, and a page that fails its check is rebuilt as the
+reader's commit left it from the writer's before-images (:class:`~tiered.durable.array_files.UndoChain`)
+before it is declared damaged.
+
+Example:
+    >>> import os, tempfile
+    >>> import numpy as np
+    >>> from tiered.durable.manifest import write_array
+    >>> p = os.path.join(tempfile.mkdtemp(), "a.npy")
+    >>> f = write_array(p, np.arange(1_000_000, dtype=np.int64))
+    >>> arr, pages = map_checked(p, f.size, f.pages)
+    >>> int(pages.checked.sum())  # none so far
+    0
+    >>> check = RowCheck([pages], arr.shape[0])
+    >>> check.rows(np.array([5, 999_999])); int(arr[5])
+    5
+    >>> int(pages.checked.sum())  # the pages of the two units of rows read (of 8), the header's among them
+    3
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import os
+import zlib
+from collections.abc import Callable
+
+import numpy as np
+
+from ..errors import ChecksumError, CorruptionError
+from ..util import fileio
+from ..util.filemap import make_private
+from .array_files import header_of
+from .manifest import PAGE_BYTES, NpyHeader, already_verified, map_npy, page_checksums
+
+__all__ = ["PageChecks", "RowCheck", "map_checked", "map_commit", "load_checked"]
+
+#: ``rebuild(lo, hi, crc)``: the bytes ``[lo, hi)`` of a file as the reader's commit left them
+#: (None: they cannot be rebuilt, so they are damaged)
+Rebuild = Callable[[int, int, int], "np.ndarray | None"]
+
+
+class PageChecks:
+    """The pages of one memory-mapped array file and which of them were checked.
+
+    Args:
+        path: the file (for messages).
+        view: the file's bytes (the memory map).
+        crcs: the commit's CRC-32 of each :data:`PAGE_BYTES` page.
+        offset: where the array's elements start in the file.
+        row_bytes: bytes of one row (first-axis entry) of the array.
+        stale: called before a mismatch is reported; raises its own error when the bytes were
+            replaced by a newer commit rather than damaged (a read-only store a writer moved past).
+        rebuild: for a reader of a file a writer changes in place: each page is copied private
+            before its check, and one that fails is rebuilt by ``rebuild`` (see the module
+            docstring).
+    """
+
+    def __init__(self, path: str, view: memoryview, crcs: list[int], offset: int, row_bytes: int,
+                 stale: Callable[[], None] | None = None, rebuild: Rebuild | None = None) -> None:
+        self.path, self.view, self.crcs = path, view, crcs
+        self.offset, self.row_bytes, self.stale, self.rebuild = offset, max(row_bytes, 1), stale, rebuild
+        self.size = view.nbytes
+        #: per page: its CRC-32 was compared with the commit's
+        self.checked = np.zeros(len(crcs), dtype=bool)
+
+    def rows_pages(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+        """The sorted pages holding the bytes of the row ranges ``[lo, hi)`` (``hi > lo``)."""
+        first = (self.offset + lo * self.row_bytes) // PAGE_BYTES
+        last = (self.offset + hi * self.row_bytes - 1) // PAGE_BYTES
+        span = last - first + 1
+        if int(span.max(initial=0)) <= 1:
+            return np.unique(first)
+        pages = np.repeat(first - np.cumsum(span) + span, span) + np.arange(int(span.sum()))
+        return np.unique(pages)
+
+    def check(self, pages: np.ndarray) -> None:
+        """Check the pages (sorted page numbers) not checked yet.
+
+        Raises:
+            ChecksumError: naming the file and the first damaged byte range.
+        """
+        todo = pages[~self.checked[pages]]
+        for p in todo.tolist():  # one CRC per 1 MiB page: the unit of work here
+            lo = p * PAGE_BYTES
+            hi = min(self.size, lo + PAGE_BYTES)
+            if self.rebuild is not None:
+                make_private(self.view, lo, hi)
+            got = zlib.crc32(self.view[lo:hi])
+            if got != self.crcs[p] and self.rebuild is not None:
+                fixed = self.rebuild(lo, hi, self.crcs[p])
+                if fixed is not None:  # the page as the reader's commit left it, checked
+                    np.frombuffer(self.view, dtype=np.uint8)[lo:hi] = fixed
+                    got = self.crcs[p]
+            if got != self.crcs[p]:
+                if self.stale is not None:
+                    self.stale()
+                raise ChecksumError(
+                    f"{self.path}: checksum mismatch at bytes {lo}..{min(self.size, lo + PAGE_BYTES)} "
+                    f"(stored crc32 {self.crcs[p]:#010x}, computed {got:#010x}), found when the page was "
+                    "first read; the stored bytes are damaged. Restore the store from a copy; run "
+                    "`tiered verify` for details.")
+            self.checked[p] = True
+
+    def check_bytes(self, lo: int, hi: int) -> None:
+        """Check the pages holding file bytes ``[lo, hi)``."""
+        if hi > lo:
+            self.check(np.arange(lo // PAGE_BYTES, (hi - 1) // PAGE_BYTES + 1))
+
+
+class RowCheck:
+    """Checks the rows of one or more memory-mapped arrays of ``capacity`` rows before use.
+
+    Rows are checked in units of rows that span about a page of the widest array; the first
+    use of a unit checks the pages of every array that hold it, then calls ``on_rows`` with the
+    unit's rows (for checks of their values).
+
+    Args:
+        pages: the arrays' :class:`PageChecks` (the same rows of each).
+        capacity: rows of each array.
+        on_rows: called with the sorted row numbers of newly checked units.
+    """
+
+    def __init__(self, pages: list[PageChecks], capacity: int,
+                 on_rows: Callable[[np.ndarray], None] | None = None) -> None:
+        self.pages, self.capacity, self.on_rows = pages, int(capacity), on_rows
+        self.unit = max(1, PAGE_BYTES // max((p.row_bytes for p in pages), default=1))
+        self.done = np.zeros(-(-self.capacity // self.unit), dtype=bool)
+
+    def rows(self, rows: np.ndarray) -> None:
+        """Check the units holding ``rows`` (any int array of rows in ``[0, capacity)``)."""
+        rows = np.asarray(rows)
+        if rows.dtype == np.bool_:
+            rows = np.flatnonzero(rows)
+        if rows.size:
+            self._units(np.unique(rows.reshape(-1) // self.unit))
+
+    def span(self, start: int, n: int) -> None:
+        """Check the units holding rows ``[start, start + n)``."""
+        if n > 0:
+            self._units(np.arange(start // self.unit, (start + n - 1) // self.unit + 1))
+
+    def all(self) -> None:
+        """Check every unit (a whole-array use)."""
+        self._units(np.arange(self.done.size))
+
+    def _units(self, units: np.ndarray) -> None:
+        todo = units[~self.done[units]]
+        if not todo.size:
+            return
+        lo = todo * self.unit
+        hi = np.minimum(lo + self.unit, self.capacity)
+        for p in self.pages:  # a few arrays
+            p.check(p.rows_pages(lo, hi))
+        if self.on_rows is not None:
+            span = hi - lo
+            self.on_rows(np.repeat(lo - np.cumsum(span) + span, span) + np.arange(int(span.sum())))
+        self.done[todo] = True
+
+
+def map_commit(path: str, expected_size: int, crcs: list[int] | None,
+               rebuild: Rebuild | None) -> tuple[mmap.mmap, os.stat_result, NpyHeader, int]:
+    """:func:`~tiered.durable.manifest.map_npy` of the commit's bytes of a file: ``(map, stat,
+    header, size)``. For a reader (``rebuild`` given), a file that a writer has since grown in
+    place is mapped to the commit's size, with the header the commit wrote (rebuilt from the
+    writer's before-images); its first page is rebuilt like any other when first checked.
+
+    Raises:
+        CorruptionError: naming the file.
+    """
+    try:
+        whole, st, head = map_npy(path, expected_size)
+        return whole, st, head, st.st_size
+    except CorruptionError:
+        if rebuild is None or not crcs:
+            raise
+        fd = fileio.open_for_read(path)
+        try:
+            st = os.fstat(fd)
+            raw = rebuild(0, min(PAGE_BYTES, expected_size), crcs[0]) if st.st_size > expected_size else None
+            if raw is None:
+                raise
+            head = header_of(raw.tobytes(), path, expected_size)
+            whole = mmap.mmap(fd, expected_size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            fileio.close(fd)
+        return whole, st, head, expected_size
+
+
+def map_checked(path: str, expected_size: int, crcs: list[int] | None,
+                stale: Callable[[], None] | None = None, rebuild: Rebuild | None = None) -> tuple[np.ndarray, PageChecks]:
+    """Memory-map (copy-on-write) a ``.npy`` array file whose pages are checked on first use.
+
+    Checked now: the file is a regular file of ``expected_size`` bytes and its header is valid
+    and accounts for the file's size (the caller has matched its shape and dtype with the
+    manifest). No page is read: every page, the header's too, is checked by a :class:`RowCheck`
+    over the returned :class:`PageChecks` when its rows are first used (all pages count as
+    checked when ``crcs`` is None, or inside
+    :func:`~tiered.durable.manifest.arrays_verified`).
+
+    Raises:
+        CorruptionError (its subclass ChecksumError for a page mismatch): naming the file.
+    """
+    whole, st, head, size = map_commit(path, expected_size, crcs, rebuild)
+    if not head.shape or head.fortran_order:
+        raise CorruptionError(f"{path}: not a row array of a tiered store (shape {head.shape}); "
+                              "the store is damaged")
+    n_pages = -(-size // PAGE_BYTES)
+    if crcs is not None and len(crcs) != n_pages:
+        raise ChecksumError(f"{path}: the commit records {len(crcs)} checksummed pages, the file has "
+                            f"{n_pages}; the store is damaged. Run `tiered verify` for details.")
+    rows = head.shape[0]
+    row_bytes = math.prod(head.shape[1:]) * head.dtype.itemsize
+    pages = PageChecks(path, memoryview(whole), list(crcs) if crcs is not None else [0] * n_pages,
+                       head.offset, row_bytes, stale, rebuild)
+    if crcs is None or already_verified(st):
+        pages.checked[:] = True
+    if rows * row_bytes == 0:
+        return np.empty(head.shape, head.dtype), pages
+    arr = np.frombuffer(whole, dtype=head.dtype, count=rows * (row_bytes // head.dtype.itemsize), offset=head.offset)
+    return arr.reshape(head.shape), pages
+
+
+def load_checked(path: str, expected_size: int, crcs: list[int] | None, rebuild: Rebuild) -> np.ndarray:
+    """Memory-map (copy-on-write) a ``.npy`` file and check every page now, as
+    :func:`~tiered.durable.manifest.load_npy` does, for a reader of a file a writer changes in
+    place: each page is copied private first and rebuilt when it fails (:class:`PageChecks`).
+
+    Raises:
+        CorruptionError (its subclass ChecksumError for a page mismatch): naming the file.
+    """
+    whole, st, head, size = map_commit(path, expected_size, crcs, rebuild)
+    if crcs is not None and not already_verified(st):
+        n_pages = -(-size // PAGE_BYTES)
+        if len(crcs) != n_pages:
+            raise ChecksumError(f"{path}: the commit records {len(crcs)} checksummed pages, the file has "
+                                f"{n_pages}; the store is damaged. Run `tiered verify` for details.")
+        view = memoryview(whole)
+        make_private(view, 0, size)  # all at once, then hashed on several threads
+        bad = np.flatnonzero(np.array(page_checksums([view]), dtype=np.int64) != np.array(crcs, dtype=np.int64))
+        if bad.size:  # pages a writer changed since (or damaged): rebuilt, or raised
+            PageChecks(path, view, list(crcs), head.offset, 1, rebuild=rebuild).check(bad)
+    count = math.prod(head.shape)
+    order = "F" if head.fortran_order else "C"
+    if count == 0:
+        return np.empty(head.shape, head.dtype, order=order)
+    return np.frombuffer(whole, dtype=head.dtype, count=count, offset=head.offset).reshape(head.shape, order=order)
