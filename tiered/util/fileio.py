@@ -24,7 +24,7 @@ the process at a crash point, and keeps an *undo log* from which a power cut is 
 
 Example:
     >>> import os, tempfile
-    >>> from tiered import fileio
+    >>> from tiered.util import fileio
     >>> d = tempfile.mkdtemp()
     >>> fileio.write_file_atomic(os.path.join(d, "manifest.json"), b"{}")
     >>> open(os.path.join(d, "manifest.json"), "rb").read()
