@@ -15,13 +15,12 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import traceback
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from helpers import manifest_body
+from helpers import fork_child, manifest_body, wait_child
 from tensordict import TensorDict
 
 import tiered
@@ -54,37 +53,18 @@ def array_bytes(path: Path) -> dict[str, bytes]:
     return {name: Path(array_path(str(path), body, name)).read_bytes() for name in body["files"]}
 
 
-def _fork(fn) -> int:
-    pid = os.fork()
-    if pid == 0:
-        code = 0
-        try:
-            torch.set_num_threads(1)
-            fn()
-        except BaseException:
-            traceback.print_exc()
-            code = 3
-        os._exit(code)
-    return pid
-
-
-def _wait(pid: int) -> tuple[str, int]:
-    _, status = os.waitpid(pid, 0)
-    return ("killed", os.WTERMSIG(status)) if os.WIFSIGNALED(status) else ("exited", os.WEXITSTATUS(status))
-
-
 ROWS = np.arange(0, CAP, 3)  # rows the crashing commit overwrites: on every page of every array
 
 
-def _commit_in_child(path: Path, **faults) -> tuple[str, int]:
+def _commit_in_child(path: Path, **injected) -> tuple[str, int]:
     def child():
-        with faults.inject_faults(**faults):
+        with faults.inject_faults(**injected):
             store = tiered.open(path, mode="r+", warm_bytes=0, hot_bytes=0)
             store.set(torch.as_tensor(ROWS), batch(ROWS.size, 77))
             store.flush()
         os._exit(0)
 
-    return _wait(_fork(child))
+    return wait_child(fork_child(child))
 
 
 @pytest.fixture(scope="module")
@@ -166,7 +146,7 @@ def test_a_read_only_open_reads_its_commit_across_the_writers_next_two_commits(t
         assert same(other.get(torch.arange(CAP)), expect)
 
     # forked first: the fork makes this process's mapped array pages private, a reader's too
-    pid = _fork(child)
+    pid = fork_child(child)
     assert os.read(opened_r, 1) == b"o"
     reader = tiered.open(path)  # reads nothing yet: no page of its arrays is checked
     g = reader.generation
@@ -175,7 +155,7 @@ def test_a_read_only_open_reads_its_commit_across_the_writers_next_two_commits(t
         writer.flush()
     assert read_intent(str(path)) == g + KEEP
     os.write(child_go_w, b"g")
-    assert _wait(pid) == ("exited", 0)
+    assert wait_child(pid) == ("exited", 0)
     half = torch.arange(100)  # the first two pages of the widest column (its rows lie across them)
     assert same(reader.get(half), expect[half])  # pages rebuilt from the before-images of both commits
     writer.set(torch.arange(CAP), batch(CAP, 13, blobs=False))
