@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import traceback
 from pathlib import Path
 
 import numpy as np
@@ -95,3 +97,24 @@ class GenFiles:
 def gen_files(path, body=None) -> GenFiles:
     """:class:`GenFiles` of the store at ``path`` (its manifest's ``body`` unless given)."""
     return GenFiles(path, body)
+
+
+def fork_child(fn) -> int:
+    """Run ``fn`` in a forked child (exit code 0, or 3 with the traceback printed if it raised)."""
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            torch.set_num_threads(1)  # as DataLoader workers do: no OpenMP pool inherited from the parent
+            fn()
+        except BaseException:
+            traceback.print_exc()
+            code = 3
+        os._exit(code)
+    return pid
+
+
+def wait_child(pid: int) -> tuple[str, int]:
+    """``("killed", signal)`` or ``("exited", code)`` of a forked child."""
+    _, status = os.waitpid(pid, 0)
+    return ("killed", os.WTERMSIG(status)) if os.WIFSIGNALED(status) else ("exited", os.WEXITSTATUS(status))

@@ -25,7 +25,6 @@ import signal
 import socket
 import struct
 import time
-import traceback
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -33,7 +32,7 @@ import numpy as np
 import pytest
 import torch
 from _store_dataset import StoreDataset
-from helpers import gen_files
+from helpers import fork_child, gen_files, wait_child
 
 import tiered
 from tiered import TieredStore
@@ -56,25 +55,6 @@ CI_SIGKILL_SEEDS = 10
 
 
 # --------------------------------------------------------------------------------------------- helpers
-
-
-def _fork(fn) -> int:
-    pid = os.fork()
-    if pid == 0:
-        code = 0
-        try:
-            torch.set_num_threads(1)  # as DataLoader workers do: no OpenMP pool inherited from the parent
-            fn()
-        except BaseException:
-            traceback.print_exc()
-            code = 3
-        os._exit(code)
-    return pid
-
-
-def _wait(pid: int) -> tuple[str, int]:
-    _, status = os.waitpid(pid, 0)
-    return ("killed", os.WTERMSIG(status)) if os.WIFSIGNALED(status) else ("exited", os.WEXITSTATUS(status))
 
 
 def _read_acks(fd: int) -> list[int]:
@@ -104,10 +84,10 @@ def _writer(path: Path, data, ack_w: int, log: str | None = None, kill_on: int |
 
 def _run_writer(path: Path, data, **kw) -> tuple[tuple[str, int], list[int]]:
     r, w = os.pipe()
-    pid = _fork(lambda: _writer(path, data, w, **kw))
+    pid = fork_child(lambda: _writer(path, data, w, **kw))
     os.close(w)
     acks = _read_acks(r)
-    return _wait(pid), acks
+    return wait_child(pid), acks
 
 
 def _check_after_crash(path: Path, data, acked: int, seed: str) -> str:
@@ -180,12 +160,12 @@ def _sigkill_case(seed: int, pong, full_run, tmp_path: Path) -> str:
     delay = random.Random(seed).uniform(0.0, wall)
     path = tmp_path / f"k{seed}"
     r, w = os.pipe()
-    pid = _fork(lambda: _writer(path, pong, w))
+    pid = fork_child(lambda: _writer(path, pong, w))
     os.close(w)
     time.sleep(delay)
     os.kill(pid, signal.SIGKILL)
     acks = _read_acks(r)
-    _wait(pid)
+    wait_child(pid)
     acked = max([a for a in acks if a >= 0], default=0)
     outcome = _check_after_crash(path, pong, acked, f"sigkill seed {seed} after {delay:.2f} s")
     _discard(path)
@@ -510,7 +490,7 @@ def _hold_writer(path: Path, store_locks: bool, hold_s: float = 30.0) -> tuple[i
         time.sleep(hold_s)
         _close_writer(store, h)
 
-    pid = _fork(child)
+    pid = fork_child(child)
     os.close(w)
     assert os.read(r, 1) == b"1"
     return pid, r
@@ -530,14 +510,14 @@ def test_second_writer_gets_store_locked_error_naming_the_holder(small_store, st
         assert main(["verify", str(small_store), "-q"]) == 0
     finally:
         os.kill(pid, signal.SIGKILL)
-        _wait(pid)
+        wait_child(pid)
         os.close(r)
 
 
 def test_lock_of_a_killed_writer_does_not_block(small_store, store_locks, pong):
     pid, r = _hold_writer(small_store, store_locks)
     os.kill(pid, signal.SIGKILL)
-    assert _wait(pid) == ("killed", signal.SIGKILL)
+    assert wait_child(pid) == ("killed", signal.SIGKILL)
     os.close(r)
     assert read_holder(small_store)["pid"] == pid  # the stale details stay, the lock does not
     store, h = _open_writer(small_store, store_locks)
@@ -561,8 +541,8 @@ def test_second_writer_in_the_same_process_is_refused(small_store, store_locks):
 
 def test_lock_release_is_idempotent_and_a_forked_copy_does_not_unlock(tmp_path):
     h = acquire_writer_lock(tmp_path)
-    pid = _fork(lambda: release(h))  # the child's release must not drop the parent's lock
-    assert _wait(pid) == ("exited", 0)
+    pid = fork_child(lambda: release(h))  # the child's release must not drop the parent's lock
+    assert wait_child(pid) == ("exited", 0)
     with pytest.raises(StoreLockedError):
         acquire_writer_lock(tmp_path)
     release(h)
@@ -643,7 +623,7 @@ def test_a_reader_one_commit_behind_reads_its_commit_while_the_writer_writes(pon
         assert torch.equal(got["observation"], pong["observation"][:CAP])
         assert torch.equal(got["next", "observation"], pong["next", "observation"][:CAP])
 
-    pid = _fork(child)
+    pid = fork_child(child)
     os.close(go_r)
     os.close(done_w)
     assert os.read(done_r, 1) == b"o"
@@ -652,7 +632,7 @@ def test_a_reader_one_commit_behind_reads_its_commit_while_the_writer_writes(pon
     writer.extend(_xor_frames(pong[:CAP], 2))  # written to the cold files, not committed
     writer.extend(_xor_frames(pong[:CAP], 3))
     os.write(go_w, b"g")
-    assert _wait(pid) == ("exited", 0)
+    assert wait_child(pid) == ("exited", 0)
     got = reader.get(rows)
     assert torch.equal(got["observation"], pong["observation"][:CAP])
     writer.close()
@@ -676,7 +656,7 @@ def test_verify_is_clean_while_a_writer_commits(pong, tmp_path):
                 store.flush()
         store.close()
 
-    pid = _fork(child)
+    pid = fork_child(child)
     os.close(w)
     assert os.read(r, 1) == b"1"
     reports = []
