@@ -35,6 +35,7 @@ import numpy as np
 
 from ..errors import ChecksumError, CorruptionError, FormatVersionError, NotATieredStoreError
 from ..util import fileio
+from ..util.filemap import parse_npy_header
 from ..util.pool import run_parallel
 from ..version import __version__
 
@@ -176,13 +177,10 @@ def read_npy_header(fd: int, path: str, size: int) -> NpyHeader:
         # numpy's own reader: the header dict is a literal (ast.literal_eval, no code runs); any
         # failure (bad magic, version, length, dict, dtype; a header longer than _MAX_HEADER or than
         # the file; MemoryError, RecursionError on deep nesting) is damage
-        version = np.lib.format.read_magic(f)
-        if version == (1, 0):
-            shape, fortran, dtype = np.lib.format.read_array_header_1_0(f, max_header_size=_MAX_HEADER)
-        elif version in ((2, 0), (3, 0)):
-            shape, fortran, dtype = np.lib.format.read_array_header_2_0(f, max_header_size=_MAX_HEADER)
-        else:
+        version, header = parse_npy_header(f, _MAX_HEADER)
+        if header is None:
             raise ValueError(f"unknown .npy version {version}")
+        shape, fortran, dtype = header
         # numpy checks the types; the values a reader allocates by are bounded here
         if not all(not isinstance(x, bool) and x >= 0 for x in shape) or len(shape) > 32:
             raise ValueError(f"shape {shape!r}")

@@ -22,6 +22,7 @@ from tensordict import TensorDictBase
 from ..errors import InvalidDatasetError, PickledDataError, UnsupportedFormatError
 from ..sidecar import SOURCE_FILE
 from ..util import fileio
+from ..util.filemap import parse_npy_header
 
 __all__ = [
     "write_source",
@@ -75,13 +76,10 @@ def read_npy_header(f: BinaryIO, where: str,
         >>> read_npy_header(buf, "a.npy"), buf.tell()
         (((2, 3), False, dtype('int32')), 128)
     """
-    version = np.lib.format.read_magic(f)
-    if version == (1, 0):
-        shape, fortran, dtype = np.lib.format.read_array_header_1_0(f, max_header_size=max_header_size)
-    elif version in ((2, 0), (3, 0)):
-        shape, fortran, dtype = np.lib.format.read_array_header_2_0(f, max_header_size=max_header_size)
-    else:
+    version, header = parse_npy_header(f, max_header_size)
+    if header is None:
         raise InvalidDatasetError(f"{where}: .npy version {version} is not one numpy writes")
+    shape, fortran, dtype = header
     if dtype.hasobject:
         raise PickledDataError(
             f"{where}: the array holds Python objects (a pickle); tiered never unpickles data: save it as "

@@ -48,7 +48,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["FileLayout", "file_array", "adopt", "layout_of", "remap", "privatize", "privatize_files", "supported",
+__all__ = ["parse_npy_header", "FileLayout", "file_array", "adopt", "layout_of", "remap", "privatize", "privatize_files", "supported",
            "npy_header", "make_private"]
 
 #: Bytes of one memory page (the unit a mapping is replaced in).
@@ -106,6 +106,29 @@ def npy_header(shape: tuple[int, ...], dtype: Any) -> bytes:
     np.lib.format.write_array_header_1_0(out, {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)),
                                                "fortran_order": False, "shape": tuple(shape)})
     return out.getvalue()
+
+
+def parse_npy_header(f: Any, max_header_size: int) -> tuple[tuple[int, int], tuple[tuple[int, ...], bool, np.dtype] | None]:
+    """The ``.npy`` version and ``(shape, fortran_order, dtype)`` of the header at the stream ``f``'s
+    position, by numpy's own parser (literals only: nothing runs, nothing is unpickled), the stream
+    left at the first byte of the array's data; the header is ``None`` for a version numpy does not
+    write. The one reader of headers: the store's arrays and the datasets it imports add their own
+    checks.
+
+    Raises:
+        ValueError: a damaged header (numpy's parser: bad magic, dict, length over
+            ``max_header_size``).
+
+    Example:
+        >>> buf = io.BytesIO(npy_header((2, 3), np.int32)); parse_npy_header(buf, 1 << 16)
+        ((1, 0), ((2, 3), False, dtype('int32')))
+    """
+    version = np.lib.format.read_magic(f)
+    if version == (1, 0):
+        return version, np.lib.format.read_array_header_1_0(f, max_header_size=max_header_size)
+    if version in ((2, 0), (3, 0)):
+        return version, np.lib.format.read_array_header_2_0(f, max_header_size=max_header_size)
+    return version, None
 
 
 class FileLayout:
