@@ -168,7 +168,6 @@ class FramePlan:
     tail_hash: np.ndarray
     tail_blob: np.ndarray
     tail_slot: np.ndarray
-    unique_new: int = 0
 
 
 @dataclass
@@ -281,7 +280,7 @@ class FrameFamily:
             open_writes_frame=root_frames[unique_root[to_open]],
             reopened_closed=reopened_closed,
             tail_frames=tail_frames, tail_hash=frame_hashes(tail_frames, self._coeffs),
-            tail_blob=tail_blob, tail_slot=tail_slot, unique_new=unique_pos.size,
+            tail_blob=tail_blob, tail_slot=tail_slot,
         )
 
     def _next_tail(self, rep_new: np.ndarray, tail_mask: np.ndarray, roots: np.ndarray, root_frames: np.ndarray,

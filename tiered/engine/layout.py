@@ -215,10 +215,3 @@ class FieldLayout:
         keep = ids >= 0
         return ids[keep], per_blob[keep]
 
-    def referenced(self, written: np.ndarray) -> np.ndarray:
-        """Every blob id the written rows reference, once per reference (for reference counts)."""
-        if not self.tables:
-            return np.empty(0, np.int64)
-        self.check_rows(None)
-        refs = np.concatenate([t.ids(written).reshape(-1) for t in self.tables.values()], dtype=np.int64)
-        return refs[refs >= 0]

@@ -207,6 +207,13 @@ class _ExceptionTable(RowTable):
             exc_slot = np.insert(exc_slot, at, new_slot.astype(SLOT_DTYPE)[order], axis=0)
         self.exc_rows, self.exc_blob, self.exc_slot = exc_rows, exc_blob, exc_slot
 
+    def unset(self, rows: Any) -> None:
+        """Mark ``rows`` unwritten (blob id -1, slot 0) through :meth:`put`: a shifted table's
+        other rows keep their stacks; a next table's base has these rows unset already."""
+        rows = _row_ids(rows)
+        self.put(rows, np.full((rows.size, self._frames), -1, BLOB_DTYPE), np.zeros((rows.size, self._frames),
+                                                                                     SLOT_DTYPE))
+
     @property
     def crowded(self) -> bool:
         """Whether so many rows break the rule that an explicit table serves better (the
@@ -391,12 +398,6 @@ class ShiftedRowTable(_ExceptionTable):
         self.last_blob[rows], self.last_slot[rows] = blob[:, -1], slot[:, -1]
         self._replace(touched, touched[bad], want_b[bad, :-1], want_s[bad, :-1])
 
-    def unset(self, rows: Any) -> None:
-        """Mark ``rows`` unwritten (blob id -1, slot 0); every other row keeps its stack."""
-        rows = _row_ids(rows)
-        self.put(rows, np.full((rows.size, self._frames), -1, BLOB_DTYPE), np.zeros((rows.size, self._frames),
-                                                                                     SLOT_DTYPE))
-
 
 class NextRowTable(_ExceptionTable):
     """The row table of a stacked ``("next", X)`` field kept as no per-row column at all: each
@@ -529,12 +530,6 @@ class NextRowTable(_ExceptionTable):
         bad = ((blob != rb[:rows.size]) | (slot != rs[:rows.size])).any(1)
         follows = ((self.exc_blob[pos] == rb[rows.size:]) & (self.exc_slot[pos] == rs[rows.size:])).all(1)
         self._replace(np.concatenate([rows, prev[follows]]), rows[bad], blob[bad], slot[bad])
-
-    def unset(self, rows: Any) -> None:
-        """Mark ``rows`` unwritten (blob id -1, slot 0; the base's rows already unset)."""
-        rows = _row_ids(rows)
-        self.put(rows, np.full((rows.size, self._frames), -1, BLOB_DTYPE), np.zeros((rows.size, self._frames),
-                                                                                     SLOT_DTYPE))
 
     def state_arrays(self) -> dict[str, np.ndarray]:
         return {"exc_rows": self.exc_rows, "exc_blob": self.exc_blob, "exc_slot": self.exc_slot}

@@ -257,7 +257,7 @@ class SpillDir:
         root = spill_root(root)
         try:
             fileio.makedirs(root)
-            self.abandoned_removed = remove_abandoned(root)
+            remove_abandoned(root)
             self.path = tempfile.mkdtemp(prefix=SPILL_PREFIX, dir=root)
         except (NotADirectoryError, FileExistsError, PermissionError) as e:
             raise InvalidArgumentError(
