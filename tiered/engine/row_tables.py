@@ -117,15 +117,12 @@ class RowTable:
         """The whole ``[capacity, frames]`` blob ids and slots (views: do not write them)."""
         return self.blob, self.slot
 
-    def last(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """``(blob ids, slots)`` of the newest frame of each of ``rows`` (an int array)."""
-        return self.blob[rows, -1], self.slot[rows, -1]
-
     def ahead(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``([len(rows), frames]`` blob ids, slots): each row's stack one step ahead, frames
         ``1 .. F - 1`` of the row then the newest frame of the row after (mod capacity)."""
         b, s = self.refs(rows)
-        lb, ls = self.last((rows + 1) % self.capacity)
+        after = (rows + 1) % self.capacity
+        lb, ls = self.blob[after, -1], self.slot[after, -1]
         return (np.concatenate([b[:, 1:], lb[:, None]], axis=1, dtype=BLOB_DTYPE),
                 np.concatenate([s[:, 1:], ls[:, None]], axis=1, dtype=SLOT_DTYPE))
 
@@ -179,10 +176,6 @@ class _ExceptionTable(RowTable):
 
     def full(self) -> tuple[np.ndarray, np.ndarray]:
         return self.refs(np.arange(self.capacity))
-
-    def last(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        blob, slot = self.refs(rows)
-        return blob[:, -1], slot[:, -1]
 
     def _replace(self, rows: np.ndarray, new_rows: np.ndarray, new_blob: np.ndarray, new_slot: np.ndarray) -> None:
         """Drop the exceptions of ``rows``, then add ``new_rows``' (a subset of ``rows``).
@@ -321,9 +314,6 @@ class ShiftedRowTable(_ExceptionTable):
     def nbytes(self) -> int:
         return int(self.last_blob.nbytes + self.last_slot.nbytes + self.exc_rows.nbytes + self.exc_blob.nbytes
                    + self.exc_slot.nbytes)
-
-    def last(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        return self.last_blob[rows], self.last_slot[rows]
 
     def state_arrays(self) -> dict[str, np.ndarray]:
         return {"blob": self.last_blob[:, None], "slot": self.last_slot[:, None], "exc_rows": self.exc_rows,
