@@ -14,6 +14,7 @@ import tiered
 from tiered import TieredStore
 from tiered.durable.array_files import WRITE_UNIT, plan_in_place, write_in_place, write_new
 from tiered.durable.manifest import PAGE_BYTES, page_checksums
+from tiered.testing import parts
 from tiered.util.dirty import BLOCK, BLOCK_SHIFT
 from tiered.verify import verify_store
 
@@ -172,7 +173,10 @@ def test_a_small_commit_after_a_large_one_writes_only_its_own_rows(tmp_path):
 
 def test_one_row_writes_in_several_blocks_are_committed(tmp_path):
     # one-row writes (staged: dense cells and flag bits written at once, the row's block marked
-    # alone) in rows of three dirty blocks reach the reopened store, values and flags exact
+    # alone) in rows of three dirty blocks reach the reopened store, values and flags exact.
+    # The flush that compresses the stage writes its rows' dense cells again and marks them too,
+    # so the reopened values alone would not notice a one-row write that marked nothing: the
+    # marks are checked where the write leaves them, before the flush.
     n = 3 * BLOCK
     obs = torch.randint(0, 255, (n, 4, 8, 8), dtype=torch.uint8)
     td = TensorDict({"observation": obs, "action": torch.arange(n), "reward": torch.zeros(n),
@@ -186,6 +190,9 @@ def test_one_row_writes_in_several_blocks_are_committed(tmp_path):
             row = td[r].clone()
             row["action"], row["reward"], row["done"] = torch.tensor(-7 - k), torch.tensor(2.5 + k), torch.tensor(True)
             s.set(r, row)
+            # the first flush took every mark; each one-row write marks its own block
+            assert parts(s).rows.dirty.blocks().tolist() == list(range(k + 1))
+        assert parts(s).write.stage.count == len(rows)  # (still staged: no flush marked them)
         s.flush()
     with tiered.open(path) as r:
         got = r.get(torch.tensor(rows + [6, BLOCK + 10]))

@@ -31,13 +31,17 @@ import numpy as np
 from ..util.batch import exclusive_cumsum, isin, ranges
 from .blob_index import OPEN, BlobIndex
 
-__all__ = ["FrameFamily", "FramePlan", "FrameColumns", "layout_rules", "auto_chunk_frames", "CHUNK_TARGET_BYTES"]
+__all__ = ["FrameFamily", "FramePlan", "FrameColumns", "layout_rules", "auto_chunk_frames", "CHUNK_TARGET_BYTES",
+           "TAIL_ROWS"]
 
 #: The raw bytes a time chunk holds at most when the store picks ``chunk_frames`` per family: a
 #: sampled row decodes its whole chunk, so a family of large frames (a 113 kB float32 stack that
 #: shares no frame with its neighbours) gets chunks of one frame, while 84x84 uint8 frames keep 8
 #: (65,536 // 7,056 = 9, capped at the default).
 CHUNK_TARGET_BYTES = 64 << 10
+#: Rows of a write whose frames stay raw as the next write's tail (rows a stack or a next
+#: observation of the next write can share frames with).
+TAIL_ROWS = 8
 
 
 def auto_chunk_frames(frame_nbytes: int, most: int) -> int:
@@ -168,7 +172,6 @@ class FramePlan:
     tail_hash: np.ndarray
     tail_blob: np.ndarray
     tail_slot: np.ndarray
-    unique_new: int = 0
 
 
 @dataclass
@@ -196,8 +199,8 @@ class _Chunks:
 class FrameFamily:
     """Dedup and chunking state of one frame family. See the module docstring."""
 
-    def __init__(self, family_id: int, frame_nbytes: int, chunk_frames: int, tail_rows: int = 8,
-                 dedup: bool = True, stored_raw: bool | None = False):
+    def __init__(self, family_id: int, frame_nbytes: int, chunk_frames: int, dedup: bool = True,
+                 stored_raw: bool | None = False):
         if chunk_frames < 1:
             raise ValueError(f"chunk_frames must be >= 1, got {chunk_frames}")
         self.family_id = family_id
@@ -206,7 +209,6 @@ class FrameFamily:
         self.stored_raw = stored_raw
         self.frame_nbytes = int(frame_nbytes)
         self.chunk_frames = int(chunk_frames)
-        self.tail_rows = int(tail_rows)
         self.dedup = dedup
         self._coeffs = _hash_coeffs(self.frame_nbytes // 8 + 8)
         # Open chunks, sorted by trajectory id.
@@ -281,7 +283,7 @@ class FrameFamily:
             open_writes_frame=root_frames[unique_root[to_open]],
             reopened_closed=reopened_closed,
             tail_frames=tail_frames, tail_hash=frame_hashes(tail_frames, self._coeffs),
-            tail_blob=tail_blob, tail_slot=tail_slot, unique_new=unique_pos.size,
+            tail_blob=tail_blob, tail_slot=tail_slot,
         )
 
     def _next_tail(self, rep_new: np.ndarray, tail_mask: np.ndarray, roots: np.ndarray, root_frames: np.ndarray,

@@ -204,21 +204,3 @@ class FieldLayout:
             out.append("; ".join(refs) or "no row")
         return out
 
-    def blob_priorities(self, rows: np.ndarray, priority: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """``(blob ids, priorities)``: each row's priority repeated over every blob it references."""
-        if not self.tables:
-            return np.empty(0, np.int64), np.empty(0, np.float64)
-        self.check_rows(rows)
-        blobs = [t.ids(rows) for t in self.tables.values()]
-        ids = np.concatenate([b.reshape(-1) for b in blobs], dtype=np.int64)
-        per_blob = np.concatenate([np.repeat(priority, b.shape[1]) for b in blobs])
-        keep = ids >= 0
-        return ids[keep], per_blob[keep]
-
-    def referenced(self, written: np.ndarray) -> np.ndarray:
-        """Every blob id the written rows reference, once per reference (for reference counts)."""
-        if not self.tables:
-            return np.empty(0, np.int64)
-        self.check_rows(None)
-        refs = np.concatenate([t.ids(written).reshape(-1) for t in self.tables.values()], dtype=np.int64)
-        return refs[refs >= 0]

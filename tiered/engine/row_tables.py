@@ -117,15 +117,12 @@ class RowTable:
         """The whole ``[capacity, frames]`` blob ids and slots (views: do not write them)."""
         return self.blob, self.slot
 
-    def last(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """``(blob ids, slots)`` of the newest frame of each of ``rows`` (an int array)."""
-        return self.blob[rows, -1], self.slot[rows, -1]
-
     def ahead(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``([len(rows), frames]`` blob ids, slots): each row's stack one step ahead, frames
         ``1 .. F - 1`` of the row then the newest frame of the row after (mod capacity)."""
         b, s = self.refs(rows)
-        lb, ls = self.last((rows + 1) % self.capacity)
+        after = (rows + 1) % self.capacity
+        lb, ls = self.blob[after, -1], self.slot[after, -1]
         return (np.concatenate([b[:, 1:], lb[:, None]], axis=1, dtype=BLOB_DTYPE),
                 np.concatenate([s[:, 1:], ls[:, None]], axis=1, dtype=SLOT_DTYPE))
 
@@ -180,10 +177,6 @@ class _ExceptionTable(RowTable):
     def full(self) -> tuple[np.ndarray, np.ndarray]:
         return self.refs(np.arange(self.capacity))
 
-    def last(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        blob, slot = self.refs(rows)
-        return blob[:, -1], slot[:, -1]
-
     def _replace(self, rows: np.ndarray, new_rows: np.ndarray, new_blob: np.ndarray, new_slot: np.ndarray) -> None:
         """Drop the exceptions of ``rows``, then add ``new_rows``' (a subset of ``rows``).
 
@@ -206,6 +199,13 @@ class _ExceptionTable(RowTable):
             exc_blob = np.insert(exc_blob, at, new_blob.astype(BLOB_DTYPE)[order], axis=0)
             exc_slot = np.insert(exc_slot, at, new_slot.astype(SLOT_DTYPE)[order], axis=0)
         self.exc_rows, self.exc_blob, self.exc_slot = exc_rows, exc_blob, exc_slot
+
+    def unset(self, rows: Any) -> None:
+        """Mark ``rows`` unwritten (blob id -1, slot 0) through :meth:`put`: a shifted table's
+        other rows keep their stacks; a next table's base has these rows unset already."""
+        rows = _row_ids(rows)
+        self.put(rows, np.full((rows.size, self._frames), -1, BLOB_DTYPE), np.zeros((rows.size, self._frames),
+                                                                                     SLOT_DTYPE))
 
     @property
     def crowded(self) -> bool:
@@ -315,9 +315,6 @@ class ShiftedRowTable(_ExceptionTable):
         return int(self.last_blob.nbytes + self.last_slot.nbytes + self.exc_rows.nbytes + self.exc_blob.nbytes
                    + self.exc_slot.nbytes)
 
-    def last(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        return self.last_blob[rows], self.last_slot[rows]
-
     def state_arrays(self) -> dict[str, np.ndarray]:
         return {"blob": self.last_blob[:, None], "slot": self.last_slot[:, None], "exc_rows": self.exc_rows,
                 "exc_blob": self.exc_blob, "exc_slot": self.exc_slot}
@@ -390,12 +387,6 @@ class ShiftedRowTable(_ExceptionTable):
         bad = ((want_b[:, :-1] != prev_b[:, 1:]) | (want_s[:, :-1] != prev_s[:, 1:])).any(1)
         self.last_blob[rows], self.last_slot[rows] = blob[:, -1], slot[:, -1]
         self._replace(touched, touched[bad], want_b[bad, :-1], want_s[bad, :-1])
-
-    def unset(self, rows: Any) -> None:
-        """Mark ``rows`` unwritten (blob id -1, slot 0); every other row keeps its stack."""
-        rows = _row_ids(rows)
-        self.put(rows, np.full((rows.size, self._frames), -1, BLOB_DTYPE), np.zeros((rows.size, self._frames),
-                                                                                     SLOT_DTYPE))
 
 
 class NextRowTable(_ExceptionTable):
@@ -529,12 +520,6 @@ class NextRowTable(_ExceptionTable):
         bad = ((blob != rb[:rows.size]) | (slot != rs[:rows.size])).any(1)
         follows = ((self.exc_blob[pos] == rb[rows.size:]) & (self.exc_slot[pos] == rs[rows.size:])).all(1)
         self._replace(np.concatenate([rows, prev[follows]]), rows[bad], blob[bad], slot[bad])
-
-    def unset(self, rows: Any) -> None:
-        """Mark ``rows`` unwritten (blob id -1, slot 0; the base's rows already unset)."""
-        rows = _row_ids(rows)
-        self.put(rows, np.full((rows.size, self._frames), -1, BLOB_DTYPE), np.zeros((rows.size, self._frames),
-                                                                                     SLOT_DTYPE))
 
     def state_arrays(self) -> dict[str, np.ndarray]:
         return {"exc_rows": self.exc_rows, "exc_blob": self.exc_blob, "exc_slot": self.exc_slot}

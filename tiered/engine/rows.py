@@ -349,11 +349,6 @@ class RowSpace:
         return rows
 
     # -- dense columns ----------------------------------------------------------------------
-    @property
-    def dense_keys(self) -> list[Key]:
-        """Every dense field's key: the columns', the flags byte's and the row-number fields'."""
-        return [*self.dense, *self.flag_fields, *self.row_numbers]
-
     def init_dense(self, schema: Schema) -> None:
         self.flag_fields = {f.key: f for f in schema.flag_fields}
         self.flags = torch.from_numpy(file_array(self.capacity, np.uint8)) if self.flag_fields else None

@@ -52,7 +52,7 @@ from ..util.batch import exclusive_cumsum
 from .advice import first_write_advice
 from .blob_index import OPEN, STORED, BlobIndex
 from .detect import detect_frames
-from .frames import FrameColumns, FrameFamily, FramePlan, auto_chunk_frames
+from .frames import TAIL_ROWS, FrameColumns, FrameFamily, FramePlan, auto_chunk_frames
 from .layout import FieldLayout
 from .placement import Placement
 from .rows import RowSpace, held_rows, index_shape
@@ -509,7 +509,7 @@ class WritePath:
                 frames = FrameColumns([_cell_frames(f, data.get(f.key), n) for f in fields])
                 per_row = frames.per_row
                 tail_mask = np.zeros(n * per_row, dtype=bool)
-                tail_mask[max(0, n - fam.tail_rows) * per_row:] = True
+                tail_mask[max(0, n - TAIL_ROWS) * per_row:] = True
                 plan = fam.plan(frames, np.repeat(traj, per_row), ended, tail_mask, self.index,
                                 rules=layout.rules[fid])
                 plans.append(plan)

@@ -175,15 +175,13 @@ def atomic_output(dst: str, *, force: bool = False) -> Iterator[str]:
             release(lock)
 
 
-def chunk_rows_for(
-    row_bytes: int, chunk_rows: int | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES
-) -> int:
-    """Rows per slice: ``chunk_rows`` (default 4096, fewer if a slice would pass ``chunk_bytes``)."""
+def chunk_rows_for(row_bytes: int, chunk_rows: int | None = None) -> int:
+    """Rows per slice: ``chunk_rows`` (default 4096, fewer if a slice would pass :data:`DEFAULT_CHUNK_BYTES`)."""
     rows = DEFAULT_CHUNK_ROWS if chunk_rows is None else int(chunk_rows)
     if rows < 1:
         raise ValueError(f"chunk_rows must be >= 1, got {rows}")
     if chunk_rows is None and row_bytes > 0:
-        rows = min(rows, max(1, chunk_bytes // row_bytes))
+        rows = min(rows, max(1, DEFAULT_CHUNK_BYTES // row_bytes))
     return rows
 
 

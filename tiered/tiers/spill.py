@@ -12,6 +12,11 @@ The directory's life (:class:`SpillDir`):
   temp dir, or under the ``spill_dir=`` the store was given, only when the store first spills;
 * its owner holds an exclusive ``flock`` on its ``owner.lock`` file for as long as it lives;
   the kernel drops that lock when the owner dies, however it dies (``SIGKILL`` included);
+  it is taken with ``filelock``'s descriptor primitive (as :mod:`tiered.durable.lock` takes the
+  per-call holds of a shared store), not its lock object, which opens the file itself: here the
+  file is created exclusively through :mod:`tiered.util.fileio` (never another directory's
+  file), and its descriptor is closed only after the directory is removed, so no cleaner
+  removes a directory whose owner is still removing it;
 * it is removed when the store is closed, when the store is garbage-collected, and at
   interpreter exit (``weakref.finalize``), by its owner only: a forked child that exits never
   removes its parent's directory;
@@ -41,8 +46,6 @@ Example:
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import mmap
 import os
 import shutil
@@ -52,6 +55,7 @@ import time
 import weakref
 from typing import Any
 
+import filelock
 import numpy as np
 
 from ..errors import InvalidArgumentError, NotSharedError, StaleReadError, StoreClosedError
@@ -110,12 +114,8 @@ def _try_remove(path: str) -> bool:
     except OSError:  # another user's directory, or not a directory we made
         return False
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                return False  # its owner lives
-            raise
+        if not filelock.lock_descriptor(fd, blocking=False):
+            return False  # its owner lives
         if _owner_pid(fd) is None and not _unowned_for_long(path):
             # the creator opened the file but has not taken its lock yet (it waits for ours)
             return False
@@ -205,10 +205,12 @@ def describe(path: str | os.PathLike[str]) -> dict[str, Any]:
     fd = os.open(os.path.join(path, OWNER_LOCK), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         pid = _owner_pid(fd)
-        try:  # flock locks of two open files conflict even in one process: this works for the owner too
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            alive = False  # granted: nobody holds the owner's exclusive lock
-        except OSError:
+        # flock locks of two open files conflict even in one process: this works for the owner
+        # too. The probe is exclusive (filelock takes no shared flock): a cleaner or another
+        # describe probing at the same instant counts as a live owner, as the owner could.
+        try:
+            alive = not filelock.lock_descriptor(fd, blocking=False)
+        except OSError:  # no flock on this file system: say alive (a cleaner cannot lock it either)
             alive = True
     finally:
         os.close(fd)
@@ -255,7 +257,7 @@ class SpillDir:
         root = spill_root(root)
         try:
             fileio.makedirs(root)
-            self.abandoned_removed = remove_abandoned(root)
+            remove_abandoned(root)
             self.path = tempfile.mkdtemp(prefix=SPILL_PREFIX, dir=root)
         except (NotADirectoryError, FileExistsError, PermissionError) as e:
             raise InvalidArgumentError(
@@ -268,7 +270,8 @@ class SpillDir:
             shutil.rmtree(self.path, ignore_errors=True)
             raise
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)  # waits only while another process's cleaner looks at it
+            # waits only while another process's cleaner looks at it (microseconds: polled closely)
+            filelock.lock_descriptor(fd, poll_interval=0.001)
             fileio.pwrite(fd, f"{self.owner}\n".encode(), 0)
         except BaseException:
             shutil.rmtree(self.path, ignore_errors=True)

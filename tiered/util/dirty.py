@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["BLOCK", "BLOCK_SHIFT", "DirtyBlocks", "union", "ranges_of", "blocks_of_ranges"]
+__all__ = ["BLOCK", "BLOCK_SHIFT", "DirtyBlocks", "union"]
 
 #: Ids per block (a power of two).
 BLOCK_SHIFT = 12
@@ -95,29 +95,3 @@ def union(bitmaps: list[np.ndarray]) -> np.ndarray:
         out[: b.shape[0]] |= b
     return out
 
-
-def ranges_of(bits: np.ndarray) -> list[int]:
-    """Runs of set bits as a flat ``[lo0, hi0, lo1, hi1, ...]`` list (what a manifest stores).
-
-    Example:
-        >>> ranges_of(np.array([0, 1, 1, 0, 1], dtype=bool))
-        [1, 3, 4, 5]
-    """
-    b = np.concatenate([[False], np.asarray(bits, dtype=bool), [False]])
-    edges = np.flatnonzero(b[1:] != b[:-1])
-    return [int(x) for x in edges]
-
-
-def blocks_of_ranges(flat: list[int]) -> np.ndarray:
-    """The bitmap :func:`ranges_of` describes (the inverse).
-
-    Example:
-        >>> blocks_of_ranges([1, 3, 4, 5]).tolist()
-        [False, True, True, False, True]
-    """
-    edges = np.asarray(flat, dtype=np.int64).reshape(-1, 2)
-    top = int(edges[:, 1].max()) if edges.size else 0
-    diff = np.zeros(top + 1, dtype=np.int64)
-    np.add.at(diff, edges[:, 0], 1)
-    np.add.at(diff, edges[:, 1], -1)
-    return np.cumsum(diff)[:top] > 0
