@@ -6,6 +6,7 @@ own, ``LazyTensorStorage`` (or ``LazyMemmapStorage``) is run beside it as the or
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import pickle
 import re
@@ -31,7 +32,7 @@ from torchrl.data.replay_buffers.storages import _collate_id, _get_default_colla
 
 import tiered
 from tiered.atari import concat_rollouts
-from tiered.errors import InvalidArgumentError, ReadOnlyStoreError
+from tiered.errors import FormatVersionError, InvalidArgumentError, ReadOnlyStoreError
 from tiered.tiers.memmap import GROW_MIN
 from tiered.torchrl import TieredStorage, TieredStorageCheckpointer
 
@@ -381,6 +382,25 @@ def test_dumps_loads_roundtrip(pong, tmp_path, fill, where):
     used.loads(tmp_path / "ckpt")
     assert len(used) == len(rb)
     assert_same(used[:], rb[:], "loaded over existing rows")
+
+
+@pytest.mark.parametrize("version", [1, 3, "2", None])
+def test_loads_refuses_a_checkpoint_version_it_does_not_write(pong, tmp_path, version):
+    """Only the checkpoint version this tiered writes is read; the buffer is left as it was."""
+    rb = TensorDictReplayBuffer(storage=TieredStorage(40, **OPTS), batch_size=8)
+    rb.extend(pong[:10])
+    rb.dumps(tmp_path / "ckpt")
+    meta_file = tmp_path / "ckpt" / "storage" / "tiered_storage.json"
+    meta = json.loads(meta_file.read_text())
+    meta["version"] = version
+    meta_file.write_text(json.dumps(meta))
+    other = TensorDictReplayBuffer(storage=TieredStorage(40, **OPTS), batch_size=8)
+    other.extend(pong[20:25])
+    before = other[:]
+    with pytest.raises(FormatVersionError, match=r"version 2 only.*dump it again"):
+        other.loads(tmp_path / "ckpt")
+    assert len(other) == 5
+    assert_same(other[:], before, "rows after a refused load")
 
 
 def test_loads_a_lazy_memmap_storage_checkpoint(pong, tmp_path):

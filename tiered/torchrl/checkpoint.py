@@ -40,7 +40,7 @@ from tensordict import TensorDictBase
 from torchrl.data.replay_buffers.checkpointers import StorageCheckpointerBase
 from torchrl.data.replay_buffers.storages import LazyTensorStorage
 
-from ..errors import PickledDataError, ReadOnlyStoreError, SchemaMismatchError
+from ..errors import FormatVersionError, PickledDataError, ReadOnlyStoreError, SchemaMismatchError
 from ..formats.torchrl_memmap import load_tensordict_memmap
 from ..store import TieredStore
 from .forms import DataForm
@@ -57,7 +57,6 @@ _SIDE_FILE = "side_columns.pt"
 _STORE_DIR = "store"
 _CKPT_FORMAT = "tiered.torchrl.TieredStorage"
 _CKPT_VERSION = 2
-_READS = (1, 2)
 # Decoded bytes per chunk when rows are copied between stores (dumps/loads of in-memory stores):
 # bounds the temporary memory while keeping each get/set call batched.
 _COPY_CHUNK_BYTES = 256 * 2**20
@@ -215,9 +214,11 @@ def _read_checkpoint(storage: TieredStorage, path: Path, load_hooks: list | None
             f"{path} is not a TieredStorage checkpoint: {_META_FILE} is missing (was the dump interrupted, "
             "or written by another storage?)")
     meta = json.loads(meta_file.read_text())
-    if meta.get("format") != _CKPT_FORMAT or meta.get("version") not in _READS:
-        raise ValueError(f"{meta_file}: unknown checkpoint format {meta.get('format')!r} "
-                         f"version {meta.get('version')!r}; this tiered reads versions {_READS}")
+    if meta.get("format") != _CKPT_FORMAT or meta.get("version") != _CKPT_VERSION:
+        raise FormatVersionError(
+            f"{meta_file}: checkpoint format {meta.get('format')!r} version {meta.get('version')!r}; this "
+            f"tiered reads {_CKPT_FORMAT!r} version {_CKPT_VERSION} only. Load it with the tiered that wrote "
+            "it and dump it again with this one.")
     n = int(meta["len"])
     if n > storage.max_size and meta.get("grid") is None:
         raise ValueError(f"the checkpoint at {path} holds {n} rows but the storage's max_size is "
