@@ -456,15 +456,15 @@ class RowSpace:
             # as same-size integers: torch has no index_copy_ for uint16/32/64 and float8
             as_bits(col).index_copy_(0, rows_t, as_bits(cells))
         if self.flags is not None:
-            self._write_flags(rows_t, {k: data.get(k) for k in self.flag_fields})
+            self._write_flags(rows, {k: data.get(k) for k in self.flag_fields})
 
-    def _write_flags(self, rows_t: torch.Tensor, values: dict[Key, torch.Tensor]) -> None:
-        """Set the flag bits of ``rows_t`` to ``values`` (one bool per row and flag field): each
-        row's byte is read, its bits replaced, and written back, one vectorized op per field."""
-        n = rows_t.numel()
+    def _write_flags(self, rows: np.ndarray, values: dict[Key, torch.Tensor]) -> None:
+        """Set the flag bits of ``rows`` (int64) to ``values`` (one bool per row and flag field):
+        each row's byte is read, its bits replaced, and written back, one vectorized op per field."""
+        n = rows.size
         fields = list(self.flag_fields.values())
         if n == 1:  # one row (rb.add): its byte as a Python int, no tensor ops per flag
-            r = int(rows_t[0])
+            r = int(rows[0])
             flags = self.flags.numpy()  # (a torch element get and set cost ~2 us each, numpy's ~0.1)
             byte = int(flags[r])
             for f in fields:  # one row: its bits set in the byte it shares with the other flags
@@ -478,7 +478,6 @@ class RowSpace:
         if {v.device.type for v in given} == {"cpu"}:
             # numpy: a few small ops per flag field, no torch dispatch (~5 us an op)
             flags = self.flags.numpy()
-            rows = rows_t.numpy()
             byte = flags[rows] & keep
             for f, v in zip(fields, given, strict=True):  # a loop over fields, not rows
                 byte |= (v.detach().numpy().reshape(n) != 0).astype(np.uint8) << f.flag_bit
@@ -486,6 +485,7 @@ class RowSpace:
             return
         # [flags, n] 0/1 bytes, each shifted to its bit; bits are distinct, so their sum is their or
         bits = torch.stack([values[f.key].detach().reshape(n) for f in fields]).cpu().to(torch.uint8)
+        rows_t = torch.from_numpy(rows)
         byte = (self.flags.index_select(0, rows_t) & keep) | (bits << self._flag_shifts(fields)).sum(0, dtype=torch.uint8)
         self.flags.index_copy_(0, rows_t, byte)
 
@@ -517,27 +517,26 @@ class RowSpace:
             self.dirty.mark_one(r)
         else:
             self.dirty.mark(rows)
-        rows_t = None
-        with torch.no_grad():  # stored values never carry autograd history
-            for f in schema.column_fields:
-                v = cells[f.key]
-                col, special = self._dense_np[f.key]
-                if special is None and v.device.type == "cpu" and bits_dtype(v.dtype) == v.dtype and not v.is_conj():
-                    # numpy's assignment casts as torch's copy_ does (values were checked to fit
-                    # the column), for ~0.3 us against ~5 us of torch ops per column
-                    if one:
-                        col[r] = v.detach().numpy().reshape(f.shape)
-                    else:
-                        col[rows] = v.detach().numpy().reshape(n, *f.shape)
-                    continue
+        for f in schema.column_fields:
+            v = cells[f.key]
+            col, special = self._dense_np[f.key]
+            if special is None and v.device.type == "cpu" and bits_dtype(v.dtype) == v.dtype and not v.is_conj():
+                # numpy's assignment casts as torch's copy_ does (values were checked to fit the
+                # column), for ~0.3 us against ~5 us of torch ops per column
                 if one:
-                    self.dense[f.key][r].copy_(v.reshape(f.shape))
-                    continue
-                rows_t = torch.from_numpy(rows) if rows_t is None else rows_t
+                    col[r] = v.detach().numpy().reshape(f.shape)
+                else:
+                    col[rows] = v.detach().numpy().reshape(n, *f.shape)
+                continue
+            with torch.no_grad():  # stored values never carry autograd history
                 dst = self.dense[f.key]
-                as_bits(dst).index_copy_(0, rows_t, as_bits(v.reshape(n, *f.shape).cpu().to(dst.dtype)))
-            if self.flags is not None:
-                self._write_flags(torch.from_numpy(rows), {k: cells[k] for k in self.flag_fields})
+                if one:
+                    dst[r].copy_(v.reshape(f.shape))
+                else:
+                    as_bits(dst).index_copy_(0, torch.from_numpy(rows),
+                                             as_bits(v.reshape(n, *f.shape).cpu().to(dst.dtype)))
+        if self.flags is not None:
+            self._write_flags(rows, {k: cells[k] for k in self.flag_fields})
 
     def read_dense(self, key: Key, rows: np.ndarray, span: tuple[int, int] | None = None) -> torch.Tensor:
         """A dense column's cells of ``rows`` (a copy), or a view of ``span = (start, n)`` rows

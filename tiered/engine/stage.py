@@ -77,9 +77,11 @@ class WriteStage:
                 # [n, *shape] or one row's shape: numpy broadcasts it over the n slots
                 self._host[key][lo:lo + n] = as_bits(v.detach()).numpy()
             elif n == 1 and v.dim() == dst.dim() - 1:
-                dst[lo].copy_(v)
+                with torch.no_grad():
+                    dst[lo].copy_(v)
             else:
-                dst[lo:lo + n].copy_(v)
+                with torch.no_grad():
+                    dst[lo:lo + n].copy_(v)
         self.rows[lo:lo + n] = rows
         self.slot_of[rows] = np.arange(lo, lo + n, dtype=np.int32)
         self.count = lo + n
