@@ -325,7 +325,7 @@ class ZstdCodec(Codec):
                 out_offsets[keep],
                 out_sizes[keep],
             )
-        total = int(out_sizes.sum())
+        total = int(np.add.reduce(out_sizes))
         in_mv = memoryview(data)
         direct = total >= _MIN_FRAME_BYTES_FOR_DIRECT * keep.size and _sizes_declared(in_mv, offsets, sizes, out_sizes)
         parts = self._parts(keep.size, total)
