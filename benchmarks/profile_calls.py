@@ -11,6 +11,7 @@ Usage:
     python benchmarks/profile_calls.py                 # table of us/call and calls/call
     python benchmarks/profile_calls.py --profile get32 # + cProfile of one operation (tiered)
     python benchmarks/profile_calls.py --threads 1
+    python benchmarks/profile_calls.py --threads 1 --cpu   # thread CPU time: steadier on a busy host
     python benchmarks/profile_calls.py --only --breakdown store.get32 rb.add1   # calls per tiered function
     python benchmarks/profile_calls.py --only --stages store.get32 rb.add1 rb.extend16  # us per stage
 """
@@ -233,6 +234,10 @@ def main(argv=None) -> int:
     p.add_argument("--stages", nargs="*", default=[],
                    help="operations to time stage by stage (tiered; us per call, inclusive)")
     p.add_argument("--stage-calls", type=int, default=2000, help="calls per operation for --stages")
+    p.add_argument("--cpu", action="store_true",
+                   help="time the table with the calling thread's CPU time (time.thread_time), not wall "
+                        "time: steadier on a shared machine; excludes decode/encode pool threads and "
+                        "torch's intra-op threads (compare at --threads 1)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -242,6 +247,7 @@ def main(argv=None) -> int:
     store, ts, lts, rbs = build(n, data)
     table, state = ops(store, ts, lts, rbs, data, n)
     gen = torch.Generator().manual_seed(0)
+    clock = time.thread_time if args.cpu else time.perf_counter
     print(f"{'operation':16} {'tiered us':>10} {'lts us':>10} {'ratio':>7} {'tiered calls':>13} {'lts calls':>10}")
     for name, fns in table.items():
         if args.only is not None and name not in args.only:
@@ -253,9 +259,9 @@ def main(argv=None) -> int:
             state["idx"] = torch.randint(0, n, (b,), generator=gen)
             state["row"] += 1
             for k in (list(fns) if c % 2 else list(fns)[::-1]):
-                t0 = time.perf_counter()
+                t0 = clock()
                 fns[k]()
-                dt = time.perf_counter() - t0
+                dt = clock() - t0
                 if c >= 3:
                     times[k].append(dt)
         for k, fn in fns.items():
