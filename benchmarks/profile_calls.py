@@ -11,6 +11,7 @@ Usage:
     python benchmarks/profile_calls.py                 # table of us/call and calls/call
     python benchmarks/profile_calls.py --profile get32 # + cProfile of one operation (tiered)
     python benchmarks/profile_calls.py --threads 1
+    python benchmarks/profile_calls.py --threads 1 --cpu   # thread CPU time: steadier on a busy host
     python benchmarks/profile_calls.py --only --breakdown store.get32 rb.add1   # calls per tiered function
     python benchmarks/profile_calls.py --only --stages store.get32 rb.add1 rb.extend16  # us per stage
 """
@@ -75,17 +76,25 @@ STAGES = [
     ("tiered.engine.rows", "RowSpace.read_dense_fields"),
     ("tiered.engine.write", "WritePath.staged_slots"),
     ("tiered.engine.read", "blob_frames"),
+    ("tiered.engine.layout", "FieldLayout.blob_refs"),
+    ("tiered.engine.row_tables", "ShiftedRowTable.refs"),
+    ("tiered.engine.row_tables", "NextRowTable.refs"),
     ("tiered.engine.read", "CpuReadPipeline.gather_blobs"),
     ("tiered.engine.placement", "Placement.locate"),
     ("tiered.engine.placement", "Placement.read"),
+    ("tiered.tiers.arena", "ArenaTier.read"),
+    ("tiered.util.copy", "copy_blobs"),
     ("tiered.codecs", "segment_checksums"),
     ("tiered.engine.placement", "Placement.note_reads"),
     ("tiered.engine.placement", "Placement.promote"),
     ("tiered.engine.frames", "FrameFamily.open_raw"),
     ("tiered.engine.read", "decode_gathered"),
+    ("tiered.codecs.zstd", "ZstdCodec.decode"),
+    ("tiered.util.pool", "run_parallel"),
     ("tiered.codecs.zstd", "ZstdCodec._decompress_slice"),
     ("tiered.engine.read", "assemble_cells"),
     ("tiered.engine.read", "as_tensordict"),
+    ("tiered.engine.rows", "RowSpace.resolve_read"),
     ("tiered.torchrl.storage", "TieredStorage.get"),
     ("tiered.torchrl.storage", "TieredStorage._set"),
     ("tiered.engine.write", "WritePath.append"),
@@ -95,6 +104,16 @@ STAGES = [
     ("tiered.engine.write", "WritePath.flush_stage"),
     ("tiered.engine.write", "WritePath.write_rows"),
     ("tiered.engine.write", "check_cells_readable"),
+    ("tiered.engine.rows", "RowSpace.trajectory_ids"),
+    ("tiered.engine.frames", "FrameFamily.plan"),
+    ("tiered.engine.frames", "FrameFamily._dedup_neighbours"),
+    ("tiered.engine.frames", "FrameFamily._assign_chunks"),
+    ("tiered.engine.write", "WritePath.encode_and_place"),
+    ("tiered.codecs.zstd", "ZstdCodec.encode"),
+    ("tiered.engine.placement", "Placement.place"),
+    ("tiered.engine.layout", "FieldLayout.put_family"),
+    ("tiered.engine.rows", "RowSpace.write_dense"),
+    ("tiered.engine.write", "WritePath.release_blobs"),
     ("tiered.engine.rows", "RowSpace.write_dense_cells"),
     ("tiered.engine.stage", "WriteStage.put"),
     ("tiered.engine.layout", "FieldLayout.check_rows"),
@@ -215,6 +234,10 @@ def main(argv=None) -> int:
     p.add_argument("--stages", nargs="*", default=[],
                    help="operations to time stage by stage (tiered; us per call, inclusive)")
     p.add_argument("--stage-calls", type=int, default=2000, help="calls per operation for --stages")
+    p.add_argument("--cpu", action="store_true",
+                   help="time the table with the calling thread's CPU time (time.thread_time), not wall "
+                        "time: steadier on a shared machine; excludes decode/encode pool threads and "
+                        "torch's intra-op threads (compare at --threads 1)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -224,6 +247,7 @@ def main(argv=None) -> int:
     store, ts, lts, rbs = build(n, data)
     table, state = ops(store, ts, lts, rbs, data, n)
     gen = torch.Generator().manual_seed(0)
+    clock = time.thread_time if args.cpu else time.perf_counter
     print(f"{'operation':16} {'tiered us':>10} {'lts us':>10} {'ratio':>7} {'tiered calls':>13} {'lts calls':>10}")
     for name, fns in table.items():
         if args.only is not None and name not in args.only:
@@ -235,9 +259,9 @@ def main(argv=None) -> int:
             state["idx"] = torch.randint(0, n, (b,), generator=gen)
             state["row"] += 1
             for k in (list(fns) if c % 2 else list(fns)[::-1]):
-                t0 = time.perf_counter()
+                t0 = clock()
                 fns[k]()
-                dt = time.perf_counter() - t0
+                dt = clock() - t0
                 if c >= 3:
                     times[k].append(dt)
         for k, fn in fns.items():

@@ -35,6 +35,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import numpy as np
 import torch
 from tensordict import TensorDictBase, is_leaf_nontensor
 
@@ -422,8 +423,15 @@ def row_number_mismatch(values: torch.Tensor, rows: Any) -> bool:
         return False
     if values.numel() == 1:  # one row (rb.add): a Python compare
         return values.reshape(()).item() != int(rows[0])
+    if values.device.type == "cpu" and values.dtype in _NUMPY_COMPARABLE:  # numpy: no torch dispatch
+        return not np.logical_and.reduce((values.numpy().reshape(n, -1) == np.asarray(rows).reshape(n, 1)), axis=None)
     at = torch.from_numpy(rows).to(values.device).view(n, 1)
     return not bool((values.reshape(n, -1) == at).all())
+
+
+#: integer dtypes a row-number check compares in numpy (CPU values; torch's compare of a few
+#: values costs ~5 us an op)
+_NUMPY_COMPARABLE = frozenset((torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8))
 
 
 def check_narrowing(key: Key, dtype: torch.dtype, stored: torch.dtype, kind: str) -> None:

@@ -199,6 +199,15 @@ def test_random_puts_and_unsets_match_explicit_tables_with_exact_counts(cap, fra
             assert np.array_equal(got[0], m.blob) and np.array_equal(got[1][written], m.slot[written]), key
         recount = np.bincount(layout.ids(np.flatnonzero(written)).reshape(-1), minlength=64)
         assert np.array_equal(recount, counts)
+        # a read of X and ("next", X) (one window of the shifted table for both), rows in any
+        # order and repeated, equals the tables read one by one
+        read = np.flatnonzero(written)
+        read = np.concatenate([read, read[::-1]])
+        fields = layout.fields_of[0]
+        got = layout.blob_refs(fields, read)
+        for k, want in enumerate((np.concatenate([model[f.key].blob[read] for f in fields], 1),
+                                  np.concatenate([model[f.key].slot[read] for f in fields], 1))):
+            assert got[k].dtype == np.int64 and np.array_equal(got[k], want)
         nxt_table = layout.tables[NEXT]
         if isinstance(nxt_table, NextRowTable):  # no row that follows the rule is kept as an exception
             rb, rs = nxt_table.rule(nxt_table.exc_rows)

@@ -325,16 +325,20 @@ class ZstdCodec(Codec):
                 out_offsets[keep],
                 out_sizes[keep],
             )
-        total = int(out_sizes.sum())
+        total = int(np.add.reduce(out_sizes))
         in_mv = memoryview(data)
         direct = total >= _MIN_FRAME_BYTES_FOR_DIRECT * keep.size and _sizes_declared(in_mv, offsets, sizes, out_sizes)
-        bounds = split_balanced(sizes, self._parts(keep.size, total)).tolist()
+        parts = self._parts(keep.size, total)
         out_mv = memoryview(out)
         in_mv = in_mv if direct else None
-        tasks = [
-            (data, offsets[a:b], sizes[a:b], out_mv, out_offsets[a:b], out_sizes[a:b], a, in_mv)
-            for a, b in zip(bounds[:-1], bounds[1:], strict=True)
-        ]
+        if parts == 1:  # every small batch: one slice on this thread, no cut points nor pool
+            tasks = [(data, offsets, sizes, out_mv, out_offsets, out_sizes, 0, in_mv)]
+        else:
+            bounds = split_balanced(sizes, parts).tolist()
+            tasks = [
+                (data, offsets[a:b], sizes[a:b], out_mv, out_offsets[a:b], out_sizes[a:b], a, in_mv)
+                for a, b in zip(bounds[:-1], bounds[1:], strict=True)
+            ]
         try:
             run_parallel(self._decompress_slice, tasks, self.threads)
         except _SliceError as e:

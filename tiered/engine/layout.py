@@ -180,6 +180,10 @@ class FieldLayout:
         """``[len(rows), frames]`` blob ids and slots of ``rows`` over ``fields`` (one gather each),
         widened to int64 (callers do index arithmetic with them)."""
         self.check_rows(rows, fields)
+        if len(fields) == 2:  # X and ("next", X) of a shifted table: one gather for both
+            first, second = self.tables[fields[0].key], self.tables[fields[1].key]
+            if isinstance(second, NextRowTable) and second.base is first and isinstance(first, ShiftedRowTable):
+                return second.refs_after_base(rows)
         refs = [self.tables[f.key].refs(rows) for f in fields]
         blobs = np.concatenate([r[0] for r in refs], axis=1, dtype=np.int64)
         slots = np.concatenate([r[1] for r in refs], axis=1, dtype=np.int64)

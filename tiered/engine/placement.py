@@ -403,9 +403,10 @@ class Placement:
             if tier is None:
                 continue
             sel = from_tier == t if skip is None else (from_tier == t) & ~skip
-            if sel.any():
+            if np.logical_or.reduce(sel):
                 tier.read(loc[sel, t], sizes[sel], out, out_offsets[sel])
-        self.cold_read_bytes += int(sizes[from_tier == COLD].sum())
+        if self.tiers[COLD] is not None:  # (a tier that is there or not: not a branch on the batch)
+            self.cold_read_bytes += int(np.add.reduce(sizes[from_tier == COLD]))
 
     def note_reads(self, ids: np.ndarray, from_tier: np.ndarray) -> None:
         """Count tier hits and tell the policy which blobs were read."""

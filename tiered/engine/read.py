@@ -257,9 +257,10 @@ def codec_for(default: codecs.Codec, format_ids: np.ndarray) -> codecs.Codec:
     """The codec that decodes blobs of these format ids (all must be one format): ``default``
     when it reads their format."""
     fmt = int(format_ids[0]) if format_ids.size else default.format_id
-    if fmt == default.format_id and (format_ids == fmt).all():
+    same = bool(np.logical_and.reduce(format_ids == fmt))  # (a ufunc reduction: no Python wrapper)
+    if fmt == default.format_id and same:
         return default
-    if not (format_ids == fmt).all():
+    if not same:
         raise NotImplementedError("blobs of several codecs in one batch are not supported yet")
     return codecs.codec_for_format_id(fmt)
 
@@ -357,7 +358,7 @@ class ReadPipeline(ABC):
         """Decode the blob fields among ``fields`` for ``rows`` into ``out`` (staged rows included)."""
         if by_family is None:
             by_family = layout.by_family(fields)
-        if slots is None or not (slots >= 0).any():
+        if slots is None or not np.logical_or.reduce(slots >= 0):
             for fid, fs in by_family.items():
                 self.read_family(layout, fid, fs, rows, out)
             return
@@ -476,7 +477,7 @@ class CpuReadPipeline(ReadPipeline):
         """
         idx = self.index
         state = idx.state[uniq]
-        if (state == 0).any():
+        if np.logical_or.reduce(state == 0):
             raise AssertionError("a row references a freed blob: index is inconsistent")
         is_open = state == OPEN
         # no early exits on empty groups: the call count of get must not depend on the batch
@@ -486,7 +487,7 @@ class CpuReadPipeline(ReadPipeline):
         ids = uniq[pos]
         sizes = idx.nbytes[ids]
         src_off = exclusive_cumsum(sizes)
-        comp = self._scratch.get("comp", int(sizes.sum()))
+        comp = self._scratch.get("comp", int(np.add.reduce(sizes)))
         from_tier = self.placement.locate(ids)
         self.placement.read(ids, sizes, comp, src_off, from_tier)
         if self.verify:

@@ -30,18 +30,18 @@ from .blob_index import BLOB_DTYPE, SLOT_DTYPE
 __all__ = ["RowTable", "NextRowTable", "ShiftedRowTable"]
 
 
-_WINDOW_STEPS: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+_WINDOW_STEPS: dict[tuple[int, int, int], tuple[np.ndarray, np.ndarray]] = {}
 
 
-def _window_steps(frames: int, step: int) -> tuple[np.ndarray, np.ndarray]:
-    """``(back, cols)`` of :meth:`ShiftedRowTable._window`, made once per (frames, step): how far
-    back each frame's row lies (``[F]``) and the frames' columns (``[1, F]``)."""
-    got = _WINDOW_STEPS.get((frames, step))
+def _window_steps(frames: int, step: int, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(back, cols)`` of :meth:`ShiftedRowTable._window`, made once per (frames, step, width):
+    how far back each frame's row lies (``[width]``) and the frames' columns (``[1, width]``)."""
+    got = _WINDOW_STEPS.get((frames, step, width))
     if got is None:
-        back = np.arange(frames - 1, -1, -1, dtype=np.int64) - step
-        cols = np.arange(step, frames + step, dtype=np.int64)[None, :]
+        cols = np.arange(step, step + width, dtype=np.int64)[None, :]
+        back = frames - 1 - cols[0]
         back.flags.writeable = cols.flags.writeable = False
-        got = _WINDOW_STEPS[(frames, step)] = (back, cols)
+        got = _WINDOW_STEPS[(frames, step, width)] = (back, cols)
     return got
 
 
@@ -334,11 +334,16 @@ class ShiftedRowTable(_ExceptionTable):
     def ahead(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return self._window(_row_ids(rows).astype(np.int64), 1)
 
-    def _window(self, rows: np.ndarray, step: int) -> tuple[np.ndarray, np.ndarray]:
-        """Frames ``step .. step + F - 1`` of each row's stack (frame ``F``: the newest of the row
-        after): one gather of the last column and a ``searchsorted``."""
+    def window(self, rows: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
+        """Frames ``0 .. width - 1`` of each of ``rows``' stacks (an int64 array; frame ``F``: the
+        newest of the row after, as :meth:`ahead` gives it), in one gather."""
+        return self._window(rows, 0, width)
+
+    def _window(self, rows: np.ndarray, step: int, width: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Frames ``step .. step + width - 1`` (default ``width``: F) of each row's stack (frame
+        ``F``: the newest of the row after): one gather of the last column and a ``searchsorted``."""
         f, cap = self._frames, int(self.last_blob.shape[0])
-        back, cols = _window_steps(f, step)
+        back, cols = _window_steps(f, step, f if width is None else width)
         src = (rows[:, None] - back) % cap  # the rows whose last frames make the stack
         blob, slot = self.last_blob[src], self.last_slot[src]
         if not self.exc_rows.size or not rows.size:
@@ -471,6 +476,34 @@ class NextRowTable(_ExceptionTable):
         blob, slot = self.rule(rows)
         pos, hit = self._exceptions(rows)
         blob[hit], slot[hit] = self.exc_blob[pos[hit]], self.exc_slot[pos[hit]]
+        return blob, slot
+
+    def refs_after_base(self, rows: Any) -> tuple[np.ndarray, np.ndarray]:
+        """``[len(rows), 2F]`` int64 blob ids and slots: the base's entries of ``rows``, then this
+        table's, as ``np.concatenate`` of both :meth:`refs` gives them, from one window of ``F + 1``
+        frames of a shifted base (a stack and the next one share ``F - 1`` frames; a read of ``X``
+        and ``("next", X)`` gathers once).
+
+        Example:
+            >>> x = ShiftedRowTable(4, 2)
+            >>> nxt = NextRowTable(x)
+            >>> nxt.hold(np.arange(3))
+            >>> x.put(np.arange(3), np.array([[0, 1], [1, 2], [2, 3]]), np.zeros((3, 2)))
+            >>> nxt.put(np.arange(3), np.array([[1, 2], [2, 3], [3, 4]]), np.zeros((3, 2)))
+            >>> rows = np.array([0, 2, 1])
+            >>> nxt.refs_after_base(rows)[0].tolist() == np.concatenate([x.refs(rows)[0], nxt.refs(rows)[0]], 1).tolist()
+            True
+        """
+        f = self._frames
+        rows = _row_ids(rows).astype(np.int64)
+        wide_b, wide_s = self.base.window(rows, f + 1)
+        blob = np.empty((rows.size, 2 * f), np.int64)
+        slot = np.empty((rows.size, 2 * f), np.int64)
+        blob[:, :f], blob[:, f:] = wide_b[:, :f], wide_b[:, 1:]
+        slot[:, :f], slot[:, f:] = wide_s[:, :f], wide_s[:, 1:]
+        pos, hit = self._exceptions(rows)
+        nb, ns = blob[:, f:], slot[:, f:]  # views: the exceptions land in blob and slot
+        nb[hit], ns[hit] = self.exc_blob[pos[hit]], self.exc_slot[pos[hit]]
         return blob, slot
 
     def _before(self, rows: np.ndarray) -> np.ndarray:

@@ -26,7 +26,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from ..schema import Key, Schema
+from ..schema import Key, Schema, as_bits
 
 
 class WriteStage:
@@ -42,11 +42,22 @@ class WriteStage:
         self.size = int(size)
         self.cells: dict[Key, torch.Tensor] = {
             f.key: torch.empty((self.size, *f.shape), dtype=f.dtype) for f in schema.blob_fields}
+        # the same memory as numpy (integers of the same size for dtypes numpy lacks): put copies
+        # with numpy, one memcpy-speed pass on the calling thread; torch's copy_ of a few hundred
+        # KB splits over its intra-op threads, which wait behind any other busy process
+        self._host = {key: as_bits(t).numpy() for key, t in self.cells.items()}
         self.rows = np.empty(self.size, dtype=np.int64)
         self.count = 0
         # -1: the row is not staged; else its slot. int32 over the capacity: 4 B/row, and a
         # read finds its staged rows with one gather instead of a search.
         self.slot_of = np.full(capacity, -1, dtype=np.int32)
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_host": {}}  # numpy views would unpickle as copies
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._host = {key: as_bits(t).numpy() for key, t in self.cells.items()}
 
     @property
     def nbytes(self) -> int:
@@ -62,10 +73,15 @@ class WriteStage:
         lo = self.count
         for key, dst in self.cells.items():
             v = values[key]
-            if n == 1 and v.dim() == dst.dim() - 1:
-                dst[lo].copy_(v)
+            if v.device.type == "cpu" and not v.is_conj() and not v.is_neg():
+                # [n, *shape] or one row's shape: numpy broadcasts it over the n slots
+                self._host[key][lo:lo + n] = as_bits(v.detach()).numpy()
+            elif n == 1 and v.dim() == dst.dim() - 1:
+                with torch.no_grad():
+                    dst[lo].copy_(v)
             else:
-                dst[lo:lo + n].copy_(v)
+                with torch.no_grad():
+                    dst[lo:lo + n].copy_(v)
         self.rows[lo:lo + n] = rows
         self.slot_of[rows] = np.arange(lo, lo + n, dtype=np.int32)
         self.count = lo + n

@@ -455,8 +455,7 @@ class WritePath:
             self.flush_stage()
         self.install_widening(self.prepare_widening(rows, cells))
         self.rows.write_dense_cells(self.layout.schema, rows, cells)
-        with torch.no_grad():
-            stage.put(rows, cells)
+        stage.put(rows, cells)
         self.placement.rows_staged(self.layout, rows, stage)
 
     def flush_stage(self) -> None:

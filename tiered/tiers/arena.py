@@ -43,8 +43,9 @@ import torch
 
 from ..errors import StorageFullError
 from ..util.batch import exclusive_cumsum
-from ..util.buffers import as_int64
+from ..util.buffers import as_int64, check_bounds
 from ..util.copy import copy_blobs
+from ..util.hostcopy import copy_host_blobs
 from ..util.units import align, format_bytes, parse_bytes
 from .base import Tier
 from .extents import ExtentAllocator
@@ -461,6 +462,16 @@ class ArenaTier(Tier):
         offsets, sizes = as_int64(offsets), as_int64(sizes)
         self._check_live(offsets, sizes)
         self.order.wait()
+        if not self._cuda and isinstance(out, np.ndarray) and out.dtype == np.uint8 and out.ndim == 1 \
+                and out.flags.c_contiguous:
+            # a host arena into a host buffer (every CPU read): copy_blobs' checks of an arbitrary
+            # pair of buffers reduced to what these can get wrong, then the copy (~10 us less a read)
+            out_offsets = as_int64(out_offsets)
+            if offsets.size and (int(np.minimum.reduce(offsets)) < 0 or int(np.minimum.reduce(sizes)) < 0):
+                raise ValueError(f"negative blob offsets or sizes read from the {self.name} arena")
+            check_bounds(out_offsets, sizes, int(out.shape[0]), "the destination buffer's")
+            copy_host_blobs(self.buffer.numpy(), offsets, out, out_offsets, sizes)
+            return
         copy_blobs(self.buffer, offsets, out, out_offsets, sizes)
 
     def free(self, offsets: np.ndarray, sizes: np.ndarray, *, defer: bool = False) -> None:

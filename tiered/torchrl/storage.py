@@ -592,9 +592,11 @@ class TieredStorage(TensorStorage):
         if isinstance(cursor, slice):
             rows = np.arange(*cursor.indices(self.max_size), dtype=np.int64)
             return rows, torch.Size([rows.size])
+        if type(cursor) is int and -self.max_size <= cursor < self.max_size:  # a writer's add: one row
+            return np.array([cursor % self.max_size], dtype=np.int64), torch.Size([])
         rows, scalar = as_row_array(cursor)
         bad = (rows < -self.max_size) | (rows >= self.max_size)
-        if bad.any():
+        if np.logical_or.reduce(bad):
             raise IndexOutOfRangeError(
                 f"index {int(rows[bad][0])} is out of range for a storage of max_size {self.max_size}")
         rows = np.where(rows < 0, rows + self.max_size, rows)

@@ -194,11 +194,11 @@ def copy_host_blobs(src: np.ndarray, src_offsets: np.ndarray, dst: np.ndarray, d
         >>> out.tolist()
         [2, 3, 0, 1]
     """
-    total = int(sizes.sum())
+    total = int(np.add.reduce(sizes))
     if total == 0:
         return
     follows = _follows(src_offsets, dst_offsets, sizes)
-    if follows.all():  # packed back to back in both buffers
+    if np.logical_and.reduce(follows):  # packed back to back in both buffers
         a, b = int(src_offsets[0]), int(dst_offsets[0])
         dst[b:b + total] = src[a:a + total]
         return
