@@ -383,9 +383,11 @@ FORK_WHILE_WRITING = """
     x = torch.randn(30, 4, 84, 84)
     store.extend(TensorDict({"x": x}, [30]))
     r, w = os.pipe()
+    r_first, w_first = os.pipe()  # the child's first read is done: only then does the parent write
     pid = os.fork()
     if pid == 0:
-        first = bool((store.get(torch.arange(30))["x"] == x).all())  # before the parent writes
+        first = bool((store.get(torch.arange(30))["x"] == x).all())
+        os.write(w_first, b"r")
         os.read(r, 1)
         try:
             store.get(torch.arange(30))
@@ -394,6 +396,7 @@ FORK_WHILE_WRITING = """
             outcome = "stale"
         print(first, outcome, flush=True)
         os._exit(0)
+    os.read(r_first, 1)
     for _ in range(4):  # overwrites every row: spill space is freed and reused
         store.extend(TensorDict({"x": torch.randn(30, 4, 84, 84)}, [30]))
     os.write(w, b"g")
