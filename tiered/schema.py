@@ -42,7 +42,7 @@ from tensordict import TensorDictBase, is_leaf_nontensor
 from .errors import LossyValueError, SchemaMismatchError
 
 __all__ = ["Field", "Schema", "Key", "normalize_key", "key_to_str", "str_to_key", "SUPPORTED_DTYPES", "bits_dtype",
-           "as_bits", "check_key", "dtype_from_str", "dtype_to_str", "NARROWABLE_DTYPES", "check_narrowing", "MAX_FLAGS",
+           "as_bits", "columns_to_pickle", "columns_from_pickle", "check_key", "dtype_from_str", "dtype_to_str", "NARROWABLE_DTYPES", "check_narrowing", "MAX_FLAGS",
            "round_trip", "narrow_candidates", "holds_dtype", "fits_exactly", "narrowest_dtype", "Narrowing",
            "row_number_eligible", "row_number_mismatch"]
 
@@ -100,6 +100,26 @@ def as_bits(t: torch.Tensor) -> torch.Tensor:
     if bits == t.dtype:
         return t
     return t.view(bits) if t.dim() else t.reshape(1).view(bits).reshape(())
+
+
+def columns_to_pickle(cols: dict[Key, torch.Tensor]) -> dict[Key, torch.Tensor | tuple[torch.Tensor, torch.dtype]]:
+    """``cols`` as pickle takes them: a column of a dtype that is not :func:`bits_dtype` itself
+    becomes ``(as_bits(col), dtype)``, because torch 2.14 pickles uint16/uint32/uint64 tensors it
+    cannot unpickle (``UntypedStorage`` has no ``dtype``). :func:`columns_from_pickle` undoes it.
+
+    Example:
+        >>> import pickle
+        >>> cols = {"depth": torch.tensor([1, 65535], dtype=torch.int32).to(torch.uint16)}
+        >>> back = columns_from_pickle(pickle.loads(pickle.dumps(columns_to_pickle(cols))))
+        >>> back["depth"].dtype, back["depth"].tolist()
+        (torch.uint16, [1, 65535])
+    """
+    return {k: c if bits_dtype(c.dtype) == c.dtype else (as_bits(c), c.dtype) for k, c in cols.items()}
+
+
+def columns_from_pickle(cols: dict[Key, torch.Tensor | tuple[torch.Tensor, torch.dtype]]) -> dict[Key, torch.Tensor]:
+    """The columns :func:`columns_to_pickle` gave, in their own dtypes again (views of the same bytes)."""
+    return {k: c[0].view(c[1]) if isinstance(c, tuple) else c for k, c in cols.items()}
 
 
 def supported_dtypes_text() -> str:

@@ -316,7 +316,7 @@ def test_values_with_autograd_history_are_stored_detached(rows_per_write):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64, torch.int16, torch.int8,
-                                   torch.complex64, torch.bool])
+                                   torch.complex64, torch.bool, torch.uint16, torch.uint32])
 def test_staged_dense_cells_of_every_dtype_read_back_exactly(atari_pong, dtype):
     """Small writes put dense cells straight into the columns (through numpy views of them, or
     torch for dtypes numpy lacks): one-row appends, a few rows, a scalar and a 2-row overwrite

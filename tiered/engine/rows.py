@@ -28,7 +28,17 @@ import torch
 from tensordict import TensorDictBase
 
 from ..errors import CorruptionError, IndexOutOfRangeError, SchemaMismatchError, UnwrittenRowError
-from ..schema import Field, Key, Schema, as_bits, bits_dtype, key_to_str, row_number_eligible
+from ..schema import (
+    Field,
+    Key,
+    Schema,
+    as_bits,
+    bits_dtype,
+    columns_from_pickle,
+    columns_to_pickle,
+    key_to_str,
+    row_number_eligible,
+)
 from ..util.batch import exclusive_cumsum
 from ..util.dirty import DirtyBlocks
 from ..util.filemap import file_array
@@ -238,10 +248,11 @@ class RowSpace:
         # the views handed out stay with this process (weak references do not pickle): a copy's
         # columns are its own, so no view of them exists yet
         # (and the numpy views of the columns would unpickle as copies: rebuilt from the columns)
-        return {**self.__dict__, "views": [], "_dense_np": {}}
+        return {**self.__dict__, "views": [], "_dense_np": {}, "dense": columns_to_pickle(self.dense)}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
+        self.dense = columns_from_pickle(self.dense)
         for key, col in list(self.dense.items()):
             self._set_column(key, col)
 

@@ -26,7 +26,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from ..schema import Key, Schema, as_bits
+from ..schema import Key, Schema, as_bits, columns_from_pickle, columns_to_pickle
 
 
 class WriteStage:
@@ -53,10 +53,11 @@ class WriteStage:
         self.slot_of = np.full(capacity, -1, dtype=np.int32)
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_host": {}}  # numpy views would unpickle as copies
+        return {**self.__dict__, "_host": {}, "cells": columns_to_pickle(self.cells)}  # numpy views would unpickle as copies
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
+        self.cells = columns_from_pickle(self.cells)
         self._host = {key: as_bits(t).numpy() for key, t in self.cells.items()}
 
     @property
