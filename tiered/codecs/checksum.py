@@ -62,10 +62,15 @@ _TRUE = np.ones(1, dtype=bool)
 # block reductions beat numpy's casting reduceat there; smaller blobs (hundreds of bytes: Atari
 # frames) have too many block edges for it to pay.
 _BLOCK_MIN_MEAN_BYTES = 2048
-# Block length: a block's weighted sum, at most 255 * (0 + 1 + ... + 255) < 2**31, fits the
-# int32 the einsum accumulates in.
+# Block length: a block's weighted sum is at most 255 * (0 + 1 + ... + 255) = 8,323,200 < 2**24.
+# The blocks are summed in float32, which holds every integer below 2**24 exactly: every partial
+# sum of a block's non-negative integer terms is at most its total, so the sums are exact in any
+# order of addition (numpy's SIMD loops add in lanes). float32 because numpy converts uint8 to it
+# and sums it several times faster than it sums uint8 into integers (0.09 + 0.06 + 0.13 ms against
+# 0.17 + 0.22 ms for the two sums of 0.9 MB, thread CPU on a 2-core VM).
 _BLOCK = 256
 _BLOCK_WEIGHTS = np.arange(_BLOCK, dtype=np.int32)
+_BLOCK_WEIGHTS_F32 = np.arange(_BLOCK, dtype=np.float32)
 _BLOCK_LANES = np.arange(_BLOCK, dtype=np.int64)
 _TORCH_CHUNK = 1 << 26
 # Batches of smaller blobs than this on average (compressed Atari chunks: ~1 KB) that fit one
@@ -249,8 +254,8 @@ def _block_prefix(span: np.ndarray, points: np.ndarray) -> tuple[np.ndarray, np.
     caller keeps the low 32 bits) of a uint8 ``span`` at each of the sorted ``points`` in
     ``[0, span.size]``.
 
-    The span is cut into blocks of ``_BLOCK`` bytes; one reduction and one integer ``einsum``
-    give every block's sum and weighted sum (numpy's own loops: no BLAS threads), prefix sums
+    The span is cut into blocks of ``_BLOCK`` bytes; two float32 ``einsum`` (exact there, see
+    ``_BLOCK``) give every block's sum and weighted sum (numpy's own loops: no BLAS threads), prefix sums
     over the blocks give the values at block starts, and the few blocks holding a point add
     their part before it.
     """
@@ -260,8 +265,9 @@ def _block_prefix(span: np.ndarray, points: np.ndarray) -> tuple[np.ndarray, np.
     tail = span[q * _BLOCK:]
     s1 = np.empty(q + 1, np.int64)  # block q: the tail (maybe empty), where a point at m lies
     s2 = np.empty(q + 1, np.int64)
-    s1[:q] = np.add.reduce(whole, axis=1, dtype=np.uint32)
-    s2[:q] = np.einsum("rl,l->r", whole, _BLOCK_WEIGHTS)
+    blocks = whole.astype(np.float32)  # exact (see _BLOCK); einsum, not BLAS: no BLAS threads
+    s1[:q] = np.einsum("rl->r", blocks)
+    s2[:q] = np.einsum("rl,l->r", blocks, _BLOCK_WEIGHTS_F32)
     s1[q] = np.add.reduce(tail, dtype=np.uint32)
     s2[q] = np.einsum("l,l->", tail, _BLOCK_WEIGHTS[: tail.size])
     starts = np.arange(q + 1, dtype=np.int64) * _BLOCK
