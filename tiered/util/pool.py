@@ -18,6 +18,12 @@ from collections.abc import Callable, Sequence
 
 __all__ = ["WorkerPool", "run_parallel"]
 
+# Set on the pool's threads, and on a calling thread while it runs its own task: a task that
+# itself calls run_parallel (a slice of a batch decoding with a codec that would split it again)
+# runs that work inline, since the pool's threads may all be busy with the outer tasks and waiting
+# for them from inside one could wait forever.
+_LOCAL = threading.local()
+
 
 class WorkerPool:
     """A few persistent daemon threads fed through a C-implemented queue.
@@ -48,6 +54,7 @@ class WorkerPool:
         self._queue.put(task)
 
     def _work(self) -> None:
+        _LOCAL.inside = True
         get = self._queue.get
         while True:
             fn, args, done, errors = get()
@@ -80,10 +87,11 @@ def run_parallel(fn: Callable[..., None], tasks: Sequence[tuple], threads: int) 
 
     The calling thread runs the last task itself, so ``threads=1`` (or one task) starts no thread.
     ``fn`` must release the GIL for its heavy work (zstandard, lz4 and numpy copies do). The first
-    exception raised by a task is re-raised here after every task has finished.
+    exception raised by a task is re-raised here after every task has finished. A task that calls
+    ``run_parallel`` itself runs those tasks on its own thread.
 
     """
-    if threads <= 1 or len(tasks) <= 1:
+    if threads <= 1 or len(tasks) <= 1 or getattr(_LOCAL, "inside", False):
         for args in tasks:
             fn(*args)
         return
@@ -96,9 +104,11 @@ def run_parallel(fn: Callable[..., None], tasks: Sequence[tuple], threads: int) 
         done.acquire()
         pool.submit((fn, args, done, errors))
         locks.append(done)
+    _LOCAL.inside = True
     try:
         fn(*tasks[-1])
     finally:
+        _LOCAL.inside = False
         # Wait for every task even if ours failed: they write into the caller's buffers.
         for done in locks:
             done.acquire()
