@@ -9,7 +9,9 @@ its blobs' checksums before it decodes them. These tests show that:
 * a damaged blob is caught whichever slice it falls in, in the function and through a store's
   ``get`` (a ChecksumError naming the blob; nothing promoted from the damaged read);
 * small batches stay on the calling thread, and a slice whose codec would split its decode again
-  runs that decode inline instead of waiting for the pool's busy threads.
+  runs that decode inline instead of waiting for the pool's busy threads;
+* when the pool's threads are all busy, the calling thread runs the slices they have not started
+  instead of waiting for them.
 """
 
 from __future__ import annotations
@@ -90,23 +92,25 @@ def test_a_damaged_blob_is_caught_in_either_slice(atari_pong, where, monkeypatch
 def test_small_batches_stay_on_the_calling_thread(atari_pong, monkeypatch):
     codec = RawCodec()
     raw, enc = encoded_cells(atari_pong, codec, n=4)
-    seen: set[str] = set()
+    calls: list[str] = []
     original = codec.decode
 
     def decode(*args):
-        seen.add(threading.current_thread().name)
+        calls.append(threading.current_thread().name)
         return original(*args)
 
     monkeypatch.setattr(codec, "decode", decode)
     which = np.arange(4)
     out = np.empty(4 * CELL, np.uint8)
-    assert 4 * CELL < checked.MIN_SPLIT_BYTES
+    # 4 stacks stay on the calling thread; 32 sampled transitions with their next observations split
+    assert 4 * CELL < checked.MIN_SPLIT_BYTES <= 64 * CELL
     decode_cells_checked(codec, enc.data, enc.offsets, enc.sizes, enc.checksums, which, out, CELL, threads=2)
-    assert seen == {threading.current_thread().name}
+    assert calls == [threading.current_thread().name]
     monkeypatch.setattr(checked, "MIN_SPLIT_BYTES", 0)
-    seen.clear()
+    calls.clear()
     decode_cells_checked(codec, enc.data, enc.offsets, enc.sizes, enc.checksums, which, out, CELL, threads=2)
-    assert len(seen) == 2 and np.array_equal(out.reshape(-1, CELL), raw)
+    # two slices (on two threads, or both on the caller when the pool thread starts late)
+    assert len(calls) == 2 and np.array_equal(out.reshape(-1, CELL), raw)
 
 
 def test_a_slice_whose_codec_would_split_again_decodes_inline(atari_pong, monkeypatch):
@@ -161,3 +165,30 @@ def test_store_get_checks_each_slice(atari_pong, half, monkeypatch):
     assert np.array_equal(p.index.loc[blob], where_before)  # the damaged bytes were not promoted
     others = np.array([r for r in range(40) if blob not in p.layout.blob_refs(fields, np.array([r]))[0]])
     assert_td_equal(s.get(others), data[torch.from_numpy(others)])
+
+
+def test_slices_no_pool_thread_started_run_on_the_calling_thread():
+    # every pool thread busy: another caller's tasks block them (its own last task too). The pool's
+    # queue is first in, first out, so the claiming call's helper jobs wait behind those tasks and
+    # it runs all its tasks itself and returns; a call without claim would wait for a pool thread
+    release = threading.Event()
+    entered = threading.Semaphore(0)
+    busy = 16
+
+    def block() -> None:
+        entered.release()
+        release.wait()
+
+    blocker = threading.Thread(target=run_parallel, args=(block, [()] * (busy + 1), busy + 1), daemon=True)
+    blocker.start()
+    ran: list[tuple[int, str]] = []
+    try:
+        for _ in range(busy + 1):  # every blocking task running: the pool's threads are all taken
+            assert entered.acquire(timeout=60)
+        run_parallel(lambda k: ran.append((k, threading.current_thread().name)), [(0,), (1,), (2,)], 3, claim=True)
+        assert sorted(k for k, _ in ran) == [0, 1, 2]
+        assert {name for _, name in ran} == {threading.current_thread().name}
+    finally:
+        release.set()
+        blocker.join(60)
+    assert not blocker.is_alive()

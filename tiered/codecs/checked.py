@@ -7,10 +7,13 @@ batch into one slice of blobs per thread, by the work each blob costs (its decod
 checksummed bytes), and each thread checks its blobs' checksums and then decodes them: the
 checksums are split across the threads with the decode, for one handoff per batch, and every blob
 is checked by the thread that decodes it, before it decodes it. numpy's reductions and zstandard's
-decoder release the GIL, so the slices run in parallel.
+decoder release the GIL, so the slices run in parallel. A slice no pool thread has started when the
+calling thread is done with its own is done by the calling thread too (``run_parallel(claim=True)``):
+on a loaded machine, where the pool thread may wait milliseconds for a core, a batch then takes
+about what it takes on one thread instead of waiting for it.
 
 A batch with less decoded output than :data:`MIN_SPLIT_BYTES` runs on the calling thread: there a
-handoff costs more than the half of the work it moves.
+handoff costs about what it saves.
 
 Example:
     >>> import numpy as np
@@ -37,10 +40,13 @@ from .checksum import segment_checksums
 
 __all__ = ["decode_cells_checked", "MIN_SPLIT_BYTES"]
 
-#: Decoded bytes from which a batch is split across threads. Below it the calling thread does
-#: all of it. Measured on real VecNorm'd float stacks (``python benchmarks/bench_check_decode.py``):
-#: see that script's docstring for the figures.
-MIN_SPLIT_BYTES = 2 << 20
+#: Decoded bytes from which a batch is split across threads; below it the calling thread does all
+#: of it. A split costs 0.2-0.3 ms more CPU than one thread at any size (two slices' fixed costs
+#: and the handoff: ``python benchmarks/bench_check_decode.py``, "process CPU", on real VecNorm'd
+#: float stacks on a 2-core VM) and can save at most half of the batch's work on the calling
+#: thread: 0.5 ms at 2 MB decoded, 1.5 ms at 7 MB (32 sampled transitions with their next
+#: observations). From 4 MiB the saving is well above the cost.
+MIN_SPLIT_BYTES = 4 << 20
 # Work weight of a checksummed (compressed) byte against a decoded byte: checking ~0.86 MB of
 # zstd frames cost ~0.5 ms of thread CPU and decoding their 7.2 MB ~1.8 ms on a 2-core VM, so a
 # checked byte costs about 2.5 decoded bytes.
@@ -82,7 +88,7 @@ def decode_cells_checked(codec: Codec, data: np.ndarray, offsets: np.ndarray, si
     bad: list[np.ndarray] = [np.empty(0, np.int64)] * (len(bounds) - 1)
     tasks = [(codec, data, offsets, sizes, checksums, which, out, cell_nbytes, a, b, bad, j)
              for j, (a, b) in enumerate(zip(bounds[:-1], bounds[1:], strict=True))]
-    run_parallel(_check_and_decode, tasks, parts)
+    run_parallel(_check_and_decode, tasks, parts, claim=True)
     return np.concatenate(bad)
 
 
