@@ -9,7 +9,7 @@ are collected first, which takes minutes on a small CPU). A ``TensorDictReplayBu
 
 1. ``--samples`` calls of ``rb.sample()``: wall time, the calling thread's CPU time
    (``time.thread_time``: less sensitive to other processes than wall time) and the process's
-   CPU time (``time.process_time``: every thread; a batch of float stacks of 4 MiB or more
+   CPU time (``time.process_time``: every thread; a batch of float stacks of 5 MiB or more
    decoded is checked and decoded on the store's threads, see ``tiered.codecs.checked``), medians;
 2. the same number of calls under cProfile (the calling thread's CPU clock): the cumulative time
    of each step of the read path (gather, checksums, decode, assembling cells, dense columns) per

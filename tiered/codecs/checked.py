@@ -41,12 +41,12 @@ from .checksum import segment_checksums
 __all__ = ["decode_cells_checked", "MIN_SPLIT_BYTES"]
 
 #: Decoded bytes from which a batch is split across threads; below it the calling thread does all
-#: of it. A split costs 0.2-0.3 ms more CPU than one thread at any size (two slices' fixed costs
-#: and the handoff: ``python benchmarks/bench_check_decode.py``, "process CPU", on real VecNorm'd
-#: float stacks on a 2-core VM) and can save at most half of the batch's work on the calling
-#: thread: 0.5 ms at 2 MB decoded, 1.5 ms at 7 MB (32 sampled transitions with their next
-#: observations). From 4 MiB the saving is well above the cost.
-MIN_SPLIT_BYTES = 4 << 20
+#: of it. ``store.get`` of real VecNorm'd float stacks on the 2-core VM, quiet (load under 1),
+#: one thread against split in two, wall ms (``python benchmarks/bench_check_decode.py``): 3.6 MB
+#: decoded 1.47 against 1.80, 7.2 MB (32 sampled transitions with their next observations) 2.67
+#: against 2.09; the split costs 0.3-0.5 ms more CPU at any size (two slices' fixed costs, the
+#: handoff, the other core's caches). Even at about 5 MB.
+MIN_SPLIT_BYTES = 5 << 20
 # Work weight of a checksummed (compressed) byte against a decoded byte: checking ~0.86 MB of
 # zstd frames cost ~0.5 ms of thread CPU and decoding their 7.2 MB ~1.8 ms on a 2-core VM, so a
 # checked byte costs about 2.5 decoded bytes.
