@@ -2,18 +2,20 @@
 VecNorm'd float32 4x84x84 stacks, one blob per cell) spends its time, part by part.
 
 Run: ``python benchmarks/profile_plain_swap.py --pool-cache /tmp/dqn_pool [--rows 20000]
-[--samples 300]``. The frames are the float pool ``benchmarks/bench_torchrl_dqn.py`` collects
+[--samples 300] [--threads N]``. The frames are the float pool ``benchmarks/bench_torchrl_dqn.py`` collects
 (``--pool-cache DIR`` reuses its ``float_<pool>`` directory; without one, ``--pool`` transitions
 are collected first, which takes minutes on a small CPU). A ``TensorDictReplayBuffer`` with
 ``TieredStorage(rows)`` and batch size 32 is filled with them in 400-row extends, then:
 
-1. ``--samples`` calls of ``rb.sample()``: wall time and the calling thread's CPU time
-   (``time.thread_time``: what the sample costs, less sensitive to other processes than wall
-   time; decodes under 8 MiB run on the calling thread), medians;
-2. the same number of calls under cProfile (thread CPU clock): the cumulative time of each step
-   of the read path (gather, checksums, decode, assembling cells, dense columns) per sample.
-   cProfile adds its own cost per Python call, so the parts are for comparing runs, not for
-   adding up to the time of step 1.
+1. ``--samples`` calls of ``rb.sample()``: wall time, the calling thread's CPU time
+   (``time.thread_time``: less sensitive to other processes than wall time) and the process's
+   CPU time (``time.process_time``: every thread; a batch of float stacks of 5 MiB or more
+   decoded is checked and decoded on the store's threads, see ``tiered.codecs.checked``), medians;
+2. the same number of calls under cProfile (the calling thread's CPU clock): the cumulative time
+   of each step of the read path (gather, checksums, decode, assembling cells, dense columns) per
+   sample, on the calling thread only (the share a pool thread does is not in it). cProfile adds
+   its own cost per Python call, so the parts are for comparing runs, not for adding up to the
+   time of step 1.
 
 Output: a table, and ``benchmarks/out/profile_plain_swap.json``.
 """
@@ -69,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pool", type=int, default=400, help="real transitions of the float pipeline")
     p.add_argument("--pool-cache", default=None, help="bench_torchrl_dqn.py's pool directory")
     p.add_argument("--samples", type=int, default=300, help="timed rb.sample() calls")
+    p.add_argument("--threads", type=int, default=None, help="tiered's decode threads (default: its choice)")
     args = p.parse_args(argv)
     from torchrl.data import TensorDictReplayBuffer
 
@@ -76,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
 
     warnings.simplefilter("ignore")  # the plain swap's LowCompressionWarning is expected here
     pool = load_pool(args)
-    storage = TieredStorage(args.rows)
+    storage = TieredStorage(args.rows, threads=args.threads)
     rb = TensorDictReplayBuffer(pin_memory=False, storage=storage, batch_size=32)
     filled = 0
     while filled < args.rows:
@@ -84,12 +87,13 @@ def main(argv: list[str] | None = None) -> int:
         filled += 400
     for _ in range(20):  # buffers and arenas grown, thread pool started
         rb.sample()
-    wall, cpu = [], []
+    wall, cpu, proc = [], [], []
     for _ in range(args.samples):
-        c, t = time.thread_time(), time.perf_counter()
+        c, p_, t = time.thread_time(), time.process_time(), time.perf_counter()
         rb.sample()
         wall.append(time.perf_counter() - t)
         cpu.append(time.thread_time() - c)
+        proc.append(time.process_time() - p_)
     prof = cProfile.Profile(time.thread_time)
     prof.enable()
     for _ in range(args.samples):
@@ -105,11 +109,13 @@ def main(argv: list[str] | None = None) -> int:
         "facts": H.machine_facts(argv), "rows": len(rb),
         "sample_wall_ms_median": sorted(wall)[len(wall) // 2] * 1e3,
         "sample_thread_cpu_ms_median": sorted(cpu)[len(cpu) // 2] * 1e3,
+        "sample_process_cpu_ms_median": sorted(proc)[len(proc) // 2] * 1e3,
         "parts_ms_under_cprofile": parts, "pixels_ratio": s["ratio"],
     }
     print(f"{len(rb):,} rows of VecNorm'd float32 stacks (pixels stored at {s['ratio']:.1f}x); "
           f"rb.sample() of 32: {data['sample_wall_ms_median']:.2f} ms wall, "
-          f"{data['sample_thread_cpu_ms_median']:.2f} ms thread CPU (medians of {args.samples})")
+          f"{data['sample_thread_cpu_ms_median']:.2f} ms thread CPU, {data['sample_process_cpu_ms_median']:.2f} ms "
+          f"process CPU (medians of {args.samples})")
     print(H.markdown_table(["part (cumulative, cProfile, thread CPU)", "ms per sample"],
                            [[label, f"{ms:.2f}"] for label, ms in parts.items()]))
     out = H.write_output("profile_plain_swap.json", json.dumps(data, indent=1, default=str))

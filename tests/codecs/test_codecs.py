@@ -418,6 +418,23 @@ def test_segment_checksums_of_large_blobs_match_reference(
     assert segment_checksums(data, *one).tolist() == reference_checksums(data, *one)
 
 
+@pytest.mark.parametrize("fill", ["random", "255"])
+def test_large_blob_checksums_at_the_block_edges(fill: str, rng: np.random.Generator) -> None:
+    # Large blobs are summed by 256-byte blocks in float32: blobs that start and end on a block
+    # edge, one byte off it, inside one block, and end at the last byte of the data (a tail block
+    # of 0, 1 and 255 bytes); all-255 bytes give the largest block sums.
+    for tail in (0, 1, 255):
+        sizes = np.array([4096, 2303, 2305, 256, 3000, 9 * 256 + tail], dtype=np.int64)
+        offsets = 512 + np.concatenate([[0], np.cumsum(sizes)[:-1]])
+        total = int(offsets[-1] + sizes[-1])
+        data = rng.integers(0, 256, total, dtype=np.uint8) if fill == "random" else np.full(total, 255, np.uint8)
+        assert int(sizes.sum()) >= checksum_mod._BLOCK_MIN_MEAN_BYTES * sizes.size
+        assert segment_checksums(data, offsets, sizes).tolist() == reference_checksums(data, offsets, sizes)
+        for k in range(sizes.size):  # each alone: a span that is one blob
+            one = offsets[k:k + 1], sizes[k:k + 1]
+            assert segment_checksums(data, *one).tolist() == reference_checksums(data, *one)
+
+
 def test_checksum_formula_and_edge_values() -> None:
     assert checksum_reference(b"") == 0
     # s1 = 97 + 98 + 99 = 294, s2 = 97 + 2*98 + 3*99 = 590.

@@ -31,6 +31,7 @@ import torch
 from tensordict import TensorDict
 
 from .. import codecs
+from ..codecs.checked import decode_cells_checked
 from ..errors import ChecksumError
 from ..schema import Field, Key, as_bits
 from ..util.batch import exclusive_cumsum
@@ -444,24 +445,33 @@ class CpuReadPipeline(ReadPipeline):
             # straight into the result, no reused buffer and no second copy of every byte. Not
             # when many cells share blobs (consecutive rows: X[t + 1] is ("next", X)[t]): a copy
             # costs less than decoding a shared blob again
-            self.decode_cells(self.gather_blobs(layout, fam, uniq), fields, frame_idx, out)
+            self.decode_cells(layout, fam, uniq, fields, frame_idx, out)
             return
         flat = self.decode_blobs(layout, fam, uniq).reshape(-1, fam.frame_nbytes)  # reused buffer
         assemble_cells(fields, flat, frame_idx, rows.size, out)
 
-    def decode_cells(self, g: GatheredBlobs, fields: list[Field], frame_idx: np.ndarray,
-                     out: dict[Key, torch.Tensor]) -> None:
+    def decode_cells(self, layout: FieldLayout, fam: FrameFamily, uniq: np.ndarray, fields: list[Field],
+                     frame_idx: np.ndarray, out: dict[Key, torch.Tensor]) -> None:
         """Decode the cells of ``fields`` (one stored blob each, ``frame_idx`` ``[rows, fields]``
-        into ``g``'s blobs) into one new tensor per field: a blob two cells share is decoded twice."""
+        into blobs ``uniq``) into one new tensor per field: a blob two cells share is decoded twice.
+
+        A batch of megabytes is checked and decoded on the store's threads, each thread checking
+        the blobs it then decodes (:func:`tiered.codecs.checked.decode_cells_checked`).
+
+        Raises:
+            ChecksumError: a blob's stored bytes do not match their checksum.
+        """
+        g, from_tier = self.read_blobs(fam, uniq)
         if g.open_pos.size:  # a chunk of one frame closes as it is written
             raise AssertionError("an open time chunk of one frame: the blob index is inconsistent")
         n, nb = frame_idx.shape[0], g.frame_nbytes
         cells = torch.empty((len(fields), n, nb), dtype=torch.uint8)
-        which = frame_idx.T.reshape(-1)  # field by field, rows in order
-        offsets = g.offsets if g.offsets.size == g.sizes.size else exclusive_cumsum(g.sizes)
-        codec_for(self.codec, g.formats).decode(g.comp, offsets[which], g.sizes[which], cells.numpy().reshape(-1),
-                                                np.arange(which.size, dtype=np.int64) * nb,
-                                                np.full(which.size, nb, dtype=np.int64))
+        bad = decode_cells_checked(codec_for(self.codec, g.formats), g.comp, g.offsets, g.sizes,
+                                   g.checksums if self.verify else None, frame_idx.T.reshape(-1),
+                                   cells.numpy().reshape(-1), nb, threads=getattr(self.codec, "threads", 1))
+        if bad.size:
+            raise self.checksum_error(layout, g.ids[bad])
+        self.settle_reads(g, from_tier)
         self.counters["blobs_decoded"] += int(g.ids.size)
         for k, f in enumerate(fields):
             out[f.key] = f.cells_from_frames(cells[k], n)
@@ -475,6 +485,20 @@ class CpuReadPipeline(ReadPipeline):
         Raises:
             ChecksumError: a blob's stored bytes do not match their checksum.
         """
+        g, from_tier = self.read_blobs(fam, uniq)
+        if self.verify:
+            bad = (codecs.segment_checksums(g.comp, g.offsets, g.sizes) != g.checksums).nonzero()[0]
+            if bad.size:
+                raise self.checksum_error(layout, g.ids[bad])
+        self.settle_reads(g, from_tier)
+        if copy:
+            g.comp = g.comp.copy()
+        return g
+
+    def read_blobs(self, fam: FrameFamily, uniq: np.ndarray) -> tuple[GatheredBlobs, np.ndarray]:
+        """:meth:`gather_blobs` before its checks: the bytes of blobs ``uniq`` as read (unchecked,
+        in a reused buffer) and the tier each stored blob was read from. The caller checks them,
+        then calls :meth:`settle_reads`."""
         idx = self.index
         state = idx.state[uniq]
         if np.logical_or.reduce(state == 0):
@@ -490,19 +514,18 @@ class CpuReadPipeline(ReadPipeline):
         comp = self._scratch.get("comp", int(np.add.reduce(sizes)))
         from_tier = self.placement.locate(ids)
         self.placement.read(ids, sizes, comp, src_off, from_tier)
-        if self.verify:
-            sums = codecs.segment_checksums(comp, src_off, sizes)
-            bad = (sums != idx.checksum[ids]).nonzero()[0]
-            if bad.size:
-                raise self.checksum_error(layout, ids[bad])
-        self.placement.note_reads(ids, from_tier)
-        if self.promote:
-            self.placement.promote(ids, from_tier, comp, src_off, sizes)
         return GatheredBlobs(
             n_blobs=uniq.size, chunk_frames=fam.chunk_frames, frame_nbytes=fam.frame_nbytes,
-            ids=ids, pos=pos, comp=comp.copy() if copy else comp, offsets=src_off, sizes=sizes,
+            ids=ids, pos=pos, comp=comp, offsets=src_off, sizes=sizes,
             raw_nbytes=idx.raw_nbytes[ids], checksums=idx.checksum[ids], formats=idx.codec[ids],
-            open_pos=open_pos, open_raw=fam.open_raw(uniq[open_pos], idx))
+            open_pos=open_pos, open_raw=fam.open_raw(uniq[open_pos], idx)), from_tier
+
+    def settle_reads(self, g: GatheredBlobs, from_tier: np.ndarray) -> None:
+        """After blobs read by :meth:`read_blobs` passed their checks: the policy sees the reads
+        and may promote the (checked) bytes to a faster tier."""
+        self.placement.note_reads(g.ids, from_tier)
+        if self.promote:
+            self.placement.promote(g.ids, from_tier, g.comp, g.offsets, g.sizes)
 
     def decode_blobs(self, layout: FieldLayout, fam: FrameFamily, uniq: np.ndarray) -> np.ndarray:
         """Raw frames ``[len(uniq), chunk_frames, frame_nbytes]`` of the given blobs, in a reused buffer.

@@ -11,12 +11,19 @@ Example:
 
 from __future__ import annotations
 
+import itertools
 import os
 import queue
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 __all__ = ["WorkerPool", "run_parallel"]
+
+# Set on the pool's threads, and on a calling thread while it runs its own task: a task that
+# itself calls run_parallel (a slice of a batch decoding with a codec that would split it again)
+# runs that work inline, since the pool's threads may all be busy with the outer tasks and waiting
+# for them from inside one could wait forever.
+_LOCAL = threading.local()
 
 
 class WorkerPool:
@@ -48,6 +55,7 @@ class WorkerPool:
         self._queue.put(task)
 
     def _work(self) -> None:
+        _LOCAL.inside = True
         get = self._queue.get
         while True:
             fn, args, done, errors = get()
@@ -75,32 +83,76 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_reset_pool_after_fork)
 
 
-def run_parallel(fn: Callable[..., None], tasks: Sequence[tuple], threads: int) -> None:
+def run_parallel(fn: Callable[..., None], tasks: Sequence[tuple], threads: int, *, claim: bool = False) -> None:
     """Run ``fn(*args)`` for every ``args`` in ``tasks`` on up to ``threads`` threads, then return.
 
     The calling thread runs the last task itself, so ``threads=1`` (or one task) starts no thread.
     ``fn`` must release the GIL for its heavy work (zstandard, lz4 and numpy copies do). The first
-    exception raised by a task is re-raised here after every task has finished.
+    exception raised by a task is re-raised here after every task has finished. A task that calls
+    ``run_parallel`` itself runs those tasks on its own thread.
 
+    With ``claim``, each thread takes the next task nobody has started until none is left, and the
+    calling thread waits only for tasks another thread started: when the pool's threads get no
+    core (a loaded machine), the calling thread does their work instead of waiting for them to be
+    scheduled. How many tasks the calling thread runs then depends on timing (so does its count of
+    Python calls: a fixed one per task).
     """
-    if threads <= 1 or len(tasks) <= 1:
+    if threads <= 1 or len(tasks) <= 1 or getattr(_LOCAL, "inside", False):
         for args in tasks:
             fn(*args)
         return
     pool = _POOL
     pool.ensure(min(threads, len(tasks)) - 1)
     errors: list[BaseException] = []
-    locks = []
-    for args in tasks[:-1]:
-        done = threading.Lock()
-        done.acquire()
-        pool.submit((fn, args, done, errors))
-        locks.append(done)
-    try:
-        fn(*tasks[-1])
-    finally:
-        # Wait for every task even if ours failed: they write into the caller's buffers.
-        for done in locks:
+    if claim:
+        _run_claiming(pool, fn, tasks, min(threads, len(tasks)) - 1, errors)
+    else:
+        locks = []
+        for args in tasks[:-1]:
+            done = threading.Lock()
             done.acquire()
+            pool.submit((fn, args, done, errors))
+            locks.append(done)
+        _LOCAL.inside = True
+        try:
+            fn(*tasks[-1])
+        finally:
+            _LOCAL.inside = False
+            # Wait for every task even if ours failed: they write into the caller's buffers.
+            for done in locks:
+                done.acquire()
     if errors:
         raise errors[0]
+
+
+def _run_claiming(pool: WorkerPool, fn: Callable[..., None], tasks: Sequence[tuple], helpers: int,
+                  errors: list[BaseException]) -> None:
+    claims = itertools.count()  # next() on it is atomic (one C call under the GIL): each task is claimed once
+    dones = [threading.Lock() for _ in tasks]
+    for done in dones:
+        done.acquire()
+    for _ in range(helpers):
+        unwaited = threading.Lock()  # released when the helper's job ends; nobody waits for it
+        unwaited.acquire()
+        pool.submit((_run_claimed, (fn, tasks, claims, dones, errors), unwaited, errors))
+    _LOCAL.inside = True
+    try:
+        _run_claimed(fn, tasks, claims, dones, errors)
+    finally:
+        _LOCAL.inside = False
+        # every task is claimed now; wait for those other threads run: they write into the caller's buffers
+        for done in dones:
+            done.acquire()
+
+
+def _run_claimed(fn: Callable[..., None], tasks: Sequence[tuple], claims: Iterator[int],
+                 dones: list[threading.Lock], errors: list[BaseException]) -> None:
+    """Run the tasks nobody has claimed yet, one at a time, until none is left."""
+    n = len(tasks)
+    while (i := next(claims)) < n:
+        try:
+            fn(*tasks[i])
+        except BaseException as e:  # noqa: BLE001 - re-raised in the calling thread
+            errors.append(e)
+        finally:
+            dones[i].release()

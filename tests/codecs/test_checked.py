@@ -1,0 +1,194 @@
+"""Checking and decoding one-blob cells split over threads (tiered.codecs.checked).
+
+Large cells that share no frames (VecNorm'd float32 ``[4, 84, 84]`` stacks) are stored one blob
+per cell; a batch of megabytes is cut into one slice of blobs per thread, and each thread checks
+its blobs' checksums before it decodes them. These tests show that:
+
+* the bytes are the same on one thread and split over two (both codecs that split, zstd and raw),
+  with blobs used by several cells and blobs of different sizes;
+* a damaged blob is caught whichever slice it falls in, in the function and through a store's
+  ``get`` (a ChecksumError naming the blob; nothing promoted from the damaged read);
+* small batches stay on the calling thread, and a slice whose codec would split its decode again
+  runs that decode inline instead of waiting for the pool's busy threads;
+* when the pool's threads are all busy, the calling thread runs the slices they have not started
+  instead of waiting for them.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+from helpers import assert_td_equal
+from tensordict import TensorDict
+
+from tiered import TieredStore
+from tiered.codecs import RawCodec, ZstdCodec, checked
+from tiered.codecs import zstd as zstd_module
+from tiered.codecs.checked import decode_cells_checked
+from tiered.engine.blob_index import HOT, WARM
+from tiered.errors import ChecksumError
+from tiered.testing import parts
+from tiered.util.pool import run_parallel
+
+CELL = 4 * 84 * 84 * 4
+
+pytestmark = pytest.mark.filterwarnings("ignore::tiered.errors.LowCompressionWarning")
+
+
+def float_stacks(atari: TensorDict, n: int) -> TensorDict:
+    """Real frames as float stacks normalized after stacking (no two stacks share bytes)."""
+    obs = atari["observation"][:n + 1].float() / 255.0
+    scale = 1.0 + torch.arange(n + 1, dtype=torch.float32).reshape(-1, 1, 1, 1) * 1e-3
+    norm = (obs - 0.3) / scale
+    return TensorDict({"pixels": norm[:n], ("next", "pixels"): norm[1:n + 1]}, [n])
+
+
+def encoded_cells(atari: TensorDict, codec, n: int = 24):
+    raw = float_stacks(atari, n)["pixels"].numpy().reshape(-1).view(np.uint8)
+    enc = codec.encode(raw, np.arange(n, dtype=np.int64) * CELL, np.full(n, CELL, dtype=np.int64))
+    return raw.reshape(n, CELL), enc
+
+
+@pytest.mark.parametrize("codec", [ZstdCodec(3, threads=2), RawCodec()], ids=["zstd", "raw"])
+@pytest.mark.parametrize("split", [False, True])
+def test_same_bytes_on_one_thread_and_split_over_two(atari_pong, codec, split, monkeypatch):
+    monkeypatch.setattr(checked, "MIN_SPLIT_BYTES", 0 if split else 1 << 62)
+    raw, enc = encoded_cells(atari_pong, codec)
+    assert split is False or np.unique(enc.sizes).size > 1 or codec.format == "raw"
+    which = np.array([5, 0, 0, 23, 7, 7, 7, 12, 1, 2, 3, 4, 6, 8, 9, 10, 11, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22])
+    want = raw[which]
+    for threads in (1, 2):
+        out = np.full(which.size * CELL, 0xAB, np.uint8)
+        bad = decode_cells_checked(codec, enc.data, enc.offsets, enc.sizes, enc.checksums, which, out, CELL,
+                                   threads=threads)
+        assert bad.tolist() == []
+        assert np.array_equal(out.reshape(-1, CELL), want)
+
+
+@pytest.mark.parametrize("where", ["first", "last", "both"])
+def test_a_damaged_blob_is_caught_in_either_slice(atari_pong, where, monkeypatch):
+    monkeypatch.setattr(checked, "MIN_SPLIT_BYTES", 0)
+    codec = ZstdCodec(3, threads=2)
+    raw, enc = encoded_cells(atari_pong, codec)
+    which = np.arange(enc.sizes.size)
+    # two slices of consecutive blobs: the first blob is in the first one, the last in the other
+    last = enc.sizes.size - 1
+    damaged = {"first": [0], "last": [last], "both": [0, last]}[where]
+    data = enc.data.copy()
+    for b in damaged:
+        data[enc.offsets[b] + enc.sizes[b] // 2] ^= 0x10
+    out = np.empty(which.size * CELL, np.uint8)
+    bad = decode_cells_checked(codec, data, enc.offsets, enc.sizes, enc.checksums, which, out, CELL, threads=2)
+    assert bad.tolist() == damaged
+    # unchecked, the same bytes are decoded (or fail in the codec): the check is what caught them
+    assert decode_cells_checked(codec, enc.data, enc.offsets, enc.sizes, None, which, out, CELL,
+                                threads=2).tolist() == []
+    assert np.array_equal(out.reshape(-1, CELL), raw)
+
+
+def test_small_batches_stay_on_the_calling_thread(atari_pong, monkeypatch):
+    codec = RawCodec()
+    raw, enc = encoded_cells(atari_pong, codec, n=4)
+    calls: list[str] = []
+    original = codec.decode
+
+    def decode(*args):
+        calls.append(threading.current_thread().name)
+        return original(*args)
+
+    monkeypatch.setattr(codec, "decode", decode)
+    which = np.arange(4)
+    out = np.empty(4 * CELL, np.uint8)
+    # 4 stacks stay on the calling thread; 32 sampled transitions with their next observations split
+    assert 4 * CELL < checked.MIN_SPLIT_BYTES <= 64 * CELL
+    decode_cells_checked(codec, enc.data, enc.offsets, enc.sizes, enc.checksums, which, out, CELL, threads=2)
+    assert calls == [threading.current_thread().name]
+    monkeypatch.setattr(checked, "MIN_SPLIT_BYTES", 0)
+    calls.clear()
+    decode_cells_checked(codec, enc.data, enc.offsets, enc.sizes, enc.checksums, which, out, CELL, threads=2)
+    # two slices (on two threads, or both on the caller when the pool thread starts late)
+    assert len(calls) == 2 and np.array_equal(out.reshape(-1, CELL), raw)
+
+
+def test_a_slice_whose_codec_would_split_again_decodes_inline(atari_pong, monkeypatch):
+    # both levels would split: the outer slices hold the pool's only thread and the caller, so an
+    # inner split waiting for the pool would never finish
+    monkeypatch.setattr(checked, "MIN_SPLIT_BYTES", 0)
+    monkeypatch.setattr(zstd_module, "_MIN_BYTES_FOR_THREADS", 0)
+    codec = ZstdCodec(3, threads=2)
+    raw, enc = encoded_cells(atari_pong, codec)
+    which = np.arange(enc.sizes.size)
+    out = np.empty(which.size * CELL, np.uint8)
+    result: list = []
+    names: list[str] = []
+
+    def nested() -> None:
+        result.append(decode_cells_checked(codec, enc.data, enc.offsets, enc.sizes, enc.checksums, which, out,
+                                           CELL, threads=2))
+        run_parallel(lambda: run_parallel(lambda: names.append(threading.current_thread().name), [(), ()], 2),
+                     [(), ()], 2)
+
+    t = threading.Thread(target=nested, daemon=True)
+    t.start()
+    t.join(60)
+    assert not t.is_alive(), "a nested split waited for busy pool threads"
+    assert result[0].tolist() == [] and np.array_equal(out.reshape(-1, CELL), raw)
+    assert len(names) == 4 and len(set(names)) == 2  # the inner tasks ran where their outer task ran
+
+
+@pytest.mark.parametrize("half", [0, 1])
+def test_store_get_checks_each_slice(atari_pong, half, monkeypatch):
+    monkeypatch.setattr(checked, "MIN_SPLIT_BYTES", 0)
+    data = float_stacks(atari_pong, 40)
+    s = TieredStore(64, stage_rows=0, threads=2)
+    s.extend(data)
+    p = parts(s)
+    rows = np.arange(0, 40, 3)
+    assert_td_equal(s.get(rows), data[torch.from_numpy(rows)])  # split, both slices clean
+    # damage a blob that the next get's slice `half` checks: the first or the last one it reads
+    fields = [p.layout.schema["pixels"], p.layout.schema["next", "pixels"]]
+    blobs = np.unique(p.layout.blob_refs(fields, rows)[0])
+    blob = int(blobs[0] if half == 0 else blobs[-1])
+    tier = HOT if p.index.loc[blob, HOT] >= 0 else WARM
+    at, size = int(p.index.loc[blob, tier]), int(p.index.nbytes[blob])
+    byte = np.empty(1, np.uint8)
+    p.tiers[tier].read(np.array([at + size // 2]), np.array([1]), byte, np.array([0]))
+    p.tiers[tier].write(np.array([at + size // 2]), byte ^ 0x20, np.array([0]), np.array([1]))
+    decoded = s.stats()["counters"]["blobs_decoded"]
+    where_before = p.index.loc[blob].copy()
+    with pytest.raises(ChecksumError, match=f"blob {blob} "):
+        s.get(rows)
+    assert s.stats()["counters"]["blobs_decoded"] == decoded
+    assert np.array_equal(p.index.loc[blob], where_before)  # the damaged bytes were not promoted
+    others = np.array([r for r in range(40) if blob not in p.layout.blob_refs(fields, np.array([r]))[0]])
+    assert_td_equal(s.get(others), data[torch.from_numpy(others)])
+
+
+def test_slices_no_pool_thread_started_run_on_the_calling_thread():
+    # every pool thread busy: another caller's tasks block them (its own last task too). The pool's
+    # queue is first in, first out, so the claiming call's helper jobs wait behind those tasks and
+    # it runs all its tasks itself and returns; a call without claim would wait for a pool thread
+    release = threading.Event()
+    entered = threading.Semaphore(0)
+    busy = 16
+
+    def block() -> None:
+        entered.release()
+        release.wait()
+
+    blocker = threading.Thread(target=run_parallel, args=(block, [()] * (busy + 1), busy + 1), daemon=True)
+    blocker.start()
+    ran: list[tuple[int, str]] = []
+    try:
+        for _ in range(busy + 1):  # every blocking task running: the pool's threads are all taken
+            assert entered.acquire(timeout=60)
+        run_parallel(lambda k: ran.append((k, threading.current_thread().name)), [(0,), (1,), (2,)], 3, claim=True)
+        assert sorted(k for k, _ in ran) == [0, 1, 2]
+        assert {name for _, name in ran} == {threading.current_thread().name}
+    finally:
+        release.set()
+        blocker.join(60)
+    assert not blocker.is_alive()

@@ -1,0 +1,109 @@
+"""Check and decode one-blob cells in one pass per thread.
+
+Cells too large to share frames with their neighbours (TorchRL's VecNorm'd float32 ``[4, 84, 84]``
+stacks: 113 kB each) are stored one blob per cell, and a sampled batch of them decodes megabytes
+(7.2 MB for 32 transitions and their next observations). :func:`decode_cells_checked` cuts such a
+batch into one slice of blobs per thread, by the work each blob costs (its decoded bytes and its
+checksummed bytes), and each thread checks its blobs' checksums and then decodes them: the
+checksums are split across the threads with the decode, for one handoff per batch, and every blob
+is checked by the thread that decodes it, before it decodes it. numpy's reductions and zstandard's
+decoder release the GIL, so the slices run in parallel. A slice no pool thread has started when the
+calling thread is done with its own is done by the calling thread too (``run_parallel(claim=True)``):
+on a loaded machine, where the pool thread may wait milliseconds for a core, a batch then takes
+about what it takes on one thread instead of waiting for it.
+
+A batch with less decoded output than :data:`MIN_SPLIT_BYTES` runs on the calling thread: there a
+handoff costs about what it saves.
+
+Example:
+    >>> import numpy as np
+    >>> from tiered.codecs import get_codec
+    >>> from tiered.codecs.checked import decode_cells_checked
+    >>> codec = get_codec("zstd")
+    >>> cells = np.arange(3 * 4096, dtype=np.uint8)
+    >>> enc = codec.encode(cells, np.array([0, 4096, 8192]), np.full(3, 4096))
+    >>> out = np.empty(4 * 4096, np.uint8)  # cells: blob 2, 0, 0, 1
+    >>> bad = decode_cells_checked(codec, enc.data, enc.offsets, enc.sizes, enc.checksums,
+    ...                            np.array([2, 0, 0, 1]), out, 4096, threads=2)
+    >>> bad.tolist(), bool((out[:4096] == cells[8192:]).all())
+    ([], True)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..util.batch import split_balanced
+from ..util.pool import run_parallel
+from .base import Codec
+from .checksum import segment_checksums
+
+__all__ = ["decode_cells_checked", "MIN_SPLIT_BYTES"]
+
+#: Decoded bytes from which a batch is split across threads; below it the calling thread does all
+#: of it. ``store.get`` of real VecNorm'd float stacks on the 2-core VM, quiet (load under 1),
+#: one thread against split in two, wall ms (``python benchmarks/bench_check_decode.py``): 3.6 MB
+#: decoded 1.47 against 1.80, 7.2 MB (32 sampled transitions with their next observations) 2.67
+#: against 2.09; the split costs 0.3-0.5 ms more CPU at any size (two slices' fixed costs, the
+#: handoff, the other core's caches). Even at about 5 MB.
+MIN_SPLIT_BYTES = 5 << 20
+# Work weight of a checksummed (compressed) byte against a decoded byte: checking ~0.86 MB of
+# zstd frames cost ~0.5 ms of thread CPU and decoding their 7.2 MB ~1.8 ms on a 2-core VM, so a
+# checked byte costs about 2.5 decoded bytes.
+_CHECK_WEIGHT = 5 / 2
+
+
+def decode_cells_checked(codec: Codec, data: np.ndarray, offsets: np.ndarray, sizes: np.ndarray,
+                         checksums: np.ndarray | None, which: np.ndarray, out: np.ndarray, cell_nbytes: int,
+                         *, threads: int) -> np.ndarray:
+    """Decode blob ``which[k]`` into ``out[k * cell_nbytes : (k + 1) * cell_nbytes]`` for every
+    ``k``, each blob checked against ``checksums`` first, on up to ``threads`` threads.
+
+    A blob that several cells use is checked once and decoded for each of them.
+
+    Args:
+        codec: decodes the blobs (every blob decodes to ``cell_nbytes`` bytes).
+        data: uint8 buffer holding the compressed blobs.
+        offsets, sizes: where each blob lies in ``data``.
+        checksums: each blob's expected checksum (int64), or None to decode unchecked.
+        which: int64 blob position (into ``offsets``) of each cell; every blob is used at least once.
+        out: uint8 buffer of at least ``which.size * cell_nbytes`` bytes.
+        cell_nbytes: decoded bytes of one cell.
+        threads: most threads to use (the calling thread included).
+
+    Returns:
+        The positions (into ``offsets``) of blobs whose checksum differs, sorted; when it is not
+        empty, ``out`` holds no meaningful bytes.
+
+    Raises:
+        CorruptionError: a blob whose checksum matched could not be decoded (from the codec).
+    """
+    n = sizes.size
+    parts = max(1, min(int(threads), n)) if which.size * cell_nbytes >= MIN_SPLIT_BYTES else 1
+    if parts == 1:
+        bounds = [0, n]
+    else:
+        work = np.bincount(which, minlength=n) * cell_nbytes + sizes * _CHECK_WEIGHT
+        bounds = split_balanced(work, parts).tolist()
+    bad: list[np.ndarray] = [np.empty(0, np.int64)] * (len(bounds) - 1)
+    tasks = [(codec, data, offsets, sizes, checksums, which, out, cell_nbytes, a, b, bad, j)
+             for j, (a, b) in enumerate(zip(bounds[:-1], bounds[1:], strict=True))]
+    run_parallel(_check_and_decode, tasks, parts, claim=True)
+    return np.concatenate(bad)
+
+
+def _check_and_decode(codec: Codec, data: np.ndarray, offsets: np.ndarray, sizes: np.ndarray,
+                      checksums: np.ndarray | None, which: np.ndarray, out: np.ndarray, cell_nbytes: int,
+                      a: int, b: int, bad: list[np.ndarray], j: int) -> None:
+    """One thread's slice: blobs ``[a, b)``, checked, then decoded into every cell that uses them."""
+    if a == b:
+        return
+    if checksums is not None:
+        wrong = (segment_checksums(data, offsets[a:b], sizes[a:b]) != checksums[a:b]).nonzero()[0]
+        if wrong.size:
+            bad[j] = wrong + a
+            return
+    cells = ((which >= a) & (which < b)).nonzero()[0]
+    blobs = which[cells]
+    codec.decode(data, offsets[blobs], sizes[blobs], out, cells * cell_nbytes,
+                 np.full(cells.size, cell_nbytes, dtype=np.int64))
