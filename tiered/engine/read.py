@@ -475,6 +475,7 @@ class CpuReadPipeline(ReadPipeline):
             ChecksumError: a blob's stored bytes do not match their checksum.
         """
         idx = self.index
+        idx.check_ids(uniq)  # a read-only open checks the index pages of these ids at first use
         state = idx.state[uniq]
         if (state == 0).any():
             raise AssertionError("a row references a freed blob: index is inconsistent")
