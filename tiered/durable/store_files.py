@@ -63,6 +63,7 @@ from ..util.units import align
 from .array_files import (
     ARRAYS_DIR,
     FileState,
+    Pending,
     UndoChain,
     array_file,
     header_of,
@@ -74,6 +75,7 @@ from .array_files import (
     roll_back,
     stale_error,
     stamp_of,
+    sync_files,
     write_in_place,
     write_intent,
     write_new,
@@ -472,11 +474,19 @@ class StoreFiles:
                 old = old[old[:, 1] > old[:, 0]]
                 images.append((name, base.file, base.size, old, read_runs(path, old)))
         written: dict[str, FileState] = {}
-        # before the intent: files no commit names yet (a crash leaves them to remove)
-        for name, arr in arrays.items():
-            if plans[name] is None:
-                written[name] = write_new(array_file(self.path, name, g), arr, g, self.unchecked_pages(name, arr))
-        undo_bytes = write_undo(self.path, g, images)
+        # files fsynced together (sync_files), then renamed where they wait for it
+        pending: Pending = []
+        try:
+            # before the intent: files no commit names yet (a crash leaves them to remove)
+            for name, arr in arrays.items():
+                if plans[name] is None:
+                    written[name] = write_new(array_file(self.path, name, g), arr, g, self.unchecked_pages(name, arr),
+                                              pending)
+            undo_bytes = write_undo(self.path, g, images, pending)
+            sync_files(pending)  # the before-images complete and durable, then renamed into place
+        finally:
+            for fd, _ in pending:  # left by an error before sync_files
+                fileio.close(fd)
         fileio.fsync_dir(adir)
         write_intent(self.path, g)  # from here on, the array files change in place
         try:
@@ -485,8 +495,11 @@ class StoreFiles:
                 if runs is not None:
                     base = self.array_files[name]
                     written[name] = write_in_place(array_file(self.path, name, base.file), arr, runs, base,
-                                                   self.unchecked_pages(name, arr))
+                                                   self.unchecked_pages(name, arr), pending)
+            sync_files(pending)
         except BaseException:
+            for fd, _ in pending:  # left by an error before sync_files
+                fileio.close(fd)
             self.undo_failed(arrays)
             raise
         try:
