@@ -14,10 +14,10 @@ Design note:
 * **What commit g writes, in order.** (1) The before-image file ``arrays/undo.<g>``: for each
   byte range the commit will change in place, the bytes the file holds now (commit ``g - 1``'s)
   and the file's size, checked by a CRC-32 per :data:`PAGE_BYTES` page, written under a temp
-  name, fsynced, renamed;
-  the new files of resized arrays, fsynced; the directory fsynced. (2) ``commit.intent`` = ``g``,
-  fsynced. (3) The changed ranges, in place, each file fsynced; each page's CRC-32 patched from
-  its old one and the bytes that changed. (4) The manifest. Then the before-images of commit
+  name; the new files of resized arrays; all of them fsynced together (:func:`sync_files`),
+  then the before-images renamed into place and the directory fsynced. (2) ``commit.intent`` =
+  ``g``, fsynced. (3) The changed ranges, in place, the files fsynced together; each page's
+  CRC-32 patched from its old one and the bytes that changed. (4) The manifest. Then the before-images of commit
   ``g - KEEP`` and files replaced ``KEEP`` commits ago are deleted.
 * **What a crash leaves.** Before (2): the arrays as commit ``g - 1`` left them (a stray
   before-image or new file is removed at the next writer open). Between (2) and (4): arrays partly
@@ -28,7 +28,9 @@ Design note:
 * **What readers see.** A read-only open of commit ``g`` maps the files; each page is copied
   private and checked against commit ``g``'s CRC-32 at its first use
   (:class:`~tiered.durable.checked_maps.PageChecks`), so the writer's later writes never reach a page once
-  checked. A page the writer changed since fails its check; its bytes as of ``g`` are rebuilt from
+  checked. What it reads whole at open (blob index, policy state, written mask) it checks
+  through the maps, leaving the pages the file's until first used
+  (:func:`~tiered.durable.checked_maps.map_verified`). A page the writer changed since fails its check; its bytes as of ``g`` are rebuilt from
   the before-images of commits ``g + 1`` to the intent (the oldest image of a byte wins) and
   checked again (:meth:`UndoChain.rebuild`); a file grown since is mapped to its commit's size,
   with the header rebuilt the same way. The before-images of the last :data:`KEEP` commits

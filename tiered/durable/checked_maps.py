@@ -16,6 +16,11 @@ the writer's later writes never reach it, and a page that fails its check is reb
 reader's commit left it from the writer's before-images (:class:`~tiered.durable.array_files.UndoChain`)
 before it is declared damaged.
 
+What such a reader reads whole at open (its blob index, policy state and written mask: checks of
+every entry) is checked page by page through the maps, which leaves the pages the file's (page
+cache, not the reader's memory; :func:`map_verified`), and copied private and checked again at
+first use, by blob id (:class:`IdCheck`) or by row (:class:`RowCheck`).
+
 Example:
     >>> import os, tempfile
     >>> import numpy as np
