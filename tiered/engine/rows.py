@@ -292,8 +292,8 @@ class RowSpace:
         if isinstance(index, slice):
             bounds = index.indices(n)
             rows = np.arange(*bounds, dtype=np.int64)
-            if self.written_check is not None:
-                self.written_check.rows(rows)
+            if self.written_check is not None:  # a run of rows: its units, not a unique of the rows
+                self.written_check.span(bounds[0], rows.size) if bounds[2] == 1 else self.written_check.rows(rows)
             if self.written[slice(*bounds)].all():  # a view: no gather for the common case
                 return rows, False
             scalar = False
