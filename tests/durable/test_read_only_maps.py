@@ -17,6 +17,7 @@ from tensordict import TensorDict
 
 import tiered
 from tiered import TieredStore
+from tiered.durable.array_files import INTENT, read_intent, read_intent_token, write_intent
 from tiered.durable.manifest import PAGE_BYTES
 from tiered.errors import ChecksumError, CorruptionError, StaleReadError
 from tiered.testing import parts
@@ -164,3 +165,21 @@ def test_opens_racing_a_writers_commits_each_read_one_commit(tmp_path):
         os.write(stop_w, b"s")
         assert wait_child(pid) == ("exited", 0)
     assert outcomes.get("one version", 0) > 0, outcomes
+
+
+def test_an_intent_written_again_for_the_same_generation_is_another_token(tmp_path):
+    """A commit that rolled back sets the intent back to the generation it had: readers still tell
+    that the files may have changed meanwhile, by the count of intents written."""
+    store = str(tmp_path)
+    assert read_intent_token(store) is None
+    write_intent(store, 5)
+    first = read_intent_token(store)
+    write_intent(store, 6)
+    write_intent(store, 5)  # the roll-back of commit 6
+    again = read_intent_token(store)
+    assert first[0] == again[0] == read_intent(store) == 5 and again != first
+    with open(tmp_path / INTENT, "r+b") as f:  # an intent of 16 bytes (no count) reads as count 0
+        f.truncate(16)
+    assert read_intent_token(store) == (5, 0)
+    write_intent(store, 7)
+    assert read_intent_token(store) == (7, 1)

@@ -79,7 +79,7 @@ from .manifest import PAGE_BYTES, NpyHeader, page_checksums, read_npy_header
 __all__ = ["KEEP", "ARRAYS_DIR", "INTENT", "WRITE_UNIT", "FileState", "UndoImage", "UndoChain", "array_file",
            "undo_file", "stale_error", "kind_of", "plan_in_place", "read_runs", "write_in_place", "write_new", "write_undo",
            "Pending", "sync_files",
-           "roll_back", "remove_obsolete", "write_intent", "read_intent", "stamp_of", "header_of"]
+           "roll_back", "remove_obsolete", "write_intent", "read_intent", "read_intent_token", "stamp_of", "header_of"]
 
 #: Commits whose before-images are kept: a read-only open reads its commit until the writer's
 #: ``KEEP + 1``-th commit after it starts.
@@ -792,10 +792,15 @@ def remove_obsolete(store: str, published: int, current: dict[str, int]) -> None
 
 
 def write_intent(store: str, generation: int) -> None:
-    """Durably record that the commit of ``generation`` starts changing array files in place."""
+    """Durably record that the commit of ``generation`` starts changing array files in place (or,
+    after a roll-back, that the files hold ``generation`` again), with a count of the intents
+    written that only grows: a reader tells by it that the files may have changed, even when a
+    commit rolled back leaves the same generation (:func:`read_intent_token`)."""
+    token = read_intent_token(store)
+    sequence = token[1] + 1 if token is not None else 1
     fd = fileio.open_for_write(os.path.join(store, INTENT))
     try:
-        fileio.pwrite(fd, struct.pack("<qq", generation, generation ^ _INTENT_MAGIC), 0)
+        fileio.pwrite(fd, struct.pack("<qqq", generation, generation ^ _INTENT_MAGIC, sequence), 0)
         fileio.fsync(fd)
     finally:
         fileio.close(fd)
@@ -804,17 +809,26 @@ def write_intent(store: str, generation: int) -> None:
 def read_intent(store: str) -> int | None:
     """The generation the last commit that started changing array files was to publish (None:
     no intent file, or one that is not what :func:`write_intent` writes)."""
+    token = read_intent_token(store)
+    return token[0] if token is not None else None
+
+
+def read_intent_token(store: str) -> tuple[int, int] | None:
+    """``(generation, count)`` of the last :func:`write_intent` (count 0: an intent written without
+    one); None as for :func:`read_intent`. Another token means the writer wrote an intent since."""
     try:
         fd = fileio.open_for_read(os.path.join(store, INTENT))
     except (FileNotFoundError, CorruptionError):
         return None
     try:
-        raw = os.pread(fd, 16, 0)
+        raw = os.pread(fd, 24, 0)
     except OSError:
         return None
     finally:
         os.close(fd)
-    if len(raw) != 16:
+    if len(raw) < 16:
         return None
-    g, check = struct.unpack("<qq", raw)
-    return g if check == g ^ _INTENT_MAGIC else None
+    g, check = struct.unpack("<qq", raw[:16])
+    if check != g ^ _INTENT_MAGIC:
+        return None
+    return g, (struct.unpack("<q", raw[16:24])[0] if len(raw) == 24 else 0)

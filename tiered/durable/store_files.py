@@ -70,6 +70,7 @@ from .array_files import (
     kind_of,
     plan_in_place,
     read_intent,
+    read_intent_token,
     read_runs,
     remove_obsolete,
     roll_back,
@@ -184,10 +185,11 @@ class StoreFiles:
         self._sums: tuple[dict[str, Any], dict[str, list[int]]] | None = None
         #: per-row arrays some of whose pages are mapped from their files (map_back)
         self.mapped: dict[str, filemap.FileLayout] = {}
-        #: a read-only open: the writer's intent when it started reading the arrays (None: none
-        #: written yet), and whether the arrays it reads whole are left mapped from their files
-        #: (each page checked now, copied private at first use): unless a commit was under way
-        self.opened_intent: int | None = None
+        #: a read-only open: the writer's intent when it started reading the arrays
+        #: (:func:`~tiered.durable.array_files.read_intent_token`; None: none written yet), and
+        #: whether the arrays it reads whole are left mapped from their files (each page checked
+        #: now, copied private at first use): unless a commit was under way
+        self.opened_intent: tuple[int, int] | None = None
         self.map_whole = False
         #: a read-only open's check of its blob-indexed arrays' pages (blob index, policy state)
         self.id_check: IdCheck | None = None
@@ -286,9 +288,9 @@ class StoreFiles:
         if self.read_only:
             # before any array is read: a commit that starts after this changes the files in place,
             # which the end of the open finds (check_unmoved)
-            self.opened_intent = read_intent(self.path)
+            self.opened_intent = read_intent_token(self.path)
             self.map_whole = not _COPY_WHOLE.get() and (self.opened_intent is None
-                                                        or self.opened_intent <= self.generation)
+                                                        or self.opened_intent[0] <= self.generation)
             self.id_check, self.whole_pages = IdCheck(), {}
         entry = body.get("array_files")
         if not isinstance(entry, dict):
@@ -320,13 +322,13 @@ class StoreFiles:
     def moved(self) -> bool:
         """For a read-only open: whether the writer may have changed, since the open checked them,
         the pages it left mapped from their files (it started a commit since: its intent moved)."""
-        return not self.map_whole or read_intent(self.path) != self.opened_intent
+        return not self.map_whole or read_intent_token(self.path) != self.opened_intent
 
     def check_unmoved(self) -> None:
         """At the end of a read-only open that read arrays mapped from their files: raise
         :class:`OpenRaced` if the writer started a commit meanwhile (its in-place writes may have
         reached pages the open checked and then read again)."""
-        if self.read_only and self.map_whole and read_intent(self.path) != self.opened_intent:
+        if self.read_only and self.map_whole and read_intent_token(self.path) != self.opened_intent:
             raise OpenRaced(f"{self.path}: a writer started a commit while the store was being opened")
 
     def stale_error(self, intent: int) -> StaleReadError:
@@ -729,7 +731,7 @@ def restore_commit(files: StoreFiles, body: dict[str, Any], mode: str, rows: Row
     try:
         _restore(files, body, mode, rows, write, placement)
     except Exception as e:
-        if files.read_only and files.map_whole and read_intent(files.path) != files.opened_intent:
+        if files.read_only and files.map_whole and read_intent_token(files.path) != files.opened_intent:
             # what failed may have read bytes the writer was changing: not damage, a race
             raise OpenRaced(f"{files.path}: a writer started a commit while the store was being opened") from e
         raise
