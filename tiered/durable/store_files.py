@@ -320,6 +320,14 @@ class StoreFiles:
             self.undo = UndoChain(self.path, self.generation)
         return functools.partial(self.undo.page, name, state.file)
 
+    def own_entries(self, name: str, ids: np.ndarray) -> None:
+        """For a read-only open: make the pages holding the entries of ``ids`` (valid ids) in the
+        array ``name`` it read whole its own, checked (:meth:`PageChecks.check`), before it writes
+        them; nothing for an array it holds as its own already."""
+        pages = self.whole_pages.get(name)
+        if pages is not None and ids.size:
+            pages.check(pages.rows_pages(ids, ids + 1))
+
     def moved(self) -> bool:
         """For a read-only open: whether the writer may have changed, since the open checked them,
         the pages it left mapped from their files (it started a commit since: its intent moved)."""
@@ -748,7 +756,8 @@ def _restore(files: StoreFiles, body: dict[str, Any], mode: str, rows: RowSpace,
     if files.read_only and files.id_check is not None:
         index.guard = files.id_check.ids
         # the entries the open itself writes (forgetting the writer's memory tiers) become its own first
-        index.check_ids(np.flatnonzero(np.maximum(index.loc[:index.size, HOT], index.loc[:index.size, WARM]) >= 0))
+        files.own_entries("index.loc", np.flatnonzero(np.maximum(index.loc[:index.size, HOT],
+                                                                 index.loc[:index.size, WARM]) >= 0))
     placement.drop_memory_copies()
     written = load("written")
     written_pages = files.whole_pages.get("written")
@@ -813,8 +822,12 @@ def _restore(files: StoreFiles, body: dict[str, Any], mode: str, rows: RowSpace,
     placement.tiers[COLD] = files.cold_tier(files.cold_state(body, load), mode)
     if dead.size and mode == "r+":
         write.release_blobs(dead)
+    elif files.read_only and "index.state" in files.whole_pages:
+        # forgotten: marked free in its state only (no row of this commit names them, and it never
+        # allocates), so that of their entries, only the state's page becomes its own
+        files.own_entries("index.state", dead)
+        index.state[dead] = FREE
     else:
-        index.check_ids(dead)
         index.release(dead)
     load_priorities(placement, body, load, write, files.path)
     files.read_only = mode == "r"
