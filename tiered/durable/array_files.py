@@ -73,7 +73,6 @@ from ..util import fileio
 from ..util.crc import crc32_patch
 from ..util.dirty import BLOCK_SHIFT
 from ..util.filemap import npy_header
-from ..util.pool import run_parallel
 from .manifest import PAGE_BYTES, NpyHeader, page_checksums, read_npy_header
 
 __all__ = ["KEEP", "ARRAYS_DIR", "INTENT", "WRITE_UNIT", "FileState", "UndoImage", "UndoChain", "array_file",
@@ -348,7 +347,7 @@ def sync_files(pending: Pending) -> None:
     """
     todo, pending[:] = list(pending), []
     try:
-        run_parallel(fileio.fsync, [(fd,) for fd, _ in todo], min(8, len(todo)))
+        fileio.fsync_many([fd for fd, _ in todo])
     finally:
         for fd, _ in todo:  # every file of the commit: a few dozen
             fileio.close(fd)
