@@ -22,11 +22,14 @@ subprocess** that samples its own anonymous resident memory (``RssAnon``) every 
 - ``reopen``: time ``tiered.open(path)`` (the fastest of three opens in a row, each store closed and
   collected before the next; then the fastest of three more, each after ``posix_fadvise(DONTNEED)``
   on every file of the store: "cold") and the growth of RssAnon the first open causes (over a process that
-  has already imported torch and tensordict, which take ~350 MiB of their own);
+  has already imported torch and tensordict, which take ~350 MiB of their own), also by mapping (which
+  array files' pages became the process's own; ``/proc/self/smaps``);
 - ``sample``: B=256 uniform random rows (``get``), after ``--warmup-batches`` untimed batches,
   warm (files in the page cache) and cold
   (``posix_fadvise(DONTNEED)`` on every file of the store before each batch; pages the process
-  has mapped stay cached, which flatters the cold rate of mapped metadata).
+  has mapped stay cached, which flatters the cold rate of mapped metadata); and the bytes of the
+  store's array files that the open and the batches made the process's own ("array pages own after
+  sampling": pages copied private at first use; not the warm tier's cache, which its budget bounds).
 
 Bytes on disk per transition are counted over all files, and over one generation (the segments
 and the array files of the last commit: the file of each array, without the before-images
@@ -298,7 +301,9 @@ def step_reopen(path: Path) -> dict[str, Any]:
     import tiered
 
     base_anon = AnonPeak.now()
+    base_maps = anon_by_mapping()
     times, anon, cold = [], [], []
+    by_mapping: dict[str, int] = {}
     for i in range(6):  # three opens with the page cache as the last one left it, then three cold
         if i >= 3:
             drop_cache(store_files(path))
@@ -306,11 +311,31 @@ def step_reopen(path: Path) -> dict[str, Any]:
         store = tiered.open(str(path))
         (times if i < 3 else cold).append(time.perf_counter() - t)
         anon.append(AnonPeak.now() - base_anon)
+        if i == 0:
+            now = anon_by_mapping()
+            by_mapping = {k: v - base_maps.get(k, 0) for k, v in now.items() if v - base_maps.get(k, 0) >= 1 << 18}
         store.close()
         del store
         gc.collect()  # a closed store's parts hold reference cycles: without this, the next open adds to it
     return {"reopen_s": min(times), "reopen_s_all": times, "reopen_cold_s": min(cold), "reopen_cold_s_all": cold,
-            "reopen_anon": anon[0], "reopen_anon_all": anon}
+            "reopen_anon": anon[0], "reopen_anon_all": anon,
+            "reopen_anon_by_mapping": dict(sorted(by_mapping.items(), key=lambda kv: -kv[1]))}
+
+
+def anon_by_mapping() -> dict[str, int]:
+    """Anonymous (private, not file) bytes of this process per mapping (``/proc/self/smaps``): a
+    store's array file by its name, other memory as ``[heap]`` or ``[anon]``."""
+    out: dict[str, int] = {}
+    name = None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if head and "-" in head[0] and len(head) >= 5 and not head[0].endswith(":"):
+                name = Path(head[5]).name if len(head) > 5 and "/arrays/" in head[5] else (
+                    head[5] if len(head) > 5 else "[anon]")
+            elif head and head[0] == "Anonymous:" and name is not None and int(head[1]):
+                out[name] = out.get(name, 0) + int(head[1]) * 1024
+    return out
 
 
 def drop_cache(files: list[Path]) -> None:
@@ -329,8 +354,11 @@ def step_sample(path: Path, rows: int, batches: int, batch: int, warmup: int = 1
 
     store = tiered.open(str(path))
     out = sample_rates(store.get, store_files(path), rows, batches, batch, warmup)
+    # the array files' pages the open and the batches made this process's own (not the warm
+    # tier's cache of blobs, which its budget bounds)
+    own = sum(v for k, v in anon_by_mapping().items() if k.endswith(".npy"))
     store.close()
-    return {f"sample_{mode}_per_s": rate for mode, rate in out.items()}
+    return {**{f"sample_{mode}_per_s": rate for mode, rate in out.items()}, "sample_array_anon": own}
 
 
 def sample_rates(get: Any, files: list[Path], rows: int, batches: int, batch: int, warmup: int = 1,
@@ -455,7 +483,7 @@ def report(results: list[dict[str, Any]], dop: dict[str, Any], facts: dict[str, 
     head = ["rows", "K, codec", "build rows/s", "build peak anon", "disk B/transition (all)",
             "one generation (arrays, dense)",
             f"commit after {args.commit_rows:,} rows", "commit wrote", "reopen", "cold", "anon after reopen",
-            "sample B=256 warm", "cold", "cold/warm"]
+            "sample B=256 warm", "cold", "cold/warm", "array pages own after sampling"]
     body = [[f"{r['rows']:,}", f"{args.chunk_frames}, {args.codec}", f"{r['build_rows_per_s']:,.0f}", f"{r['build_peak_anon'] / 2**20:,.0f} MiB",
              f"{r['disk_all'] / r['rows']:.0f}", f"{r['disk_one_generation'] / r['rows']:.0f} "
              f"({r.get('disk_one_generation_arrays', 0) / r['rows']:.0f} arrays, "
@@ -466,7 +494,8 @@ def report(results: list[dict[str, Any]], dop: dict[str, Any], facts: dict[str, 
              f"{r['reopen_s']:.2f} s", f"{r['reopen_cold_s']:.2f} s" if "reopen_cold_s" in r else "-",
              f"{r['reopen_anon'] / 2**20:,.0f} MiB",
              f"{r['sample_warm_per_s']:,.0f}/s", f"{r['sample_cold_per_s']:,.0f}/s",
-             f"{r['sample_cold_per_s'] / r['sample_warm_per_s']:.2f}x"] for r in results]
+             f"{r['sample_cold_per_s'] / r['sample_warm_per_s']:.2f}x",
+             f"{r['sample_array_anon'] / 2**20:,.0f} MiB" if "sample_array_anon" in r else "-"] for r in results]
     lines = [f"# bench_scale ({time.strftime('%Y-%m-%d')})", "",
              f"Machine: {facts['cpu_model']}, {facts['logical_cores']} cores; `{facts['command']}`; "
              f"background load at the start: {load}.", "",
@@ -479,6 +508,11 @@ def report(results: list[dict[str, Any]], dop: dict[str, Any], facts: dict[str, 
              f"first {dop['dopamine_rows']:,} rows) **{dop['dopamine_bytes_per_transition']:.0f}** "
              f"({dop['dopamine_frame_bytes']:.0f} of them frames); LazyMemmapStorage {lms:,} (dense, from the shapes).",
              ""]
+    for r in results:
+        maps = r.get("reopen_anon_by_mapping")
+        if maps:
+            lines += [f"Anon after reopen at {r['rows']:,} rows by mapping (at least 0.25 MiB): "
+                      + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in maps.items()) + ".", ""]
     for r in results:
         parts = r.get("disk_one_generation_parts")
         if parts:

@@ -600,6 +600,10 @@ class TieredStore:
         """Memory and traffic figures: rows, blobs, per field its bytes and ratios, per tier its bytes,
         budget, hits, moves and probability share (keys: :func:`tiered.engine.stats.store_stats`)."""
         with self._lock:
+            # a read-only open checks its index and written mask at first use: these figures use all
+            self._index.check_ids(None)
+            if self._rows.written_check is not None:
+                self._rows.written_check.all()
             return store_stats(self._rows, self._write.layout, self._index, self._placement, self._write.stage,
                                self._codec.name, self._counters, self._gpu.stats() if self._gpu else None)
 

@@ -14,10 +14,10 @@ Design note:
 * **What commit g writes, in order.** (1) The before-image file ``arrays/undo.<g>``: for each
   byte range the commit will change in place, the bytes the file holds now (commit ``g - 1``'s)
   and the file's size, checked by a CRC-32 per :data:`PAGE_BYTES` page, written under a temp
-  name, fsynced, renamed;
-  the new files of resized arrays, fsynced; the directory fsynced. (2) ``commit.intent`` = ``g``,
-  fsynced. (3) The changed ranges, in place, each file fsynced; each page's CRC-32 patched from
-  its old one and the bytes that changed. (4) The manifest. Then the before-images of commit
+  name; the new files of resized arrays; all of them fsynced together (:func:`sync_files`),
+  then the before-images renamed into place and the directory fsynced. (2) ``commit.intent`` =
+  ``g``, fsynced. (3) The changed ranges, in place, the files fsynced together; each page's
+  CRC-32 patched from its old one and the bytes that changed. (4) The manifest. Then the before-images of commit
   ``g - KEEP`` and files replaced ``KEEP`` commits ago are deleted.
 * **What a crash leaves.** Before (2): the arrays as commit ``g - 1`` left them (a stray
   before-image or new file is removed at the next writer open). Between (2) and (4): arrays partly
@@ -28,7 +28,9 @@ Design note:
 * **What readers see.** A read-only open of commit ``g`` maps the files; each page is copied
   private and checked against commit ``g``'s CRC-32 at its first use
   (:class:`~tiered.durable.checked_maps.PageChecks`), so the writer's later writes never reach a page once
-  checked. A page the writer changed since fails its check; its bytes as of ``g`` are rebuilt from
+  checked. What it reads whole at open (blob index, policy state, written mask) it checks
+  through the maps, leaving the pages the file's until first used
+  (:func:`~tiered.durable.checked_maps.map_verified`). A page the writer changed since fails its check; its bytes as of ``g`` are rebuilt from
   the before-images of commits ``g + 1`` to the intent (the oldest image of a byte wins) and
   checked again (:meth:`UndoChain.rebuild`); a file grown since is mapped to its commit's size,
   with the header rebuilt the same way. The before-images of the last :data:`KEEP` commits
@@ -75,7 +77,8 @@ from .manifest import PAGE_BYTES, NpyHeader, page_checksums, read_npy_header
 
 __all__ = ["KEEP", "ARRAYS_DIR", "INTENT", "WRITE_UNIT", "FileState", "UndoImage", "UndoChain", "array_file",
            "undo_file", "stale_error", "kind_of", "plan_in_place", "read_runs", "write_in_place", "write_new", "write_undo",
-           "roll_back", "remove_obsolete", "write_intent", "read_intent", "stamp_of", "header_of"]
+           "Pending", "sync_files",
+           "roll_back", "remove_obsolete", "write_intent", "read_intent", "read_intent_token", "stamp_of", "header_of"]
 
 #: Commits whose before-images are kept: a read-only open reads its commit until the writer's
 #: ``KEEP + 1``-th commit after it starts.
@@ -263,7 +266,7 @@ def read_runs(path: str, runs: np.ndarray) -> np.ndarray:
 
 
 def write_in_place(path: str, arr: np.ndarray, runs: np.ndarray, base: FileState,
-                   before: Callable[[int, int], None] | None = None) -> FileState:
+                   before: Callable[[int, int], None] | None = None, pending: Pending | None = None) -> FileState:
     """Write the byte ``runs`` of ``arr``'s ``.npy`` file into ``path`` (which holds ``base``, with
     the same header) and fsync it. Returns what the file now holds, with the CRC-32 of every page
     (those not touched are ``base``'s). ``before(lo, hi)`` is called with each range of ``arr``'s
@@ -272,7 +275,7 @@ def write_in_place(path: str, arr: np.ndarray, runs: np.ndarray, base: FileState
 
     A page that a run covers in part gets its new CRC from ``base``'s and the bytes that changed
     (:func:`_write_runs`): what a commit writes and hashes is what changed, not the size of the
-    array (nor of a checksum page).
+    array (nor of a checksum page). With ``pending``, the fsync is left to :func:`sync_files`.
     """
     if not runs.size:
         return FileState(base.file, base.size, base.crcs, 0, [], base.stamp)
@@ -281,17 +284,20 @@ def write_in_place(path: str, arr: np.ndarray, runs: np.ndarray, base: FileState
     try:
         crcs = list(base.crcs) + [0] * max(0, -(-size // PAGE_BYTES) - len(base.crcs))
         written, ranges = _write_runs(fd, path, source, runs, base, crcs, size)
-        fileio.fsync(fd)
-        stamp = stamp_of(os.fstat(fd))
-    finally:
+        stamp = stamp_of(os.fstat(fd))  # an fsync changes none of what it notes
+    except BaseException:
         fileio.close(fd)
+        raise
+    _sync_or_defer(fd, pending)
     return FileState(base.file, size, crcs, written, ranges, stamp)
 
 
-def write_new(path: str, arr: np.ndarray, file: int, before: Callable[[int, int], None] | None = None) -> FileState:
+def write_new(path: str, arr: np.ndarray, file: int, before: Callable[[int, int], None] | None = None,
+              pending: Pending | None = None) -> FileState:
     """Write ``arr`` whole as the new ``.npy`` file ``path`` (created by commit ``file``) and fsync
-    it; the caller fsyncs the directory before publishing. A file left there by a commit that died
-    is replaced: no commit published it, so no reader maps it."""
+    it (with ``pending``: leave it to :func:`sync_files`); the caller fsyncs the directory before
+    publishing. A file left there by a commit that died is replaced: no commit published it, so
+    no reader maps it."""
     source, size = _source(arr, before)
     fileio.remove(path)
     fd = fileio.open_for_write(path, exclusive=True)
@@ -301,11 +307,53 @@ def write_new(path: str, arr: np.ndarray, file: int, before: Callable[[int, int]
         for part in parts:  # header and data: two at most
             fileio.pwrite(fd, part, at)
             at += part.nbytes
+        stamp = stamp_of(os.fstat(fd))  # an fsync changes none of what it notes
+    except BaseException:
+        fileio.close(fd)
+        raise
+    _sync_or_defer(fd, pending)
+    return FileState(file, size, page_checksums(parts), size, [(0, size)], stamp)
+
+
+#: Files written but not fsynced yet, each with what to do once it is (:func:`sync_files`).
+Pending = list[tuple[int, Callable[[], None] | None]]
+
+
+def _sync_or_defer(fd: int, pending: Pending | None, then: Callable[[], None] | None = None) -> None:
+    """fsync and close ``fd`` then run ``then``, or leave all that to :func:`sync_files`."""
+    if pending is not None:
+        pending.append((fd, then))
+        return
+    try:
         fileio.fsync(fd)
-        stamp = stamp_of(os.fstat(fd))
     finally:
         fileio.close(fd)
-    return FileState(file, size, page_checksums(parts), size, [(0, size)], stamp)
+    if then is not None:
+        then()
+
+
+def sync_files(pending: Pending) -> None:
+    """fsync the files of ``pending`` all at once, close them, then run what each waits for (in
+    order), and empty ``pending``.
+
+    The fsyncs run on several threads: the file system then makes them durable in one journal
+    commit, where one after the other each waits for its own (a commit's few dozen files take a
+    few milliseconds instead of a few dozen). Nothing after this call starts before every file is
+    durable, so the order of what is durable when is the same as one fsync after the other.
+
+    Raises:
+        OSError, StorageFullError: the first fsync that failed, once every one has finished
+            (every file is closed; nothing waiting runs).
+    """
+    todo, pending[:] = list(pending), []
+    try:
+        fileio.fsync_many([fd for fd, _ in todo])
+    finally:
+        for fd, _ in todo:  # every file of the commit: a few dozen
+            fileio.close(fd)
+    for _, then in todo:  # a rename or two
+        if then is not None:
+            then()
 
 
 def stamp_of(st: os.stat_result) -> tuple[int, int, int, int]:
@@ -441,12 +489,14 @@ def _splice_pages(fd: int, source: _Source, runs: np.ndarray, base: FileState, c
     return written, ranges
 
 
-def write_undo(store: str, generation: int, images: list[tuple[str, int, int, np.ndarray, np.ndarray]]) -> int:
+def write_undo(store: str, generation: int, images: list[tuple[str, int, int, np.ndarray, np.ndarray]],
+               pending: Pending | None = None) -> int:
     """Durably write the before-images of commit ``generation``: per array ``(name, file, size,
     runs, old)``, the byte ``runs`` of its file ``file`` (``size`` bytes now) about to be
     rewritten, within ``size``, and their ``old`` bytes.
-    The file is written under a temp name, fsynced and renamed; the caller fsyncs the directory
-    before the intent names the commit. Returns the bytes written.
+    The file is written under a temp name, fsynced and renamed (with ``pending``: both left to
+    :func:`sync_files`); the caller fsyncs the directory before the intent names the commit.
+    Returns the bytes written.
 
     Layout: :data:`_UNDO_HEAD`, a JSON table (``arrays``: ``[name, file, runs, offset, size]`` each,
     ``body``: bytes of the body, ``crcs``: CRC-32 of each :data:`PAGE_BYTES` page of the body),
@@ -472,10 +522,10 @@ def write_undo(store: str, generation: int, images: list[tuple[str, int, int, np
             if part.nbytes:
                 fileio.pwrite(fd, part, pos)
                 pos += part.nbytes
-        fileio.fsync(fd)
-    finally:
+    except BaseException:
         fileio.close(fd)
-    fileio.replace(tmp, path)
+        raise
+    _sync_or_defer(fd, pending, lambda: fileio.replace(tmp, path))  # renamed once complete and durable
     return pos
 
 
@@ -741,10 +791,15 @@ def remove_obsolete(store: str, published: int, current: dict[str, int]) -> None
 
 
 def write_intent(store: str, generation: int) -> None:
-    """Durably record that the commit of ``generation`` starts changing array files in place."""
+    """Durably record that the commit of ``generation`` starts changing array files in place (or,
+    after a roll-back, that the files hold ``generation`` again), with a count of the intents
+    written that only grows: a reader tells by it that the files may have changed, even when a
+    commit rolled back leaves the same generation (:func:`read_intent_token`)."""
+    token = read_intent_token(store)
+    sequence = token[1] + 1 if token is not None else 1
     fd = fileio.open_for_write(os.path.join(store, INTENT))
     try:
-        fileio.pwrite(fd, struct.pack("<qq", generation, generation ^ _INTENT_MAGIC), 0)
+        fileio.pwrite(fd, struct.pack("<qqq", generation, generation ^ _INTENT_MAGIC, sequence), 0)
         fileio.fsync(fd)
     finally:
         fileio.close(fd)
@@ -753,17 +808,26 @@ def write_intent(store: str, generation: int) -> None:
 def read_intent(store: str) -> int | None:
     """The generation the last commit that started changing array files was to publish (None:
     no intent file, or one that is not what :func:`write_intent` writes)."""
+    token = read_intent_token(store)
+    return token[0] if token is not None else None
+
+
+def read_intent_token(store: str) -> tuple[int, int] | None:
+    """``(generation, count)`` of the last :func:`write_intent` (count 0: an intent written without
+    one); None as for :func:`read_intent`. Another token means the writer wrote an intent since."""
     try:
         fd = fileio.open_for_read(os.path.join(store, INTENT))
     except (FileNotFoundError, CorruptionError):
         return None
     try:
-        raw = os.pread(fd, 16, 0)
+        raw = os.pread(fd, 24, 0)
     except OSError:
         return None
     finally:
         os.close(fd)
-    if len(raw) != 16:
+    if len(raw) < 16:
         return None
-    g, check = struct.unpack("<qq", raw)
-    return g if check == g ^ _INTENT_MAGIC else None
+    g, check = struct.unpack("<qq", raw[:16])
+    if check != g ^ _INTENT_MAGIC:
+        return None
+    return g, (struct.unpack("<q", raw[16:24])[0] if len(raw) == 24 else 0)

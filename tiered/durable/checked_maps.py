@@ -16,6 +16,11 @@ the writer's later writes never reach it, and a page that fails its check is reb
 reader's commit left it from the writer's before-images (:class:`~tiered.durable.array_files.UndoChain`)
 before it is declared damaged.
 
+What such a reader reads whole at open (its blob index, policy state and written mask: checks of
+every entry) is checked page by page through the maps, which leaves the pages the file's (page
+cache, not the reader's memory; :func:`map_verified`), and copied private and checked again at
+first use, by blob id (:class:`IdCheck`) or by row (:class:`RowCheck`).
+
 Example:
     >>> import os, tempfile
     >>> import numpy as np
@@ -48,7 +53,7 @@ from ..util.filemap import make_private
 from .array_files import header_of
 from .manifest import PAGE_BYTES, NpyHeader, already_verified, map_npy, page_checksums
 
-__all__ = ["PageChecks", "RowCheck", "map_checked", "map_commit", "load_checked"]
+__all__ = ["PageChecks", "RowCheck", "IdCheck", "map_checked", "map_verified", "map_commit", "load_checked"]
 
 #: ``rebuild(lo, hi, crc)``: the bytes ``[lo, hi)`` of a file as the reader's commit left them
 #: (None: they cannot be rebuilt, so they are damaged)
@@ -76,8 +81,10 @@ class PageChecks:
         self.path, self.view, self.crcs = path, view, crcs
         self.offset, self.row_bytes, self.stale, self.rebuild = offset, max(row_bytes, 1), stale, rebuild
         self.size = view.nbytes
-        #: per page: its CRC-32 was compared with the commit's
+        #: per page: its CRC-32 was compared with the commit's (for a reader: and the page is its own)
         self.checked = np.zeros(len(crcs), dtype=bool)
+        #: every page is checked (nothing left to do at a use)
+        self.done = not crcs
 
     def rows_pages(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
         """The sorted pages holding the bytes of the row ranges ``[lo, hi)`` (``hi > lo``)."""
@@ -116,6 +123,8 @@ class PageChecks:
                     "first read; the stored bytes are damaged. Restore the store from a copy; run "
                     "`tiered verify` for details.")
             self.checked[p] = True
+        if todo.size:
+            self.done = bool(self.checked.all())
 
     def check_bytes(self, lo: int, hi: int) -> None:
         """Check the pages holding file bytes ``[lo, hi)``."""
@@ -171,6 +180,64 @@ class RowCheck:
             span = hi - lo
             self.on_rows(np.repeat(lo - np.cumsum(span) + span, span) + np.arange(int(span.sum())))
         self.done[todo] = True
+
+
+class IdCheck:
+    """Checks the entries of blob ids in the arrays indexed by blob id of a read-only open (its
+    blob index and policy state) before they are used.
+
+    An open reads these arrays whole, through their memory maps, once their pages passed their
+    checksums (:func:`map_verified`): their pages stay the file's (page cache, not this process's
+    memory). The writer changes the files in place at its next commits, so before a read or a
+    write of some ids' entries, the pages holding them are copied private and checked again (and
+    rebuilt where the writer changed them since, :meth:`PageChecks.check`); from then on no write
+    of the writer reaches them.
+
+    Example:
+        >>> import os, tempfile
+        >>> import numpy as np
+        >>> from tiered.durable.manifest import write_array
+        >>> p = os.path.join(tempfile.mkdtemp(), "ids.npy")
+        >>> f = write_array(p, np.arange(300_000, dtype=np.int64))
+        >>> arr, pages = map_verified(p, f.size, f.pages, rebuild=lambda lo, hi, crc: None)
+        >>> check = IdCheck(); check.add(pages)
+        >>> check.ids(np.array([7, 299_999])); int(pages.checked.sum()), int(arr[7])
+        (2, 7)
+    """
+
+    def __init__(self) -> None:
+        #: the arrays' page checks, by where their elements start and the bytes of one entry
+        #: (arrays of one layout share the pages of an id)
+        self.groups: dict[tuple[int, int], list[PageChecks]] = {}
+        self.done = True
+
+    def add(self, pages: PageChecks) -> None:
+        """Check the entries of ``pages``' array too."""
+        self.groups.setdefault((pages.offset, pages.row_bytes), []).append(pages)
+        self.done = self.done and pages.done
+
+    def ids(self, ids: np.ndarray | None) -> None:
+        """Check the pages holding the entries of blob ``ids`` (valid ids, any shape; None: every
+        page) in every array.
+
+        Raises:
+            ChecksumError: a page is damaged (naming its file).
+            StaleReadError: the page changed since and the writer is too far ahead to rebuild it.
+        """
+        if self.done:
+            return
+        for group in self.groups.values():  # a few entry sizes
+            left = [p for p in group if not p.done]
+            if not left:
+                continue
+            if ids is None:
+                pages = None
+            else:
+                flat = ids.reshape(-1)
+                pages = left[0].rows_pages(flat, flat + 1) if flat.size else np.empty(0, dtype=np.int64)
+            for p in left:  # the arrays of this entry size
+                p.check(np.arange(p.checked.size) if pages is None else pages[pages < p.checked.size])
+        self.done = all(p.done for group in self.groups.values() for p in group)
 
 
 def map_commit(path: str, expected_size: int, crcs: list[int] | None,
@@ -230,10 +297,35 @@ def map_checked(path: str, expected_size: int, crcs: list[int] | None,
                        head.offset, row_bytes, stale, rebuild)
     if crcs is None or already_verified(st):
         pages.checked[:] = True
+        pages.done = True
     if rows * row_bytes == 0:
         return np.empty(head.shape, head.dtype), pages
     arr = np.frombuffer(whole, dtype=head.dtype, count=rows * (row_bytes // head.dtype.itemsize), offset=head.offset)
     return arr.reshape(head.shape), pages
+
+
+def map_verified(path: str, expected_size: int, crcs: list[int] | None,
+                 stale: Callable[[], None] | None = None, rebuild: Rebuild | None = None) -> tuple[np.ndarray, PageChecks]:
+    """:func:`map_checked`, with every page's CRC-32 checked now, read through the map: for an
+    array a read-only open reads whole (its blob index, policy state and written mask), which the
+    writer changes in place at its next commits. The pages stay the file's (they cost page cache,
+    not this process's memory) and count as not checked: a use checks them again, and copies them
+    private first (:class:`IdCheck`, :class:`RowCheck`). A page that fails now is copied private
+    and rebuilt from the writer's before-images (``rebuild``) before it is declared damaged.
+
+    The open must make sure that the writer did not start a commit while it read these pages (its
+    intent, :func:`~tiered.durable.array_files.read_intent`, is the same before and after).
+
+    Raises:
+        CorruptionError (its subclass ChecksumError for a page mismatch): naming the file.
+    """
+    arr, pages = map_checked(path, expected_size, crcs, stale, rebuild)
+    if crcs is not None and not pages.done:
+        got = np.array(page_checksums([pages.view]), dtype=np.int64)
+        bad = np.flatnonzero(got != np.array(crcs, dtype=np.int64))
+        if bad.size:  # pages a writer changed since (or damaged): rebuilt, or raised
+            pages.check(bad)
+    return arr, pages
 
 
 def load_checked(path: str, expected_size: int, crcs: list[int] | None, rebuild: Rebuild) -> np.ndarray:

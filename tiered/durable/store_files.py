@@ -29,6 +29,7 @@ Example:
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import mmap
 import os
@@ -38,7 +39,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from ..engine.blob_index import BLOB_DTYPE, COLD, FREE, SLOT_DTYPE, STORED, BlobIndex
+from ..engine.blob_index import BLOB_DTYPE, COLD, FREE, HOT, SLOT_DTYPE, STORED, WARM, BlobIndex
 from ..engine.layout import FieldLayout
 from ..engine.placement import Placement
 from ..engine.row_tables import NextRowTable, RowTable, ShiftedRowTable
@@ -62,23 +63,26 @@ from ..util.units import align
 from .array_files import (
     ARRAYS_DIR,
     FileState,
+    Pending,
     UndoChain,
     array_file,
     header_of,
     kind_of,
     plan_in_place,
     read_intent,
+    read_intent_token,
     read_runs,
     remove_obsolete,
     roll_back,
     stale_error,
     stamp_of,
+    sync_files,
     write_in_place,
     write_intent,
     write_new,
     write_undo,
 )
-from .checked_maps import PageChecks, Rebuild, RowCheck, load_checked, map_checked
+from .checked_maps import IdCheck, PageChecks, Rebuild, RowCheck, load_checked, map_checked, map_verified
 from .commit_arrays import (
     CHECKSUMS,
     EXCEPTION_SUFFIXES,
@@ -131,6 +135,18 @@ def _before_fork() -> None:
 
 os.register_at_fork(before=_before_fork)
 
+
+class OpenRaced(CorruptionError):
+    """A read-only open read arrays mapped from files that a commit started meanwhile changes in
+    place: :func:`open_commit` opens again, with those arrays copied private (:data:`_COPY_WHOLE`)."""
+
+
+#: Set while :func:`open_commit` opens again after :class:`OpenRaced`: a read-only open copies the
+#: arrays it reads whole private (checked as copied, rebuilt where a commit changed them), as it
+#: does when a commit is under way at open, instead of leaving them mapped from their files.
+_COPY_WHOLE: contextvars.ContextVar[bool] = contextvars.ContextVar("tiered_copy_whole", default=False)
+
+
 BACKENDS: dict[str, type[MemmapTier]] = {"memmap": MemmapTier, "hdf5": HDF5Tier}
 ArrayLoader = Callable[[str], np.ndarray]
 
@@ -170,6 +186,17 @@ class StoreFiles:
         self._sums: tuple[dict[str, Any], dict[str, list[int]]] | None = None
         #: per-row arrays some of whose pages are mapped from their files (map_back)
         self.mapped: dict[str, filemap.FileLayout] = {}
+        #: a read-only open: the writer's intent when it started reading the arrays
+        #: (:func:`~tiered.durable.array_files.read_intent_token`; None: none written yet), and
+        #: whether the arrays it reads whole are left mapped from their files (each page checked
+        #: now, copied private at first use): unless a commit was under way
+        self.opened_intent: tuple[int, int] | None = None
+        self.map_whole = False
+        #: a read-only open's check of its blob-indexed arrays' pages (blob index, policy state)
+        self.id_check: IdCheck | None = None
+        #: a read-only open's arrays read whole at open and mapped from files changed in place
+        #: (blob index, policy state, written mask), by name: the pages of each
+        self.whole_pages: dict[str, PageChecks] = {}
         #: whether the last fork made the writer's mapped array pages private (:func:`_before_fork`)
         self.fork_private = True
         _ALL_FILES.add(self)
@@ -215,9 +242,18 @@ class StoreFiles:
             if name not in files:
                 raise CorruptionError(f"{self.path}: the manifest lists no {name!r} array; the store is damaged")
             rebuild = self.rebuilder(name)
-            if rebuild is not None:
-                return load_checked(array_path(self.path, body, name), files[name], sums.get(name), rebuild)
-            return load_npy(array_path(self.path, body, name), files[name], pages=sums.get(name))
+            kind = kind_of(name)
+            path = array_path(self.path, body, name)
+            if rebuild is None or kind == "whole":
+                # a writer's, or a file never written again once made (a change goes to a new file)
+                return load_npy(path, files[name], pages=sums.get(name))
+            if not self.map_whole:  # a commit was under way at open: private copies, checked now
+                return load_checked(path, files[name], sums.get(name), rebuild)
+            arr, pages = map_verified(path, files[name], sums.get(name), self.check_fresh, rebuild)
+            self.whole_pages[name] = pages
+            if kind == "blobs" and self.id_check is not None:
+                self.id_check.add(pages)
+            return arr
 
         return load
 
@@ -250,6 +286,13 @@ class StoreFiles:
         self._adopted = body
         self.generation = int(body["generation"])
         self.array_files, self.undo = {}, None
+        if self.read_only:
+            # before any array is read: a commit that starts after this changes the files in place,
+            # which the end of the open finds (check_unmoved)
+            self.opened_intent = read_intent_token(self.path)
+            self.map_whole = not _COPY_WHOLE.get() and (self.opened_intent is None
+                                                        or self.opened_intent[0] <= self.generation)
+            self.id_check, self.whole_pages = IdCheck(), {}
         entry = body.get("array_files")
         if not isinstance(entry, dict):
             return
@@ -276,6 +319,26 @@ class StoreFiles:
         if self.undo is None:
             self.undo = UndoChain(self.path, self.generation)
         return functools.partial(self.undo.page, name, state.file)
+
+    def own_entries(self, name: str, ids: np.ndarray) -> None:
+        """For a read-only open: make the pages holding the entries of ``ids`` (valid ids) in the
+        array ``name`` it read whole its own, checked (:meth:`PageChecks.check`), before it writes
+        them; nothing for an array it holds as its own already."""
+        pages = self.whole_pages.get(name)
+        if pages is not None and ids.size:
+            pages.check(pages.rows_pages(ids, ids + 1))
+
+    def moved(self) -> bool:
+        """For a read-only open: whether the writer may have changed, since the open checked them,
+        the pages it left mapped from their files (it started a commit since: its intent moved)."""
+        return not self.map_whole or read_intent_token(self.path) != self.opened_intent
+
+    def check_unmoved(self) -> None:
+        """At the end of a read-only open that read arrays mapped from their files: raise
+        :class:`OpenRaced` if the writer started a commit meanwhile (its in-place writes may have
+        reached pages the open checked and then read again)."""
+        if self.read_only and self.map_whole and read_intent_token(self.path) != self.opened_intent:
+            raise OpenRaced(f"{self.path}: a writer started a commit while the store was being opened")
 
     def stale_error(self, intent: int) -> StaleReadError:
         """The error of a read-only open whose writer moved too far ahead (to ``intent``)."""
@@ -422,11 +485,19 @@ class StoreFiles:
                 old = old[old[:, 1] > old[:, 0]]
                 images.append((name, base.file, base.size, old, read_runs(path, old)))
         written: dict[str, FileState] = {}
-        # before the intent: files no commit names yet (a crash leaves them to remove)
-        for name, arr in arrays.items():
-            if plans[name] is None:
-                written[name] = write_new(array_file(self.path, name, g), arr, g, self.unchecked_pages(name, arr))
-        undo_bytes = write_undo(self.path, g, images)
+        # files fsynced together (sync_files), then renamed where they wait for it
+        pending: Pending = []
+        try:
+            # before the intent: files no commit names yet (a crash leaves them to remove)
+            for name, arr in arrays.items():
+                if plans[name] is None:
+                    written[name] = write_new(array_file(self.path, name, g), arr, g, self.unchecked_pages(name, arr),
+                                              pending)
+            undo_bytes = write_undo(self.path, g, images, pending)
+            sync_files(pending)  # the before-images complete and durable, then renamed into place
+        finally:
+            for fd, _ in pending:  # left by an error before sync_files
+                fileio.close(fd)
         fileio.fsync_dir(adir)
         write_intent(self.path, g)  # from here on, the array files change in place
         try:
@@ -435,8 +506,11 @@ class StoreFiles:
                 if runs is not None:
                     base = self.array_files[name]
                     written[name] = write_in_place(array_file(self.path, name, base.file), arr, runs, base,
-                                                   self.unchecked_pages(name, arr))
+                                                   self.unchecked_pages(name, arr), pending)
+            sync_files(pending)
         except BaseException:
+            for fd, _ in pending:  # left by an error before sync_files
+                fileio.close(fd)
             self.undo_failed(arrays)
             raise
         try:
@@ -605,15 +679,19 @@ def open_commit(path: str, mode: str, build: Callable[[dict[str, Any], Any], T],
         body = read_manifest(path)  # under the lock: the last complete commit
         if mode == "r+":
             recover(path, body)
+        token = None
         try:
             for attempt in range(3):
                 try:
                     check_bounds(path, body)  # before anything sized by the manifest is allocated
                     return build(body, lock)
-                except CorruptionError:
+                except CorruptionError as e:
                     newer = read_manifest(path)
-                    if attempt == 2 or newer.get("generation") == body.get("generation"):
+                    if attempt == 2 or (newer.get("generation") == body.get("generation")
+                                        and not isinstance(e, OpenRaced)):
                         raise
+                    if isinstance(e, OpenRaced) and token is None:
+                        token = _COPY_WHOLE.set(True)
                     body = newer
             raise CorruptionError(f"{path}: unreachable")
         except TieredError:
@@ -624,6 +702,9 @@ def open_commit(path: str, mode: str, build: Callable[[dict[str, Any], Any], T],
             raise CorruptionError(
                 f"{path}: the manifest and its arrays are inconsistent ({type(e).__name__}: {str(e)[:300]}); "
                 f"the store is damaged. Run `tiered verify {path}` for details.") from e
+        finally:
+            if token is not None:
+                _COPY_WHOLE.reset(token)
     except BaseException:
         release(lock)
         raise
@@ -650,12 +731,37 @@ def restore_commit(files: StoreFiles, body: dict[str, Any], mode: str, rows: Row
     dense columns are checked page by page on first use (:mod:`tiered.durable.checked_maps`). Reference
     counts are the saved ones less the writer's tail pins; blobs that only the previous writer's
     tail pinned are freed (``r+``) or forgotten (``r``).
+
+    A read-only open reads its blob index, policy state and written mask whole (every page checked)
+    through maps of files that the writer changes in place at its next commits, and checks their
+    pages again, copying them private, at first use (:attr:`StoreFiles.map_whole`): a commit
+    started while it read them makes it open again (:class:`OpenRaced`).
     """
+    try:
+        _restore(files, body, mode, rows, write, placement)
+    except Exception as e:
+        if files.read_only and files.map_whole and read_intent_token(files.path) != files.opened_intent:
+            # what failed may have read bytes the writer was changing: not damage, a race
+            raise OpenRaced(f"{files.path}: a writer started a commit while the store was being opened") from e
+        raise
+    files.check_unmoved()
+
+
+def _restore(files: StoreFiles, body: dict[str, Any], mode: str, rows: RowSpace, write: WritePath,
+             placement: Placement) -> None:
+    """:func:`restore_commit`'s work."""
     load = files.arrays(body)
     index = write.index
     files.adopt_files(body)
+    if files.read_only and files.id_check is not None:
+        index.guard = files.id_check.ids
+        # the entries the open itself writes (forgetting the writer's memory tiers) become its own first
+        files.own_entries("index.loc", np.flatnonzero(np.maximum(index.loc[:index.size, HOT],
+                                                                 index.loc[:index.size, WARM]) >= 0))
     placement.drop_memory_copies()
-    rows.load_state(body, load("written"))
+    written = load("written")
+    written_pages = files.whole_pages.get("written")
+    rows.load_state(body, written, RowCheck([written_pages], rows.capacity) if written_pages is not None else None)
     live = index.live_ids()
     dead = np.empty(0, np.int64)
     if body["schema"] is not None:
@@ -687,8 +793,11 @@ def restore_commit(files: StoreFiles, body: dict[str, Any], mode: str, rows: Row
                         rows.capacity, f.frames_per_row, p), blob, slot)
                 else:
                     table = RowTable.from_arrays(blob, slot)
-                table.guard = RowCheck([blob_pages, slot_pages], rows.capacity,
-                                       functools.partial(check_table_rows, files.path, f.key, rows, layout, index))
+                # the written mask's pages too: the reference checks of a unit read it
+                table.guard = RowCheck([blob_pages, slot_pages, *([written_pages] if written_pages else [])],
+                                       rows.capacity,
+                                       functools.partial(check_table_rows, files.path, f.key, rows, layout, index,
+                                                         moved=files.moved if files.read_only else None))
                 layout.tables[f.key] = table
         for i, j in derived.items():  # no per-row arrays: the exception list, read (checked) whole
             base = layout.tables[fields[j].key]
@@ -698,15 +807,26 @@ def restore_commit(files: StoreFiles, body: dict[str, Any], mode: str, rows: Row
                                table.exc_slot, rows.written[table.exc_rows])
         problems = check_index(index, [(f.frame_nbytes, f.chunk_frames) for f in layout.families])
         # saved counts, less the pins of the writer's tail (gone now)
-        problems += unpin(index, np.asarray(load("pins")))
+        more, unpinned = unpin(index, np.asarray(load("pins")), keep_counts=files.read_only)
+        problems += more
         if problems:
             raise CorruptionError(f"{files.path}: the store is damaged: " + "; ".join(problems[:5])
                                   + f". Run `tiered verify {files.path}` for details.")
         load_policy(placement.policy, body, load, live)
+        for name, pages in files.whole_pages.items():
+            if name.startswith("policy.") and (pages.size - pages.offset) // pages.row_bytes < index.size:
+                pages.check(np.arange(pages.checked.size))  # a use of an id past its end copies it whole
         dead = live[index.refcount[live] == 0]
+        if files.read_only:  # its counts still hold the pins
+            dead = np.union1d(dead, unpinned)
     placement.tiers[COLD] = files.cold_tier(files.cold_state(body, load), mode)
     if dead.size and mode == "r+":
         write.release_blobs(dead)
+    elif files.read_only and "index.state" in files.whole_pages:
+        # forgotten: marked free in its state only (no row of this commit names them, and it never
+        # allocates), so that of their entries, only the state's page becomes its own
+        files.own_entries("index.state", dead)
+        index.state[dead] = FREE
     else:
         index.release(dead)
     load_priorities(placement, body, load, write, files.path)
@@ -861,31 +981,44 @@ def load_priorities(placement: Placement, body: dict[str, Any], load: ArrayLoade
         placement.tell_policy(*priorities.recount_all(write.layout, None))
 
 
-def unpin(index: BlobIndex, pins: np.ndarray) -> list[str]:
+def unpin(index: BlobIndex, pins: np.ndarray, *, keep_counts: bool = False) -> tuple[list[str], np.ndarray]:
     """Take the writer's tail pins (blob ids, once per pin) off the saved reference counts.
 
+    Args:
+        keep_counts: leave the counts as saved (a read-only open, which never uses them after
+            this and so keeps the index pages that hold them the file's): only the ids whose
+            count the pins alone hold are found.
+
     Returns:
-        The problems found, in words (empty: the counts are now the row tables' references).
+        The problems found, in words (empty: the counts are now the row tables' references), and
+        the pinned ids whose count drops to zero.
     """
     n = index.size
     if pins.ndim != 1 or pins.dtype.kind not in "iu" or (pins.size and (int(pins.min()) < 0 or int(pins.max()) >= n)):
-        return [f"the tail pins hold {pins.dtype}{list(pins.shape)} values outside the blob ids [0, {n})"]
+        return [f"the tail pins hold {pins.dtype}{list(pins.shape)} values outside the blob ids [0, {n})"], pins[:0]
     pinned, times = np.unique(pins.astype(np.int64), return_counts=True)
     left = index.refcount[pinned] - times
     if (left < 0).any() or (index.refcount[:n][index.state[:n] != STORED] != 0).any() or (index.refcount[:n] < 0).any():
-        return ["reference counts of the blob index are negative or name free blobs"]
-    index.refcount[pinned] = left  # only those: pages of a mapped index stay unwritten
-    index.dirty.mark(pinned)  # the file still counts the pins: the next commit writes these counts
-    return []
+        return ["reference counts of the blob index are negative or name free blobs"], pins[:0]
+    if not keep_counts:
+        index.refcount[pinned] = left  # only those: pages of a mapped index stay unwritten
+        index.dirty.mark(pinned)  # the file still counts the pins: the next commit writes these counts
+    return [], pinned[left == 0]
 
 
 def check_table_rows(path: str, key: Any, rows: RowSpace, layout: FieldLayout, index: BlobIndex,
-                     at: np.ndarray) -> None:
+                     at: np.ndarray, moved: Callable[[], bool] | None = None) -> None:
     """Check the row table entries of field ``key`` at rows ``at`` (sorted), as
     :func:`check_references` checks a whole table: called when their pages are first checked
     (a next table has no per-row pages: its exceptions are checked when the store opens). A
     shifted table checks the whole stacks of the written rows (their first frames are the last
     frames of the rows before, which a read of them checks first).
+
+    Args:
+        moved: for a read-only open whose index pages are still mapped from their files
+            (:meth:`StoreFiles.moved`): whether the writer may have changed them since the open
+            checked them. Only then are the index pages these entries name made the open's own
+            (copied and checked) before they are read: the entries are read, never written, here.
 
     Raises:
         CorruptionError: naming the store, the field and the first bad row.
@@ -895,14 +1028,16 @@ def check_table_rows(path: str, key: Any, rows: RowSpace, layout: FieldLayout, i
     pick = slice(int(at[0]), int(at[-1]) + 1) if whole else at
     if t.shifted:  # every written row's whole stack: its first frames are the rows' before
         blob, slot = t.refs(at)
-        _check_row_entries(path, key, rows, layout, index, at, blob, slot, rows.written[pick])
+        _check_row_entries(path, key, rows, layout, index, at, blob, slot, rows.written[pick], moved)
         return
-    _check_row_entries(path, key, rows, layout, index, at, t.blob[pick], t.slot[pick], rows.written[pick])
+    _check_row_entries(path, key, rows, layout, index, at, t.blob[pick], t.slot[pick], rows.written[pick], moved)
 
 
 def _check_row_entries(path: str, key: Any, rows: RowSpace, layout: FieldLayout, index: BlobIndex, at: np.ndarray,
-                   ids: np.ndarray, slots: np.ndarray, w: np.ndarray) -> None:
-    """Check ``[len(at), k]`` entries ``ids``/``slots`` of rows ``at`` (``w``: which are written)."""
+                       ids: np.ndarray, slots: np.ndarray, w: np.ndarray,
+                       moved: Callable[[], bool] | None = None) -> None:
+    """Check ``[len(at), k]`` entries ``ids``/``slots`` of rows ``at`` (``w``: which are written);
+    ``moved``: as :func:`check_table_rows` takes it."""
     n = index.size
     if ids.size and (int(ids.min()) < -1 or int(ids.max()) >= n):
         r = int(at[((ids < -1) | (ids >= n)).any(1)][0])
@@ -912,13 +1047,18 @@ def _check_row_entries(path: str, key: Any, rows: RowSpace, layout: FieldLayout,
     ids, slots = (ids, slots) if every else (ids[w], slots[w])
     fam = layout.family_of[key]
     safe = np.maximum(ids, 0)
-    if ids.size > n:  # frames each blob may hold, then one gather per entry
-        frames_in = np.where((index.state[:n] == STORED) & (index.family[:n] == fam),
-                             index.raw_nbytes[:n] // max(layout.families[fam].frame_nbytes, 1), 0)[safe]
-    else:
-        frames_in = np.where((index.state[safe] == STORED) & (index.family[safe] == fam),
-                             index.raw_nbytes[safe] // max(layout.families[fam].frame_nbytes, 1), 0)
-    bad = (ids < 0) | (slots < 0) | (slots >= frames_in)
+    frame_nbytes = max(layout.families[fam].frame_nbytes, 1)
+    for attempt in range(2):  # again only where the index pages read may have changed meanwhile
+        if ids.size > n:  # frames each blob may hold, then one gather per entry
+            frames_in = np.where((index.state[:n] == STORED) & (index.family[:n] == fam),
+                                 index.raw_nbytes[:n] // frame_nbytes, 0)[safe]
+        else:
+            frames_in = np.where((index.state[safe] == STORED) & (index.family[safe] == fam),
+                                 index.raw_nbytes[safe] // frame_nbytes, 0)
+        bad = (ids < 0) | (slots < 0) | (slots >= frames_in)
+        if attempt or moved is None or not moved():
+            break
+        index.check_ids(None if ids.size > n else safe)  # the pages as this commit left them, the open's own
     if bad.any():
         r = at[w][bad.any(1)]
         raise CorruptionError(

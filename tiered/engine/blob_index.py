@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 import mmap
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -110,6 +111,11 @@ class BlobIndex:
         self._free_ids = np.empty(0, dtype=np.int64)
         #: ids whose entries changed since the last commit (a commit rewrites only their pages)
         self.dirty = DirtyBlocks()
+        #: what makes the entries of some ids (None: all) safe to use: a read-only open of a store
+        #: maps its columns from files its writer changes in place, and checks their pages at
+        #: first use (:class:`~tiered.durable.checked_maps.IdCheck`); None where no one else
+        #: writes them
+        self.guard: Callable[[np.ndarray | None], None] | None = None
         for name, (dtype, extra, _) in _COLUMNS.items():
             setattr(self, name, _unused_ids((initial, *extra), dtype))
 
@@ -172,6 +178,17 @@ class BlobIndex:
         if (self.refcount[uniq] < 0).any():
             raise AssertionError("blob reference count went negative: index is inconsistent")
         return uniq[self.refcount[uniq] == 0]
+
+    def check_ids(self, ids: np.ndarray | None = None) -> None:
+        """Before the entries of blob ``ids`` (valid ids, any shape; None: every id) are read or
+        written: run :attr:`guard` over them (nothing to do for most indexes).
+
+        Raises:
+            CorruptionError: from the guard, a page holding them is damaged.
+            StaleReadError: from the guard, a read-only open's writer moved too far ahead.
+        """
+        if self.guard is not None:
+            self.guard(ids)
 
     def live_ids(self) -> np.ndarray:
         return np.flatnonzero(self.state[: self.size] != FREE)

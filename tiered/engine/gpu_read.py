@@ -672,6 +672,7 @@ class GpuReadPipeline(ReadPipeline):
     def _classify(self, uniq: np.ndarray) -> np.ndarray:
         """Where each blob is read from: HOT, WARM or COLD (the fastest tier holding it, as on the
         CPU path), or _OPEN_KIND for an open chunk."""
+        self.index.check_ids(uniq)  # a read-only open checks the index pages of these ids at first use
         state = self.index.state[uniq]
         if not state.all():
             raise AssertionError("a row references a freed blob: index is inconsistent")

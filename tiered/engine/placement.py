@@ -182,6 +182,7 @@ class Placement:
 
     def tier_ids(self, t: int) -> np.ndarray:
         """Ids of the blobs tier ``t`` holds."""
+        self.index.check_ids(None)  # a whole column (a read-only open's pages: its own from here)
         return np.flatnonzero(self.index.loc[: self.index.size, t] >= 0)
 
     # -- writing -----------------------------------------------------------------------------
@@ -472,6 +473,7 @@ class Placement:
         """Give ``rows`` checked priorities; the policy hears the recounted blob maxima."""
         if self.priorities is None:
             return
+        self.index.check_ids(None)  # the counts read the index of every blob of the rows' fields
         if not self.priorities.active:
             self.tell_policy(*self.priorities.activate(layout, stage))
         self.tell_policy(*self.priorities.set(layout, rows, priority, stage), move=True)
@@ -480,6 +482,7 @@ class Placement:
         """Tell the policy blob priorities and sizes; with ``move`` (a ``set_priority``), a policy
         that :attr:`~tiered.policy.Policy.promotes_on_priority` is asked which to read up now
         (:meth:`~tiered.policy.Policy.prefetch`)."""
+        self.index.check_ids(ids)  # a read-only open's index and policy pages of these ids: its own first
         self.policy.set_priority(ids, maxima)
         self.policy.set_sizes(ids, align(self.index.nbytes[ids]))
         self.policy.set_mass(ids, self.priorities.blob_mass(ids))
@@ -517,6 +520,7 @@ class Placement:
             return
         self.priorities.alpha = alpha
         if self.priorities.active:
+            self.index.check_ids(None)  # the recount reads the index of every blob
             self.tell_policy(*self.priorities.recount_all(layout, stage))
 
     def rows_staged(self, layout: FieldLayout, rows: np.ndarray, stage: WriteStage) -> None:

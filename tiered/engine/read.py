@@ -500,6 +500,7 @@ class CpuReadPipeline(ReadPipeline):
         in a reused buffer) and the tier each stored blob was read from. The caller checks them,
         then calls :meth:`settle_reads`."""
         idx = self.index
+        idx.check_ids(uniq)  # a read-only open checks the index pages of these ids at first use
         state = idx.state[uniq]
         if np.logical_or.reduce(state == 0):
             raise AssertionError("a row references a freed blob: index is inconsistent")

@@ -215,6 +215,9 @@ class RowSpace:
         self.length = 0
         # laid out as its file, as the dense columns: a commit hands its pages back to the file
         self.written = file_array(self.capacity, np.bool_)
+        #: the written mask memory-mapped from a store a writer changes in place (a read-only
+        #: open): what checks its pages before first use (None: nothing to check)
+        self.written_check: Any = None
         self.dense: dict[Key, torch.Tensor] = {}
         # each column's bytes as numpy (its bits dtype): a gather of a few rows costs ~0.2 us in
         # numpy against ~1-5 us for torch's index_select, and never wakes torch's thread pool;
@@ -310,6 +313,8 @@ class RowSpace:
         if isinstance(index, slice):
             bounds = index.indices(n)
             rows = np.arange(*bounds, dtype=np.int64)
+            if self.written_check is not None:  # a run of rows: its units, not a unique of the rows
+                self.written_check.span(bounds[0], rows.size) if bounds[2] == 1 else self.written_check.rows(rows)
             if self.written[slice(*bounds)].all():  # a view: no gather for the common case
                 return rows, False
             scalar = False
@@ -334,6 +339,8 @@ class RowSpace:
         Raises:
             UnwrittenRowError: naming the first few such rows and how many there are.
         """
+        if self.written_check is not None:
+            self.written_check.rows(rows)
         seen = self.written[rows]
         if np.logical_and.reduce(seen):  # the common case, in one call
             return
@@ -693,6 +700,9 @@ class RowSpace:
     def state(self) -> dict[str, Any]:
         return {"len": self.length, "cursor": self.cursor, "traj_base": self.next_trajectory}
 
-    def load_state(self, body: dict[str, Any], written: np.ndarray) -> None:
+    def load_state(self, body: dict[str, Any], written: np.ndarray, check: Any = None) -> None:
+        """Take a commit's length, cursor and written mask (``check``: what checks the mask's pages
+        before first use, :attr:`written_check`)."""
         self.length, self.cursor, self.next_trajectory = int(body["len"]), int(body["cursor"]), int(body["traj_base"])
         self.written = written if written.flags.writeable else np.array(written)  # a private map: no copy
+        self.written_check = check if self.written is written else None

@@ -43,6 +43,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from ..errors import CorruptionError, StorageFullError
+from .pool import run_parallel
 
 __all__ = [
     "open_for_write",
@@ -53,6 +54,7 @@ __all__ = [
     "truncate",
     "fsync",
     "fsync_dir",
+    "fsync_many",
     "makedirs",
     "remove",
     "write_file_atomic",
@@ -279,6 +281,22 @@ def fsync(fd: int) -> None:
     inj = _injector
     if inj is not None:
         inj.after_fsync(path_of(fd))
+
+
+def fsync_many(fds: list[int]) -> None:
+    """:func:`fsync` of several files at once: the fsyncs run on a few threads, so the file system
+    makes them durable in one journal commit where one after the other each waits for its own;
+    the fault hook hears of them afterwards, one by one in order, on the calling thread (as if
+    they had run one after the other).
+
+    Raises:
+        OSError: the first fsync that failed, once every one has finished.
+    """
+    run_parallel(os.fsync, [(fd,) for fd in fds], min(8, len(fds)))
+    inj = _injector
+    if inj is not None:
+        for fd in fds:  # the files of one call: a few dozen
+            inj.after_fsync(path_of(fd))
 
 
 def fsync_dir(path: str | os.PathLike[str]) -> None:
