@@ -39,7 +39,7 @@ from ..util.filemap import parse_npy_header
 from ..util.pool import run_parallel
 from ..version import __version__
 
-__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "MANIFEST", "PAGE_BYTES", "ArrayFile", "NpyHeader", "save_npy",
+__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "MANIFEST", "PAGE_BYTES", "ArrayFile", "NpyHeader",
            "write_array", "load_npy", "read_npy_header", "page_checksums", "check_pages", "arrays_verified",
            "already_verified", "map_npy",
            "write_manifest", "read_manifest"]
@@ -135,11 +135,6 @@ def write_array(path: str, arr: np.ndarray) -> ArrayFile:
     finally:
         fileio.close(fd)
     return ArrayFile(len(head) + arr.nbytes, page_checksums([memoryview(head), data]))
-
-
-def save_npy(path: str, arr: np.ndarray) -> int:
-    """Write ``arr`` as a ``.npy`` file through :mod:`tiered.util.fileio` and fsync it; return its size."""
-    return write_array(path, arr).size
 
 
 @dataclass(frozen=True)

@@ -101,7 +101,7 @@ T = TypeVar("T")
 __all__ = ["StoreFiles", "BACKENDS", "CHECKSUMS", "array_path", "read_fresh", "open_commit", "restore_commit", "commit_parts",
            "snapshot_arrays", "check_consistency", "check_bounds", "derived_tables", "shifted_tables",
            "table_file", "schema_of", "options_of",
-           "expand_derived", "check_references", "check_table_rows", "unpin", "page_checksums_of"]
+           "expand_derived", "check_table_rows", "unpin", "page_checksums_of"]
 
 #: Called with ``(files, arrays, written, generation)`` once a commit's manifest is in place, before
 #: the writer's state moves on: the tests' check that every array file written equals memory
@@ -1008,9 +1008,10 @@ def unpin(index: BlobIndex, pins: np.ndarray, *, keep_counts: bool = False) -> t
 
 def check_table_rows(path: str, key: Any, rows: RowSpace, layout: FieldLayout, index: BlobIndex,
                      at: np.ndarray, moved: Callable[[], bool] | None = None) -> None:
-    """Check the row table entries of field ``key`` at rows ``at`` (sorted), as
-    :func:`check_references` checks a whole table: called when their pages are first checked
-    (a next table has no per-row pages: its exceptions are checked when the store opens). A
+    """Check the row table entries of field ``key`` at rows ``at`` (sorted): every written row
+    points at stored blobs of its field's family, at a frame inside the blob. Called when their
+    pages are first checked (a next table has no per-row pages: its exceptions are checked when
+    the store opens). A
     shifted table checks the whole stacks of the written rows (their first frames are the last
     frames of the rows before, which a read of them checks first).
 
@@ -1280,70 +1281,6 @@ def check_index(index: BlobIndex, families: list[tuple[int, int]]) -> list[str]:
                         f"the index (first: blob {b}, family {int(index.family[b])}, codec {int(index.codec[b])}, "
                         f"raw size {int(index.raw_nbytes[b])})")
     return problems
-
-
-def check_references(rows: RowSpace, layout: FieldLayout, index: BlobIndex) -> list[str]:
-    """Vectorized checks that every row table entry is in range and that every written row points
-    at stored blobs of its field's family, at a frame inside the blob (docs/format.md).
-
-    Returns:
-        The problems found, in words (empty: consistent).
-    """
-    problems = check_index(index, [(f.frame_nbytes, f.chunk_frames) for f in layout.families])
-    if problems:
-        return problems
-    cap, n = rows.capacity, index.size
-    written = rows.written
-    # explicit tables first: a next table's rule entries are its base's, checked there; its
-    # own arrays (the exceptions) are checked as they are, never rebuilt whole
-    for key, t in sorted(layout.tables.items(), key=lambda kv: kv[1].derived):
-        name = key_to_str(key)
-        if (t.capacity, t.frames) != (cap, layout.schema[key].frames_per_row):
-            problems.append(f"row table of {name!r} has shape {(t.capacity, t.frames)}")
-            continue
-        part = t.state_arrays()
-        groups = [(part["blob"], part["slot"], None)] if "blob" in part else []
-        if t.derived:
-            groups.append((part["exc_blob"], part["exc_slot"], part["exc_rows"]))
-        elif t.shifted:  # every written row's whole stack (its first frames are other rows' last)
-            groups = [(*t.full(), None)]
-        elif part["slot"].shape != part["blob"].shape:
-            problems.append(f"row table of {name!r} has slots of shape {part['slot'].shape}")
-            continue
-        fam = layout.family_of[key]
-        frame_nbytes = layout.families[fam].frame_nbytes
-        # frames a row of this field may name in each blob (0: not a stored blob of its family),
-        # then one gather per table entry
-        frames_in = np.where((index.state[:n] == STORED) & (index.family[:n] == fam),
-                             index.raw_nbytes[:n] // max(frame_nbytes, 1), 0)
-        for blob, slot, at in groups:  # one or two
-            problem = _check_entries(name, blob, slot, at, written, frames_in, n)
-            if problem:
-                problems.append(problem)
-                break
-    return problems
-
-
-def _check_entries(name: str, blob: np.ndarray, slot: np.ndarray, at: np.ndarray | None, written: np.ndarray,
-                   frames_in: np.ndarray, n: int) -> str | None:
-    """The problem with table entries ``blob``/``slot`` of rows ``at`` (None: every row), if any."""
-    if blob.size and (int(blob.min()) < -1 or int(blob.max()) >= n):
-        return f"row table of {name!r} names blob ids outside [-1, {n})"
-    if at is None:
-        every = bool(written.all())  # the usual full ring: no copy of the tables
-        where = np.flatnonzero(written)
-        ids, slots = (blob, slot) if every else (blob[written], slot[written])
-    else:
-        keep = written[at]
-        where, ids, slots = at[keep], blob[keep], slot[keep]
-    if not ids.size:
-        return None
-    bad = (ids < 0) | (slots < 0) | (slots >= frames_in[np.maximum(ids, 0)] if n else True)
-    if bad.any():
-        r = where[bad.any(1)]
-        return (f"{r.size} written rows of {name!r} point at no stored blob of their field or at a "
-                f"frame outside it (first: row {int(r[0])})")
-    return None
 
 
 def _check_cold_bounds(cold: Any, index: BlobIndex) -> list[str]:
