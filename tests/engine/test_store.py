@@ -218,6 +218,25 @@ def test_frames_differing_in_one_byte_are_never_shared(atari_pong):
     assert not torch.equal(store.get(10)["observation"], store.get(11)["observation"])
 
 
+@pytest.mark.parametrize("row, key, frame, pixel", [
+    (20, ("observation",), 1, (5, 5)),              # a stacked frame (previous row's rule)
+    (20, ("observation",), 3, (0, 0)),              # the newest frame (previous next observation's rule)
+    (30, ("next", "observation"), 2, (83, 83)),     # a next frame (its own row's rule), last byte
+    (31, ("next", "observation"), 0, (40, 41)),
+])
+def test_neighbour_frames_one_byte_apart_are_compared_exactly(atari_pong, row, key, frame, pixel):
+    """The layout's neighbour runs (one comparison per run of stacked frames) compare every byte:
+    a frame that differs from its neighbour by one bit (first, middle or last word) is its own
+    frame, and every equal neighbour is still shared."""
+    data = atari_pong[:64].clone()
+    data[key][row][(frame, *pixel)] ^= 1
+    store = TieredStore(64, frames={"observation": 0}, stage_rows=0)
+    store.extend(data)
+    assert_td_equal(store.get(slice(None)), data)
+    assert store.stats()["fields"]["observation"]["unique_frames"] == _expected_unique_frames(data, [64])
+    check_refcounts(store)
+
+
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.bool, torch.int64, torch.float16, torch.bfloat16,
                                    torch.float32, torch.float64])
 def test_every_dtype_dense_and_blob(dtype):
