@@ -821,27 +821,6 @@ class Schema(Mapping[Key, Field]):
             want.extend(x for x in sub if x not in want)
         return want
 
-    def same_keys(self, td: TensorDictBase) -> bool:
-        """Whether ``td`` holds exactly the schema's fields as tensors: no key more, none less.
-
-        One small set comparison per nesting level, not a listing of ``td``'s nested leaves
-        (the check a single-row write can afford). Example:
-
-            >>> from tensordict import TensorDict
-            >>> s = Schema([Field(("x",), torch.float32, (2,), "dense")])
-            >>> s.same_keys(TensorDict({"x": torch.zeros(3, 2)}, [3]))
-            True
-            >>> s.same_keys(TensorDict({"x": torch.zeros(3, 2), "y": torch.zeros(3)}, [3]))
-            False
-        """
-        entries = self._entries(td)
-        if entries is None:
-            return False
-        for key in self._fields:
-            if not isinstance(entries[key[:-1]][key[-1]], torch.Tensor):
-                return False
-        return True
-
     def match(self, td: TensorDictBase, batch_dims: int) -> dict[Key, torch.Tensor] | None:
         """The cells of ``td`` per key when it matches the schema exactly, else ``None``.
 

@@ -353,3 +353,26 @@ def test_staged_dense_cells_of_every_dtype_read_back_exactly(atari_pong, dtype):
     store.flush()
     assert store.stats()["staged_rows"] == 0
     assert_td_equal(store.get(slice(None)), want)
+
+
+def test_set_with_the_matched_cells_walks_the_data_once():
+    """``set(..., cells=schema.match(data, ...))`` (TorchRL's ``rb.add``): the same rows as a plain
+    ``set``, fewer calls (the data is not walked again), and a mismatch still refused."""
+    from tiered.testing import count_calls
+
+    td = TensorDict({"a": torch.arange(8), ("next", "b"): torch.rand(8, 3), "obs": torch.rand(8, 64, 64)}, [8])
+    store = TieredStore(16)
+    store.extend(td[:4])
+    row = td[5]
+    cells = store.schema.match(row, 0)
+    assert cells is not None
+    store.set(5, row, cells=cells)
+    store.set(6, td[6])
+    assert_td_equal(store.get([5, 6]), td[5:7])
+    assert count_calls(lambda: store.set(7, row, cells=cells)).all < count_calls(lambda: store.set(7, row)).all
+    bad = TensorDict({"a": torch.tensor(7, dtype=torch.int32), ("next", "b"): torch.rand(3), "obs": torch.rand(64, 64)}, [])
+    assert store.schema.match(bad, 0) is None  # TorchRL's storage then writes without cells
+    with pytest.raises(SchemaMismatchError, match="expected int64"):
+        store.set(8, bad)
+    assert len(store) == 8
+    assert_td_equal(store.get([0, 1, 2, 3, 5, 6, 7]), TensorDict.cat([td[:4], td[5:7], td[5:6]], 0))

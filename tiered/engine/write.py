@@ -383,19 +383,22 @@ class WritePath:
         rows_space.advance(n)
         return rows
 
-    def overwrite(self, index: Any, data: Any, length: int | None) -> None:
+    def overwrite(self, index: Any, data: Any, length: int | None,
+                  cells: dict[Key, torch.Tensor] | None = None) -> None:
         """Write ``data`` at ``index`` (duplicates: the last wins); the cursor does not move.
 
-        An integer index of several dimensions takes data of that batch shape."""
+        An integer index of several dimensions takes data of that batch shape. ``cells``: what
+        ``schema.match(data, batch_dims)`` returned for ``data``, when the caller has it (the
+        data is not walked again)."""
         shape = index_shape(index)
         if shape is not None and isinstance(data, TensorDictBase):
             if tuple(data.batch_size[:len(shape)]) != shape:
                 raise SchemaMismatchError(
                     f"an index of shape {list(shape)} needs data of batch size {list(shape)}, got "
                     f"{list(data.batch_size)}; nothing was written")
-            data = data.reshape(-1)
+            data, cells = data.reshape(-1), None
         scalar = isinstance(index, (int, np.integer)) or (isinstance(index, torch.Tensor) and index.ndim == 0)
-        small = self.small_write(data, 0 if scalar else 1)
+        small = self.small_write(data, 0 if scalar else 1, cells)
         if small is not None:
             rows = self.rows.resolve_write(index, small[0])
             if rows.size == 1 or np.unique(rows).size == rows.size:
@@ -417,9 +420,11 @@ class WritePath:
         self.rows.length_after(rows, length)
 
     # -- the write stage ----------------------------------------------------------------------
-    def small_write(self, data: Any, batch_dims: int) -> tuple[int, dict[Key, torch.Tensor]] | None:
+    def small_write(self, data: Any, batch_dims: int,
+                    cells: dict[Key, torch.Tensor] | None = None) -> tuple[int, dict[Key, torch.Tensor]] | None:
         """``(n, cells)`` when ``data`` is a write small enough to stage and matches the schema
-        exactly; ``None`` sends it down the batched path (which also explains any mismatch)."""
+        exactly; ``None`` sends it down the batched path (which also explains any mismatch).
+        ``cells``: ``schema.match(data, batch_dims)`` when the caller already has it."""
         if self.layout is None or not self.stage_rows or not isinstance(data, TensorDictBase):
             return None
         bs = data.batch_size
@@ -430,9 +435,10 @@ class WritePath:
         if not 0 < n <= min(self.stage_rows // 4, self.rows.capacity):
             return None
         schema = self.layout.schema
-        cells = schema.match(data, batch_dims)
         if cells is None:
-            return None
+            cells = schema.match(data, batch_dims)
+            if cells is None:
+                return None
         check_cells_readable(schema, cells)
         self.validate_values(schema, cells)  # a lossy narrowing is refused before it is staged
         return n, cells
