@@ -423,3 +423,19 @@ def test_root_exports_every_exception():
                and v.__module__ == "tiered.errors"}
     assert classes <= set(tiered.__all__)
     assert all(getattr(tiered, n) is getattr(tiered.errors, n) for n in classes)
+
+
+def test_a_large_write_leaves_no_large_scratch_behind(atari_mixed):
+    """The neighbour comparison's temporaries are reused up to SCRATCH_MAX_BYTES; a write
+    needing more gets fresh ones that go away with it (a store does not keep a buffer sized for
+    its largest write)."""
+    from tiered.engine.frames import SCRATCH_MAX_BYTES
+
+    data = atari_mixed[:3600]
+    store = TieredStore(3600, frames={"observation": 0}, stage_rows=0)
+    store.extend(data[:16])
+    family = parts(store).layout.families[0]
+    assert 0 < family.scratch_nbytes <= SCRATCH_MAX_BYTES
+    store.extend(data[16:])  # 3584 rows x 3 frames x 882 words of comparisons: past the bound
+    assert family.scratch_nbytes <= SCRATCH_MAX_BYTES
+    assert_td_equal(store.get(slice(None)), data)

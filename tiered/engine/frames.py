@@ -54,6 +54,10 @@ def auto_chunk_frames(frame_nbytes: int, most: int) -> int:
     """
     return max(1, min(int(most), CHUNK_TARGET_BYTES // max(int(frame_nbytes), 1)))
 
+#: The largest temporary a family keeps for reuse (:meth:`FrameFamily.scratch`); the write
+#: stage's flushes need far less (64 rows of 2 x 4-frame Atari stacks: ~170 kB).
+SCRATCH_MAX_BYTES = 8 << 20
+
 _HASH_SEED = 0x9E3779B97F4A7C15
 
 
@@ -538,13 +542,22 @@ class FrameFamily:
         return representative
 
     def scratch(self, name: str, shape: tuple[int, ...], dtype) -> np.ndarray:
-        """A reused buffer: fresh multi-MB temporaries cost page faults on every write."""
+        """A reused buffer: fresh multi-MB temporaries cost page faults on every write. Past
+        :data:`SCRATCH_MAX_BYTES` (a large batched write) a fresh array: a family does not keep
+        holding a buffer sized for its largest write."""
         n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        if n > SCRATCH_MAX_BYTES:
+            return np.empty(shape, dtype=dtype)
         buf = self._scratch.get(name)
         if buf is None or buf.size < n:
             buf = np.empty(max(n, int(buf.size * 1.5) if buf is not None else 0), dtype=np.uint8)
             self._scratch[name] = buf
         return buf[:n].view(dtype).reshape(shape)
+
+    @property
+    def scratch_nbytes(self) -> int:
+        """Bytes of the reused buffers this family holds (at most :data:`SCRATCH_MAX_BYTES` each)."""
+        return sum(int(b.nbytes) for b in self._scratch.values())
 
     def _take(self, frames: np.ndarray, idx: np.ndarray) -> np.ndarray:
         """Rows ``idx`` of the virtual concatenation ``[tail; frames]`` without building it."""
