@@ -668,7 +668,13 @@ class RowSpace:
         done = np.zeros(n, dtype=bool)
         for k in DONE_KEYS:
             if k in schema:
-                done |= (data.get(k).reshape(n, -1) != 0).any(-1).numpy()  # any dtype: uint8 flags too
+                v = data.get(k)
+                if v.dtype == torch.bool or not (v.is_floating_point() or v.is_complex()):
+                    # bool and integer flags in numpy: torch's compare, any and copy cost ~5 us
+                    # a flag even for a few rows (a flush of the write stage reads four)
+                    done |= np.logical_or.reduce(v.numpy().reshape(n, -1) != 0, axis=-1)
+                else:  # any dtype (bfloat16 too), -0.0 not a done
+                    done |= (v.reshape(n, -1) != 0).any(-1).numpy()
         tk = traj_key if traj_key is not None else ("collector", "traj_ids")
         next_base = self.next_trajectory
         if tk in schema:
