@@ -376,3 +376,34 @@ def test_set_with_the_matched_cells_walks_the_data_once():
         store.set(8, bad)
     assert len(store) == 8
     assert_td_equal(store.get([0, 1, 2, 3, 5, 6, 7]), TensorDict.cat([td[:4], td[5:7], td[5:6]], 0))
+
+
+@pytest.mark.parametrize("traj_ids", [True, False])
+def test_compressing_the_stage_leaves_the_dense_columns_as_the_stage_wrote_them(atari_mixed, tmp_path, traj_ids):
+    """A flush of the stage writes only the staged rows' blob fields (their dense cells, narrowed
+    ones too, went to the columns when staged) and reads back only the fields that cut
+    trajectories: the frames and chunks come out as one batched write's, with the trajectory-id
+    field or with the done flags alone, and a commit saves every dense cell."""
+    data = atari_mixed[1900:2100]  # an episode end and a change of game
+    if not traj_ids:
+        data = data.exclude("collector")
+    opts = {"frames": {"observation": 0}, "dense_dtypes": {("next", "reward"): torch.float16}}
+    batched = TieredStore(300, **opts, stage_rows=0)
+    batched.extend(data[:1])
+    for lo in range(1, 200, 64):
+        batched.extend(data[lo:lo + 64])
+    batched.flush()
+    staged = TieredStore(300, **opts, stage_rows=64)
+    durable = TieredStore(300, tmp_path / "s", **opts, stage_rows=64)
+    for i in range(200):
+        staged.extend(data[i:i + 1])
+        durable.extend(data[i:i + 1])
+    assert staged.stats()["staged_rows"] == 199 % 64  # the first write was batched, the others staged
+    staged.flush()
+    a, b = batched.stats()["fields"]["observation"], staged.stats()["fields"]["observation"]
+    assert a["unique_frames"] == b["unique_frames"] and a["stored_bytes"] == b["stored_bytes"]
+    assert batched.stats()["blobs"] == staged.stats()["blobs"]
+    assert_td_equal(staged.get(slice(None)), batched.get(slice(None)))
+    durable.close()
+    with TieredStore.open(tmp_path / "s") as reader:
+        assert_td_equal(reader.get(slice(None)), batched.get(slice(None)))

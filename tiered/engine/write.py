@@ -55,7 +55,7 @@ from .detect import detect_frames
 from .frames import TAIL_ROWS, FrameColumns, FrameFamily, FramePlan, auto_chunk_frames
 from .layout import FieldLayout
 from .placement import Placement
-from .rows import RowSpace, held_rows, index_shape
+from .rows import DONE_KEYS, RowSpace, held_rows, index_shape
 from .stage import WriteStage
 
 __all__ = ["WritePath", "WriteOptions", "check_cells_readable", "check_layout_fits", "check_values_fit", "MAX_CHUNK_BYTES",
@@ -471,11 +471,14 @@ class WritePath:
         if stage is None or stage.count == 0:
             return
         self.rows.check_dense(stage.rows[:stage.count])
-        dense = self.layout.schema.dense_fields
+        # the dense cells are in their columns already (write_rows(staged=True) leaves them):
+        # only the fields that cut trajectories are read back
+        traj_keys = {*DONE_KEYS, self.options.traj_key or ("collector", "traj_ids")}
+        dense = [f for f in self.layout.schema.dense_fields if f.key in traj_keys]
         rows, data = stage.batch(lambda r, out: self.rows.read_dense_fields(dense, r, out))
         pending, self.widen = self.widen, {}  # the widenings of the write this flush comes before
         try:
-            self.write_rows(rows, data)
+            self.write_rows(rows, data, staged=True)
         finally:
             self.widen = pending
         stage.reset()
@@ -486,10 +489,14 @@ class WritePath:
         return stage.staged(rows) if stage is not None and stage.count else None
 
     # -- the batched path ---------------------------------------------------------------------
-    def write_rows(self, rows: np.ndarray, data: TensorDictBase | dict[Key, torch.Tensor]) -> None:
+    def write_rows(self, rows: np.ndarray, data: TensorDictBase | dict[Key, torch.Tensor],
+                   staged: bool = False) -> None:
         """Write validated rows at ``rows`` (unique positions). All or nothing.
 
-        ``data``: a TensorDict matching the schema, or its cells per key on the CPU (the stage's)."""
+        ``data``: a TensorDict matching the schema, or its cells per key on the CPU (the stage's).
+        ``staged``: the rows of the write stage, whose dense cells (flags included) are already in
+        their columns (the stage write put them there): only their blob fields are written, and
+        ``data`` needs only those and the dense fields that cut trajectories."""
         layout, n = self.layout, rows.size
         if n == 0:
             return
@@ -506,7 +513,8 @@ class WritePath:
         traj, ended, next_trajectory = self.rows.trajectory_ids(layout.schema, data, n, self.options.traj_key)
         plans: list[FramePlan] = []
         undecided = [fam for fam in layout.families if fam.stored_raw is None]
-        widening = self.prepare_widening(rows, data)
+        # staged rows: their values are the columns' own (no wider dtype, no row-number mismatch)
+        widening = None if staged else self.prepare_widening(rows, data)
         try:
             for fid, fields in enumerate(layout.fields_of):
                 fam = layout.families[fid]
@@ -540,7 +548,8 @@ class WritePath:
             previous += old_refs
             self.placement.policy.on_insert(plan.closed_ids)
         self.install_widening(widening)  # the wider columns come with the rows
-        self.rows.write_dense(layout.schema, rows, data)
+        if not staged:
+            self.rows.write_dense(layout.schema, rows, data)
         self.rows.mark_written(rows)
         self.rows.next_trajectory = next_trajectory
         self.release_blobs(np.unique(np.concatenate(dead)) if dead else np.empty(0, np.int64))
