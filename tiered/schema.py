@@ -628,6 +628,11 @@ class Field:
 _TD_CLASSES: set[type] = set()
 
 
+def _leafless(value: Any) -> bool:
+    """Whether ``value`` is a TensorDict holding no tensor at any depth (it stores nothing)."""
+    return isinstance(value, TensorDictBase) and next(iter(value.keys(include_nested=True, leaves_only=True)), None) is None
+
+
 class Schema(Mapping[Key, Field]):
     """The ordered set of fields of a store. Immutable once created."""
 
@@ -859,7 +864,10 @@ class Schema(Mapping[Key, Field]):
                     return None
                 _TD_CLASSES.add(type(sub))
             level = dict(sub.items())
-            if level.keys() != names:
+            if level.keys() != names and not (names <= level.keys() and all(
+                    _leafless(level[k]) for k in level.keys() - names)):
+                # a TensorDict without leaves (("collector",) once its only key was excluded) is
+                # no field, as for the batched path's check: it must not cost a small write its stage
                 return None
             entries[prefix] = level
         return entries

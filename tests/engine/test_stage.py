@@ -407,3 +407,23 @@ def test_compressing_the_stage_leaves_the_dense_columns_as_the_stage_wrote_them(
     durable.close()
     with TieredStore.open(tmp_path / "s") as reader:
         assert_td_equal(reader.get(slice(None)), batched.get(slice(None)))
+
+
+def test_a_small_write_with_an_empty_nested_tensordict_is_staged(atari_pong):
+    """A nested TensorDict without tensors (``("collector",)`` once its only key was excluded)
+    holds no field: a small write that carries one is staged like any other (not sent down the
+    batched path on every call), reads back the same, and a real extra field is still refused."""
+    data = atari_pong[:40].exclude(("collector", "traj_ids"))
+    assert "collector" in data.keys() and not list(data["collector"].keys())
+    store = TieredStore(100, frames={"observation": 0})
+    store.extend(data[:8])
+    for i in range(8, 20):
+        store.extend(data[i:i + 1])
+    store.set(20, data[20])
+    assert store.stats()["staged_rows"] == 13
+    assert_td_equal(store.get(slice(None)), data[:21].exclude("collector"))
+    extra = data[21:22].clone()
+    extra["collector", "surprise"] = torch.zeros(1)
+    with pytest.raises(SchemaMismatchError, match="'collector/surprise': not in the schema"):
+        store.extend(extra)
+    assert len(store) == 21 and store.stats()["staged_rows"] == 13

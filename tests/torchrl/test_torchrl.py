@@ -726,3 +726,17 @@ def test_add_with_the_stored_keys_but_another_dtype_is_refused_and_changes_nothi
         rb.add(bad)
     assert len(rb) == 5
     assert rb.storage.get(slice(None))["a"].tolist() == [0, 1, 2, 3, 9]
+
+
+def test_add_of_a_row_with_an_empty_nested_tensordict_is_staged():
+    """``rb.add`` of rows whose ``("collector",)`` holds nothing (its only key excluded): the
+    storage's one walk matches them, so they are staged like any small write, and read back."""
+    td = TensorDict({"a": torch.arange(8), "obs": torch.rand(8, 32, 32), ("collector", "traj_ids"): torch.zeros(8)},
+                    [8]).exclude(("collector", "traj_ids"))
+    rb = TensorDictReplayBuffer(storage=TieredStorage(20))
+    rb.extend(td[:4])
+    for i in range(4, 8):
+        rb.add(td[i])
+    assert rb.storage.store.stats()["staged_rows"] == 4
+    got = rb.storage.get(slice(None))
+    assert torch.equal(got["a"], td["a"]) and torch.equal(got["obs"], td["obs"])
