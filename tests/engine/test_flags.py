@@ -47,7 +47,9 @@ def test_flags_read_back_on_every_write_path(atari_pong, tmp_path):
         s.extend(data[:200])                 # batched
         for i in range(200, 230):            # staged one row at a time (ReplayBuffer.add)
             s.extend(data[i:i + 1])
-        s.extend(data[230:300])
+        for i in range(230, 245, 3):         # staged a few rows at a time (a small collector batch)
+            s.extend(data[i:i + 3])
+        s.extend(data[245:300])
         s.set([5, 7, 5], data[[250, 251, 252]])  # overwrites, a duplicate among them (the last wins)
         s.set(9, data[253])                  # one row
         want = data.clone()
