@@ -14,6 +14,7 @@ Usage:
     python benchmarks/profile_calls.py --threads 1 --cpu   # thread CPU time: steadier on a busy host
     python benchmarks/profile_calls.py --only --breakdown store.get32 rb.add1   # calls per tiered function
     python benchmarks/profile_calls.py --only --stages store.get32 rb.add1 rb.extend16  # us per stage
+    python benchmarks/profile_calls.py --only --stages rb.extend16 --cpu --threads 1  # in thread CPU time
 """
 
 from __future__ import annotations
@@ -126,13 +127,15 @@ STAGES = [
 ]
 
 
-def time_stages(fn, calls: int, before=None, *, median: bool = True) -> dict[str, tuple[float, float]]:
+def time_stages(fn, calls: int, before=None, *, median: bool = True, cpu: bool = False) -> dict[str, tuple[float, float]]:
     """``{stage: (us per call of fn, calls of the stage per call of fn)}`` over ``calls`` calls of
     ``fn`` (``before()`` runs untimed ahead of each), every function of STAGES wrapped in a timer.
 
     ``median``: each stage's median over the calls (a read: robust to other processes' bursts on a
     shared machine); else its mean (a write: the mean counts the stage compressions that only some
-    calls make, as the table's write rates do)."""
+    calls make, as the table's write rates do). ``cpu``: the calling thread's CPU time
+    (``time.thread_time_ns``), not wall time."""
+    clock = time.thread_time_ns if cpu else time.perf_counter_ns
     import functools
     import importlib
 
@@ -147,11 +150,11 @@ def time_stages(fn, calls: int, before=None, *, median: bool = True) -> dict[str
         orig = holder.__dict__[attr] if owner else getattr(mod, attr)
 
         def wrapped(*a, _orig=orig, _row=acc[i], **k):
-            t0 = time.perf_counter_ns()
+            t0 = clock()
             try:
                 return _orig(*a, **k)
             finally:
-                _row[0] += time.perf_counter_ns() - t0
+                _row[0] += clock() - t0
                 _row[1] += 1
 
         functools.update_wrapper(wrapped, orig)
@@ -168,9 +171,9 @@ def time_stages(fn, calls: int, before=None, *, median: bool = True) -> dict[str
             if before is not None:
                 before()
             acc[:] = 0
-            t0 = time.perf_counter_ns()
+            t0 = clock()
             fn()
-            acc[-1] = time.perf_counter_ns() - t0, 1
+            acc[-1] = clock() - t0, 1
             per_call[c] = acc
     finally:
         for holder, attr, orig in reversed(undo):
@@ -301,8 +304,8 @@ def main(argv=None) -> int:
             fn()
         write = "add" in name or "extend" in name
         print(f"### stages of tiered {name}, {args.stage_calls} calls (us per call, inclusive, "
-              f"{'mean' if write else 'median'}; calls per call)")
-        for q, (us, c) in time_stages(fn, args.stage_calls, before, median=not write).items():
+              f"{'mean' if write else 'median'}{', thread CPU time' if args.cpu else ''}; calls per call)")
+        for q, (us, c) in time_stages(fn, args.stage_calls, before, median=not write, cpu=args.cpu).items():
             print(f"  {us:9.1f} us  {c:5.2f}x  {q}")
     for name in args.profile:
         fn = table[name]["tiered"]

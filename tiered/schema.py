@@ -648,6 +648,11 @@ class Field:
 _TD_CLASSES: set[type] = set()
 
 
+def _leafless(value: Any) -> bool:
+    """Whether ``value`` is a TensorDict holding no tensor at any depth (it stores nothing)."""
+    return isinstance(value, TensorDictBase) and next(iter(value.keys(include_nested=True, leaves_only=True)), None) is None
+
+
 class Schema(Mapping[Key, Field]):
     """The ordered set of fields of a store. Immutable once created."""
 
@@ -841,27 +846,6 @@ class Schema(Mapping[Key, Field]):
             want.extend(x for x in sub if x not in want)
         return want
 
-    def same_keys(self, td: TensorDictBase) -> bool:
-        """Whether ``td`` holds exactly the schema's fields as tensors: no key more, none less.
-
-        One small set comparison per nesting level, not a listing of ``td``'s nested leaves
-        (the check a single-row write can afford). Example:
-
-            >>> from tensordict import TensorDict
-            >>> s = Schema([Field(("x",), torch.float32, (2,), "dense")])
-            >>> s.same_keys(TensorDict({"x": torch.zeros(3, 2)}, [3]))
-            True
-            >>> s.same_keys(TensorDict({"x": torch.zeros(3, 2), "y": torch.zeros(3)}, [3]))
-            False
-        """
-        entries = self._entries(td)
-        if entries is None:
-            return False
-        for key in self._fields:
-            if not isinstance(entries[key[:-1]][key[-1]], torch.Tensor):
-                return False
-        return True
-
     def match(self, td: TensorDictBase, batch_dims: int) -> dict[Key, torch.Tensor] | None:
         """The cells of ``td`` per key when it matches the schema exactly, else ``None``.
 
@@ -900,7 +884,10 @@ class Schema(Mapping[Key, Field]):
                     return None
                 _TD_CLASSES.add(type(sub))
             level = dict(sub.items())
-            if level.keys() != names:
+            if level.keys() != names and not (names <= level.keys() and all(
+                    _leafless(level[k]) for k in level.keys() - names)):
+                # a TensorDict without leaves (("collector",) once its only key was excluded) is
+                # no field, as for the batched path's check: it must not cost a small write its stage
                 return None
             entries[prefix] = level
         return entries

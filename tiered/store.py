@@ -426,7 +426,8 @@ class TieredStore:
             self._counters["extends"] += 1
             return torch.from_numpy(rows)
 
-    def set(self, index: IndexLike, data: TensorDictBase, *, length: int | None = None) -> None:
+    def set(self, index: IndexLike, data: TensorDictBase, *, length: int | None = None,
+            cells: Mapping[Key, torch.Tensor] | None = None) -> None:
         """Overwrite rows at ``index`` (ints, slices, lists, arrays or tensors; duplicates: last wins).
 
         Rows may lie beyond the length (up to the capacity): the length grows to cover them, and
@@ -440,6 +441,10 @@ class TieredStore:
             length: the store's length after the write. By default rows beyond the current
                 length extend it; pass the current ``len(store)`` to leave it unchanged (TorchRL's
                 ``set_cursor=False``). The cursor does not move.
+            cells: what ``store.schema.match(data, batch_dims)`` returned for this ``data``
+                (``batch_dims`` 0 for an int index, else 1), when the caller already walked
+                ``data`` with it: a small write then does not walk it again (TorchRL's
+                ``rb.add``). Values are still checked as for any write.
 
         Raises:
             SchemaMismatchError: the data does not match the schema or the index (nothing written).
@@ -448,7 +453,7 @@ class TieredStore:
         with self._lock:
             self._check_writable()
             self._changed = True
-            self._write.overwrite(index, data, length)
+            self._write.overwrite(index, data, length, None if cells is None else dict(cells))
 
     def clear(self) -> None:
         """Forget every row and release every blob (length and cursor go back to 0)."""

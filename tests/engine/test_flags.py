@@ -24,6 +24,7 @@ from tensordict import TensorDict
 import tiered
 from tiered import TieredStore
 from tiered.errors import ChecksumError, CorruptionError
+from tiered.testing import parts
 from tiered.verify import verify_store
 
 OPTS = {"frames": {"observation": 0}, "chunk_frames": 4}
@@ -46,7 +47,9 @@ def test_flags_read_back_on_every_write_path(atari_pong, tmp_path):
         s.extend(data[:200])                 # batched
         for i in range(200, 230):            # staged one row at a time (ReplayBuffer.add)
             s.extend(data[i:i + 1])
-        s.extend(data[230:300])
+        for i in range(230, 245, 3):         # staged a few rows at a time (a small collector batch)
+            s.extend(data[i:i + 3])
+        s.extend(data[245:300])
         s.set([5, 7, 5], data[[250, 251, 252]])  # overwrites, a duplicate among them (the last wins)
         s.set(9, data[253])                  # one row
         want = data.clone()
@@ -177,3 +180,29 @@ def test_a_torchrl_slice_sampler_reads_the_flags(atari_pong, tmp_path):
     assert not done[:, :-1].any()
     whole = rb[:]
     assert torch.equal(whole["next", "done"], atari_pong["next", "done"][:1000])
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.uint8, torch.int32, torch.int64, torch.float32, torch.bfloat16])
+def test_done_flags_of_every_dtype_cut_trajectories_the_same(dtype):
+    """Trajectory ids from done flags (no trajectory-id field): any nonzero cell of a done,
+    terminated or truncated flag ends its row's trajectory, whatever the flag's dtype (bool and
+    integers are read with numpy, the others with torch); a float -0.0 is not a done."""
+    n = 40
+    done = torch.zeros(n, 1, dtype=dtype)
+    done[5] = 1
+    done[20] = 2 if dtype not in (torch.bool,) else True
+    if dtype.is_floating_point:
+        done[30] = -0.0
+    truncated = torch.zeros(n, dtype=dtype)
+    truncated[11] = 1
+    td = TensorDict({"obs": torch.zeros(n, 3), ("next", "done"): done, ("next", "truncated"): truncated}, [n])
+    store = TieredStore(n)
+    store.extend(td)
+    rows = parts(store).rows
+    cells = {key: td.get(key) for key in store.schema}
+    base = rows.next_trajectory
+    traj, ended, next_base = rows.trajectory_ids(store.schema, cells, n, None)
+    assert next_base == base + 3
+    expected = base + np.cumsum([0] + [int(r in (5, 11, 20)) for r in range(n - 1)])
+    assert traj.tolist() == expected.tolist()
+    assert ended.tolist() == [base, base + 1, base + 2]

@@ -353,3 +353,77 @@ def test_staged_dense_cells_of_every_dtype_read_back_exactly(atari_pong, dtype):
     store.flush()
     assert store.stats()["staged_rows"] == 0
     assert_td_equal(store.get(slice(None)), want)
+
+
+def test_set_with_the_matched_cells_walks_the_data_once():
+    """``set(..., cells=schema.match(data, ...))`` (TorchRL's ``rb.add``): the same rows as a plain
+    ``set``, fewer calls (the data is not walked again), and a mismatch still refused."""
+    from tiered.testing import count_calls
+
+    td = TensorDict({"a": torch.arange(8), ("next", "b"): torch.rand(8, 3), "obs": torch.rand(8, 64, 64)}, [8])
+    store = TieredStore(16)
+    store.extend(td[:4])
+    row = td[5]
+    cells = store.schema.match(row, 0)
+    assert cells is not None
+    store.set(5, row, cells=cells)
+    store.set(6, td[6])
+    assert_td_equal(store.get([5, 6]), td[5:7])
+    assert count_calls(lambda: store.set(7, row, cells=cells)).all < count_calls(lambda: store.set(7, row)).all
+    bad = TensorDict({"a": torch.tensor(7, dtype=torch.int32), ("next", "b"): torch.rand(3), "obs": torch.rand(64, 64)}, [])
+    assert store.schema.match(bad, 0) is None  # TorchRL's storage then writes without cells
+    with pytest.raises(SchemaMismatchError, match="expected int64"):
+        store.set(8, bad)
+    assert len(store) == 8
+    assert_td_equal(store.get([0, 1, 2, 3, 5, 6, 7]), TensorDict.cat([td[:4], td[5:7], td[5:6]], 0))
+
+
+@pytest.mark.parametrize("traj_ids", [True, False])
+def test_compressing_the_stage_leaves_the_dense_columns_as_the_stage_wrote_them(atari_mixed, tmp_path, traj_ids):
+    """A flush of the stage writes only the staged rows' blob fields (their dense cells, narrowed
+    ones too, went to the columns when staged) and reads back only the fields that cut
+    trajectories: the frames and chunks come out as one batched write's, with the trajectory-id
+    field or with the done flags alone, and a commit saves every dense cell."""
+    data = atari_mixed[1900:2100]  # an episode end and a change of game
+    if not traj_ids:
+        data = data.exclude("collector")
+    opts = {"frames": {"observation": 0}, "dense_dtypes": {("next", "reward"): torch.float16}}
+    batched = TieredStore(300, **opts, stage_rows=0)
+    batched.extend(data[:1])
+    for lo in range(1, 200, 64):
+        batched.extend(data[lo:lo + 64])
+    batched.flush()
+    staged = TieredStore(300, **opts, stage_rows=64)
+    durable = TieredStore(300, tmp_path / "s", **opts, stage_rows=64)
+    for i in range(200):
+        staged.extend(data[i:i + 1])
+        durable.extend(data[i:i + 1])
+    assert staged.stats()["staged_rows"] == 199 % 64  # the first write was batched, the others staged
+    staged.flush()
+    a, b = batched.stats()["fields"]["observation"], staged.stats()["fields"]["observation"]
+    assert a["unique_frames"] == b["unique_frames"] and a["stored_bytes"] == b["stored_bytes"]
+    assert batched.stats()["blobs"] == staged.stats()["blobs"]
+    assert_td_equal(staged.get(slice(None)), batched.get(slice(None)))
+    durable.close()
+    with TieredStore.open(tmp_path / "s") as reader:
+        assert_td_equal(reader.get(slice(None)), batched.get(slice(None)))
+
+
+def test_a_small_write_with_an_empty_nested_tensordict_is_staged(atari_pong):
+    """A nested TensorDict without tensors (``("collector",)`` once its only key was excluded)
+    holds no field: a small write that carries one is staged like any other (not sent down the
+    batched path on every call), reads back the same, and a real extra field is still refused."""
+    data = atari_pong[:40].exclude(("collector", "traj_ids"))
+    assert "collector" in data.keys() and not list(data["collector"].keys())
+    store = TieredStore(100, frames={"observation": 0})
+    store.extend(data[:8])
+    for i in range(8, 20):
+        store.extend(data[i:i + 1])
+    store.set(20, data[20])
+    assert store.stats()["staged_rows"] == 13
+    assert_td_equal(store.get(slice(None)), data[:21].exclude("collector"))
+    extra = data[21:22].clone()
+    extra["collector", "surprise"] = torch.zeros(1)
+    with pytest.raises(SchemaMismatchError, match="'collector/surprise': not in the schema"):
+        store.extend(extra)
+    assert len(store) == 21 and store.stats()["staged_rows"] == 13

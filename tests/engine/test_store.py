@@ -218,6 +218,25 @@ def test_frames_differing_in_one_byte_are_never_shared(atari_pong):
     assert not torch.equal(store.get(10)["observation"], store.get(11)["observation"])
 
 
+@pytest.mark.parametrize("row, key, frame, pixel", [
+    (20, ("observation",), 1, (5, 5)),              # a stacked frame (previous row's rule)
+    (20, ("observation",), 3, (0, 0)),              # the newest frame (previous next observation's rule)
+    (30, ("next", "observation"), 2, (83, 83)),     # a next frame (its own row's rule), last byte
+    (31, ("next", "observation"), 0, (40, 41)),
+])
+def test_neighbour_frames_one_byte_apart_are_compared_exactly(atari_pong, row, key, frame, pixel):
+    """The layout's neighbour runs (one comparison per run of stacked frames) compare every byte:
+    a frame that differs from its neighbour by one bit (first, middle or last word) is its own
+    frame, and every equal neighbour is still shared."""
+    data = atari_pong[:64].clone()
+    data[key][row][(frame, *pixel)] ^= 1
+    store = TieredStore(64, frames={"observation": 0}, stage_rows=0)
+    store.extend(data)
+    assert_td_equal(store.get(slice(None)), data)
+    assert store.stats()["fields"]["observation"]["unique_frames"] == _expected_unique_frames(data, [64])
+    check_refcounts(store)
+
+
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.bool, torch.int64, torch.float16, torch.bfloat16,
                                    torch.float32, torch.float64])
 def test_every_dtype_dense_and_blob(dtype):
@@ -404,3 +423,19 @@ def test_root_exports_every_exception():
                and v.__module__ == "tiered.errors"}
     assert classes <= set(tiered.__all__)
     assert all(getattr(tiered, n) is getattr(tiered.errors, n) for n in classes)
+
+
+def test_a_large_write_leaves_no_large_scratch_behind(atari_mixed):
+    """The neighbour comparison's temporaries are reused up to SCRATCH_MAX_BYTES; a write
+    needing more gets fresh ones that go away with it (a store does not keep a buffer sized for
+    its largest write)."""
+    from tiered.engine.frames import SCRATCH_MAX_BYTES
+
+    data = atari_mixed[:3600]
+    store = TieredStore(3600, frames={"observation": 0}, stage_rows=0)
+    store.extend(data[:16])
+    family = parts(store).layout.families[0]
+    assert 0 < family.scratch_nbytes <= SCRATCH_MAX_BYTES
+    store.extend(data[16:])  # 3584 rows x 3 frames x 882 words of comparisons: past the bound
+    assert family.scratch_nbytes <= SCRATCH_MAX_BYTES
+    assert_td_equal(store.get(slice(None)), data)

@@ -710,3 +710,33 @@ def test_storage_from_existing_path(dataset_path, atari_mixed):
         TieredStorage(10, dataset_path, mode="r")
     with pytest.raises(FileNotFoundError):
         TieredStorage(10, dataset_path.parent / "nothing-here", mode="r")
+
+
+def test_add_with_the_stored_keys_but_another_dtype_is_refused_and_changes_nothing():
+    """``rb.add`` walks the row once (the cells go to the store); a row with the stored keys but
+    another dtype takes the checked path and is refused, the buffer left as it was."""
+    from tiered.errors import SchemaMismatchError
+
+    td = TensorDict({"a": torch.arange(4), ("next", "b"): torch.zeros(4, 3)}, [4])
+    rb = TensorDictReplayBuffer(storage=TieredStorage(10))
+    rb.extend(td)
+    rb.add(TensorDict({"a": torch.tensor(9), ("next", "b"): torch.ones(3)}, []))
+    bad = TensorDict({"a": torch.tensor(7, dtype=torch.int32), ("next", "b"): torch.ones(3)}, [])
+    with pytest.raises(SchemaMismatchError, match="expected int64"):
+        rb.add(bad)
+    assert len(rb) == 5
+    assert rb.storage.get(slice(None))["a"].tolist() == [0, 1, 2, 3, 9]
+
+
+def test_add_of_a_row_with_an_empty_nested_tensordict_is_staged():
+    """``rb.add`` of rows whose ``("collector",)`` holds nothing (its only key excluded): the
+    storage's one walk matches them, so they are staged like any small write, and read back."""
+    td = TensorDict({"a": torch.arange(8), "obs": torch.rand(8, 32, 32), ("collector", "traj_ids"): torch.zeros(8)},
+                    [8]).exclude(("collector", "traj_ids"))
+    rb = TensorDictReplayBuffer(storage=TieredStorage(20))
+    rb.extend(td[:4])
+    for i in range(4, 8):
+        rb.add(td[i])
+    assert rb.storage.store.stats()["staged_rows"] == 4
+    got = rb.storage.get(slice(None))
+    assert torch.equal(got["a"], td["a"]) and torch.equal(got["obs"], td["obs"])

@@ -31,7 +31,7 @@ import numpy as np
 from ..util.batch import exclusive_cumsum, isin, ranges
 from .blob_index import OPEN, BlobIndex
 
-__all__ = ["FrameFamily", "FramePlan", "FrameColumns", "layout_rules", "auto_chunk_frames", "CHUNK_TARGET_BYTES",
+__all__ = ["FrameFamily", "FramePlan", "FrameColumns", "layout_rules", "rule_runs", "auto_chunk_frames", "CHUNK_TARGET_BYTES",
            "TAIL_ROWS"]
 
 #: The raw bytes a time chunk holds at most when the store picks ``chunk_frames`` per family: a
@@ -53,6 +53,10 @@ def auto_chunk_frames(frame_nbytes: int, most: int) -> int:
         (8, 1, 2)
     """
     return max(1, min(int(most), CHUNK_TARGET_BYTES // max(int(frame_nbytes), 1)))
+
+#: The largest temporary a family keeps for reuse (:meth:`FrameFamily.scratch`); the write
+#: stage's flushes need far less (64 rows of 2 x 4-frame Atari stacks: ~170 kB).
+SCRATCH_MAX_BYTES = 8 << 20
 
 _HASH_SEED = 0x9E3779B97F4A7C15
 
@@ -115,6 +119,40 @@ def layout_rules(columns: list[tuple[tuple[str, ...], int, bool]]) -> np.ndarray
         if partner_first is not None:  # newest frame: obs[t][-1] == next[t - 1][-1]
             rules[first + width - 1] = (1, partner_first + width - 1)
     return rules if (rules[:, 0] >= 0).any() else None
+
+
+def rule_runs(rules: np.ndarray, offsets: np.ndarray) -> list[tuple[int, ...]]:
+    """The rules of :func:`layout_rules` grouped into runs that one comparison covers.
+
+    A run is consecutive frame columns ``p, p + 1, ...`` of one field whose partners are
+    consecutive columns of one field, with the same row delta.
+
+    Args:
+        rules: ``[per_row, 2]`` rules (row delta, partner column).
+        offsets: first column of each field, then ``per_row``.
+
+    Returns:
+        ``(row delta, field, first column in it, partner field, partner's first column in it,
+        length, p, partner column)`` per run.
+
+    Example:
+        >>> rules = layout_rules([(("observation",), 2, True), (("next", "observation"), 2, True)])
+        >>> rule_runs(rules, np.array([0, 2, 4]))
+        [(1, 0, 0, 0, 1, 1, 0, 1), (1, 0, 1, 1, 1, 1, 1, 3), (0, 1, 0, 0, 1, 1, 2, 1)]
+    """
+    field_of = np.searchsorted(offsets, np.arange(rules.shape[0]), side="right") - 1
+    runs: list[list[int]] = []
+    for p, (row_delta, q) in enumerate(rules.tolist()):
+        if row_delta < 0:
+            continue
+        f, g = int(field_of[p]), int(field_of[q])
+        last = runs[-1] if runs else None
+        if last is not None and (last[0], last[1], last[3]) == (row_delta, f, g) \
+                and p == last[6] + last[5] and q == last[7] + last[5]:
+            last[5] += 1
+        else:
+            runs.append([row_delta, f, p - int(offsets[f]), g, q - int(offsets[g]), 1, p, q])
+    return [tuple(r) for r in runs]
 
 
 class FrameColumns:
@@ -225,6 +263,7 @@ class FrameFamily:
         self.tail_frames = np.empty((0, self.frame_nbytes), dtype=np.uint8)
         self.tail_hash = np.empty(0, dtype=np.uint64)
         self._scratch: dict[str, np.ndarray] = {}
+        self._runs: dict[tuple, list[tuple[int, ...]]] = {}  # rule runs per (rules, field offsets)
         self.tail_blob = np.empty(0, dtype=np.int64)
         self.tail_slot = np.empty(0, dtype=np.int64)
 
@@ -464,45 +503,61 @@ class FrameFamily:
         """1. The layout's own neighbours, compared in place as strided views (no gathers).
 
         A stacked frame equals the next frame of the previous row's stack, and a next
-        observation's frames equal the observation's. A loop over the ``per_row`` frame columns of
-        the layout, never over rows. Returns ``representative`` with the matches applied.
+        observation's frames equal the observation's. The rules come in runs (see
+        :func:`rule_runs`): one comparison of 8-byte words per run (a 4-frame stack with its next
+        observation: 3 comparisons, not 7), never a loop over rows. Bit-exact equality is the
+        criterion: every word of both frames is compared. Returns ``representative`` with the
+        matches applied.
         """
         n_tail, frame_nbytes = self.tail_frames.shape[0], self.frame_nbytes
         per_row, n_rows = frames.per_row, frames.n_rows
+        key = (rules.tobytes(), tuple(frames.offsets.tolist()))
+        runs = self._runs.get(key)
+        if runs is None:
+            runs = self._runs[key] = rule_runs(rules, frames.offsets)
         row_traj = frame_traj[::per_row]
-        same_prev = np.zeros(n_rows, dtype=bool)
-        same_prev[1:] = row_traj[1:] == row_traj[:-1]
+        same_prev = row_traj[1:] == row_traj[:-1]  # row r + 1 continues row r's trajectory
         base = n_tail + np.arange(n_rows, dtype=np.int64) * per_row
-        words = frame_nbytes // 8 if frame_nbytes % 8 == 0 else frame_nbytes
-        eq = self.scratch("rule_eq", (n_rows, words), bool)
-
-        def col(p: int) -> np.ndarray:
-            c = frames.col(p)
-            return c.view(np.uint64) if frame_nbytes % 8 == 0 else c
-
-        for p in range(per_row):
-            row_delta, partner = int(rules[p, 0]), int(rules[p, 1])
+        words = frame_nbytes % 8 == 0
+        width = frame_nbytes // 8 if words else frame_nbytes
+        eq = self.scratch("rule_eq", (n_rows, max(r[5] for r in runs), width), bool)
+        cells = frames.cells
+        for row_delta, f, c, g, e, length, p, q in runs:
+            x, y = cells[f][:, c:c + length], cells[g][:, e:e + length]
+            if words:
+                x, y = x.view(np.uint64), y.view(np.uint64)
             if row_delta == 0:
-                hit = np.equal(col(p), col(partner), out=eq).all(-1)
-                representative[base[hit] + p] = base[hit] + partner
-            elif row_delta == 1:
-                hit = np.zeros(n_rows, dtype=bool)
-                hit[1:] = np.equal(col(p)[1:], col(partner)[:-1], out=eq[1:]).all(-1)
-                hit &= same_prev
-                representative[base[hit] + p] = base[hit] - per_row + partner
+                hit = np.equal(x, y, out=eq[:, :length]).all(-1)
+                rows, k = hit.nonzero()
+                representative[base[rows] + p + k] = base[rows] + q + k
+            else:
+                hit = np.equal(x[1:], y[:-1], out=eq[:n_rows - 1, :length]).all(-1)
+                hit &= same_prev[:, None]
+                rows, k = hit.nonzero()
+                rows += 1
+                representative[base[rows] + p + k] = base[rows] - per_row + q + k
         # chains (a frame -> its neighbour -> ...) are at most per_row long: pointer jumping
         for _ in range(int(np.ceil(np.log2(per_row + 1))) + 1):
             representative = representative[representative]
         return representative
 
     def scratch(self, name: str, shape: tuple[int, ...], dtype) -> np.ndarray:
-        """A reused buffer: fresh multi-MB temporaries cost page faults on every write."""
+        """A reused buffer: fresh multi-MB temporaries cost page faults on every write. Past
+        :data:`SCRATCH_MAX_BYTES` (a large batched write) a fresh array: a family does not keep
+        holding a buffer sized for its largest write."""
         n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        if n > SCRATCH_MAX_BYTES:
+            return np.empty(shape, dtype=dtype)
         buf = self._scratch.get(name)
         if buf is None or buf.size < n:
             buf = np.empty(max(n, int(buf.size * 1.5) if buf is not None else 0), dtype=np.uint8)
             self._scratch[name] = buf
         return buf[:n].view(dtype).reshape(shape)
+
+    @property
+    def scratch_nbytes(self) -> int:
+        """Bytes of the reused buffers this family holds (at most :data:`SCRATCH_MAX_BYTES` each)."""
+        return sum(int(b.nbytes) for b in self._scratch.values())
 
     def _take(self, frames: np.ndarray, idx: np.ndarray) -> np.ndarray:
         """Rows ``idx`` of the virtual concatenation ``[tail; frames]`` without building it."""

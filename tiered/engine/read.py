@@ -80,13 +80,14 @@ class ReadPlan:
     per call: the fields, the dense ones, the blob ones by family, and the nesting of the result.
 
     Args:
-        layout: the store's field layout (its schema and families).
-        keys: the keys read (None: every field), as :meth:`tiered.schema.Schema.select` takes them.
+        schema: the store's schema.
+        fields: the fields read (``schema.select(keys)``).
+        by_family: the blob fields among them per frame family (``FieldLayout.by_family``).
 
     Example:
         >>> from tiered.schema import Schema, Field
         >>> s = Schema([Field(("next", "x"), torch.float32, (), "dense"), Field(("y",), torch.float32, (), "dense")])
-        >>> plan = ReadPlan.for_schema(s, None)
+        >>> plan = ReadPlan(s, s.select(None), {})
         >>> [f.key for f in plan.dense], plan.levels
         ([('next', 'x'), ('y',)], [(('next',), ['x']), ((), ['next', 'y'])])
     """
@@ -108,13 +109,6 @@ class ReadPlan:
         #: ``(prefix, names)`` per nesting level, deepest first (children are built before parents)
         self.levels = sorted(names.items(), key=lambda kv: -len(kv[0]))
         self.leaves = [(f.key[:-1], f.key[-1], f.key) for f in order]
-
-    @classmethod
-    def for_schema(cls, schema: Any, keys: Any) -> ReadPlan:
-        """A plan over a schema alone (no frame families: every blob field in family 0)."""
-        fields = schema.select(keys)
-        blobs = [f for f in fields if f.kind == "blob"]
-        return cls(schema, fields, {0: blobs} if blobs else {})
 
     def assemble(self, cells: dict[Key, torch.Tensor], n: int) -> TensorDict:
         """The ``[n]`` TensorDict of ``cells`` (every field of the plan), nested as the keys are,
@@ -539,10 +533,6 @@ class CpuReadPipeline(ReadPipeline):
         decode_gathered(gathered, dst, self.codec, verify=False)  # checked when gathered
         self.counters["blobs_decoded"] += int(gathered.ids.size)
         return dst.reshape(uniq.size, fam.chunk_frames, fam.frame_nbytes)
-
-    def codec_for(self, format_ids: np.ndarray) -> codecs.Codec:
-        """The codec that decodes blobs of these format ids (all must be one format)."""
-        return codec_for(self.codec, format_ids)
 
     def describe(self) -> dict[str, Any]:
         return {"backend": "cpu", "codec": self.codec.name}

@@ -491,10 +491,12 @@ class RowSpace:
         if {v.device.type for v in given} == {"cpu"}:
             # numpy, no torch dispatch (~5 us an op): [flags, n] 0/1 bytes, each shifted to its
             # bit; the bits are distinct, so their sum is their or
+            # (np.array of the list, nonzero -> True: one C call where np.stack and a compare
+            # cost ~10 us of Python for the six flags of an Atari row)
             flags = self.flags.numpy()
-            bits = np.stack([v.detach().numpy().reshape(n) for v in given]) != 0
-            shifts = self._flag_shifts(fields).numpy()
-            flags[rows] = (flags[rows] & keep) | np.add.reduce(bits.view(np.uint8) << shifts, axis=0, dtype=np.uint8)
+            bits = np.array([v.detach().numpy().reshape(n) for v in given], dtype=bool)
+            weights = np.left_shift(np.uint8(1), self._flag_shifts(fields).numpy())
+            flags[rows] = (flags[rows] & keep) | np.bitwise_or.reduce(bits.view(np.uint8) * weights, axis=0)
             return
         # [flags, n] 0/1 bytes, each shifted to its bit; bits are distinct, so their sum is their or
         bits = torch.stack([values[f.key].detach().reshape(n) for f in fields]).cpu().to(torch.uint8)
@@ -686,7 +688,13 @@ class RowSpace:
         done = np.zeros(n, dtype=bool)
         for k in DONE_KEYS:
             if k in schema:
-                done |= (data.get(k).reshape(n, -1) != 0).any(-1).numpy()  # any dtype: uint8 flags too
+                v = data.get(k)
+                if v.dtype == torch.bool or not (v.is_floating_point() or v.is_complex()):
+                    # bool and integer flags in numpy: torch's compare, any and copy cost ~5 us
+                    # a flag even for a few rows (a flush of the write stage reads four)
+                    done |= np.logical_or.reduce(v.numpy().reshape(n, -1) != 0, axis=-1)
+                else:  # any dtype (bfloat16 too), -0.0 not a done
+                    done |= (v.reshape(n, -1) != 0).any(-1).numpy()
         tk = traj_key if traj_key is not None else ("collector", "traj_ids")
         next_base = self.next_trajectory
         if tk in schema:

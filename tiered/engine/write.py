@@ -55,7 +55,7 @@ from .detect import detect_frames
 from .frames import TAIL_ROWS, FrameColumns, FrameFamily, FramePlan, auto_chunk_frames
 from .layout import FieldLayout
 from .placement import Placement
-from .rows import RowSpace, held_rows, index_shape
+from .rows import DONE_KEYS, RowSpace, held_rows, index_shape
 from .stage import WriteStage
 
 __all__ = ["WritePath", "WriteOptions", "check_cells_readable", "check_layout_fits", "check_values_fit", "MAX_CHUNK_BYTES",
@@ -383,19 +383,22 @@ class WritePath:
         rows_space.advance(n)
         return rows
 
-    def overwrite(self, index: Any, data: Any, length: int | None) -> None:
+    def overwrite(self, index: Any, data: Any, length: int | None,
+                  cells: dict[Key, torch.Tensor] | None = None) -> None:
         """Write ``data`` at ``index`` (duplicates: the last wins); the cursor does not move.
 
-        An integer index of several dimensions takes data of that batch shape."""
+        An integer index of several dimensions takes data of that batch shape. ``cells``: what
+        ``schema.match(data, batch_dims)`` returned for ``data``, when the caller has it (the
+        data is not walked again)."""
         shape = index_shape(index)
         if shape is not None and isinstance(data, TensorDictBase):
             if tuple(data.batch_size[:len(shape)]) != shape:
                 raise SchemaMismatchError(
                     f"an index of shape {list(shape)} needs data of batch size {list(shape)}, got "
                     f"{list(data.batch_size)}; nothing was written")
-            data = data.reshape(-1)
+            data, cells = data.reshape(-1), None
         scalar = isinstance(index, (int, np.integer)) or (isinstance(index, torch.Tensor) and index.ndim == 0)
-        small = self.small_write(data, 0 if scalar else 1)
+        small = self.small_write(data, 0 if scalar else 1, cells)
         if small is not None:
             rows = self.rows.resolve_write(index, small[0])
             if rows.size == 1 or np.unique(rows).size == rows.size:
@@ -417,9 +420,11 @@ class WritePath:
         self.rows.length_after(rows, length)
 
     # -- the write stage ----------------------------------------------------------------------
-    def small_write(self, data: Any, batch_dims: int) -> tuple[int, dict[Key, torch.Tensor]] | None:
+    def small_write(self, data: Any, batch_dims: int,
+                    cells: dict[Key, torch.Tensor] | None = None) -> tuple[int, dict[Key, torch.Tensor]] | None:
         """``(n, cells)`` when ``data`` is a write small enough to stage and matches the schema
-        exactly; ``None`` sends it down the batched path (which also explains any mismatch)."""
+        exactly; ``None`` sends it down the batched path (which also explains any mismatch).
+        ``cells``: ``schema.match(data, batch_dims)`` when the caller already has it."""
         if self.layout is None or not self.stage_rows or not isinstance(data, TensorDictBase):
             return None
         bs = data.batch_size
@@ -430,9 +435,10 @@ class WritePath:
         if not 0 < n <= min(self.stage_rows // 4, self.rows.capacity):
             return None
         schema = self.layout.schema
-        cells = schema.match(data, batch_dims)
         if cells is None:
-            return None
+            cells = schema.match(data, batch_dims)
+            if cells is None:
+                return None
         check_cells_readable(schema, cells)
         self.validate_values(schema, cells)  # a lossy narrowing is refused before it is staged
         return n, cells
@@ -465,11 +471,14 @@ class WritePath:
         if stage is None or stage.count == 0:
             return
         self.rows.check_dense(stage.rows[:stage.count])
-        dense = self.layout.schema.dense_fields
+        # the dense cells are in their columns already (write_rows(staged=True) leaves them):
+        # only the fields that cut trajectories are read back
+        traj_keys = {*DONE_KEYS, self.options.traj_key or ("collector", "traj_ids")}
+        dense = [f for f in self.layout.schema.dense_fields if f.key in traj_keys]
         rows, data = stage.batch(lambda r, out: self.rows.read_dense_fields(dense, r, out))
         pending, self.widen = self.widen, {}  # the widenings of the write this flush comes before
         try:
-            self.write_rows(rows, data)
+            self.write_rows(rows, data, staged=True)
         finally:
             self.widen = pending
         stage.reset()
@@ -480,10 +489,14 @@ class WritePath:
         return stage.staged(rows) if stage is not None and stage.count else None
 
     # -- the batched path ---------------------------------------------------------------------
-    def write_rows(self, rows: np.ndarray, data: TensorDictBase | dict[Key, torch.Tensor]) -> None:
+    def write_rows(self, rows: np.ndarray, data: TensorDictBase | dict[Key, torch.Tensor],
+                   staged: bool = False) -> None:
         """Write validated rows at ``rows`` (unique positions). All or nothing.
 
-        ``data``: a TensorDict matching the schema, or its cells per key on the CPU (the stage's)."""
+        ``data``: a TensorDict matching the schema, or its cells per key on the CPU (the stage's).
+        ``staged``: the rows of the write stage, whose dense cells (flags included) are already in
+        their columns (the stage write put them there): only their blob fields are written, and
+        ``data`` needs only those and the dense fields that cut trajectories."""
         layout, n = self.layout, rows.size
         if n == 0:
             return
@@ -500,7 +513,8 @@ class WritePath:
         traj, ended, next_trajectory = self.rows.trajectory_ids(layout.schema, data, n, self.options.traj_key)
         plans: list[FramePlan] = []
         undecided = [fam for fam in layout.families if fam.stored_raw is None]
-        widening = self.prepare_widening(rows, data)
+        # staged rows: their values are the columns' own (no wider dtype, no row-number mismatch)
+        widening = None if staged else self.prepare_widening(rows, data)
         try:
             for fid, fields in enumerate(layout.fields_of):
                 fam = layout.families[fid]
@@ -534,7 +548,8 @@ class WritePath:
             previous += old_refs
             self.placement.policy.on_insert(plan.closed_ids)
         self.install_widening(widening)  # the wider columns come with the rows
-        self.rows.write_dense(layout.schema, rows, data)
+        if not staged:
+            self.rows.write_dense(layout.schema, rows, data)
         self.rows.mark_written(rows)
         self.rows.next_trajectory = next_trajectory
         self.release_blobs(np.unique(np.concatenate(dead)) if dead else np.empty(0, np.int64))

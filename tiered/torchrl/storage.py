@@ -620,8 +620,11 @@ class TieredStorage(TensorStorage):
             old_len = len(store)
             new_len = min(old_len + numel, self.max_size) if set_cursor else old_len
             schema = store.schema
-            if schema is None or schema.same_keys(td):  # the common case: the stored fields, no others
-                store.set(int(rows[0]) if scalar else rows, td, length=new_len)
+            # the common case: the stored fields and no others, of the stored dtypes and shapes;
+            # the store takes the cells of this one walk of ``td``
+            cells = None if schema is None else schema.match(td, 0 if scalar else 1)
+            if schema is None or cells is not None:
+                store.set(int(rows[0]) if scalar else rows, td, length=new_len, cells=cells)
             else:
                 present = [_as_key(k) for k in td.keys(include_nested=True, leaves_only=True)]
                 side = {k: td.get(k) for k in present if k not in schema}
