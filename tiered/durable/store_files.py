@@ -807,8 +807,10 @@ def _restore(files: StoreFiles, body: dict[str, Any], mode: str, rows: RowSpace,
                                table.exc_slot, rows.written[table.exc_rows])
         problems = check_index(index, [(f.frame_nbytes, f.chunk_frames) for f in layout.families])
         # saved counts, less the pins of the writer's tail (gone now)
-        more, unpinned = unpin(index, np.asarray(load("pins")), keep_counts=files.read_only)
-        problems += more
+        # a read-only open's counts too: its stats and checks see the row tables' references; the
+        # pages holding the pinned entries (the tail's few blobs) become its own first
+        problems += unpin(index, np.asarray(load("pins")),
+                          own=functools.partial(files.own_entries, "index.refcount") if files.read_only else None)
         if problems:
             raise CorruptionError(f"{files.path}: the store is damaged: " + "; ".join(problems[:5])
                                   + f". Run `tiered verify {files.path}` for details.")
@@ -817,8 +819,6 @@ def _restore(files: StoreFiles, body: dict[str, Any], mode: str, rows: RowSpace,
             if name.startswith("policy.") and (pages.size - pages.offset) // pages.row_bytes < index.size:
                 pages.check(np.arange(pages.checked.size))  # a use of an id past its end copies it whole
         dead = live[index.refcount[live] == 0]
-        if files.read_only:  # its counts still hold the pins
-            dead = np.union1d(dead, unpinned)
     placement.tiers[COLD] = files.cold_tier(files.cold_state(body, load), mode)
     if dead.size and mode == "r+":
         write.release_blobs(dead)
@@ -981,29 +981,29 @@ def load_priorities(placement: Placement, body: dict[str, Any], load: ArrayLoade
         placement.tell_policy(*priorities.recount_all(write.layout, None))
 
 
-def unpin(index: BlobIndex, pins: np.ndarray, *, keep_counts: bool = False) -> tuple[list[str], np.ndarray]:
+def unpin(index: BlobIndex, pins: np.ndarray, own: Callable[[np.ndarray], None] | None = None) -> list[str]:
     """Take the writer's tail pins (blob ids, once per pin) off the saved reference counts.
 
     Args:
-        keep_counts: leave the counts as saved (a read-only open, which never uses them after
-            this and so keeps the index pages that hold them the file's): only the ids whose
-            count the pins alone hold are found.
+        own: called with the pinned ids before their counts are written (a read-only open makes
+            the pages holding them its own: :meth:`StoreFiles.own_entries`).
 
     Returns:
-        The problems found, in words (empty: the counts are now the row tables' references), and
-        the pinned ids whose count drops to zero.
+        The problems found, in words (empty: the counts are now the row tables' references).
     """
     n = index.size
     if pins.ndim != 1 or pins.dtype.kind not in "iu" or (pins.size and (int(pins.min()) < 0 or int(pins.max()) >= n)):
-        return [f"the tail pins hold {pins.dtype}{list(pins.shape)} values outside the blob ids [0, {n})"], pins[:0]
+        return [f"the tail pins hold {pins.dtype}{list(pins.shape)} values outside the blob ids [0, {n})"]
     pinned, times = np.unique(pins.astype(np.int64), return_counts=True)
     left = index.refcount[pinned] - times
     if (left < 0).any() or (index.refcount[:n][index.state[:n] != STORED] != 0).any() or (index.refcount[:n] < 0).any():
-        return ["reference counts of the blob index are negative or name free blobs"], pins[:0]
-    if not keep_counts:
-        index.refcount[pinned] = left  # only those: pages of a mapped index stay unwritten
-        index.dirty.mark(pinned)  # the file still counts the pins: the next commit writes these counts
-    return [], pinned[left == 0]
+        return ["reference counts of the blob index are negative or name free blobs"]
+    if own is not None:
+        own(pinned)
+    index.check_ids(pinned)
+    index.refcount[pinned] = left  # only those: pages of a mapped index stay unwritten
+    index.dirty.mark(pinned)  # the file still counts the pins: the next commit writes these counts
+    return []
 
 
 def check_table_rows(path: str, key: Any, rows: RowSpace, layout: FieldLayout, index: BlobIndex,
