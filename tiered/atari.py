@@ -432,7 +432,7 @@ def cached_rollout(
     )
     if path.exists():
         try:
-            with np.load(path) as data:
+            with np.load(path, allow_pickle=False) as data:
                 return AtariFrames.from_npz(data).to_tensordict(stack)
         except (OSError, ValueError, KeyError):
             # A damaged or foreign file: replay and overwrite it rather than fail the caller.
@@ -523,7 +523,7 @@ def load_fixture(
         >>> td["observation"].dtype  # doctest: +SKIP
         torch.uint8
     """
-    with np.load(path) as data:
+    with np.load(path, allow_pickle=False) as data:
         available = [str(g) for g in data["games"]]
         chosen = available if games is None else list(games)
         unknown = [g for g in chosen if g not in available]

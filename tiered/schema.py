@@ -108,9 +108,11 @@ def columns_to_pickle(cols: dict[Key, torch.Tensor]) -> dict[Key, torch.Tensor |
     cannot unpickle (``UntypedStorage`` has no ``dtype``). :func:`columns_from_pickle` undoes it.
 
     Example:
-        >>> import pickle
         >>> cols = {"depth": torch.tensor([1, 65535], dtype=torch.int32).to(torch.uint16)}
-        >>> back = columns_from_pickle(pickle.loads(pickle.dumps(columns_to_pickle(cols))))
+        >>> state = columns_to_pickle(cols)
+        >>> state["depth"][0].dtype, state["depth"][1]
+        (torch.int16, torch.uint16)
+        >>> back = columns_from_pickle(state)
         >>> back["depth"].dtype, back["depth"].tolist()
         (torch.uint16, [1, 65535])
     """
