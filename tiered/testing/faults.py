@@ -7,18 +7,7 @@ installed (:func:`tiered.util.fileio.set_fault_hook`); :func:`inject_faults` ins
 *undo log* from which :func:`apply_power_loss` rolls the files back to what a power cut would have
 left.
 
-Example:
-    >>> import os, tempfile
-    >>> from tiered.util import fileio
-    >>> from tiered.errors import StorageFullError
-    >>> fd = fileio.open_for_write(os.path.join(tempfile.mkdtemp(), "f"))
-    >>> with inject_faults(enospc_on=1):
-    ...     try:
-    ...         fileio.pwrite(fd, b"x", 0)
-    ...     except StorageFullError:
-    ...         print("full")
-    full
-    >>> fileio.close(fd)
+A full disk at the first write, as tests use it: the example of :func:`inject_faults`.
 """
 
 from __future__ import annotations
