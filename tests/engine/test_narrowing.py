@@ -192,13 +192,11 @@ def test_a_widening_is_committed_and_reopened(atari_pong, tmp_path):
     assert verify_store(path, progress=False).ok
 
 
-def test_a_widening_whose_commit_fails_half_way_leaves_the_last_commit(tmp_path):
-    n = 6_000  # columns of several memory pages
-    first = rows(step=torch.arange(n) % 200, r=torch.zeros(n))
-    wide = rows(step=torch.full((16,), 70_000), r=torch.full((16,), 0.25))
-    want = torch.cat([first["step"], wide["step"]])
-    with TieredStore(2 * n, tmp_path / "pristine") as s:
-        s.extend(first)
+def sweep_full_disk_commits(tmp_path, wide, key, want, wrote, last_commit, landed) -> None:
+    """From the store at ``tmp_path / "pristine"``: write ``wide`` and commit it with a full disk at
+    the k-th write, k = 1, 2, ... until the commit lands. Each time the writer still reads
+    ``want`` in field ``key``; ``wrote(store)`` checks the store after the write, ``last_commit``
+    a reopen after a failed commit, ``landed`` a reopen after the commit at close."""
     failed = 0
     for k in range(1, 200):  # a full disk at the k-th write of the commit, until the commit lands
         path = tmp_path / "s"
@@ -207,28 +205,48 @@ def test_a_widening_whose_commit_fails_half_way_leaves_the_last_commit(tmp_path)
         shutil.copytree(tmp_path / "pristine", path)  # the store before the widening, for each k
         s = tiered.open(path, mode="r+")
         s.extend(wide)
-        assert stored(s, "step") == "int32" and stored(s, "r") == "float16"
+        wrote(s)
         with inject_faults(enospc_on=k):
             try:
                 s.flush()
-                landed = True
+                committed = True
             except StorageFullError:
-                landed = False
-        assert torch.equal(s.get(slice(0, n + 16))["step"], want)  # the writer still reads it all
-        if not landed:
+                committed = False
+        assert torch.equal(s.get(slice(0, want.shape[0]))[key], want)  # the writer still reads it all
+        if not committed:
             failed += 1
             with tiered.open(path, mode="r") as old:  # the last commit, as it was
-                assert len(old) == n and stored(old, "step") == "uint8" and stored(old, "r") == "uint8"
-                assert torch.equal(old.get(slice(0, n))["step"], first["step"])
+                last_commit(old)
         s.close()  # no fault now: the commit at close lands
         with tiered.open(path, mode="r") as now:
-            assert stored(now, "step") == "int32" and stored(now, "r") == "float16"
-            assert torch.equal(now.get(slice(0, n + 16))["step"], want)
-            assert torch.equal(now.get(slice(n, n + 16))["r"], wide["r"])
-        if landed:
+            landed(now)
+        if committed:
             break
     assert failed >= 2, "the sweep never failed inside the commit"
     assert verify_store(path, progress=False).ok
+
+
+def test_a_widening_whose_commit_fails_half_way_leaves_the_last_commit(tmp_path):
+    n = 6_000  # columns of several memory pages
+    first = rows(step=torch.arange(n) % 200, r=torch.zeros(n))
+    wide = rows(step=torch.full((16,), 70_000), r=torch.full((16,), 0.25))
+    want = torch.cat([first["step"], wide["step"]])
+    with TieredStore(2 * n, tmp_path / "pristine") as s:
+        s.extend(first)
+
+    def wrote(s):
+        assert stored(s, "step") == "int32" and stored(s, "r") == "float16"
+
+    def last_commit(old):
+        assert len(old) == n and stored(old, "step") == "uint8" and stored(old, "r") == "uint8"
+        assert torch.equal(old.get(slice(0, n))["step"], first["step"])
+
+    def landed(now):
+        assert stored(now, "step") == "int32" and stored(now, "r") == "float16"
+        assert torch.equal(now.get(slice(0, n + 16))["step"], want)
+        assert torch.equal(now.get(slice(n, n + 16))["r"], wide["r"])
+
+    sweep_full_disk_commits(tmp_path, wide, "step", want, wrote, last_commit, landed)
 
 
 def test_the_fit_check_is_one_vectorized_pass_per_column():
@@ -440,34 +458,18 @@ def test_a_row_number_widening_whose_commit_fails_half_way_leaves_the_last_commi
     with TieredStore(2 * n, tmp_path / "pristine") as s:
         s.extend(first)
         assert row_number(s, "index")
-    failed = 0
-    for k in range(1, 200):  # a full disk at the k-th write of the commit, until the commit lands
-        path = tmp_path / "s"
-        if path.exists():
-            shutil.rmtree(path)
-        shutil.copytree(tmp_path / "pristine", path)
-        s = tiered.open(path, mode="r+")
-        s.extend(wide)
+
+    def wrote(s):
         assert stored(s, "index") == "int32"
-        with inject_faults(enospc_on=k):
-            try:
-                s.flush()
-                landed = True
-            except StorageFullError:
-                landed = False
-        assert torch.equal(s.get(slice(0, n + 16))["index"], want)  # the writer still reads it all
-        if not landed:
-            failed += 1
-            with tiered.open(path, mode="r") as old:  # the last commit, as it was
-                assert len(old) == n and row_number(old, "index")
-                assert torch.equal(old.get(slice(0, n))["index"], first["index"])
-        s.close()  # no fault now: the commit at close lands
-        with tiered.open(path, mode="r") as now:
-            assert stored(now, "index") == "int32" and torch.equal(now.get(slice(0, n + 16))["index"], want)
-        if landed:
-            break
-    assert failed >= 2, "the sweep never failed inside the commit"
-    assert verify_store(path, progress=False).ok
+
+    def last_commit(old):
+        assert len(old) == n and row_number(old, "index")
+        assert torch.equal(old.get(slice(0, n))["index"], first["index"])
+
+    def landed(now):
+        assert stored(now, "index") == "int32" and torch.equal(now.get(slice(0, n + 16))["index"], want)
+
+    sweep_full_disk_commits(tmp_path, wide, "index", want, wrote, last_commit, landed)
 
 
 def test_a_refused_write_leaves_a_row_number_column_as_it_was(tmp_path):
