@@ -17,6 +17,7 @@ its blobs' checksums before it decodes them. These tests show that:
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -192,3 +193,126 @@ def test_slices_no_pool_thread_started_run_on_the_calling_thread():
         release.set()
         blocker.join(60)
     assert not blocker.is_alive()
+
+
+# -- batches of many small blobs (time chunks of Atari frames): decode_checked -----------------
+
+K = 8
+
+
+def encoded_chunks(atari: TensorDict, codec, n: int = 40):
+    """Real 84x84 frames in time chunks of K, compressed as a store writes them."""
+    frames = atari["observation"][:n * K, -1].numpy().reshape(n, -1)
+    enc = codec.encode(frames.reshape(-1), np.arange(n, dtype=np.int64) * frames.shape[1],
+                       np.full(n, frames.shape[1], dtype=np.int64))
+    return frames, enc
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_chunks_decode_to_the_same_bytes_on_one_thread_and_split(atari_pong, split, monkeypatch):
+    monkeypatch.setattr(checked, "MIN_CHUNK_SPLIT_BYTES", 0 if split else 1 << 62)
+    codec = ZstdCodec(3, threads=2)
+    frames, enc = encoded_chunks(atari_pong, codec)
+    cb = frames.shape[1]
+    order = np.random.default_rng(0).permutation(enc.sizes.size)  # decoded into shuffled places
+    for threads in (1, 2):
+        out = np.full(order.size * cb, 0xAB, np.uint8)
+        bad = checked.decode_checked(codec, enc.data, enc.offsets, enc.sizes, enc.checksums, out, order * cb,
+                                     np.full(order.size, cb, dtype=np.int64), threads=threads)
+        assert bad.tolist() == []
+        assert np.array_equal(out.reshape(-1, cb)[order], frames)
+
+
+@pytest.mark.parametrize("where", ["first", "last", "both"])
+def test_a_damaged_chunk_is_caught_in_either_slice(atari_pong, where, monkeypatch):
+    monkeypatch.setattr(checked, "MIN_CHUNK_SPLIT_BYTES", 0)
+    codec = ZstdCodec(3, threads=2)
+    frames, enc = encoded_chunks(atari_pong, codec)
+    cb, last = frames.shape[1], enc.sizes.size - 1
+    damaged = {"first": [0], "last": [last], "both": [0, last]}[where]
+    data = enc.data.copy()
+    for b in damaged:
+        data[enc.offsets[b] + enc.sizes[b] // 2] ^= 0x10
+    out = np.empty(frames.size, np.uint8)
+    out_offsets, out_sizes = np.arange(last + 1, dtype=np.int64) * cb, np.full(last + 1, cb, dtype=np.int64)
+    for threads in (1, 2):
+        bad = checked.decode_checked(codec, data, enc.offsets, enc.sizes, enc.checksums, out, out_offsets,
+                                     out_sizes, threads=threads)
+        # one thread stops at the first check; split, each slice reports its own damage
+        assert bad.tolist() == damaged
+    assert checked.decode_checked(codec, enc.data, enc.offsets, enc.sizes, None, out, out_offsets, out_sizes,
+                                  threads=2).tolist() == []
+    assert np.array_equal(out.reshape(-1, cb), frames)
+
+
+def test_a_b32_sample_of_atari_stacks_is_split(atari_pong, monkeypatch):
+    """The decoded bytes of a batch-32 sample of stacks with next observations (~45 chunks of 8
+    frames, ~2.5 MB) are past the split point; a batch-1 sample's (a few chunks) are not."""
+    frame = 84 * 84
+    assert 8 * K * frame < checked.MIN_CHUNK_SPLIT_BYTES <= 30 * K * frame
+    codec = RawCodec()
+    calls: list[str] = []
+    original = codec.decode
+
+    def decode(*args):
+        calls.append(threading.current_thread().name)
+        return original(*args)
+
+    monkeypatch.setattr(codec, "decode", decode)
+    frames, enc = encoded_chunks(atari_pong, codec, n=45)
+    cb = frames.shape[1]
+    out = np.empty(frames.size, np.uint8)
+    for n, slices in ((4, 1), (45, 2)):
+        calls.clear()
+        bad = checked.decode_checked(codec, enc.data, enc.offsets[:n], enc.sizes[:n], enc.checksums[:n], out,
+                                     np.arange(n, dtype=np.int64) * cb, np.full(n, cb, dtype=np.int64), threads=2)
+        assert bad.tolist() == [] and len(calls) == slices  # (two slices: on two threads, or both here)
+        assert np.array_equal(out[:n * cb].reshape(n, cb), frames[:n])
+
+
+@pytest.mark.parametrize("half", [0, 1])
+def test_store_get_of_atari_stacks_checks_each_slice(atari_pong, half, monkeypatch):
+    monkeypatch.setattr(checked, "MIN_CHUNK_SPLIT_BYTES", 0)
+    data = atari_pong[:400]
+    s = TieredStore(512, stage_rows=0, threads=2)
+    s.extend(data)
+    p = parts(s)
+    rows = np.arange(3, 390, 7)
+    assert_td_equal(s.get(rows), data[torch.from_numpy(rows)])  # split, both slices clean
+    fields = [p.layout.schema["observation"], p.layout.schema["next", "observation"]]
+    blobs = np.unique(p.layout.blob_refs(fields, rows)[0])
+    stored = blobs[p.index.state[blobs] != 1]  # (not an open time chunk: those are raw in memory)
+    blob = int(stored[0] if half == 0 else stored[-1])
+    tier = HOT if p.index.loc[blob, HOT] >= 0 else WARM
+    at, size = int(p.index.loc[blob, tier]), int(p.index.nbytes[blob])
+    byte = np.empty(1, np.uint8)
+    p.tiers[tier].read(np.array([at + size // 2]), np.array([1]), byte, np.array([0]))
+    p.tiers[tier].write(np.array([at + size // 2]), byte ^ 0x20, np.array([0]), np.array([1]))
+    decoded = s.stats()["counters"]["blobs_decoded"]
+    where_before = p.index.loc[blob].copy()
+    with pytest.raises(ChecksumError, match=f"blob {blob} "):
+        s.get(rows)
+    assert s.stats()["counters"]["blobs_decoded"] == decoded
+    assert np.array_equal(p.index.loc[blob], where_before)  # the damaged bytes were not promoted
+    others = np.array([r for r in range(390) if blob not in p.layout.blob_refs(fields, np.array([r]))[0]])
+    assert_td_equal(s.get(others), data[torch.from_numpy(others)])
+
+
+def _pool_cpu_seconds() -> float:
+    return sum(time.clock_gettime(time.pthread_getcpuclockid(t.ident)) for t in threading.enumerate()
+               if t.name.startswith("tiered-codec") and t.ident is not None)
+
+
+def test_no_pool_thread_uses_cpu_once_its_batch_is_done(atari_pong, monkeypatch):
+    """A pool thread sleeps as soon as its batch is done: over an idle second after split gets,
+    the pool's threads use (almost) no CPU time, where a thread still spinning would use the
+    whole second. (CPU time, not wall time: what a learner on the same cores would lose.)"""
+    monkeypatch.setattr(checked, "MIN_CHUNK_SPLIT_BYTES", 0)
+    s = TieredStore(512, stage_rows=0, threads=4)
+    s.extend(atari_pong[:400])
+    for k in range(20):
+        s.get(np.arange(k, 400, 5))
+    assert any(t.name.startswith("tiered-codec") for t in threading.enumerate())
+    before = _pool_cpu_seconds()
+    time.sleep(1.0)
+    assert _pool_cpu_seconds() - before < 0.05

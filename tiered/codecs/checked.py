@@ -38,7 +38,7 @@ from ..util.pool import run_parallel
 from .base import Codec
 from .checksum import segment_checksums
 
-__all__ = ["decode_cells_checked", "MIN_SPLIT_BYTES"]
+__all__ = ["decode_cells_checked", "decode_checked", "MIN_SPLIT_BYTES", "MIN_CHUNK_SPLIT_BYTES"]
 
 #: Decoded bytes from which a batch is split across threads; below it the calling thread does all
 #: of it. ``store.get`` of real VecNorm'd float stacks on the 2-core VM, quiet (load under 1),
@@ -47,6 +47,13 @@ __all__ = ["decode_cells_checked", "MIN_SPLIT_BYTES"]
 #: against 2.09; the split costs 0.3-0.5 ms more CPU at any size (two slices' fixed costs, the
 #: handoff, the other core's caches). Even at about 5 MB.
 MIN_SPLIT_BYTES = 5 << 20
+#: Decoded bytes from which :func:`decode_checked` splits a batch of many small blobs (time chunks
+#: of Atari frames: ~56 kB decoded from ~1 kB each) across threads. Each thread checks and decodes
+#: its slice, so the checksums are split too, and the calling thread claims any slice no pool thread
+#: has started (``run_parallel(claim=True)``): a pool thread that wakes late costs the batch little
+#: more than the one-thread decode. Below it one thread does all of it (the handoff costs about what
+#: it saves). ``python benchmarks/bench_handoff.py`` measures the break-even.
+MIN_CHUNK_SPLIT_BYTES = 1 << 20
 # Work weight of a checksummed (compressed) byte against a decoded byte: checking ~0.86 MB of
 # zstd frames cost ~0.5 ms of thread CPU and decoding their 7.2 MB ~1.8 ms on a 2-core VM, so a
 # checked byte costs about 2.5 decoded bytes.
@@ -107,3 +114,79 @@ def _check_and_decode(codec: Codec, data: np.ndarray, offsets: np.ndarray, sizes
     blobs = which[cells]
     codec.decode(data, offsets[blobs], sizes[blobs], out, cells * cell_nbytes,
                  np.full(cells.size, cell_nbytes, dtype=np.int64))
+
+
+def decode_checked(codec: Codec, data: np.ndarray, offsets: np.ndarray, sizes: np.ndarray,
+                   checksums: np.ndarray | None, out: np.ndarray, out_offsets: np.ndarray,
+                   out_sizes: np.ndarray, *, threads: int) -> np.ndarray:
+    """Decode blob ``i`` into ``out[out_offsets[i] : out_offsets[i] + out_sizes[i]]`` for every
+    ``i``, each blob checked against ``checksums`` first, on up to ``threads`` threads.
+
+    A batch of at least :data:`MIN_CHUNK_SPLIT_BYTES` decoded is cut into one slice of blobs per
+    thread (by the work each blob costs); each thread checks its slice, then decodes it, so a
+    blob is always checked before it is decoded and the checks run in parallel with the decodes.
+
+    Args:
+        codec: decodes the blobs.
+        data: uint8 buffer holding the compressed blobs.
+        offsets, sizes: where each blob lies in ``data`` (int64).
+        checksums: each blob's expected checksum (int64), or None to decode unchecked.
+        out: uint8 buffer the blobs decode into.
+        out_offsets, out_sizes: where each blob's decoded bytes go, and how many there are (int64).
+        threads: most threads to use (the calling thread included).
+
+    Returns:
+        The positions of blobs whose checksum differs, sorted; when it is not empty, ``out`` holds
+        no meaningful bytes.
+
+    Raises:
+        CorruptionError: a blob whose checksum matched could not be decoded (from the codec).
+
+    Example:
+        >>> import numpy as np
+        >>> from tiered.codecs import get_codec
+        >>> codec = get_codec("zstd")
+        >>> raw = np.arange(2 * 4096, dtype=np.uint8)
+        >>> enc = codec.encode(raw, np.array([0, 4096]), np.full(2, 4096))
+        >>> out = np.empty(2 * 4096, np.uint8)
+        >>> bad = decode_checked(codec, enc.data, enc.offsets, enc.sizes, enc.checksums, out,
+        ...                      np.array([4096, 0]), np.full(2, 4096), threads=2)
+        >>> bad.tolist(), bool((out[4096:] == raw[:4096]).all())
+        ([], True)
+    """
+    n = sizes.size
+    if n < 2 or threads < 2 or int(np.add.reduce(out_sizes)) < MIN_CHUNK_SPLIT_BYTES:
+        wrong = _check_slice(data, offsets, sizes, checksums)
+        if wrong is None:
+            codec.decode(data, offsets, sizes, out, out_offsets, out_sizes)
+            return np.empty(0, np.int64)
+        return wrong
+    parts = min(int(threads), n)
+    bounds = split_balanced(out_sizes + sizes * _CHECK_WEIGHT, parts).tolist()
+    bad: list[np.ndarray] = [np.empty(0, np.int64)] * parts
+    tasks = [(codec, data, offsets, sizes, checksums, out, out_offsets, out_sizes, a, b, bad, j)
+             for j, (a, b) in enumerate(zip(bounds[:-1], bounds[1:], strict=True))]
+    run_parallel(_check_and_decode_slice, tasks, parts, claim=True)
+    return np.concatenate(bad)
+
+
+def _check_slice(data: np.ndarray, offsets: np.ndarray, sizes: np.ndarray,
+                 checksums: np.ndarray | None) -> np.ndarray | None:
+    """Positions (within the slice) of blobs whose checksum differs, or None when all match."""
+    if checksums is None:
+        return None
+    wrong = (segment_checksums(data, offsets, sizes) != checksums).nonzero()[0]
+    return wrong if wrong.size else None
+
+
+def _check_and_decode_slice(codec: Codec, data: np.ndarray, offsets: np.ndarray, sizes: np.ndarray,
+                            checksums: np.ndarray | None, out: np.ndarray, out_offsets: np.ndarray,
+                            out_sizes: np.ndarray, a: int, b: int, bad: list[np.ndarray], j: int) -> None:
+    """One thread's slice of :func:`decode_checked`: blobs ``[a, b)``, checked, then decoded."""
+    if a == b:
+        return
+    wrong = _check_slice(data, offsets[a:b], sizes[a:b], None if checksums is None else checksums[a:b])
+    if wrong is not None:
+        bad[j] = wrong + a
+        return
+    codec.decode(data, offsets[a:b], sizes[a:b], out, out_offsets[a:b], out_sizes[a:b])

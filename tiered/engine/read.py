@@ -31,7 +31,7 @@ import torch
 from tensordict import TensorDict
 
 from .. import codecs
-from ..codecs.checked import decode_cells_checked
+from ..codecs.checked import decode_cells_checked, decode_checked
 from ..errors import ChecksumError
 from ..schema import Field, Key, as_bits
 from ..util.batch import exclusive_cumsum
@@ -262,24 +262,25 @@ def codec_for(default: codecs.Codec, format_ids: np.ndarray) -> codecs.Codec:
 
 def decode_gathered(g: GatheredBlobs, dst: np.ndarray, codec: codecs.Codec, *, verify: bool) -> np.ndarray:
     """Decode gathered blobs into ``dst`` (uint8, at least ``n_blobs * chunk_frames * frame_nbytes``):
-    one batched decode for the stored blobs, one copy for the open ones.
+    one batched decode for the stored blobs (checked first when ``verify``, on the decode
+    threads: :func:`tiered.codecs.checked.decode_checked`), one copy for the open ones.
 
     Returns:
         The positions (into ``g.ids``) of blobs whose checksum failed when ``verify`` (then
-        nothing is decoded), else an empty array.
+        ``dst`` holds no meaningful bytes), else an empty array.
     """
     row_bytes = g.chunk_frames * g.frame_nbytes
     sizes = g.sizes.astype(np.int64, copy=False)
     # compact() leaves the offsets out: the blobs lie back to back
     offsets = g.offsets if g.offsets.size == sizes.size else exclusive_cumsum(sizes)
-    if verify:
-        bad = np.flatnonzero(codecs.segment_checksums(g.comp, offsets, sizes) != g.checksums)
-        if bad.size:
-            return bad
-    dst[: g.n_blobs * row_bytes].reshape(g.n_blobs, g.chunk_frames, g.frame_nbytes)[g.open_pos] = g.open_raw
-    codec_for(codec, g.formats).decode(g.comp, offsets, sizes, dst, g.pos.astype(np.int64) * row_bytes,
-                                       g.raw_nbytes.astype(np.int64, copy=False))
-    return np.empty(0, dtype=np.int64)
+    use = codec_for(codec, g.formats)
+    # each decode thread checks the blobs it then decodes (one handoff for both)
+    bad = decode_checked(use, g.comp, offsets, sizes, g.checksums if verify else None, dst,
+                         g.pos.astype(np.int64) * row_bytes, g.raw_nbytes.astype(np.int64, copy=False),
+                         threads=getattr(use, "threads", 1))
+    if bad.size == 0:
+        dst[: g.n_blobs * row_bytes].reshape(g.n_blobs, g.chunk_frames, g.frame_nbytes)[g.open_pos] = g.open_raw
+    return bad
 
 
 def blob_frames(layout: FieldLayout, fam: FrameFamily, fields: list[Field],
@@ -528,9 +529,12 @@ class CpuReadPipeline(ReadPipeline):
         Raises:
             ChecksumError: a blob's stored bytes do not match their checksum (nothing decoded).
         """
-        gathered = self.gather_blobs(layout, fam, uniq)
+        gathered, from_tier = self.read_blobs(fam, uniq)
         dst = self._scratch.get(f"raw{fam.family_id}", uniq.size * fam.chunk_frames * fam.frame_nbytes)
-        decode_gathered(gathered, dst, self.codec, verify=False)  # checked when gathered
+        bad = decode_gathered(gathered, dst, self.codec, verify=self.verify)
+        if bad.size:
+            raise self.checksum_error(layout, gathered.ids[bad])
+        self.settle_reads(gathered, from_tier)  # the policy sees only checked reads
         self.counters["blobs_decoded"] += int(gathered.ids.size)
         return dst.reshape(uniq.size, fam.chunk_frames, fam.frame_nbytes)
 
