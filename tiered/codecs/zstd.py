@@ -79,7 +79,10 @@ _MIN_BLOBS_FOR_THREADS = 8
 # forth) costs more than that up to a few MB: a B=32 `storage.get` of Atari stacks at K=8 (~2.5-6
 # MB of output) took 1.40 ms on one thread against 1.68 ms split over two, on a quiet 2-core VM
 # (`python benchmarks/profile_calls.py --only storage.get32 rb.sample32 storage.get256 --threads 2`
-# with 1 MiB and 8 MiB here); B=256 (tens of MB) is split either way.
+# with 1 MiB and 8 MiB here); B=256 (tens of MB) is split either way. A store's reads do not come
+# here split: `checked.decode_checked` cuts them (checks and decodes together, from
+# `checked.MIN_CHUNK_SPLIT_BYTES`, the calling thread claiming slices no pool thread started)
+# and each slice's decode runs on its own thread.
 _MIN_BYTES_FOR_THREADS = 8 << 20
 # Frames of at least this much output each (on average over a batch) are decoded straight into
 # ``out`` (``readinto``); smaller ones go through the batch decoder, whose cost per frame is
