@@ -78,6 +78,8 @@ _ONE_PASS_MAX_MEAN_BYTES = 2048
 
 
 def _as_index(a: np.ndarray, name: str) -> np.ndarray:
+    if type(a) is np.ndarray and a.dtype == np.int64 and a.ndim == 1:  # (as a read builds them: no calls)
+        return a
     a = np.asarray(a)
     if a.ndim != 1:
         raise ValueError(f"{name} must be a 1-D integer array, got shape {a.shape}")
@@ -125,10 +127,11 @@ def segment_checksums(data: np.ndarray, offsets: np.ndarray, sizes: np.ndarray) 
         >>> segment_checksums(np.arange(4, dtype=np.uint8), np.array([0, 1]), np.array([4, 0])).tolist()
         [85899345926, 0]
     """
-    data = np.asarray(data)
-    if data.dtype != np.uint8:
-        data = data.reshape(-1).view(np.uint8)
-    data = data.reshape(-1)
+    if not (type(data) is np.ndarray and data.dtype == np.uint8 and data.ndim == 1):
+        data = np.asarray(data)
+        if data.dtype != np.uint8:
+            data = data.reshape(-1).view(np.uint8)
+        data = data.reshape(-1)
     offsets = _as_index(offsets, "offsets")
     sizes = _as_index(sizes, "sizes")
     _check_layout(data.size, offsets, sizes)

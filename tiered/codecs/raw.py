@@ -53,6 +53,24 @@ def as_batch(
         >>> o.dtype, s.tolist()
         (dtype('int64'), [2, 2])
     """
+    if not (type(data) is np.ndarray and data.dtype == np.uint8 and data.ndim == 1
+            and type(offsets) is np.ndarray and offsets.dtype == np.int64 and offsets.ndim == 1
+            and type(sizes) is np.ndarray and sizes.dtype == np.int64 and sizes.shape == offsets.shape):
+        # anything but the arrays a store's read path builds (those skip the ~14 calls of this)
+        data, offsets, sizes = _normalized(data, offsets, sizes)
+    if sizes.size and (
+        # ufunc reductions, not .min()/.max(): those add Python-level wrapper calls per batch
+        int(np.minimum.reduce(sizes)) < 0 or int(np.minimum.reduce(offsets)) < 0
+        or int(np.maximum.reduce(offsets + sizes)) > data.size
+    ):
+        raise ValueError(
+            f"every blob must lie inside the buffer of {data.size} bytes with a non-negative size; "
+            "the offsets/sizes do not describe this buffer"
+        )
+    return data, offsets, sizes
+
+
+def _normalized(data: np.ndarray, offsets: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     data = np.asarray(data)
     if data.dtype != np.uint8:
         if not data.flags.c_contiguous:
@@ -66,18 +84,7 @@ def as_batch(
             "offsets and sizes must be 1-D arrays of the same length, "
             f"got shapes {offsets.shape} and {sizes.shape}"
         )
-    offsets = offsets.astype(np.int64, copy=False)
-    sizes = sizes.astype(np.int64, copy=False)
-    if sizes.size and (
-        # ufunc reductions, not .min()/.max(): those add Python-level wrapper calls per batch
-        int(np.minimum.reduce(sizes)) < 0 or int(np.minimum.reduce(offsets)) < 0
-        or int(np.maximum.reduce(offsets + sizes)) > data.size
-    ):
-        raise ValueError(
-            f"every blob must lie inside the buffer of {data.size} bytes with a non-negative size; "
-            "the offsets/sizes do not describe this buffer"
-        )
-    return data, offsets, sizes
+    return data, offsets.astype(np.int64, copy=False), sizes.astype(np.int64, copy=False)
 
 
 def check_out(
