@@ -365,6 +365,10 @@ MAX_GET_PYTHON_CALLS = 300
 MAX_EXTEND_PYTHON_CALLS = 900
 # calls the size classes of a blob copy make that a copy of up to 64 runs does not (util/hostcopy.py)
 SMALL_COPY_CALLS = 30
+# calls of the slices of a split read (a decode slice: checksums and zstd; a gather slice) that the
+# calling thread runs itself when the pool's thread starts late (run_parallel(claim=True)): how
+# many it runs depends on timing, a fixed number of calls each
+CLAIMED_SLICE_CALLS = 80
 
 
 @pytest.mark.parametrize("config", ["frames_k4", "frames_k1", "default"])
@@ -396,9 +400,10 @@ def test_python_call_count_does_not_grow_with_batch(atari_mixed, config):
         python[b] = (ext[1], g[1])
     # the same work whatever the batch, but for a constant: a large decode is split over the
     # decode threads (cut points, one slice call each), a small one stays on the calling thread
-    # as one slice (no cut points); a small read's or write's blobs (up to 64 runs) are copied
-    # one memcpy each, not by size class
-    assert abs(counts[32][1] - counts[1024][1]) <= 20 + SMALL_COPY_CALLS, counts
+    # as one slice (no cut points); so is a large gather of frames into cells; the calling thread
+    # may run a slice the pool's thread did not start; a small read's or write's blobs (up to 64
+    # runs) are copied one memcpy each, not by size class
+    assert abs(counts[32][1] - counts[1024][1]) <= 20 + SMALL_COPY_CALLS + CLAIMED_SLICE_CALLS, counts
     assert abs(counts[32][0] - counts[1024][0]) <= 10 + SMALL_COPY_CALLS, counts
     for b in (32, 1024):
         assert python[b][1] <= MAX_GET_PYTHON_CALLS, python
