@@ -55,6 +55,8 @@ from .durable.commit_arrays import array_path, expand_derived, page_checksums_of
 from .durable.manifest import MANIFEST, arrays_verified, load_npy, read_manifest
 from .errors import ChecksumError, CorruptionError, FormatVersionError, NotATieredStoreError, TieredError
 from .util import fileio
+from .util.progress import progress_bar
+from .util.segments import hdf5_segment_problem, segment_name
 
 __all__ = ["Problem", "Report", "verify_store"]
 
@@ -136,28 +138,6 @@ class Report:
         return "\n".join([head, *(f"  {p.kind}: {p}" for p in self.problems)])
 
 
-def _segment_name(backend: str, i: int) -> str:
-    return f"seg-{i:06d}{'.h5' if backend == 'hdf5' else '.bin'}"
-
-
-def _check_hdf5_segment(path: str, data_offset: int, segment_bytes: int) -> str | None:
-    import h5py
-
-    try:
-        with h5py.File(path, "r", locking=False) as h:
-            if "blobs" not in h:
-                return "holds no 'blobs' dataset"
-            d = h["blobs"]
-            if d.shape != (segment_bytes,) or d.dtype != np.uint8:
-                return f"'blobs' has shape {d.shape} dtype {d.dtype}, expected ({segment_bytes},) uint8"
-            off = d.id.get_offset()
-            if off != data_offset:
-                return f"'blobs' data starts at byte {off}, the manifest says {data_offset}"
-    except Exception as e:  # noqa: BLE001 - h5py raises OSError, KeyError, ValueError... on damaged metadata
-        return f"is not a readable HDF5 file ({type(e).__name__}: {e})"
-    return None
-
-
 def verify_store(
     path: str | os.PathLike[str],
     progress: bool | None = True,
@@ -224,7 +204,7 @@ class _Segments:
     ok: list[bool] = dataclasses.field(default_factory=list)
 
     def file(self, i: int) -> str:
-        return os.path.join(self.dir, _segment_name(self.backend, i))
+        return os.path.join(self.dir, segment_name(self.backend, i))
 
 
 @dataclass
@@ -443,7 +423,7 @@ class _StoreCheck:
                 segments.ok.append(False)
                 continue
             if segments.backend == "hdf5":
-                why = _check_hdf5_segment(f, segments.data_offsets[i], segments.segment_bytes)
+                why = hdf5_segment_problem(f, segments.data_offsets[i], segments.segment_bytes)
                 if why:
                     report.add("file", f"cold segment {i} {why}", file=f)
                     segments.ok.append(False)
@@ -506,7 +486,7 @@ class _StoreCheck:
 
     def check_checksums(self, blobs: _Blobs, segments: _Segments) -> None:
         """Read the blobs in large sequential reads and compare their checksums with the index."""
-        bar = _progress_bar(self.progress, int(blobs.size.sum()))
+        bar = progress_bar(int(blobs.size.sum()), "verify", unit="B", enabled=self.progress)
         try:
             i = 0
             n = blobs.ids.size
@@ -514,13 +494,11 @@ class _StoreCheck:
             seg_stop = np.searchsorted(blobs.segment, blobs.segment, side="right")  # end of each blob's segment run
             while i < n:
                 j = _batch_end(blobs.in_segment[i : int(seg_stop[i])], ends, i, self.batch_bytes)
-                checked = self._check_batch(blobs, segments, i, j)
-                if checked and bar is not None:
+                if self._check_batch(blobs, segments, i, j):
                     bar.update(int(blobs.size[i:j].sum()))
                 i = j
         finally:
-            if bar is not None:
-                bar.close()
+            bar.close()
 
     def _check_batch(self, blobs: _Blobs, segments: _Segments, i: int, j: int) -> bool:
         """Checksum (and decode) blobs ``i:j`` of one segment; ``False``: they could not be read."""
@@ -808,22 +786,6 @@ class _StoreCheck:
                 f"tiered.open(mode='r') fails with a raw {type(e).__name__} (a tiered bug; "
                 f"please report it): {e}",
             )
-
-
-def _progress_bar(progress: bool | None, total: int) -> Any:
-    if progress is False:
-        return None
-    from tqdm.auto import tqdm
-
-    return tqdm(
-        total=total,
-        unit="B",
-        unit_scale=True,
-        desc="verify",
-        leave=False,
-        disable=None if progress is None else False,
-        dynamic_ncols=True,
-    )
 
 
 def _batch_end(run_starts: np.ndarray, ends: np.ndarray, i: int, batch_bytes: int) -> int:

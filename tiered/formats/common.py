@@ -29,7 +29,6 @@ __all__ = [
     "atomic_output",
     "check_new_output",
     "chunk_rows_for",
-    "progress_bar",
     "chronological_rows",
     "iter_store",
     "row_nbytes",
@@ -183,16 +182,6 @@ def chunk_rows_for(row_bytes: int, chunk_rows: int | None = None) -> int:
     if chunk_rows is None and row_bytes > 0:
         rows = min(rows, max(1, DEFAULT_CHUNK_BYTES // row_bytes))
     return rows
-
-
-def progress_bar(total: int, desc: str, unit: str = "rows", enabled: bool | None = True) -> Any:
-    """A tqdm bar on stderr (``enabled=None``: only on a terminal; ``False``: none)."""
-    from tqdm.auto import tqdm
-
-    disable = None if enabled is None else not enabled
-    return tqdm(
-        total=total, desc=desc, unit=unit, unit_scale=True, dynamic_ncols=True, disable=disable, leave=False
-    )
 
 
 def row_nbytes(shapes: dict[Any, tuple[tuple[int, ...], Any]]) -> int:

@@ -45,6 +45,7 @@ from ..util.buffers import as_int64, check_buffer, host_view
 from ..util.copy import copy_blobs
 from ..util.pool import run_parallel
 from ..util.scratch import ScratchBuffers
+from ..util.segments import segment_name
 from ..util.units import align, format_bytes, parse_bytes
 from .arena import cuda_usable
 from .base import Tier
@@ -225,7 +226,6 @@ class MemmapTier(Tier):
     """
 
     name = "cold"
-    suffix = ".bin"
     format = "memmap"
 
     def __init__(self, directory: str | os.PathLike[str], segment_bytes: int | str = SEGMENT_BYTES,
@@ -235,7 +235,7 @@ class MemmapTier(Tier):
             raise ValueError(f"segment_bytes must be a positive multiple of 16, got {seg}")
         directory = os.path.abspath(os.fspath(directory))
         fileio.makedirs(directory)
-        first = os.path.join(directory, self._file_name(0))
+        first = os.path.join(directory, segment_name(self.format, 0))
         if os.path.exists(first):
             raise FileExistsError(
                 f"{directory} already holds cold segments ({first}); reopen them with "
@@ -269,13 +269,9 @@ class MemmapTier(Tier):
 
     # ------------------------------------------------------------------ files
 
-    @classmethod
-    def _file_name(cls, i: int) -> str:
-        return f"seg-{i:06d}{cls.suffix}"
-
     def segment_path(self, i: int) -> str:
         """Path of segment ``i``."""
-        return os.path.join(self.directory, self._file_name(i))
+        return os.path.join(self.directory, segment_name(self.format, i))
 
     @property
     def segments(self) -> list[str]:
