@@ -99,15 +99,10 @@ def exit_code_for(exc: BaseException) -> int:
 
 
 def _fmt_bytes(n: float | None) -> str:
-    if n is None:
-        return "-"
-    if abs(n) < 1024:
-        return f"{n:.0f} B"
-    for unit in ("KiB", "MiB", "GiB"):
-        n /= 1024
-        if abs(n) < 1024:
-            return f"{n:.2f} {unit}"
-    return f"{n / 1024:.2f} TiB"
+    # here, not at the top: util.units loads numpy, which `tiered --help` does without
+    from .util.units import format_bytes
+
+    return format_bytes(n, none="-")  # a figure a store lacks, or an unbounded budget
 
 
 def _progress(args: argparse.Namespace) -> bool | None:

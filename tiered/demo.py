@@ -245,13 +245,11 @@ def _shuffled(names: list[str], r: int) -> list[str]:
 
 
 def _fmt_bytes(x: float | None) -> str:
+    # here, not at the top: util.units loads numpy, which `tiered --help` (it lists this command) does without
+    from .util.units import format_bytes
+
     # the benchmark's units: SI (kB = 1000 B), as docs/benchmarks.md states its numbers
-    if x is None:
-        return "n/a"
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(x) >= scale:
-            return f"{x / scale:.2f} {unit}"
-    return f"{x:.0f} B"
+    return format_bytes(x, si=True, none="n/a")
 
 
 def _fmt_rate(x: float) -> str:
