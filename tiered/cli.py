@@ -447,10 +447,6 @@ def _demo(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------------------------- parser
 
 
-class _Formatter(argparse.RawDescriptionHelpFormatter):
-    pass
-
-
 def _epilog(text: str) -> str:
     return textwrap.dedent(text).strip("\n")
 
@@ -459,7 +455,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``tiered`` (exposed for docs and tests)."""
     p = argparse.ArgumentParser(
         prog="tiered",
-        formatter_class=_Formatter,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Inspect, check, import and export tiered stores "
         "(compressed RL replay buffers and datasets).",
         epilog=_epilog("""
@@ -499,8 +495,8 @@ def _parser_with(parent: argparse.ArgumentParser) -> type[argparse.ArgumentParse
 
 def _command(sub: Any, name: str, help: str, description: str, epilog: str) -> argparse.ArgumentParser:
     """A subcommand's parser; ``sub`` is what ``ArgumentParser.add_subparsers`` returned."""
-    return sub.add_parser(name, formatter_class=_Formatter, help=help, description=description,
-                          epilog=_epilog(epilog))
+    return sub.add_parser(name, formatter_class=argparse.RawDescriptionHelpFormatter, help=help,
+                          description=description, epilog=_epilog(epilog))
 
 
 def _add_info(sub: Any) -> None:

@@ -42,7 +42,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-import stat
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -56,7 +55,7 @@ from .durable.manifest import MANIFEST, arrays_verified, load_npy, read_manifest
 from .errors import ChecksumError, CorruptionError, FormatVersionError, NotATieredStoreError, TieredError
 from .util import fileio
 from .util.progress import progress_bar
-from .util.segments import hdf5_segment_problem, segment_name
+from .util.segments import hdf5_segment_problem, segment_name, segment_problem
 
 __all__ = ["Problem", "Report", "verify_store"]
 
@@ -229,6 +228,13 @@ def _schema_entries(body: dict[str, Any]) -> list[dict[str, Any]]:
     return schema
 
 
+def _family_key(spec: dict[str, Any]) -> tuple[Any, tuple[int, ...]]:
+    """A blob field's frame family as its schema entry gives it: (dtype, shape of one frame)."""
+    shape = tuple(spec.get("shape", ()))
+    fd = spec.get("frame_dim")
+    return spec.get("dtype"), shape[:fd] + shape[fd + 1:] if isinstance(fd, int) and 0 <= fd < len(shape) else shape
+
+
 class _StoreCheck:
     """The steps of one :func:`verify_store` pass, in order (see the module docstring).
 
@@ -294,14 +300,12 @@ class _StoreCheck:
         except FormatVersionError:
             raise
         except NotATieredStoreError:
-            looks_like_store = os.path.isdir(path) and any(
-                n in ("cold", ARRAYS_DIR) or n.startswith("gen-") for n in os.listdir(path)
-            )
+            looks_like_store = os.path.isdir(path) and any(n in ("cold", ARRAYS_DIR) for n in os.listdir(path))
             if not looks_like_store:
                 raise
             report.add(
                 "manifest",
-                f"{MANIFEST} is missing but the directory holds store files (gen-*, cold/): "
+                f"{MANIFEST} is missing but the directory holds store files ({ARRAYS_DIR}/, cold/): "
                 "the store's commit record is lost",
                 file=self.manifest_file,
             )
@@ -401,25 +405,11 @@ class _StoreCheck:
         )
         for i, size in enumerate(sizes):
             f = segments.file(i)
-            expected = segments.data_offsets[i] + size
-            try:
-                st = os.stat(f)
-            except OSError:  # missing, a dangling symlink or a symlink loop
-                report.add("missing", f"cold segment {i} is missing (it should hold {expected} bytes)", file=f)
-                segments.ok.append(False)
-                continue
-            report.files_checked += 1
-            if not stat.S_ISREG(st.st_mode):
-                report.add("file", f"cold segment {i} is not a regular file", file=f)
-                segments.ok.append(False)
-                continue
-            actual = st.st_size
-            if actual < expected:
-                report.add(
-                    "truncated",
-                    f"cold segment {i} is {actual} bytes, the manifest says at least {expected}",
-                    file=f,
-                )
+            problem = segment_problem(f, segments.data_offsets[i] + size)
+            if problem is None or problem[0] != "missing":
+                report.files_checked += 1
+            if problem is not None:
+                report.add(problem[0], f"cold segment {i} {problem[1]}", file=f)
                 segments.ok.append(False)
                 continue
             if segments.backend == "hdf5":
@@ -709,13 +699,10 @@ class _StoreCheck:
         family_col = np.asarray(a["index.family"]) if "index.family" in a else None
         raw_col = self.raw_col
         counts = np.zeros(n, np.int64)
-        fam_id = {}
+        fam_id: dict[tuple[Any, tuple[int, ...]], int] = {}
         for spec in self.schema:  # family ids in first-appearance order (as Schema.families)
             if spec.get("kind") == "blob":
-                shape = tuple(spec.get("shape", ()))
-                fd = spec.get("frame_dim")
-                frame_shape = shape[:fd] + shape[fd + 1:] if isinstance(fd, int) and 0 <= fd < len(shape) else shape
-                fam_id.setdefault((spec.get("dtype"), frame_shape), len(fam_id))
+                fam_id.setdefault(_family_key(spec), len(fam_id))
         for fi, spec in enumerate(self.schema):
             name, slot_name = f"rows.{fi}.blob", f"rows.{fi}.slot"
             if spec.get("kind") != "blob" or name not in a or slot_name not in a:
@@ -731,10 +718,7 @@ class _StoreCheck:
             ids = table[written]
             ok = ids >= 0
             counts += np.bincount(ids[ok], minlength=n)[:n]
-            shape = tuple(spec.get("shape", ()))
-            fd = spec.get("frame_dim")
-            frame_shape = shape[:fd] + shape[fd + 1:] if isinstance(fd, int) and 0 <= fd < len(shape) else shape
-            fam = fam_id.get((spec.get("dtype"), frame_shape), -1)
+            fam = fam_id.get(_family_key(spec), -1)
             if family_col is None or raw_col is None or not 0 <= fam < len(families):
                 continue
             frame_nbytes = max(int(families[fam].get("frame_nbytes", 1)), 1)

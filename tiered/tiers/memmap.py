@@ -30,7 +30,6 @@ so DataLoader workers under fork or spawn each get their own descriptors.
 from __future__ import annotations
 
 import os
-import stat
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -45,7 +44,7 @@ from ..util.buffers import as_int64, check_buffer, host_view
 from ..util.copy import copy_blobs
 from ..util.pool import run_parallel
 from ..util.scratch import ScratchBuffers
-from ..util.segments import segment_name
+from ..util.segments import segment_name, segment_problem
 from ..util.units import align, format_bytes, parse_bytes
 from .arena import cuda_usable
 from .base import Tier
@@ -580,23 +579,10 @@ class MemmapTier(Tier):
                 f"{self._alloc.high_water}, which needs {need} segments, but {len(self._sizes)} are listed"
             )
         for i, size in enumerate(self._sizes):
-            path = self.segment_path(i)
-            expected = self._data_offsets[i] + size
-            try:
-                st = os.stat(path)
-            except OSError:  # missing, a dangling symlink or a symlink loop
-                raise CorruptionError(
-                    f"cold segment {path} is missing or unreachable; the store expects it to hold at least "
-                    f"{expected} bytes. Restore it from a backup"
-                ) from None
-            if not stat.S_ISREG(st.st_mode):
-                raise CorruptionError(f"cold segment {path} is not a regular file; the store is damaged")
-            actual = st.st_size
-            if actual < expected:
-                raise CorruptionError(
-                    f"cold segment {path} is truncated: expected at least {expected} bytes, found "
-                    f"{actual}. Restore it from a backup"
-                )
+            problem = segment_problem(self.segment_path(i), self._data_offsets[i] + size)
+            if problem is not None:
+                raise CorruptionError(f"cold segment {self.segment_path(i)} {problem[1]}; the store is damaged: "
+                                      "restore it from a backup")
         return self
 
     def __getstate__(self) -> dict[str, Any]:

@@ -12,7 +12,10 @@ Example:
 
 from __future__ import annotations
 
-__all__ = ["DATASET", "segment_name", "hdf5_segment_problem"]
+import os
+import stat
+
+__all__ = ["DATASET", "segment_name", "segment_problem", "hdf5_segment_problem"]
 
 #: The one dataset of an HDF5 segment file: its blob bytes, a contiguous uint8 array.
 DATASET = "blobs"
@@ -23,6 +26,21 @@ _SUFFIX = {"hdf5": ".h5"}  # every other backend (memmap, spill) writes raw ``.b
 def segment_name(backend: str, i: int) -> str:
     """File name of segment ``i`` of a cold tier of ``backend`` (``"memmap"``, ``"hdf5"``, ``"spill"``)."""
     return f"seg-{i:06d}{_SUFFIX.get(backend, '.bin')}"
+
+
+def segment_problem(path: str, expected: int) -> tuple[str, str] | None:
+    """What is wrong with segment file ``path``, which must hold at least ``expected`` bytes
+    (``None``: nothing): ``(kind, words)``, kind ``"missing"``, ``"file"`` or ``"truncated"``, the
+    words to follow the path (``"is truncated: 100 bytes, expected at least 4096 bytes"``)."""
+    try:
+        st = os.stat(path)
+    except OSError:  # missing, a dangling symlink or a symlink loop
+        return "missing", f"is missing or unreachable (it should hold at least {expected} bytes)"
+    if not stat.S_ISREG(st.st_mode):
+        return "file", "is not a regular file"
+    if st.st_size < expected:
+        return "truncated", f"is truncated: {st.st_size} bytes, expected at least {expected} bytes"
+    return None
 
 
 def hdf5_segment_problem(path: str, data_offset: int, segment_bytes: int) -> str | None:
