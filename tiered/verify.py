@@ -54,6 +54,7 @@ from .durable.commit_arrays import array_path, expand_derived, page_checksums_of
 from .durable.manifest import MANIFEST, arrays_verified, load_npy, read_manifest
 from .errors import ChecksumError, CorruptionError, FormatVersionError, NotATieredStoreError, TieredError
 from .util import fileio
+from .util.batch import extents_overlap
 from .util.progress import progress_bar
 from .util.segments import hdf5_segment_problem, segment_name, segment_problem
 
@@ -587,11 +588,7 @@ class _StoreCheck:
         if off.shape != ln.shape or (ln < 0).any() or (off < 0).any():
             report.add("index", "the cold tier's free extents are malformed", file=self.arrays_dir)
             return
-        order = np.argsort(off, kind="stable")
-        o, e = off[order], (off + ln)[order]
-        keep = ln[order] > 0
-        o, e = o[keep], e[keep]
-        if o.size > 1 and bool((o[1:] < np.maximum.accumulate(e)[:-1]).any()):
+        if extents_overlap(off, ln):
             report.add("index", "the cold tier's free or deferred extents overlap stored blobs or each other",
                        file=self.file_of("cold.free_offsets"))
 
