@@ -51,8 +51,7 @@ DEFAULT_CHUNK_BYTES = 32 << 20
 NPY_MAX_HEADER = 1 << 16
 
 
-def read_npy_header(f: BinaryIO, where: str,
-                    max_header_size: int = NPY_MAX_HEADER) -> tuple[tuple[int, ...], bool, np.dtype]:
+def read_npy_header(f: BinaryIO, where: str) -> tuple[tuple[int, ...], bool, np.dtype]:
     """Shape, Fortran order and dtype of the ``.npy`` header at the position of the stream ``f``,
     which is left at the first byte of the array's data.
 
@@ -62,12 +61,12 @@ def read_npy_header(f: BinaryIO, where: str,
     Args:
         f: a binary stream (a file, a zip member, a gzip stream, a ``BytesIO``).
         where: how error messages name the array (its file, or archive and member).
-        max_header_size: the longest header accepted.
 
     Raises:
         InvalidDatasetError: a ``.npy`` version numpy does not write.
         PickledDataError: the array holds Python objects.
-        ValueError: a damaged header (numpy's parser: bad magic, dict or length).
+        ValueError: a damaged header (numpy's parser: bad magic, dict, or a length over
+            :data:`NPY_MAX_HEADER`).
 
     Example:
         >>> import io
@@ -75,7 +74,7 @@ def read_npy_header(f: BinaryIO, where: str,
         >>> read_npy_header(buf, "a.npy"), buf.tell()
         (((2, 3), False, dtype('int32')), 128)
     """
-    version, header = parse_npy_header(f, max_header_size)
+    version, header = parse_npy_header(f, NPY_MAX_HEADER)
     if header is None:
         raise InvalidDatasetError(f"{where}: .npy version {version} is not one numpy writes")
     shape, fortran, dtype = header
