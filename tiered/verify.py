@@ -62,7 +62,7 @@ __all__ = ["Problem", "Report", "verify_store"]
 
 _STORED = 2  # index.state of a blob whose bytes are in the cold tier (docs/format.md)
 _COLD = 2  # column of index.loc holding the cold offset
-_BATCH_BYTES = 64 << 20
+_BATCH_BYTES = 64 << 20  # bytes of one read of a segment file
 _MAX_ROWS_LISTED = 20
 
 
@@ -144,7 +144,6 @@ def verify_store(
     *,
     decode: bool = False,
     open_check: bool = True,
-    batch_bytes: int = _BATCH_BYTES,
 ) -> Report:
     """Check every file and every blob checksum of a store (read-only; see the module docstring).
 
@@ -154,7 +153,6 @@ def verify_store(
         decode: also decompress every blob (slower; checks the codec's framing too).
         open_check: last, open the store read-only through :func:`tiered.open` (step 7; imports
             torch); only when steps 1-6 found nothing.
-        batch_bytes: bytes read per call from a segment file.
 
     Returns:
         A :class:`Report`; ``report.ok`` is true when nothing is wrong.
@@ -168,7 +166,7 @@ def verify_store(
     for _attempt in range(3):
         report = Report(path)
         try:
-            _StoreCheck(path, report, progress, decode, batch_bytes, open_check).run()
+            _StoreCheck(path, report, progress, decode, open_check).run()
         except (NotATieredStoreError, FormatVersionError):
             raise
         except (TieredError, ValueError, TypeError, KeyError, IndexError, ArithmeticError, MemoryError,
@@ -243,10 +241,9 @@ class _StoreCheck:
     leaves nothing for the later steps to check.
     """
 
-    def __init__(self, path: str, report: Report, progress: bool | None, decode: bool, batch_bytes: int,
-                 open_check: bool = True):
+    def __init__(self, path: str, report: Report, progress: bool | None, decode: bool, open_check: bool):
         self.path, self.report = path, report
-        self.progress, self.decode, self.batch_bytes, self.open_check = progress, decode, batch_bytes, open_check
+        self.progress, self.decode, self.open_check = progress, decode, open_check
         self.manifest_file = os.path.join(path, MANIFEST)
         self.body: dict[str, Any] = {}
         self.files: dict[str, int] = {}
@@ -484,7 +481,7 @@ class _StoreCheck:
             ends = blobs.in_segment + blobs.size
             seg_stop = np.searchsorted(blobs.segment, blobs.segment, side="right")  # end of each blob's segment run
             while i < n:
-                j = _batch_end(blobs.in_segment[i : int(seg_stop[i])], ends, i, self.batch_bytes)
+                j = _batch_end(blobs.in_segment[i : int(seg_stop[i])], ends, i, _BATCH_BYTES)
                 if self._check_batch(blobs, segments, i, j):
                     bar.update(int(blobs.size[i:j].sum()))
                 i = j
