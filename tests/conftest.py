@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _commit_check import check_commits
 from tensordict import TensorDict
 
 from tiered.atari import cached_rollout, concat_rollouts
-from tiered.testing.commit_check import check_commits
 
 # every commit of the tests checks that its incremental writes left each array file equal to memory
 check_commits()

@@ -52,7 +52,8 @@ from typing import Any
 import numpy as np
 import torch
 from tensordict import TensorDict
-from tqdm import tqdm
+
+from .util.progress import progress_bar
 
 __all__ = [
     "AtariFrames",
@@ -300,8 +301,7 @@ def rollout_frames(
         obs, _ = env.reset(seed=seed)
         keep(obs)
         episode, k, start = 0, 0, 0
-        bar = tqdm(total=steps, desc=f"playing {game}", unit="steps", leave=False, mininterval=0.5,
-                   disable=None if progress is None else not progress)  # None: only on a terminal
+        bar = progress_bar(steps, f"playing {game}", unit="steps", enabled=progress)
         # The emulator is stepped one transition at a time; everything else is vectorized.
         for t in range(steps):
             if t % 256 == 0 and t:

@@ -99,15 +99,10 @@ def exit_code_for(exc: BaseException) -> int:
 
 
 def _fmt_bytes(n: float | None) -> str:
-    if n is None:
-        return "-"
-    if abs(n) < 1024:
-        return f"{n:.0f} B"
-    for unit in ("KiB", "MiB", "GiB"):
-        n /= 1024
-        if abs(n) < 1024:
-            return f"{n:.2f} {unit}"
-    return f"{n / 1024:.2f} TiB"
+    # here, not at the top: util.units loads numpy, which `tiered --help` does without
+    from .util.units import format_bytes
+
+    return format_bytes(n, none="-")  # a figure a store lacks, or an unbounded budget
 
 
 def _progress(args: argparse.Namespace) -> bool | None:
@@ -452,10 +447,6 @@ def _demo(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------------------------- parser
 
 
-class _Formatter(argparse.RawDescriptionHelpFormatter):
-    pass
-
-
 def _epilog(text: str) -> str:
     return textwrap.dedent(text).strip("\n")
 
@@ -464,7 +455,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``tiered`` (exposed for docs and tests)."""
     p = argparse.ArgumentParser(
         prog="tiered",
-        formatter_class=_Formatter,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Inspect, check, import and export tiered stores "
         "(compressed RL replay buffers and datasets).",
         epilog=_epilog("""
@@ -504,8 +495,8 @@ def _parser_with(parent: argparse.ArgumentParser) -> type[argparse.ArgumentParse
 
 def _command(sub: Any, name: str, help: str, description: str, epilog: str) -> argparse.ArgumentParser:
     """A subcommand's parser; ``sub`` is what ``ArgumentParser.add_subparsers`` returned."""
-    return sub.add_parser(name, formatter_class=_Formatter, help=help, description=description,
-                          epilog=_epilog(epilog))
+    return sub.add_parser(name, formatter_class=argparse.RawDescriptionHelpFormatter, help=help,
+                          description=description, epilog=_epilog(epilog))
 
 
 def _add_info(sub: Any) -> None:

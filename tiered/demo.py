@@ -179,8 +179,7 @@ def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     return time.perf_counter() - t0, out
 
 
-def run_demo(steps: int = 5000, batch: int = 256, rounds: int = 50, *, memory: bool = True,
-             progress: bool | None = None, log: Callable[[str], None] = print) -> DemoResult:
+def run_demo(steps: int = 5000, batch: int = 256, rounds: int = 50, *, memory: bool = True) -> DemoResult:
     """Fill and sample both buffers, measure as the benchmark does, print the report.
 
     Args:
@@ -188,18 +187,16 @@ def run_demo(steps: int = 5000, batch: int = 256, rounds: int = 50, *, memory: b
         batch: sample batch size.
         rounds: timed sample rounds (after one warm-up round).
         memory: measure the anon RSS growth in fresh processes (two extra interpreter starts).
-        progress: progress bar while the emulator plays; ``None``: only on a terminal.
-        log: where the report lines go.
     """
     import torch
 
-    log(f"playing {steps:,} steps of ALE Pong (cached after the first run)...")
-    data = _rollout(steps, progress)
+    print(f"playing {steps:,} steps of ALE Pong (cached after the first run)...")
+    data = _rollout(steps, progress=None)  # the bar only on a terminal
     result = DemoResult(steps, batch, rounds, identical=False)
     if memory:
-        log("measuring the bytes each storage holds, each filled in a fresh process...")
+        print("measuring the bytes each storage holds, each filled in a fresh process...")
         result.anon_growth = _memory_in_fresh_processes(steps)
-    log(f"filling and sampling both buffers (RandomSampler, batch {batch}), alternating call by call...")
+    print(f"filling and sampling both buffers (RandomSampler, batch {batch}), alternating call by call...")
     with quiet_torchrl():
         made = {STORAGES[name]: _make_buffer(name, steps, batch) for name in STORAGES}
         names = list(made)
@@ -230,7 +227,7 @@ def run_demo(steps: int = 5000, batch: int = 256, rounds: int = 50, *, memory: b
     with contextlib.suppress(OSError, AttributeError):
         result.load = os.getloadavg()[0]
     for line in report(result):
-        log(line)
+        print(line)
     return result
 
 
@@ -245,13 +242,11 @@ def _shuffled(names: list[str], r: int) -> list[str]:
 
 
 def _fmt_bytes(x: float | None) -> str:
+    # here, not at the top: util.units loads numpy, which `tiered --help` (it lists this command) does without
+    from .util.units import format_bytes
+
     # the benchmark's units: SI (kB = 1000 B), as docs/benchmarks.md states its numbers
-    if x is None:
-        return "n/a"
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(x) >= scale:
-            return f"{x / scale:.2f} {unit}"
-    return f"{x:.0f} B"
+    return format_bytes(x, si=True, none="n/a")
 
 
 def _fmt_rate(x: float) -> str:

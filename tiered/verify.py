@@ -42,7 +42,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-import stat
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -55,12 +54,15 @@ from .durable.commit_arrays import array_path, expand_derived, page_checksums_of
 from .durable.manifest import MANIFEST, arrays_verified, load_npy, read_manifest
 from .errors import ChecksumError, CorruptionError, FormatVersionError, NotATieredStoreError, TieredError
 from .util import fileio
+from .util.batch import extents_overlap
+from .util.progress import progress_bar
+from .util.segments import hdf5_segment_problem, segment_name, segment_problem
 
 __all__ = ["Problem", "Report", "verify_store"]
 
 _STORED = 2  # index.state of a blob whose bytes are in the cold tier (docs/format.md)
 _COLD = 2  # column of index.loc holding the cold offset
-_BATCH_BYTES = 64 << 20
+_BATCH_BYTES = 64 << 20  # bytes of one read of a segment file
 _MAX_ROWS_LISTED = 20
 
 
@@ -136,35 +138,12 @@ class Report:
         return "\n".join([head, *(f"  {p.kind}: {p}" for p in self.problems)])
 
 
-def _segment_name(backend: str, i: int) -> str:
-    return f"seg-{i:06d}{'.h5' if backend == 'hdf5' else '.bin'}"
-
-
-def _check_hdf5_segment(path: str, data_offset: int, segment_bytes: int) -> str | None:
-    import h5py
-
-    try:
-        with h5py.File(path, "r", locking=False) as h:
-            if "blobs" not in h:
-                return "holds no 'blobs' dataset"
-            d = h["blobs"]
-            if d.shape != (segment_bytes,) or d.dtype != np.uint8:
-                return f"'blobs' has shape {d.shape} dtype {d.dtype}, expected ({segment_bytes},) uint8"
-            off = d.id.get_offset()
-            if off != data_offset:
-                return f"'blobs' data starts at byte {off}, the manifest says {data_offset}"
-    except Exception as e:  # noqa: BLE001 - h5py raises OSError, KeyError, ValueError... on damaged metadata
-        return f"is not a readable HDF5 file ({type(e).__name__}: {e})"
-    return None
-
-
 def verify_store(
     path: str | os.PathLike[str],
     progress: bool | None = True,
     *,
     decode: bool = False,
     open_check: bool = True,
-    batch_bytes: int = _BATCH_BYTES,
 ) -> Report:
     """Check every file and every blob checksum of a store (read-only; see the module docstring).
 
@@ -174,7 +153,6 @@ def verify_store(
         decode: also decompress every blob (slower; checks the codec's framing too).
         open_check: last, open the store read-only through :func:`tiered.open` (step 7; imports
             torch); only when steps 1-6 found nothing.
-        batch_bytes: bytes read per call from a segment file.
 
     Returns:
         A :class:`Report`; ``report.ok`` is true when nothing is wrong.
@@ -188,7 +166,7 @@ def verify_store(
     for _attempt in range(3):
         report = Report(path)
         try:
-            _StoreCheck(path, report, progress, decode, batch_bytes, open_check).run()
+            _StoreCheck(path, report, progress, decode, open_check).run()
         except (NotATieredStoreError, FormatVersionError):
             raise
         except (TieredError, ValueError, TypeError, KeyError, IndexError, ArithmeticError, MemoryError,
@@ -224,7 +202,7 @@ class _Segments:
     ok: list[bool] = dataclasses.field(default_factory=list)
 
     def file(self, i: int) -> str:
-        return os.path.join(self.dir, _segment_name(self.backend, i))
+        return os.path.join(self.dir, segment_name(self.backend, i))
 
 
 @dataclass
@@ -249,6 +227,13 @@ def _schema_entries(body: dict[str, Any]) -> list[dict[str, Any]]:
     return schema
 
 
+def _family_key(spec: dict[str, Any]) -> tuple[Any, tuple[int, ...]]:
+    """A blob field's frame family as its schema entry gives it: (dtype, shape of one frame)."""
+    shape = tuple(spec.get("shape", ()))
+    fd = spec.get("frame_dim")
+    return spec.get("dtype"), shape[:fd] + shape[fd + 1:] if isinstance(fd, int) and 0 <= fd < len(shape) else shape
+
+
 class _StoreCheck:
     """The steps of one :func:`verify_store` pass, in order (see the module docstring).
 
@@ -256,10 +241,9 @@ class _StoreCheck:
     leaves nothing for the later steps to check.
     """
 
-    def __init__(self, path: str, report: Report, progress: bool | None, decode: bool, batch_bytes: int,
-                 open_check: bool = True):
+    def __init__(self, path: str, report: Report, progress: bool | None, decode: bool, open_check: bool):
         self.path, self.report = path, report
-        self.progress, self.decode, self.batch_bytes, self.open_check = progress, decode, batch_bytes, open_check
+        self.progress, self.decode, self.open_check = progress, decode, open_check
         self.manifest_file = os.path.join(path, MANIFEST)
         self.body: dict[str, Any] = {}
         self.files: dict[str, int] = {}
@@ -314,14 +298,12 @@ class _StoreCheck:
         except FormatVersionError:
             raise
         except NotATieredStoreError:
-            looks_like_store = os.path.isdir(path) and any(
-                n in ("cold", ARRAYS_DIR) or n.startswith("gen-") for n in os.listdir(path)
-            )
+            looks_like_store = os.path.isdir(path) and any(n in ("cold", ARRAYS_DIR) for n in os.listdir(path))
             if not looks_like_store:
                 raise
             report.add(
                 "manifest",
-                f"{MANIFEST} is missing but the directory holds store files (gen-*, cold/): "
+                f"{MANIFEST} is missing but the directory holds store files ({ARRAYS_DIR}/, cold/): "
                 "the store's commit record is lost",
                 file=self.manifest_file,
             )
@@ -421,29 +403,15 @@ class _StoreCheck:
         )
         for i, size in enumerate(sizes):
             f = segments.file(i)
-            expected = segments.data_offsets[i] + size
-            try:
-                st = os.stat(f)
-            except OSError:  # missing, a dangling symlink or a symlink loop
-                report.add("missing", f"cold segment {i} is missing (it should hold {expected} bytes)", file=f)
-                segments.ok.append(False)
-                continue
-            report.files_checked += 1
-            if not stat.S_ISREG(st.st_mode):
-                report.add("file", f"cold segment {i} is not a regular file", file=f)
-                segments.ok.append(False)
-                continue
-            actual = st.st_size
-            if actual < expected:
-                report.add(
-                    "truncated",
-                    f"cold segment {i} is {actual} bytes, the manifest says at least {expected}",
-                    file=f,
-                )
+            problem = segment_problem(f, segments.data_offsets[i] + size)
+            if problem is None or problem[0] != "missing":
+                report.files_checked += 1
+            if problem is not None:
+                report.add(problem[0], f"cold segment {i} {problem[1]}", file=f)
                 segments.ok.append(False)
                 continue
             if segments.backend == "hdf5":
-                why = _check_hdf5_segment(f, segments.data_offsets[i], segments.segment_bytes)
+                why = hdf5_segment_problem(f, segments.data_offsets[i], segments.segment_bytes)
                 if why:
                     report.add("file", f"cold segment {i} {why}", file=f)
                     segments.ok.append(False)
@@ -506,21 +474,19 @@ class _StoreCheck:
 
     def check_checksums(self, blobs: _Blobs, segments: _Segments) -> None:
         """Read the blobs in large sequential reads and compare their checksums with the index."""
-        bar = _progress_bar(self.progress, int(blobs.size.sum()))
+        bar = progress_bar(int(blobs.size.sum()), "verify", unit="B", enabled=self.progress)
         try:
             i = 0
             n = blobs.ids.size
             ends = blobs.in_segment + blobs.size
             seg_stop = np.searchsorted(blobs.segment, blobs.segment, side="right")  # end of each blob's segment run
             while i < n:
-                j = _batch_end(blobs.in_segment[i : int(seg_stop[i])], ends, i, self.batch_bytes)
-                checked = self._check_batch(blobs, segments, i, j)
-                if checked and bar is not None:
+                j = _batch_end(blobs.in_segment[i : int(seg_stop[i])], ends, i, _BATCH_BYTES)
+                if self._check_batch(blobs, segments, i, j):
                     bar.update(int(blobs.size[i:j].sum()))
                 i = j
         finally:
-            if bar is not None:
-                bar.close()
+            bar.close()
 
     def _check_batch(self, blobs: _Blobs, segments: _Segments, i: int, j: int) -> bool:
         """Checksum (and decode) blobs ``i:j`` of one segment; ``False``: they could not be read."""
@@ -619,11 +585,7 @@ class _StoreCheck:
         if off.shape != ln.shape or (ln < 0).any() or (off < 0).any():
             report.add("index", "the cold tier's free extents are malformed", file=self.arrays_dir)
             return
-        order = np.argsort(off, kind="stable")
-        o, e = off[order], (off + ln)[order]
-        keep = ln[order] > 0
-        o, e = o[keep], e[keep]
-        if o.size > 1 and bool((o[1:] < np.maximum.accumulate(e)[:-1]).any()):
+        if extents_overlap(off, ln):
             report.add("index", "the cold tier's free or deferred extents overlap stored blobs or each other",
                        file=self.file_of("cold.free_offsets"))
 
@@ -731,13 +693,10 @@ class _StoreCheck:
         family_col = np.asarray(a["index.family"]) if "index.family" in a else None
         raw_col = self.raw_col
         counts = np.zeros(n, np.int64)
-        fam_id = {}
+        fam_id: dict[tuple[Any, tuple[int, ...]], int] = {}
         for spec in self.schema:  # family ids in first-appearance order (as Schema.families)
             if spec.get("kind") == "blob":
-                shape = tuple(spec.get("shape", ()))
-                fd = spec.get("frame_dim")
-                frame_shape = shape[:fd] + shape[fd + 1:] if isinstance(fd, int) and 0 <= fd < len(shape) else shape
-                fam_id.setdefault((spec.get("dtype"), frame_shape), len(fam_id))
+                fam_id.setdefault(_family_key(spec), len(fam_id))
         for fi, spec in enumerate(self.schema):
             name, slot_name = f"rows.{fi}.blob", f"rows.{fi}.slot"
             if spec.get("kind") != "blob" or name not in a or slot_name not in a:
@@ -753,10 +712,7 @@ class _StoreCheck:
             ids = table[written]
             ok = ids >= 0
             counts += np.bincount(ids[ok], minlength=n)[:n]
-            shape = tuple(spec.get("shape", ()))
-            fd = spec.get("frame_dim")
-            frame_shape = shape[:fd] + shape[fd + 1:] if isinstance(fd, int) and 0 <= fd < len(shape) else shape
-            fam = fam_id.get((spec.get("dtype"), frame_shape), -1)
+            fam = fam_id.get(_family_key(spec), -1)
             if family_col is None or raw_col is None or not 0 <= fam < len(families):
                 continue
             frame_nbytes = max(int(families[fam].get("frame_nbytes", 1)), 1)
@@ -808,22 +764,6 @@ class _StoreCheck:
                 f"tiered.open(mode='r') fails with a raw {type(e).__name__} (a tiered bug; "
                 f"please report it): {e}",
             )
-
-
-def _progress_bar(progress: bool | None, total: int) -> Any:
-    if progress is False:
-        return None
-    from tqdm.auto import tqdm
-
-    return tqdm(
-        total=total,
-        unit="B",
-        unit_scale=True,
-        desc="verify",
-        leave=False,
-        disable=None if progress is None else False,
-        dynamic_ncols=True,
-    )
 
 
 def _batch_end(run_starts: np.ndarray, ends: np.ndarray, i: int, batch_bytes: int) -> int:

@@ -15,6 +15,7 @@ import os
 import numpy as np
 import pytest
 import torch
+from _commit_check import commits_unchecked
 from tensordict import TensorDict
 
 import tiered
@@ -22,7 +23,6 @@ from tiered import TieredStore
 from tiered.durable.array_files import array_file, read_intent
 from tiered.errors import StorageFullError
 from tiered.testing import faults
-from tiered.testing.commit_check import commits_unchecked
 from tiered.testing.inspection import parts
 from tiered.util import filemap
 

@@ -42,11 +42,11 @@ from typing import Any
 from ..errors import TieredError, UnsupportedFormatError
 from ..schema import NARROWABLE_DTYPES, Schema
 from ..sidecar import read_source
+from ..util.progress import progress_bar
 from .common import (
     atomic_output,
     check_new_output,
     chronological_rows,
-    progress_bar,
     write_source,
 )
 

@@ -29,7 +29,6 @@ __all__ = [
     "atomic_output",
     "check_new_output",
     "chunk_rows_for",
-    "progress_bar",
     "chronological_rows",
     "iter_store",
     "row_nbytes",
@@ -52,8 +51,7 @@ DEFAULT_CHUNK_BYTES = 32 << 20
 NPY_MAX_HEADER = 1 << 16
 
 
-def read_npy_header(f: BinaryIO, where: str,
-                    max_header_size: int = NPY_MAX_HEADER) -> tuple[tuple[int, ...], bool, np.dtype]:
+def read_npy_header(f: BinaryIO, where: str) -> tuple[tuple[int, ...], bool, np.dtype]:
     """Shape, Fortran order and dtype of the ``.npy`` header at the position of the stream ``f``,
     which is left at the first byte of the array's data.
 
@@ -63,12 +61,12 @@ def read_npy_header(f: BinaryIO, where: str,
     Args:
         f: a binary stream (a file, a zip member, a gzip stream, a ``BytesIO``).
         where: how error messages name the array (its file, or archive and member).
-        max_header_size: the longest header accepted.
 
     Raises:
         InvalidDatasetError: a ``.npy`` version numpy does not write.
         PickledDataError: the array holds Python objects.
-        ValueError: a damaged header (numpy's parser: bad magic, dict or length).
+        ValueError: a damaged header (numpy's parser: bad magic, dict, or a length over
+            :data:`NPY_MAX_HEADER`).
 
     Example:
         >>> import io
@@ -76,7 +74,7 @@ def read_npy_header(f: BinaryIO, where: str,
         >>> read_npy_header(buf, "a.npy"), buf.tell()
         (((2, 3), False, dtype('int32')), 128)
     """
-    version, header = parse_npy_header(f, max_header_size)
+    version, header = parse_npy_header(f, NPY_MAX_HEADER)
     if header is None:
         raise InvalidDatasetError(f"{where}: .npy version {version} is not one numpy writes")
     shape, fortran, dtype = header
@@ -183,16 +181,6 @@ def chunk_rows_for(row_bytes: int, chunk_rows: int | None = None) -> int:
     if chunk_rows is None and row_bytes > 0:
         rows = min(rows, max(1, DEFAULT_CHUNK_BYTES // row_bytes))
     return rows
-
-
-def progress_bar(total: int, desc: str, unit: str = "rows", enabled: bool | None = True) -> Any:
-    """A tqdm bar on stderr (``enabled=None``: only on a terminal; ``False``: none)."""
-    from tqdm.auto import tqdm
-
-    disable = None if enabled is None else not enabled
-    return tqdm(
-        total=total, desc=desc, unit=unit, unit_scale=True, dynamic_ncols=True, disable=disable, leave=False
-    )
 
 
 def row_nbytes(shapes: dict[Any, tuple[tuple[int, ...], Any]]) -> int:

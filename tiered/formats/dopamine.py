@@ -8,7 +8,8 @@ to a stream of transitions, vectorized:
 * transition ``t`` of the padded stream goes to slot ``t % capacity``; after ``add_count``
   additions the cursor is ``add_count % capacity``;
 * ``invalid_range`` is ``[(cursor - h + j) % capacity for j in range(stack + h)]`` (``h``: the
-  update horizon), or ``zeros(stack)`` (float) before the first addition;
+  update horizon, 1 here as in Dopamine's default), or ``zeros(stack)`` (float) before the first
+  addition;
 * each array is saved with ``np.save(..., allow_pickle=False)`` into a ``gzip.GzipFile`` at its
   default level (9), as ``$store$_<name>_ckpt.<i>.gz``, ``add_count_ckpt.<i>.gz`` and
   ``invalid_range_ckpt.<i>.gz``.
@@ -79,10 +80,9 @@ def padded_stream(
     return out
 
 
-def buffer_checkpoint(
-    slots: dict[str, np.ndarray], add_count: int, capacity: int, stack: int = 4, update_horizon: int = 1
-) -> dict[str, np.ndarray]:
-    """The arrays a buffer of ``capacity`` slots saves after the first ``add_count`` slots of ``slots``."""
+def buffer_checkpoint(slots: dict[str, np.ndarray], add_count: int, capacity: int, stack: int = 4) -> dict[str, np.ndarray]:
+    """The arrays a buffer of ``capacity`` slots (update horizon 1, Dopamine's default) saves
+    after the first ``add_count`` slots of ``slots``."""
     out: dict[str, np.ndarray] = {}
     take = np.arange(max(0, add_count - capacity), add_count)  # the last writes win
     for name in STORE_NAMES:
@@ -93,17 +93,17 @@ def buffer_checkpoint(
     out["add_count"] = np.array(add_count)
     cursor = add_count % capacity
     out["invalid_range"] = (
-        np.array([(cursor - update_horizon + j) % capacity for j in range(stack + update_horizon)])
+        np.array([(cursor - 1 + j) % capacity for j in range(stack + 1)])
         if add_count else np.zeros(stack)
     )
     return out
 
 
-def save_checkpoint(logs: str | os.PathLike[str], ckpt: int, arrays: dict[str, Any], level: int = 9) -> None:
+def save_checkpoint(logs: str | os.PathLike[str], ckpt: int, arrays: dict[str, Any]) -> None:
     """Write the six files of checkpoint ``ckpt`` as Dopamine's ``save`` does (gzip level 9)."""
     os.makedirs(logs, exist_ok=True)
     for name, value in arrays.items():
         prefix = "$store$_" if name in STORE_NAMES else ""
         path = os.path.join(os.fspath(logs), f"{prefix}{name}_ckpt.{ckpt}.gz")
-        with open(path, "wb") as f, gzip.GzipFile(fileobj=f, mode="wb", compresslevel=level) as out:
+        with open(path, "wb") as f, gzip.GzipFile(fileobj=f, mode="wb", compresslevel=9) as out:
             np.save(out, value, allow_pickle=False)

@@ -81,7 +81,8 @@ from ..errors import InvalidDatasetError, TieredError, UnsupportedFormatError
 from ..schema import round_trip
 from ..util import fileio
 from ..util.batch import isin
-from .common import NPY_MAX_HEADER, chunk_rows_for, iter_store, progress_bar, read_npy_header, writing
+from ..util.progress import progress_bar
+from .common import NPY_MAX_HEADER, chunk_rows_for, iter_store, read_npy_header, writing
 from .keymap import ACTION, DONE, NEXT_OBS, OBS, REWARD, TERMINATED, TRUNCATED
 
 __all__ = [

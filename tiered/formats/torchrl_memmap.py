@@ -123,7 +123,6 @@ class TorchRLSource:
             self.leaves[key] = v
         if not self.leaves:
             raise UnsupportedFormatError(f"{path}: no tensor leaves to import")
-        self._td = td
 
     @property
     def row_bytes(self) -> int:
@@ -164,7 +163,6 @@ class TorchRLSource:
             yield td
 
     def close(self) -> None:
-        self._td = None
         self.leaves = {}
 
 

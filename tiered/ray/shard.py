@@ -174,9 +174,9 @@ _OPEN_OPTIONS = ("hot_bytes", "warm_bytes", "hot_device", "device", "policy", "v
                  "gpu_decode", "stage_rows")
 
 
-def _open_when_unlocked(path: str | None, options: dict[str, Any], wait_s: float = 10.0) -> TieredStore:
-    """Reopen a dead shard's store for writing; its process may take a moment to release the lock."""
-    deadline = time.monotonic() + wait_s
+def _open_when_unlocked(path: str | None, options: dict[str, Any]) -> TieredStore:
+    """Reopen a dead shard's store for writing; its process may take a moment (up to 10 s) to release the lock."""
+    deadline = time.monotonic() + 10.0
     while True:
         try:
             return TieredStore.open(path, mode="r+", **options)

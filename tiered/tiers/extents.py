@@ -29,32 +29,13 @@ from typing import Any
 import numpy as np
 
 from ..errors import StorageFullError
-from ..util.batch import exclusive_cumsum
+from ..util.batch import exclusive_cumsum, extents_overlap
 from ..util.units import ALIGNMENT, align
 
 __all__ = ["ExtentAllocator", "extents_overlap"]
 
 _I64 = np.int64
 _EMPTY = np.empty(0, dtype=_I64)
-
-
-def extents_overlap(offsets: np.ndarray, lengths: np.ndarray) -> bool:
-    """Whether any two of the byte ranges ``[offset, offset + length)`` overlap (empty ones
-    never do). Two sorts, no argsort: non-empty ranges are disjoint exactly when, with their
-    starts and their ends each sorted, every end is at most the next start (the i-th end need
-    not belong to the i-th start).
-
-    Example:
-        >>> import numpy as np
-        >>> extents_overlap(np.array([0, 64, 32]), np.array([32, 16, 32]))
-        False
-        >>> extents_overlap(np.array([0, 64, 16]), np.array([32, 16, 16]))
-        True
-    """
-    offsets, lengths = np.asarray(offsets, dtype=_I64), np.asarray(lengths, dtype=_I64)
-    keep = lengths > 0
-    start, end = np.sort(offsets[keep]), np.sort(offsets[keep] + lengths[keep])
-    return bool((start[1:] < end[:-1]).any())
 
 
 class ExtentAllocator:

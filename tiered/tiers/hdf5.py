@@ -33,12 +33,10 @@ import h5py
 
 from ..errors import CorruptionError
 from ..util import fileio
+from ..util.segments import DATASET, hdf5_segment_problem
 from .memmap import MemmapTier
 
 __all__ = ["HDF5Tier"]
-
-DATASET = "blobs"
-
 
 class HDF5Tier(MemmapTier):
     """The ``cold`` tier with HDF5 segment files (see the module docstring).
@@ -60,7 +58,6 @@ class HDF5Tier(MemmapTier):
         b' world!'
     """
 
-    suffix = ".h5"
     format = "hdf5"
 
     def _create_segment(self, i: int) -> tuple[int, int]:
@@ -97,26 +94,7 @@ class HDF5Tier(MemmapTier):
         if i in self._checked:
             return
         path = self.segment_path(i)
-        try:
-            with h5py.File(path, "r", locking=False) as h:
-                if DATASET not in h:
-                    raise CorruptionError(f"{path} holds no {DATASET!r} dataset; it is not a tiered segment")
-                d = h[DATASET]
-                problems = []
-                if d.shape != (self.segment_bytes,) or d.dtype != "u1":
-                    problems.append(
-                        f"shape {d.shape} dtype {d.dtype}, expected ({self.segment_bytes},) uint8")
-                if d.chunks is not None or d.compression is not None:
-                    problems.append("the dataset is chunked or filtered, expected contiguous")
-                offset = d.id.get_offset()
-                if offset != self._data_offsets[i]:
-                    problems.append(f"data at file offset {offset}, expected {self._data_offsets[i]}")
-                if problems:
-                    raise CorruptionError(f"{path}: {'; '.join(problems)}")
-        except CorruptionError:
-            raise
-        except Exception as e:  # noqa: BLE001 - h5py raises OSError, KeyError, ValueError... on damaged metadata
-            raise CorruptionError(f"{path} is not a readable HDF5 segment ({type(e).__name__}: {e}); "
-                                  "the store is damaged") from e
+        why = hdf5_segment_problem(path, self._data_offsets[i], self.segment_bytes)
+        if why:
+            raise CorruptionError(f"{path} {why}; it is not a tiered segment, the store is damaged")
         self._checked.add(i)
-

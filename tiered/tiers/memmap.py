@@ -30,7 +30,6 @@ so DataLoader workers under fork or spawn each get their own descriptors.
 from __future__ import annotations
 
 import os
-import stat
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -45,6 +44,7 @@ from ..util.buffers import as_int64, check_buffer, host_view
 from ..util.copy import copy_blobs
 from ..util.pool import run_parallel
 from ..util.scratch import ScratchBuffers
+from ..util.segments import segment_name, segment_problem
 from ..util.units import align, format_bytes, parse_bytes
 from .arena import cuda_usable
 from .base import Tier
@@ -225,7 +225,6 @@ class MemmapTier(Tier):
     """
 
     name = "cold"
-    suffix = ".bin"
     format = "memmap"
 
     def __init__(self, directory: str | os.PathLike[str], segment_bytes: int | str = SEGMENT_BYTES,
@@ -235,7 +234,7 @@ class MemmapTier(Tier):
             raise ValueError(f"segment_bytes must be a positive multiple of 16, got {seg}")
         directory = os.path.abspath(os.fspath(directory))
         fileio.makedirs(directory)
-        first = os.path.join(directory, self._file_name(0))
+        first = os.path.join(directory, segment_name(self.format, 0))
         if os.path.exists(first):
             raise FileExistsError(
                 f"{directory} already holds cold segments ({first}); reopen them with "
@@ -269,13 +268,9 @@ class MemmapTier(Tier):
 
     # ------------------------------------------------------------------ files
 
-    @classmethod
-    def _file_name(cls, i: int) -> str:
-        return f"seg-{i:06d}{cls.suffix}"
-
     def segment_path(self, i: int) -> str:
         """Path of segment ``i``."""
-        return os.path.join(self.directory, self._file_name(i))
+        return os.path.join(self.directory, segment_name(self.format, i))
 
     @property
     def segments(self) -> list[str]:
@@ -584,23 +579,10 @@ class MemmapTier(Tier):
                 f"{self._alloc.high_water}, which needs {need} segments, but {len(self._sizes)} are listed"
             )
         for i, size in enumerate(self._sizes):
-            path = self.segment_path(i)
-            expected = self._data_offsets[i] + size
-            try:
-                st = os.stat(path)
-            except OSError:  # missing, a dangling symlink or a symlink loop
-                raise CorruptionError(
-                    f"cold segment {path} is missing or unreachable; the store expects it to hold at least "
-                    f"{expected} bytes. Restore it from a backup"
-                ) from None
-            if not stat.S_ISREG(st.st_mode):
-                raise CorruptionError(f"cold segment {path} is not a regular file; the store is damaged")
-            actual = st.st_size
-            if actual < expected:
-                raise CorruptionError(
-                    f"cold segment {path} is truncated: expected at least {expected} bytes, found "
-                    f"{actual}. Restore it from a backup"
-                )
+            problem = segment_problem(self.segment_path(i), self._data_offsets[i] + size)
+            if problem is not None:
+                raise CorruptionError(f"cold segment {self.segment_path(i)} {problem[1]}; the store is damaged: "
+                                      "restore it from a backup")
         return self
 
     def __getstate__(self) -> dict[str, Any]:

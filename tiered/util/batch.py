@@ -1,4 +1,4 @@
-"""Batch index arithmetic: offsets, ranges, membership and balanced splits, without Python loops.
+"""Batch index arithmetic: offsets, ranges, overlaps, membership and balanced splits, without Python loops.
 
 Every helper is a fixed number of numpy calls whatever the batch size, so the number of Python
 calls made by ``extend`` and ``get`` does not grow with the batch.
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["exclusive_cumsum", "is_packed", "isin", "ranges", "split_balanced"]
+__all__ = ["exclusive_cumsum", "extents_overlap", "is_packed", "isin", "ranges", "split_balanced"]
 
 
 def exclusive_cumsum(sizes: np.ndarray) -> np.ndarray:
@@ -30,6 +30,24 @@ def exclusive_cumsum(sizes: np.ndarray) -> np.ndarray:
     # no branch on the size: callers count on a call count that does not depend on the batch
     sizes[:-1].cumsum(out=out[1:])  # the method: np.cumsum adds Python-level wrapper calls
     return out
+
+
+def extents_overlap(offsets: np.ndarray, lengths: np.ndarray) -> bool:
+    """Whether any two of the byte ranges ``[offset, offset + length)`` overlap (empty ones
+    never do). Two sorts, no argsort: non-empty ranges are disjoint exactly when, with their
+    starts and their ends each sorted, every end is at most the next start (the i-th end need
+    not belong to the i-th start).
+
+    Example:
+        >>> extents_overlap(np.array([0, 64, 32]), np.array([32, 16, 32]))
+        False
+        >>> extents_overlap(np.array([0, 64, 16]), np.array([32, 16, 16]))
+        True
+    """
+    offsets, lengths = np.asarray(offsets, dtype=np.int64), np.asarray(lengths, dtype=np.int64)
+    keep = lengths > 0
+    start, end = np.sort(offsets[keep]), np.sort(offsets[keep] + lengths[keep])
+    return bool((start[1:] < end[:-1]).any())
 
 
 def is_packed(offsets: np.ndarray, sizes: np.ndarray) -> bool:

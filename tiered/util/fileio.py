@@ -334,13 +334,12 @@ def makedirs(path: str | os.PathLike[str]) -> None:
         fsync_dir(os.path.dirname(p))
 
 
-def remove(path: str | os.PathLike[str], *, missing_ok: bool = True) -> None:
-    """Delete a file (the directory is not fsynced; call :func:`fsync_dir` for that)."""
+def remove(path: str | os.PathLike[str]) -> None:
+    """Delete a file, if there is one (the directory is not fsynced; call :func:`fsync_dir` for that)."""
     try:
         os.remove(os.fspath(path))
     except FileNotFoundError:
-        if not missing_ok:
-            raise
+        pass
 
 
 def write_file_atomic(path: str | os.PathLike[str], data: bytes) -> None:

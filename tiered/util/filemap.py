@@ -274,14 +274,14 @@ def _anonymous(at: int, n: int) -> None:
                           f"(errno {ctypes.get_errno()}); the process is out of memory")
 
 
-def privatize(arr: np.ndarray | FileLayout, source: int | None = None) -> None:
-    """Give the pages of ``arr``'s mapping that are mapped from a file (from file ``source``;
-    None: any) back an anonymous copy of their bytes, so that file may be truncated or
-    rewritten. Must be called while an array of the mapping is alive."""
+def privatize(arr: np.ndarray | FileLayout) -> None:
+    """Give the pages of ``arr``'s mapping that are mapped from a file back an anonymous copy of
+    their bytes, so that file may be truncated or rewritten. Must be called while an array of the
+    mapping is alive."""
     layout = arr if isinstance(arr, FileLayout) else layout_of(arr)
     if layout is None or not layout.alive:
         return
-    pages = np.flatnonzero(layout.source >= 0 if source is None else layout.source == source)
+    pages = np.flatnonzero(layout.source >= 0)
     if pages.size:
         view = layout.bytes_view()
         at = pages * PAGE

@@ -3,7 +3,7 @@
 Example:
     >>> from tiered.util.units import align, format_bytes, parse_bytes
     >>> parse_bytes("1.5 GiB"), format_bytes(3 * 2**20), align([1, 16, 17]).tolist()
-    (1610612736, '3.0 MiB', [16, 16, 32])
+    (1610612736, '3.00 MiB', [16, 16, 32])
 """
 
 from __future__ import annotations
@@ -63,11 +63,22 @@ def parse_bytes(value: int | str) -> int:
     raise ValueError(f"expected a byte count (int or string like '2GiB'), got {type(value).__name__}")
 
 
-def format_bytes(n: int | None) -> str:
-    """``format_bytes(3 * 2**20) == '3.0 MiB'``; ``None`` is ``'unbounded'``."""
+def format_bytes(n: float | None, *, si: bool = False, none: str = "unbounded") -> str:
+    """A byte count for people: binary units with two decimals (``si=True``: units of 1000).
+
+    ``none`` is what ``None`` prints as (an unbounded budget; ``tiered info`` prints ``"-"``).
+
+    Example:
+        >>> format_bytes(3 * 2**20), format_bytes(3 * 2**20, si=True), format_bytes(512), format_bytes(None)
+        ('3.00 MiB', '3.15 MB', '512 B', 'unbounded')
+    """
     if n is None:
-        return "unbounded"
-    for unit, k in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= k:
-            return f"{n / k:.1f} {unit}"
-    return f"{n} B"
+        return none
+    base, units = (1000, ("kB", "MB", "GB", "TB")) if si else (1024, ("KiB", "MiB", "GiB", "TiB"))
+    if abs(n) < base:
+        return f"{n:.0f} B"
+    for unit in units[:-1]:
+        n /= base
+        if abs(n) < base:
+            return f"{n:.2f} {unit}"
+    return f"{n / base:.2f} {units[-1]}"

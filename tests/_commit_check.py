@@ -4,14 +4,6 @@ An incremental commit writes only the pages that changed, in place; a bug there 
 that differs from the array in memory, found only when a later open reads it. Installed for the
 whole test suite (``tests/conftest.py``), this check reads back every array file after every
 commit and compares it with memory.
-
-Example:
-    >>> import tempfile, torch
-    >>> from tensordict import TensorDict
-    >>> from tiered import TieredStore
-    >>> with commits_checked():
-    ...     with TieredStore(8, tempfile.mkdtemp() + "/s") as s:
-    ...         _ = s.extend(TensorDict({"x": torch.arange(4.0)}, [4]))
 """
 
 from __future__ import annotations
@@ -21,11 +13,9 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from ..durable import store_files
-from ..durable.array_files import FileState, array_file
-from ..durable.manifest import PAGE_BYTES, load_npy
-
-__all__ = ["check_written", "check_commits", "commits_checked", "commits_unchecked"]
+from tiered.durable import store_files
+from tiered.durable.array_files import FileState, array_file
+from tiered.durable.manifest import PAGE_BYTES, load_npy
 
 
 def check_written(files: store_files.StoreFiles, arrays: dict[str, np.ndarray], written: dict[str, FileState], g: int) -> None:
@@ -55,17 +45,6 @@ def check_commits(on: bool = True) -> None:
         hooks.append(check_written)
     elif not on and check_written in hooks:
         hooks.remove(check_written)
-
-
-@contextlib.contextmanager
-def commits_checked() -> Iterator[None]:
-    """:func:`check_written` after every commit of the ``with`` block."""
-    was = check_written in store_files.AFTER_COMMIT
-    check_commits(True)
-    try:
-        yield
-    finally:
-        check_commits(was)
 
 
 @contextlib.contextmanager
