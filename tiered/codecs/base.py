@@ -20,12 +20,13 @@ Contract (every codec passes ``tests/codecs/test_codecs.py``):
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Codec", "EncodedBatch"]
+__all__ = ["Codec", "EncodedBatch", "thread_count"]
 
 
 @dataclass
@@ -46,6 +47,21 @@ class EncodedBatch:
 
     def __len__(self) -> int:
         return int(self.sizes.shape[0])
+
+    @classmethod
+    def empty(cls) -> EncodedBatch:
+        """The encoding of a batch of no cells (codecs return it without a codec call)."""
+        none = np.zeros(0, dtype=np.int64)
+        return cls(np.zeros(0, dtype=np.uint8), none, none.copy(), none.copy())
+
+
+def thread_count(threads: object) -> int:
+    """A codec's ``threads`` argument checked: a positive integer, or ``None`` for all CPUs."""
+    if threads is None:
+        return os.cpu_count() or 1
+    if isinstance(threads, bool) or not isinstance(threads, (int, np.integer)) or threads < 1:
+        raise ValueError(f"threads must be a positive integer or None (all CPUs), got {threads!r}")
+    return int(threads)
 
 
 class Codec(ABC):

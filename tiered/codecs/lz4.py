@@ -30,7 +30,6 @@ Example:
 from __future__ import annotations
 
 import importlib
-import os
 from types import ModuleType
 
 import numpy as np
@@ -38,7 +37,7 @@ import numpy as np
 from ..errors import CodecUnavailableError, CorruptionError
 from ..util.batch import exclusive_cumsum, split_balanced
 from ..util.pool import run_parallel
-from .base import Codec, EncodedBatch
+from .base import Codec, EncodedBatch, thread_count
 from .checksum import segment_checksums
 from .raw import as_batch, check_out
 
@@ -81,11 +80,7 @@ class Lz4Codec(Codec):
 
     def __init__(self, threads: int | None = None) -> None:
         self._block = _lz4_block()
-        if threads is None:
-            threads = os.cpu_count() or 1
-        if isinstance(threads, bool) or not isinstance(threads, (int, np.integer)) or threads < 1:
-            raise ValueError(f"threads must be a positive integer or None (all CPUs), got {threads!r}")
-        self.threads = int(threads)
+        self.threads = thread_count(threads)
 
     def __reduce__(self) -> tuple:
         # The lz4.block module object is not picklable; re-import it in the other process.
@@ -99,8 +94,7 @@ class Lz4Codec(Codec):
         data, offsets, sizes = as_batch(data, offsets, sizes)
         n = sizes.size
         if n == 0:
-            empty = np.zeros(0, dtype=np.int64)
-            return EncodedBatch(np.zeros(0, dtype=np.uint8), empty, empty.copy(), empty.copy())
+            return EncodedBatch.empty()
         blocks: list = [None] * n
         bounds = split_balanced(sizes, self._parts(n)).tolist()
         mv = memoryview(data)

@@ -882,8 +882,7 @@ class NvcompCodec(Codec):
 
         data, offsets, sizes = as_batch(data, offsets, sizes)
         if sizes.size == 0:
-            e = np.zeros(0, dtype=np.int64)
-            return EncodedBatch(np.zeros(0, dtype=np.uint8), e, e.copy(), e.copy())
+            return EncodedBatch.empty()
         a_off = exclusive_cumsum(_align(sizes))
         host = np.zeros(max(int(_align(sizes).sum()), ALIGN), dtype=np.uint8)
         copy_host_blobs(data, offsets, host, a_off, sizes)

@@ -47,7 +47,6 @@ Example:
 from __future__ import annotations
 
 import operator
-import os
 import re
 import threading
 from collections import deque
@@ -59,7 +58,7 @@ import zstandard
 from ..errors import CorruptionError, UnknownCodecError
 from ..util.batch import exclusive_cumsum, split_balanced
 from ..util.pool import run_parallel
-from .base import Codec, EncodedBatch
+from .base import Codec, EncodedBatch, thread_count
 from .checksum import segment_checksums
 from .raw import as_batch, check_out
 
@@ -186,11 +185,7 @@ class ZstdCodec(Codec):
 
     def __init__(self, level: int = DEFAULT_LEVEL, threads: int | None = None) -> None:
         self.level = _check_level(level)
-        if threads is None:
-            threads = os.cpu_count() or 1
-        if isinstance(threads, bool) or not isinstance(threads, (int, np.integer)) or threads < 1:
-            raise ValueError(f"threads must be a positive integer or None (all CPUs), got {threads!r}")
-        self.threads = int(threads)
+        self.threads = thread_count(threads)
         self.name = f"zstd:{self.level}"
         # zstandard's (de)compressor objects are not safe to share between threads.
         self._local = threading.local()
@@ -247,8 +242,7 @@ class ZstdCodec(Codec):
         data, offsets, sizes = as_batch(data, offsets, sizes)
         n = sizes.size
         if n == 0:
-            empty = np.zeros(0, dtype=np.int64)
-            return EncodedBatch(np.zeros(0, dtype=np.uint8), empty, empty.copy(), empty.copy())
+            return EncodedBatch.empty()
         bounds = split_balanced(sizes, self._parts(n)).tolist()
         results: list = [None] * (len(bounds) - 1)
         tasks = [
