@@ -61,6 +61,9 @@ def test_an_open_copies_no_page_of_what_it_reads_whole(writer):
         assert pages["index.loc"].checked.size >= 4
         # private: at most the pages of the few ids the open itself writes (the writer's tail pins)
         assert all(int(p.checked.sum()) <= 2 for p in pages.values()), {n: int(p.checked.sum()) for n, p in pages.items()}
+        # taking the tail pins off the counts copies the counts' pages of the pins, no other column's
+        owned = {n for n, p in pages.items() if p.checked.any()}
+        assert owned <= {"index.refcount", "index.loc"}, owned
         first = torch.arange(1000)
         assert _same(reader.get(first), writer.get(first))
         assert pages["index.loc"].checked[0] and not pages["index.loc"].checked[1:-1].any()  # used: copied
