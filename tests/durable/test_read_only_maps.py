@@ -10,6 +10,7 @@ import json
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from helpers import fork_child, wait_child
@@ -19,6 +20,7 @@ import tiered
 from tiered import TieredStore
 from tiered.durable.array_files import INTENT, read_intent, read_intent_token, write_intent
 from tiered.durable.manifest import PAGE_BYTES
+from tiered.engine.blob_index import COLD, WARM
 from tiered.errors import ChecksumError, CorruptionError, StaleReadError
 from tiered.testing import parts
 
@@ -186,3 +188,31 @@ def test_an_intent_written_again_for_the_same_generation_is_another_token(tmp_pa
     assert read_intent_token(store) == (5, 0)
     write_intent(store, 7)
     assert read_intent_token(store) == (7, 1)
+
+
+def test_a_reader_forgets_the_writers_memory_tiers_page_by_page(tmp_path):
+    path = tmp_path / "s"
+    with TieredStore(N, path, frames={"observation": 0}, chunk_frames=1, hot_bytes=0) as s:  # a warm cache
+        s.extend(_data(N, 0))
+        expect = s.get(torch.arange(N))
+    loc = np.load(_file(path, "index.loc"), mmap_mode="r")
+    held = np.flatnonzero(loc[:, WARM] >= 0)  # the writer's warm cache, as its last commit saved it
+    assert held.size and np.unique(held * loc.itemsize * 3 // PAGE_BYTES).size >= 2
+    with tiered.open(path, warm_bytes=0, hot_bytes=0) as reader:
+        p = parts(reader)
+        pages = p.files.whole_pages["index.loc"]
+        assert not pages.checked.any()  # the open wrote none of them
+        first = torch.arange(1000)
+        assert _same(reader.get(first), expect[:1000])
+        used = np.flatnonzero(pages.checked)
+        assert 0 < used.size < pages.checked.size
+        size = p.index.size
+        # the entries wholly in pages it owns are forgotten; the others still the file's
+        starts = pages.offset + np.arange(size) * pages.row_bytes
+        owned = np.flatnonzero(pages.checked[starts // PAGE_BYTES]
+                               & pages.checked[(starts + pages.row_bytes - 1) // PAGE_BYTES])
+        assert (p.index.loc[owned, :WARM + 1] == -1).all()
+        p.index.check_ids(None)  # every page its own: every entry forgotten, the cold ones kept
+        assert (p.index.loc[:size, :WARM + 1] == -1).all()
+        assert np.array_equal(p.index.loc[:size, COLD], loc[:size, COLD])
+        assert _same(reader.get(torch.arange(N)), expect)

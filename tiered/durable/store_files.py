@@ -82,7 +82,16 @@ from .array_files import (
     write_new,
     write_undo,
 )
-from .checked_maps import IdCheck, PageChecks, Rebuild, RowCheck, load_checked, map_checked, map_verified
+from .checked_maps import (
+    IdCheck,
+    PageChecks,
+    Rebuild,
+    RowCheck,
+    forget_memory_tiers,
+    load_checked,
+    map_checked,
+    map_verified,
+)
 from .commit_arrays import (
     CHECKSUMS,
     EXCEPTION_SUFFIXES,
@@ -250,6 +259,12 @@ class StoreFiles:
             if not self.map_whole:  # a commit was under way at open: private copies, checked now
                 return load_checked(path, files[name], sums.get(name), rebuild)
             arr, pages = map_verified(path, files[name], sums.get(name), self.check_fresh, rebuild)
+            if name == "index.loc" and arr.ndim == 2 and arr.shape[1] > WARM:
+                # the writer's memory-tier locations, forgotten page by page as each becomes this
+                # reader's own (not at open, which would copy every page holding one)
+                pages.on_own = functools.partial(forget_memory_tiers, arr, pages, slice(HOT, WARM + 1))
+                for page in np.flatnonzero(pages.checked).tolist():  # pages rebuilt at open (few, or none)
+                    pages.on_own(page * PAGE_BYTES, min(pages.size, (page + 1) * PAGE_BYTES))
             self.whole_pages[name] = pages
             if kind == "blobs" and self.id_check is not None:
                 self.id_check.add(pages)
@@ -755,10 +770,8 @@ def _restore(files: StoreFiles, body: dict[str, Any], mode: str, rows: RowSpace,
     files.adopt_files(body)
     if files.read_only and files.id_check is not None:
         index.guard = files.id_check.ids
-        # the entries the open itself writes (forgetting the writer's memory tiers) become its own first
-        files.own_entries("index.loc", np.flatnonzero(np.maximum(index.loc[:index.size, HOT],
-                                                                 index.loc[:index.size, WARM]) >= 0))
-    placement.drop_memory_copies()
+    if "index.loc" not in files.whole_pages:  # else forgotten as its pages become the open's own
+        placement.drop_memory_copies()
     written = load("written")
     written_pages = files.whole_pages.get("written")
     rows.load_state(body, written, RowCheck([written_pages], rows.capacity) if written_pages is not None else None)
