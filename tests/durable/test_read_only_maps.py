@@ -216,3 +216,26 @@ def test_a_reader_forgets_the_writers_memory_tiers_page_by_page(tmp_path):
         assert (p.index.loc[:size, :WARM + 1] == -1).all()
         assert np.array_equal(p.index.loc[:size, COLD], loc[:size, COLD])
         assert _same(reader.get(torch.arange(N)), expect)
+
+
+def test_stats_of_a_reader_give_back_the_index_pages_they_used(tmp_path):
+    path = tmp_path / "s"
+    with TieredStore(N, path, frames={"observation": 0}, chunk_frames=1, hot_bytes=0) as s:  # a warm cache
+        s.extend(_data(N, 0))
+        s.flush()
+        expect, rows = s.stats(), s.get(torch.arange(N))
+        assert expect["tiers"]["warm"]["blobs"] > 0
+    with tiered.open(path, hot_bytes=0) as reader:
+        p = parts(reader)
+        pages = p.files.whole_pages
+        owned = {n: int(pg.checked.sum()) for n, pg in pages.items()}
+        got = reader.stats()
+        assert got["fields"] == expect["fields"] and got["blobs"] == expect["blobs"]
+        # the writer's warm cache is not the reader's: it has cached nothing yet
+        assert got["tiers"]["warm"]["blobs"] == 0 and got["tiers"]["cold"]["blobs"] == expect["tiers"]["cold"]["blobs"]
+        # every index page was checked for the figures and given back: what the open owned, no more
+        assert {n: int(pg.checked.sum()) for n, pg in pages.items()} == owned
+        assert not pages["written"].checked.any()  # no priorities: the figures do not read the mask
+        assert _same(reader.get(torch.arange(N)), rows)  # pages given back are checked again at their use
+        again = reader.stats()  # its warm tier now holds what the reads cached
+        assert again["fields"] == got["fields"] and again["tiers"]["warm"]["blobs"] > 0

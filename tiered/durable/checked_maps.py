@@ -175,6 +175,19 @@ class RowCheck:
         """Check every unit (a whole-array use)."""
         self._units(np.arange(self.done.size))
 
+    def forget(self, pages: PageChecks, which: np.ndarray) -> None:
+        """Count the units whose rows lie on the pages ``which`` (a bool per page) of ``pages``
+        (one of this check's arrays) unchecked again: their pages were given back to the file
+        and are checked again at the next use of their rows."""
+        if not which.any():
+            return
+        lo = np.arange(self.done.size, dtype=np.int64) * self.unit
+        hi = np.minimum(lo + self.unit, self.capacity)
+        first = (pages.offset + lo * pages.row_bytes) // PAGE_BYTES
+        last = (pages.offset + hi * pages.row_bytes - 1) // PAGE_BYTES
+        given = np.cumsum(which)  # a page given back in [first, last]: in first, or more after it
+        self.done &= ~(which[first] | (given[last] > given[first]))
+
     def _units(self, units: np.ndarray) -> None:
         todo = units[~self.done[units]]
         if not todo.size:
