@@ -18,8 +18,9 @@ before it is declared damaged.
 
 What such a reader reads whole at open (its blob index, policy state and written mask: checks of
 every entry) is checked page by page through the maps, which leaves the pages the file's (page
-cache, not the reader's memory; :func:`map_verified`), and copied private and checked again at
-first use, by blob id (:class:`IdCheck`) or by row (:class:`RowCheck`).
+cache, not the reader's memory; :func:`map_verified`; the columns no check of the open reads are
+only mapped, :func:`map_checked`), and copied private and checked again at first use, by blob id
+(:class:`IdCheck`) or by row (:class:`RowCheck`).
 
 Example:
     >>> import os, tempfile

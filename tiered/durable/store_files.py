@@ -157,6 +157,11 @@ class OpenRaced(CorruptionError):
 _COPY_WHOLE: contextvars.ContextVar[bool] = contextvars.ContextVar("tiered_copy_whole", default=False)
 
 
+#: Arrays a read-only open maps whole without reading a byte of them (no consistency check of an
+#: open looks at blobs' checksums or open-chunk slots): their pages are checked at their first use
+#: (:class:`~tiered.durable.checked_maps.IdCheck`), not also at open.
+UNREAD_AT_OPEN = frozenset({"index.checksum", "index.aux"})
+
 BACKENDS: dict[str, type[MemmapTier]] = {"memmap": MemmapTier, "hdf5": HDF5Tier}
 ArrayLoader = Callable[[str], np.ndarray]
 
@@ -262,7 +267,10 @@ class StoreFiles:
                 return load_npy(path, files[name], pages=sums.get(name))
             if not self.map_whole:  # a commit was under way at open: private copies, checked now
                 return load_checked(path, files[name], sums.get(name), rebuild)
-            arr, pages = map_verified(path, files[name], sums.get(name), self.check_fresh, rebuild)
+            # the open's own checks read these arrays whole, so it checks their pages first; the
+            # columns they read nothing of are checked at first use only, as every page is again
+            mapped = map_checked if name in UNREAD_AT_OPEN else map_verified
+            arr, pages = mapped(path, files[name], sums.get(name), self.check_fresh, rebuild)
             if name == "index.loc" and arr.ndim == 2 and arr.shape[1] > WARM:
                 # the writer's memory-tier locations, forgotten page by page as each becomes this
                 # reader's own (not at open, which would copy every page holding one)
