@@ -24,6 +24,8 @@ subprocess** that samples its own anonymous resident memory (``RssAnon``) every 
   on every file of the store: "cold") and the growth of RssAnon the first open causes (over a process that
   has already imported torch and tensordict, which take ~350 MiB of their own), also by mapping (which
   array files' pages became the process's own; ``/proc/self/smaps``);
+  then the time of ``stats()`` on a fresh read-only open, the anonymous memory it leaves held and
+  its peak (above the open's);
 - ``sample``: B=256 uniform random rows (``get``), after ``--warmup-batches`` untimed batches,
   warm (files in the page cache) and cold
   (``posix_fadvise(DONTNEED)`` on every file of the store before each batch; pages the process
@@ -317,7 +319,18 @@ def step_reopen(path: Path) -> dict[str, Any]:
         store.close()
         del store
         gc.collect()  # a closed store's parts hold reference cycles: without this, the next open adds to it
-    return {"reopen_s": min(times), "reopen_s_all": times, "reopen_cold_s": min(cold), "reopen_cold_s_all": cold,
+    # stats() of a fresh read-only open: the anonymous memory it leaves held, and its peak
+    store = tiered.open(str(path))
+    opened = AnonPeak.now()
+    meter = AnonPeak()
+    t = time.perf_counter()
+    store.stats()
+    stats_s = time.perf_counter() - t
+    stats_peak = meter.stop() + meter.start - opened
+    stats_held = AnonPeak.now() - opened
+    store.close()
+    return {"stats_s": stats_s, "stats_anon_held": stats_held, "stats_anon_peak": stats_peak,
+            "reopen_s": min(times), "reopen_s_all": times, "reopen_cold_s": min(cold), "reopen_cold_s_all": cold,
             "reopen_anon": anon[0], "reopen_anon_all": anon,
             "reopen_anon_by_mapping": dict(sorted(by_mapping.items(), key=lambda kv: -kv[1]))}
 
@@ -513,6 +526,10 @@ def report(results: list[dict[str, Any]], dop: dict[str, Any], facts: dict[str, 
         if maps:
             lines += [f"Anon after reopen at {r['rows']:,} rows by mapping (at least 0.25 MiB): "
                       + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in maps.items()) + ".", ""]
+    for r in results:
+        if "stats_s" in r:
+            lines += [f"stats() of a read-only open at {r['rows']:,} rows: {r['stats_s']:.3f} s, anonymous memory "
+                      f"held after it {r['stats_anon_held'] / 2**20:,.1f} MiB (peak {r['stats_anon_peak'] / 2**20:,.1f} MiB).", ""]
     for r in results:
         parts = r.get("disk_one_generation_parts")
         if parts:

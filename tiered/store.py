@@ -604,10 +604,11 @@ class TieredStore:
     def stats(self) -> dict[str, Any]:
         """Memory and traffic figures: rows, blobs, per field its bytes and ratios, per tier its bytes,
         budget, hits, moves and probability share (keys: :func:`tiered.engine.stats.store_stats`)."""
-        with self._lock:
-            # a read-only open checks its index and written mask at first use: these figures use all
+        with self._lock, (self._files.borrowed_pages() if self._files is not None else contextlib.nullcontext()):
+            # a read-only open checks its index at first use: these figures use all of it (its
+            # pages given back after), and the written mask only to weigh rows by priority
             self._index.check_ids(None)
-            if self._rows.written_check is not None:
+            if self._rows.written_check is not None and self._placement.priorities is not None:
                 self._rows.written_check.all()
             return store_stats(self._rows, self._write.layout, self._index, self._placement, self._write.stage,
                                self._codec.name, self._counters, self._gpu.stats() if self._gpu else None)

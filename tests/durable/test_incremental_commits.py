@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from helpers import manifest_body
 from tensordict import TensorDict
@@ -118,6 +119,34 @@ def test_damage_beside_a_dirty_block_is_not_blessed_with_a_new_crc(tmp_path):
     assert again.crcs[0] == disk[0] and again.crcs[2] == disk[2]
     assert again.crcs[1] != disk[1]  # still found by a read of the page
     assert np.load(path)[-1] == 7 and np.load(path)[(PAGE_BYTES + 5000 - 128) // 8] != arr[(PAGE_BYTES + 5000 - 128) // 8]
+
+
+@pytest.mark.parametrize("damaged", [False, True])
+def test_a_short_last_page_that_grows_gets_its_crc_patched_and_extended(tmp_path, damaged):
+    """An array that grows (blob ids added) on a short last page: the page's CRC is patched with
+    the bytes that changed and extended over the new ones, the page never read whole; damage in
+    the page outside what the commit writes keeps failing the new CRC."""
+    path = tmp_path / "index.nbytes.0.npy"
+    arr = np.arange(PAGE_BYTES // 8 + 20_000, dtype=np.int64)  # one whole page, one short
+    first = write_copy(str(path), arr, None, None, 1)
+    if damaged:
+        with open(path, "r+b") as f:  # rot in the short page, away from every byte written next
+            f.seek(PAGE_BYTES + 60_000)
+            f.write(b"\xff")
+    grown = np.concatenate([arr, -np.arange(30_000, dtype=np.int64)])  # still two pages
+    grown[PAGE_BYTES // 8 + 10] = -7  # a change in the short page's old part
+    blocks = np.zeros(-(-grown.size >> BLOCK_SHIFT), dtype=bool)
+    blocks[(PAGE_BYTES // 8 + 10) >> BLOCK_SHIFT] = True
+    blocks[arr.size >> BLOCK_SHIFT:] = True
+    again = write_copy(str(path), grown, blocks, first, 2)
+    raw = path.read_bytes()
+    assert again.written < PAGE_BYTES // 2  # the changes and the tail, not the page
+    disk = page_checksums([memoryview(raw)])
+    assert len(again.crcs) == len(disk) == 2 and again.crcs[0] == disk[0]  # its header patched
+    if damaged:
+        assert again.crcs[1] != disk[1]  # still found by a read of the page
+    else:
+        assert again.crcs[1] == disk[1] and np.array_equal(np.load(path), grown)
 
 
 def test_a_copy_keeps_its_own_bytes_outside_the_dirty_blocks(tmp_path):

@@ -10,6 +10,7 @@ import json
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from helpers import fork_child, wait_child
@@ -19,6 +20,7 @@ import tiered
 from tiered import TieredStore
 from tiered.durable.array_files import INTENT, read_intent, read_intent_token, write_intent
 from tiered.durable.manifest import PAGE_BYTES
+from tiered.engine.blob_index import COLD, WARM
 from tiered.errors import ChecksumError, CorruptionError, StaleReadError
 from tiered.testing import parts
 
@@ -61,6 +63,9 @@ def test_an_open_copies_no_page_of_what_it_reads_whole(writer):
         assert pages["index.loc"].checked.size >= 4
         # private: at most the pages of the few ids the open itself writes (the writer's tail pins)
         assert all(int(p.checked.sum()) <= 2 for p in pages.values()), {n: int(p.checked.sum()) for n, p in pages.items()}
+        # taking the tail pins off the counts copies the counts' pages of the pins, no other column's
+        owned = {n for n, p in pages.items() if p.checked.any()}
+        assert owned <= {"index.refcount", "index.loc"}, owned
         first = torch.arange(1000)
         assert _same(reader.get(first), writer.get(first))
         assert pages["index.loc"].checked[0] and not pages["index.loc"].checked[1:-1].any()  # used: copied
@@ -106,8 +111,12 @@ def test_an_index_page_damaged_after_the_open_is_found_when_used(writer, name):
         reader.get(torch.arange(1000))
     assert _same(reader.get(last), writer_rows)
     reader.close()
-    with pytest.raises(CorruptionError, match=name):  # found by the next open's check of every page
-        tiered.open(path)
+    if name == "index.checksum":  # read by no check of an open: found at its first use
+        with tiered.open(path) as again, pytest.raises(ChecksumError, match=f"{name}.*damaged"):
+            again.get(torch.arange(1000))
+    else:
+        with pytest.raises(CorruptionError, match=name):  # found by the next open's check of every page
+            tiered.open(path)
 
 
 def test_stats_of_a_reader_after_the_writer_moved_are_its_commits(writer):
@@ -183,3 +192,54 @@ def test_an_intent_written_again_for_the_same_generation_is_another_token(tmp_pa
     assert read_intent_token(store) == (5, 0)
     write_intent(store, 7)
     assert read_intent_token(store) == (7, 1)
+
+
+def test_a_reader_forgets_the_writers_memory_tiers_page_by_page(tmp_path):
+    path = tmp_path / "s"
+    with TieredStore(N, path, frames={"observation": 0}, chunk_frames=1, hot_bytes=0) as s:  # a warm cache
+        s.extend(_data(N, 0))
+        expect = s.get(torch.arange(N))
+    loc = np.load(_file(path, "index.loc"), mmap_mode="r")
+    held = np.flatnonzero(loc[:, WARM] >= 0)  # the writer's warm cache, as its last commit saved it
+    assert held.size and np.unique(held * loc.itemsize * 3 // PAGE_BYTES).size >= 2
+    with tiered.open(path, warm_bytes=0, hot_bytes=0) as reader:
+        p = parts(reader)
+        pages = p.files.whole_pages["index.loc"]
+        assert not pages.checked.any()  # the open wrote none of them
+        first = torch.arange(1000)
+        assert _same(reader.get(first), expect[:1000])
+        used = np.flatnonzero(pages.checked)
+        assert 0 < used.size < pages.checked.size
+        size = p.index.size
+        # the entries wholly in pages it owns are forgotten; the others still the file's
+        starts = pages.offset + np.arange(size) * pages.row_bytes
+        owned = np.flatnonzero(pages.checked[starts // PAGE_BYTES]
+                               & pages.checked[(starts + pages.row_bytes - 1) // PAGE_BYTES])
+        assert (p.index.loc[owned, :WARM + 1] == -1).all()
+        p.index.check_ids(None)  # every page its own: every entry forgotten, the cold ones kept
+        assert (p.index.loc[:size, :WARM + 1] == -1).all()
+        assert np.array_equal(p.index.loc[:size, COLD], loc[:size, COLD])
+        assert _same(reader.get(torch.arange(N)), expect)
+
+
+def test_stats_of_a_reader_give_back_the_index_pages_they_used(tmp_path):
+    path = tmp_path / "s"
+    with TieredStore(N, path, frames={"observation": 0}, chunk_frames=1, hot_bytes=0) as s:  # a warm cache
+        s.extend(_data(N, 0))
+        s.flush()
+        expect, rows = s.stats(), s.get(torch.arange(N))
+        assert expect["tiers"]["warm"]["blobs"] > 0
+    with tiered.open(path, hot_bytes=0) as reader:
+        p = parts(reader)
+        pages = p.files.whole_pages
+        owned = {n: int(pg.checked.sum()) for n, pg in pages.items()}
+        got = reader.stats()
+        assert got["fields"] == expect["fields"] and got["blobs"] == expect["blobs"]
+        # the writer's warm cache is not the reader's: it has cached nothing yet
+        assert got["tiers"]["warm"]["blobs"] == 0 and got["tiers"]["cold"]["blobs"] == expect["tiers"]["cold"]["blobs"]
+        # every index page was checked for the figures and given back: what the open owned, no more
+        assert {n: int(pg.checked.sum()) for n, pg in pages.items()} == owned
+        assert not pages["written"].checked.any()  # no priorities: the figures do not read the mask
+        assert _same(reader.get(torch.arange(N)), rows)  # pages given back are checked again at their use
+        again = reader.stats()  # its warm tier now holds what the reads cached
+        assert again["fields"] == got["fields"] and again["tiers"]["warm"]["blobs"] > 0

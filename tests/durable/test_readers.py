@@ -6,6 +6,7 @@ exception, never a signal."""
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
 import subprocess
@@ -18,7 +19,7 @@ import torch
 from tensordict import TensorDict
 
 import tiered
-from tiered.durable.array_files import ARRAYS_DIR
+from tiered.durable.array_files import ARRAYS_DIR, read_intent
 from tiered.durable.manifest import read_manifest
 from tiered.errors import CorruptionError, NotSharedError, StaleReadError
 from tiered.verify import verify_store
@@ -297,3 +298,39 @@ def test_dataloader_style_workers_of_an_unshared_storage(tmp_path):
         assert w.exitcode == 0
     assert set(outcomes) <= {"exact", "stale"}, outcomes
     rb.storage.close()
+
+
+@pytest.mark.parametrize("step", ["undo.", "manifest.json"])
+def test_info_while_a_commit_is_under_way_reports_the_last_commit(tmp_path, capsys, step):
+    """``tiered info`` run while a writer commits (the fault seam runs it as the commit renames its
+    before-images into place, before its intent, and as it renames its manifest, its arrays
+    changed in place) reports the commit before it."""
+    from tiered.cli import main
+    from tiered.testing.faults import inject_faults
+
+    path = tmp_path / "s"
+    with tiered.TieredStore(CAP, path, frames={"observation": 0}) as w:
+        w.extend(batch(CAP, 0))
+        w.flush()
+        committed = read_manifest(path)["generation"]
+        assert main(["info", str(path), "--json"]) == 0
+        before = json.loads(capsys.readouterr().out)
+        w.extend(batch(CAP // 2, 1))  # a ring lap: blobs freed and their ids reused, index changed in place
+        seen: dict = {}
+
+        def info(dst: str) -> None:
+            if os.path.basename(dst).startswith(step) and not seen:
+                seen["intent"] = read_intent(path)
+                seen["rc"] = main(["info", str(path), "--json"])
+                seen["doc"] = json.loads(capsys.readouterr().out)
+
+        with inject_faults(on_replace=info):
+            w.flush()
+        # at the manifest's rename the arrays were changed in place under the intent
+        assert seen["intent"] == (committed + 1 if step == "manifest.json" else committed)
+        assert seen["rc"] == 0
+        assert seen["doc"]["generation"] == committed and seen["doc"]["rows"] == before["rows"]
+        assert seen["doc"]["fields"] == before["fields"]
+        assert main(["info", str(path), "--json"]) == 0
+        after = json.loads(capsys.readouterr().out)
+        assert after["generation"] == committed + 1

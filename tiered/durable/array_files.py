@@ -421,6 +421,14 @@ def _write_runs(fd: int, path: str, source: _Source, runs: np.ndarray, base: Fil
             ranges.append((r0, min(r1, whole)))
         if r1 > whole:
             rest.append((max(r0, whole), r1))
+    end = min(size, whole + PAGE_BYTES)  # the old last page, when short, as it ends now
+    if rest and whole < base.size < end and _covers(rest, base.size, end):
+        # the short last page grows (blob ids added): its CRC patched and extended, not the page
+        # read and hashed whole (every grown index column paid a read and a hash of up to 1 MiB)
+        mine = [(r0, min(r1, end)) for r0, r1 in rest if r0 < end]
+        written += _grow_page(fd, path, source, mine, whole, base.size, end, crcs)
+        ranges += mine
+        rest = [(max(r0, end), r1) for r0, r1 in rest if r1 > end]
     if rest:
         more, where = _splice_pages(fd, source, np.array(rest, dtype=np.int64), base, crcs, size)
         written += more
@@ -451,6 +459,40 @@ def _patch_pages(fd: int, path: str, source: _Source, b0: int, b1: int, crcs: li
         crcs[p] = crc32_patch(crcs[p], PAGE_BYTES, a - p * PAGE_BYTES, old, new)
         fileio.pwrite(fd, new, a)
     return b1 - b0
+
+
+def _covers(runs: list[tuple[int, int]], lo: int, hi: int) -> bool:
+    """Whether the sorted, disjoint byte ``runs`` cover ``[lo, hi)`` without a gap."""
+    at = lo
+    for r0, r1 in runs:  # a few
+        if r0 > at:
+            break
+        at = max(at, r1)
+    return at >= hi
+
+
+def _grow_page(fd: int, path: str, source: _Source, runs: list[tuple[int, int]], lo: int, old_end: int,
+               end: int, crcs: list[int]) -> int:
+    """Write the byte ``runs`` of the page at ``lo``, which held ``[lo, old_end)`` and now ends at
+    ``end`` (the runs cover ``[old_end, end)``): its CRC-32 is patched with the bytes that changed
+    in its old part (:func:`~tiered.util.crc.crc32_patch`, as :func:`_patch_pages` does) and extended
+    over the new bytes, so damage elsewhere in the page stays detectable. Returns the bytes written."""
+    p = lo // PAGE_BYTES
+    crc = crcs[p]
+    for r0, r1 in runs:  # a few runs in the old part, then the new tail
+        a, b = r0, min(r1, old_end)
+        if a < b:
+            new = b"".join(source.parts(a, b))
+            old = bytearray(b - a)
+            if fileio.read_into(fd, memoryview(old), a) != b - a:
+                raise CorruptionError(f"{path}: shorter than its last commit wrote it (at least {old_end} bytes "
+                                      "expected); another process changed the store's files: open the store again")
+            crc = crc32_patch(crc, old_end - lo, a - lo, old, new)
+            fileio.pwrite(fd, new, a)
+    tail = b"".join(source.parts(old_end, end))
+    fileio.pwrite(fd, tail, old_end)
+    crcs[p] = zlib.crc32(tail, crc)
+    return sum(r1 - r0 for r0, r1 in runs)
 
 
 def _splice_pages(fd: int, source: _Source, runs: np.ndarray, base: FileState, crcs: list[int],

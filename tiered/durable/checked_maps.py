@@ -18,8 +18,9 @@ before it is declared damaged.
 
 What such a reader reads whole at open (its blob index, policy state and written mask: checks of
 every entry) is checked page by page through the maps, which leaves the pages the file's (page
-cache, not the reader's memory; :func:`map_verified`), and copied private and checked again at
-first use, by blob id (:class:`IdCheck`) or by row (:class:`RowCheck`).
+cache, not the reader's memory; :func:`map_verified`; the columns no check of the open reads are
+only mapped, :func:`map_checked`), and copied private and checked again at first use, by blob id
+(:class:`IdCheck`) or by row (:class:`RowCheck`).
 
 Example:
     >>> import os, tempfile
@@ -53,7 +54,8 @@ from ..util.filemap import make_private
 from .array_files import header_of
 from .manifest import PAGE_BYTES, NpyHeader, already_verified, map_npy, page_checksums
 
-__all__ = ["PageChecks", "RowCheck", "IdCheck", "map_checked", "map_verified", "map_commit", "load_checked"]
+__all__ = ["PageChecks", "RowCheck", "IdCheck", "map_checked", "map_verified", "map_commit", "load_checked",
+           "forget_memory_tiers"]
 
 #: ``rebuild(lo, hi, crc)``: the bytes ``[lo, hi)`` of a file as the reader's commit left them
 #: (None: they cannot be rebuilt, so they are damaged)
@@ -85,6 +87,10 @@ class PageChecks:
         self.checked = np.zeros(len(crcs), dtype=bool)
         #: every page is checked (nothing left to do at a use)
         self.done = not crcs
+        #: called with a page's byte range ``(lo, hi)`` once it is this reader's own and checked
+        #: (a reader's fix-ups of entries it holds differently from the file, made only in its own
+        #: pages: :func:`forget_memory_tiers`)
+        self.on_own: Callable[[int, int], None] | None = None
 
     def rows_pages(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
         """The sorted pages holding the bytes of the row ranges ``[lo, hi)`` (``hi > lo``)."""
@@ -123,6 +129,8 @@ class PageChecks:
                     "first read; the stored bytes are damaged. Restore the store from a copy; run "
                     "`tiered verify` for details.")
             self.checked[p] = True
+            if self.on_own is not None:
+                self.on_own(lo, hi)
         if todo.size:
             self.done = bool(self.checked.all())
 
@@ -167,6 +175,19 @@ class RowCheck:
     def all(self) -> None:
         """Check every unit (a whole-array use)."""
         self._units(np.arange(self.done.size))
+
+    def forget(self, pages: PageChecks, which: np.ndarray) -> None:
+        """Count the units whose rows lie on the pages ``which`` (a bool per page) of ``pages``
+        (one of this check's arrays) unchecked again: their pages were given back to the file
+        and are checked again at the next use of their rows."""
+        if not which.any():
+            return
+        lo = np.arange(self.done.size, dtype=np.int64) * self.unit
+        hi = np.minimum(lo + self.unit, self.capacity)
+        first = (pages.offset + lo * pages.row_bytes) // PAGE_BYTES
+        last = (pages.offset + hi * pages.row_bytes - 1) // PAGE_BYTES
+        given = np.cumsum(which)  # a page given back in [first, last]: in first, or more after it
+        self.done &= ~(which[first] | (given[last] > given[first]))
 
     def _units(self, units: np.ndarray) -> None:
         todo = units[~self.done[units]]
@@ -352,3 +373,37 @@ def load_checked(path: str, expected_size: int, crcs: list[int] | None, rebuild:
     if count == 0:
         return np.empty(head.shape, head.dtype, order=order)
     return np.frombuffer(whole, dtype=head.dtype, count=count, offset=head.offset).reshape(head.shape, order=order)
+
+
+def forget_memory_tiers(loc: np.ndarray, pages: PageChecks, columns: slice, lo: int, hi: int) -> None:
+    """For a read-only open's blob locations (``loc``, ``[B, tiers]``, mapped from a file its
+    writer changes in place): set the ``columns`` (the memory tiers) of every entry whose bytes lie
+    in pages now its own (``pages.checked``) and that touches file bytes ``[lo, hi)`` to -1. The
+    file holds where the writer's memory tiers held each blob, which means nothing to a reader
+    whose arenas start empty; forgetting them at open would write, so copy private, every page
+    holding one (the writer's whole warm cache: spread over every page). An entry that straddles
+    a page not yet its own waits for that page (a write there would make its bytes differ from the
+    file's before they are checked).
+
+    Example:
+        >>> import os, tempfile
+        >>> from tiered.durable.manifest import write_array
+        >>> p = os.path.join(tempfile.mkdtemp(), "loc.npy")
+        >>> f = write_array(p, np.full((100_000, 3), 7, dtype=np.int64))
+        >>> loc, pages = map_verified(p, f.size, f.pages, rebuild=lambda lo, hi, crc: None)
+        >>> pages.on_own = lambda lo, hi: forget_memory_tiers(loc, pages, slice(0, 2), lo, hi)
+        >>> pages.check(np.array([0]))
+        >>> loc[0].tolist(), loc[50_000].tolist()  # page 0's entries forgotten; page 1's still the file's
+        ([-1, -1, 7], [7, 7, 7])
+    """
+    row = pages.row_bytes
+    first = max(0, (lo - pages.offset) // row)
+    last = min(loc.shape[0], -(-(hi - pages.offset) // row))
+    page = lo // PAGE_BYTES
+    if first < last and pages.offset + first * row < lo and not pages.checked[page - 1]:
+        first += 1  # begins in the page before, not yet its own
+    after = hi // PAGE_BYTES
+    if first < last and pages.offset + last * row > hi and (after >= pages.checked.size or not pages.checked[after]):
+        last -= 1  # ends in the page after, not yet its own
+    if first < last:
+        loc[first:last, columns] = -1

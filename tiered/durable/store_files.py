@@ -29,12 +29,13 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 import mmap
 import os
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import numpy as np
@@ -82,7 +83,16 @@ from .array_files import (
     write_new,
     write_undo,
 )
-from .checked_maps import IdCheck, PageChecks, Rebuild, RowCheck, load_checked, map_checked, map_verified
+from .checked_maps import (
+    IdCheck,
+    PageChecks,
+    Rebuild,
+    RowCheck,
+    forget_memory_tiers,
+    load_checked,
+    map_checked,
+    map_verified,
+)
 from .commit_arrays import (
     CHECKSUMS,
     EXCEPTION_SUFFIXES,
@@ -147,6 +157,11 @@ class OpenRaced(CorruptionError):
 _COPY_WHOLE: contextvars.ContextVar[bool] = contextvars.ContextVar("tiered_copy_whole", default=False)
 
 
+#: Arrays a read-only open maps whole without reading a byte of them (no consistency check of an
+#: open looks at blobs' checksums or open-chunk slots): their pages are checked at their first use
+#: (:class:`~tiered.durable.checked_maps.IdCheck`), not also at open.
+UNREAD_AT_OPEN = frozenset({"index.checksum", "index.aux"})
+
 BACKENDS: dict[str, type[MemmapTier]] = {"memmap": MemmapTier, "hdf5": HDF5Tier}
 ArrayLoader = Callable[[str], np.ndarray]
 
@@ -197,6 +212,9 @@ class StoreFiles:
         #: a read-only open's arrays read whole at open and mapped from files changed in place
         #: (blob index, policy state, written mask), by name: the pages of each
         self.whole_pages: dict[str, PageChecks] = {}
+        #: a read-only open's checks of rows that include the written mask's pages (its own and
+        #: the row tables'): a page of the mask given back (:meth:`borrowed_pages`) is checked again
+        self.written_checks: list[RowCheck] = []
         #: whether the last fork made the writer's mapped array pages private (:func:`_before_fork`)
         self.fork_private = True
         _ALL_FILES.add(self)
@@ -249,7 +267,16 @@ class StoreFiles:
                 return load_npy(path, files[name], pages=sums.get(name))
             if not self.map_whole:  # a commit was under way at open: private copies, checked now
                 return load_checked(path, files[name], sums.get(name), rebuild)
-            arr, pages = map_verified(path, files[name], sums.get(name), self.check_fresh, rebuild)
+            # the open's own checks read these arrays whole, so it checks their pages first; the
+            # columns they read nothing of are checked at first use only, as every page is again
+            mapped = map_checked if name in UNREAD_AT_OPEN else map_verified
+            arr, pages = mapped(path, files[name], sums.get(name), self.check_fresh, rebuild)
+            if name == "index.loc" and arr.ndim == 2 and arr.shape[1] > WARM:
+                # the writer's memory-tier locations, forgotten page by page as each becomes this
+                # reader's own (not at open, which would copy every page holding one)
+                pages.on_own = functools.partial(forget_memory_tiers, arr, pages, slice(HOT, WARM + 1))
+                for page in np.flatnonzero(pages.checked).tolist():  # pages rebuilt at open (few, or none)
+                    pages.on_own(page * PAGE_BYTES, min(pages.size, (page + 1) * PAGE_BYTES))
             self.whole_pages[name] = pages
             if kind == "blobs" and self.id_check is not None:
                 self.id_check.add(pages)
@@ -327,6 +354,38 @@ class StoreFiles:
         pages = self.whole_pages.get(name)
         if pages is not None and ids.size:
             pages.check(pages.rows_pages(ids, ids + 1))
+
+    @contextlib.contextmanager
+    def borrowed_pages(self) -> Iterator[None]:
+        """For a read-only open that left what it reads by blob id (blob index, policy state)
+        mapped from its files: the pages of those arrays that the block makes its own (checked,
+        copied private) are given back at its end, their copies dropped and counted unchecked
+        again, so a later use copies and checks them as a first use does. A use of every entry that
+        writes nothing a later use needs (``stats()``) then costs memory while it runs, not after.
+
+        Only while the writer has not started a commit since the open (:meth:`moved`): the files
+        then hold this commit's bytes, so nothing given back needed rebuilding; otherwise the
+        copies are kept (rebuilding them again would need before-images the writer's next
+        commits remove)."""
+        check = self.id_check
+        if not (self.read_only and self.map_whole and check is not None):
+            yield
+            return
+        pages = [p for group in check.groups.values() for p in group]  # a dozen arrays
+        mask = self.whole_pages.get("written")
+        before = [p.checked.copy() for p in pages]
+        mask_before = mask.checked.copy() if mask is not None else None
+        try:
+            yield
+        finally:
+            if not self.moved():
+                for p, old in zip(pages, before, strict=True):
+                    _give_back(p, p.checked & ~old)
+                check.done = all(p.done for p in pages)
+                if mask is not None and mask_before is not None:
+                    back = _give_back(mask, mask.checked & ~mask_before)
+                    for rows in self.written_checks:  # its own check and the row tables': a few
+                        rows.forget(mask, back)
 
     def moved(self) -> bool:
         """For a read-only open: whether the writer may have changed, since the open checked them,
@@ -632,6 +691,20 @@ class StoreFiles:
         self.writer_lock = None
 
 
+def _give_back(pages: PageChecks, which: np.ndarray) -> np.ndarray:
+    """Drop the private copies of the pages ``which`` (a bool per page) of a read-only open's
+    mapped array and count them unchecked (:meth:`StoreFiles.borrowed_pages`); returns the pages
+    given back (a bool per page)."""
+    back = np.zeros_like(which)
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], which.astype(np.int8), [0]]))).reshape(-1, 2)
+    for p0, p1 in edges.tolist():  # runs of pages: a few
+        if filemap.discard_private(pages.view, p0 * PAGE_BYTES, min(pages.size, p1 * PAGE_BYTES)):
+            pages.checked[p0:p1] = False
+            pages.done = False
+            back[p0:p1] = True
+    return back
+
+
 def read_fresh(files: StoreFiles | None, read: Callable[[], T], *, verify: bool = True) -> T:
     """``read()``, once known to be read from the commit the reader started from
     (:meth:`StoreFiles.check_fresh`): a reader never returns what the writer may have rewritten
@@ -755,13 +828,12 @@ def _restore(files: StoreFiles, body: dict[str, Any], mode: str, rows: RowSpace,
     files.adopt_files(body)
     if files.read_only and files.id_check is not None:
         index.guard = files.id_check.ids
-        # the entries the open itself writes (forgetting the writer's memory tiers) become its own first
-        files.own_entries("index.loc", np.flatnonzero(np.maximum(index.loc[:index.size, HOT],
-                                                                 index.loc[:index.size, WARM]) >= 0))
-    placement.drop_memory_copies()
+    if "index.loc" not in files.whole_pages:  # else forgotten as its pages become the open's own
+        placement.drop_memory_copies()
     written = load("written")
     written_pages = files.whole_pages.get("written")
-    rows.load_state(body, written, RowCheck([written_pages], rows.capacity) if written_pages is not None else None)
+    files.written_checks = [RowCheck([written_pages], rows.capacity)] if written_pages is not None else []
+    rows.load_state(body, written, files.written_checks[0] if files.written_checks else None)
     live = index.live_ids()
     dead = np.empty(0, np.int64)
     if body["schema"] is not None:
@@ -798,6 +870,8 @@ def _restore(files: StoreFiles, body: dict[str, Any], mode: str, rows: RowSpace,
                                        rows.capacity,
                                        functools.partial(check_table_rows, files.path, f.key, rows, layout, index,
                                                          moved=files.moved if files.read_only else None))
+                if written_pages is not None:
+                    files.written_checks.append(table.guard)
                 layout.tables[f.key] = table
         for i, j in derived.items():  # no per-row arrays: the exception list, read (checked) whole
             base = layout.tables[fields[j].key]
@@ -999,8 +1073,10 @@ def unpin(index: BlobIndex, pins: np.ndarray, own: Callable[[np.ndarray], None] 
     if (left < 0).any() or (index.refcount[:n][index.state[:n] != STORED] != 0).any() or (index.refcount[:n] < 0).any():
         return ["reference counts of the blob index are negative or name free blobs"]
     if own is not None:
+        # only the counts' pages: the pins' entries in the other columns are not touched here,
+        # and a use of them checks their pages then (copying every column's page of the tail
+        # here cost a read-only open about 1 MiB per column)
         own(pinned)
-    index.check_ids(pinned)
     index.refcount[pinned] = left  # only those: pages of a mapped index stay unwritten
     index.dirty.mark(pinned)  # the file still counts the pins: the next commit writes these counts
     return []

@@ -18,7 +18,7 @@ import os
 import signal
 import struct
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..util import fileio
@@ -50,6 +50,9 @@ class FaultInjector:
             fsync, creation or rename), SIGKILL this process before the event takes effect
             (crash points, as RocksDB's kill points; use it in a child process with
             ``undo_log`` and :func:`apply_power_loss` in the parent).
+        on_replace: called with the destination path before each rename of a temp file over it
+            takes effect (a reader run at that point of a commit: its manifest's rename is the
+            last step before the commit is published).
 
     Attributes:
         writes: ``pwrite`` calls seen. ``ops``: write-like calls seen. ``bytes``: bytes counted
@@ -76,8 +79,10 @@ class FaultInjector:
         eio_on: int | None = None,
         undo_log: str | os.PathLike[str] | None = None,
         kill_on: int | None = None,
+        on_replace: Callable[[str], None] | None = None,
     ) -> None:
         self.kill_on = kill_on
+        self.on_replace = on_replace
         self.events = 0
         self.enospc_on = enospc_on
         self.quota_bytes = quota_bytes
@@ -174,6 +179,8 @@ class FaultInjector:
             self._log(b"C", path, 0, 0)
 
     def before_replace(self, src: str, dst: str) -> None:
+        if self.on_replace is not None:
+            self.on_replace(dst)
         with self._lock:
             self._event()
             if self._log_fd is None:

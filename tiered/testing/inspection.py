@@ -84,6 +84,7 @@ def spread_over_tiers(store: TieredStore, seed: int = 0) -> None:
     in the cold file only (the store needs a path: its cold tier holds every blob)."""
     p = parts(store)
     idx, tiers = p.index, p.tiers
+    idx.check_ids(None)  # a read-only open's index pages: its own (checked) before they are written
     live = idx.live_ids()
     stored = live[idx.state[live] != OPEN]
     for t in (HOT, WARM):
@@ -104,6 +105,7 @@ def spread_over_tiers(store: TieredStore, seed: int = 0) -> None:
 def tier_counts(store: TieredStore) -> dict[str, int]:
     """Stored blobs by the fastest tier holding them, and the open (uncompressed) chunks."""
     idx = parts(store).index
+    idx.check_ids(None)  # a read-only open's index pages: its own (checked) before they are read
     live = idx.live_ids()
     stored = live[idx.state[live] != OPEN]
     return {

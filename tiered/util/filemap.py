@@ -49,7 +49,7 @@ from typing import Any
 import numpy as np
 
 __all__ = ["parse_npy_header", "FileLayout", "file_array", "adopt", "layout_of", "remap", "privatize", "privatize_files", "supported",
-           "npy_header", "make_private"]
+           "npy_header", "make_private", "discard_private"]
 
 #: Bytes of one memory page (the unit a mapping is replaced in).
 PAGE = mmap.PAGESIZE
@@ -71,6 +71,7 @@ def _libc_mmap() -> Callable[..., int] | None:
 
 _mmap = _libc_mmap()
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault pages in writable (a private page is copied) without writing
+_MADV_DONTNEED = 4  # a private file mapping's copied pages are dropped: the file's show again
 
 
 def _libc_madvise() -> Callable[..., int] | None:
@@ -318,6 +319,29 @@ def make_private(view: memoryview, lo: int, hi: int) -> None:
         part = view_bytes[lo:hi]
         part[::PAGE] = part[::PAGE].copy()
 
+
+
+def discard_private(view: memoryview, lo: int, hi: int) -> bool:
+    """Drop the anonymous copies :func:`make_private` (or a write) gave bytes ``[lo, hi)`` (``lo``
+    page-aligned; ``hi`` page-aligned or the mapping's end) of a private file mapping ``view``:
+    they show the file's bytes again, as it holds them now, and cost page cache, not this process's
+    memory. Returns False where that cannot be done (not Linux): the copies stay.
+
+    Example:
+        >>> import os, tempfile
+        >>> p = os.path.join(tempfile.mkdtemp(), "f")
+        >>> with open(p, "wb") as f:
+        ...     _ = f.write(bytes(2 * PAGE))
+        >>> with open(p, "rb") as f:
+        ...     m = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        >>> m[0] = 7  # a private copy of the first page
+        >>> discard_private(memoryview(m), 0, PAGE) and m[0] == 0 or not supported()
+        True
+    """
+    if hi <= lo or _madvise is None:
+        return False
+    start = np.frombuffer(view, dtype=np.uint8).__array_interface__["data"][0] + lo
+    return _madvise(start, hi - lo, _MADV_DONTNEED) == 0
 
 def privatize_files(directory: str) -> int:
     """Give every page of this process's private file mappings (any array, any layout) of files
