@@ -34,8 +34,8 @@ from tiered.tiers import (
     parse_bytes,
 )
 from tiered.tiers.arena import inject_oom
-from tiered.tiers.extents import extents_overlap
 from tiered.tiers.memmap import GROW_MIN, GROW_STEP
+from tiered.util.batch import extents_overlap
 from tiered.util.copy import copy_tensor_blobs
 
 # Small segments so that batches cross segment boundaries.

@@ -57,8 +57,8 @@ from ..errors import (
 from ..policy import Policy
 from ..schema import Schema, key_to_str
 from ..tiers import HDF5Tier, MemmapTier, Tier
-from ..tiers.extents import extents_overlap
 from ..util import fileio, filemap
+from ..util.batch import extents_overlap
 from ..util.dirty import union
 from ..util.units import align
 from .array_files import (
@@ -115,7 +115,7 @@ __all__ = ["StoreFiles", "BACKENDS", "CHECKSUMS", "array_path", "read_fresh", "o
 
 #: Called with ``(files, arrays, written, generation)`` once a commit's manifest is in place, before
 #: the writer's state moves on: the tests' check that every array file written equals memory
-#: (:mod:`tiered.testing.commit_check`) is installed here; nothing else is.
+#: (the test suite's ``tests/_commit_check.py``) is installed here; nothing else is.
 AFTER_COMMIT: list[Callable[[StoreFiles, dict[str, np.ndarray], dict[str, FileState], int], None]] = []
 
 # Every StoreFiles of this process: a fork privatizes the array pages its writers map (_before_fork)

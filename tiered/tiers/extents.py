@@ -29,10 +29,10 @@ from typing import Any
 import numpy as np
 
 from ..errors import StorageFullError
-from ..util.batch import exclusive_cumsum, extents_overlap
+from ..util.batch import exclusive_cumsum
 from ..util.units import ALIGNMENT, align
 
-__all__ = ["ExtentAllocator", "extents_overlap"]
+__all__ = ["ExtentAllocator"]
 
 _I64 = np.int64
 _EMPTY = np.empty(0, dtype=_I64)
