@@ -324,6 +324,8 @@ class RowSpace:
         # the gather of each list of dense fields a read asks for (a ReadPlan's), worked out once:
         # dropped whenever a column, the flags, a widening or a page check changes
         self._gathers: dict[int, tuple[list[Field], DenseGather]] = {}
+        # and the numpy columns small writes of one schema write to (same lifetime)
+        self._scatters: dict[int, tuple[Schema, list[tuple[Field, np.ndarray, bool]], Any]] = {}
 
     def __len__(self) -> int:
         return self.length
@@ -332,12 +334,12 @@ class RowSpace:
         # the views handed out stay with this process (weak references do not pickle): a copy's
         # columns are its own, so no view of them exists yet
         # (and the numpy views of the columns would unpickle as copies: rebuilt from the columns)
-        return {**self.__dict__, "views": [], "_dense_np": {}, "_gathers": {}, "dense": columns_to_pickle(self.dense)}
+        return {**self.__dict__, "views": [], "_dense_np": {}, "_gathers": {}, "_scatters": {}, "dense": columns_to_pickle(self.dense)}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self.dense = columns_from_pickle(self.dense)
-        self._gathers = {}
+        self._gathers, self._scatters = {}, {}
         for key, col in list(self.dense.items()):
             self._set_column(key, col)
 
@@ -460,7 +462,7 @@ class RowSpace:
 
     # -- dense columns ----------------------------------------------------------------------
     def init_dense(self, schema: Schema) -> None:
-        self._gathers.clear()
+        self._changed()
         self.flag_fields = {f.key: f for f in schema.flag_fields}
         self.flags = torch.from_numpy(file_array(self.capacity, np.uint8)) if self.flag_fields else None
         self.flags_check = None
@@ -472,8 +474,14 @@ class RowSpace:
             self.dense_checks.pop(f.key, None)
             self._note_widen(f)
 
-    def _set_column(self, key: Key, col: torch.Tensor) -> None:
+    def _changed(self) -> None:
+        """Forget the gathers and scatters worked out so far (a column, the flags, a widening or a
+        page check changed)."""
         self._gathers.clear()
+        self._scatters.clear()
+
+    def _set_column(self, key: Key, col: torch.Tensor) -> None:
+        self._changed()
         self.dense[key] = col
         bits = as_bits(col)
         self._dense_np[key] = (bits.numpy(), None if bits.dtype == col.dtype else col.dtype)
@@ -514,7 +522,7 @@ class RowSpace:
             self._note_widen(f)
 
     def _note_widen(self, field: Field) -> None:
-        self._gathers.clear()
+        self._changed()
         if field.stored_dtype is not None:
             self.widen[field.key] = field.dtype
         else:
@@ -617,16 +625,19 @@ class RowSpace:
             self.dirty.mark_one(r)
         else:
             self.dirty.mark(rows)
-        for f in schema.column_fields:
+        scatter = self._scatters.get(id(schema))
+        if scatter is None or scatter[0] is not schema:
+            scatter = self._scatter_of(schema)
+        for f, col, native in scatter[1]:
             v = cells[f.key]
-            col, special = self._dense_np[f.key]
-            if special is None and v.device.type == "cpu" and bits_dtype(v.dtype) == v.dtype and not v.is_conj():
+            if native and v.device.type == "cpu" and not v.is_conj() and not v.is_neg():
                 # numpy's assignment casts as torch's copy_ does (values were checked to fit the
-                # column), for ~0.3 us against ~5 us of torch ops per column
+                # column), for ~0.3 us against ~5 us of torch ops per column; the cells have the
+                # field's shape (one row) or [n, *shape] (Schema.match checked them)
                 if one:
-                    col[r] = v.detach().numpy().reshape(f.shape)
+                    col[r] = (v.detach() if v.requires_grad else v).numpy().reshape(f.shape)
                 else:
-                    col[rows] = v.detach().numpy().reshape(n, *f.shape)
+                    col[rows] = (v.detach() if v.requires_grad else v).numpy().reshape(n, *f.shape)
                 continue
             with torch.no_grad():  # stored values never carry autograd history
                 dst = self.dense[f.key]
@@ -636,7 +647,16 @@ class RowSpace:
                     as_bits(dst).index_copy_(0, torch.from_numpy(rows),
                                              as_bits(v.reshape(n, *f.shape).cpu().to(dst.dtype)))
         if self.flags is not None:
-            self._write_flags(rows, {k: cells[k] for k in self.flag_fields})
+            given = [cells[k] for k in self.flag_fields]
+            if n > 1 and scatter[2] is not None and all([v.device.type == "cpu" for v in given]):
+                keep, weights = scatter[2]
+                # [flags, n] 0/1 bytes (bool tensors carry no autograd history: no detach), each
+                # shifted to its bit; the bits are distinct, so their or is their sum
+                bits = np.array([v.numpy().reshape(n) for v in given], dtype=bool)
+                flags = self.flags.numpy()
+                flags[rows] = (flags[rows] & keep) | np.bitwise_or.reduce(bits.view(np.uint8) * weights, axis=0)
+            else:
+                self._write_flags(rows, dict(zip(self.flag_fields, given)))
 
     def read_dense(self, key: Key, rows: np.ndarray, span: tuple[int, int] | None = None) -> torch.Tensor:
         """A dense column's cells of ``rows`` (a copy), or a view of ``span = (start, n)`` rows
@@ -699,6 +719,25 @@ class RowSpace:
                 cells = cells if dtype is None else cells.view(dtype)
             out[key] = cells.to(widen[key]) if key in widen else cells
 
+    def _scatter_of(self, schema: Schema) -> tuple[Schema, list[tuple[Field, np.ndarray, bool]], Any]:
+        """What small writes of ``schema`` write to, kept until a column changes: per column field,
+        the field, its numpy column and whether numpy can write its cells (a dtype numpy has,
+        column not stored as bits); and for the flag fields ``(bits of a row's byte they keep,
+        [flags, 1] weight of each one's bit)`` (None without flag fields)."""
+        if len(self._scatters) >= 8:
+            self._scatters.clear()
+        plan = []
+        for f in schema.column_fields:
+            col, special = self._dense_np[f.key]
+            plan.append((f, col, special is None and bits_dtype(f.dtype) == f.dtype))
+        flags = None
+        if self.flag_fields:  # the bits the flag fields keep of a row's byte, and each one's weight
+            shifts = np.array([f.flag_bit for f in self.flag_fields.values()], dtype=np.uint8)
+            keep = np.uint8(0xFF ^ int(np.bitwise_or.reduce(np.left_shift(np.uint8(1), shifts))))
+            flags = (keep, np.left_shift(np.uint8(1), shifts)[:, None])
+        entry = self._scatters[id(schema)] = (schema, plan, flags)
+        return entry
+
     def _gather_of(self, fields: list[Field]) -> tuple[list[Field], DenseGather]:
         """The :class:`DenseGather` of ``fields`` (made now, kept until a column or check changes)."""
         if len(self._gathers) >= 64:  # a caller cycling through many field lists
@@ -757,7 +796,7 @@ class RowSpace:
         if array.dtype != np.uint8 or array.shape != (self.capacity,):
             raise CorruptionError(f"the flags column is {array.dtype} {array.shape}, expected uint8 "
                                   f"({self.capacity},); the store is damaged")
-        self._gathers.clear()
+        self._changed()
         self.flag_fields = {f.key: f for f in schema.flag_fields}
         self.flags = torch.from_numpy(array)
         self.flags_check = check
@@ -772,7 +811,7 @@ class RowSpace:
         if bad:
             raise CorruptionError(f"field {key_to_str(bad[0].key)!r} is a row-number field of dtype {bad[0].dtype}, "
                                   f"which cannot hold row {self.capacity - 1}; the store is damaged")
-        self._gathers.clear()
+        self._changed()
         self.row_numbers = {f.key: f for f in schema.row_number_fields}
 
     def load_dense(self, field: Field, array: np.ndarray, check: Any = None) -> None:
@@ -793,7 +832,7 @@ class RowSpace:
         self._note_widen(field)
         if check is not None:
             self.dense_checks[field.key] = check
-            self._gathers.clear()
+            self._changed()
 
     # -- trajectories -----------------------------------------------------------------------
     def trajectory_ids(self, schema: Schema, data: TensorDictBase | dict[Key, torch.Tensor], n: int,
