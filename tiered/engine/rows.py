@@ -262,9 +262,9 @@ class DenseGather:
             bits = self.table[:, self.flag_bytes[rows]]
             if self.flag_shape is not None:
                 cells = torch.from_numpy(bits.reshape(len(self.flag_keys), rows.size, *self.flag_shape)).unbind(0)
-                out.update(zip(self.flag_keys, cells))
+                out.update(zip(self.flag_keys, cells, strict=True))
             else:
-                for k, (key, shape) in enumerate(zip(self.flag_keys, self.flag_shapes)):
+                for k, (key, shape) in enumerate(zip(self.flag_keys, self.flag_shapes, strict=True)):
                     out[key] = torch.from_numpy(bits[k].reshape(-1, *shape))
         for key, col, check, np_wide, view, wide in self.columns:
             if check is not None:
@@ -656,7 +656,7 @@ class RowSpace:
                 flags = self.flags.numpy()
                 flags[rows] = (flags[rows] & keep) | np.bitwise_or.reduce(bits.view(np.uint8) * weights, axis=0)
             else:
-                self._write_flags(rows, dict(zip(self.flag_fields, given)))
+                self._write_flags(rows, dict(zip(self.flag_fields, given, strict=True)))
 
     def read_dense(self, key: Key, rows: np.ndarray, span: tuple[int, int] | None = None) -> torch.Tensor:
         """A dense column's cells of ``rows`` (a copy), or a view of ``span = (start, n)`` rows
