@@ -325,7 +325,7 @@ class RowSpace:
         # dropped whenever a column, the flags, a widening or a page check changes
         self._gathers: dict[int, tuple[list[Field], DenseGather]] = {}
         # and the numpy columns small writes of one schema write to (same lifetime)
-        self._scatters: dict[int, tuple[Schema, list[tuple[Field, np.ndarray, bool]], Any]] = {}
+        self._scatters: dict[int, tuple[Schema, list[tuple[Field, np.ndarray, bool, bool]], Any]] = {}
 
     def __len__(self) -> int:
         return self.length
@@ -447,10 +447,17 @@ class RowSpace:
             SchemaMismatchError: the index names another number of rows than the data holds.
         """
         cap = self.capacity
+        if type(index) is int and n == 1 and -cap <= index < cap:  # a writer's add: one row
+            return np.array([index % cap], dtype=np.int64)
         if isinstance(index, slice):
             rows = np.arange(*index.indices(cap), dtype=np.int64)
         else:
             rows, _ = as_row_array(index, (self.length, cap))
+            if (rows.size == n and n and rows.dtype == np.int64 and 0 <= int(np.minimum.reduce(rows))
+                    and int(np.maximum.reduce(rows)) < cap):
+                # every row in [0, capacity) (a writer's extend): nothing to check or wrap; a copy,
+                # as the wrap would make: the rows may be a view of the caller's index
+                return rows.copy()
         bad = (rows < -cap) | (rows >= cap)
         if bad.any():
             raise IndexOutOfRangeError(
@@ -628,8 +635,13 @@ class RowSpace:
         scatter = self._scatters.get(id(schema))
         if scatter is None or scatter[0] is not schema:
             scatter = self._scatter_of(schema)
-        for f, col, native in scatter[1]:
+        for f, col, native, single in scatter[1]:
             v = cells[f.key]
+            if native and one and single:
+                # one value (rb.add's reward, step count, action): a Python number, which numpy
+                # casts as torch's copy_ does (values were checked to fit the column), ~0.5 us
+                col[r] = v.item()
+                continue
             if native and v.device.type == "cpu" and not v.is_conj() and not v.is_neg():
                 # numpy's assignment casts as torch's copy_ does (values were checked to fit the
                 # column), for ~0.3 us against ~5 us of torch ops per column; the cells have the
@@ -647,9 +659,18 @@ class RowSpace:
                     as_bits(dst).index_copy_(0, torch.from_numpy(rows),
                                              as_bits(v.reshape(n, *f.shape).cpu().to(dst.dtype)))
         if self.flags is not None:
+            if one:  # one row (rb.add): its byte as a Python int, each flag's value one item() (~0.3 us)
+                keep, _, bits = scatter[2]
+                flags = self.flags.numpy()  # (a torch element get and set cost ~2 us each, numpy's ~0.1)
+                byte = int(flags[r]) & int(keep)
+                for key, bit in bits:
+                    if cells[key].item():
+                        byte |= bit
+                flags[r] = byte
+                return
             given = [cells[k] for k in self.flag_fields]
-            if n > 1 and scatter[2] is not None and all([v.device.type == "cpu" for v in given]):
-                keep, weights = scatter[2]
+            if all([v.device.type == "cpu" for v in given]):
+                keep, weights, _ = scatter[2]
                 # [flags, n] 0/1 bytes (bool tensors carry no autograd history: no detach), each
                 # shifted to its bit; the bits are distinct, so their or is their sum
                 bits = np.array([v.numpy().reshape(n) for v in given], dtype=bool)
@@ -719,22 +740,24 @@ class RowSpace:
                 cells = cells if dtype is None else cells.view(dtype)
             out[key] = cells.to(widen[key]) if key in widen else cells
 
-    def _scatter_of(self, schema: Schema) -> tuple[Schema, list[tuple[Field, np.ndarray, bool]], Any]:
+    def _scatter_of(self, schema: Schema) -> tuple[Schema, list[tuple[Field, np.ndarray, bool, bool]], Any]:
         """What small writes of ``schema`` write to, kept until a column changes: per column field,
-        the field, its numpy column and whether numpy can write its cells (a dtype numpy has,
-        column not stored as bits); and for the flag fields ``(bits of a row's byte they keep,
-        [flags, 1] weight of each one's bit)`` (None without flag fields)."""
+        the field, its numpy column, whether numpy can write its cells (a dtype numpy has, column
+        not stored as bits) and whether a cell is one value; and for the flag fields ``(bits of a
+        row's byte they keep, [flags, 1] weight of each one's bit, (key, bit) pairs)`` (None
+        without flag fields)."""
         if len(self._scatters) >= 8:
             self._scatters.clear()
         plan = []
         for f in schema.column_fields:
             col, special = self._dense_np[f.key]
-            plan.append((f, col, special is None and bits_dtype(f.dtype) == f.dtype))
+            plan.append((f, col, special is None and bits_dtype(f.dtype) == f.dtype, math.prod(f.shape) == 1))
         flags = None
         if self.flag_fields:  # the bits the flag fields keep of a row's byte, and each one's weight
             shifts = np.array([f.flag_bit for f in self.flag_fields.values()], dtype=np.uint8)
             keep = np.uint8(0xFF ^ int(np.bitwise_or.reduce(np.left_shift(np.uint8(1), shifts))))
-            flags = (keep, np.left_shift(np.uint8(1), shifts)[:, None])
+            flags = (keep, np.left_shift(np.uint8(1), shifts)[:, None],
+                     [(key, 1 << f.flag_bit) for key, f in self.flag_fields.items()])
         entry = self._scatters[id(schema)] = (schema, plan, flags)
         return entry
 
