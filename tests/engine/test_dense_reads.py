@@ -148,3 +148,29 @@ def test_a_column_put_in_under_the_same_fields_is_read_not_the_old_one():
     out = {}
     space.read_dense_fields(fields, np.array([0]), out)
     assert out[("a",)].tolist() == [9] and out[("d",)].tolist() == [[True]]
+
+
+def test_one_row_writes_keep_every_dtype_and_view_exactly():
+    n = 12
+    g = torch.Generator().manual_seed(2)
+    z = torch.randn(n, 2, generator=g)
+    data = rows(
+        r=torch.tensor([-1.0, 0.0, 1.0]).repeat(4).reshape(n, 1),        # narrows to int8
+        q=torch.randn(n, 1, generator=g, requires_grad=True),            # float32 with autograd history
+        h=torch.randn(n, generator=g).to(torch.float16),
+        c=torch.complex(z[:, 0], z[:, 1]),                               # complex, written as conj views
+        b=torch.randn(n, generator=g).to(torch.bfloat16),                # a dtype numpy lacks
+        a=torch.arange(n) * 7,
+        **{f"f{i}": torch.rand(n, 1, generator=g) < 0.5 for i in range(9)},  # 8 share the flags byte, one is a column
+    )
+    s = TieredStore(16)
+    for i in range(n):  # one row at a time (ReplayBuffer.add), staged
+        row = data[i:i + 1].clone()
+        row.set("c", data["c"][i:i + 1].conj())  # a view with its conjugate bit set
+        assert row["c"].is_conj()
+        s.extend(row)
+    got = s.get(torch.arange(n))
+    for k in data.keys():
+        want = data[k].detach() if k != "c" else data["c"].conj().resolve_conj()
+        assert got[k].dtype == want.dtype and torch.equal(got[k], want), k
+    assert not got["q"].requires_grad
