@@ -6,7 +6,10 @@ serve a stale column:
 * a read between widenings gives every value back exactly, in the written dtype, whichever way
   the column was written (staged one row at a time or a batch);
 * flag fields of different cell shapes, and a flag-only read, come back as written;
-* a read-only open (columns memory-mapped with page checks) and a pickled copy read the same;
+* a read-only open (columns memory-mapped with page checks) and a pickled copy read the same,
+  and a column put in under the same fields is the one read and written;
+* one-row writes keep every dtype exactly (narrowed, float16, bfloat16, complex conj views,
+  values with autograd history, a bool field beyond the flags byte);
 * the Python calls of a dense-only ``get`` do not grow with the batch.
 """
 
