@@ -15,6 +15,7 @@ Usage:
     python benchmarks/profile_calls.py --only --breakdown store.get32 rb.add1   # calls per tiered function
     python benchmarks/profile_calls.py --only --stages store.get32 rb.add1 rb.extend16  # us per stage
     python benchmarks/profile_calls.py --only --stages rb.extend16 --cpu --threads 1  # in thread CPU time
+    python benchmarks/profile_calls.py --pool /tmp/dqn_pool/uint8_400 --cpu --threads 1  # TorchRL's DQN rows
 """
 
 from __future__ import annotations
@@ -228,6 +229,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=4000)
     p.add_argument("--games", nargs="+", default=["Pong", "MsPacman"])
+    p.add_argument("--pool", default=None,
+                   help="rows from a bench_torchrl_dqn.py --pool-cache directory (e.g. /tmp/dqn_pool/uint8_400: "
+                        "TorchRL's DQN pipeline with the recipe) instead of the Atari rollouts")
     p.add_argument("--calls", type=int, default=60, help="timed calls per operation and storage")
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--profile", nargs="*", default=[], help="operations to cProfile (tiered)")
@@ -245,7 +249,15 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     n = args.steps
-    data = H.load_atari(args.games, n, 2000)
+    if args.pool:
+        # TorchRL's DQN pipeline rows (bench_torchrl_dqn.py's cache: ~20 fields, a dozen dense
+        # columns TorchRL's collector writes), tiled to --steps
+        from tensordict import TensorDict
+
+        pool = TensorDict.load_memmap(args.pool).clone()
+        data = torch.cat([pool] * -(-n // pool.batch_size[0]))[:n].clone()
+    else:
+        data = H.load_atari(args.games, n, 2000)
     n = data.batch_size[0]
     store, ts, lts, rbs = build(n, data)
     table, state = ops(store, ts, lts, rbs, data, n)

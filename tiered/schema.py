@@ -670,6 +670,8 @@ class Schema(Mapping[Key, Field]):
             for depth in range(len(key)):
                 levels.setdefault(key[:depth], set()).add(key[depth])
         self._levels = levels
+        # what match() compares each leaf with, unpacked once: (level, name, key, dtype, cell shape)
+        self._leaves = [(f.key[:-1], f.key[-1], f.key, f.dtype, f.shape) for f in self._fields.values()]
         # every write looks at them (a small write too): listed once
         self._row_numbers = [f for f in self._fields.values() if f.row_number]
 
@@ -867,9 +869,10 @@ class Schema(Mapping[Key, Field]):
         if entries is None:
             return None
         cells = {}
-        for key, f in self._fields.items():
-            v = entries[key[:-1]][key[-1]]
-            if not isinstance(v, torch.Tensor) or v.dtype != f.dtype or tuple(v.shape[batch_dims:]) != f.shape:
+        for prefix, name, key, dtype, shape in self._leaves:
+            v = entries[prefix][name]
+            # (a torch.Size equals the tuple of its sizes: no tuple() per leaf)
+            if not isinstance(v, torch.Tensor) or v.dtype != dtype or v.shape[batch_dims:] != shape:
                 return None
             cells[key] = v
         return cells

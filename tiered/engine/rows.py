@@ -43,7 +43,7 @@ from ..util.batch import exclusive_cumsum
 from ..util.dirty import DirtyBlocks
 from ..util.filemap import file_array
 
-__all__ = ["as_mask", "RowSpace", "IndexLike", "as_row_array", "index_shape", "DONE_KEYS", "row_number_cells", "held_rows"]
+__all__ = ["as_mask", "RowSpace", "DenseGather", "IndexLike", "as_row_array", "index_shape", "DONE_KEYS", "row_number_cells", "held_rows"]
 
 IndexLike = int | slice | range | list | tuple | np.ndarray | torch.Tensor
 
@@ -202,6 +202,84 @@ def held_rows(written: np.ndarray, staged: np.ndarray | None) -> np.ndarray:
     return held if staged is None or not staged.size else np.union1d(held, staged)
 
 
+#: the numpy dtype of each torch dtype a dense column widens to in numpy (numpy's cast of a
+#: sample's cells costs ~0.3 us, torch's ~3 us); others widen in torch
+_NUMPY_DTYPES = {torch.int16: np.int16, torch.int32: np.int32, torch.int64: np.int64, torch.float16: np.float16,
+                 torch.float32: np.float32, torch.float64: np.float64}
+
+
+class DenseGather:
+    """How :meth:`RowSpace.read_dense_fields` gathers one list of dense fields for some rows,
+    worked out once per list (and again after a column, the flags or a page check changes): the
+    flags byte of the rows once, split into every flag in one table lookup and handed out as
+    views of one ``[flags, n, ...]`` array; each column in one numpy gather (and one numpy cast
+    when it is stored narrower); the row-number fields made from the rows.
+
+    Args:
+        flags: the flag fields read (bits of the flags byte), in order.
+        table: ``[len(flags), 256]`` bool, bit of each flag for every byte value (None without flags).
+        flag_bytes: the flags byte column (numpy; None without flag fields).
+        flags_check: what checks the flags column's pages before use (None: nothing to check).
+        columns: per column field, ``(key, numpy column, page check or None, numpy dtype it widens
+            to or None, torch dtype its bits are viewed as or None, torch dtype it widens to or None)``.
+        numbered: the row-number fields read.
+
+    Example:
+        >>> space = RowSpace(4)
+        >>> schema = Schema([Field(("a",), torch.int64, (), "dense", stored_dtype=torch.uint8),
+        ...                  Field(("d",), torch.bool, (1,), "dense", flag_bit=0)])
+        >>> space.init_dense(schema)
+        >>> space.write_dense(schema, np.arange(4), {("a",): torch.tensor([5, 6, 7, 8]),
+        ...                                          ("d",): torch.tensor([[True], [False], [True], [False]])})
+        >>> out = {}
+        >>> space.read_dense_fields(schema.dense_fields, np.array([2, 1]), out)
+        >>> out[("a",)].tolist(), out[("a",)].dtype, out[("d",)].tolist()
+        ([7, 6], torch.int64, [[True], [False]])
+    """
+
+    __slots__ = ("flag_keys", "flag_shapes", "flag_shape", "table", "flag_bytes", "flags_check", "columns", "numbered")
+
+    def __init__(self, flags: list[Field], table: np.ndarray | None, flag_bytes: np.ndarray | None, flags_check: Any,
+                 columns: list[tuple], numbered: list[Field]) -> None:
+        self.flag_keys = [f.key for f in flags]
+        self.flag_shapes = [f.shape for f in flags]
+        shapes = set(self.flag_shapes)
+        #: the one cell shape of every flag (they are split in one step), else None
+        self.flag_shape = shapes.pop() if len(shapes) == 1 else None
+        self.table = table
+        self.flag_bytes = flag_bytes
+        self.flags_check = flags_check
+        self.columns = columns
+        self.numbered = numbered
+
+    def read(self, rows: np.ndarray, out: dict[Key, torch.Tensor], device: torch.device | None = None) -> None:
+        """The cells of ``rows`` (int64, checked) of every field into ``out`` (row-number fields on ``device``)."""
+        if self.flag_keys:
+            if self.flags_check is not None:
+                self.flags_check.rows(rows)
+            # [flags, n]: every flag of every row in one lookup of the rows' bytes (torch's shift,
+            # mask and cast cost ~5 us each even for one row); each flag's rows are contiguous
+            bits = self.table[:, self.flag_bytes[rows]]
+            if self.flag_shape is not None:
+                cells = torch.from_numpy(bits.reshape(len(self.flag_keys), rows.size, *self.flag_shape)).unbind(0)
+                out.update(zip(self.flag_keys, cells, strict=True))
+            else:
+                for k, (key, shape) in enumerate(zip(self.flag_keys, self.flag_shapes, strict=True)):
+                    out[key] = torch.from_numpy(bits[k].reshape(-1, *shape))
+        for key, col, check, np_wide, view, wide in self.columns:
+            if check is not None:
+                check.rows(rows)
+            cells = col[rows]  # a numpy gather: a copy
+            if np_wide is not None:
+                cells = cells.astype(np_wide)
+            cells = torch.from_numpy(cells)
+            if view is not None:
+                cells = cells.view(view)
+            out[key] = cells if wide is None else cells.to(wide)
+        for f in self.numbered:
+            out[f.key] = row_number_cells(f, rows, None, device)
+
+
 class RowSpace:
     """Capacity, cursor, length, the written mask and the dense columns of a store.
 
@@ -243,6 +321,11 @@ class RowSpace:
         # dense views handed out by get(copy=False), with their rows: a write through one is a
         # change no write path sees, so every commit while one is alive saves its rows
         self.views: list[tuple[weakref.ref, int, int]] = []
+        # the gather of each list of dense fields a read asks for (a ReadPlan's), worked out once:
+        # dropped whenever a column, the flags, a widening or a page check changes
+        self._gathers: dict[int, tuple[list[Field], DenseGather]] = {}
+        # and the numpy columns small writes of one schema write to (same lifetime)
+        self._scatters: dict[int, tuple[Schema, list[tuple[Field, np.ndarray, bool, bool]], Any]] = {}
 
     def __len__(self) -> int:
         return self.length
@@ -251,11 +334,12 @@ class RowSpace:
         # the views handed out stay with this process (weak references do not pickle): a copy's
         # columns are its own, so no view of them exists yet
         # (and the numpy views of the columns would unpickle as copies: rebuilt from the columns)
-        return {**self.__dict__, "views": [], "_dense_np": {}, "dense": columns_to_pickle(self.dense)}
+        return {**self.__dict__, "views": [], "_dense_np": {}, "_gathers": {}, "_scatters": {}, "dense": columns_to_pickle(self.dense)}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self.dense = columns_from_pickle(self.dense)
+        self._gathers, self._scatters = {}, {}
         for key, col in list(self.dense.items()):
             self._set_column(key, col)
 
@@ -363,10 +447,17 @@ class RowSpace:
             SchemaMismatchError: the index names another number of rows than the data holds.
         """
         cap = self.capacity
+        if type(index) is int and n == 1 and -cap <= index < cap:  # a writer's add: one row
+            return np.array([index % cap], dtype=np.int64)
         if isinstance(index, slice):
             rows = np.arange(*index.indices(cap), dtype=np.int64)
         else:
             rows, _ = as_row_array(index, (self.length, cap))
+            if (rows.size == n and n and rows.dtype == np.int64 and 0 <= int(np.minimum.reduce(rows))
+                    and int(np.maximum.reduce(rows)) < cap):
+                # every row in [0, capacity) (a writer's extend): nothing to check or wrap; a copy,
+                # as the wrap would make: the rows may be a view of the caller's index
+                return rows.copy()
         bad = (rows < -cap) | (rows >= cap)
         if bad.any():
             raise IndexOutOfRangeError(
@@ -378,6 +469,7 @@ class RowSpace:
 
     # -- dense columns ----------------------------------------------------------------------
     def init_dense(self, schema: Schema) -> None:
+        self._changed()
         self.flag_fields = {f.key: f for f in schema.flag_fields}
         self.flags = torch.from_numpy(file_array(self.capacity, np.uint8)) if self.flag_fields else None
         self.flags_check = None
@@ -389,7 +481,14 @@ class RowSpace:
             self.dense_checks.pop(f.key, None)
             self._note_widen(f)
 
+    def _changed(self) -> None:
+        """Forget the gathers and scatters worked out so far (a column, the flags, a widening or a
+        page check changed)."""
+        self._gathers.clear()
+        self._scatters.clear()
+
     def _set_column(self, key: Key, col: torch.Tensor) -> None:
+        self._changed()
         self.dense[key] = col
         bits = as_bits(col)
         self._dense_np[key] = (bits.numpy(), None if bits.dtype == col.dtype else col.dtype)
@@ -430,6 +529,7 @@ class RowSpace:
             self._note_widen(f)
 
     def _note_widen(self, field: Field) -> None:
+        self._changed()
         if field.stored_dtype is not None:
             self.widen[field.key] = field.dtype
         else:
@@ -532,16 +632,24 @@ class RowSpace:
             self.dirty.mark_one(r)
         else:
             self.dirty.mark(rows)
-        for f in schema.column_fields:
+        scatter = self._scatters.get(id(schema))
+        if scatter is None or scatter[0] is not schema:
+            scatter = self._scatter_of(schema)
+        for f, col, native, single in scatter[1]:
             v = cells[f.key]
-            col, special = self._dense_np[f.key]
-            if special is None and v.device.type == "cpu" and bits_dtype(v.dtype) == v.dtype and not v.is_conj():
+            if native and one and single:
+                # one value (rb.add's reward, step count, action): a Python number, which numpy
+                # casts as torch's copy_ does (values were checked to fit the column), ~0.5 us
+                col[r] = v.item()
+                continue
+            if native and v.device.type == "cpu" and not v.is_conj() and not v.is_neg():
                 # numpy's assignment casts as torch's copy_ does (values were checked to fit the
-                # column), for ~0.3 us against ~5 us of torch ops per column
+                # column), for ~0.3 us against ~5 us of torch ops per column; the cells have the
+                # field's shape (one row) or [n, *shape] (Schema.match checked them)
                 if one:
-                    col[r] = v.detach().numpy().reshape(f.shape)
+                    col[r] = (v.detach() if v.requires_grad else v).numpy().reshape(f.shape)
                 else:
-                    col[rows] = v.detach().numpy().reshape(n, *f.shape)
+                    col[rows] = (v.detach() if v.requires_grad else v).numpy().reshape(n, *f.shape)
                 continue
             with torch.no_grad():  # stored values never carry autograd history
                 dst = self.dense[f.key]
@@ -551,7 +659,25 @@ class RowSpace:
                     as_bits(dst).index_copy_(0, torch.from_numpy(rows),
                                              as_bits(v.reshape(n, *f.shape).cpu().to(dst.dtype)))
         if self.flags is not None:
-            self._write_flags(rows, {k: cells[k] for k in self.flag_fields})
+            if one:  # one row (rb.add): its byte as a Python int, each flag's value one item() (~0.3 us)
+                keep, _, bits = scatter[2]
+                flags = self.flags.numpy()  # (a torch element get and set cost ~2 us each, numpy's ~0.1)
+                byte = int(flags[r]) & int(keep)
+                for key, bit in bits:
+                    if cells[key].item():
+                        byte |= bit
+                flags[r] = byte
+                return
+            given = [cells[k] for k in self.flag_fields]
+            if all([v.device.type == "cpu" for v in given]):
+                keep, weights, _ = scatter[2]
+                # [flags, n] 0/1 bytes (bool tensors carry no autograd history: no detach), each
+                # shifted to its bit; the bits are distinct, so their or is their sum
+                bits = np.array([v.numpy().reshape(n) for v in given], dtype=bool)
+                flags = self.flags.numpy()
+                flags[rows] = (flags[rows] & keep) | np.bitwise_or.reduce(bits.view(np.uint8) * weights, axis=0)
+            else:
+                self._write_flags(rows, dict(zip(self.flag_fields, given, strict=True)))
 
     def read_dense(self, key: Key, rows: np.ndarray, span: tuple[int, int] | None = None) -> torch.Tensor:
         """A dense column's cells of ``rows`` (a copy), or a view of ``span = (start, n)`` rows
@@ -576,7 +702,16 @@ class RowSpace:
                           span: tuple[int, int] | None = None, device: torch.device | None = None) -> None:
         """:meth:`read_dense` of every dense field of ``fields`` into ``out``, with the flags byte
         gathered once and split into all its bits in one step (a get reads up to 8 flags); the
-        row-number fields made on ``device`` (the others come from the columns, on the CPU)."""
+        row-number fields made on ``device`` (the others come from the columns, on the CPU).
+
+        A gather of rows (no ``span``) runs the :class:`DenseGather` of ``fields``, worked out on
+        its first use (``fields`` is a read plan's list, the same object call after call)."""
+        if span is None:
+            gather = self._gathers.get(id(fields))
+            if gather is None or gather[0] is not fields:
+                gather = self._gather_of(fields)
+            gather[1].read(rows, out, device)
+            return
         flags = [f for f in fields if f.key in self.flag_fields]
         if flags:
             if self.flags_check is not None:
@@ -604,6 +739,49 @@ class RowSpace:
                 cells = torch.from_numpy(col[rows])
                 cells = cells if dtype is None else cells.view(dtype)
             out[key] = cells.to(widen[key]) if key in widen else cells
+
+    def _scatter_of(self, schema: Schema) -> tuple[Schema, list[tuple[Field, np.ndarray, bool, bool]], Any]:
+        """What small writes of ``schema`` write to, kept until a column changes: per column field,
+        the field, its numpy column, whether numpy can write its cells (a dtype numpy has, column
+        not stored as bits) and whether a cell is one value; and for the flag fields ``(bits of a
+        row's byte they keep, [flags, 1] weight of each one's bit, (key, bit) pairs)`` (None
+        without flag fields)."""
+        if len(self._scatters) >= 8:
+            self._scatters.clear()
+        plan = []
+        for f in schema.column_fields:
+            col, special = self._dense_np[f.key]
+            plan.append((f, col, special is None and bits_dtype(f.dtype) == f.dtype, math.prod(f.shape) == 1))
+        flags = None
+        if self.flag_fields:  # the bits the flag fields keep of a row's byte, and each one's weight
+            shifts = np.array([f.flag_bit for f in self.flag_fields.values()], dtype=np.uint8)
+            keep = np.uint8(0xFF ^ int(np.bitwise_or.reduce(np.left_shift(np.uint8(1), shifts))))
+            flags = (keep, np.left_shift(np.uint8(1), shifts)[:, None],
+                     [(key, 1 << f.flag_bit) for key, f in self.flag_fields.items()])
+        entry = self._scatters[id(schema)] = (schema, plan, flags)
+        return entry
+
+    def _gather_of(self, fields: list[Field]) -> tuple[list[Field], DenseGather]:
+        """The :class:`DenseGather` of ``fields`` (made now, kept until a column or check changes)."""
+        if len(self._gathers) >= 64:  # a caller cycling through many field lists
+            self._gathers.clear()
+        flags = [f for f in fields if f.key in self.flag_fields]
+        columns, numbered = [], []
+        for f in fields:
+            key = f.key
+            if key not in self.dense:
+                if key in self.row_numbers:
+                    numbered.append(f)
+                continue
+            col, view = self._dense_np[key]
+            wide = self.widen.get(key)
+            np_wide = _NUMPY_DTYPES.get(wide) if wide is not None and view is None else None
+            columns.append((key, col, self.dense_checks.get(key), np_wide, view, None if np_wide is not None else wide))
+        table = self._flag_table([self.flag_fields[f.key] for f in flags]) if flags else None
+        gather = DenseGather(flags, table, None if self.flags is None else self.flags.numpy(), self.flags_check,
+                             columns, numbered)
+        entry = self._gathers[id(fields)] = (fields, gather)
+        return entry
 
     def remember_view(self, view: torch.Tensor, start: int, n: int) -> None:
         """Note that ``view`` shows rows ``[start, start + n)`` of a dense column to a caller."""
@@ -641,6 +819,7 @@ class RowSpace:
         if array.dtype != np.uint8 or array.shape != (self.capacity,):
             raise CorruptionError(f"the flags column is {array.dtype} {array.shape}, expected uint8 "
                                   f"({self.capacity},); the store is damaged")
+        self._changed()
         self.flag_fields = {f.key: f for f in schema.flag_fields}
         self.flags = torch.from_numpy(array)
         self.flags_check = check
@@ -655,6 +834,7 @@ class RowSpace:
         if bad:
             raise CorruptionError(f"field {key_to_str(bad[0].key)!r} is a row-number field of dtype {bad[0].dtype}, "
                                   f"which cannot hold row {self.capacity - 1}; the store is damaged")
+        self._changed()
         self.row_numbers = {f.key: f for f in schema.row_number_fields}
 
     def load_dense(self, field: Field, array: np.ndarray, check: Any = None) -> None:
@@ -675,6 +855,7 @@ class RowSpace:
         self._note_widen(field)
         if check is not None:
             self.dense_checks[field.key] = check
+            self._changed()
 
     # -- trajectories -----------------------------------------------------------------------
     def trajectory_ids(self, schema: Schema, data: TensorDictBase | dict[Key, torch.Tensor], n: int,

@@ -401,6 +401,13 @@ class TieredStorage(TensorStorage):
             The rows in the form they were written (a TensorDict, tensor, tensorclass or pytree) on
             ``device``.
         """
+        form = self._form
+        if (type(index) is torch.Tensor and index.ndim == 1 and index.dtype not in _MASK_DTYPES and self._grid is None
+                and form is not None and form.kind == "tensordict" and not form.row_batch and not len(self._side)
+                and not self._store.shared and self.initialized):
+            # a sampler's 1-D index into TensorDict rows (rb.sample): the store resolves and checks
+            # it (as rows_of would) in the same call, and the result is already in its form
+            return self._store.get(index)
         with self._one_call():
             self._check_initialized()
             if is_key(index):
@@ -792,6 +799,10 @@ class TieredStorage(TensorStorage):
 # ----------------------------------------------------------------------------------------
 # Helpers
 # ----------------------------------------------------------------------------------------
+#: index dtypes that are masks (uint8: deprecated, as in torch), not row numbers
+_MASK_DTYPES = (torch.bool, torch.uint8)
+
+
 def _as_key(key: Any) -> Key:
     return (key,) if isinstance(key, str) else tuple(key)
 
