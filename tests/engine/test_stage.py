@@ -427,3 +427,59 @@ def test_a_small_write_with_an_empty_nested_tensordict_is_staged(atari_pong):
     with pytest.raises(SchemaMismatchError, match="'collector/surprise': not in the schema"):
         store.extend(extra)
     assert len(store) == 21 and store.stats()["staged_rows"] == 13
+
+
+@pytest.mark.parametrize("sizes", [(16,), (1, 3, 16, 5)])
+def test_rows_compared_as_they_are_staged_share_what_one_batched_write_shares(atari_mixed, sizes):
+    """The stage compares each write's frames with their layout neighbours as it takes them; the
+    flush uses that answer. Writes of 16 rows (and of mixed sizes, so a write's first row meets
+    the previous write's last in the stage) come out as one batched write of the same rows:
+    same sharing, same chunks, same tables, read back exactly."""
+    data = atari_mixed[1900:2300]  # Pong's end, MsPacman's start: trajectories end and begin
+    batched = TieredStore(500, stage_rows=0)
+    batched.extend(data[:16])
+    for lo in range(16, 400, 64):
+        batched.extend(data[lo:lo + 64])
+    batched.flush()
+    staged = TieredStore(500, stage_rows=64)
+    staged.extend(data[:16])
+    lo, k = 16, 0
+    while lo < 400:
+        # whole stages of 64 rows, as the batched store wrote them
+        n = min(sizes[k % len(sizes)], 400 - lo, 64 - (lo - 16) % 64)
+        staged.extend(data[lo:lo + n])
+        lo, k = lo + n, k + 1
+    staged.flush()
+    for key in ("observation", "next/observation"):
+        a, b = batched.stats()["fields"][key], staged.stats()["fields"][key]
+        assert a["unique_frames"] == b["unique_frames"] and a["stored_bytes"] == b["stored_bytes"]
+    assert batched.stats()["fields"]["observation"]["dedup_factor"] > 3  # the stacks did share
+    ta, tb = parts(batched).layout.tables, parts(staged).layout.tables
+    assert ta.keys() == tb.keys()
+    every = np.arange(400)
+    for key in ta:
+        assert all(np.array_equal(x, y) for x, y in zip(ta[key].refs(every), tb[key].refs(every), strict=True))
+    assert_td_equal(staged.get(slice(None)), data)
+    check_refcounts(staged)
+
+
+@pytest.mark.parametrize("where", [0, 3, -1])
+def test_a_staged_frame_one_byte_off_its_neighbour_is_not_shared(atari_pong, where):
+    """Equality is bit-exact: a stacked frame that differs from the previous row's in one byte
+    (first, middle or last byte of the frame) gets its own blob, and reads back as written."""
+    data = atari_pong[100:140].clone()
+    obs = data["observation"]  # [n, 4, 84, 84] stacks of a rollout
+    assert torch.equal(obs[20, 0], obs[19, 1])
+    flat = obs[20, 0].view(-1)
+    flat[where] ^= 1  # row 20's oldest frame no longer equals row 19's second
+    store = TieredStore(100, frames={"observation": 0}, stage_rows=64)
+    store.extend(data[:1])
+    for lo in range(1, 40, 4):
+        store.extend(data[lo:lo + 4])
+    assert store.stats()["staged_rows"] == 39
+    assert_td_equal(store.get(slice(None)), data)  # from the stage
+    store.flush()
+    assert_td_equal(store.get(slice(None)), data)  # compressed
+    ids = parts(store).layout.tables[("observation",)].refs(np.array([19, 20]))[0]
+    assert ids[1, 0] != ids[0, 1]
+    check_refcounts(store)

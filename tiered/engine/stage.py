@@ -21,7 +21,7 @@ Promises kept:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -36,9 +36,10 @@ class WriteStage:
         schema: the store's schema (its blob fields get stage tensors).
         size: rows the stage holds before it must be compressed.
         capacity: the store's capacity (length of the row -> slot map).
+        per_row: frames per row of each frame family (the width of its :attr:`hits`).
     """
 
-    def __init__(self, schema: Schema, size: int, capacity: int):
+    def __init__(self, schema: Schema, size: int, capacity: int, per_row: Sequence[int] = ()):
         self.size = int(size)
         self.cells: dict[Key, torch.Tensor] = {
             f.key: torch.empty((self.size, *f.shape), dtype=f.dtype) for f in schema.blob_fields}
@@ -51,6 +52,10 @@ class WriteStage:
         # -1: the row is not staged; else its slot. int32 over the capacity: 4 B/row, and a
         # read finds its staged rows with one gather instead of a search.
         self.slot_of = np.full(capacity, -1, dtype=np.int32)
+        #: per frame family, ``[size, frames per row]``: which staged frames equal their layout
+        #: neighbour (the previous slot's or the same slot's frame), found by the write path as
+        #: rows arrive and used by the flush, which then does not compare them again
+        self.hits = [np.zeros((self.size, int(w)), dtype=bool) for w in per_row]
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_host": {}, "cells": columns_to_pickle(self.cells)}  # numpy views would unpickle as copies

@@ -454,15 +454,32 @@ class WritePath:
         self.rows.check_dense(rows)
         stage = self.stage
         if stage is None:
-            stage = self.stage = WriteStage(self.layout.schema, self.stage_rows, self.rows.capacity)
+            stage = self.stage = WriteStage(self.layout.schema, self.stage_rows, self.rows.capacity,
+                                            [sum(f.frames_per_row for f in fs) for fs in self.layout.fields_of])
         if not stage.room_for(rows):
             # a write of the rows staged before (tier space or the disk can fail it): before this
             # write touches anything
             self.flush_stage()
         self.install_widening(self.prepare_widening(rows, cells))
         self.rows.write_dense_cells(self.layout.schema, rows, cells)
+        lo = stage.count
         stage.put(rows, cells)
+        self.compare_staged(stage, lo)
         self.placement.rows_staged(self.layout, rows, stage)
+
+    def compare_staged(self, stage: WriteStage, lo: int) -> None:
+        """Compare the frames of the rows just staged (slots ``lo..``) with their layout
+        neighbours (the previous slot's, the same slot's) while they are in cache, into
+        ``stage.hits``: the flush's dedup uses the answer instead of reading every staged frame
+        again from memory (:meth:`~tiered.engine.frames.FrameFamily.neighbour_hits`)."""
+        layout, hi = self.layout, stage.count
+        start = max(lo - 1, 0)
+        for fid, fields in enumerate(layout.fields_of):
+            rules, fam = layout.rules[fid], layout.families[fid]
+            if rules is None or not fam.dedup:
+                continue
+            frames = FrameColumns([_cell_frames(f, stage.cells[f.key][start:hi], hi - start) for f in fields])
+            fam.neighbour_hits(frames, rules, lo - start, stage.hits[fid][start:hi])
 
     def flush_stage(self) -> None:
         """Compress the staged rows through the batched path (all or nothing; the stage keeps
@@ -478,7 +495,7 @@ class WritePath:
         rows, data = stage.batch(lambda r, out: self.rows.read_dense_fields(dense, r, out))
         pending, self.widen = self.widen, {}  # the widenings of the write this flush comes before
         try:
-            self.write_rows(rows, data, staged=True)
+            self.write_rows(rows, data, staged=True, hits=[h[:rows.size] for h in stage.hits])
         finally:
             self.widen = pending
         stage.reset()
@@ -490,13 +507,14 @@ class WritePath:
 
     # -- the batched path ---------------------------------------------------------------------
     def write_rows(self, rows: np.ndarray, data: TensorDictBase | dict[Key, torch.Tensor],
-                   staged: bool = False) -> None:
+                   staged: bool = False, hits: list[np.ndarray] | None = None) -> None:
         """Write validated rows at ``rows`` (unique positions). All or nothing.
 
         ``data``: a TensorDict matching the schema, or its cells per key on the CPU (the stage's).
         ``staged``: the rows of the write stage, whose dense cells (flags included) are already in
         their columns (the stage write put them there): only their blob fields are written, and
-        ``data`` needs only those and the dense fields that cut trajectories."""
+        ``data`` needs only those and the dense fields that cut trajectories. ``hits``: per
+        family, which frames equal their layout neighbour (the stage's, compared as rows came in)."""
         layout, n = self.layout, rows.size
         if n == 0:
             return
@@ -524,7 +542,7 @@ class WritePath:
                 tail_mask = np.zeros(n * per_row, dtype=bool)
                 tail_mask[max(0, n - TAIL_ROWS) * per_row:] = True
                 plan = fam.plan(frames, np.repeat(traj, per_row), ended, tail_mask, self.index,
-                                rules=layout.rules[fid])
+                                rules=layout.rules[fid], hits=hits[fid] if hits is not None else None)
                 plans.append(plan)
                 self.encode_and_place(fam, plan.closed_ids, plan.closed_raw, plan.closed_nframes)
         except BaseException:
