@@ -429,19 +429,27 @@ def test_a_small_write_with_an_empty_nested_tensordict_is_staged(atari_pong):
     assert len(store) == 21 and store.stats()["staged_rows"] == 13
 
 
-@pytest.mark.parametrize("sizes", [(16,), (1, 3, 16, 5)])
-def test_rows_compared_as_they_are_staged_share_what_one_batched_write_shares(atari_mixed, sizes):
-    """The stage compares each write's frames with their layout neighbours as it takes them; the
-    flush uses that answer. Writes of 16 rows (and of mixed sizes, so a write's first row meets
-    the previous write's last in the stage) come out as one batched write of the same rows:
-    same sharing, same chunks, same tables, read back exactly."""
+@pytest.mark.parametrize("sizes", [(16,), (1, 3, 16, 5), (1,)])
+@pytest.mark.parametrize("frame_dim", [0, 2])
+def test_rows_compared_as_they_are_staged_share_what_one_batched_write_shares(atari_mixed, sizes, frame_dim):
+    """The stage compares its rows' frames with their layout neighbours once 16 rows wait (while
+    they are in cache), the flush the rows left; the flush's dedup uses that answer. Writes of 16
+    rows, of mixed sizes (a write's first row meets the previous write's last in the stage) and
+    of one row come out as one batched write of the same rows: same sharing, same chunks, same
+    tables, read back exactly. Also for stacks along another dimension than the first
+    (channels-last ``[84, 84, 4]``)."""
     data = atari_mixed[1900:2300]  # Pong's end, MsPacman's start: trajectories end and begin
-    batched = TieredStore(500, stage_rows=0)
+    if frame_dim:
+        data = data.clone()
+        for key in ("observation", ("next", "observation")):
+            data.set(key, data.get(key).permute(0, 2, 3, 1).contiguous())
+    frames = {"observation": frame_dim}
+    batched = TieredStore(500, frames=frames, stage_rows=0)
     batched.extend(data[:16])
     for lo in range(16, 400, 64):
         batched.extend(data[lo:lo + 64])
     batched.flush()
-    staged = TieredStore(500, stage_rows=64)
+    staged = TieredStore(500, frames=frames, stage_rows=64)
     staged.extend(data[:16])
     lo, k = 16, 0
     while lo < 400:
@@ -483,3 +491,23 @@ def test_a_staged_frame_one_byte_off_its_neighbour_is_not_shared(atari_pong, whe
     ids = parts(store).layout.tables[("observation",)].refs(np.array([19, 20]))[0]
     assert ids[1, 0] != ids[0, 1]
     check_refcounts(store)
+
+
+def test_a_flush_encodes_the_same_bytes_on_one_thread_as_on_several(atari_mixed):
+    """A small encode (a stage flush) runs on the calling thread (write.ENCODE_SPLIT_BYTES); a
+    large one is split over the store's threads. Either way each blob is its own zstd frame: the
+    stored bytes and checksums are those of a one-thread store."""
+    data = atari_mixed[1900:2200]
+    stores = {t: TieredStore(400, threads=t, stage_rows=64) for t in (1, 2)}
+    for store in stores.values():
+        store.extend(data[:200])  # a batched write
+        for lo in range(200, 300, 16):
+            store.extend(data[lo:lo + 16])  # staged, flushed every 64 rows
+        store.flush()
+    one, two = (parts(stores[t]).index for t in (1, 2))
+    live = one.live_ids()
+    assert live.size > 20 and np.array_equal(live, two.live_ids())
+    assert np.array_equal(one.checksum[live], two.checksum[live])
+    assert np.array_equal(one.nbytes[live], two.nbytes[live])
+    for store in stores.values():
+        assert_td_equal(store.get(slice(None)), data)

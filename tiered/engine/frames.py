@@ -527,11 +527,13 @@ class FrameFamily:
             representative = representative[representative]
         return representative
 
-    def neighbour_hits(self, frames: FrameColumns, rules: np.ndarray, lo: int, out: np.ndarray) -> None:
-        """Compare the frames of rows ``lo..`` of ``frames`` with their layout neighbours, in place
-        as strided views (no gathers): ``out[r, p]`` becomes whether frame column ``p`` of row ``r``
-        equals column ``rules[p, 1]`` of row ``r - rules[p, 0]`` (False where that row is before
-        row 0 or the column has no rule); rows before ``lo`` of ``out`` are left as they are.
+    def neighbour_hits(self, frames: FrameColumns, rules: np.ndarray, lo: int, out: np.ndarray,
+                       hi: int | None = None) -> None:
+        """Compare the frames of rows ``lo..hi - 1`` (``hi``: default all) of ``frames`` with their
+        layout neighbours, in place as strided views (no gathers): ``out[r, p]`` becomes whether
+        frame column ``p`` of row ``r`` equals column ``rules[p, 1]`` of row ``r - rules[p, 0]``
+        (False where that row is before row 0 or the column has no rule); the other rows of
+        ``out`` are left as they are.
 
         The rules come in runs (see :func:`rule_runs`): one comparison of 8-byte words per run (a
         4-frame stack with its next observation: 3 comparisons, not 7), never a loop over rows.
@@ -548,7 +550,7 @@ class FrameFamily:
             >>> hits.tolist()   # column 0 of rows 1 and 2 is column 1 of the row before
             [[False, False], [True, False], [True, False]]
         """
-        n_rows, frame_nbytes = frames.n_rows, self.frame_nbytes
+        n_rows, frame_nbytes = frames.n_rows if hi is None else hi, self.frame_nbytes
         out[lo:n_rows] = False
         if lo >= n_rows:
             return
@@ -565,11 +567,11 @@ class FrameFamily:
             first = max(lo, row_delta)  # a row-delta-1 rule needs a previous row
             if first >= n_rows:
                 continue
-            x = cells[f][first:, c:c + length]
+            x = cells[f][first:n_rows, c:c + length]
             y = cells[g][first - row_delta:n_rows - row_delta, e:e + length]
             if words:
                 x, y = x.view(np.uint64), y.view(np.uint64)
-            np.equal(x, y, out=eq[:n_rows - first, :length]).all(-1, out=out[first:, p:p + length])
+            np.equal(x, y, out=eq[:n_rows - first, :length]).all(-1, out=out[first:n_rows, p:p + length])
 
     def scratch(self, name: str, shape: tuple[int, ...], dtype) -> np.ndarray:
         """A reused buffer: fresh multi-MB temporaries cost page faults on every write. Past

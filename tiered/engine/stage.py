@@ -56,9 +56,15 @@ class WriteStage:
         #: neighbour (the previous slot's or the same slot's frame), found by the write path as
         #: rows arrive and used by the flush, which then does not compare them again
         self.hits = [np.zeros((self.size, int(w)), dtype=bool) for w in per_row]
+        #: slots whose :attr:`hits` are filled (the write path compares the rows after them later)
+        self.compared = 0
+        #: per frame family, the write path's own views of :attr:`cells` (made by it on first use;
+        #: not pickled: an unpickled stage's cells are new memory, and its views are made again)
+        self.views: dict[int, object] = {}
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_host": {}, "cells": columns_to_pickle(self.cells)}  # numpy views would unpickle as copies
+        # numpy views would unpickle as copies
+        return {**self.__dict__, "_host": {}, "views": {}, "cells": columns_to_pickle(self.cells)}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
@@ -111,3 +117,4 @@ class WriteStage:
     def reset(self) -> None:
         self.slot_of[self.rows[: self.count]] = -1
         self.count = 0
+        self.compared = 0
