@@ -511,3 +511,27 @@ def test_a_flush_encodes_the_same_bytes_on_one_thread_as_on_several(atari_mixed)
     assert np.array_equal(one.nbytes[live], two.nbytes[live])
     for store in stores.values():
         assert_td_equal(store.get(slice(None)), data)
+
+
+def test_an_unpickled_store_compares_its_own_staged_frames(atari_pong):
+    """The stage's frame views are the write path's, of its own memory: an unpickled store (whose
+    stage cells are new memory) compares the rows it stages after the copy, not what the slots
+    held before. Its slots 48..63 held consecutive rows (whose stacks share frames) in the
+    stage's first cycle; after the copy they get rows out of order (which share none)."""
+    data = atari_pong[:400]
+    store = TieredStore(400, frames={"observation": 0}, stage_rows=64)
+    store.extend(data[:100])
+    for lo in range(100, 212, 16):  # a whole stage of consecutive rows, then 48 more
+        store.extend(data[lo:lo + 16])
+    assert store.stats()["staged_rows"] == 48
+    copy = pickle.loads(pickle.dumps(store))
+    shuffled = torch.arange(212, 212 + 7 * 16, 7)  # rows 7 apart: no frame of theirs is shared
+    for s in (store, copy):
+        s.extend(data[shuffled])  # slots 48..63, compared now
+        s.flush()
+    expect = torch.cat([torch.arange(212), shuffled])
+    for s in (store, copy):
+        assert_td_equal(s.get(slice(None)), data[expect])
+        check_refcounts(s)
+    a, b = store.stats()["fields"]["observation"], copy.stats()["fields"]["observation"]
+    assert a["unique_frames"] == b["unique_frames"] and a["stored_bytes"] == b["stored_bytes"]
