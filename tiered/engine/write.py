@@ -81,14 +81,14 @@ RAW_BELOW_RATIO = 1.5
 LARGE_FRAME_LEVEL = -1
 
 #: An encode of less raw bytes than this runs on the calling thread (a codec twin of one thread):
-#: a write-stage flush (64 Atari rows: ~9 chunks, ~0.5 MB) or a 256-row write (~1.8 MB). Handing
-#: half of it to a pool thread saves at most half of a few hundred microseconds of zstd, and the
-#: handoff (waking the thread, the GIL back and forth) costs about that or more on a 2-core VM:
-#: ``python benchmarks/bench_encode_split.py`` (a loaded 2-core VM, 2026-12-07, noisy), chunks of
-#: 8 real Atari frames, median per encode, one thread against two: 9 chunks (0.5 MB) 178 against
-#: 233 us, 32 (1.8 MB) 446 against 511, 64 (3.6 MB) 877 against 951. The frames are the same
-#: bytes either way (each blob is its own zstd frame).
-ENCODE_SPLIT_BYTES = 4 << 20
+#: a write-stage flush (64 Atari rows: ~9 chunks, ~0.5 MB). Handing half of it to a pool thread
+#: saves at most half of ~200 us of zstd, and the handoff (waking the thread, the GIL back and
+#: forth) costs about that or more on a 2-core VM: ``python benchmarks/bench_encode_split.py`` (a
+#: loaded 2-core VM, 2026-12-07, noisy), chunks of 8 real Atari frames, median per encode, one
+#: thread against two: 9 chunks (0.5 MB) 178 against 233 us, 32 (1.8 MB) 446 against 511, 64
+#: (3.6 MB) 877 against 951. Larger writes (256 rows: ~1.8 MB) stay split until a quiet machine
+#: says otherwise. The frames are the same bytes either way (each blob is its own zstd frame).
+ENCODE_SPLIT_BYTES = 1 << 20
 
 #: Staged rows whose frames are compared with their layout neighbours together, as soon as this
 #: many wait (a write of 16 rows at once; one-row writes every 16th): ~0.9 MB of Atari stacks,
