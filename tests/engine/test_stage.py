@@ -431,13 +431,12 @@ def test_a_small_write_with_an_empty_nested_tensordict_is_staged(atari_pong):
 
 @pytest.mark.parametrize("sizes", [(16,), (1, 3, 16, 5), (1,)])
 @pytest.mark.parametrize("frame_dim", [0, 2])
-def test_rows_compared_as_they_are_staged_share_what_one_batched_write_shares(atari_mixed, sizes, frame_dim):
-    """The stage compares its rows' frames with their layout neighbours once 16 rows wait (while
-    they are in cache), the flush the rows left; the flush's dedup uses that answer. Writes of 16
-    rows, of mixed sizes (a write's first row meets the previous write's last in the stage) and
-    of one row come out as one batched write of the same rows: same sharing, same chunks, same
-    tables, read back exactly. Also for stacks along another dimension than the first
-    (channels-last ``[84, 84, 4]``)."""
+def test_staged_writes_of_any_size_share_what_one_batched_write_shares(atari_mixed, sizes, frame_dim):
+    """Writes of 16 rows, of mixed sizes (a write's first row meets the previous write's last in
+    the stage) and of one row come out as one batched write of the same rows: same sharing (each
+    frame compared bit for bit with its layout neighbours), same chunks, same tables, read back
+    exactly. Also for stacks along another dimension than the first (channels-last
+    ``[84, 84, 4]``)."""
     data = atari_mixed[1900:2300]  # Pong's end, MsPacman's start: trajectories end and begin
     if frame_dim:
         data = data.clone()
@@ -497,11 +496,11 @@ def test_a_flush_encodes_the_same_bytes_on_one_thread_as_on_several(atari_mixed)
     """A small encode (a stage flush) runs on the calling thread (write.ENCODE_SPLIT_BYTES); a
     large one is split over the store's threads. Either way each blob is its own zstd frame: the
     stored bytes and checksums are those of a one-thread store."""
-    data = atari_mixed[1900:2200]
-    stores = {t: TieredStore(400, threads=t, stage_rows=64) for t in (1, 2)}
+    data = atari_mixed[1500:2500]  # Pong's end, MsPacman's start
+    stores = {t: TieredStore(1000, threads=t, stage_rows=64) for t in (1, 2)}
     for store in stores.values():
-        store.extend(data[:200])  # a batched write
-        for lo in range(200, 300, 16):
+        store.extend(data[:900])  # a batched write: > 6 MB of new frames, split over the threads
+        for lo in range(900, 1000, 16):
             store.extend(data[lo:lo + 16])  # staged, flushed every 64 rows
         store.flush()
     one, two = (parts(stores[t]).index for t in (1, 2))
@@ -513,11 +512,11 @@ def test_a_flush_encodes_the_same_bytes_on_one_thread_as_on_several(atari_mixed)
         assert_td_equal(store.get(slice(None)), data)
 
 
-def test_an_unpickled_store_compares_its_own_staged_frames(atari_pong):
-    """The stage's frame views are the write path's, of its own memory: an unpickled store (whose
-    stage cells are new memory) compares the rows it stages after the copy, not what the slots
-    held before. Its slots 48..63 held consecutive rows (whose stacks share frames) in the
-    stage's first cycle; after the copy they get rows out of order (which share none)."""
+def test_an_unpickled_store_dedups_the_rows_it_stages_by_their_own_frames(atari_pong):
+    """An unpickled store's stage is its own memory: the rows it stages after the copy are
+    compared with their own neighbours, not with what the slots held before. Its slots 48..63
+    held consecutive rows (whose stacks share frames) in the stage's first cycle; after the copy
+    they get rows out of order (which share none)."""
     data = atari_pong[:400]
     store = TieredStore(400, frames={"observation": 0}, stage_rows=64)
     store.extend(data[:100])
@@ -527,7 +526,7 @@ def test_an_unpickled_store_compares_its_own_staged_frames(atari_pong):
     copy = pickle.loads(pickle.dumps(store))
     shuffled = torch.arange(212, 212 + 7 * 16, 7)  # rows 7 apart: no frame of theirs is shared
     for s in (store, copy):
-        s.extend(data[shuffled])  # slots 48..63, compared now
+        s.extend(data[shuffled])  # slots 48..63
         s.flush()
     expect = torch.cat([torch.arange(212), shuffled])
     for s in (store, copy):
