@@ -427,3 +427,110 @@ def test_a_small_write_with_an_empty_nested_tensordict_is_staged(atari_pong):
     with pytest.raises(SchemaMismatchError, match="'collector/surprise': not in the schema"):
         store.extend(extra)
     assert len(store) == 21 and store.stats()["staged_rows"] == 13
+
+
+@pytest.mark.parametrize("sizes", [(16,), (1, 3, 16, 5), (1,)])
+@pytest.mark.parametrize("frame_dim", [0, 2])
+def test_staged_writes_of_any_size_share_what_one_batched_write_shares(atari_mixed, sizes, frame_dim):
+    """Writes of 16 rows, of mixed sizes (a write's first row meets the previous write's last in
+    the stage) and of one row come out as one batched write of the same rows: same sharing (each
+    frame compared bit for bit with its layout neighbours), same chunks, same tables, read back
+    exactly. Also for stacks along another dimension than the first (channels-last
+    ``[84, 84, 4]``)."""
+    data = atari_mixed[1900:2300]  # Pong's end, MsPacman's start: trajectories end and begin
+    if frame_dim:
+        data = data.clone()
+        for key in ("observation", ("next", "observation")):
+            data.set(key, data.get(key).permute(0, 2, 3, 1).contiguous())
+    frames = {"observation": frame_dim}
+    batched = TieredStore(500, frames=frames, stage_rows=0)
+    batched.extend(data[:16])
+    for lo in range(16, 400, 64):
+        batched.extend(data[lo:lo + 64])
+    batched.flush()
+    staged = TieredStore(500, frames=frames, stage_rows=64)
+    staged.extend(data[:16])
+    lo, k = 16, 0
+    while lo < 400:
+        # whole stages of 64 rows, as the batched store wrote them
+        n = min(sizes[k % len(sizes)], 400 - lo, 64 - (lo - 16) % 64)
+        staged.extend(data[lo:lo + n])
+        lo, k = lo + n, k + 1
+    staged.flush()
+    for key in ("observation", "next/observation"):
+        a, b = batched.stats()["fields"][key], staged.stats()["fields"][key]
+        assert a["unique_frames"] == b["unique_frames"] and a["stored_bytes"] == b["stored_bytes"]
+    assert batched.stats()["fields"]["observation"]["dedup_factor"] > 3  # the stacks did share
+    ta, tb = parts(batched).layout.tables, parts(staged).layout.tables
+    assert ta.keys() == tb.keys()
+    every = np.arange(400)
+    for key in ta:
+        assert all(np.array_equal(x, y) for x, y in zip(ta[key].refs(every), tb[key].refs(every), strict=True))
+    assert_td_equal(staged.get(slice(None)), data)
+    check_refcounts(staged)
+
+
+@pytest.mark.parametrize("where", [0, 3, -1])
+def test_a_staged_frame_one_byte_off_its_neighbour_is_not_shared(atari_pong, where):
+    """Equality is bit-exact: a stacked frame that differs from the previous row's in one byte
+    (first, middle or last byte of the frame) gets its own blob, and reads back as written."""
+    data = atari_pong[100:140].clone()
+    obs = data["observation"]  # [n, 4, 84, 84] stacks of a rollout
+    assert torch.equal(obs[20, 0], obs[19, 1])
+    flat = obs[20, 0].view(-1)
+    flat[where] ^= 1  # row 20's oldest frame no longer equals row 19's second
+    store = TieredStore(100, frames={"observation": 0}, stage_rows=64)
+    store.extend(data[:1])
+    for lo in range(1, 40, 4):
+        store.extend(data[lo:lo + 4])
+    assert store.stats()["staged_rows"] == 39
+    assert_td_equal(store.get(slice(None)), data)  # from the stage
+    store.flush()
+    assert_td_equal(store.get(slice(None)), data)  # compressed
+    ids = parts(store).layout.tables[("observation",)].refs(np.array([19, 20]))[0]
+    assert ids[1, 0] != ids[0, 1]
+    check_refcounts(store)
+
+
+def test_a_flush_encodes_the_same_bytes_on_one_thread_as_on_several(atari_mixed):
+    """A small encode (a stage flush) runs on the calling thread (write.ENCODE_SPLIT_BYTES); a
+    large one is split over the store's threads. Either way each blob is its own zstd frame: the
+    stored bytes and checksums are those of a one-thread store."""
+    data = atari_mixed[1500:2500]  # Pong's end, MsPacman's start
+    stores = {t: TieredStore(1000, threads=t, stage_rows=64) for t in (1, 2)}
+    for store in stores.values():
+        store.extend(data[:900])  # a batched write: > 6 MB of new frames, split over the threads
+        for lo in range(900, 1000, 16):
+            store.extend(data[lo:lo + 16])  # staged, flushed every 64 rows
+        store.flush()
+    one, two = (parts(stores[t]).index for t in (1, 2))
+    live = one.live_ids()
+    assert live.size > 20 and np.array_equal(live, two.live_ids())
+    assert np.array_equal(one.checksum[live], two.checksum[live])
+    assert np.array_equal(one.nbytes[live], two.nbytes[live])
+    for store in stores.values():
+        assert_td_equal(store.get(slice(None)), data)
+
+
+def test_an_unpickled_store_dedups_the_rows_it_stages_by_their_own_frames(atari_pong):
+    """An unpickled store's stage is its own memory: the rows it stages after the copy are
+    compared with their own neighbours, not with what the slots held before. Its slots 48..63
+    held consecutive rows (whose stacks share frames) in the stage's first cycle; after the copy
+    they get rows out of order (which share none)."""
+    data = atari_pong[:400]
+    store = TieredStore(400, frames={"observation": 0}, stage_rows=64)
+    store.extend(data[:100])
+    for lo in range(100, 212, 16):  # a whole stage of consecutive rows, then 48 more
+        store.extend(data[lo:lo + 16])
+    assert store.stats()["staged_rows"] == 48
+    copy = pickle.loads(pickle.dumps(store))
+    shuffled = torch.arange(212, 212 + 7 * 16, 7)  # rows 7 apart: no frame of theirs is shared
+    for s in (store, copy):
+        s.extend(data[shuffled])  # slots 48..63
+        s.flush()
+    expect = torch.cat([torch.arange(212), shuffled])
+    for s in (store, copy):
+        assert_td_equal(s.get(slice(None)), data[expect])
+        check_refcounts(s)
+    a, b = store.stats()["fields"]["observation"], copy.stats()["fields"]["observation"]
+    assert a["unique_frames"] == b["unique_frames"] and a["stored_bytes"] == b["stored_bytes"]

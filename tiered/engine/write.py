@@ -80,6 +80,23 @@ RAW_BELOW_RATIO = 1.5
 #: 135 ms, 47 ms. The bytes are zstd frames like any other (same format id, any decoder reads them).
 LARGE_FRAME_LEVEL = -1
 
+#: An encode of less raw bytes than this runs on the calling thread (a codec twin of one thread):
+#: a write-stage flush (64 Atari rows: ~9 chunks, ~0.5 MB) or a 256-row write (~1.8 MB). Handing
+#: half of it to a pool thread saves at most half of a few hundred microseconds of zstd, and the
+#: handoff (waking the thread, the GIL back and forth) costs about that or more on a 2-core VM:
+#: ``python benchmarks/bench_encode_split.py`` (a loaded 2-core VM, 2026-12-07, noisy), chunks of
+#: 8 real Atari frames, median per encode, one thread against two: 9 chunks (0.5 MB) 178 against
+#: 233 us, 32 (1.8 MB) 446 against 511, 64 (3.6 MB) 877 against 951. The frames are the same
+#: bytes either way (each blob is its own zstd frame).
+ENCODE_SPLIT_BYTES = 4 << 20
+
+#: Staged rows whose frames are compared with their layout neighbours together, as soon as this
+#: many wait (a write of 16 rows at once; one-row writes every 16th): ~0.9 MB of Atari stacks,
+#: still in cache from the stage's copy, against one compare call's fixed cost (~14 us). The
+#: flush compares the rows left. Thread CPU on a loaded 2-core VM (noisy): 16 rows 82 us just
+#: written, 229 us out of cache; 64 rows out of cache (what a flush compared) 579 us.
+COMPARE_ROWS = 16
+
 
 def _as_dtype(key: Any, dtype: torch.dtype | str) -> torch.dtype:
     """A ``dense_dtypes`` value as a torch dtype (``torch.uint8`` or ``"uint8"``)."""
@@ -357,6 +374,8 @@ class WritePath:
         large = ZstdCodec(LARGE_FRAME_LEVEL, threads=self.codec.threads) if fast else self.codec
         #: per family, the codec its blobs are encoded with (unless it stores them raw)
         self.family_codecs = [large if fast and k < DEFAULT_CHUNK_FRAMES else self.codec for k in chunks]
+        #: the same codecs on one thread, for small encodes (:data:`ENCODE_SPLIT_BYTES`)
+        self.family_codecs_one = [one_thread(c) for c in self.family_codecs]
         if allocate:
             self.rows.init_dense(schema)
         else:  # an open: the row-number fields have nothing to load (their cells are the rows)
@@ -454,7 +473,8 @@ class WritePath:
         self.rows.check_dense(rows)
         stage = self.stage
         if stage is None:
-            stage = self.stage = WriteStage(self.layout.schema, self.stage_rows, self.rows.capacity)
+            stage = self.stage = WriteStage(self.layout.schema, self.stage_rows, self.rows.capacity,
+                                            [sum(f.frames_per_row for f in fs) for fs in self.layout.fields_of])
         if not stage.room_for(rows):
             # a write of the rows staged before (tier space or the disk can fail it): before this
             # write touches anything
@@ -462,7 +482,33 @@ class WritePath:
         self.install_widening(self.prepare_widening(rows, cells))
         self.rows.write_dense_cells(self.layout.schema, rows, cells)
         stage.put(rows, cells)
+        if stage.count - stage.compared >= COMPARE_ROWS:
+            self.compare_staged(stage)
         self.placement.rows_staged(self.layout, rows, stage)
+
+    def compare_staged(self, stage: WriteStage) -> None:
+        """Compare the frames of the staged rows not compared yet (slots ``stage.compared..``)
+        with their layout neighbours (the previous slot's, the same slot's) into ``stage.hits``
+        (:meth:`~tiered.engine.frames.FrameFamily.neighbour_hits`). The stage write calls it
+        once :data:`COMPARE_ROWS` rows wait, while their frames are still in cache; the flush, for
+        the rows left, so its dedup never reads a frame a second time to compare it."""
+        layout, lo, hi = self.layout, stage.compared, stage.count
+        for fid, fields in enumerate(layout.fields_of):
+            rules, fam = layout.rules[fid], layout.families[fid]
+            if rules is None or not fam.dedup:
+                continue
+            if any(f.frame_dim not in (None, 0) for f in fields):
+                # frames along another dimension: the rows and the one before, moved (a copy)
+                start = max(lo - 1, 0)
+                frames = FrameColumns([_cell_frames(f, stage.cells[f.key][start:hi], hi - start) for f in fields])
+                fam.neighbour_hits(frames, rules, lo - start, stage.hits[fid][start:hi])
+                continue
+            frames = stage.views.get(fid)
+            if frames is None:  # views of the whole stage (frames along dimension 0), made once
+                frames = stage.views[fid] = FrameColumns(
+                    [_cell_frames(f, stage.cells[f.key], stage.size) for f in fields])
+            fam.neighbour_hits(frames, rules, lo, stage.hits[fid], hi)
+        stage.compared = hi
 
     def flush_stage(self) -> None:
         """Compress the staged rows through the batched path (all or nothing; the stage keeps
@@ -475,10 +521,11 @@ class WritePath:
         # only the fields that cut trajectories are read back
         traj_keys = {*DONE_KEYS, self.options.traj_key or ("collector", "traj_ids")}
         dense = [f for f in self.layout.schema.dense_fields if f.key in traj_keys]
+        self.compare_staged(stage)
         rows, data = stage.batch(lambda r, out: self.rows.read_dense_fields(dense, r, out))
         pending, self.widen = self.widen, {}  # the widenings of the write this flush comes before
         try:
-            self.write_rows(rows, data, staged=True)
+            self.write_rows(rows, data, staged=True, hits=[h[:rows.size] for h in stage.hits])
         finally:
             self.widen = pending
         stage.reset()
@@ -490,13 +537,14 @@ class WritePath:
 
     # -- the batched path ---------------------------------------------------------------------
     def write_rows(self, rows: np.ndarray, data: TensorDictBase | dict[Key, torch.Tensor],
-                   staged: bool = False) -> None:
+                   staged: bool = False, hits: list[np.ndarray] | None = None) -> None:
         """Write validated rows at ``rows`` (unique positions). All or nothing.
 
         ``data``: a TensorDict matching the schema, or its cells per key on the CPU (the stage's).
         ``staged``: the rows of the write stage, whose dense cells (flags included) are already in
         their columns (the stage write put them there): only their blob fields are written, and
-        ``data`` needs only those and the dense fields that cut trajectories."""
+        ``data`` needs only those and the dense fields that cut trajectories. ``hits``: per
+        family, which frames equal their layout neighbour (the stage's, compared as rows came in)."""
         layout, n = self.layout, rows.size
         if n == 0:
             return
@@ -524,7 +572,7 @@ class WritePath:
                 tail_mask = np.zeros(n * per_row, dtype=bool)
                 tail_mask[max(0, n - TAIL_ROWS) * per_row:] = True
                 plan = fam.plan(frames, np.repeat(traj, per_row), ended, tail_mask, self.index,
-                                rules=layout.rules[fid])
+                                rules=layout.rules[fid], hits=hits[fid] if hits is not None else None)
                 plans.append(plan)
                 self.encode_and_place(fam, plan.closed_ids, plan.closed_raw, plan.closed_nframes)
         except BaseException:
@@ -564,6 +612,8 @@ class WritePath:
         raw_sizes = nframes * fam.frame_nbytes
         offsets = exclusive_cumsum(raw_sizes)
         codec = self.raw_codec if fam.stored_raw else self.family_codecs[fam.family_id]
+        if raw.nbytes < ENCODE_SPLIT_BYTES and not fam.stored_raw:
+            codec = self.family_codecs_one[fam.family_id]
         enc = codec.encode(raw.reshape(-1), offsets, raw_sizes)
         if fam.stored_raw is None:  # the family's first encode measures what the codec gets
             fam.stored_raw = bool(int(raw_sizes.sum()) < RAW_BELOW_RATIO * int(enc.sizes.sum()))
@@ -702,6 +752,19 @@ def saved_families(families: Any, frame_nbytes: list[int]) -> tuple[list[int], l
         chunks.append(k)
         raw.append(choice)
     return chunks, raw
+
+
+def one_thread(codec: Codec) -> Codec:
+    """``codec`` with one thread when it is a zstd codec of several (its frames are the same
+    bytes: each blob is its own frame), else ``codec`` itself.
+
+    Example:
+        >>> one_thread(ZstdCodec(5, threads=4))
+        ZstdCodec(level=5, threads=1)
+    """
+    if type(codec) is ZstdCodec and codec.threads > 1:
+        return ZstdCodec(codec.level, threads=1)
+    return codec
 
 
 def _cell_frames(f: Field, value: torch.Tensor, n: int) -> np.ndarray:

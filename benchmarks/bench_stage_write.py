@@ -1,0 +1,99 @@
+"""Small writes through TorchRL with the write stage's settings side by side in one process (where
+staged frames are compared with their neighbours; a flush's encode inline or split over the
+pool), against LazyTensorStorage.
+
+Run: ``python benchmarks/bench_stage_write.py [--threads 2] [--blocks 16] [--between-samples 0]``
+
+On real Atari stacks with next observations (the rows ``profile_calls.py`` uses), a
+``TensorDictReplayBuffer`` over ``TieredStorage`` is written with ``rb.extend`` of 16 rows and
+``rb.add`` of one row, in blocks of four whole stage cycles (256 rows), the settings rotating from
+block to block (the machine's drift hits each alike), ``LazyTensorStorage`` in the same rotation.
+Settings (``tiered.engine.write``): ``stage-compare`` (``COMPARE_ROWS`` 16, the default: staged
+rows are compared with their layout neighbours once 16 wait, in cache) or ``flush-compare``
+(never before the flush, which compares all 64 rows at once, as before); ``encode-1``
+(``ENCODE_SPLIT_BYTES`` 4 MiB, the default: a flush's ~0.5 MB encode on the calling thread) or
+``encode-split`` (0: split over ``--threads`` pool threads, as before).
+
+``--between-samples N``: ``rb.sample()`` of 256 rows N times after each write (a training loop's
+reads between writes); only the writes are timed. Prints the median over blocks of wall and
+calling-thread CPU microseconds per call, and the ratio to LazyTensorStorage (wall). Wall time on
+a shared machine is noisy: compare within one run.
+
+Not part of CI; prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+SETTINGS = {
+    "flush-compare, encode-split": (10**9, 0),
+    "stage-compare, encode-split": (16, 0),
+    "flush-compare, encode-1": (10**9, 4 << 20),
+    "stage-compare, encode-1": (16, 4 << 20),
+}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--threads", type=int, default=2, help="torch threads and the store's codec threads")
+    p.add_argument("--blocks", type=int, default=16, help="timed blocks per setting (2 more warm up)")
+    p.add_argument("--between-samples", type=int, default=0)
+    p.add_argument("--ops", nargs="+", default=["rb.extend16", "rb.add1"])
+    args = p.parse_args(argv)
+    import torch
+    torch.set_num_threads(args.threads)
+    import profile_calls as P
+
+    import tiered.engine.write as W
+
+    data = P.H.load_atari(["Pong", "MsPacman"], 4000, 2000)
+    n = data.batch_size[0]
+    store, ts, lts, rbs = P.build(n, data)
+    table, state = P.ops(store, ts, lts, rbs, data, n)
+    runs = {**{k: ("tiered", v) for k, v in SETTINGS.items()}, "LazyTensorStorage": ("lts", None)}
+    for op in args.ops:
+        rows = 16 if "extend" in op else 1
+        calls = 4 * 64 // rows  # four whole stage cycles
+        samplers = {k: table["rb.sample256"][k] for k in ("tiered", "lts")}
+        wall: dict[str, list[float]] = {k: [] for k in runs}
+        cpu: dict[str, list[float]] = {k: [] for k in runs}
+        for b in range(args.blocks + 2):
+            order = list(runs)
+            order = order[b % len(order):] + order[:b % len(order)]
+            for name in order:
+                who, setting = runs[name]
+                if setting is not None:
+                    W.COMPARE_ROWS, W.ENCODE_SPLIT_BYTES = setting
+                fn, sample = table[op][who], samplers[who]
+                w = c = 0.0
+                for _ in range(calls):
+                    state["row"] += 1
+                    t0, c0 = time.perf_counter(), time.thread_time()
+                    fn()
+                    w, c = w + time.perf_counter() - t0, c + time.thread_time() - c0
+                    for _ in range(args.between_samples):
+                        sample()
+                if b >= 2:
+                    wall[name].append(w / calls * 1e6)
+                    cpu[name].append(c / calls * 1e6)
+        lts_wall = float(np.median(wall["LazyTensorStorage"]))
+        print(f"### {op} ({args.threads} threads, {args.between_samples} samples of 256 between writes, "
+              f"{args.blocks} blocks of {calls} calls)")
+        print(f"{'setting':28} {'wall us':>8} {'cpu us':>8} {'vs LTS (wall)':>14}")
+        for name in runs:
+            mw, mc = float(np.median(wall[name])), float(np.median(cpu[name]))
+            print(f"{name:28} {mw:8.0f} {mc:8.0f} {lts_wall / mw:13.2f}x", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
