@@ -543,8 +543,7 @@ class CpuReadPipeline(ReadPipeline):
         sizes = idx.nbytes[ids]
         src_off = exclusive_cumsum(sizes)
         comp = self._scratch.get("comp", int(np.add.reduce(sizes)))
-        from_tier = self.placement.locate(ids)
-        self.placement.read(ids, sizes, comp, src_off, from_tier)
+        from_tier = self.placement.locate_and_read(ids, sizes, comp, src_off)
         return GatheredBlobs(
             n_blobs=uniq.size, chunk_frames=fam.chunk_frames, frame_nbytes=fam.frame_nbytes,
             ids=ids, pos=pos, comp=comp, offsets=src_off, sizes=sizes,
