@@ -454,6 +454,11 @@ class Placement:
         updated in place. Any failure (lower tier full, GPU out of memory) just skips the
         promotion: the data read is already correct.
         """
+        tiers = self.tiers
+        fastest = HOT if tiers[HOT] is not None else WARM if tiers[WARM] is not None else COLD
+        if not np.logical_or.reduce(from_tier > fastest):  # every blob read from the fastest tier
+            self._hot_written()
+            return
         if self.exclusive and isinstance(self.cold, SpillTier) and not self.cold.writable_here():
             # a forked copy: a promotion would move victims down into (and free space of) the
             # spill files its parent owns and writes
