@@ -37,7 +37,7 @@ from ..schema import Field, Key, as_bits
 from ..util.batch import exclusive_cumsum
 from ..util.pool import run_parallel
 from ..util.scratch import ScratchBuffers
-from .blob_index import OPEN, BlobIndex
+from .blob_index import FREE, OPEN, STORED, BlobIndex
 from .frames import FrameFamily
 from .layout import FieldLayout
 from .placement import TIER_NAMES, Placement
@@ -560,7 +560,7 @@ class CpuReadPipeline(ReadPipeline):
         idx = self.index
         idx.check_ids(uniq)  # a read-only open checks the index pages of these ids at first use
         state = idx.state[uniq]
-        if np.logical_or.reduce(state == 0):
+        if np.minimum.reduce(state, initial=STORED) <= FREE:  # (one reduction: FREE is the least state)
             raise AssertionError("a row references a freed blob: index is inconsistent")
         is_open = state == OPEN
         # no early exits on empty groups: the call count of get must not depend on the batch
@@ -569,7 +569,7 @@ class CpuReadPipeline(ReadPipeline):
         pos = (~is_open).nonzero()[0]
         ids = uniq[pos]
         sizes = idx.nbytes[ids]
-        src_off = exclusive_cumsum(sizes)
+        src_off = sizes.cumsum() - sizes  # back to back from 0 (exclusive_cumsum's calls less)
         comp = self._scratch.get("comp", int(np.add.reduce(sizes)))
         from_tier = self.placement.locate_and_read(ids, sizes, comp, src_off)
         return GatheredBlobs(
