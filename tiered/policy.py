@@ -114,15 +114,16 @@ class _Column:
             self.data[ids] = values
 
     def set_read(self, ids: np.ndarray, value: float) -> None:
-        """:meth:`set` of one value for the blob ids of a read (every ``get``): without the calls
-        of :meth:`reserve` and :meth:`ensure` where the column holds the ids already."""
+        """:meth:`set` of one value for the blob ids of a read (every ``get``; flat int64, >= 0):
+        without the calls of :meth:`reserve` and :meth:`ensure` where the column holds the ids
+        already, nor those of the dirty mark's normalizing."""
         if ids.size:
             top = int(np.maximum.reduce(ids, axis=None))
             if top >= self.data.shape[0]:
                 self.ensure(top)
             if top >= self.size:
                 self.size = top + 1
-            self.dirty.mark(ids)
+            self.dirty.mark_known(ids, top)
             self.data[ids] = value
 
     def get(self, ids: np.ndarray) -> np.ndarray:
