@@ -82,6 +82,7 @@ STAGES = [
     ("tiered.engine.row_tables", "ShiftedRowTable.refs"),
     ("tiered.engine.row_tables", "NextRowTable.refs"),
     ("tiered.engine.read", "CpuReadPipeline.gather_blobs"),
+    ("tiered.engine.placement", "Placement.locate_and_read"),
     ("tiered.engine.placement", "Placement.locate"),
     ("tiered.engine.placement", "Placement.read"),
     ("tiered.tiers.arena", "ArenaTier.read"),

@@ -34,6 +34,7 @@ from tiered.codecs import checksum as checksum_mod
 from tiered.codecs.checksum import checksum_reference, segment_checksums_torch
 from tiered.errors import CodecUnavailableError, CorruptionError, UnknownCodecError
 from tiered.testing import CodecTests, count_calls
+from tiered.util.batch import exclusive_cumsum
 
 # -- helpers ----------------------------------------------------------------------------------
 
@@ -452,6 +453,28 @@ def test_checksum_formula_and_edge_values() -> None:
     ).tolist() == [value]
     empty = segment_checksums(np.zeros(0, np.uint8), np.zeros(0, np.int64), np.zeros(0, np.int64))
     assert empty.dtype == np.int64 and empty.size == 0
+
+
+@pytest.mark.parametrize("fill", ["random", "255"])
+def test_checksums_of_a_sampled_batch_as_a_read_lays_it_out(fill: str, rng: np.random.Generator) -> None:
+    # int64 offsets and sizes, small blobs back to back from offset 0 (or further on) as a
+    # store's read gathers them: the short path; and the batches next to it that must not take
+    # it (an empty blob, a gap, blobs out of order) still give the reference's checksums
+    total = 5000
+    data = rng.integers(0, 256, total, dtype=np.uint8) if fill == "random" else np.full(total, 255, np.uint8)
+    sizes = rng.integers(1, 1500, 3).astype(np.int64)
+    for offsets, sizes_ in [
+        (np.zeros(1, np.int64), np.array([total], np.int64)),  # one blob: the whole buffer
+        (np.array([0, 700], np.int64), np.array([700, 1], np.int64)),
+        (exclusive_cumsum(sizes) + 11, sizes),
+        (np.array([0, 5, 5], np.int64), np.array([5, 0, 9], np.int64)),  # an empty blob
+        (np.array([0, 9], np.int64), np.array([5, 9], np.int64)),  # a gap
+        (np.array([9, 0], np.int64), np.array([5, 9], np.int64)),  # out of order
+    ]:
+        assert segment_checksums(data, offsets, sizes_).tolist() == reference_checksums(data, offsets, sizes_)
+    for offsets, sizes_ in [(np.array([0, 3000]), np.array([3000, 2001])), (np.array([-1, 2]), np.array([3, 4]))]:
+        with pytest.raises(ValueError, match="inside the data buffer"):  # past the end, before the start
+            segment_checksums(data, offsets.astype(np.int64), sizes_.astype(np.int64))
 
 
 def test_segment_checksums_reject_out_of_range_blobs() -> None:

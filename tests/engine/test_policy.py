@@ -194,3 +194,22 @@ def test_a_restored_policy_keeps_counting_from_the_saved_clock() -> None:
     q.on_insert(np.array([3]))
     assert order(q, 3, 2, 1, 0) == [0, 1, 2, 3]
     assert q.state_arrays()["birth"].tolist() == [1, 2, 3, 4]
+
+
+def test_lru_reads_mark_the_blocks_a_commit_saves():
+    # a get's ids (flat int64) take the column's short path (set_read, mark_known): the same
+    # dirty blocks, size and values as the general set, across blocks and past the column's end
+    from tiered.util.dirty import BLOCK, DirtyBlocks
+
+    p = LruPolicy()
+    p.on_insert(np.arange(10))
+    p.take_dirty()
+    read = np.array([3, BLOCK + 1, 5 * BLOCK + 2, 3], dtype=np.int64)
+    p.on_access(read)
+    want = DirtyBlocks()
+    want.mark(read)
+    assert p.take_dirty().nonzero()[0].tolist() == want.blocks().tolist() == [0, 1, 5]
+    last = p.state_arrays()["last_access"]
+    assert last.shape[0] == 5 * BLOCK + 3 and last[read].tolist() == [2, 2, 2, 2] and last[4] == 1
+    p.on_access([7])  # any other form of ids: the general path
+    assert p.state_arrays()["last_access"][7] == 3

@@ -722,3 +722,28 @@ def test_arena_compaction_needs_every_live_blob() -> None:
     with pytest.raises(ValueError, match="overlapping"):
         t.compact(np.array([off[1], off[1]]), np.array([64, 64]))
     assert t.bytes_used == 128 and t.compact_bytes == 128
+
+
+def test_host_arena_reads_refuse_every_bad_range_by_name():
+    # a host read tests every bound at once, then names the one that failed: past the allocated
+    # region, a negative offset or size, past the destination; the destination is left as it was
+    t = HostTier(1 << 20)
+    data = np.arange(200, dtype=np.uint8)
+    off = t.allocate(np.array([120, 80]))
+    t.write(off, data, np.array([0, 120]), np.array([120, 80]))
+    out = np.zeros(200, np.uint8)
+    sizes = np.array([120, 80], dtype=np.int64)
+    dst = np.array([80, 0], dtype=np.int64)
+    t.read(off, sizes, out, dst)
+    assert out.tobytes() == data[120:].tobytes() + data[:120].tobytes()
+    out[:] = 7
+    for offsets, sizes_, dst_, match in [
+        (off + np.array([0, 1 << 19]), sizes, dst, "past the allocated region"),
+        (off - np.array([0, int(off[1]) + 1]), sizes, dst, "negative blob offsets or sizes"),
+        (off, np.array([120, -1], dtype=np.int64), dst, "negative blob offsets or sizes"),
+        (off, sizes, np.array([80, -1], dtype=np.int64), "destination buffer's ranges"),
+        (off, sizes, np.array([81, 0], dtype=np.int64), "destination buffer's ranges"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            t.read(offsets.astype(np.int64), sizes_, out, dst_)
+        assert (out == 7).all()

@@ -55,6 +55,11 @@ from .stage import WriteStage
 __all__ = ["Placement", "TIER_NAMES", "memory_tiers"]
 
 TIER_NAMES = ("hot", "warm", "cold")
+#: ``_PRESENT[4 * hot? + 2 * warm? + cold?]``: which tiers a store has, as a mask of a blob's
+#: locations (looked up, not built on every read)
+_PRESENT = np.array([[k & 4, k & 2, k & 1] for k in range(8)], dtype=bool)
+_PRESENT.flags.writeable = False
+_TIER_COLUMN = np.array([[HOT], [WARM], [COLD]], dtype=np.int8)  # (tier numbers as from_tier holds them)
 
 
 def memory_tiers(hot_bytes: int | str | None, warm_bytes: int | str | None,
@@ -385,12 +390,30 @@ class Placement:
         Raises:
             AssertionError: a blob has no location (the index is inconsistent).
         """
+        tiers = self.tiers
         has = self.index.loc[ids] >= 0
-        has &= np.array([t is not None for t in self.tiers])
+        has &= _PRESENT[(tiers[HOT] is not None) * 4 + (tiers[WARM] is not None) * 2 + (tiers[COLD] is not None)]
         # ufunc reductions: .any(1).all() adds Python-level wrapper calls on every read
         if not np.logical_and.reduce(np.logical_or.reduce(has, axis=1)):
             raise AssertionError(f"{int((~has.any(1)).sum())} blobs have no location: index is inconsistent")
         return has.argmax(1).astype(np.int8)  # first True column: HOT before WARM before COLD
+
+    def locate_and_read(self, ids: np.ndarray, sizes: np.ndarray, out: Any, out_offsets: np.ndarray) -> np.ndarray:
+        """:meth:`locate`, then :meth:`read` from the tiers found, with one gather of the blobs'
+        locations for both (what a CPU read does); returns the tier each blob was read from.
+
+        Raises:
+            AssertionError: a blob has no location (the index is inconsistent).
+        """
+        loc = self.index.loc[ids]
+        tiers = self.tiers
+        has = loc >= 0
+        has &= _PRESENT[(tiers[HOT] is not None) * 4 + (tiers[WARM] is not None) * 2 + (tiers[COLD] is not None)]
+        if not np.logical_and.reduce(np.logical_or.reduce(has, axis=1)):
+            raise AssertionError(f"{int((~has.any(1)).sum())} blobs have no location: index is inconsistent")
+        from_tier = has.argmax(1).astype(np.int8)  # first True column: HOT before WARM before COLD
+        self._read_located(loc, sizes, out, out_offsets, from_tier, None)
+        return from_tier
 
     def read(self, ids: np.ndarray, sizes: np.ndarray, out: Any, out_offsets: np.ndarray,
              from_tier: np.ndarray, skip: np.ndarray | None = None) -> None:
@@ -398,7 +421,10 @@ class Placement:
 
         ``skip``: a mask of blobs not to read here (e.g. hot blobs a GPU gathers on the device).
         """
-        loc = self.index.loc[ids]
+        self._read_located(self.index.loc[ids], sizes, out, out_offsets, from_tier, skip)
+
+    def _read_located(self, loc: np.ndarray, sizes: np.ndarray, out: Any, out_offsets: np.ndarray,
+                      from_tier: np.ndarray, skip: np.ndarray | None) -> None:
         for t in (HOT, WARM, COLD):  # no early exits: the call count must not depend on the batch
             tier = self.tiers[t]
             if tier is None:
@@ -411,9 +437,13 @@ class Placement:
 
     def note_reads(self, ids: np.ndarray, from_tier: np.ndarray) -> None:
         """Count tier hits and tell the policy which blobs were read."""
-        counts = np.bincount(from_tier.astype(np.int64), minlength=3)
-        for t in (HOT, WARM, COLD):
-            self.counts[TIER_NAMES[t]]["hits"] += int(counts[t])
+        # one compare with the three tier numbers and one reduction (np.bincount's wrapper and
+        # the int8 -> int64 cast are more calls on every get)
+        hot, warm, cold = np.add.reduce(from_tier == _TIER_COLUMN, axis=1).tolist()
+        counts = self.counts
+        counts["hot"]["hits"] += hot
+        counts["warm"]["hits"] += warm
+        counts["cold"]["hits"] += cold
         self.policy.on_access(ids)
 
     def promote(self, ids: np.ndarray, from_tier: np.ndarray, comp: Any, src_off: np.ndarray,
@@ -424,6 +454,11 @@ class Placement:
         updated in place. Any failure (lower tier full, GPU out of memory) just skips the
         promotion: the data read is already correct.
         """
+        tiers = self.tiers
+        fastest = HOT if tiers[HOT] is not None else WARM if tiers[WARM] is not None else COLD
+        if not np.logical_or.reduce(from_tier > fastest):  # every blob read from the fastest tier
+            self._hot_written()
+            return
         if self.exclusive and isinstance(self.cold, SpillTier) and not self.cold.writable_here():
             # a forked copy: a promotion would move victims down into (and free space of) the
             # spill files its parent owns and writes

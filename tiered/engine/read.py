@@ -37,7 +37,7 @@ from ..schema import Field, Key, as_bits
 from ..util.batch import exclusive_cumsum
 from ..util.pool import run_parallel
 from ..util.scratch import ScratchBuffers
-from .blob_index import OPEN, BlobIndex
+from .blob_index import FREE, OPEN, STORED, BlobIndex
 from .frames import FrameFamily
 from .layout import FieldLayout
 from .placement import TIER_NAMES, Placement
@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from .write import WritePath
 
 __all__ = ["ReadPipeline", "CpuReadPipeline", "GatheredBlobs", "describe_bad_blobs", "as_tensordict", "contiguous_span",
-           "codec_for", "decode_gathered", "blob_frames", "assemble_cells", "ReadPlan", "plan_key",
+           "codec_for", "decode_gathered", "blob_frames", "assemble_cells", "cell_cuts", "ReadPlan", "plan_key",
            "MIN_GATHER_SPLIT_BYTES"]
 
 
@@ -310,17 +310,37 @@ def blob_frames(layout: FieldLayout, fam: FrameFamily, fields: list[Field],
 MIN_GATHER_SPLIT_BYTES = 2 << 20
 
 
+def cell_cuts(fields: list[Field]) -> list[tuple[Field, Key, int, int, tuple[int, ...] | None]]:
+    """Per field, what :func:`assemble_cells` needs of it, worked out once per read plan: ``(field,
+    key, first frame column, end column, cell shape)``; the shape is None where the cells are not
+    a plain reshape of the frames (a frame axis other than the first, a dtype other than uint8).
+
+    Example:
+        >>> from tiered.schema import Field
+        >>> f = Field(("obs",), torch.uint8, (4, 8, 8), "blob", frame_dim=0)
+        >>> cell_cuts([f, f])[1][1:]
+        (('obs',), 4, 8, (4, 8, 8))
+    """
+    cuts, col = [], 0
+    for f in fields:
+        width = f.frames_per_row
+        plain = f.dtype == torch.uint8 and f.frame_dim in (None, 0)
+        cuts.append((f, f.key, col, col + width, tuple(f.shape) if plain else None))
+        col += width
+    return cuts
+
+
 def assemble_cells(fields: list[Field], flat: np.ndarray, frame_idx: np.ndarray, n: int,
-                   out: dict[Key, torch.Tensor], *, threads: int = 1) -> None:
+                   out: dict[Key, torch.Tensor], *, threads: int = 1,
+                   cuts: list[tuple[Field, Key, int, int, tuple[int, ...] | None]] | None = None) -> None:
     """Rebuild ``n`` rows' cells of ``fields`` from decoded frames ``flat`` ``[frames, frame_nbytes]``,
-    on up to ``threads`` threads when the gather is large (:data:`MIN_GATHER_SPLIT_BYTES`)."""
+    on up to ``threads`` threads when the gather is large (:data:`MIN_GATHER_SPLIT_BYTES`);
+    ``cuts``: :func:`cell_cuts` of ``fields`` when the caller keeps them."""
     if threads < 2 or frame_idx.size * flat.shape[1] < MIN_GATHER_SPLIT_BYTES:
-        col = 0
-        for f in fields:
-            width = f.frames_per_row
+        for f, key, a, b, shape in cell_cuts(fields) if cuts is None else cuts:
             # numpy row gathers run at memcpy speed (torch's uint8 index_select is ~8x slower here)
-            out[f.key] = f.cells_from_frames(torch.from_numpy(flat[frame_idx[:, col:col + width].reshape(-1)]), n)
-            col += width
+            cells = torch.from_numpy(flat[frame_idx[:, a:b].reshape(-1)])
+            out[key] = cells.reshape(n, *shape) if shape is not None else f.cells_from_frames(cells, n)
         return
     # one gather of every field's frames into one buffer (each field's cells a view of its rows),
     # cut into one slice of rows per thread: np.take(mode="clip") into a preallocated output is as
@@ -465,6 +485,7 @@ class CpuReadPipeline(ReadPipeline):
         # at least 4 MiB, then doubling, kept: small batches never regrow it and fresh allocations
         # would cost page faults on every sample
         self._scratch = ScratchBuffers(floor=4 << 20, keep_max=None)
+        self._cuts: dict[int, tuple[list[Field], list[Any]]] = {}
 
     def read_family(self, layout: FieldLayout, family_id: int, fields: list[Field], rows: np.ndarray,
                     out: dict[Key, torch.Tensor]) -> None:
@@ -478,7 +499,14 @@ class CpuReadPipeline(ReadPipeline):
             self.decode_cells(layout, fam, uniq, fields, frame_idx, out)
             return
         flat = self.decode_blobs(layout, fam, uniq).reshape(-1, fam.frame_nbytes)  # reused buffer
-        assemble_cells(fields, flat, frame_idx, rows.size, out, threads=getattr(self.codec, "threads", 1))
+        # the cuts of these fields, kept while the plan that holds the list does (an identity test)
+        kept = self._cuts.get(id(fields))
+        if kept is None or kept[0] is not fields:
+            if len(self._cuts) >= 64:  # a caller cycling through many key sets
+                self._cuts.clear()
+            kept = self._cuts[id(fields)] = (fields, cell_cuts(fields))
+        assemble_cells(fields, flat, frame_idx, rows.size, out, threads=getattr(self.codec, "threads", 1),
+                       cuts=kept[1])
 
     def decode_cells(self, layout: FieldLayout, fam: FrameFamily, uniq: np.ndarray, fields: list[Field],
                      frame_idx: np.ndarray, out: dict[Key, torch.Tensor]) -> None:
@@ -532,7 +560,7 @@ class CpuReadPipeline(ReadPipeline):
         idx = self.index
         idx.check_ids(uniq)  # a read-only open checks the index pages of these ids at first use
         state = idx.state[uniq]
-        if np.logical_or.reduce(state == 0):
+        if np.minimum.reduce(state, initial=STORED) <= FREE:  # (one reduction: FREE is the least state)
             raise AssertionError("a row references a freed blob: index is inconsistent")
         is_open = state == OPEN
         # no early exits on empty groups: the call count of get must not depend on the batch
@@ -541,10 +569,9 @@ class CpuReadPipeline(ReadPipeline):
         pos = (~is_open).nonzero()[0]
         ids = uniq[pos]
         sizes = idx.nbytes[ids]
-        src_off = exclusive_cumsum(sizes)
+        src_off = sizes.cumsum() - sizes  # back to back from 0 (exclusive_cumsum's calls less)
         comp = self._scratch.get("comp", int(np.add.reduce(sizes)))
-        from_tier = self.placement.locate(ids)
-        self.placement.read(ids, sizes, comp, src_off, from_tier)
+        from_tier = self.placement.locate_and_read(ids, sizes, comp, src_off)
         return GatheredBlobs(
             n_blobs=uniq.size, chunk_frames=fam.chunk_frames, frame_nbytes=fam.frame_nbytes,
             ids=ids, pos=pos, comp=comp, offsets=src_off, sizes=sizes,

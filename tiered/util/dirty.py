@@ -48,6 +48,19 @@ class DirtyBlocks:
             self._grow(int(np.maximum.reduce(blocks)))  # (the ufunc: .max() adds wrapper calls)
             self.bits[blocks] = True
 
+    def mark_known(self, ids: np.ndarray, top: int) -> None:
+        """Mark the blocks of ``ids``: flat int64, every one >= 0, ``top`` the largest (the blob
+        ids of a read, whose largest the caller has): :meth:`mark` without its normalizing calls.
+
+        Example:
+            >>> d = DirtyBlocks()
+            >>> d.mark_known(np.array([3, 5000]), 5000)
+            >>> d.blocks().tolist()
+            [0, 1]
+        """
+        self._grow(top >> BLOCK_SHIFT)
+        self.bits[ids >> BLOCK_SHIFT] = True
+
     def mark_one(self, i: int) -> None:
         """Mark the block of one id (>= 0): a one-row write's mark without the array steps.
 
