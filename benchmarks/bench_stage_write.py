@@ -1,6 +1,5 @@
-"""Small writes through TorchRL with the write stage's settings side by side in one process (where
-staged frames are compared with their neighbours; a flush's encode inline or split over the
-pool), against LazyTensorStorage.
+"""Small writes through TorchRL with a stage flush's encode on the calling thread or split over the
+pool, side by side in one process, against LazyTensorStorage.
 
 Run: ``python benchmarks/bench_stage_write.py [--threads 2] [--blocks 16] [--between-samples 0]``
 
@@ -8,11 +7,9 @@ On real Atari stacks with next observations (the rows ``profile_calls.py`` uses)
 ``TensorDictReplayBuffer`` over ``TieredStorage`` is written with ``rb.extend`` of 16 rows and
 ``rb.add`` of one row, in blocks of four whole stage cycles (256 rows), the settings rotating from
 block to block (the machine's drift hits each alike), ``LazyTensorStorage`` in the same rotation.
-Settings (``tiered.engine.write``): ``stage-compare`` (``COMPARE_ROWS`` 16, the default: staged
-rows are compared with their layout neighbours once 16 wait, in cache) or ``flush-compare``
-(never before the flush, which compares all 64 rows at once, as before); ``encode-1``
-(``ENCODE_SPLIT_BYTES`` 4 MiB, the default: a flush's ~0.5 MB encode on the calling thread) or
-``encode-split`` (0: split over ``--threads`` pool threads, as before).
+Settings (``tiered.engine.write.ENCODE_SPLIT_BYTES``): ``encode-1`` (4 MiB, the default: a
+flush's ~0.5 MB encode on the calling thread) or ``encode-split`` (0: split over ``--threads``
+pool threads, as before).
 
 ``--between-samples N``: ``rb.sample()`` of 256 rows N times after each write (a training loop's
 reads between writes); only the writes are timed. Prints the median over blocks of wall and
@@ -34,12 +31,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-SETTINGS = {
-    "flush-compare, encode-split": (10**9, 0),
-    "stage-compare, encode-split": (16, 0),
-    "flush-compare, encode-1": (10**9, 4 << 20),
-    "stage-compare, encode-1": (16, 4 << 20),
-}
+SETTINGS = {"encode-split": 0, "encode-1": 4 << 20}
 
 
 def main(argv=None) -> int:
@@ -72,7 +64,7 @@ def main(argv=None) -> int:
             for name in order:
                 who, setting = runs[name]
                 if setting is not None:
-                    W.COMPARE_ROWS, W.ENCODE_SPLIT_BYTES = setting
+                    W.ENCODE_SPLIT_BYTES = setting
                 fn, sample = table[op][who], samplers[who]
                 w = c = 0.0
                 for _ in range(calls):
@@ -88,10 +80,10 @@ def main(argv=None) -> int:
         lts_wall = float(np.median(wall["LazyTensorStorage"]))
         print(f"### {op} ({args.threads} threads, {args.between_samples} samples of 256 between writes, "
               f"{args.blocks} blocks of {calls} calls)")
-        print(f"{'setting':28} {'wall us':>8} {'cpu us':>8} {'vs LTS (wall)':>14}")
+        print(f"{'setting':20} {'wall us':>8} {'cpu us':>8} {'vs LTS (wall)':>14}")
         for name in runs:
             mw, mc = float(np.median(wall[name])), float(np.median(cpu[name]))
-            print(f"{name:28} {mw:8.0f} {mc:8.0f} {lts_wall / mw:13.2f}x", flush=True)
+            print(f"{name:20} {mw:8.0f} {mc:8.0f} {lts_wall / mw:13.2f}x", flush=True)
     return 0
 
 

@@ -119,8 +119,6 @@ STAGES = [
     ("tiered.engine.write", "WritePath.release_blobs"),
     ("tiered.engine.rows", "RowSpace.write_dense_cells"),
     ("tiered.engine.stage", "WriteStage.put"),
-    ("tiered.engine.write", "WritePath.compare_staged"),
-    ("tiered.engine.frames", "FrameFamily.neighbour_hits"),
     ("tiered.engine.layout", "FieldLayout.check_rows"),
     ("tiered.engine.rows", "RowSpace.check_dense"),
     ("tiered.engine.rows", "RowSpace.resolve_write"),

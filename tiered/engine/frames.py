@@ -270,7 +270,7 @@ class FrameFamily:
     # ------------------------------------------------------------------------------------
     def plan(self, frames: FrameColumns, frame_traj: np.ndarray, ended_traj: np.ndarray,
              tail_mask: np.ndarray, index: BlobIndex, close_all: bool = False,
-             rules: np.ndarray | None = None, hits: np.ndarray | None = None) -> FramePlan:
+             rules: np.ndarray | None = None) -> FramePlan:
         """Plan the storage of ``frames`` (``n_rows`` rows of ``per_row`` frames, in write order).
 
         Dedup, then chunk assignment of the new unique frames, then where every incoming frame
@@ -287,11 +287,9 @@ class FrameFamily:
             rules: ``[per_row, 2]`` int array: frame column ``p`` of a row is expected to equal
                 column ``rules[p, 1]`` of the previous row of its trajectory (``rules[p, 0] == 1``)
                 or of its own row (``0``); ``-1``: no expectation. See :func:`layout_rules`.
-            hits: which frames equal their rule's neighbour, when the caller compared them already
-                (:meth:`neighbour_hits` over these same frames, e.g. as the write stage took them).
         """
         n_tail = self.tail_frames.shape[0]
-        representative, roots, root_frames = self._dedup(frames, frame_traj, rules, hits)
+        representative, roots, root_frames = self._dedup(frames, frame_traj, rules)
         rep_new = representative[n_tail:]  # of each incoming frame, a position in [tail; frames]
         unique_pos = (rep_new == np.arange(n_tail, n_tail + frames.n_frames)).ravel().nonzero()[0]
         chunks = self._assign_chunks(frame_traj[unique_pos], ended_traj, close_all, index)
@@ -465,8 +463,8 @@ class FrameFamily:
         open blobs ``ids``."""
         return ranges(index.open_slot[ids] * self.chunk_frames, fill)
 
-    def _dedup(self, frames: FrameColumns, frame_traj: np.ndarray, rules: np.ndarray | None,
-               hits: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _dedup(self, frames: FrameColumns, frame_traj: np.ndarray,
+               rules: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Representatives in the space ``[tail; frames]`` (equal bytes, exact), the dedup roots
         (positions of frames equal to nothing earlier) and the roots' bytes."""
         n_tail, n_frames, frame_nbytes = self.tail_frames.shape[0], frames.n_frames, self.frame_nbytes
@@ -475,7 +473,7 @@ class FrameFamily:
             roots = np.arange(n_frames)
             return representative, roots, frames.take(roots)
         if rules is not None and n_frames:
-            representative = self._dedup_neighbours(frames, frame_traj, rules, representative, hits)
+            representative = self._dedup_neighbours(frames, frame_traj, rules, representative)
         roots = (representative[n_tail:] == np.arange(n_tail, n_tail + n_frames)).ravel().nonzero()[0]
         root_frames = frames.take(roots)
         # 2. Everything still unmatched (new frames, the first row of each trajectory, static
@@ -501,77 +499,47 @@ class FrameFamily:
         return representative[representative], roots, root_frames
 
     def _dedup_neighbours(self, frames: FrameColumns, frame_traj: np.ndarray, rules: np.ndarray,
-                          representative: np.ndarray, hits: np.ndarray | None = None) -> np.ndarray:
-        """1. The layout's own neighbours: a stacked frame equals the next frame of the previous
-        row's stack, and a next observation's frames equal the observation's.
+                          representative: np.ndarray) -> np.ndarray:
+        """1. The layout's own neighbours, compared in place as strided views (no gathers).
 
-        ``hits`` (``[n_rows, per_row]``, :meth:`neighbour_hits`) says which frames equal their
-        layout neighbour byte for byte; without it they are compared here. A row-delta-1 match
-        counts only where the previous row is of the same trajectory. Returns ``representative``
-        with the matches applied.
+        A stacked frame equals the next frame of the previous row's stack, and a next
+        observation's frames equal the observation's. The rules come in runs (see
+        :func:`rule_runs`): one comparison of 8-byte words per run (a 4-frame stack with its next
+        observation: 3 comparisons, not 7), never a loop over rows. Bit-exact equality is the
+        criterion: every word of both frames is compared. Returns ``representative`` with the
+        matches applied.
         """
-        n_tail, per_row, n_rows = self.tail_frames.shape[0], frames.per_row, frames.n_rows
-        if hits is None:
-            hits = self.scratch("rule_hits", (n_rows, per_row), bool)
-            self.neighbour_hits(frames, rules, 0, hits)
-        row_traj = frame_traj[::per_row]
-        continues = np.zeros(n_rows, dtype=bool)  # row r continues row r - 1's trajectory
-        np.equal(row_traj[1:], row_traj[:-1], out=continues[1:])
-        r, p = hits.nonzero()
-        delta = rules[p, 0]
-        keep = (delta == 0) | continues[r]
-        r, p, delta = r[keep], p[keep], delta[keep]
-        representative[n_tail + r * per_row + p] = n_tail + (r - delta) * per_row + rules[p, 1]
-        # chains (a frame -> its neighbour -> ...) are at most per_row long: pointer jumping
-        for _ in range(int(np.ceil(np.log2(per_row + 1))) + 1):
-            representative = representative[representative]
-        return representative
-
-    def neighbour_hits(self, frames: FrameColumns, rules: np.ndarray, lo: int, out: np.ndarray,
-                       hi: int | None = None) -> None:
-        """Compare the frames of rows ``lo..hi - 1`` (``hi``: default all) of ``frames`` with their
-        layout neighbours, in place as strided views (no gathers): ``out[r, p]`` becomes whether
-        frame column ``p`` of row ``r`` equals column ``rules[p, 1]`` of row ``r - rules[p, 0]``
-        (False where that row is before row 0 or the column has no rule); the other rows of
-        ``out`` are left as they are.
-
-        The rules come in runs (see :func:`rule_runs`): one comparison of 8-byte words per run (a
-        4-frame stack with its next observation: 3 comparisons, not 7), never a loop over rows.
-        Bit-exact equality is the criterion: every word of both frames is compared. The write
-        stage calls it as rows arrive (their frames and the previous row's are in cache then) and
-        hands the answer to :meth:`plan`.
-
-        Example:
-            >>> f = np.arange(5, dtype=np.uint8).repeat(8).reshape(5, 8)   # 5 distinct frames
-            >>> obs = np.stack([f[t:t + 2] for t in range(3)])              # 3 stacks of 2 frames
-            >>> rules = layout_rules([(("obs",), 2, True)])
-            >>> hits = np.ones((3, 2), bool)
-            >>> FrameFamily(0, 8, 4).neighbour_hits(FrameColumns([obs]), rules, 0, hits)
-            >>> hits.tolist()   # column 0 of rows 1 and 2 is column 1 of the row before
-            [[False, False], [True, False], [True, False]]
-        """
-        n_rows, frame_nbytes = frames.n_rows if hi is None else hi, self.frame_nbytes
-        out[lo:n_rows] = False
-        if lo >= n_rows:
-            return
+        n_tail, frame_nbytes = self.tail_frames.shape[0], self.frame_nbytes
+        per_row, n_rows = frames.per_row, frames.n_rows
         key = (rules.tobytes(), tuple(frames.offsets.tolist()))
         runs = self._runs.get(key)
         if runs is None:
             runs = self._runs[key] = rule_runs(rules, frames.offsets)
+        row_traj = frame_traj[::per_row]
+        same_prev = row_traj[1:] == row_traj[:-1]  # row r + 1 continues row r's trajectory
+        base = n_tail + np.arange(n_rows, dtype=np.int64) * per_row
         words = frame_nbytes % 8 == 0
         width = frame_nbytes // 8 if words else frame_nbytes
-        m = n_rows - lo
-        eq = self.scratch("rule_eq", (m, max(r[5] for r in runs), width), bool)
+        eq = self.scratch("rule_eq", (n_rows, max(r[5] for r in runs), width), bool)
         cells = frames.cells
-        for row_delta, f, c, g, e, length, p, _ in runs:
-            first = max(lo, row_delta)  # a row-delta-1 rule needs a previous row
-            if first >= n_rows:
-                continue
-            x = cells[f][first:n_rows, c:c + length]
-            y = cells[g][first - row_delta:n_rows - row_delta, e:e + length]
+        for row_delta, f, c, g, e, length, p, q in runs:
+            x, y = cells[f][:, c:c + length], cells[g][:, e:e + length]
             if words:
                 x, y = x.view(np.uint64), y.view(np.uint64)
-            np.equal(x, y, out=eq[:n_rows - first, :length]).all(-1, out=out[first:n_rows, p:p + length])
+            if row_delta == 0:
+                hit = np.equal(x, y, out=eq[:, :length]).all(-1)
+                rows, k = hit.nonzero()
+                representative[base[rows] + p + k] = base[rows] + q + k
+            else:
+                hit = np.equal(x[1:], y[:-1], out=eq[:n_rows - 1, :length]).all(-1)
+                hit &= same_prev[:, None]
+                rows, k = hit.nonzero()
+                rows += 1
+                representative[base[rows] + p + k] = base[rows] - per_row + q + k
+        # chains (a frame -> its neighbour -> ...) are at most per_row long: pointer jumping
+        for _ in range(int(np.ceil(np.log2(per_row + 1))) + 1):
+            representative = representative[representative]
+        return representative
 
     def scratch(self, name: str, shape: tuple[int, ...], dtype) -> np.ndarray:
         """A reused buffer: fresh multi-MB temporaries cost page faults on every write. Past

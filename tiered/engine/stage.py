@@ -21,7 +21,7 @@ Promises kept:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -36,10 +36,9 @@ class WriteStage:
         schema: the store's schema (its blob fields get stage tensors).
         size: rows the stage holds before it must be compressed.
         capacity: the store's capacity (length of the row -> slot map).
-        per_row: frames per row of each frame family (the width of its :attr:`hits`).
     """
 
-    def __init__(self, schema: Schema, size: int, capacity: int, per_row: Sequence[int] = ()):
+    def __init__(self, schema: Schema, size: int, capacity: int):
         self.size = int(size)
         self.cells: dict[Key, torch.Tensor] = {
             f.key: torch.empty((self.size, *f.shape), dtype=f.dtype) for f in schema.blob_fields}
@@ -52,19 +51,9 @@ class WriteStage:
         # -1: the row is not staged; else its slot. int32 over the capacity: 4 B/row, and a
         # read finds its staged rows with one gather instead of a search.
         self.slot_of = np.full(capacity, -1, dtype=np.int32)
-        #: per frame family, ``[size, frames per row]``: which staged frames equal their layout
-        #: neighbour (the previous slot's or the same slot's frame), found by the write path as
-        #: rows arrive and used by the flush, which then does not compare them again
-        self.hits = [np.zeros((self.size, int(w)), dtype=bool) for w in per_row]
-        #: slots whose :attr:`hits` are filled (the write path compares the rows after them later)
-        self.compared = 0
-        #: per frame family, the write path's own views of :attr:`cells` (made by it on first use;
-        #: not pickled: an unpickled stage's cells are new memory, and its views are made again)
-        self.views: dict[int, object] = {}
 
     def __getstate__(self) -> dict:
-        # numpy views would unpickle as copies
-        return {**self.__dict__, "_host": {}, "views": {}, "cells": columns_to_pickle(self.cells)}
+        return {**self.__dict__, "_host": {}, "cells": columns_to_pickle(self.cells)}  # numpy views would unpickle as copies
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
@@ -117,4 +106,3 @@ class WriteStage:
     def reset(self) -> None:
         self.slot_of[self.rows[: self.count]] = -1
         self.count = 0
-        self.compared = 0

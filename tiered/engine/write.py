@@ -90,13 +90,6 @@ LARGE_FRAME_LEVEL = -1
 #: bytes either way (each blob is its own zstd frame).
 ENCODE_SPLIT_BYTES = 4 << 20
 
-#: Staged rows whose frames are compared with their layout neighbours together, as soon as this
-#: many wait (a write of 16 rows at once; one-row writes every 16th): ~0.9 MB of Atari stacks,
-#: still in cache from the stage's copy, against one compare call's fixed cost (~14 us). The
-#: flush compares the rows left. Thread CPU on a loaded 2-core VM (noisy): 16 rows 82 us just
-#: written, 229 us out of cache; 64 rows out of cache (what a flush compared) 579 us.
-COMPARE_ROWS = 16
-
 
 def _as_dtype(key: Any, dtype: torch.dtype | str) -> torch.dtype:
     """A ``dense_dtypes`` value as a torch dtype (``torch.uint8`` or ``"uint8"``)."""
@@ -473,8 +466,7 @@ class WritePath:
         self.rows.check_dense(rows)
         stage = self.stage
         if stage is None:
-            stage = self.stage = WriteStage(self.layout.schema, self.stage_rows, self.rows.capacity,
-                                            [sum(f.frames_per_row for f in fs) for fs in self.layout.fields_of])
+            stage = self.stage = WriteStage(self.layout.schema, self.stage_rows, self.rows.capacity)
         if not stage.room_for(rows):
             # a write of the rows staged before (tier space or the disk can fail it): before this
             # write touches anything
@@ -482,33 +474,7 @@ class WritePath:
         self.install_widening(self.prepare_widening(rows, cells))
         self.rows.write_dense_cells(self.layout.schema, rows, cells)
         stage.put(rows, cells)
-        if stage.count - stage.compared >= COMPARE_ROWS:
-            self.compare_staged(stage)
         self.placement.rows_staged(self.layout, rows, stage)
-
-    def compare_staged(self, stage: WriteStage) -> None:
-        """Compare the frames of the staged rows not compared yet (slots ``stage.compared..``)
-        with their layout neighbours (the previous slot's, the same slot's) into ``stage.hits``
-        (:meth:`~tiered.engine.frames.FrameFamily.neighbour_hits`). The stage write calls it
-        once :data:`COMPARE_ROWS` rows wait, while their frames are still in cache; the flush, for
-        the rows left, so its dedup never reads a frame a second time to compare it."""
-        layout, lo, hi = self.layout, stage.compared, stage.count
-        for fid, fields in enumerate(layout.fields_of):
-            rules, fam = layout.rules[fid], layout.families[fid]
-            if rules is None or not fam.dedup:
-                continue
-            if any(f.frame_dim not in (None, 0) for f in fields):
-                # frames along another dimension: the rows and the one before, moved (a copy)
-                start = max(lo - 1, 0)
-                frames = FrameColumns([_cell_frames(f, stage.cells[f.key][start:hi], hi - start) for f in fields])
-                fam.neighbour_hits(frames, rules, lo - start, stage.hits[fid][start:hi])
-                continue
-            frames = stage.views.get(fid)
-            if frames is None:  # views of the whole stage (frames along dimension 0), made once
-                frames = stage.views[fid] = FrameColumns(
-                    [_cell_frames(f, stage.cells[f.key], stage.size) for f in fields])
-            fam.neighbour_hits(frames, rules, lo, stage.hits[fid], hi)
-        stage.compared = hi
 
     def flush_stage(self) -> None:
         """Compress the staged rows through the batched path (all or nothing; the stage keeps
@@ -521,11 +487,10 @@ class WritePath:
         # only the fields that cut trajectories are read back
         traj_keys = {*DONE_KEYS, self.options.traj_key or ("collector", "traj_ids")}
         dense = [f for f in self.layout.schema.dense_fields if f.key in traj_keys]
-        self.compare_staged(stage)
         rows, data = stage.batch(lambda r, out: self.rows.read_dense_fields(dense, r, out))
         pending, self.widen = self.widen, {}  # the widenings of the write this flush comes before
         try:
-            self.write_rows(rows, data, staged=True, hits=[h[:rows.size] for h in stage.hits])
+            self.write_rows(rows, data, staged=True)
         finally:
             self.widen = pending
         stage.reset()
@@ -537,14 +502,13 @@ class WritePath:
 
     # -- the batched path ---------------------------------------------------------------------
     def write_rows(self, rows: np.ndarray, data: TensorDictBase | dict[Key, torch.Tensor],
-                   staged: bool = False, hits: list[np.ndarray] | None = None) -> None:
+                   staged: bool = False) -> None:
         """Write validated rows at ``rows`` (unique positions). All or nothing.
 
         ``data``: a TensorDict matching the schema, or its cells per key on the CPU (the stage's).
         ``staged``: the rows of the write stage, whose dense cells (flags included) are already in
         their columns (the stage write put them there): only their blob fields are written, and
-        ``data`` needs only those and the dense fields that cut trajectories. ``hits``: per
-        family, which frames equal their layout neighbour (the stage's, compared as rows came in)."""
+        ``data`` needs only those and the dense fields that cut trajectories."""
         layout, n = self.layout, rows.size
         if n == 0:
             return
@@ -572,7 +536,7 @@ class WritePath:
                 tail_mask = np.zeros(n * per_row, dtype=bool)
                 tail_mask[max(0, n - TAIL_ROWS) * per_row:] = True
                 plan = fam.plan(frames, np.repeat(traj, per_row), ended, tail_mask, self.index,
-                                rules=layout.rules[fid], hits=hits[fid] if hits is not None else None)
+                                rules=layout.rules[fid])
                 plans.append(plan)
                 self.encode_and_place(fam, plan.closed_ids, plan.closed_raw, plan.closed_nframes)
         except BaseException:
