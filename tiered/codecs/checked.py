@@ -56,10 +56,12 @@ MIN_SPLIT_BYTES = 5 << 20
 #: its slice, so the checksums are split too, and the calling thread claims any slice no pool thread
 #: has started (``run_parallel(claim=True)``): a pool thread that wakes late costs the batch little
 #: more than the one-thread decode. Below it one thread does all of it: on a quiet 2-core VM
-#: (``python benchmarks/bench_handoff.py``, 2026-12-07 15:10 UTC) the split took 0.96x the
-#: one-thread wall time at 45 chunks (2.5 MB, a batch-32 sample) and saved 1.08x at 90 (5.1 MB),
-#: while costing 30-40% more CPU in all; the two vCPUs gain little on zstd's compute.
-MIN_CHUNK_SPLIT_BYTES = 4 << 20
+#: (``python benchmarks/bench_handoff.py``, 2026-12-07) the split took 0.96x the one-thread wall
+#: time at 45 chunks (2.5 MB, a batch-32 sample), 1.08x at 90 (5.1 MB) and 0.99-1.29x at 180
+#: (10 MB), for 30-40% more CPU in all; through ``rb.sample()`` (``bench_storages.py --quick
+#: --threads 2``) a B=64 sample was slower split (26.1k against 32.2k transitions/s) and B=256
+#: a little faster (51.2k against 48.7k). The two vCPUs gain little on zstd's compute.
+MIN_CHUNK_SPLIT_BYTES = 8 << 20
 # Work weight of a checksummed (compressed) byte against a decoded byte: checking ~0.86 MB of
 # zstd frames cost ~0.5 ms of thread CPU and decoding their 7.2 MB ~1.8 ms on a 2-core VM, so a
 # checked byte costs about 2.5 decoded bytes.

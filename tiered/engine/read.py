@@ -306,8 +306,9 @@ def blob_frames(layout: FieldLayout, fam: FrameFamily, fields: list[Field],
 #: Bytes of frames a read gathers into its cells from which the gather is cut into one slice of
 #: rows per decode thread (a B=256 sample of Atari stacks with next observations gathers ~14 MB
 #: into fresh memory, ~1.5 ms on one thread, where LazyTensorStorage's gather uses torch's two
-#: intra-op threads); below it the calling thread gathers alone (a B=32 sample: ~1.8 MB).
-MIN_GATHER_SPLIT_BYTES = 2 << 20
+#: intra-op threads); below it the calling thread gathers alone (a B=64 sample: ~3.6 MB, which
+#: was slower split on a quiet 2-core VM: ``bench_storages.py --quick --threads 2``).
+MIN_GATHER_SPLIT_BYTES = 8 << 20
 
 
 def cell_cuts(fields: list[Field]) -> list[tuple[Field, Key, int, int, tuple[int, ...] | None]]:
