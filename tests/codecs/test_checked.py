@@ -53,6 +53,27 @@ def encoded_cells(atari: TensorDict, codec, n: int = 24):
     return raw.reshape(n, CELL), enc
 
 
+def damage_blob_then_get(s: TieredStore, data: TensorDict, rows: np.ndarray, fields: list, blob: int,
+                         n: int) -> None:
+    """Flip a bit in the middle of `blob` where `s` keeps it; a get of `rows` raises a ChecksumError
+    naming the blob and decodes and promotes nothing, and the rows of the first `n` that do not read
+    the blob still read back as `data`."""
+    p = parts(s)
+    tier = HOT if p.index.loc[blob, HOT] >= 0 else WARM
+    at, size = int(p.index.loc[blob, tier]), int(p.index.nbytes[blob])
+    byte = np.empty(1, np.uint8)
+    p.tiers[tier].read(np.array([at + size // 2]), np.array([1]), byte, np.array([0]))
+    p.tiers[tier].write(np.array([at + size // 2]), byte ^ 0x20, np.array([0]), np.array([1]))
+    decoded = s.stats()["counters"]["blobs_decoded"]
+    where_before = p.index.loc[blob].copy()
+    with pytest.raises(ChecksumError, match=f"blob {blob} "):
+        s.get(rows)
+    assert s.stats()["counters"]["blobs_decoded"] == decoded
+    assert np.array_equal(p.index.loc[blob], where_before)  # the damaged bytes were not promoted
+    others = np.array([r for r in range(n) if blob not in p.layout.blob_refs(fields, np.array([r]))[0]])
+    assert_td_equal(s.get(others), data[torch.from_numpy(others)])
+
+
 @pytest.mark.parametrize("codec", [ZstdCodec(3, threads=2), RawCodec()], ids=["zstd", "raw"])
 @pytest.mark.parametrize("split", [False, True])
 def test_same_bytes_on_one_thread_and_split_over_two(atari_pong, codec, split, monkeypatch):
@@ -153,19 +174,7 @@ def test_store_get_checks_each_slice(atari_pong, half, monkeypatch):
     fields = [p.layout.schema["pixels"], p.layout.schema["next", "pixels"]]
     blobs = np.unique(p.layout.blob_refs(fields, rows)[0])
     blob = int(blobs[0] if half == 0 else blobs[-1])
-    tier = HOT if p.index.loc[blob, HOT] >= 0 else WARM
-    at, size = int(p.index.loc[blob, tier]), int(p.index.nbytes[blob])
-    byte = np.empty(1, np.uint8)
-    p.tiers[tier].read(np.array([at + size // 2]), np.array([1]), byte, np.array([0]))
-    p.tiers[tier].write(np.array([at + size // 2]), byte ^ 0x20, np.array([0]), np.array([1]))
-    decoded = s.stats()["counters"]["blobs_decoded"]
-    where_before = p.index.loc[blob].copy()
-    with pytest.raises(ChecksumError, match=f"blob {blob} "):
-        s.get(rows)
-    assert s.stats()["counters"]["blobs_decoded"] == decoded
-    assert np.array_equal(p.index.loc[blob], where_before)  # the damaged bytes were not promoted
-    others = np.array([r for r in range(40) if blob not in p.layout.blob_refs(fields, np.array([r]))[0]])
-    assert_td_equal(s.get(others), data[torch.from_numpy(others)])
+    damage_blob_then_get(s, data, rows, fields, blob, 40)
 
 
 def test_slices_no_pool_thread_started_run_on_the_calling_thread():
@@ -284,19 +293,7 @@ def test_store_get_of_atari_stacks_checks_each_slice(atari_pong, half, monkeypat
     blobs = np.unique(p.layout.blob_refs(fields, rows)[0])
     stored = blobs[p.index.state[blobs] != 1]  # (not an open time chunk: those are raw in memory)
     blob = int(stored[0] if half == 0 else stored[-1])
-    tier = HOT if p.index.loc[blob, HOT] >= 0 else WARM
-    at, size = int(p.index.loc[blob, tier]), int(p.index.nbytes[blob])
-    byte = np.empty(1, np.uint8)
-    p.tiers[tier].read(np.array([at + size // 2]), np.array([1]), byte, np.array([0]))
-    p.tiers[tier].write(np.array([at + size // 2]), byte ^ 0x20, np.array([0]), np.array([1]))
-    decoded = s.stats()["counters"]["blobs_decoded"]
-    where_before = p.index.loc[blob].copy()
-    with pytest.raises(ChecksumError, match=f"blob {blob} "):
-        s.get(rows)
-    assert s.stats()["counters"]["blobs_decoded"] == decoded
-    assert np.array_equal(p.index.loc[blob], where_before)  # the damaged bytes were not promoted
-    others = np.array([r for r in range(390) if blob not in p.layout.blob_refs(fields, np.array([r]))[0]])
-    assert_td_equal(s.get(others), data[torch.from_numpy(others)])
+    damage_blob_then_get(s, data, rows, fields, blob, 390)
 
 
 def _pool_cpu_seconds() -> float:
