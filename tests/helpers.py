@@ -13,6 +13,7 @@ import torch
 from tensordict import TensorDict
 
 from tiered import TieredStore
+from tiered.engine.blob_index import HOT, WARM
 from tiered.testing import parts
 
 
@@ -24,6 +25,18 @@ def assert_td_equal(a: TensorDict, b: TensorDict) -> None:
         x, y = a.get(k), b.get(k)
         assert x.dtype == y.dtype and x.shape == y.shape, (k, x.dtype, y.dtype, x.shape, y.shape)
         assert torch.equal(x, y), f"field {k} differs"
+
+
+def flip_blob_byte(store: TieredStore, blob: int, tier: int | None = None) -> None:
+    """Flip one bit (0x20) of the middle byte of ``blob`` where ``store`` keeps it: in ``tier``, or
+    the hot tier when it holds the blob, else the warm one."""
+    p = parts(store)
+    if tier is None:
+        tier = HOT if p.index.loc[blob, HOT] >= 0 else WARM
+    at = int(p.index.loc[blob, tier]) + int(p.index.nbytes[blob]) // 2
+    byte = np.empty(1, np.uint8)
+    p.tiers[tier].read(np.array([at]), np.array([1]), byte, np.array([0]))
+    p.tiers[tier].write(np.array([at]), byte ^ 0x20, np.array([0]), np.array([1]))
 
 
 def edit_manifest(path: Path, fn) -> None:

@@ -22,14 +22,13 @@ import time
 import numpy as np
 import pytest
 import torch
-from helpers import assert_td_equal
+from helpers import assert_td_equal, flip_blob_byte
 from tensordict import TensorDict
 
 from tiered import TieredStore
 from tiered.codecs import RawCodec, ZstdCodec, checked
 from tiered.codecs import zstd as zstd_module
 from tiered.codecs.checked import decode_cells_checked
-from tiered.engine.blob_index import HOT, WARM
 from tiered.errors import ChecksumError
 from tiered.testing import parts
 from tiered.util.pool import run_parallel
@@ -59,11 +58,7 @@ def damage_blob_then_get(s: TieredStore, data: TensorDict, rows: np.ndarray, fie
     naming the blob and decodes and promotes nothing, and the rows of the first `n` that do not read
     the blob still read back as `data`."""
     p = parts(s)
-    tier = HOT if p.index.loc[blob, HOT] >= 0 else WARM
-    at, size = int(p.index.loc[blob, tier]), int(p.index.nbytes[blob])
-    byte = np.empty(1, np.uint8)
-    p.tiers[tier].read(np.array([at + size // 2]), np.array([1]), byte, np.array([0]))
-    p.tiers[tier].write(np.array([at + size // 2]), byte ^ 0x20, np.array([0]), np.array([1]))
+    flip_blob_byte(s, blob)
     decoded = s.stats()["counters"]["blobs_decoded"]
     where_before = p.index.loc[blob].copy()
     with pytest.raises(ChecksumError, match=f"blob {blob} "):

@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers import assert_td_equal, edit_manifest, manifest_body
+from helpers import assert_td_equal, edit_manifest, flip_blob_byte, manifest_body
 from tensordict import TensorDict
 
 import tiered
@@ -155,11 +155,8 @@ def test_one_blob_cells_are_checked_before_use(atari_pong):
     s.extend(data)
     p = parts(s)
     blob = int(p.layout.blob_refs([p.layout.schema["pixels"]], np.array([3]))[0][0, 0])
-    at, size = int(p.index.loc[blob, WARM]), int(p.index.nbytes[blob])
-    assert at >= 0
-    byte = np.empty(1, np.uint8)
-    p.tiers[WARM].read(np.array([at + size // 2]), np.array([1]), byte, np.array([0]))
-    p.tiers[WARM].write(np.array([at + size // 2]), byte ^ 0x20, np.array([0]), np.array([1]))
+    assert p.index.loc[blob, WARM] >= 0
+    flip_blob_byte(s, blob, WARM)
     with pytest.raises(ChecksumError):
         s.get([3])
     assert_td_equal(s.get([0, 8, 15]), data[torch.tensor([0, 8, 15])])
