@@ -17,7 +17,7 @@ handoff costs about what it saves.
 
 :func:`decode_checked` does the same for batches of many small blobs decoded to their own places
 (time chunks of Atari frames, K=8: ~1 kB compressed, ~56 kB decoded each), from
-:data:`MIN_CHUNK_SPLIT_BYTES` decoded (a B=32 sample of stacks with next observations: ~2.5 MB).
+:data:`MIN_CHUNK_SPLIT_BYTES` decoded (a B=256 sample of stacks with next observations: ~10 MB).
 
 Example:
     >>> import numpy as np
