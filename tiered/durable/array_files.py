@@ -342,8 +342,8 @@ def sync_files(pending: Pending) -> None:
     durable, so the order of what is durable when is the same as one fsync after the other.
 
     Raises:
-        OSError, StorageFullError: the first fsync that failed, once every one has finished
-            (every file is closed; nothing waiting runs).
+        OSError: the first fsync that failed (as :func:`~tiered.util.fileio.fsync_many` raises it),
+            once every one has finished (every file is closed; nothing waiting runs).
     """
     todo, pending[:] = list(pending), []
     try:

@@ -1069,14 +1069,15 @@ def unpin(index: BlobIndex, pins: np.ndarray, own: Callable[[np.ndarray], None] 
     if pins.ndim != 1 or pins.dtype.kind not in "iu" or (pins.size and (int(pins.min()) < 0 or int(pins.max()) >= n)):
         return [f"the tail pins hold {pins.dtype}{list(pins.shape)} values outside the blob ids [0, {n})"]
     pinned, times = np.unique(pins.astype(np.int64), return_counts=True)
+    if own is not None:
+        # before the counts are read for the new ones: the pages then hold this commit's counts
+        # (rebuilt where the writer changed them since). Only the counts' pages: the pins' entries
+        # in the other columns are not touched here, and a use of them checks their pages then
+        # (copying every column's page of the tail here cost a read-only open about 1 MiB per column)
+        own(pinned)
     left = index.refcount[pinned] - times
     if (left < 0).any() or (index.refcount[:n][index.state[:n] != STORED] != 0).any() or (index.refcount[:n] < 0).any():
         return ["reference counts of the blob index are negative or name free blobs"]
-    if own is not None:
-        # only the counts' pages: the pins' entries in the other columns are not touched here,
-        # and a use of them checks their pages then (copying every column's page of the tail
-        # here cost a read-only open about 1 MiB per column)
-        own(pinned)
     index.refcount[pinned] = left  # only those: pages of a mapped index stay unwritten
     index.dirty.mark(pinned)  # the file still counts the pins: the next commit writes these counts
     return []

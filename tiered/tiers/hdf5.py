@@ -38,6 +38,7 @@ from .memmap import MemmapTier
 
 __all__ = ["HDF5Tier"]
 
+
 class HDF5Tier(MemmapTier):
     """The ``cold`` tier with HDF5 segment files (see the module docstring).
 

@@ -320,7 +320,6 @@ def make_private(view: memoryview, lo: int, hi: int) -> None:
         part[::PAGE] = part[::PAGE].copy()
 
 
-
 def discard_private(view: memoryview, lo: int, hi: int) -> bool:
     """Drop the anonymous copies :func:`make_private` (or a write) gave bytes ``[lo, hi)`` (``lo``
     page-aligned; ``hi`` page-aligned or the mapping's end) of a private file mapping ``view``:
@@ -342,6 +341,7 @@ def discard_private(view: memoryview, lo: int, hi: int) -> bool:
         return False
     start = np.frombuffer(view, dtype=np.uint8).__array_interface__["data"][0] + lo
     return _madvise(start, hi - lo, _MADV_DONTNEED) == 0
+
 
 def privatize_files(directory: str) -> int:
     """Give every page of this process's private file mappings (any array, any layout) of files
