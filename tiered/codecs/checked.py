@@ -113,11 +113,10 @@ def _check_and_decode(codec: Codec, data: np.ndarray, offsets: np.ndarray, sizes
     """One thread's slice: blobs ``[a, b)``, checked, then decoded into every cell that uses them."""
     if a == b:
         return
-    if checksums is not None:
-        wrong = (segment_checksums(data, offsets[a:b], sizes[a:b]) != checksums[a:b]).nonzero()[0]
-        if wrong.size:
-            bad[j] = wrong + a
-            return
+    wrong = _check_slice(data, offsets[a:b], sizes[a:b], None if checksums is None else checksums[a:b])
+    if wrong is not None:
+        bad[j] = wrong + a
+        return
     cells = ((which >= a) & (which < b)).nonzero()[0]
     blobs = which[cells]
     codec.decode(data, offsets[blobs], sizes[blobs], out, cells * cell_nbytes,

@@ -390,8 +390,12 @@ class Placement:
         Raises:
             AssertionError: a blob has no location (the index is inconsistent).
         """
+        return self._first_tier(self.index.loc[ids])
+
+    def _first_tier(self, loc: np.ndarray) -> np.ndarray:
+        """The fastest tier of each blob whose ``[n, 3]`` locations are ``loc``, as int8."""
         tiers = self.tiers
-        has = self.index.loc[ids] >= 0
+        has = loc >= 0
         has &= _PRESENT[(tiers[HOT] is not None) * 4 + (tiers[WARM] is not None) * 2 + (tiers[COLD] is not None)]
         # ufunc reductions: .any(1).all() adds Python-level wrapper calls on every read
         if not np.logical_and.reduce(np.logical_or.reduce(has, axis=1)):
@@ -406,12 +410,7 @@ class Placement:
             AssertionError: a blob has no location (the index is inconsistent).
         """
         loc = self.index.loc[ids]
-        tiers = self.tiers
-        has = loc >= 0
-        has &= _PRESENT[(tiers[HOT] is not None) * 4 + (tiers[WARM] is not None) * 2 + (tiers[COLD] is not None)]
-        if not np.logical_and.reduce(np.logical_or.reduce(has, axis=1)):
-            raise AssertionError(f"{int((~has.any(1)).sum())} blobs have no location: index is inconsistent")
-        from_tier = has.argmax(1).astype(np.int8)  # first True column: HOT before WARM before COLD
+        from_tier = self._first_tier(loc)
         self._read_located(loc, sizes, out, out_offsets, from_tier, None)
         return from_tier
 

@@ -249,13 +249,6 @@ class StreamOrder:
 # ---------------------------------------------------------------------------------------------
 
 
-def _int64(values: Any) -> np.ndarray:
-    """:func:`as_int64`, without its calls for what a store's reads pass (flat int64 arrays)."""
-    if type(values) is np.ndarray and values.dtype == np.int64 and values.ndim == 1:
-        return values
-    return as_int64(values)
-
-
 class ArenaTier(Tier):
     """A memory tier: one growable uint8 tensor on ``device`` under a byte budget.
 
@@ -466,13 +459,13 @@ class ArenaTier(Tier):
 
     def read(self, offsets: np.ndarray, sizes: np.ndarray, out: np.ndarray | torch.Tensor,
              out_offsets: np.ndarray) -> None:
-        offsets, sizes = _int64(offsets), _int64(sizes)
+        offsets, sizes = as_int64(offsets), as_int64(sizes)
         if not self._cuda and isinstance(out, np.ndarray) and out.dtype == np.uint8 and out.ndim == 1 \
                 and out.flags.c_contiguous:
             # a host arena into a host buffer (every CPU read): copy_blobs' checks of an arbitrary
             # pair of buffers reduced to what these can get wrong, every bound in one test (a read
             # of a few blobs: each numpy call costs more than its work), then the copy
-            out_offsets = _int64(out_offsets)
+            out_offsets = as_int64(out_offsets)
             if offsets.size and (
                     int(np.minimum.reduce(np.minimum(np.minimum(offsets, sizes), out_offsets))) < 0
                     or int(np.maximum.reduce(offsets + sizes)) > self._alloc.high_water
