@@ -74,6 +74,7 @@ from ..errors import CodecUnavailableError, CorruptionError, DeviceFailedError, 
 from ..util.batch import exclusive_cumsum
 from ..util.copy import copy_blobs
 from ..util.hostcopy import copy_host_blobs
+from ..util.units import ALIGNMENT, align  # 16: the largest alignment an nvCOMP format needs (ANS)
 from .base import Codec, EncodedBatch
 from .checksum import segment_checksums
 from .raw import as_batch, check_out
@@ -90,7 +91,6 @@ __all__ = [
     "empty_frame",
     "use_torch_allocator",
     "INSTALL_HINT",
-    "ALIGN",
     "chunk_class",
     "note_allocation_failure",
     "take_allocation_failure",
@@ -105,8 +105,6 @@ INSTALL_HINT = (
     "pip install 'tiered[gpu-cu12]' (CUDA 12) or pip install 'tiered[gpu-cu13]' (CUDA 13), "
     "which install nvidia-nvcomp-cu12/-cu13 >= 6.0"
 )
-#: Offsets of every buffer this module lays out (the largest alignment any nvCOMP format needs: ANS).
-ALIGN = 16
 _MIN_VERSION = (6, 0)
 # Configs kept per nvCOMP Codec object (per thread and stream). A batch-size bucket scheme needs
 # about 8 per octave of batch sizes; exact-size keys churn, so the cache is an LRU.
@@ -148,10 +146,6 @@ def chunk_class(nbytes: int) -> int:
     """
     n = max(int(nbytes), BASE_CHUNK)
     return 1 << (n - 1).bit_length()
-
-
-def _align(x: np.ndarray | int) -> Any:
-    return (np.asarray(x, dtype=np.int64) + (ALIGN - 1)) // ALIGN * ALIGN
 
 
 # ---------------------------------------------------------------------------------------------
@@ -464,7 +458,7 @@ def _check_device_batch(data: torch.Tensor, offsets: np.ndarray, sizes: np.ndarr
         raise ValueError(
             f"{what}: entry {i} starts at offset {int(offsets[i])}, which is not aligned to the "
             f"{need} bytes nvCOMP's {spec.algorithm} needs; lay blobs out at "
-            f"multiples of {ALIGN} (tier arenas already do)")
+            f"multiples of {ALIGNMENT} (tier arenas already do)")
 
 
 def _check_headers(fmt: str, data: np.ndarray, offsets: np.ndarray, sizes: np.ndarray,
@@ -818,8 +812,8 @@ class NvcompCodec(Codec):
                 tmp, tmp_off, got = self._encode_nonzero(self._entry(on, int(sizes.max()), encode=True), data,
                                                          offsets[nz], sizes[nz])
                 csz[nz] = got
-            out_off = exclusive_cumsum(_align(csz))
-            out = torch.zeros(int(_align(csz).sum()), dtype=torch.uint8, device=self.device)
+            out_off = exclusive_cumsum(align(csz))
+            out = torch.zeros(int(align(csz).sum()), dtype=torch.uint8, device=self.device)
             if nz.size:
                 copy_blobs(tmp, tmp_off, out, out_off[nz], csz[nz])
             zero = np.flatnonzero(sizes == 0)
@@ -849,8 +843,8 @@ class NvcompCodec(Codec):
         bounds = np.array([bounds_by_size[s] for s in uniq.tolist()], np.int64)[np.searchsorted(uniq, sizes)]
         src = nv.as_arrays(data, offsets.tolist(), sizes.tolist(), cuda_stream=ptr)
         cfg = codec.compression_config(sizes.tolist())
-        slot_off = exclusive_cumsum(_align(bounds))
-        tmp = torch.empty(int(_align(bounds).sum()), dtype=torch.uint8, device=self.device)
+        slot_off = exclusive_cumsum(align(bounds))
+        tmp = torch.empty(int(align(bounds).sum()), dtype=torch.uint8, device=self.device)
         try:
             dst = nv.as_arrays(tmp, slot_off.tolist(), bounds.tolist(), cuda_stream=ptr)
             res = codec.encode(src, out=dst, compression_config=cfg)
@@ -865,8 +859,8 @@ class NvcompCodec(Codec):
         # Fallback: nvCOMP allocates each output; one copy per blob (encode is not a sample path).
         res = codec.encode(src, compression_config=cfg)
         got = np.asarray(res.buffer_sizes, dtype=np.int64)
-        slot_off = exclusive_cumsum(_align(got))
-        tmp = torch.empty(int(_align(got).sum()), dtype=torch.uint8, device=self.device)
+        slot_off = exclusive_cumsum(align(got))
+        tmp = torch.empty(int(align(got).sum()), dtype=torch.uint8, device=self.device)
         for k in range(len(res)):  # BatchArray: len() and indexing (indexing waits for the encode)
             part = torch.from_dlpack(res[k]).reshape(-1).view(torch.uint8)
             tmp[int(slot_off[k]):int(slot_off[k]) + int(got[k])].copy_(part[: int(got[k])])
@@ -883,8 +877,8 @@ class NvcompCodec(Codec):
         data, offsets, sizes = as_batch(data, offsets, sizes)
         if sizes.size == 0:
             return EncodedBatch.empty()
-        a_off = exclusive_cumsum(_align(sizes))
-        host = np.zeros(max(int(_align(sizes).sum()), ALIGN), dtype=np.uint8)
+        a_off = exclusive_cumsum(align(sizes))
+        host = np.zeros(max(int(align(sizes).sum()), ALIGNMENT), dtype=np.uint8)
         copy_host_blobs(data, offsets, host, a_off, sizes)
         dev = torch.from_numpy(host).to(self.device)
         batch = self.encode_device(dev, a_off, sizes)
@@ -911,12 +905,12 @@ class NvcompCodec(Codec):
         if nz.size == 0:
             return
         offsets, sizes, out_offsets_nz, out_sizes_nz = offsets[nz], sizes[nz], out_offsets[nz], out_sizes[nz]
-        a_off = exclusive_cumsum(_align(sizes))
-        host = np.zeros(int(_align(sizes).sum()), dtype=np.uint8)
+        a_off = exclusive_cumsum(align(sizes))
+        host = np.zeros(int(align(sizes).sum()), dtype=np.uint8)
         copy_host_blobs(data, offsets, host, a_off, sizes)
-        o_off = exclusive_cumsum(_align(out_sizes_nz))
+        o_off = exclusive_cumsum(align(out_sizes_nz))
         dev_in = torch.from_numpy(host).to(self.device)
-        dev_out = torch.empty(int(_align(out_sizes_nz).sum()), dtype=torch.uint8, device=self.device)
+        dev_out = torch.empty(int(align(out_sizes_nz).sum()), dtype=torch.uint8, device=self.device)
         probe = self.probe()
         if probe["exact"] is None:
             raise CodecUnavailableError(f"nvCOMP cannot decode {self.format} frames here: {probe['errors']}")
@@ -963,8 +957,8 @@ def _probe_cells(codec: NvcompCodec, sizes: list[int], seed: int) -> tuple[np.nd
         cells.append(base.tobytes())
     frames = [_cpu_compress(codec.format, c) for c in cells]
     csz = np.array([len(f) for f in frames], dtype=np.int64)
-    coff = exclusive_cumsum(_align(csz))
-    host = np.zeros(int(_align(csz).sum()), dtype=np.uint8)
+    coff = exclusive_cumsum(align(csz))
+    host = np.zeros(int(align(csz).sum()), dtype=np.uint8)
     for f, o in zip(frames, coff.tolist(), strict=True):  # probe only: a few frames
         host[o:o + len(f)] = np.frombuffer(f, np.uint8)
     return host, coff, csz, b"".join(cells)
@@ -980,8 +974,8 @@ def _probe_decode(codec: NvcompCodec, side: Any, sizes: list[int], seed: int, mo
     with torch.cuda.stream(side):
         src = torch.from_numpy(host).to(codec.device)
         if cap is None:
-            ooff = exclusive_cumsum(_align(osz))
-            out = torch.zeros(int(_align(osz).sum()), dtype=torch.uint8, device=codec.device)
+            ooff = exclusive_cumsum(align(osz))
+            out = torch.zeros(int(align(osz).sum()), dtype=torch.uint8, device=codec.device)
         else:
             ooff = np.arange(osz.size, dtype=np.int64) * cap
             out = torch.zeros(cap * osz.size, dtype=torch.uint8, device=codec.device)
@@ -1028,11 +1022,11 @@ def _find_decode_modes(codec: NvcompCodec) -> dict[str, Any]:
     if result["exact"] is not None:
         # a capacity above every cell, still within the 64 KiB chunk (as for the decoder's buckets)
         small = [n for n in PROBE_SIZES if n < BASE_CHUNK // 2]
-        result["capacity"] = attempt("capacity", small, "cc", int(_align(max(small) + 1)))
+        result["capacity"] = attempt("capacity", small, "cc", int(align(max(small) + 1)))
         result["large"] = attempt(f"large/{result['exact']}", PROBE_LARGE_SIZES, result["exact"], None)
         if result["capacity"] and result["large"]:
             result["large_capacity"] = attempt("large/capacity", PROBE_LARGE_SIZES, "cc",
-                                               int(_align(max(PROBE_LARGE_SIZES) + 1)))
+                                               int(align(max(PROBE_LARGE_SIZES) + 1)))
     codec._count("probes")
     return result
 
