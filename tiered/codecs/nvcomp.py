@@ -759,10 +759,8 @@ class NvcompCodec(Codec):
                 cfg, hit = entry.decompression_config(key, dst_sizes)
                 self._count("config_hits" if hit else "config_misses")
                 res = codec.decode(src, out=dst, decompression_config=cfg)
-            elif mode == "src":
+            else:  # "src"
                 res = codec.decode(src, out=dst, decompression_config=codec.decompression_config(src))
-            else:
-                res = codec.decode(src, out=dst)
             sizes_out = list(res.buffer_sizes) if want_sizes else None  # waits for the decode
         except BaseException as e:
             failure = take_allocation_failure()
