@@ -157,8 +157,8 @@ def import_nvcomp() -> ModuleType:
     """Import ``nvidia.nvcomp`` (>= 6.0 with the ``BatchArray`` API) or explain how to install it.
 
     Raises:
-        CodecUnavailableError: the package is missing, or too old (no ``as_arrays``, no
-            ``compression_config``); the message names the install command.
+        CodecUnavailableError: the package is missing, or older than 6.0 (no ``BatchArray``
+            API); the message names the install command.
 
     Example:
         >>> try:
@@ -178,13 +178,7 @@ def import_nvcomp() -> ModuleType:
         parsed = tuple(int(p) for p in version.split(".")[:2])
     except ValueError:
         parsed = (0, 0)
-    codec_cls = getattr(nv, "Codec", None)
-    if (
-        parsed < _MIN_VERSION
-        or not hasattr(nv, "as_arrays")
-        or codec_cls is None
-        or not hasattr(codec_cls, "compression_config")
-    ):
+    if parsed < _MIN_VERSION:
         raise CodecUnavailableError(
             f"nvidia-nvcomp {version} is too old: tiered needs >= 6.0 (BatchArray API: as_arrays, "
             f"compression_config, decompression_config); upgrade with: {INSTALL_HINT}"
