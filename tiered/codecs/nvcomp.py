@@ -34,14 +34,9 @@ Every nvCOMP ``Codec`` is built with an ``uncomp_chunk_size`` at least as large 
 decodes (a power of two from 64 KiB up, see :func:`chunk_class`): how RAW streams treat cells
 larger than the chunk size is not documented, so no cell ever is.
 
-nvCOMP calls the device allocator (:func:`use_torch_allocator`) from C++. A failed allocation is
-recorded (:func:`note_allocation_failure`) and raised into nvCOMP, and the codec raises the
-recorded error once the nvCOMP call has returned. nvCOMP's headers allow a NULL scratch block
-only when no scratch is needed, so handing it a null block on failure could make its kernels
-write through a null pointer: a sticky CUDA error that ends the process's CUDA context. Whether
-a Python exception unwinds cleanly through nvCOMP's C++ frames is not documented either; the
-``@pytest.mark.cuda`` test of a real allocation failure inside the call runs in a child process.
-The callback is reset at interpreter exit, before nvCOMP's and torch's teardown.
+nvCOMP calls the device allocator (:func:`use_torch_allocator`, which says how a failed
+allocation is reported) from C++. Whether a Python exception unwinds cleanly through nvCOMP's C++
+frames is not documented: the ``@pytest.mark.cuda`` test of such a failure runs in a child process.
 
 ``nvidia.nvcomp`` is imported lazily; when it is missing, constructing a codec raises
 :class:`~tiered.errors.CodecUnavailableError` with the install command.
@@ -249,7 +244,9 @@ def use_torch_allocator(allocate: Callable[[int, Any], torch.Tensor] | None = No
     :func:`note_allocation_failure` and raised into nvCOMP, which gives up the call; the codec
     then raises the recorded error (a ``torch.OutOfMemoryError`` the GPU decoder handles by
     splitting the batch). nvCOMP never gets a null block: its headers allow NULL scratch only
-    when none is needed. The callback is reset at interpreter exit (``atexit``).
+    when none is needed, and its kernels writing through a null pointer would end the process's
+    CUDA context. The callback is reset at interpreter exit (``atexit``), before nvCOMP's and
+    torch's teardown.
 
     Args:
         allocate: ``allocate(nbytes, torch_stream) -> uint8 CUDA tensor | None``; default
