@@ -532,7 +532,6 @@ class NvcompCodec(Codec):
         self._local = threading.local()
         #: Which path the last encode_device took ("out" or "loop"); for gpu_check.
         self.last_encode_path = ""
-        self._probe_result: dict[str, Any] | None = None
 
     def __reduce__(self) -> tuple:
         return (type(self), (self.format, str(self.device)), {"execution_policy": self.execution_policy})
@@ -648,13 +647,11 @@ class NvcompCodec(Codec):
         """
         key = (self.format, int(self.device.index), self.execution_policy)
         try:
-            result = _PROBES.result(key, lambda: _find_decode_modes(self))
+            return _PROBES.result(key, lambda: _find_decode_modes(self))
         except RuntimeError as e:
             if not isinstance(e, DeviceFailedError):
                 check_device(self.device, "nvCOMP's probe")  # its streams and buffers, not a mode
             raise
-        self._probe_result = result if result["cached"] else None  # an OOM-spoiled probe is retried
-        return result
 
     # -- GPU-native API -------------------------------------------------------------------------
 
@@ -715,7 +712,7 @@ class NvcompCodec(Codec):
             out_offsets, out_sizes = out_offsets[keep], out_sizes[keep]
         if out_sizes.size == 0:
             return
-        probe = self._probe_result or self.probe()
+        probe = self.probe()
         if probe["exact"] is None:
             raise CodecUnavailableError(
                 f"nvCOMP {getattr(self._nv, '__version__', '?')} failed to decode CPU-written {self.format} "
