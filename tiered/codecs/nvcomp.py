@@ -712,6 +712,12 @@ class NvcompCodec(Codec):
             out_offsets, out_sizes = out_offsets[keep], out_sizes[keep]
         if out_sizes.size == 0:
             return
+        mode, cap = self._mode(out_sizes, out_capacity)
+        with self._on(stream, data, out) as on:
+            self._decode(on, data, offsets, sizes, out, out_offsets, out_sizes, mode=mode, cap=cap)
+
+    def _mode(self, out_sizes: np.ndarray, out_capacity: int | None) -> tuple[str, int | None]:
+        """The config mode and the capacity (None: exact sizes) the probe allows for these cells."""
         probe = self.probe()
         if probe["exact"] is None:
             raise CodecUnavailableError(
@@ -719,15 +725,13 @@ class NvcompCodec(Codec):
                 f"frames bit-exactly in every mode ({'; '.join(probe['errors'])}); use the CPU codec")
         cap = out_capacity if (out_capacity is not None and probe["capacity"] and (
             out_capacity <= BASE_CHUNK or probe["large_capacity"])) else None
-        mode = "cc" if cap is not None else probe["exact"]
         largest = int(out_capacity) if cap is not None else int(out_sizes.max())
         if largest > BASE_CHUNK and not probe.get("large", False):
             raise CodecUnavailableError(
                 f"nvCOMP's probe could not decode {self.format} cells larger than {BASE_CHUNK} bytes "
                 f"bit-exactly ({'; '.join(probe['errors'])}); this batch has {largest}-byte cells: "
                 "use the CPU codec")
-        with self._on(stream, data, out) as on:
-            self._decode(on, data, offsets, sizes, out, out_offsets, out_sizes, mode=mode, cap=cap)
+        return ("cc" if cap is not None else probe["exact"]), cap
 
     def _decode(self, stream: torch.cuda.Stream, data: torch.Tensor, offsets: np.ndarray, sizes: np.ndarray,
                 out: torch.Tensor, out_offsets: np.ndarray, out_sizes: np.ndarray, *, mode: str,
@@ -893,16 +897,11 @@ class NvcompCodec(Codec):
         o_off = exclusive_cumsum(align(out_sizes_nz))
         dev_in = torch.from_numpy(host).to(self.device)
         dev_out = torch.empty(int(align(out_sizes_nz).sum()), dtype=torch.uint8, device=self.device)
-        probe = self.probe()
-        if probe["exact"] is None:
-            raise CodecUnavailableError(f"nvCOMP cannot decode {self.format} frames here: {probe['errors']}")
-        if int(out_sizes_nz.max()) > BASE_CHUNK and not probe.get("large", False):
-            raise CodecUnavailableError(f"nvCOMP cannot decode {self.format} cells over {BASE_CHUNK} bytes "
-                                        f"here: {probe['errors']}")
+        mode, _ = self._mode(out_sizes_nz, None)
         try:
             with self._on(None, dev_in, dev_out) as on:
                 got = self._decode(on, dev_in, a_off, sizes, dev_out, o_off, out_sizes_nz,
-                                   mode=probe["exact"], cap=None, want_sizes=True)
+                                   mode=mode, cap=None, want_sizes=True)
         except (RuntimeError, ValueError) as e:
             if isinstance(e, torch.OutOfMemoryError):
                 raise
