@@ -181,17 +181,6 @@ def import_nvcomp() -> ModuleType:
     return nv
 
 
-def _require_cuda() -> Any:
-    import torch
-
-    if not torch.cuda.is_available():
-        raise CodecUnavailableError(
-            "nvCOMP codecs need a CUDA GPU, and torch.cuda.is_available() is False on this machine; "
-            "use the CPU codec of the same format ('zstd' or 'lz4'), which reads the same bytes"
-        )
-    return torch
-
-
 _allocator_lock = threading.Lock()
 # [whether ours is installed, the `allocate` it wraps]
 _allocator_installed: list[Any] = [False, None]
@@ -519,7 +508,12 @@ class NvcompCodec(Codec):
         if execution_policy not in ("concurrency", "latency"):
             raise ValueError(f"execution_policy must be 'concurrency' or 'latency', got {execution_policy!r}")
         self._nv = import_nvcomp()
-        torch = _require_cuda()
+        import torch
+
+        if not torch.cuda.is_available():
+            raise CodecUnavailableError(
+                "nvCOMP codecs need a CUDA GPU, and torch.cuda.is_available() is False on this machine; "
+                "use the CPU codec of the same format ('zstd' or 'lz4'), which reads the same bytes")
         self._spec = _FORMATS[fmt]
         self.format = fmt
         self.format_id = self._spec.format_id
