@@ -67,6 +67,7 @@ import numpy as np
 
 from ..errors import CodecUnavailableError, CorruptionError, DeviceFailedError, UnknownCodecError
 from ..util.batch import exclusive_cumsum
+from ..util.buffers import check_bounds
 from ..util.copy import copy_blobs
 from ..util.hostcopy import copy_host_blobs
 from ..util.units import ALIGNMENT, align  # 16: the largest alignment an nvCOMP format needs (ANS)
@@ -424,9 +425,7 @@ def _check_device_batch(data: torch.Tensor, offsets: np.ndarray, sizes: np.ndarr
                         f"{tuple(getattr(data, 'shape', ()))}")
     if data.device != device:
         raise ValueError(f"{what} is on {data.device}, this codec runs on {device}")
-    span = sizes if span is None else span
-    if offsets.size and (int(offsets.min()) < 0 or int((offsets + span).max()) > data.numel()):
-        raise ValueError(f"{what}: blob ranges fall outside its {data.numel()} bytes")
+    check_bounds(offsets, sizes if span is None else span, data.numel(), f"{what}'s")
     need = spec.compress_align if encode else spec.decode_align
     misaligned = (data.data_ptr() + offsets) % need
     if offsets.size and misaligned.any():

@@ -40,7 +40,7 @@ import torch
 from ..errors import CorruptionError, ReadOnlyStoreError
 from ..util import fileio
 from ..util.batch import exclusive_cumsum, split_balanced
-from ..util.buffers import as_int64, check_buffer, host_view
+from ..util.buffers import as_int64, check_bounds, check_buffer, host_view
 from ..util.copy import copy_blobs
 from ..util.pool import run_parallel
 from ..util.scratch import ScratchBuffers
@@ -142,8 +142,7 @@ def read_blobs(
         o, n, oo = o[keep], n[keep], oo[keep]
     if o.size == 0:
         return
-    if int(oo.min()) < 0 or int((oo + n).max()) > int(out.shape[0]):
-        raise ValueError(f"out ranges reach byte {int((oo + n).max())}, past its {int(out.shape[0])} bytes")
+    check_bounds(oo, n, int(out.shape[0]), "out")
     order = np.argsort(o, kind="stable")
     o, n, oo = o[order], n[order], oo[order]
     seg = o // segment_bytes
