@@ -586,15 +586,10 @@ class GpuReadPipeline(ReadPipeline):
         extra = np.concatenate(parts) if len(parts) > 1 else parts[0]
         flat, extra_t = self._decode(layout, fam, uniq, extra)
         if extra_t is None:  # CPU fallback: gather on the host, get() moves the result
-            flat_np = flat.numpy().reshape(-1, fam.frame_nbytes)
-        else:
-            flat2 = flat.reshape(-1, fam.frame_nbytes)
+            extra_t = torch.from_numpy(extra)
+        frames = flat.reshape(-1, fam.frame_nbytes)
         for f, (a, b) in zip(fields, spans, strict=True):
-            if extra_t is None:
-                part = torch.from_numpy(flat_np[extra[a:b]])
-            else:
-                part = flat2.index_select(0, extra_t[a:b])
-            out[f.key] = f.cells_from_frames(part, n)
+            out[f.key] = f.cells_from_frames(frames.index_select(0, extra_t[a:b]), n)
 
     def decode_blobs(self, layout: FieldLayout, fam: FrameFamily, uniq: np.ndarray) -> torch.Tensor:
         """Raw frames ``[len(uniq), chunk_frames, frame_nbytes]`` (uint8) of these blobs, decoded on
