@@ -54,6 +54,7 @@ Example:
 from __future__ import annotations
 
 import atexit
+import functools
 import importlib
 import threading
 from collections import OrderedDict
@@ -305,8 +306,6 @@ def _reset_allocator() -> None:
 # Small frames every format needs
 # ---------------------------------------------------------------------------------------------
 
-_frames_cache: dict[tuple[str, str], bytes] = {}
-
 
 def _cpu_compress(fmt: str, raw: bytes) -> bytes:
     """The CPU encoder of each format, with the parameters tiered persists."""
@@ -330,6 +329,7 @@ def _cpu_compress(fmt: str, raw: bytes) -> bytes:
     raise UnknownCodecError(f"unknown nvCOMP format {fmt!r}; known: {sorted(_FORMATS)}")
 
 
+@functools.cache
 def empty_frame(fmt: str) -> bytes:
     """The blob a 0-byte cell is stored as, identical to the CPU codec's (zstd: a 9-byte frame).
 
@@ -337,12 +337,10 @@ def empty_frame(fmt: str) -> bytes:
         >>> empty_frame("lz4"), len(empty_frame("zstd"))
         (b'\\x00', 9)
     """
-    key = ("empty", fmt)
-    if key not in _frames_cache:
-        _frames_cache[key] = _cpu_compress(fmt, b"")
-    return _frames_cache[key]
+    return _cpu_compress(fmt, b"")
 
 
+@functools.cache
 def filler_frame(fmt: str) -> bytes:
     """A tiny valid frame that decodes to one zero byte (pads a batch to a cached config size).
 
@@ -350,10 +348,7 @@ def filler_frame(fmt: str) -> bytes:
         >>> filler_frame("lz4")
         b'\\x10\\x00'
     """
-    key = ("filler", fmt)
-    if key not in _frames_cache:
-        _frames_cache[key] = _cpu_compress(fmt, b"\x00")
-    return _frames_cache[key]
+    return _cpu_compress(fmt, b"\x00")
 
 
 # ---------------------------------------------------------------------------------------------
