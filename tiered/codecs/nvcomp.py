@@ -532,11 +532,6 @@ class NvcompCodec(Codec):
 
     # -- per-thread nvCOMP objects ------------------------------------------------------------
 
-    @property
-    def required_alignment(self) -> int:
-        """Alignment (bytes) every blob and output offset passed to decode_device must have."""
-        return self._spec.decode_align
-
     def _side_stream(self) -> torch.cuda.Stream:
         import torch
 
@@ -663,8 +658,8 @@ class NvcompCodec(Codec):
         :meth:`probe`), no allocation but nvCOMP's scratch, no Python object per blob.
 
         Args:
-            data, offsets, sizes: the compressed batch (offsets aligned to
-                :attr:`required_alignment`; 16 is always safe).
+            data, offsets, sizes: the compressed batch (offsets aligned to the format's
+                decode alignment; 16 is always safe).
             out, out_offsets, out_sizes: where each blob decodes, and its exact size. 0-byte
                 entries are skipped.
             stream: run on this CUDA stream; the caller orders it (inputs ready before, outputs
@@ -762,7 +757,8 @@ class NvcompCodec(Codec):
         on the host). Not a sample path: fine to call per batch of writes.
 
         Args:
-            data, offsets, sizes: the raw cells (offsets aligned to :attr:`required_alignment`).
+            data, offsets, sizes: the raw cells (offsets aligned to the format's encode alignment;
+                16 is always safe).
             stream: as in :meth:`decode_device`.
 
         Returns:
