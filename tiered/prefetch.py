@@ -84,8 +84,8 @@ def _worker(sh: _Shared) -> None:
     ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
     with ctx:
         while not sh.stop.is_set():
-            if not _acquire(sh):
-                return
+            if not sh.slots.acquire(timeout=_POLL_S):
+                continue  # no slot yet: check for shutdown, then wait again
             t0 = time.perf_counter()
             try:
                 indices = sh.sampler()
@@ -107,13 +107,6 @@ def _worker(sh: _Shared) -> None:
                 return
             sh.produce_s += time.perf_counter() - t0
             sh.queue.put((indices, batch, event))
-
-
-def _acquire(sh: _Shared) -> bool:
-    while not sh.stop.is_set():
-        if sh.slots.acquire(timeout=_POLL_S):
-            return True
-    return False
 
 
 class Prefetcher(Iterator):

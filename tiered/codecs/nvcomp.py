@@ -34,14 +34,9 @@ Every nvCOMP ``Codec`` is built with an ``uncomp_chunk_size`` at least as large 
 decodes (a power of two from 64 KiB up, see :func:`chunk_class`): how RAW streams treat cells
 larger than the chunk size is not documented, so no cell ever is.
 
-nvCOMP calls the device allocator (:func:`use_torch_allocator`) from C++. A failed allocation is
-recorded (:func:`note_allocation_failure`) and raised into nvCOMP, and the codec raises the
-recorded error once the nvCOMP call has returned. nvCOMP's headers allow a NULL scratch block
-only when no scratch is needed, so handing it a null block on failure could make its kernels
-write through a null pointer: a sticky CUDA error that ends the process's CUDA context. Whether
-a Python exception unwinds cleanly through nvCOMP's C++ frames is not documented either; the
-``@pytest.mark.cuda`` test of a real allocation failure inside the call runs in a child process.
-The callback is reset at interpreter exit, before nvCOMP's and torch's teardown.
+nvCOMP calls the device allocator (:func:`use_torch_allocator`, which says how a failed
+allocation is reported) from C++. Whether a Python exception unwinds cleanly through nvCOMP's C++
+frames is not documented: the ``@pytest.mark.cuda`` test of such a failure runs in a child process.
 
 ``nvidia.nvcomp`` is imported lazily; when it is missing, constructing a codec raises
 :class:`~tiered.errors.CodecUnavailableError` with the install command.
@@ -59,6 +54,7 @@ Example:
 from __future__ import annotations
 
 import atexit
+import functools
 import importlib
 import threading
 from collections import OrderedDict
@@ -72,8 +68,10 @@ import numpy as np
 
 from ..errors import CodecUnavailableError, CorruptionError, DeviceFailedError, UnknownCodecError
 from ..util.batch import exclusive_cumsum
+from ..util.buffers import check_bounds
 from ..util.copy import copy_blobs
 from ..util.hostcopy import copy_host_blobs
+from ..util.units import ALIGNMENT, align  # 16: the largest alignment an nvCOMP format needs (ANS)
 from .base import Codec, EncodedBatch
 from .checksum import segment_checksums
 from .raw import as_batch, check_out
@@ -90,7 +88,6 @@ __all__ = [
     "empty_frame",
     "use_torch_allocator",
     "INSTALL_HINT",
-    "ALIGN",
     "chunk_class",
     "note_allocation_failure",
     "take_allocation_failure",
@@ -105,8 +102,6 @@ INSTALL_HINT = (
     "pip install 'tiered[gpu-cu12]' (CUDA 12) or pip install 'tiered[gpu-cu13]' (CUDA 13), "
     "which install nvidia-nvcomp-cu12/-cu13 >= 6.0"
 )
-#: Offsets of every buffer this module lays out (the largest alignment any nvCOMP format needs: ANS).
-ALIGN = 16
 _MIN_VERSION = (6, 0)
 # Configs kept per nvCOMP Codec object (per thread and stream). A batch-size bucket scheme needs
 # about 8 per octave of batch sizes; exact-size keys churn, so the cache is an LRU.
@@ -150,10 +145,6 @@ def chunk_class(nbytes: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-def _align(x: np.ndarray | int) -> Any:
-    return (np.asarray(x, dtype=np.int64) + (ALIGN - 1)) // ALIGN * ALIGN
-
-
 # ---------------------------------------------------------------------------------------------
 # Import, version guard, allocator
 # ---------------------------------------------------------------------------------------------
@@ -163,8 +154,8 @@ def import_nvcomp() -> ModuleType:
     """Import ``nvidia.nvcomp`` (>= 6.0 with the ``BatchArray`` API) or explain how to install it.
 
     Raises:
-        CodecUnavailableError: the package is missing, or too old (no ``as_arrays``, no
-            ``compression_config``); the message names the install command.
+        CodecUnavailableError: the package is missing, or older than 6.0 (no ``BatchArray``
+            API); the message names the install command.
 
     Example:
         >>> try:
@@ -184,29 +175,12 @@ def import_nvcomp() -> ModuleType:
         parsed = tuple(int(p) for p in version.split(".")[:2])
     except ValueError:
         parsed = (0, 0)
-    codec_cls = getattr(nv, "Codec", None)
-    if (
-        parsed < _MIN_VERSION
-        or not hasattr(nv, "as_arrays")
-        or codec_cls is None
-        or not hasattr(codec_cls, "compression_config")
-    ):
+    if parsed < _MIN_VERSION:
         raise CodecUnavailableError(
             f"nvidia-nvcomp {version} is too old: tiered needs >= 6.0 (BatchArray API: as_arrays, "
             f"compression_config, decompression_config); upgrade with: {INSTALL_HINT}"
         )
     return nv
-
-
-def _require_cuda() -> Any:
-    import torch
-
-    if not torch.cuda.is_available():
-        raise CodecUnavailableError(
-            "nvCOMP codecs need a CUDA GPU, and torch.cuda.is_available() is False on this machine; "
-            "use the CPU codec of the same format ('zstd' or 'lz4'), which reads the same bytes"
-        )
-    return torch
 
 
 _allocator_lock = threading.Lock()
@@ -261,7 +235,9 @@ def use_torch_allocator(allocate: Callable[[int, Any], torch.Tensor] | None = No
     :func:`note_allocation_failure` and raised into nvCOMP, which gives up the call; the codec
     then raises the recorded error (a ``torch.OutOfMemoryError`` the GPU decoder handles by
     splitting the batch). nvCOMP never gets a null block: its headers allow NULL scratch only
-    when none is needed. The callback is reset at interpreter exit (``atexit``).
+    when none is needed, and its kernels writing through a null pointer would end the process's
+    CUDA context. The callback is reset at interpreter exit (``atexit``), before nvCOMP's and
+    torch's teardown.
 
     Args:
         allocate: ``allocate(nbytes, torch_stream) -> uint8 CUDA tensor | None``; default
@@ -330,8 +306,6 @@ def _reset_allocator() -> None:
 # Small frames every format needs
 # ---------------------------------------------------------------------------------------------
 
-_frames_cache: dict[tuple[str, str], bytes] = {}
-
 
 def _cpu_compress(fmt: str, raw: bytes) -> bytes:
     """The CPU encoder of each format, with the parameters tiered persists."""
@@ -344,12 +318,8 @@ def _cpu_compress(fmt: str, raw: bytes) -> bytes:
     if fmt == "lz4":
         if raw == b"":
             return b"\x00"
-        try:
-            import lz4.block
-        except ImportError:
-            if raw == b"\x00":
-                return b"\x10\x00"  # token: 1 literal, no match; the literal 0x00
-            raise
+        import lz4.block
+
         return lz4.block.compress(raw, store_size=False)
     if fmt == "deflate":
         import zlib
@@ -359,6 +329,7 @@ def _cpu_compress(fmt: str, raw: bytes) -> bytes:
     raise UnknownCodecError(f"unknown nvCOMP format {fmt!r}; known: {sorted(_FORMATS)}")
 
 
+@functools.cache
 def empty_frame(fmt: str) -> bytes:
     """The blob a 0-byte cell is stored as, identical to the CPU codec's (zstd: a 9-byte frame).
 
@@ -366,12 +337,10 @@ def empty_frame(fmt: str) -> bytes:
         >>> empty_frame("lz4"), len(empty_frame("zstd"))
         (b'\\x00', 9)
     """
-    key = ("empty", fmt)
-    if key not in _frames_cache:
-        _frames_cache[key] = _cpu_compress(fmt, b"")
-    return _frames_cache[key]
+    return _cpu_compress(fmt, b"")
 
 
+@functools.cache
 def filler_frame(fmt: str) -> bytes:
     """A tiny valid frame that decodes to one zero byte (pads a batch to a cached config size).
 
@@ -379,10 +348,7 @@ def filler_frame(fmt: str) -> bytes:
         >>> filler_frame("lz4")
         b'\\x10\\x00'
     """
-    key = ("filler", fmt)
-    if key not in _frames_cache:
-        _frames_cache[key] = _cpu_compress(fmt, b"\x00")
-    return _frames_cache[key]
+    return _cpu_compress(fmt, b"\x00")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -454,9 +420,7 @@ def _check_device_batch(data: torch.Tensor, offsets: np.ndarray, sizes: np.ndarr
                         f"{tuple(getattr(data, 'shape', ()))}")
     if data.device != device:
         raise ValueError(f"{what} is on {data.device}, this codec runs on {device}")
-    span = sizes if span is None else span
-    if offsets.size and (int(offsets.min()) < 0 or int((offsets + span).max()) > data.numel()):
-        raise ValueError(f"{what}: blob ranges fall outside its {data.numel()} bytes")
+    check_bounds(offsets, sizes if span is None else span, data.numel(), f"{what}'s")
     need = spec.compress_align if encode else spec.decode_align
     misaligned = (data.data_ptr() + offsets) % need
     if offsets.size and misaligned.any():
@@ -464,7 +428,7 @@ def _check_device_batch(data: torch.Tensor, offsets: np.ndarray, sizes: np.ndarr
         raise ValueError(
             f"{what}: entry {i} starts at offset {int(offsets[i])}, which is not aligned to the "
             f"{need} bytes nvCOMP's {spec.algorithm} needs; lay blobs out at "
-            f"multiples of {ALIGN} (tier arenas already do)")
+            f"multiples of {ALIGNMENT} (tier arenas already do)")
 
 
 def _check_headers(fmt: str, data: np.ndarray, offsets: np.ndarray, sizes: np.ndarray,
@@ -538,7 +502,12 @@ class NvcompCodec(Codec):
         if execution_policy not in ("concurrency", "latency"):
             raise ValueError(f"execution_policy must be 'concurrency' or 'latency', got {execution_policy!r}")
         self._nv = import_nvcomp()
-        torch = _require_cuda()
+        import torch
+
+        if not torch.cuda.is_available():
+            raise CodecUnavailableError(
+                "nvCOMP codecs need a CUDA GPU, and torch.cuda.is_available() is False on this machine; "
+                "use the CPU codec of the same format ('zstd' or 'lz4'), which reads the same bytes")
         self._spec = _FORMATS[fmt]
         self.format = fmt
         self.format_id = self._spec.format_id
@@ -551,7 +520,6 @@ class NvcompCodec(Codec):
         self._local = threading.local()
         #: Which path the last encode_device took ("out" or "loop"); for gpu_check.
         self.last_encode_path = ""
-        self._probe_result: dict[str, Any] | None = None
 
     def __reduce__(self) -> tuple:
         return (type(self), (self.format, str(self.device)), {"execution_policy": self.execution_policy})
@@ -563,11 +531,6 @@ class NvcompCodec(Codec):
         return f"NvcompCodec({self.format!r}, device={str(self.device)!r})"
 
     # -- per-thread nvCOMP objects ------------------------------------------------------------
-
-    @property
-    def required_alignment(self) -> int:
-        """Alignment (bytes) every blob and output offset passed to decode_device must have."""
-        return self._spec.decode_align
 
     def _side_stream(self) -> torch.cuda.Stream:
         import torch
@@ -667,13 +630,11 @@ class NvcompCodec(Codec):
         """
         key = (self.format, int(self.device.index), self.execution_policy)
         try:
-            result = _PROBES.result(key, lambda: _find_decode_modes(self))
+            return _PROBES.result(key, lambda: _find_decode_modes(self))
         except RuntimeError as e:
             if not isinstance(e, DeviceFailedError):
                 check_device(self.device, "nvCOMP's probe")  # its streams and buffers, not a mode
             raise
-        self._probe_result = result if result["cached"] else None  # an OOM-spoiled probe is retried
-        return result
 
     # -- GPU-native API -------------------------------------------------------------------------
 
@@ -697,8 +658,8 @@ class NvcompCodec(Codec):
         :meth:`probe`), no allocation but nvCOMP's scratch, no Python object per blob.
 
         Args:
-            data, offsets, sizes: the compressed batch (offsets aligned to
-                :attr:`required_alignment`; 16 is always safe).
+            data, offsets, sizes: the compressed batch (offsets aligned to the format's
+                decode alignment; 16 is always safe).
             out, out_offsets, out_sizes: where each blob decodes, and its exact size. 0-byte
                 entries are skipped.
             stream: run on this CUDA stream; the caller orders it (inputs ready before, outputs
@@ -734,22 +695,26 @@ class NvcompCodec(Codec):
             out_offsets, out_sizes = out_offsets[keep], out_sizes[keep]
         if out_sizes.size == 0:
             return
-        probe = self._probe_result or self.probe()
+        mode, cap = self._mode(out_sizes, out_capacity)
+        with self._on(stream, data, out) as on:
+            self._decode(on, data, offsets, sizes, out, out_offsets, out_sizes, mode=mode, cap=cap)
+
+    def _mode(self, out_sizes: np.ndarray, out_capacity: int | None) -> tuple[str, int | None]:
+        """The config mode and the capacity (None: exact sizes) the probe allows for these cells."""
+        probe = self.probe()
         if probe["exact"] is None:
             raise CodecUnavailableError(
                 f"nvCOMP {getattr(self._nv, '__version__', '?')} failed to decode CPU-written {self.format} "
                 f"frames bit-exactly in every mode ({'; '.join(probe['errors'])}); use the CPU codec")
         cap = out_capacity if (out_capacity is not None and probe["capacity"] and (
             out_capacity <= BASE_CHUNK or probe["large_capacity"])) else None
-        mode = "cc" if cap is not None else probe["exact"]
         largest = int(out_capacity) if cap is not None else int(out_sizes.max())
         if largest > BASE_CHUNK and not probe.get("large", False):
             raise CodecUnavailableError(
                 f"nvCOMP's probe could not decode {self.format} cells larger than {BASE_CHUNK} bytes "
                 f"bit-exactly ({'; '.join(probe['errors'])}); this batch has {largest}-byte cells: "
                 "use the CPU codec")
-        with self._on(stream, data, out) as on:
-            self._decode(on, data, offsets, sizes, out, out_offsets, out_sizes, mode=mode, cap=cap)
+        return ("cc" if cap is not None else probe["exact"]), cap
 
     def _decode(self, stream: torch.cuda.Stream, data: torch.Tensor, offsets: np.ndarray, sizes: np.ndarray,
                 out: torch.Tensor, out_offsets: np.ndarray, out_sizes: np.ndarray, *, mode: str,
@@ -769,10 +734,8 @@ class NvcompCodec(Codec):
                 cfg, hit = entry.decompression_config(key, dst_sizes)
                 self._count("config_hits" if hit else "config_misses")
                 res = codec.decode(src, out=dst, decompression_config=cfg)
-            elif mode == "src":
+            else:  # "src"
                 res = codec.decode(src, out=dst, decompression_config=codec.decompression_config(src))
-            else:
-                res = codec.decode(src, out=dst)
             sizes_out = list(res.buffer_sizes) if want_sizes else None  # waits for the decode
         except BaseException as e:
             failure = take_allocation_failure()
@@ -794,7 +757,8 @@ class NvcompCodec(Codec):
         on the host). Not a sample path: fine to call per batch of writes.
 
         Args:
-            data, offsets, sizes: the raw cells (offsets aligned to :attr:`required_alignment`).
+            data, offsets, sizes: the raw cells (offsets aligned to the format's encode alignment;
+                16 is always safe).
             stream: as in :meth:`decode_device`.
 
         Returns:
@@ -818,8 +782,8 @@ class NvcompCodec(Codec):
                 tmp, tmp_off, got = self._encode_nonzero(self._entry(on, int(sizes.max()), encode=True), data,
                                                          offsets[nz], sizes[nz])
                 csz[nz] = got
-            out_off = exclusive_cumsum(_align(csz))
-            out = torch.zeros(int(_align(csz).sum()), dtype=torch.uint8, device=self.device)
+            out_off = exclusive_cumsum(align(csz))
+            out = torch.zeros(int(align(csz).sum()), dtype=torch.uint8, device=self.device)
             if nz.size:
                 copy_blobs(tmp, tmp_off, out, out_off[nz], csz[nz])
             zero = np.flatnonzero(sizes == 0)
@@ -849,8 +813,8 @@ class NvcompCodec(Codec):
         bounds = np.array([bounds_by_size[s] for s in uniq.tolist()], np.int64)[np.searchsorted(uniq, sizes)]
         src = nv.as_arrays(data, offsets.tolist(), sizes.tolist(), cuda_stream=ptr)
         cfg = codec.compression_config(sizes.tolist())
-        slot_off = exclusive_cumsum(_align(bounds))
-        tmp = torch.empty(int(_align(bounds).sum()), dtype=torch.uint8, device=self.device)
+        slot_off = exclusive_cumsum(align(bounds))
+        tmp = torch.empty(int(align(bounds).sum()), dtype=torch.uint8, device=self.device)
         try:
             dst = nv.as_arrays(tmp, slot_off.tolist(), bounds.tolist(), cuda_stream=ptr)
             res = codec.encode(src, out=dst, compression_config=cfg)
@@ -865,8 +829,8 @@ class NvcompCodec(Codec):
         # Fallback: nvCOMP allocates each output; one copy per blob (encode is not a sample path).
         res = codec.encode(src, compression_config=cfg)
         got = np.asarray(res.buffer_sizes, dtype=np.int64)
-        slot_off = exclusive_cumsum(_align(got))
-        tmp = torch.empty(int(_align(got).sum()), dtype=torch.uint8, device=self.device)
+        slot_off = exclusive_cumsum(align(got))
+        tmp = torch.empty(int(align(got).sum()), dtype=torch.uint8, device=self.device)
         for k in range(len(res)):  # BatchArray: len() and indexing (indexing waits for the encode)
             part = torch.from_dlpack(res[k]).reshape(-1).view(torch.uint8)
             tmp[int(slot_off[k]):int(slot_off[k]) + int(got[k])].copy_(part[: int(got[k])])
@@ -883,8 +847,8 @@ class NvcompCodec(Codec):
         data, offsets, sizes = as_batch(data, offsets, sizes)
         if sizes.size == 0:
             return EncodedBatch.empty()
-        a_off = exclusive_cumsum(_align(sizes))
-        host = np.zeros(max(int(_align(sizes).sum()), ALIGN), dtype=np.uint8)
+        a_off = exclusive_cumsum(align(sizes))
+        host = np.zeros(max(int(align(sizes).sum()), ALIGNMENT), dtype=np.uint8)
         copy_host_blobs(data, offsets, host, a_off, sizes)
         dev = torch.from_numpy(host).to(self.device)
         batch = self.encode_device(dev, a_off, sizes)
@@ -911,22 +875,17 @@ class NvcompCodec(Codec):
         if nz.size == 0:
             return
         offsets, sizes, out_offsets_nz, out_sizes_nz = offsets[nz], sizes[nz], out_offsets[nz], out_sizes[nz]
-        a_off = exclusive_cumsum(_align(sizes))
-        host = np.zeros(int(_align(sizes).sum()), dtype=np.uint8)
+        a_off = exclusive_cumsum(align(sizes))
+        host = np.zeros(int(align(sizes).sum()), dtype=np.uint8)
         copy_host_blobs(data, offsets, host, a_off, sizes)
-        o_off = exclusive_cumsum(_align(out_sizes_nz))
+        o_off = exclusive_cumsum(align(out_sizes_nz))
         dev_in = torch.from_numpy(host).to(self.device)
-        dev_out = torch.empty(int(_align(out_sizes_nz).sum()), dtype=torch.uint8, device=self.device)
-        probe = self.probe()
-        if probe["exact"] is None:
-            raise CodecUnavailableError(f"nvCOMP cannot decode {self.format} frames here: {probe['errors']}")
-        if int(out_sizes_nz.max()) > BASE_CHUNK and not probe.get("large", False):
-            raise CodecUnavailableError(f"nvCOMP cannot decode {self.format} cells over {BASE_CHUNK} bytes "
-                                        f"here: {probe['errors']}")
+        dev_out = torch.empty(int(align(out_sizes_nz).sum()), dtype=torch.uint8, device=self.device)
+        mode, _ = self._mode(out_sizes_nz, None)
         try:
             with self._on(None, dev_in, dev_out) as on:
                 got = self._decode(on, dev_in, a_off, sizes, dev_out, o_off, out_sizes_nz,
-                                   mode=probe["exact"], cap=None, want_sizes=True)
+                                   mode=mode, cap=None, want_sizes=True)
         except (RuntimeError, ValueError) as e:
             if isinstance(e, torch.OutOfMemoryError):
                 raise
@@ -963,8 +922,8 @@ def _probe_cells(codec: NvcompCodec, sizes: list[int], seed: int) -> tuple[np.nd
         cells.append(base.tobytes())
     frames = [_cpu_compress(codec.format, c) for c in cells]
     csz = np.array([len(f) for f in frames], dtype=np.int64)
-    coff = exclusive_cumsum(_align(csz))
-    host = np.zeros(int(_align(csz).sum()), dtype=np.uint8)
+    coff = exclusive_cumsum(align(csz))
+    host = np.zeros(int(align(csz).sum()), dtype=np.uint8)
     for f, o in zip(frames, coff.tolist(), strict=True):  # probe only: a few frames
         host[o:o + len(f)] = np.frombuffer(f, np.uint8)
     return host, coff, csz, b"".join(cells)
@@ -980,8 +939,8 @@ def _probe_decode(codec: NvcompCodec, side: Any, sizes: list[int], seed: int, mo
     with torch.cuda.stream(side):
         src = torch.from_numpy(host).to(codec.device)
         if cap is None:
-            ooff = exclusive_cumsum(_align(osz))
-            out = torch.zeros(int(_align(osz).sum()), dtype=torch.uint8, device=codec.device)
+            ooff = exclusive_cumsum(align(osz))
+            out = torch.zeros(int(align(osz).sum()), dtype=torch.uint8, device=codec.device)
         else:
             ooff = np.arange(osz.size, dtype=np.int64) * cap
             out = torch.zeros(cap * osz.size, dtype=torch.uint8, device=codec.device)
@@ -1028,11 +987,11 @@ def _find_decode_modes(codec: NvcompCodec) -> dict[str, Any]:
     if result["exact"] is not None:
         # a capacity above every cell, still within the 64 KiB chunk (as for the decoder's buckets)
         small = [n for n in PROBE_SIZES if n < BASE_CHUNK // 2]
-        result["capacity"] = attempt("capacity", small, "cc", int(_align(max(small) + 1)))
+        result["capacity"] = attempt("capacity", small, "cc", int(align(max(small) + 1)))
         result["large"] = attempt(f"large/{result['exact']}", PROBE_LARGE_SIZES, result["exact"], None)
         if result["capacity"] and result["large"]:
             result["large_capacity"] = attempt("large/capacity", PROBE_LARGE_SIZES, "cc",
-                                               int(_align(max(PROBE_LARGE_SIZES) + 1)))
+                                               int(align(max(PROBE_LARGE_SIZES) + 1)))
     codec._count("probes")
     return result
 

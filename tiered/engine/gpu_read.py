@@ -87,7 +87,7 @@ from .blob_index import COLD, HOT, OPEN, WARM, BlobIndex
 from .frames import FrameFamily
 from .layout import FieldLayout
 from .placement import Placement
-from .read import CpuReadPipeline, ReadPipeline
+from .read import CpuReadPipeline, ReadPipeline, blob_frames
 
 if TYPE_CHECKING:
     from ..store import TieredStore
@@ -575,9 +575,7 @@ class GpuReadPipeline(ReadPipeline):
                      out: dict[Key, torch.Tensor]) -> None:
         fam = layout.families[family_id]
         n = rows.size
-        blobs, slots = layout.blob_refs(fields, rows)
-        uniq, inv = self._unique(blobs.reshape(-1), self.index.size)
-        frame_idx = inv.reshape(blobs.shape) * fam.chunk_frames + slots
+        uniq, frame_idx = blob_frames(layout, fam, fields, rows)
         # field-major, so each field's frame indices are one contiguous slice on the device
         spans, parts, col = [], [], 0
         for f in fields:
@@ -588,15 +586,10 @@ class GpuReadPipeline(ReadPipeline):
         extra = np.concatenate(parts) if len(parts) > 1 else parts[0]
         flat, extra_t = self._decode(layout, fam, uniq, extra)
         if extra_t is None:  # CPU fallback: gather on the host, get() moves the result
-            flat_np = flat.numpy().reshape(-1, fam.frame_nbytes)
-        else:
-            flat2 = flat.reshape(-1, fam.frame_nbytes)
+            extra_t = torch.from_numpy(extra)
+        frames = flat.reshape(-1, fam.frame_nbytes)
         for f, (a, b) in zip(fields, spans, strict=True):
-            if extra_t is None:
-                part = torch.from_numpy(flat_np[extra[a:b]])
-            else:
-                part = flat2.index_select(0, extra_t[a:b])
-            out[f.key] = f.cells_from_frames(part, n)
+            out[f.key] = f.cells_from_frames(frames.index_select(0, extra_t[a:b]), n)
 
     def decode_blobs(self, layout: FieldLayout, fam: FrameFamily, uniq: np.ndarray) -> torch.Tensor:
         """Raw frames ``[len(uniq), chunk_frames, frame_nbytes]`` (uint8) of these blobs, decoded on
@@ -629,8 +622,6 @@ class GpuReadPipeline(ReadPipeline):
             t["flag_ev"] = torch.cuda.Event() if self._cuda else None
             t["flag"] = torch.zeros(1, dtype=torch.bool, pin_memory=self._cuda)
             t["arange"] = torch.zeros(0, dtype=torch.int64, device=self.device)
-            t["mark"] = np.zeros(0, dtype=bool)
-            t["pos"] = np.zeros(0, dtype=np.int64)
         return t
 
     def _staging(self, t: dict[str, Any], nbytes: int) -> tuple[torch.Tensor, np.ndarray]:
@@ -650,22 +641,6 @@ class GpuReadPipeline(ReadPipeline):
             ar = t["arange"] = torch.arange(max(n, 2 * ar.numel(), 1 << 16), dtype=torch.int64,
                                             device=self.device)
         return ar
-
-    def _unique(self, flat: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
-        """``np.unique(flat, return_inverse=True)``; a bitmap over blob ids when that is cheaper."""
-        if size > 16 * flat.size + 4096:
-            u, inv = np.unique(flat, return_inverse=True)
-            return u, inv.reshape(-1)
-        t = self._thread()
-        if t["mark"].size < size:
-            t["mark"] = np.zeros(max(size, 2 * t["mark"].size), dtype=bool)
-            t["pos"] = np.empty(t["mark"].size, dtype=np.int64)
-        mark, pos = t["mark"], t["pos"]
-        mark[flat] = True
-        uniq = np.flatnonzero(mark[:size])
-        mark[uniq] = False  # keep the bitmap all-False between calls: O(batch), not O(index)
-        pos[uniq] = np.arange(uniq.size, dtype=np.int64)
-        return uniq, pos[flat]
 
     # -- the pipeline -----------------------------------------------------------------------
 

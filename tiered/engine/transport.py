@@ -87,7 +87,6 @@ class CompressedRows:
         staged_pos: positions (among ``rows``) of rows still in the store's write stage: their
             blob cells travel raw in ``staged`` (the store is not flushed for a read).
         staged: the raw blob cells of those rows, ``[len(staged_pos), ...]`` per blob field.
-        repacked: the blobs hold only the frames the rows need (see :func:`export_rows`).
     """
 
     rows: np.ndarray
@@ -97,7 +96,6 @@ class CompressedRows:
     codec: str = "zstd"
     staged_pos: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int32))
     staged: dict[Key, torch.Tensor] = field(default_factory=dict)
-    repacked: bool = False
 
     def __len__(self) -> int:
         return int(self.rows.size)
@@ -198,7 +196,7 @@ def export_rows(reader: CpuReadPipeline, space: RowSpace, write: WritePath, rows
                                    f"got {repack_frames!r}")
     rows = np.asarray(rows, dtype=np.int64)
     layout = write.layout
-    out = CompressedRows(rows=rows, order=[], dense={}, codec=reader.codec.name, repacked=bool(repack))
+    out = CompressedRows(rows=rows, order=[], dense={}, codec=reader.codec.name)
     if layout is None:
         return out
     fields = layout.schema.select(keys)

@@ -40,7 +40,7 @@ import torch
 from ..errors import CorruptionError, ReadOnlyStoreError
 from ..util import fileio
 from ..util.batch import exclusive_cumsum, split_balanced
-from ..util.buffers import as_int64, check_buffer, host_view
+from ..util.buffers import as_int64, check_bounds, check_buffer, host_view
 from ..util.copy import copy_blobs
 from ..util.pool import run_parallel
 from ..util.scratch import ScratchBuffers
@@ -142,8 +142,7 @@ def read_blobs(
         o, n, oo = o[keep], n[keep], oo[keep]
     if o.size == 0:
         return
-    if int(oo.min()) < 0 or int((oo + n).max()) > int(out.shape[0]):
-        raise ValueError(f"out ranges reach byte {int((oo + n).max())}, past its {int(out.shape[0])} bytes")
+    check_bounds(oo, n, int(out.shape[0]), "out")
     order = np.argsort(o, kind="stable")
     o, n, oo = o[order], n[order], oo[order]
     seg = o // segment_bytes
@@ -522,19 +521,14 @@ class MemmapTier(Tier):
 
         Call it after :meth:`flush`; give it back to :meth:`open`.
         """
-        a = self._alloc.state()
         return {
             "format": self.format,
             "segment_bytes": self.segment_bytes,
             "budget": self.budget,
             "segment_sizes": list(self._sizes),
             "data_offsets": list(self._data_offsets),
-            "high_water": a["high_water"],
-            "bytes_used": a["bytes_used"],
-            "free_offsets": a["free_offsets"],
-            "free_sizes": a["free_sizes"],
-            "pending_offsets": a["pending_offsets"],
-            "pending_sizes": a["pending_sizes"],
+            # the allocator's state but what the tier's own fields give (its budget, segment size)
+            **{k: v for k, v in self._alloc.state().items() if k not in ("capacity", "boundary")},
         }
 
     @classmethod
@@ -561,16 +555,7 @@ class MemmapTier(Tier):
                     None if budget is None else int(budget), mode)
         self._sizes = [int(x) for x in state["segment_sizes"]]
         self._data_offsets = [int(x) for x in state.get("data_offsets", [0] * len(self._sizes))]
-        self._alloc = ExtentAllocator.from_state({
-            "capacity": self.budget,
-            "boundary": self.segment_bytes,
-            "high_water": state["high_water"],
-            "bytes_used": state["bytes_used"],
-            "free_offsets": state["free_offsets"],
-            "free_sizes": state["free_sizes"],
-            "pending_offsets": state.get("pending_offsets", np.empty(0, np.int64)),
-            "pending_sizes": state.get("pending_sizes", np.empty(0, np.int64)),
-        })
+        self._alloc = ExtentAllocator.from_state({**state, "capacity": self.budget, "boundary": self.segment_bytes})
         self._alloc.hold_deferred()
         need = -(-self._alloc.high_water // self.segment_bytes)
         if need > len(self._sizes):
