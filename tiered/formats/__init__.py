@@ -218,41 +218,10 @@ def import_dataset(
         StorageFullError: the disk filled up (nothing is left under ``dst``).
         StoreLockedError: ``force`` and ``dst`` is a store that a writer has open.
     """
-    dst = check_new_output(dst, force=force)
-    # replacing a store takes its writer lock in atomic_output (StoreLockedError while open)
-    return _import(
-        fmt,
-        src,
-        dst,
-        codec=codec,
-        frames=frames,
-        chunk_frames=chunk_frames,
-        capacity=capacity,
-        backend=backend,
-        chunk_rows=chunk_rows,
-        progress=progress,
-        force=force,
-        dense_dtypes=dense_dtypes,
-    )
-
-
-def _import(
-    fmt: str,
-    src: str | os.PathLike[str],
-    dst: str,
-    *,
-    codec: str,
-    frames: Any,
-    chunk_frames: int | None,
-    capacity: int | None,
-    backend: str,
-    chunk_rows: int | None,
-    progress: bool | None,
-    force: bool,
-    dense_dtypes: Any = None,
-) -> ImportReport:
     from ..store import TieredStore
 
+    dst = check_new_output(dst, force=force)
+    # replacing a store takes its writer lock in atomic_output (StoreLockedError while open)
     t0 = time.perf_counter()
     source = open_source(fmt, src)
     try:
