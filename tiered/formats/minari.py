@@ -58,13 +58,12 @@ from .common import (
     writing,
 )
 from .keymap import (
-    ACTION,
     DONE,
     INFO,
+    MINARI_NAMES,
     NEXT_INFO,
     NEXT_OBS,
     OBS,
-    REWARD,
     TERMINATED,
     TRAJ,
     TRUNCATED,
@@ -86,14 +85,6 @@ MINARI_VERSION = "0.5.0"
 _MAX_EPISODE_ATTRS = 200_000
 
 _EPISODE = re.compile(r"^episode_(\d+)$")
-# (source top-level name, store key prefix, rows: "obs" T+1 split in two, "step" T, "info")
-_TOP = {
-    "observations": OBS,
-    "actions": ACTION,
-    "rewards": REWARD,
-    "terminations": TERMINATED,
-    "truncations": TRUNCATED,
-}
 
 
 def resolve_minari_path(path: str | os.PathLike[str]) -> tuple[str, str]:
@@ -241,11 +232,11 @@ class MinariSource:
         jpeg = _jpeg_spaces(self.meta)
         g0 = self.groups[0]
         T0 = int(self.lengths[0])
-        missing = [k for k in _TOP if k not in g0]
+        missing = [k for k in MINARI_NAMES if k not in g0]
         if missing:
             raise UnsupportedFormatError(f"{self.main}: episode group {g0.name} lacks {missing}")
         leaves: list[_Leaf] = []
-        for top, prefix in _TOP.items():
+        for top, prefix in MINARI_NAMES.items():
             for sub, d in _leaves(g0[top]):
                 path = (top, *sub)
                 is_jpeg = jpeg.get(path, False)
@@ -556,13 +547,7 @@ def _leaves_for_schema(fields: dict[Key, Any]) -> list[_ExportLeaf]:
     Raises:
         UnsupportedFormatError: the store lacks observations, actions, rewards or done flags.
     """
-    tops = {
-        OBS: "observations",
-        ACTION: "actions",
-        REWARD: "rewards",
-        TERMINATED: "terminations",
-        TRUNCATED: "truncations",
-    }
+    tops = {key: name for name, key in MINARI_NAMES.items()}
     leaves = []
     for key, f in fields.items():
         np_dtype = numpy_dtype(f.dtype, key_str(key), "minari (HDF5)")
