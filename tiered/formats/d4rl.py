@@ -49,10 +49,12 @@ from ..schema import str_to_key
 from ..util import fileio
 from .common import (
     chunk_rows_for,
+    hdf5_datasets,
     iter_store,
     json_safe,
     np_to_torch,
     numpy_dtype,
+    open_hdf5,
     row_nbytes,
     to_numpy,
     writing,
@@ -251,15 +253,6 @@ class FlatSource:
         """Release the underlying file (subclasses)."""
 
 
-def _walk(group: h5py.Group, prefix: str = "") -> Iterator[tuple[str, h5py.Dataset]]:
-    for name, obj in group.items():
-        path = f"{prefix}{name}"
-        if isinstance(obj, h5py.Dataset):
-            yield path, obj
-        elif isinstance(obj, h5py.Group):
-            yield from _walk(obj, path + "/")
-
-
 def _read_extra(d: h5py.Dataset) -> dict[str, Any]:
     sd = h5py.check_string_dtype(d.dtype)
     if sd is not None:  # keep vlen vs fixed length and the encoding: both come back exactly
@@ -328,12 +321,9 @@ class D4RLSource(FlatSource):
         path = os.fspath(path)
         if not os.path.isfile(path):
             raise FileNotFoundError(f"{path}: no such file (a D4RL dataset is one HDF5 file)")
+        self._file = open_hdf5(path)
         try:
-            self._file = h5py.File(path, "r")
-        except OSError as e:
-            raise UnsupportedFormatError(f"{path} is not an HDF5 file ({e})") from None
-        try:
-            datasets = dict(_walk(self._file))
+            datasets = {"/".join(name): d for name, d in hdf5_datasets(self._file)}
             if "observations" not in datasets:
                 raise UnsupportedFormatError(
                     f"{path}: no 'observations' dataset, so this is not a D4RL-style file; datasets: "

@@ -49,10 +49,12 @@ from ..errors import UnsupportedFormatError
 from ..util import fileio
 from .common import (
     chunk_rows_for,
+    hdf5_datasets,
     iter_store,
     json_safe,
     np_to_torch,
     numpy_dtype,
+    open_hdf5,
     row_nbytes,
     to_numpy,
     writing,
@@ -101,16 +103,6 @@ def resolve_minari_path(path: str | os.PathLike[str]) -> tuple[str, str]:
         f"{path} is not a minari dataset: expected {os.path.join('data', MAIN_FILE)} inside it "
         "(a directory as minari writes it, e.g. ~/.minari/datasets/NAMESPACE/NAME-v0)"
     )
-
-
-def _leaves(
-    obj: h5py.Group | h5py.Dataset, sub: tuple[str, ...] = ()
-) -> Iterator[tuple[tuple[str, ...], h5py.Dataset]]:
-    if isinstance(obj, h5py.Dataset):
-        yield sub, obj
-        return
-    for name in obj:
-        yield from _leaves(obj[name], (*sub, name))
 
 
 def _is_image_space(space: Any) -> bool:
@@ -205,10 +197,7 @@ class MinariSource:
                 "storage is "
                 "supported (convert arrow datasets with minari first)"
             )
-        try:
-            self._file = h5py.File(self.main, "r")
-        except OSError as e:
-            raise UnsupportedFormatError(f"{self.main} is not an HDF5 file ({e})") from None
+        self._file = open_hdf5(self.main)
         try:
             self._scan()
         except BaseException:
@@ -237,7 +226,7 @@ class MinariSource:
             raise UnsupportedFormatError(f"{self.main}: episode group {g0.name} lacks {missing}")
         leaves: list[_Leaf] = []
         for top, prefix in MINARI_NAMES.items():
-            for sub, d in _leaves(g0[top]):
+            for sub, d in hdf5_datasets(g0[top]):
                 path = (top, *sub)
                 is_jpeg = jpeg.get(path, False)
                 if d.dtype.kind not in "biuf" and not (is_jpeg or d.dtype.kind == "O"):
@@ -264,7 +253,7 @@ class MinariSource:
                     )
                 )
         if "infos" in g0:
-            for sub, d in _leaves(g0["infos"]):
+            for sub, d in hdf5_datasets(g0["infos"]):
                 if d.dtype.kind not in "biuf":
                     raise UnsupportedFormatError(
                         f"{self.main}: infos/{'/'.join(sub)} has dtype {d.dtype}; "
