@@ -40,6 +40,7 @@ import torch
 from tensordict import TensorDict
 
 from ..errors import PickledDataError, UnsupportedFormatError
+from ..schema import normalize_key
 from ..util import fileio
 from .common import chunk_rows_for, iter_store
 from .keymap import Key, key_str
@@ -113,7 +114,7 @@ class TorchRLSource:
         self.leaves: dict[Key, Any] = {}
         self.dropped: list[str] = []
         for key in td.keys(include_nested=True, leaves_only=True):
-            key = (key,) if isinstance(key, str) else tuple(key)
+            key = normalize_key(key)
             if key in drop:
                 continue
             v = td.get(key)
