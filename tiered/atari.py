@@ -348,14 +348,10 @@ def rollout(
     Same as ``rollout_frames(...).to_tensordict(stack)``; see the module docstring for the keys.
 
     Args:
-        game: ALE game name, e.g. ``"Pong"``.
-        steps: number of transitions (the batch size of the result).
-        seed: seeds the emulator and the random policy.
         stack: frames per observation stack.
-        size: side of the square grayscale frames.
-        max_episode_steps: truncate episodes after this many transitions.
-        raw: add ``pixels`` and ``("next", "pixels")``, the raw 210x160x3 RGB screens.
-        progress: show a progress bar while playing (see :func:`rollout_frames`).
+        game, steps, seed, size, max_episode_steps, raw, progress: as :func:`rollout_frames`
+            (``steps`` is the batch size of the result; ``raw`` adds ``pixels`` and
+            ``("next", "pixels")``, the raw 210x160x3 RGB screens).
 
     Returns:
         A TensorDict of batch size ``[steps]``.
@@ -404,16 +400,9 @@ def cached_rollout(
     workers never read half a file.
 
     Args:
-        game: ALE game name.
-        steps: number of transitions.
-        seed: seeds the emulator and the random policy.
-        stack: frames per observation stack.
-        size: side of the square grayscale frames.
-        max_episode_steps: truncate episodes after this many transitions.
-        raw: add the raw RGB screens.
         cache_dir: where to keep the files; default :func:`default_cache_dir`.
-        progress: show a progress bar while playing (a cache hit plays nothing); see
-            :func:`rollout_frames`.
+        game, steps, seed, stack, size, max_episode_steps, raw, progress: as :func:`rollout`
+            (a cache hit plays nothing, so shows no progress bar).
 
     Returns:
         The same TensorDict :func:`rollout` returns for these arguments.
