@@ -429,8 +429,8 @@ def write_d4rl(
     rows: np.ndarray,
     tmp: str,
     source: dict[str, Any] | None,
-    chunk_rows: int | None = None,
-    progress: Any = None,
+    chunk_rows: int | None,
+    progress: Any,
 ) -> dict[str, Any]:
     """Write a store's rows as a D4RL HDF5 file at ``tmp`` (through :mod:`tiered.util.fileio`).
 
@@ -452,8 +452,7 @@ def write_d4rl(
             for lo, hi, td in iter_store(store, rows, step, keys=src_keys):
                 for name, key, dtype, shape in plan:
                     dsets[name][lo:hi] = to_numpy(td.get(key), dtype, shape)
-                if progress is not None:
-                    progress.update(hi - lo)
+                progress.update(hi - lo)
             if source is not None and source.get("naming") == "d4rl":
                 for name, spec in (source.get("extras") or {}).items():
                     if name not in h:

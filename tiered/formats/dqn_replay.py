@@ -787,8 +787,7 @@ def _write_segment(
             out["action"].write(td.get(ACTION).numpy().astype(np.int32, copy=False).tobytes())
             out["reward"].write(td.get(REWARD).reshape(-1).numpy().astype(np.float32, copy=False).tobytes())
             out["terminal"].write(td.get(TERMINATED).reshape(-1).numpy().astype(np.uint8).tobytes())
-            if progress is not None:
-                progress.update(hi - lo)
+            progress.update(hi - lo)
     for name in EXTRAS:
         with contextlib.ExitStack() as es:
             _gz_writer(es, _file_name(logs, name, ckpt), level).write(base64.b64decode(seg["extras"][name]))

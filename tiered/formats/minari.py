@@ -467,8 +467,8 @@ def write_minari(
     rows: np.ndarray,
     tmp: str,
     source: dict[str, Any] | None,
-    chunk_rows: int | None = None,
-    progress: Any = None,
+    chunk_rows: int | None,
+    progress: Any,
     dataset_id: str | None = None,
 ) -> dict[str, Any]:
     """Write a store's rows as a minari dataset directory at ``tmp`` (through :mod:`tiered.util.fileio`).
@@ -500,8 +500,7 @@ def write_minari(
         reward_stats = {e: [] for e in range(ids.size)} if not ep_attrs else None
         for lo, hi, td in iter_store(store, rows, step, keys=read_keys):
             _write_slice(lo, hi, td, leaves, episodes, reward_stats)
-            if progress is not None:
-                progress.update(hi - lo)
+            progress.update(hi - lo)
         if reward_stats is not None:
             _write_reward_stats(episodes.groups, reward_stats)
     meta = _metadata(source if from_minari else None, leaves, dataset_id)

@@ -173,8 +173,8 @@ def write_npz(
     rows: np.ndarray,
     tmp: str,
     source: dict[str, Any] | None,
-    chunk_rows: int | None = None,
-    progress: Any = None,
+    chunk_rows: int | None,
+    progress: Any,
     layout: str | None = None,
 ) -> dict[str, Any]:
     """Write a store's rows as an uncompressed ``.npz`` at ``tmp`` (``np.load`` reads it).
@@ -222,6 +222,6 @@ def write_npz(
                         w.write(
                             memoryview(np.ascontiguousarray(to_numpy(td.get(key), dtype, shape))).cast("B")
                         )
-                        if progress is not None and total_bytes:
+                        if total_bytes:
                             progress.update((hi - lo) * row_nbytes({name: (shape, dtype)}) / total_bytes)
     return {"arrays": [p[0] for p in plan], "rows": n}

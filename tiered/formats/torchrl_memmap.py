@@ -172,8 +172,8 @@ def write_torchrl(
     rows: np.ndarray,
     tmp: str,
     source: dict[str, Any] | None,
-    chunk_rows: int | None = None,
-    progress: Any = None,
+    chunk_rows: int | None,
+    progress: Any,
 ) -> dict[str, Any]:
     """Write a store's rows as a TensorDict memmap directory at ``tmp``.
 
@@ -212,8 +212,7 @@ def write_torchrl(
                 v = td.get(f.key).contiguous()
                 data = v.view(torch.uint8) if v.dtype != torch.uint8 and v.dim() else v
                 fileio.pwrite(fds[f.key], memoryview(data.numpy()).cast("B"), lo * row_bytes[f.key])
-            if progress is not None:
-                progress.update(hi - lo)
+            progress.update(hi - lo)
         for fd in fds.values():
             fileio.fsync(fd)
     finally:
