@@ -256,7 +256,7 @@ class _StoreCheck:
         self.live = np.empty(0, np.int64)  # ids of the stored blobs
         self.sums = np.empty(0)
         self.codecs_col = np.empty(0)
-        self.raw_col: np.ndarray | None = None
+        self.raw_col = np.empty(0)
         self.bad_ids: dict[int, tuple[str, str, int | None]] = {}  # blob -> (kind, file, offset)
         self.listed: set[int] = set()  # damaged blobs reported with the rows that use them
         self.verified_files: list[str] = []  # array files whose page checksums matched
@@ -378,7 +378,10 @@ class _StoreCheck:
                 report.add("checksum", f"array {name!r}: {e}", file=f)
             except CorruptionError as e:
                 report.add("file", f"array {name!r}: {e}", file=f)
-        need = ["index.state", "index.nbytes", "index.checksum", "index.loc", "written"]
+        # every array the format writes that these checks read (a store of one format has them all)
+        need = ["index.state", "index.nbytes", "index.checksum", "index.loc", "index.codec", "index.raw_nbytes",
+                "index.family", "index.refcount", "index.free_ids", "cold.free_offsets", "cold.free_sizes",
+                "cold.pending_offsets", "cold.pending_sizes", "written"]
         if all(n in self.arrays for n in need):
             return True
         missing = [
@@ -465,8 +468,8 @@ class _StoreCheck:
                 f"blob {b} has cold offset {o}, outside the {n_segments} segments of the manifest",
                 blob=b,
             )
-        self.codecs_col = np.asarray(arrays["index.codec"]) if "index.codec" in arrays else np.ones_like(state)
-        self.raw_col = np.asarray(arrays["index.raw_nbytes"]) if "index.raw_nbytes" in arrays else None
+        self.codecs_col = np.asarray(arrays["index.codec"])
+        self.raw_col = np.asarray(arrays["index.raw_nbytes"])
         keep = ~outside
         ids, size, seg, in_seg = live[keep], size[keep], seg[keep], in_seg[keep]
         order = np.lexsort((in_seg, seg))
@@ -517,7 +520,7 @@ class _StoreCheck:
         bad = np.flatnonzero(got != self.sums[ids])
         for k in bad.tolist():
             self.bad_ids[int(ids[k])] = ("checksum", f, data_offset + int(in_seg[k]))
-        if self.decode and self.raw_col is not None:
+        if self.decode:
             _decode_batch(
                 buf, rel, size, ids, self.codecs_col, self.raw_col, set(bad.tolist()), self.bad_ids, f,
                 data_offset + in_seg,
@@ -531,7 +534,7 @@ class _StoreCheck:
         allocate or write past its output)."""
         families = self.body.get("families") or []
         live, raw_col = self.live, self.raw_col
-        if "index.family" not in self.arrays or raw_col is None or not families:
+        if not families:
             return
         family = np.asarray(self.arrays["index.family"])[live].astype(np.int64)
         known = (family >= 0) & (family < len(families))
@@ -565,18 +568,15 @@ class _StoreCheck:
         overlap neither the stored blobs nor each other (a write would overwrite them)."""
         a, report, n = self.arrays, self.report, self.state.shape[0]
         file = self.file_of("index.free_ids")
-        if "index.free_ids" in a:
-            free = np.asarray(a["index.free_ids"])
-            is_free = self.state == 0
-            if free.ndim != 1 or (free.size and (int(free.min()) < 0 or int(free.max()) >= n)):
-                report.add("index", f"index.free_ids holds ids outside [0, {n})", file=file)
-            elif (np.unique(free).size != free.size or not is_free[free].all()
-                  or int(is_free.sum()) != free.size):
-                report.add("index", f"index.free_ids lists {free.size} ids, the index has {int(is_free.sum())} "
-                           "free ids (an id listed twice, a stored id listed, or a free id missing)", file=file)
+        free = np.asarray(a["index.free_ids"])
+        is_free = self.state == 0
+        if free.ndim != 1 or (free.size and (int(free.min()) < 0 or int(free.max()) >= n)):
+            report.add("index", f"index.free_ids holds ids outside [0, {n})", file=file)
+        elif (np.unique(free).size != free.size or not is_free[free].all()
+              or int(is_free.sum()) != free.size):
+            report.add("index", f"index.free_ids lists {free.size} ids, the index has {int(is_free.sum())} "
+                       "free ids (an id listed twice, a stored id listed, or a free id missing)", file=file)
         names = ["cold.free_offsets", "cold.free_sizes", "cold.pending_offsets", "cold.pending_sizes"]
-        if not all(k in a for k in names) or "index.nbytes" not in a:
-            return
         loc = np.asarray(a["index.loc"])[self.live, _COLD].astype(np.int64)
         size = np.asarray(a["index.nbytes"])[self.live].astype(np.int64)
         ext = [np.asarray(a[k]).astype(np.int64).reshape(-1) for k in names]
@@ -690,7 +690,7 @@ class _StoreCheck:
         written = np.asarray(a["written"]).astype(bool)
         n = self.state.shape[0]
         families = self.body.get("families") or []
-        family_col = np.asarray(a["index.family"]) if "index.family" in a else None
+        family_col = np.asarray(a["index.family"])
         raw_col = self.raw_col
         counts = np.zeros(n, np.int64)
         fam_id: dict[tuple[Any, tuple[int, ...]], int] = {}
@@ -713,7 +713,7 @@ class _StoreCheck:
             ok = ids >= 0
             counts += np.bincount(ids[ok], minlength=n)[:n]
             fam = fam_id.get(_family_key(spec), -1)
-            if family_col is None or raw_col is None or not 0 <= fam < len(families):
+            if not 0 <= fam < len(families):
                 continue
             frame_nbytes = max(int(families[fam].get("frame_nbytes", 1)), 1)
             safe = np.where(ok, ids, 0)
@@ -724,14 +724,13 @@ class _StoreCheck:
                 report.add("index", f"{r.size} written rows of {fname!r} name a frame outside their blob or a "
                            "blob of another field", field=fname, rows=r[:_MAX_ROWS_LISTED].tolist(),
                            n_rows=int(r.size), file=self.file_of(slot_name))
-        if "index.refcount" in a:
-            stored = np.asarray(a["index.refcount"]).astype(np.int64)
-            live = self.state == _STORED
-            if stored.shape == counts.shape and ((stored[live] < counts[live]).any() or (stored[~live] != 0).any()):
-                b = int(np.flatnonzero((live & (stored < counts)) | (~live & (stored != 0)))[0])
-                report.add("index", f"reference counts disagree with a recount of the row tables (first: blob {b}, "
-                           f"stored {int(stored[b])}, counted {int(counts[b])})",
-                           file=self.file_of("index.refcount"), blob=b)
+        stored = np.asarray(a["index.refcount"]).astype(np.int64)
+        live = self.state == _STORED
+        if stored.shape == counts.shape and ((stored[live] < counts[live]).any() or (stored[~live] != 0).any()):
+            b = int(np.flatnonzero((live & (stored < counts)) | (~live & (stored != 0)))[0])
+            report.add("index", f"reference counts disagree with a recount of the row tables (first: blob {b}, "
+                       f"stored {int(stored[b])}, counted {int(counts[b])})",
+                       file=self.file_of("index.refcount"), blob=b)
 
     def report_damage_no_row_uses(self) -> None:
         """Damaged blobs that no written row uses (index problems were reported already)."""
