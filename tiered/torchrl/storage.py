@@ -33,14 +33,11 @@ import torch
 from tensordict import TensorDict, TensorDictBase, is_tensor_collection
 from torch.utils._pytree import tree_map
 
-try:
-    from torchrl._utils import _make_ordinal_device
-    from torchrl.data.replay_buffers.checkpointers import StorageCheckpointerBase
-    from torchrl.data.replay_buffers.samplers import PrioritizedSampler
-    from torchrl.data.replay_buffers.storages import Storage, TensorStorage
-except ImportError as e:  # pragma: no cover - exercised only without the extra
-    raise ImportError(
-        "tiered.torchrl needs TorchRL: pip install 'tiered[torchrl]' (torchrl>=0.9)") from e
+# (without torchrl, the package's __init__ has already refused, naming the install command)
+from torchrl._utils import _make_ordinal_device
+from torchrl.data.replay_buffers.checkpointers import StorageCheckpointerBase
+from torchrl.data.replay_buffers.samplers import PrioritizedSampler
+from torchrl.data.replay_buffers.storages import Storage, TensorStorage
 
 from ..durable.manifest import MANIFEST
 from ..engine.priorities import checked_row_priorities
