@@ -208,15 +208,8 @@ def chunk_rows_for(row_bytes: int, chunk_rows: int | None = None) -> int:
 
 def row_nbytes(shapes: dict[Any, tuple[tuple[int, ...], Any]]) -> int:
     """Bytes per row of columns given as ``{name: (cell shape, numpy or torch dtype)}``."""
-    total = 0
-    for shape, dtype in shapes.values():
-        item = (
-            torch.empty((), dtype=dtype).element_size()
-            if isinstance(dtype, torch.dtype)
-            else np.dtype(dtype).itemsize
-        )
-        total += math.prod(shape) * item
-    return total
+    return sum(math.prod(shape) * (dtype if isinstance(dtype, torch.dtype) else np.dtype(dtype)).itemsize
+               for shape, dtype in shapes.values())
 
 
 def numpy_dtype(dtype: torch.dtype, key: str, fmt: str) -> np.dtype:
