@@ -162,13 +162,21 @@ def _decode_jpeg(data: np.ndarray) -> np.ndarray:
     return np.stack(frames) if frames else np.empty((0,), np.uint8)
 
 
-class _Leaf:
-    """One dataset of an episode and where its rows go."""
+class _Leaf(NamedTuple):
+    """One dataset of the episode groups, and the store field its rows go to (import) or come from
+    (export)."""
 
-    def __init__(
-        self, path: tuple[str, ...], key: Key, kind: str, cell: tuple[int, ...], dtype: np.dtype, jpeg: bool
-    ) -> None:
-        self.path, self.key, self.kind, self.cell, self.dtype, self.jpeg = path, key, kind, cell, dtype, jpeg
+    path: tuple[str, ...]  # in the episode group, e.g. ("observations",) or ("infos", "success")
+    key: Key  # the store field
+    kind: str  # "obs" / "info1": T + 1 entries (the field, then its next field's last row); "step": T
+    dtype: np.dtype
+    shape: tuple[int, ...]  # cell shape
+    jpeg: bool = False  # import: minari stored the images JPEG-encoded
+
+    @property
+    def next_key(self) -> Key:
+        """The store field holding entries 1..T of an ``obs`` or ``info1`` leaf."""
+        return (NEXT_OBS if self.kind == "obs" else NEXT_INFO) + self.key[1:]
 
 
 class MinariSource:
@@ -247,8 +255,8 @@ class MinariSource:
                         path,
                         prefix + sub,
                         "obs" if top == "observations" else "step",
-                        cell,
                         np.dtype(dtype),
+                        cell,
                         is_jpeg,
                     )
                 )
@@ -271,9 +279,8 @@ class MinariSource:
                         ("infos", *sub),
                         INFO + sub,
                         "info1" if kind == "obs" else "step",
-                        tuple(d.shape[1:]),
                         d.dtype,
-                        False,
+                        tuple(d.shape[1:]),
                     )
                 )
         self.leaves = leaves
@@ -281,8 +288,8 @@ class MinariSource:
 
     @property
     def row_bytes(self) -> int:
-        total = row_nbytes({lf.path: (lf.cell, lf.dtype) for lf in self.leaves})
-        total += row_nbytes({lf.path: (lf.cell, lf.dtype) for lf in self.leaves if lf.kind != "step"})
+        total = row_nbytes({lf.path: (lf.shape, lf.dtype) for lf in self.leaves})
+        total += row_nbytes({lf.path: (lf.shape, lf.dtype) for lf in self.leaves if lf.kind != "step"})
         return total + 9
 
     def attrs(self) -> dict[str, Any]:
@@ -309,7 +316,7 @@ class MinariSource:
                     "key": list(lf.key),
                     "kind": lf.kind,
                     "dtype": lf.dtype.str,
-                    "shape": list(lf.cell),
+                    "shape": list(lf.shape),
                 }
                 for lf in self.leaves
             ],
@@ -322,10 +329,10 @@ class MinariSource:
         except KeyError:
             raise UnsupportedFormatError(f"{self.main}: {g.name} lacks {'/'.join(lf.path)}") from None
         a = _decode_jpeg(d[lo:hi]) if lf.jpeg else np.asarray(d[lo:hi])
-        if a.shape[1:] != lf.cell and not (a.ndim == 1 and lf.cell == (1,)):
+        if a.shape[1:] != lf.shape and not (a.ndim == 1 and lf.shape == (1,)):
             raise UnsupportedFormatError(
                 f"{self.main}: {g.name}/{'/'.join(lf.path)} has cells of shape {a.shape[1:]}, but the first "
-                f"episode's are {lf.cell}; every episode must have the same shapes"
+                f"episode's are {lf.shape}; every episode must have the same shapes"
             )
         return a
 
@@ -362,9 +369,8 @@ class MinariSource:
                         parts.setdefault(lf.key, []).append(a)
                     else:
                         a = self._read(g, lf, lo, hi + 1)
-                        nxt_key = NEXT_OBS + lf.key[1:] if lf.kind == "obs" else NEXT_INFO + lf.key[1:]
                         parts.setdefault(lf.key, []).append(a[:m])
-                        parts.setdefault(nxt_key, []).append(a[1 : m + 1])
+                        parts.setdefault(lf.next_key, []).append(a[1 : m + 1])
                 done = np.zeros((m, 1), dtype=bool)
                 if term is not None:
                     done |= term.reshape(m, -1).any(-1, keepdims=True)
@@ -437,21 +443,6 @@ def _box_json(dtype: np.dtype, shape: tuple[int, ...]) -> dict[str, Any]:
     }
 
 
-class _ExportLeaf(NamedTuple):
-    """One dataset of every exported episode group, and the store field written into it."""
-
-    path: tuple[str, ...]  # in the episode group, e.g. ("observations",) or ("infos", "success")
-    key: Key  # the store field
-    kind: str  # "obs" / "info1": T + 1 entries (the field, then its next field's last row); "step": T
-    dtype: np.dtype
-    shape: tuple[int, ...]  # cell shape
-
-    @property
-    def next_key(self) -> Key:
-        """The store field holding entries 1..T of an ``obs`` or ``info1`` leaf."""
-        return (NEXT_OBS if self.kind == "obs" else NEXT_INFO) + self.key[1:]
-
-
 @dataclass
 class _EpisodeFiles:
     """The exported episodes: their export rows and the HDF5 objects created for them."""
@@ -517,7 +508,7 @@ def write_minari(
     return {"episodes": int(ids.size), "rows": n, "dropped": dropped}
 
 
-def _leaves_as_imported(source: dict[str, Any], fields: dict[Key, Any]) -> list[_ExportLeaf]:
+def _leaves_as_imported(source: dict[str, Any], fields: dict[Key, Any]) -> list[_Leaf]:
     """The datasets of a store imported from minari: the source's own, for the fields still there."""
     leaves = []
     for c in source["columns"]:
@@ -525,11 +516,11 @@ def _leaves_as_imported(source: dict[str, Any], fields: dict[Key, Any]) -> list[
         if key not in fields:
             continue
         shape = flat_cell(key, tuple(c["shape"]))
-        leaves.append(_ExportLeaf(tuple(c["path"]), key, c["kind"], np.dtype(c["dtype"]), shape))
+        leaves.append(_Leaf(tuple(c["path"]), key, c["kind"], np.dtype(c["dtype"]), shape))
     return leaves
 
 
-def _leaves_for_schema(fields: dict[Key, Any]) -> list[_ExportLeaf]:
+def _leaves_for_schema(fields: dict[Key, Any]) -> list[_Leaf]:
     """The datasets of a store not imported from minari, by TorchRL key (see the key mapping).
 
     Raises:
@@ -543,15 +534,15 @@ def _leaves_for_schema(fields: dict[Key, Any]) -> list[_ExportLeaf]:
         for prefix, top in tops.items():
             if key[: len(prefix)] == prefix:
                 kind = "obs" if prefix == OBS and NEXT_OBS + key[1:] in fields else "step"
-                leaves.append(_ExportLeaf((top, *key[len(prefix) :]), key, kind, np_dtype, shape))
+                leaves.append(_Leaf((top, *key[len(prefix) :]), key, kind, np_dtype, shape))
                 break
         else:
             if key[:1] == INFO and len(key) > 1:
                 kind = "info1" if NEXT_INFO + key[1:] in fields else "step"
-                leaves.append(_ExportLeaf(("infos", *key[1:]), key, kind, np_dtype, shape))
+                leaves.append(_Leaf(("infos", *key[1:]), key, kind, np_dtype, shape))
     have = {lf.path[0] for lf in leaves}
     if "terminations" not in have and DONE in fields:
-        leaves.append(_ExportLeaf(("terminations",), DONE, "step", np.dtype(bool), ()))
+        leaves.append(_Leaf(("terminations",), DONE, "step", np.dtype(bool), ()))
     for top in ("observations", "actions", "rewards"):
         if top not in have:
             raise UnsupportedFormatError(
@@ -581,7 +572,7 @@ def _source_episode_attrs(source: dict[str, Any] | None, n: int, lengths: np.nda
 
 
 def _create_episodes(
-    h: h5py.File, leaves: list[_ExportLeaf], episodes: _EpisodeFiles, ep_attrs: dict[str, list[Any]]
+    h: h5py.File, leaves: list[_Leaf], episodes: _EpisodeFiles, ep_attrs: dict[str, list[Any]]
 ) -> None:
     """One group per episode with its datasets (created once, kept in ``episodes``) and attributes.
 
@@ -613,7 +604,7 @@ def _write_slice(
     lo: int,
     hi: int,
     td: Any,
-    leaves: list[_ExportLeaf],
+    leaves: list[_Leaf],
     episodes: _EpisodeFiles,
     reward_stats: dict[int, list[np.ndarray]] | None,
 ) -> None:
@@ -656,7 +647,7 @@ def _write_reward_stats(groups: list[h5py.Group], reward_stats: dict[int, list[n
             )
 
 
-def _metadata(source: dict[str, Any] | None, leaves: list[_ExportLeaf], dataset_id: str | None) -> dict[str, Any]:
+def _metadata(source: dict[str, Any] | None, leaves: list[_Leaf], dataset_id: str | None) -> dict[str, Any]:
     """``metadata.json`` but its totals: a minari source's own, else spaces built from the leaves."""
     meta = dict(source["metadata"]) if source is not None and isinstance(source.get("metadata"), dict) else {}
     if not meta:
@@ -678,7 +669,7 @@ def _metadata(source: dict[str, Any] | None, leaves: list[_ExportLeaf], dataset_
     return meta
 
 
-def _space_json(group: list[_ExportLeaf]) -> dict[str, Any]:
+def _space_json(group: list[_Leaf]) -> dict[str, Any]:
     """The JSON form of the space of ``group``'s leaves: a Box, or a Dict of Boxes."""
     if len(group) == 1 and len(group[0].path) == 1:
         return _box_json(group[0].dtype, group[0].shape)
