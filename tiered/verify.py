@@ -521,13 +521,40 @@ class _StoreCheck:
         for k in bad.tolist():
             self.bad_ids[int(ids[k])] = ("checksum", f, data_offset + int(in_seg[k]))
         if self.decode:
-            _decode_batch(
-                buf, rel, size, ids, self.codecs_col, self.raw_col, set(bad.tolist()), self.bad_ids, f,
-                data_offset + in_seg,
-            )
+            self._decode_batch(buf, rel, size, ids, set(bad.tolist()), f, data_offset + in_seg)
         report.blobs_checked += j - i
         report.bytes_checked += int(size.sum())
         return True
+
+    def _decode_batch(self, buf: np.ndarray, rel: np.ndarray, size: np.ndarray, blobs: np.ndarray, skip: set[int],
+                      file: str, file_off: np.ndarray) -> None:
+        """Decompress a batch but its ``skip`` positions (one call per codec); on failure find the
+        failing blobs one by one."""
+        from .codecs import codec_for_format_id
+
+        codecs_col, raw_col = self.codecs_col, self.raw_col
+        ok_mask = np.ones(blobs.size, bool)
+        ok_mask[list(skip)] = False
+        for fmt in np.unique(codecs_col[blobs]).tolist():
+            sel = np.flatnonzero(ok_mask & (codecs_col[blobs] == fmt))
+            if sel.size == 0:
+                continue
+            codec = codec_for_format_id(int(fmt))
+            raw = raw_col[blobs[sel]].astype(np.int64)
+            out = np.empty(int(raw.sum()), dtype=np.uint8)
+            out_off = np.concatenate([[0], np.cumsum(raw)[:-1]]).astype(np.int64)
+            try:
+                codec.decode(buf, rel[sel], size[sel], out, out_off, raw)
+                continue
+            except Exception:  # noqa: BLE001 - find which blob fails, below
+                pass
+            for k in sel.tolist():
+                r = int(raw_col[blobs[k]])
+                one = np.empty(r, dtype=np.uint8)
+                try:
+                    codec.decode(buf, rel[k : k + 1], size[k : k + 1], one, np.zeros(1, np.int64), np.array([r]))
+                except Exception:  # noqa: BLE001
+                    self.bad_ids[int(blobs[k])] = ("decode", file, int(file_off[k]))
 
     def check_raw_sizes(self) -> None:
         """A blob holds 1..chunk_frames whole frames of its family (a size lie would make a decoder
@@ -776,42 +803,3 @@ def _batch_end(run_starts: np.ndarray, ends: np.ndarray, i: int, batch_bytes: in
     limit = int(run_starts[0]) + batch_bytes
     w = i + int(np.searchsorted(run_starts, limit, side="right"))
     return i + 1 + int(np.searchsorted(np.maximum.accumulate(ends[i + 1 : w]), limit, side="right"))
-
-
-def _decode_batch(
-    buf: np.ndarray,
-    rel: np.ndarray,
-    size: np.ndarray,
-    blobs: np.ndarray,
-    codecs_col: np.ndarray,
-    raw_col: np.ndarray,
-    skip: set[int],
-    bad_ids: dict,
-    file: str,
-    file_off: np.ndarray,
-) -> None:
-    """Decompress a batch (one call per codec); on failure find the failing blobs one by one."""
-    from .codecs import codec_for_format_id
-
-    ok_mask = np.ones(blobs.size, bool)
-    ok_mask[list(skip)] = False
-    for fmt in np.unique(codecs_col[blobs]).tolist():
-        sel = np.flatnonzero(ok_mask & (codecs_col[blobs] == fmt))
-        if sel.size == 0:
-            continue
-        codec = codec_for_format_id(int(fmt))
-        raw = raw_col[blobs[sel]].astype(np.int64)
-        out = np.empty(int(raw.sum()), dtype=np.uint8)
-        out_off = np.concatenate([[0], np.cumsum(raw)[:-1]]).astype(np.int64)
-        try:
-            codec.decode(buf, rel[sel], size[sel], out, out_off, raw)
-            continue
-        except Exception:  # noqa: BLE001 - find which blob fails, below
-            pass
-        for k in sel.tolist():
-            r = int(raw_col[blobs[k]])
-            one = np.empty(r, dtype=np.uint8)
-            try:
-                codec.decode(buf, rel[k : k + 1], size[k : k + 1], one, np.zeros(1, np.int64), np.array([r]))
-            except Exception:  # noqa: BLE001
-                bad_ids[int(blobs[k])] = ("decode", file, int(file_off[k]))
