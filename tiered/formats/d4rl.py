@@ -244,10 +244,7 @@ class FlatSource:
                         last[k:] = True
                     nxt[last] = obs_ext[:m][last]
                     out[NEXT_OBS] = np_to_torch(nxt)
-            td = TensorDict({}, batch_size=[m])
-            for k, v in out.items():
-                td.set(k, v)
-            yield td
+            yield TensorDict(out, batch_size=[m])
 
     def close(self) -> None:
         """Release the underlying file (subclasses)."""

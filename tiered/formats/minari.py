@@ -344,9 +344,8 @@ class MinariSource:
 
         def emit() -> TensorDict:
             nonlocal parts, have
-            td = TensorDict({}, batch_size=[have])
-            for k, v in parts.items():
-                td.set(k, np_to_torch(np.concatenate(v) if len(v) > 1 else v[0]))
+            td = TensorDict({k: np_to_torch(np.concatenate(v) if len(v) > 1 else v[0]) for k, v in parts.items()},
+                            batch_size=[have])
             parts, have = {}, 0
             return td
 

@@ -158,10 +158,7 @@ class TorchRLSource:
         step = chunk_rows_for(self.row_bytes, chunk_rows)
         for lo in range(0, self.num_rows, step):
             hi = min(self.num_rows, lo + step)
-            td = TensorDict({}, batch_size=[hi - lo])
-            for key, t in self.leaves.items():
-                td.set(key, self._read(t, lo, hi))
-            yield td
+            yield TensorDict({key: self._read(t, lo, hi) for key, t in self.leaves.items()}, batch_size=[hi - lo])
 
     def close(self) -> None:
         self.leaves = {}
@@ -195,9 +192,8 @@ def write_torchrl(
     n = int(rows.size)
     # a TensorDict of zero-strided views: tensordict lays out the directory and meta.json
     # without allocating the rows
-    template = TensorDict({}, batch_size=[n])
-    for f in fields:
-        template.set(f.key, torch.zeros((1, *f.shape), dtype=f.dtype).expand(n, *f.shape))
+    template = TensorDict({f.key: torch.zeros((1, *f.shape), dtype=f.dtype).expand(n, *f.shape) for f in fields},
+                          batch_size=[n])
     mm = template.memmap_like(tmp)
     files = {f.key: mm.get(f.key).filename for f in fields}
     row_bytes = {f.key: f.cell_nbytes for f in fields}
