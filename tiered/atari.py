@@ -187,12 +187,7 @@ class AtariFrames:
 
     def to_npz_dict(self, prefix: str = "") -> dict[str, np.ndarray]:
         """Arrays to store with ``np.savez``; ``pixels`` is left out when absent."""
-        out = {}
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if value is not None:
-                out[prefix + f.name] = value
-        return out
+        return {prefix + f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
 
     @classmethod
     def from_npz(cls, data: Any, prefix: str = "", pixels: bool = True) -> AtariFrames:
@@ -205,11 +200,8 @@ class AtariFrames:
                 the bytes, and an archive member is only decompressed when read).
         """
         keys = set(data.keys()) if not hasattr(data, "files") else set(data.files)
-        kwargs = {}
-        for f in fields(cls):
-            name = prefix + f.name
-            wanted = pixels or f.name != "pixels"
-            kwargs[f.name] = np.asarray(data[name]) if wanted and name in keys else None
+        wanted = {prefix + f.name for f in fields(cls) if pixels or f.name != "pixels"} & keys
+        kwargs = {f.name: np.asarray(data[prefix + f.name]) if prefix + f.name in wanted else None for f in fields(cls)}
         missing = [f.name for f in fields(cls) if f.name != "pixels" and kwargs[f.name] is None]
         if missing:
             raise KeyError(
