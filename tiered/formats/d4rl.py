@@ -442,9 +442,8 @@ def write_d4rl(
     f = fileio.WritableFile(tmp)
     with writing(f):
         with h5py.File(f, "w") as h:
-            dsets = {}
-            for name, _key, dtype, shape in plan:
-                dsets[name] = h.create_dataset(name, shape=(n, *shape), dtype=dtype, fill_time="never")
+            dsets = {name: h.create_dataset(name, shape=(n, *shape), dtype=dtype, fill_time="never")
+                     for name, _key, dtype, shape in plan}
             src_keys = sorted({p[1] for p in plan})
             for lo, hi, td in iter_store(store, rows, step, keys=src_keys):
                 for name, key, dtype, shape in plan:

@@ -213,14 +213,10 @@ class MinariSource:
             raise
 
     def _scan(self) -> None:
-        eps = []
-        for name in self._file:
-            m = _EPISODE.match(name)
-            if m and isinstance(self._file[name], h5py.Group):
-                eps.append((int(m.group(1)), name))
+        eps = sorted((int(m.group(1)), name) for name in self._file
+                     if (m := _EPISODE.match(name)) and isinstance(self._file[name], h5py.Group))
         if not eps:
             raise UnsupportedFormatError(f"{self.main}: no episode_<i> groups; not a minari dataset")
-        eps.sort()
         self.episode_ids = np.array([e[0] for e in eps], dtype=np.int64)
         self.groups = [self._file[e[1]] for e in eps]
         self.lengths = np.array([g["rewards"].shape[0] for g in self.groups], dtype=np.int64)
@@ -296,13 +292,8 @@ class MinariSource:
         """The import sidecar content."""
         ep_attrs: dict[str, list[Any]] = {}
         if self.num_episodes <= _MAX_EPISODE_ATTRS:
-            names: list[str] = []
-            for g in self.groups:
-                for k in g.attrs:
-                    if k not in names:
-                        names.append(k)
-            for k in names:
-                ep_attrs[k] = [json_safe(g.attrs[k]) if k in g.attrs else None for g in self.groups]
+            names = dict.fromkeys(k for g in self.groups for k in g.attrs)  # each once, in first-seen order
+            ep_attrs = {k: [json_safe(g.attrs[k]) if k in g.attrs else None for g in self.groups] for k in names}
         return {
             "format": "minari",
             "origin": self.origin,

@@ -147,11 +147,8 @@ class NpzSource(FlatSource):
         except zipfile.BadZipFile:
             raise UnsupportedFormatError(f"{path} is not an .npz archive (not a zip file)") from None
         try:
-            members = {}
-            for info in self._zf.infolist():
-                if not info.filename.endswith(".npy"):
-                    continue
-                members[info.filename[:-4]] = _Member(self._zf, info, path)
+            members = {info.filename[:-4]: _Member(self._zf, info, path) for info in self._zf.infolist()
+                       if info.filename.endswith(".npy")}
             if not members:
                 raise UnsupportedFormatError(f"{path}: the archive holds no .npy arrays")
             naming = "d4rl" if "observations" in members and "actions" in members else "ted"
