@@ -418,7 +418,7 @@ def _require_format(args: argparse.Namespace) -> None:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from .demo import main as demo_main
+    from .demo import run_demo
 
     try:
         import torchrl  # noqa: F401
@@ -428,8 +428,8 @@ def _demo(args: argparse.Namespace) -> int:
         raise E.CodecUnavailableError(
             f"the demo needs TorchRL and ale-py: pip install 'tiered[torchrl,atari]' ({e})"
         ) from None
-    argv = ["--steps", str(args.steps), "--batch", str(args.batch), "--rounds", str(args.rounds)]
-    return demo_main(argv + (["--no-memory"] if args.no_memory else []))
+    result = run_demo(args.steps, args.batch, args.rounds, memory=not args.no_memory)
+    return EXIT_OK if result.identical else EXIT_ERROR  # as the demo's own main
 
 
 # --------------------------------------------------------------------------------------------- parser
