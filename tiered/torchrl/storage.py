@@ -783,7 +783,7 @@ class TieredStorage(TensorStorage):
         So on each write the attached buffers' samplers get a :class:`_PriorityForwarder` in
         front of ``update_priority`` (once per sampler): it checks the priorities, lets the
         sampler take them, then gives them to :meth:`TieredStore.set_priority` and the sampler's
-        alpha to :attr:`TieredStore.priority_alpha`. A loop over attached buffers (one, usually).
+        alpha to :attr:`TieredStore.priority_alpha`.
         """
         for buffer in self._attached_entities_iter():
             sampler = getattr(buffer, "sampler", None)
