@@ -215,18 +215,6 @@ class _Blobs:
     in_segment: np.ndarray  # byte offset inside the segment's data
 
 
-def _schema_entries(body: dict[str, Any]) -> list[dict[str, Any]]:
-    """The manifest's schema entries (``[]`` before the first write).
-
-    Raises:
-        TypeError: the schema is not a list of field entries (damage).
-    """
-    schema = body.get("schema") or []
-    if not isinstance(schema, list) or not all(isinstance(f, dict) for f in schema):
-        raise TypeError("the schema is not a list of field entries")
-    return schema
-
-
 def _family_key(spec: dict[str, Any]) -> tuple[Any, tuple[int, ...]]:
     """A blob field's frame family as its schema entry gives it: (dtype, shape of one frame)."""
     shape = tuple(spec.get("shape", ()))
@@ -320,7 +308,9 @@ class _StoreCheck:
             report.codec = str(body.get("codec"))
             self.files = dict(body["files"])
             self.cold = dict(body["cold"])
-            self.schema = _schema_entries(body)
+            self.schema = body.get("schema") or []  # [] before the first write
+            if not isinstance(self.schema, list) or not all(isinstance(f, dict) for f in self.schema):
+                raise TypeError("the schema is not a list of field entries")
         except (KeyError, TypeError, ValueError) as e:
             report.add(
                 "manifest",
