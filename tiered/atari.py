@@ -187,12 +187,7 @@ class AtariFrames:
 
     def to_npz_dict(self, prefix: str = "") -> dict[str, np.ndarray]:
         """Arrays to store with ``np.savez``; ``pixels`` is left out when absent."""
-        out = {}
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if value is not None:
-                out[prefix + f.name] = value
-        return out
+        return {prefix + f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
 
     @classmethod
     def from_npz(cls, data: Any, prefix: str = "", pixels: bool = True) -> AtariFrames:
@@ -205,11 +200,8 @@ class AtariFrames:
                 the bytes, and an archive member is only decompressed when read).
         """
         keys = set(data.keys()) if not hasattr(data, "files") else set(data.files)
-        kwargs = {}
-        for f in fields(cls):
-            name = prefix + f.name
-            wanted = pixels or f.name != "pixels"
-            kwargs[f.name] = np.asarray(data[name]) if wanted and name in keys else None
+        wanted = {prefix + f.name for f in fields(cls) if pixels or f.name != "pixels"} & keys
+        kwargs = {f.name: np.asarray(data[prefix + f.name]) if prefix + f.name in wanted else None for f in fields(cls)}
         missing = [f.name for f in fields(cls) if f.name != "pixels" and kwargs[f.name] is None]
         if missing:
             raise KeyError(
@@ -348,14 +340,10 @@ def rollout(
     Same as ``rollout_frames(...).to_tensordict(stack)``; see the module docstring for the keys.
 
     Args:
-        game: ALE game name, e.g. ``"Pong"``.
-        steps: number of transitions (the batch size of the result).
-        seed: seeds the emulator and the random policy.
         stack: frames per observation stack.
-        size: side of the square grayscale frames.
-        max_episode_steps: truncate episodes after this many transitions.
-        raw: add ``pixels`` and ``("next", "pixels")``, the raw 210x160x3 RGB screens.
-        progress: show a progress bar while playing (see :func:`rollout_frames`).
+        game, steps, seed, size, max_episode_steps, raw, progress: as :func:`rollout_frames`
+            (``steps`` is the batch size of the result; ``raw`` adds ``pixels`` and
+            ``("next", "pixels")``, the raw 210x160x3 RGB screens).
 
     Returns:
         A TensorDict of batch size ``[steps]``.
@@ -404,16 +392,9 @@ def cached_rollout(
     workers never read half a file.
 
     Args:
-        game: ALE game name.
-        steps: number of transitions.
-        seed: seeds the emulator and the random policy.
-        stack: frames per observation stack.
-        size: side of the square grayscale frames.
-        max_episode_steps: truncate episodes after this many transitions.
-        raw: add the raw RGB screens.
         cache_dir: where to keep the files; default :func:`default_cache_dir`.
-        progress: show a progress bar while playing (a cache hit plays nothing); see
-            :func:`rollout_frames`.
+        game, steps, seed, stack, size, max_episode_steps, raw, progress: as :func:`rollout`
+            (a cache hit plays nothing, so shows no progress bar).
 
     Returns:
         The same TensorDict :func:`rollout` returns for these arguments.

@@ -66,36 +66,24 @@ EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_CORRUPT, EXIT_FULL, EXIT_LOCKED, EXIT_VERS
 FORMATS = ("d4rl", "minari", "torchrl", "npz", "dqn-replay")  # = tiered.formats.FORMATS (not imported: keeps --help light)
 
 
+#: (exception types, exit code), the first match wins: FormatVersionError and NotATieredStoreError
+#: before CorruptionError, which they subclass
+_EXIT_CODES: tuple[tuple[Any, int], ...] = (
+    (E.FormatVersionError, EXIT_VERSION),
+    (E.NotATieredStoreError, EXIT_USAGE),
+    (E.CorruptionError, EXIT_CORRUPT),
+    (E.StorageFullError, EXIT_FULL),
+    (E.StoreLockedError, EXIT_LOCKED),
+    ((E.UnsupportedFormatError, E.UnknownCodecError, E.StoreExistsError, FileNotFoundError, FileExistsError,
+      NotADirectoryError, IsADirectoryError, E.SchemaMismatchError, E.CodecUnavailableError,
+      E.IndexOutOfRangeError,  # e.g. exporting a store whose rows include never-written holes
+      ValueError), EXIT_USAGE),
+)
+
+
 def exit_code_for(exc: BaseException) -> int:
     """The exit code of an exception (see the module docstring)."""
-    if isinstance(exc, E.FormatVersionError):
-        return EXIT_VERSION
-    if isinstance(exc, E.NotATieredStoreError):
-        return EXIT_USAGE
-    if isinstance(exc, E.CorruptionError):
-        return EXIT_CORRUPT
-    if isinstance(exc, E.StorageFullError):
-        return EXIT_FULL
-    if isinstance(exc, E.StoreLockedError):
-        return EXIT_LOCKED
-    if isinstance(
-        exc,
-        (
-            E.UnsupportedFormatError,
-            E.UnknownCodecError,
-            E.StoreExistsError,
-            FileNotFoundError,
-            FileExistsError,
-            NotADirectoryError,
-            IsADirectoryError,
-            E.SchemaMismatchError,
-            E.CodecUnavailableError,
-            E.IndexOutOfRangeError,  # e.g. exporting a store whose rows include never-written holes
-            ValueError,
-        ),
-    ):
-        return EXIT_USAGE
-    return EXIT_ERROR
+    return next((code for types, code in _EXIT_CODES if isinstance(exc, types)), EXIT_ERROR)
 
 
 def _fmt_bytes(n: float | None) -> str:
@@ -430,7 +418,7 @@ def _require_format(args: argparse.Namespace) -> None:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from .demo import main as demo_main
+    from .demo import run_demo
 
     try:
         import torchrl  # noqa: F401
@@ -440,8 +428,8 @@ def _demo(args: argparse.Namespace) -> int:
         raise E.CodecUnavailableError(
             f"the demo needs TorchRL and ale-py: pip install 'tiered[torchrl,atari]' ({e})"
         ) from None
-    argv = ["--steps", str(args.steps), "--batch", str(args.batch), "--rounds", str(args.rounds)]
-    return demo_main(argv + (["--no-memory"] if args.no_memory else []))
+    result = run_demo(args.steps, args.batch, args.rounds, memory=not args.no_memory)
+    return EXIT_OK if result.identical else EXIT_ERROR  # as the demo's own main
 
 
 # --------------------------------------------------------------------------------------------- parser

@@ -309,15 +309,8 @@ def report(result: DemoResult) -> list[str]:
     return lines
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The demo's options (shared by ``tiered demo`` and ``examples/atari_replay.py``)."""
-    p = argparse.ArgumentParser(prog="tiered demo", description=__doc__.split("\n\n")[0])
-    add_arguments(p)
-    return p
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """Add the demo's options to ``p``."""
+    """Add the demo's options to ``p`` (``tiered demo``'s parser, or :func:`main`'s)."""
     p.add_argument("--steps", type=int, default=5000, help="transitions (default: %(default)s)")
     p.add_argument("--batch", type=int, default=256, help="sample batch size (default: %(default)s)")
     p.add_argument("--rounds", type=int, default=50, help="timed sample rounds (default: %(default)s)")
@@ -328,7 +321,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the demo; exit code 0 when the two buffers' samples are bit-identical."""
-    args = build_parser().parse_args(argv)
+    parser = argparse.ArgumentParser(prog="tiered demo", description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    args = parser.parse_args(argv)
     if args.child:
         with quiet_torchrl():
             return _child(args.child, args.steps)

@@ -131,11 +131,6 @@ class _Column:
             self.ensure(int(ids.max()))
         return self.data[ids]
 
-    def export(self, n: int) -> np.ndarray:
-        """The first ``n`` entries (a copy; entries never written hold the fill value)."""
-        self.ensure(n - 1)
-        return self.data[:n].copy()
-
     def load(self, values: np.ndarray, copy: bool = True) -> None:
         """Take ``values`` as the column (``copy=False``: used as they are when writeable and of
         the column's dtype, e.g. a private memory map of a store, whose pages are read on use)."""
@@ -376,10 +371,7 @@ class Policy(ABC):
             >>> q.order(np.array([0, 1])).tolist()
             [1, 0]
         """
-        columns = self._columns()
-        n = max(column.size for column in columns.values())
-        return {"clock": np.array(self._clock, dtype=np.int64),
-                **{key: column.export(n) for key, column in columns.items()}}
+        return {key: array.copy() for key, array in self.state_views().items()}
 
     def state_views(self) -> dict[str, np.ndarray]:
         """:meth:`state_arrays` without copies: views of the columns, valid until the next change

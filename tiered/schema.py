@@ -84,7 +84,7 @@ def bits_dtype(dtype: torch.dtype) -> torch.dtype:
     """
     if dtype in _NATIVE:
         return dtype
-    return _BITS_OF_SIZE[torch.empty((), dtype=dtype).element_size()]
+    return _BITS_OF_SIZE[dtype.itemsize]
 
 
 def as_bits(t: torch.Tensor) -> torch.Tensor:
@@ -234,10 +234,6 @@ _LADDER: tuple[torch.dtype, ...] = (torch.uint8, torch.int8, torch.int16, torch.
 _EXACT_INT_BITS = {torch.float16: 11, torch.float32: 24, torch.float64: 53}
 
 
-def _size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 def narrow_candidates(dtype: torch.dtype) -> tuple[torch.dtype, ...]:
     """The narrower dtypes a dense column of ``dtype`` may be stored in when the values allow,
     narrowest first: integers for integer fields (``uint8`` for non-negative values, then
@@ -251,9 +247,9 @@ def narrow_candidates(dtype: torch.dtype) -> tuple[torch.dtype, ...]:
         ((torch.uint8, torch.int8, torch.int16, torch.float16), ())
     """
     if dtype in (torch.int16, torch.int32, torch.int64):
-        return tuple(d for d in _LADDER if not d.is_floating_point and _size(d) < _size(dtype))
+        return tuple(d for d in _LADDER if not d.is_floating_point and d.itemsize < dtype.itemsize)
     if dtype in (torch.float32, torch.float64):
-        return tuple(d for d in _LADDER if _size(d) < _size(dtype))
+        return tuple(d for d in _LADDER if d.itemsize < dtype.itemsize)
     return ()
 
 
@@ -267,7 +263,7 @@ def holds_dtype(wide: torch.dtype, narrow: torch.dtype) -> bool:
     if wide == narrow:
         return True
     if narrow.is_floating_point:
-        return wide.is_floating_point and _size(wide) > _size(narrow)
+        return wide.is_floating_point and wide.itemsize > narrow.itemsize
     lo, hi = torch.iinfo(narrow).min, torch.iinfo(narrow).max
     if wide.is_floating_point:
         bound = 1 << _EXACT_INT_BITS.get(wide, 0)
@@ -542,7 +538,7 @@ class Field:
 
     @property
     def itemsize(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
     @property
     def cell_nbytes(self) -> int:
@@ -554,7 +550,7 @@ class Field:
         row-number field)."""
         if self.row_number:
             return 0
-        return math.prod(self.shape) * torch.empty((), dtype=self.column_dtype).element_size()
+        return math.prod(self.shape) * self.column_dtype.itemsize
 
     @property
     def column_file_dtype(self) -> Any:

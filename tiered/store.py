@@ -63,7 +63,8 @@ from .errors import (
 )
 from .schema import Key, Schema
 
-__all__ = ["TieredStore", "IndexLike", "as_row_array", "MAX_CAPACITY", "MAX_CHUNK_FRAMES", "MAX_STAGE_ROWS"]
+__all__ = ["TieredStore", "IndexLike", "as_row_array", "MAX_CAPACITY", "MAX_CHUNK_FRAMES", "MAX_STAGE_ROWS",
+           "OPEN_OPTIONS"]
 
 T = TypeVar("T")
 
@@ -79,7 +80,8 @@ MAX_STAGE_ROWS = 1 << 20
 _RUNTIME_DEFAULTS: dict[str, Any] = dict(hot_bytes=None, warm_bytes=None, hot_device=None, device=None,
                                          policy="lru", verify=True, threads=None, promote=True, gpu_decode=None,
                                          stage_rows=64)
-_OPEN_OPTIONS = frozenset(_RUNTIME_DEFAULTS)
+#: the options :meth:`TieredStore.open` takes: the runtime ones
+OPEN_OPTIONS = frozenset(_RUNTIME_DEFAULTS)
 
 
 class TieredStore:
@@ -734,9 +736,9 @@ def _check_spill(spill: Any, spill_dir: Any, path: Any) -> None:
 
 def _check_open_options(options: dict[str, Any]) -> None:
     """Refuse options that cannot change when a store is reopened, and missing devices."""
-    unknown = set(options) - _OPEN_OPTIONS
+    unknown = set(options) - OPEN_OPTIONS
     if unknown:
-        raise TypeError(f"options {sorted(unknown)} cannot change on open; allowed: {sorted(_OPEN_OPTIONS)}")
+        raise TypeError(f"options {sorted(unknown)} cannot change on open; allowed: {sorted(OPEN_OPTIONS)}")
     _check_devices(options.get("hot_device"), options.get("device"))
 
 

@@ -215,18 +215,6 @@ class _Blobs:
     in_segment: np.ndarray  # byte offset inside the segment's data
 
 
-def _schema_entries(body: dict[str, Any]) -> list[dict[str, Any]]:
-    """The manifest's schema entries (``[]`` before the first write).
-
-    Raises:
-        TypeError: the schema is not a list of field entries (damage).
-    """
-    schema = body.get("schema") or []
-    if not isinstance(schema, list) or not all(isinstance(f, dict) for f in schema):
-        raise TypeError("the schema is not a list of field entries")
-    return schema
-
-
 def _family_key(spec: dict[str, Any]) -> tuple[Any, tuple[int, ...]]:
     """A blob field's frame family as its schema entry gives it: (dtype, shape of one frame)."""
     shape = tuple(spec.get("shape", ()))
@@ -256,7 +244,7 @@ class _StoreCheck:
         self.live = np.empty(0, np.int64)  # ids of the stored blobs
         self.sums = np.empty(0)
         self.codecs_col = np.empty(0)
-        self.raw_col: np.ndarray | None = None
+        self.raw_col = np.empty(0)
         self.bad_ids: dict[int, tuple[str, str, int | None]] = {}  # blob -> (kind, file, offset)
         self.listed: set[int] = set()  # damaged blobs reported with the rows that use them
         self.verified_files: list[str] = []  # array files whose page checksums matched
@@ -320,7 +308,9 @@ class _StoreCheck:
             report.codec = str(body.get("codec"))
             self.files = dict(body["files"])
             self.cold = dict(body["cold"])
-            self.schema = _schema_entries(body)
+            self.schema = body.get("schema") or []  # [] before the first write
+            if not isinstance(self.schema, list) or not all(isinstance(f, dict) for f in self.schema):
+                raise TypeError("the schema is not a list of field entries")
         except (KeyError, TypeError, ValueError) as e:
             report.add(
                 "manifest",
@@ -378,7 +368,10 @@ class _StoreCheck:
                 report.add("checksum", f"array {name!r}: {e}", file=f)
             except CorruptionError as e:
                 report.add("file", f"array {name!r}: {e}", file=f)
-        need = ["index.state", "index.nbytes", "index.checksum", "index.loc", "written"]
+        # every array the format writes that these checks read (a store of one format has them all)
+        need = ["index.state", "index.nbytes", "index.checksum", "index.loc", "index.codec", "index.raw_nbytes",
+                "index.family", "index.refcount", "index.free_ids", "cold.free_offsets", "cold.free_sizes",
+                "cold.pending_offsets", "cold.pending_sizes", "written"]
         if all(n in self.arrays for n in need):
             return True
         missing = [
@@ -465,8 +458,8 @@ class _StoreCheck:
                 f"blob {b} has cold offset {o}, outside the {n_segments} segments of the manifest",
                 blob=b,
             )
-        self.codecs_col = np.asarray(arrays["index.codec"]) if "index.codec" in arrays else np.ones_like(state)
-        self.raw_col = np.asarray(arrays["index.raw_nbytes"]) if "index.raw_nbytes" in arrays else None
+        self.codecs_col = np.asarray(arrays["index.codec"])
+        self.raw_col = np.asarray(arrays["index.raw_nbytes"])
         keep = ~outside
         ids, size, seg, in_seg = live[keep], size[keep], seg[keep], in_seg[keep]
         order = np.lexsort((in_seg, seg))
@@ -517,21 +510,48 @@ class _StoreCheck:
         bad = np.flatnonzero(got != self.sums[ids])
         for k in bad.tolist():
             self.bad_ids[int(ids[k])] = ("checksum", f, data_offset + int(in_seg[k]))
-        if self.decode and self.raw_col is not None:
-            _decode_batch(
-                buf, rel, size, ids, self.codecs_col, self.raw_col, set(bad.tolist()), self.bad_ids, f,
-                data_offset + in_seg,
-            )
+        if self.decode:
+            self._decode_batch(buf, rel, size, ids, set(bad.tolist()), f, data_offset + in_seg)
         report.blobs_checked += j - i
         report.bytes_checked += int(size.sum())
         return True
+
+    def _decode_batch(self, buf: np.ndarray, rel: np.ndarray, size: np.ndarray, blobs: np.ndarray, skip: set[int],
+                      file: str, file_off: np.ndarray) -> None:
+        """Decompress a batch but its ``skip`` positions (one call per codec); on failure find the
+        failing blobs one by one."""
+        from .codecs import codec_for_format_id
+
+        codecs_col, raw_col = self.codecs_col, self.raw_col
+        ok_mask = np.ones(blobs.size, bool)
+        ok_mask[list(skip)] = False
+        for fmt in np.unique(codecs_col[blobs]).tolist():
+            sel = np.flatnonzero(ok_mask & (codecs_col[blobs] == fmt))
+            if sel.size == 0:
+                continue
+            codec = codec_for_format_id(int(fmt))
+            raw = raw_col[blobs[sel]].astype(np.int64)
+            out = np.empty(int(raw.sum()), dtype=np.uint8)
+            out_off = np.concatenate([[0], np.cumsum(raw)[:-1]]).astype(np.int64)
+            try:
+                codec.decode(buf, rel[sel], size[sel], out, out_off, raw)
+                continue
+            except Exception:  # noqa: BLE001 - find which blob fails, below
+                pass
+            for k in sel.tolist():
+                r = int(raw_col[blobs[k]])
+                one = np.empty(r, dtype=np.uint8)
+                try:
+                    codec.decode(buf, rel[k : k + 1], size[k : k + 1], one, np.zeros(1, np.int64), np.array([r]))
+                except Exception:  # noqa: BLE001
+                    self.bad_ids[int(blobs[k])] = ("decode", file, int(file_off[k]))
 
     def check_raw_sizes(self) -> None:
         """A blob holds 1..chunk_frames whole frames of its family (a size lie would make a decoder
         allocate or write past its output)."""
         families = self.body.get("families") or []
         live, raw_col = self.live, self.raw_col
-        if "index.family" not in self.arrays or raw_col is None or not families:
+        if not families:
             return
         family = np.asarray(self.arrays["index.family"])[live].astype(np.int64)
         known = (family >= 0) & (family < len(families))
@@ -565,18 +585,15 @@ class _StoreCheck:
         overlap neither the stored blobs nor each other (a write would overwrite them)."""
         a, report, n = self.arrays, self.report, self.state.shape[0]
         file = self.file_of("index.free_ids")
-        if "index.free_ids" in a:
-            free = np.asarray(a["index.free_ids"])
-            is_free = self.state == 0
-            if free.ndim != 1 or (free.size and (int(free.min()) < 0 or int(free.max()) >= n)):
-                report.add("index", f"index.free_ids holds ids outside [0, {n})", file=file)
-            elif (np.unique(free).size != free.size or not is_free[free].all()
-                  or int(is_free.sum()) != free.size):
-                report.add("index", f"index.free_ids lists {free.size} ids, the index has {int(is_free.sum())} "
-                           "free ids (an id listed twice, a stored id listed, or a free id missing)", file=file)
+        free = np.asarray(a["index.free_ids"])
+        is_free = self.state == 0
+        if free.ndim != 1 or (free.size and (int(free.min()) < 0 or int(free.max()) >= n)):
+            report.add("index", f"index.free_ids holds ids outside [0, {n})", file=file)
+        elif (np.unique(free).size != free.size or not is_free[free].all()
+              or int(is_free.sum()) != free.size):
+            report.add("index", f"index.free_ids lists {free.size} ids, the index has {int(is_free.sum())} "
+                       "free ids (an id listed twice, a stored id listed, or a free id missing)", file=file)
         names = ["cold.free_offsets", "cold.free_sizes", "cold.pending_offsets", "cold.pending_sizes"]
-        if not all(k in a for k in names) or "index.nbytes" not in a:
-            return
         loc = np.asarray(a["index.loc"])[self.live, _COLD].astype(np.int64)
         size = np.asarray(a["index.nbytes"])[self.live].astype(np.int64)
         ext = [np.asarray(a[k]).astype(np.int64).reshape(-1) for k in names]
@@ -690,7 +707,7 @@ class _StoreCheck:
         written = np.asarray(a["written"]).astype(bool)
         n = self.state.shape[0]
         families = self.body.get("families") or []
-        family_col = np.asarray(a["index.family"]) if "index.family" in a else None
+        family_col = np.asarray(a["index.family"])
         raw_col = self.raw_col
         counts = np.zeros(n, np.int64)
         fam_id: dict[tuple[Any, tuple[int, ...]], int] = {}
@@ -713,7 +730,7 @@ class _StoreCheck:
             ok = ids >= 0
             counts += np.bincount(ids[ok], minlength=n)[:n]
             fam = fam_id.get(_family_key(spec), -1)
-            if family_col is None or raw_col is None or not 0 <= fam < len(families):
+            if not 0 <= fam < len(families):
                 continue
             frame_nbytes = max(int(families[fam].get("frame_nbytes", 1)), 1)
             safe = np.where(ok, ids, 0)
@@ -724,14 +741,13 @@ class _StoreCheck:
                 report.add("index", f"{r.size} written rows of {fname!r} name a frame outside their blob or a "
                            "blob of another field", field=fname, rows=r[:_MAX_ROWS_LISTED].tolist(),
                            n_rows=int(r.size), file=self.file_of(slot_name))
-        if "index.refcount" in a:
-            stored = np.asarray(a["index.refcount"]).astype(np.int64)
-            live = self.state == _STORED
-            if stored.shape == counts.shape and ((stored[live] < counts[live]).any() or (stored[~live] != 0).any()):
-                b = int(np.flatnonzero((live & (stored < counts)) | (~live & (stored != 0)))[0])
-                report.add("index", f"reference counts disagree with a recount of the row tables (first: blob {b}, "
-                           f"stored {int(stored[b])}, counted {int(counts[b])})",
-                           file=self.file_of("index.refcount"), blob=b)
+        stored = np.asarray(a["index.refcount"]).astype(np.int64)
+        live = self.state == _STORED
+        if stored.shape == counts.shape and ((stored[live] < counts[live]).any() or (stored[~live] != 0).any()):
+            b = int(np.flatnonzero((live & (stored < counts)) | (~live & (stored != 0)))[0])
+            report.add("index", f"reference counts disagree with a recount of the row tables (first: blob {b}, "
+                       f"stored {int(stored[b])}, counted {int(counts[b])})",
+                       file=self.file_of("index.refcount"), blob=b)
 
     def report_damage_no_row_uses(self) -> None:
         """Damaged blobs that no written row uses (index problems were reported already)."""
@@ -777,42 +793,3 @@ def _batch_end(run_starts: np.ndarray, ends: np.ndarray, i: int, batch_bytes: in
     limit = int(run_starts[0]) + batch_bytes
     w = i + int(np.searchsorted(run_starts, limit, side="right"))
     return i + 1 + int(np.searchsorted(np.maximum.accumulate(ends[i + 1 : w]), limit, side="right"))
-
-
-def _decode_batch(
-    buf: np.ndarray,
-    rel: np.ndarray,
-    size: np.ndarray,
-    blobs: np.ndarray,
-    codecs_col: np.ndarray,
-    raw_col: np.ndarray,
-    skip: set[int],
-    bad_ids: dict,
-    file: str,
-    file_off: np.ndarray,
-) -> None:
-    """Decompress a batch (one call per codec); on failure find the failing blobs one by one."""
-    from .codecs import codec_for_format_id
-
-    ok_mask = np.ones(blobs.size, bool)
-    ok_mask[list(skip)] = False
-    for fmt in np.unique(codecs_col[blobs]).tolist():
-        sel = np.flatnonzero(ok_mask & (codecs_col[blobs] == fmt))
-        if sel.size == 0:
-            continue
-        codec = codec_for_format_id(int(fmt))
-        raw = raw_col[blobs[sel]].astype(np.int64)
-        out = np.empty(int(raw.sum()), dtype=np.uint8)
-        out_off = np.concatenate([[0], np.cumsum(raw)[:-1]]).astype(np.int64)
-        try:
-            codec.decode(buf, rel[sel], size[sel], out, out_off, raw)
-            continue
-        except Exception:  # noqa: BLE001 - find which blob fails, below
-            pass
-        for k in sel.tolist():
-            r = int(raw_col[blobs[k]])
-            one = np.empty(r, dtype=np.uint8)
-            try:
-                codec.decode(buf, rel[k : k + 1], size[k : k + 1], one, np.zeros(1, np.int64), np.array([r]))
-            except Exception:  # noqa: BLE001
-                bad_ids[int(blobs[k])] = ("decode", file, int(file_off[k]))

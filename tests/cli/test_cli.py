@@ -12,6 +12,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
+from helpers import edit_manifest
 
 import tiered
 from tiered import errors as E
@@ -117,6 +118,24 @@ def test_verify_ok_and_json(pong_store, capsys):
     assert main(["verify", str(pong_store), "-q", "--json", "--decode"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["ok"] and doc["blobs_checked"] > 0 and doc["problems"] == []
+
+
+@pytest.mark.parametrize("name", ["index.codec", "index.refcount", "cold.free_offsets"])
+def test_verify_reports_a_commit_without_an_array_of_the_format(pong_store, tmp_path, name, capsys):
+    # every array the format writes is required: a manifest that leaves one out is damage, never
+    # read with a default in its place
+    damaged = tmp_path / "damaged"
+    shutil.copytree(pong_store, damaged)
+
+    def drop(body: dict) -> None:  # the array as a commit without it would record it: nowhere
+        for names in (body["files"], body["checksums"]["files"], body.get("array_files", {})):
+            names.pop(name, None)
+
+    edit_manifest(damaged, drop)
+    assert main(["verify", str(damaged), "-q", "--json"]) == 3
+    doc = json.loads(capsys.readouterr().out)
+    assert [p["kind"] for p in doc["problems"]] == ["manifest"], doc["problems"]
+    assert name in doc["problems"][0]["message"], doc["problems"]
 
 
 def test_console_script_exit_codes_and_one_line_errors(pong_store, tmp_path):

@@ -28,6 +28,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import importlib
 import itertools
 import os
 import struct
@@ -146,29 +147,23 @@ def open_source(fmt: str, src: str | os.PathLike[str]) -> Any:
     """
     fmt = _check_format(fmt)
     with _source_errors(fmt, src):
-        return _open_source(fmt, src)
+        return _part(fmt, writer=False)(src)
 
 
-def _open_source(fmt: str, src: str | os.PathLike[str]) -> Any:
-    if fmt == "d4rl":
-        from .d4rl import D4RLSource
+#: format -> (module, reader class, writer function); a format's module (h5py, gzip readers, ...)
+#: loads when that format is first used
+_PARTS = {
+    "d4rl": ("d4rl", "D4RLSource", "write_d4rl"),
+    "minari": ("minari", "MinariSource", "write_minari"),
+    "torchrl": ("torchrl_memmap", "TorchRLSource", "write_torchrl"),
+    "npz": ("npz", "NpzSource", "write_npz"),
+    "dqn-replay": ("dqn_replay", "DQNReplaySource", "write_dqn_replay"),
+}
 
-        return D4RLSource(src)
-    if fmt == "minari":
-        from .minari import MinariSource
 
-        return MinariSource(src)
-    if fmt == "torchrl":
-        from .torchrl_memmap import TorchRLSource
-
-        return TorchRLSource(src)
-    if fmt == "dqn-replay":
-        from .dqn_replay import DQNReplaySource
-
-        return DQNReplaySource(src)
-    from .npz import NpzSource
-
-    return NpzSource(src)
+def _part(fmt: str, writer: bool) -> Any:
+    module, reader_name, writer_name = _PARTS[fmt]
+    return getattr(importlib.import_module(f".{module}", __name__), writer_name if writer else reader_name)
 
 
 def import_dataset(
@@ -218,41 +213,10 @@ def import_dataset(
         StorageFullError: the disk filled up (nothing is left under ``dst``).
         StoreLockedError: ``force`` and ``dst`` is a store that a writer has open.
     """
-    dst = check_new_output(dst, force=force)
-    # replacing a store takes its writer lock in atomic_output (StoreLockedError while open)
-    return _import(
-        fmt,
-        src,
-        dst,
-        codec=codec,
-        frames=frames,
-        chunk_frames=chunk_frames,
-        capacity=capacity,
-        backend=backend,
-        chunk_rows=chunk_rows,
-        progress=progress,
-        force=force,
-        dense_dtypes=dense_dtypes,
-    )
-
-
-def _import(
-    fmt: str,
-    src: str | os.PathLike[str],
-    dst: str,
-    *,
-    codec: str,
-    frames: Any,
-    chunk_frames: int | None,
-    capacity: int | None,
-    backend: str,
-    chunk_rows: int | None,
-    progress: bool | None,
-    force: bool,
-    dense_dtypes: Any = None,
-) -> ImportReport:
     from ..store import TieredStore
 
+    dst = check_new_output(dst, force=force)
+    # replacing a store takes its writer lock in atomic_output (StoreLockedError while open)
     t0 = time.perf_counter()
     source = open_source(fmt, src)
     try:
@@ -371,26 +335,9 @@ def export_dataset(
         bar = progress_bar(int(rows.size), f"export {fmt}", enabled=progress)
         try:
             with atomic_output(dst, force=force) as tmp:
-                if fmt == "d4rl":
-                    from .d4rl import write_d4rl
-
-                    details = write_d4rl(store, rows, tmp, source, chunk_rows, bar)
-                elif fmt == "minari":
-                    from .minari import write_minari
-
-                    details = write_minari(store, rows, tmp, source, chunk_rows, bar, dataset_id=dataset_id)
-                elif fmt == "torchrl":
-                    from .torchrl_memmap import write_torchrl
-
-                    details = write_torchrl(store, rows, tmp, source, chunk_rows, bar)
-                elif fmt == "dqn-replay":
-                    from .dqn_replay import write_dqn_replay
-
-                    details = write_dqn_replay(store, rows, tmp, source, chunk_rows, bar)
-                else:
-                    from .npz import write_npz
-
-                    details = write_npz(store, rows, tmp, source, chunk_rows, bar, layout=layout)
+                # the one option of a format that others lack
+                extra = {"minari": {"dataset_id": dataset_id}, "npz": {"layout": layout}}.get(fmt, {})
+                details = _part(fmt, writer=True)(store, rows, tmp, source, chunk_rows, bar, **extra)
         finally:
             bar.close()
     finally:

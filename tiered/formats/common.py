@@ -37,6 +37,8 @@ __all__ = [
     "np_to_torch",
     "to_numpy",
     "read_npy_header",
+    "open_hdf5",
+    "hdf5_datasets",
     "NPY_MAX_HEADER",
     "DEFAULT_CHUNK_BYTES",
     "DEFAULT_CHUNK_ROWS",
@@ -83,6 +85,27 @@ def read_npy_header(f: BinaryIO, where: str) -> tuple[tuple[int, ...], bool, np.
             f"{where}: the array holds Python objects (a pickle); tiered never unpickles data: save it as "
             "a plain array (np.save(..., allow_pickle=False))")
     return tuple(int(d) for d in shape), bool(fortran), dtype
+
+
+def open_hdf5(path: str) -> Any:
+    """``h5py.File(path, "r")``; a file h5py cannot open is refused as not HDF5, naming h5py's reason."""
+    import h5py  # here, not at the top: the npz and torchrl formats read no HDF5
+
+    try:
+        return h5py.File(path, "r")
+    except OSError as e:
+        raise UnsupportedFormatError(f"{path} is not an HDF5 file ({e})") from None
+
+
+def hdf5_datasets(obj: Any, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Any]]:
+    """``(path, dataset)`` of every dataset at or under the HDF5 group or dataset ``obj``."""
+    import h5py
+
+    if isinstance(obj, h5py.Dataset):
+        yield path, obj
+    elif isinstance(obj, h5py.Group):
+        for name, child in obj.items():
+            yield from hdf5_datasets(child, (*path, name))
 
 
 def write_source(store_path: str | os.PathLike[str], info: dict[str, Any]) -> None:
@@ -185,15 +208,8 @@ def chunk_rows_for(row_bytes: int, chunk_rows: int | None = None) -> int:
 
 def row_nbytes(shapes: dict[Any, tuple[tuple[int, ...], Any]]) -> int:
     """Bytes per row of columns given as ``{name: (cell shape, numpy or torch dtype)}``."""
-    total = 0
-    for shape, dtype in shapes.values():
-        item = (
-            torch.empty((), dtype=dtype).element_size()
-            if isinstance(dtype, torch.dtype)
-            else np.dtype(dtype).itemsize
-        )
-        total += math.prod(shape) * item
-    return total
+    return sum(math.prod(shape) * (dtype if isinstance(dtype, torch.dtype) else np.dtype(dtype)).itemsize
+               for shape, dtype in shapes.values())
 
 
 def numpy_dtype(dtype: torch.dtype, key: str, fmt: str) -> np.dtype:

@@ -49,10 +49,12 @@ from ..schema import str_to_key
 from ..util import fileio
 from .common import (
     chunk_rows_for,
+    hdf5_datasets,
     iter_store,
     json_safe,
     np_to_torch,
     numpy_dtype,
+    open_hdf5,
     row_nbytes,
     to_numpy,
     writing,
@@ -242,22 +244,10 @@ class FlatSource:
                         last[k:] = True
                     nxt[last] = obs_ext[:m][last]
                     out[NEXT_OBS] = np_to_torch(nxt)
-            td = TensorDict({}, batch_size=[m])
-            for k, v in out.items():
-                td.set(k, v)
-            yield td
+            yield TensorDict(out, batch_size=[m])
 
     def close(self) -> None:
         """Release the underlying file (subclasses)."""
-
-
-def _walk(group: h5py.Group, prefix: str = "") -> Iterator[tuple[str, h5py.Dataset]]:
-    for name, obj in group.items():
-        path = f"{prefix}{name}"
-        if isinstance(obj, h5py.Dataset):
-            yield path, obj
-        elif isinstance(obj, h5py.Group):
-            yield from _walk(obj, path + "/")
 
 
 def _read_extra(d: h5py.Dataset) -> dict[str, Any]:
@@ -328,12 +318,9 @@ class D4RLSource(FlatSource):
         path = os.fspath(path)
         if not os.path.isfile(path):
             raise FileNotFoundError(f"{path}: no such file (a D4RL dataset is one HDF5 file)")
+        self._file = open_hdf5(path)
         try:
-            self._file = h5py.File(path, "r")
-        except OSError as e:
-            raise UnsupportedFormatError(f"{path} is not an HDF5 file ({e})") from None
-        try:
-            datasets = dict(_walk(self._file))
+            datasets = {"/".join(name): d for name, d in hdf5_datasets(self._file)}
             if "observations" not in datasets:
                 raise UnsupportedFormatError(
                     f"{path}: no 'observations' dataset, so this is not a D4RL-style file; datasets: "
@@ -439,8 +426,8 @@ def write_d4rl(
     rows: np.ndarray,
     tmp: str,
     source: dict[str, Any] | None,
-    chunk_rows: int | None = None,
-    progress: Any = None,
+    chunk_rows: int | None,
+    progress: Any,
 ) -> dict[str, Any]:
     """Write a store's rows as a D4RL HDF5 file at ``tmp`` (through :mod:`tiered.util.fileio`).
 
@@ -455,15 +442,13 @@ def write_d4rl(
     f = fileio.WritableFile(tmp)
     with writing(f):
         with h5py.File(f, "w") as h:
-            dsets = {}
-            for name, _key, dtype, shape in plan:
-                dsets[name] = h.create_dataset(name, shape=(n, *shape), dtype=dtype, fill_time="never")
+            dsets = {name: h.create_dataset(name, shape=(n, *shape), dtype=dtype, fill_time="never")
+                     for name, _key, dtype, shape in plan}
             src_keys = sorted({p[1] for p in plan})
             for lo, hi, td in iter_store(store, rows, step, keys=src_keys):
                 for name, key, dtype, shape in plan:
                     dsets[name][lo:hi] = to_numpy(td.get(key), dtype, shape)
-                if progress is not None:
-                    progress.update(hi - lo)
+                progress.update(hi - lo)
             if source is not None and source.get("naming") == "d4rl":
                 for name, spec in (source.get("extras") or {}).items():
                     if name not in h:

@@ -78,7 +78,7 @@ import torch
 from tensordict import TensorDict
 
 from ..errors import InvalidDatasetError, TieredError, UnsupportedFormatError
-from ..schema import round_trip
+from ..schema import fits_exactly, narrowest_dtype
 from ..util import fileio
 from ..util.batch import isin
 from ..util.progress import progress_bar
@@ -125,27 +125,15 @@ _READ_ERRORS = (OSError, EOFError, zlib.error, ValueError, SyntaxError, struct.e
 
 #: Slots of an action or reward file read at a time while scanning the values' ranges.
 SCAN_ROWS = 1 << 20
-#: The dtypes a column of whole numbers may be narrowed to, smallest first (below 4 bytes: the
-#: dataset's int32 and float32 columns gain nothing from a 4-byte one).
-_NARROW_INTS = (torch.uint8, torch.int8, torch.int16)
-
-
-def _fitting_int(lo: int, hi: int) -> torch.dtype | None:
-    """The first of :data:`_NARROW_INTS` that holds every whole number in ``[lo, hi]``, if any."""
-    for dtype in _NARROW_INTS:
-        info = torch.iinfo(dtype)
-        if info.min <= lo and hi <= info.max:
-            return dtype
-    return None
 
 
 class _RewardRange:
     """Which of the narrower reward dtypes hold every float32 reward seen so far exactly (fed slice
-    by slice), by the test the store's writes apply (:func:`tiered.schema.round_trip`)."""
+    by slice), by the test the store's writes apply (:func:`tiered.schema.fits_exactly`)."""
 
     #: In order of preference. Signed integers only: rewards are signed by nature, and a store
     #: extended later keeps room for both signs. float16 only without a NaN: a float32 NaN does not
-    #: come back bit for bit through it (round_trip refuses it too; export promises the bits).
+    #: come back bit for bit through it (fits_exactly refuses it; export promises the bits).
     CANDIDATES = (torch.int8, torch.int16, torch.float16)
 
     def __init__(self) -> None:
@@ -153,10 +141,9 @@ class _RewardRange:
 
     def add(self, values: np.ndarray) -> None:
         v = torch.from_numpy(values)
-        no_nan = not bool(torch.isnan(v).any())
-        for dtype in self.CANDIDATES:  # a dtype stays a candidate while every value so far round-trips
+        for dtype in self.CANDIDATES:  # a dtype stays a candidate while every value so far fits it
             if self.fits[dtype]:
-                self.fits[dtype] = bool(round_trip(v, dtype)[2].all()) and (no_nan or dtype != torch.float16)
+                self.fits[dtype] = fits_exactly(v, dtype)
 
     def dtype(self) -> torch.dtype | None:
         return next((d for d in self.CANDIDATES if self.fits[d]), None)
@@ -595,7 +582,9 @@ class DQNReplaySource:
             ("checkpoint",): (min(s.ckpt for s in self.segments), max(s.ckpt for s in self.segments)),
             ("index",): (0, max(s.rows for s in self.segments) - 1),
         }
-        out = {key: dtype for key, (a, b) in ranges.items() if (dtype := _fitting_int(a, b)) is not None}
+        # the int32 columns' narrower dtypes (uint8, int8, int16: a 4-byte one gains nothing)
+        out = {key: dtype for key, (a, b) in ranges.items()
+               if (dtype := narrowest_dtype(torch.tensor([a, b]), torch.int32)) is not None}
         if (reward := rewards.dtype()) is not None:
             out[REWARD] = reward
         return out
@@ -787,8 +776,7 @@ def _write_segment(
             out["action"].write(td.get(ACTION).numpy().astype(np.int32, copy=False).tobytes())
             out["reward"].write(td.get(REWARD).reshape(-1).numpy().astype(np.float32, copy=False).tobytes())
             out["terminal"].write(td.get(TERMINATED).reshape(-1).numpy().astype(np.uint8).tobytes())
-            if progress is not None:
-                progress.update(hi - lo)
+            progress.update(hi - lo)
     for name in EXTRAS:
         with contextlib.ExitStack() as es:
             _gz_writer(es, _file_name(logs, name, ckpt), level).write(base64.b64decode(seg["extras"][name]))

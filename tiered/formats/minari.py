@@ -49,22 +49,23 @@ from ..errors import UnsupportedFormatError
 from ..util import fileio
 from .common import (
     chunk_rows_for,
+    hdf5_datasets,
     iter_store,
     json_safe,
     np_to_torch,
     numpy_dtype,
+    open_hdf5,
     row_nbytes,
     to_numpy,
     writing,
 )
 from .keymap import (
-    ACTION,
     DONE,
     INFO,
+    MINARI_NAMES,
     NEXT_INFO,
     NEXT_OBS,
     OBS,
-    REWARD,
     TERMINATED,
     TRAJ,
     TRUNCATED,
@@ -86,14 +87,6 @@ MINARI_VERSION = "0.5.0"
 _MAX_EPISODE_ATTRS = 200_000
 
 _EPISODE = re.compile(r"^episode_(\d+)$")
-# (source top-level name, store key prefix, rows: "obs" T+1 split in two, "step" T, "info")
-_TOP = {
-    "observations": OBS,
-    "actions": ACTION,
-    "rewards": REWARD,
-    "terminations": TERMINATED,
-    "truncations": TRUNCATED,
-}
 
 
 def resolve_minari_path(path: str | os.PathLike[str]) -> tuple[str, str]:
@@ -110,16 +103,6 @@ def resolve_minari_path(path: str | os.PathLike[str]) -> tuple[str, str]:
         f"{path} is not a minari dataset: expected {os.path.join('data', MAIN_FILE)} inside it "
         "(a directory as minari writes it, e.g. ~/.minari/datasets/NAMESPACE/NAME-v0)"
     )
-
-
-def _leaves(
-    obj: h5py.Group | h5py.Dataset, sub: tuple[str, ...] = ()
-) -> Iterator[tuple[tuple[str, ...], h5py.Dataset]]:
-    if isinstance(obj, h5py.Dataset):
-        yield sub, obj
-        return
-    for name in obj:
-        yield from _leaves(obj[name], (*sub, name))
 
 
 def _is_image_space(space: Any) -> bool:
@@ -179,13 +162,21 @@ def _decode_jpeg(data: np.ndarray) -> np.ndarray:
     return np.stack(frames) if frames else np.empty((0,), np.uint8)
 
 
-class _Leaf:
-    """One dataset of an episode and where its rows go."""
+class _Leaf(NamedTuple):
+    """One dataset of the episode groups, and the store field its rows go to (import) or come from
+    (export)."""
 
-    def __init__(
-        self, path: tuple[str, ...], key: Key, kind: str, cell: tuple[int, ...], dtype: np.dtype, jpeg: bool
-    ) -> None:
-        self.path, self.key, self.kind, self.cell, self.dtype, self.jpeg = path, key, kind, cell, dtype, jpeg
+    path: tuple[str, ...]  # in the episode group, e.g. ("observations",) or ("infos", "success")
+    key: Key  # the store field
+    kind: str  # "obs" / "info1": T + 1 entries (the field, then its next field's last row); "step": T
+    dtype: np.dtype
+    shape: tuple[int, ...]  # cell shape
+    jpeg: bool = False  # import: minari stored the images JPEG-encoded
+
+    @property
+    def next_key(self) -> Key:
+        """The store field holding entries 1..T of an ``obs`` or ``info1`` leaf."""
+        return (NEXT_OBS if self.kind == "obs" else NEXT_INFO) + self.key[1:]
 
 
 class MinariSource:
@@ -214,10 +205,7 @@ class MinariSource:
                 "storage is "
                 "supported (convert arrow datasets with minari first)"
             )
-        try:
-            self._file = h5py.File(self.main, "r")
-        except OSError as e:
-            raise UnsupportedFormatError(f"{self.main} is not an HDF5 file ({e})") from None
+        self._file = open_hdf5(self.main)
         try:
             self._scan()
         except BaseException:
@@ -225,14 +213,10 @@ class MinariSource:
             raise
 
     def _scan(self) -> None:
-        eps = []
-        for name in self._file:
-            m = _EPISODE.match(name)
-            if m and isinstance(self._file[name], h5py.Group):
-                eps.append((int(m.group(1)), name))
+        eps = sorted((int(m.group(1)), name) for name in self._file
+                     if (m := _EPISODE.match(name)) and isinstance(self._file[name], h5py.Group))
         if not eps:
             raise UnsupportedFormatError(f"{self.main}: no episode_<i> groups; not a minari dataset")
-        eps.sort()
         self.episode_ids = np.array([e[0] for e in eps], dtype=np.int64)
         self.groups = [self._file[e[1]] for e in eps]
         self.lengths = np.array([g["rewards"].shape[0] for g in self.groups], dtype=np.int64)
@@ -241,12 +225,12 @@ class MinariSource:
         jpeg = _jpeg_spaces(self.meta)
         g0 = self.groups[0]
         T0 = int(self.lengths[0])
-        missing = [k for k in _TOP if k not in g0]
+        missing = [k for k in MINARI_NAMES if k not in g0]
         if missing:
             raise UnsupportedFormatError(f"{self.main}: episode group {g0.name} lacks {missing}")
         leaves: list[_Leaf] = []
-        for top, prefix in _TOP.items():
-            for sub, d in _leaves(g0[top]):
+        for top, prefix in MINARI_NAMES.items():
+            for sub, d in hdf5_datasets(g0[top]):
                 path = (top, *sub)
                 is_jpeg = jpeg.get(path, False)
                 if d.dtype.kind not in "biuf" and not (is_jpeg or d.dtype.kind == "O"):
@@ -267,13 +251,13 @@ class MinariSource:
                         path,
                         prefix + sub,
                         "obs" if top == "observations" else "step",
-                        cell,
                         np.dtype(dtype),
+                        cell,
                         is_jpeg,
                     )
                 )
         if "infos" in g0:
-            for sub, d in _leaves(g0["infos"]):
+            for sub, d in hdf5_datasets(g0["infos"]):
                 if d.dtype.kind not in "biuf":
                     raise UnsupportedFormatError(
                         f"{self.main}: infos/{'/'.join(sub)} has dtype {d.dtype}; "
@@ -291,9 +275,8 @@ class MinariSource:
                         ("infos", *sub),
                         INFO + sub,
                         "info1" if kind == "obs" else "step",
-                        tuple(d.shape[1:]),
                         d.dtype,
-                        False,
+                        tuple(d.shape[1:]),
                     )
                 )
         self.leaves = leaves
@@ -301,21 +284,16 @@ class MinariSource:
 
     @property
     def row_bytes(self) -> int:
-        total = row_nbytes({lf.path: (lf.cell, lf.dtype) for lf in self.leaves})
-        total += row_nbytes({lf.path: (lf.cell, lf.dtype) for lf in self.leaves if lf.kind != "step"})
+        total = row_nbytes({lf.path: (lf.shape, lf.dtype) for lf in self.leaves})
+        total += row_nbytes({lf.path: (lf.shape, lf.dtype) for lf in self.leaves if lf.kind != "step"})
         return total + 9
 
     def attrs(self) -> dict[str, Any]:
         """The import sidecar content."""
         ep_attrs: dict[str, list[Any]] = {}
         if self.num_episodes <= _MAX_EPISODE_ATTRS:
-            names: list[str] = []
-            for g in self.groups:
-                for k in g.attrs:
-                    if k not in names:
-                        names.append(k)
-            for k in names:
-                ep_attrs[k] = [json_safe(g.attrs[k]) if k in g.attrs else None for g in self.groups]
+            names = dict.fromkeys(k for g in self.groups for k in g.attrs)  # each once, in first-seen order
+            ep_attrs = {k: [json_safe(g.attrs[k]) if k in g.attrs else None for g in self.groups] for k in names}
         return {
             "format": "minari",
             "origin": self.origin,
@@ -329,7 +307,7 @@ class MinariSource:
                     "key": list(lf.key),
                     "kind": lf.kind,
                     "dtype": lf.dtype.str,
-                    "shape": list(lf.cell),
+                    "shape": list(lf.shape),
                 }
                 for lf in self.leaves
             ],
@@ -342,10 +320,10 @@ class MinariSource:
         except KeyError:
             raise UnsupportedFormatError(f"{self.main}: {g.name} lacks {'/'.join(lf.path)}") from None
         a = _decode_jpeg(d[lo:hi]) if lf.jpeg else np.asarray(d[lo:hi])
-        if a.shape[1:] != lf.cell and not (a.ndim == 1 and lf.cell == (1,)):
+        if a.shape[1:] != lf.shape and not (a.ndim == 1 and lf.shape == (1,)):
             raise UnsupportedFormatError(
                 f"{self.main}: {g.name}/{'/'.join(lf.path)} has cells of shape {a.shape[1:]}, but the first "
-                f"episode's are {lf.cell}; every episode must have the same shapes"
+                f"episode's are {lf.shape}; every episode must have the same shapes"
             )
         return a
 
@@ -357,9 +335,8 @@ class MinariSource:
 
         def emit() -> TensorDict:
             nonlocal parts, have
-            td = TensorDict({}, batch_size=[have])
-            for k, v in parts.items():
-                td.set(k, np_to_torch(np.concatenate(v) if len(v) > 1 else v[0]))
+            td = TensorDict({k: np_to_torch(np.concatenate(v) if len(v) > 1 else v[0]) for k, v in parts.items()},
+                            batch_size=[have])
             parts, have = {}, 0
             return td
 
@@ -382,9 +359,8 @@ class MinariSource:
                         parts.setdefault(lf.key, []).append(a)
                     else:
                         a = self._read(g, lf, lo, hi + 1)
-                        nxt_key = NEXT_OBS + lf.key[1:] if lf.kind == "obs" else NEXT_INFO + lf.key[1:]
                         parts.setdefault(lf.key, []).append(a[:m])
-                        parts.setdefault(nxt_key, []).append(a[1 : m + 1])
+                        parts.setdefault(lf.next_key, []).append(a[1 : m + 1])
                 done = np.zeros((m, 1), dtype=bool)
                 if term is not None:
                     done |= term.reshape(m, -1).any(-1, keepdims=True)
@@ -457,21 +433,6 @@ def _box_json(dtype: np.dtype, shape: tuple[int, ...]) -> dict[str, Any]:
     }
 
 
-class _ExportLeaf(NamedTuple):
-    """One dataset of every exported episode group, and the store field written into it."""
-
-    path: tuple[str, ...]  # in the episode group, e.g. ("observations",) or ("infos", "success")
-    key: Key  # the store field
-    kind: str  # "obs" / "info1": T + 1 entries (the field, then its next field's last row); "step": T
-    dtype: np.dtype
-    shape: tuple[int, ...]  # cell shape
-
-    @property
-    def next_key(self) -> Key:
-        """The store field holding entries 1..T of an ``obs`` or ``info1`` leaf."""
-        return (NEXT_OBS if self.kind == "obs" else NEXT_INFO) + self.key[1:]
-
-
 @dataclass
 class _EpisodeFiles:
     """The exported episodes: their export rows and the HDF5 objects created for them."""
@@ -487,8 +448,8 @@ def write_minari(
     rows: np.ndarray,
     tmp: str,
     source: dict[str, Any] | None,
-    chunk_rows: int | None = None,
-    progress: Any = None,
+    chunk_rows: int | None,
+    progress: Any,
     dataset_id: str | None = None,
 ) -> dict[str, Any]:
     """Write a store's rows as a minari dataset directory at ``tmp`` (through :mod:`tiered.util.fileio`).
@@ -520,8 +481,7 @@ def write_minari(
         reward_stats = {e: [] for e in range(ids.size)} if not ep_attrs else None
         for lo, hi, td in iter_store(store, rows, step, keys=read_keys):
             _write_slice(lo, hi, td, leaves, episodes, reward_stats)
-            if progress is not None:
-                progress.update(hi - lo)
+            progress.update(hi - lo)
         if reward_stats is not None:
             _write_reward_stats(episodes.groups, reward_stats)
     meta = _metadata(source if from_minari else None, leaves, dataset_id)
@@ -538,7 +498,7 @@ def write_minari(
     return {"episodes": int(ids.size), "rows": n, "dropped": dropped}
 
 
-def _leaves_as_imported(source: dict[str, Any], fields: dict[Key, Any]) -> list[_ExportLeaf]:
+def _leaves_as_imported(source: dict[str, Any], fields: dict[Key, Any]) -> list[_Leaf]:
     """The datasets of a store imported from minari: the source's own, for the fields still there."""
     leaves = []
     for c in source["columns"]:
@@ -546,23 +506,17 @@ def _leaves_as_imported(source: dict[str, Any], fields: dict[Key, Any]) -> list[
         if key not in fields:
             continue
         shape = flat_cell(key, tuple(c["shape"]))
-        leaves.append(_ExportLeaf(tuple(c["path"]), key, c["kind"], np.dtype(c["dtype"]), shape))
+        leaves.append(_Leaf(tuple(c["path"]), key, c["kind"], np.dtype(c["dtype"]), shape))
     return leaves
 
 
-def _leaves_for_schema(fields: dict[Key, Any]) -> list[_ExportLeaf]:
+def _leaves_for_schema(fields: dict[Key, Any]) -> list[_Leaf]:
     """The datasets of a store not imported from minari, by TorchRL key (see the key mapping).
 
     Raises:
         UnsupportedFormatError: the store lacks observations, actions, rewards or done flags.
     """
-    tops = {
-        OBS: "observations",
-        ACTION: "actions",
-        REWARD: "rewards",
-        TERMINATED: "terminations",
-        TRUNCATED: "truncations",
-    }
+    tops = {key: name for name, key in MINARI_NAMES.items()}
     leaves = []
     for key, f in fields.items():
         np_dtype = numpy_dtype(f.dtype, key_str(key), "minari (HDF5)")
@@ -570,15 +524,15 @@ def _leaves_for_schema(fields: dict[Key, Any]) -> list[_ExportLeaf]:
         for prefix, top in tops.items():
             if key[: len(prefix)] == prefix:
                 kind = "obs" if prefix == OBS and NEXT_OBS + key[1:] in fields else "step"
-                leaves.append(_ExportLeaf((top, *key[len(prefix) :]), key, kind, np_dtype, shape))
+                leaves.append(_Leaf((top, *key[len(prefix) :]), key, kind, np_dtype, shape))
                 break
         else:
             if key[:1] == INFO and len(key) > 1:
                 kind = "info1" if NEXT_INFO + key[1:] in fields else "step"
-                leaves.append(_ExportLeaf(("infos", *key[1:]), key, kind, np_dtype, shape))
+                leaves.append(_Leaf(("infos", *key[1:]), key, kind, np_dtype, shape))
     have = {lf.path[0] for lf in leaves}
     if "terminations" not in have and DONE in fields:
-        leaves.append(_ExportLeaf(("terminations",), DONE, "step", np.dtype(bool), ()))
+        leaves.append(_Leaf(("terminations",), DONE, "step", np.dtype(bool), ()))
     for top in ("observations", "actions", "rewards"):
         if top not in have:
             raise UnsupportedFormatError(
@@ -608,7 +562,7 @@ def _source_episode_attrs(source: dict[str, Any] | None, n: int, lengths: np.nda
 
 
 def _create_episodes(
-    h: h5py.File, leaves: list[_ExportLeaf], episodes: _EpisodeFiles, ep_attrs: dict[str, list[Any]]
+    h: h5py.File, leaves: list[_Leaf], episodes: _EpisodeFiles, ep_attrs: dict[str, list[Any]]
 ) -> None:
     """One group per episode with its datasets (created once, kept in ``episodes``) and attributes.
 
@@ -640,7 +594,7 @@ def _write_slice(
     lo: int,
     hi: int,
     td: Any,
-    leaves: list[_ExportLeaf],
+    leaves: list[_Leaf],
     episodes: _EpisodeFiles,
     reward_stats: dict[int, list[np.ndarray]] | None,
 ) -> None:
@@ -683,7 +637,7 @@ def _write_reward_stats(groups: list[h5py.Group], reward_stats: dict[int, list[n
             )
 
 
-def _metadata(source: dict[str, Any] | None, leaves: list[_ExportLeaf], dataset_id: str | None) -> dict[str, Any]:
+def _metadata(source: dict[str, Any] | None, leaves: list[_Leaf], dataset_id: str | None) -> dict[str, Any]:
     """``metadata.json`` but its totals: a minari source's own, else spaces built from the leaves."""
     meta = dict(source["metadata"]) if source is not None and isinstance(source.get("metadata"), dict) else {}
     if not meta:
@@ -705,7 +659,7 @@ def _metadata(source: dict[str, Any] | None, leaves: list[_ExportLeaf], dataset_
     return meta
 
 
-def _space_json(group: list[_ExportLeaf]) -> dict[str, Any]:
+def _space_json(group: list[_Leaf]) -> dict[str, Any]:
     """The JSON form of the space of ``group``'s leaves: a Box, or a Dict of Boxes."""
     if len(group) == 1 and len(group[0].path) == 1:
         return _box_json(group[0].dtype, group[0].shape)

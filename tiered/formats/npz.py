@@ -147,11 +147,8 @@ class NpzSource(FlatSource):
         except zipfile.BadZipFile:
             raise UnsupportedFormatError(f"{path} is not an .npz archive (not a zip file)") from None
         try:
-            members = {}
-            for info in self._zf.infolist():
-                if not info.filename.endswith(".npy"):
-                    continue
-                members[info.filename[:-4]] = _Member(self._zf, info, path)
+            members = {info.filename[:-4]: _Member(self._zf, info, path) for info in self._zf.infolist()
+                       if info.filename.endswith(".npy")}
             if not members:
                 raise UnsupportedFormatError(f"{path}: the archive holds no .npy arrays")
             naming = "d4rl" if "observations" in members and "actions" in members else "ted"
@@ -173,8 +170,8 @@ def write_npz(
     rows: np.ndarray,
     tmp: str,
     source: dict[str, Any] | None,
-    chunk_rows: int | None = None,
-    progress: Any = None,
+    chunk_rows: int | None,
+    progress: Any,
     layout: str | None = None,
 ) -> dict[str, Any]:
     """Write a store's rows as an uncompressed ``.npz`` at ``tmp`` (``np.load`` reads it).
@@ -222,6 +219,6 @@ def write_npz(
                         w.write(
                             memoryview(np.ascontiguousarray(to_numpy(td.get(key), dtype, shape))).cast("B")
                         )
-                        if progress is not None and total_bytes:
+                        if total_bytes:
                             progress.update((hi - lo) * row_nbytes({name: (shape, dtype)}) / total_bytes)
     return {"arrays": [p[0] for p in plan], "rows": n}

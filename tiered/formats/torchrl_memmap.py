@@ -40,6 +40,7 @@ import torch
 from tensordict import TensorDict
 
 from ..errors import PickledDataError, UnsupportedFormatError
+from ..schema import normalize_key
 from ..util import fileio
 from .common import chunk_rows_for, iter_store
 from .keymap import Key, key_str
@@ -113,7 +114,7 @@ class TorchRLSource:
         self.leaves: dict[Key, Any] = {}
         self.dropped: list[str] = []
         for key in td.keys(include_nested=True, leaves_only=True):
-            key = (key,) if isinstance(key, str) else tuple(key)
+            key = normalize_key(key)
             if key in drop:
                 continue
             v = td.get(key)
@@ -157,10 +158,7 @@ class TorchRLSource:
         step = chunk_rows_for(self.row_bytes, chunk_rows)
         for lo in range(0, self.num_rows, step):
             hi = min(self.num_rows, lo + step)
-            td = TensorDict({}, batch_size=[hi - lo])
-            for key, t in self.leaves.items():
-                td.set(key, self._read(t, lo, hi))
-            yield td
+            yield TensorDict({key: self._read(t, lo, hi) for key, t in self.leaves.items()}, batch_size=[hi - lo])
 
     def close(self) -> None:
         self.leaves = {}
@@ -171,8 +169,8 @@ def write_torchrl(
     rows: np.ndarray,
     tmp: str,
     source: dict[str, Any] | None,
-    chunk_rows: int | None = None,
-    progress: Any = None,
+    chunk_rows: int | None,
+    progress: Any,
 ) -> dict[str, Any]:
     """Write a store's rows as a TensorDict memmap directory at ``tmp``.
 
@@ -194,9 +192,8 @@ def write_torchrl(
     n = int(rows.size)
     # a TensorDict of zero-strided views: tensordict lays out the directory and meta.json
     # without allocating the rows
-    template = TensorDict({}, batch_size=[n])
-    for f in fields:
-        template.set(f.key, torch.zeros((1, *f.shape), dtype=f.dtype).expand(n, *f.shape))
+    template = TensorDict({f.key: torch.zeros((1, *f.shape), dtype=f.dtype).expand(n, *f.shape) for f in fields},
+                          batch_size=[n])
     mm = template.memmap_like(tmp)
     files = {f.key: mm.get(f.key).filename for f in fields}
     row_bytes = {f.key: f.cell_nbytes for f in fields}
@@ -211,8 +208,7 @@ def write_torchrl(
                 v = td.get(f.key).contiguous()
                 data = v.view(torch.uint8) if v.dtype != torch.uint8 and v.dim() else v
                 fileio.pwrite(fds[f.key], memoryview(data.numpy()).cast("B"), lo * row_bytes[f.key])
-            if progress is not None:
-                progress.update(hi - lo)
+            progress.update(hi - lo)
         for fd in fds.values():
             fileio.fsync(fd)
     finally:

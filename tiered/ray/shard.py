@@ -38,7 +38,7 @@ from tensordict import TensorDictBase
 
 from ..engine.transport import CompressedRows
 from ..errors import IndexOutOfRangeError, InvalidArgumentError, StoreLockedError
-from ..store import TieredStore
+from ..store import OPEN_OPTIONS, TieredStore
 from .sumtree import SumMinTree
 
 __all__ = ["ShardServer", "ShardStatus"]
@@ -74,7 +74,7 @@ class ShardServer:
         self.alpha, self.eps = float(alpha), float(eps)
         options = dict(options or {})
         if reopen:
-            runtime = {k: v for k, v in options.items() if k in _OPEN_OPTIONS}
+            runtime = {k: v for k, v in options.items() if k in OPEN_OPTIONS}
             self.store = _open_when_unlocked(path, runtime)
         else:
             self.store = TieredStore(capacity, path, **options)
@@ -168,10 +168,6 @@ class ShardServer:
             leaves = self.tree.leaves(rows)
         data = None if transport is None else self.get(rows, keys, transport)
         return rows, leaves, data, self.status()
-
-
-_OPEN_OPTIONS = ("hot_bytes", "warm_bytes", "hot_device", "device", "policy", "verify", "threads", "promote",
-                 "gpu_decode", "stage_rows")
 
 
 def _open_when_unlocked(path: str | None, options: dict[str, Any]) -> TieredStore:

@@ -60,7 +60,6 @@ _CKPT_VERSION = 2
 # Decoded bytes per chunk when rows are copied between stores (dumps/loads of in-memory stores):
 # bounds the temporary memory while keeping each get/set call batched.
 _COPY_CHUNK_BYTES = 256 * 2**20
-_INDEX_KEY = "index"
 
 
 class TieredStorageCheckpointer(StorageCheckpointerBase):
@@ -225,7 +224,6 @@ def _read_checkpoint(storage: TieredStorage, path: Path, load_hooks: list | None
                          f"{storage.max_size}; create TieredStorage({meta['max_size']}) to load it")
     form = DataForm.from_json(meta["form"]) if meta.get("form") else None
     storage.restore_layout(form, meta.get("grid"))
-    dst = storage.store
     if meta["initialized"] and n:
         src = TieredStore.open(path / meta["store"], mode="r", warm_bytes=0, hot_bytes=0)
         try:
@@ -234,12 +232,8 @@ def _read_checkpoint(storage: TieredStorage, path: Path, load_hooks: list | None
             src.close()
     if meta.get("side_columns"):
         storage.side_columns.load(torch.load(path / _SIDE_FILE, weights_only=True))
-    with dst.locked():
-        storage._len = n  # the store's length counter
-        dst.cursor = int(meta["cursor"]) % storage.max_size
     # TorchRL's storages leave _last_cursor as it was on loads; so does this one
-    if dst.path is not None and n:
-        dst.flush()
+    _set_length(storage, n, int(meta["cursor"]))
 
 
 def _load_rows(storage: TieredStorage, get, n: int, row_nbytes: int, load_hooks: list | None) -> None:
@@ -269,10 +263,16 @@ def _read_torchrl_memmap(storage: TieredStorage, path: Path, load_hooks: list | 
     storage.restore_layout(storage.form or DataForm("tensordict"), None)
     row_nbytes = sum(v[0].numel() * v.element_size() for v in td.values(True, True)) if td.numel() else 1
     _load_rows(storage, lambda lo, hi: td[lo:hi], n, row_nbytes, load_hooks)
+    _set_length(storage, n, n)
+
+
+def _set_length(storage: TieredStorage, n: int, cursor: int) -> None:
+    """After loading ``n`` rows: the storage's length and its store's cursor, committed (a store
+    with a path)."""
     store = storage.store
     with store.locked():
         storage._len = n  # the store's length counter
-        store.cursor = n % storage.max_size
+        store.cursor = cursor % storage.max_size
     if store.path is not None and n:
         store.flush()
 
@@ -308,12 +308,7 @@ def copy_from_lazy(storage: TieredStorage, lazy: LazyTensorStorage) -> None:
         else:
             data = lazy.get(tuple(slice(None) for _ in range(storage.ndim)))
             storage.set(range(lazy._len_along_dim0), data, set_cursor=False)
-    store = storage.store
-    with store.locked():
-        storage._len = n
-        store.cursor = n % storage.max_size
-    if store.path is not None and n:
-        store.flush()
+    _set_length(storage, n, n)
 
 
 def dumps_with(checkpointer: StorageCheckpointerBase, storage: TieredStorage, path: str | os.PathLike) -> None:

@@ -33,14 +33,11 @@ import torch
 from tensordict import TensorDict, TensorDictBase, is_tensor_collection
 from torch.utils._pytree import tree_map
 
-try:
-    from torchrl._utils import _make_ordinal_device
-    from torchrl.data.replay_buffers.checkpointers import StorageCheckpointerBase
-    from torchrl.data.replay_buffers.samplers import PrioritizedSampler
-    from torchrl.data.replay_buffers.storages import Storage, TensorStorage
-except ImportError as e:  # pragma: no cover - exercised only without the extra
-    raise ImportError(
-        "tiered.torchrl needs TorchRL: pip install 'tiered[torchrl]' (torchrl>=0.9)") from e
+# (without torchrl, the package's __init__ has already refused, naming the install command)
+from torchrl._utils import _make_ordinal_device
+from torchrl.data.replay_buffers.checkpointers import StorageCheckpointerBase
+from torchrl.data.replay_buffers.samplers import PrioritizedSampler
+from torchrl.data.replay_buffers.storages import Storage, TensorStorage
 
 from ..durable.manifest import MANIFEST
 from ..engine.priorities import checked_row_priorities
@@ -786,7 +783,7 @@ class TieredStorage(TensorStorage):
         So on each write the attached buffers' samplers get a :class:`_PriorityForwarder` in
         front of ``update_priority`` (once per sampler): it checks the priorities, lets the
         sampler take them, then gives them to :meth:`TieredStore.set_priority` and the sampler's
-        alpha to :attr:`TieredStore.priority_alpha`. A loop over attached buffers (one, usually).
+        alpha to :attr:`TieredStore.priority_alpha`.
         """
         for buffer in self._attached_entities_iter():
             sampler = getattr(buffer, "sampler", None)

@@ -31,7 +31,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 from torch.utils._pytree import tree_map
 
-from ..schema import Key
+from ..schema import Key, normalize_key
 
 __all__ = ["BlobLoader", "LazyColumn", "RowsView"]
 
@@ -171,7 +171,7 @@ class RowsView(TensorDict):
         for key, leaf in value.items(include_nested=True, leaves_only=True):
             cell = self.get(key, None)
             dtype = cell.dtype if cell is not None else leaf.dtype
-            values[_key(key)] = torch.as_tensor(leaf, dtype=dtype).expand(*sub_shape, *leaf.shape[nd:])
+            values[normalize_key(key)] = torch.as_tensor(leaf, dtype=dtype).expand(*sub_shape, *leaf.shape[nd:])
         self._write_through(index, values)
         for key, v in values.items():
             cell = self.get(key, None)
@@ -184,13 +184,13 @@ class RowsView(TensorDict):
         value = torch.as_tensor(value, dtype=cell.dtype)
         sub = torch.empty(0).new_zeros(self.batch_size, dtype=torch.bool)
         sub_shape = sub[_as_torch_index(index)].shape
-        self._write_through(index, {_key(key): value.expand(*sub_shape, *cell.shape[self.batch_dims:])})
+        self._write_through(index, {normalize_key(key): value.expand(*sub_shape, *cell.shape[self.batch_dims:])})
         return self._replace_column(key, cell, index, value)
 
     def set_(self, key, value, **kwargs):
         cell = self.get(key)
         value = torch.as_tensor(value, dtype=cell.dtype).expand(cell.shape)
-        self._write_through(None, {_key(key): value})
+        self._write_through(None, {normalize_key(key): value})
         return self._replace_column(key, cell, None, value)
 
     def update_(self, input_dict_or_td, clone: bool = False, *, keys_to_update=None, **kwargs):
@@ -199,12 +199,12 @@ class RowsView(TensorDict):
             source = TensorDict(source, batch_size=self.batch_size)
         items = dict(source.items(include_nested=True, leaves_only=True))
         if keys_to_update is not None:
-            wanted = {_key(k) for k in keys_to_update}
-            items = {k: v for k, v in items.items() if _key(k) in wanted}
+            wanted = {normalize_key(k) for k in keys_to_update}
+            items = {k: v for k, v in items.items() if normalize_key(k) in wanted}
         values = {}
         for key, value in items.items():
             cell = self.get(key)
-            values[_key(key)] = torch.as_tensor(value, dtype=cell.dtype).expand(cell.shape)
+            values[normalize_key(key)] = torch.as_tensor(value, dtype=cell.dtype).expand(cell.shape)
         self._write_through(None, values)
         for key, value in values.items():
             self._replace_column(key, self.get(key), None, value)
@@ -219,10 +219,6 @@ class RowsView(TensorDict):
         if new is not cell:
             TensorDict.set(self, key, new)
         return self
-
-
-def _key(key: Any) -> Key:
-    return (key,) if isinstance(key, str) else tuple(key)
 
 
 def _as_np_index(index: Any) -> Any:
