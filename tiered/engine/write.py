@@ -81,7 +81,7 @@ RAW_BELOW_RATIO = 1.5
 LARGE_FRAME_LEVEL = -1
 
 #: An encode of less raw bytes than this runs on the calling thread (a codec twin of one thread):
-#: a write-stage flush (64 Atari rows: ~9 chunks, ~0.5 MB) or a 256-row write (~1.8 MB). Handing
+#: a write-stage flush (128 Atari rows: ~17 chunks, ~1 MB) or a 256-row write (~1.8 MB). Handing
 #: half of it to a pool thread saves at most half of a few hundred microseconds of zstd, and the
 #: handoff (waking the thread, the GIL back and forth) costs about that or more on a 2-core VM:
 #: ``python benchmarks/bench_encode_split.py`` (a loaded 2-core VM, 2026-12-07, noisy), chunks of
