@@ -1,7 +1,8 @@
 """Small writes through TorchRL with a stage flush's encode on the calling thread or split over the
 pool, side by side in one process, against LazyTensorStorage.
 
-Run: ``python benchmarks/bench_stage_write.py [--threads 2] [--blocks 16] [--between-samples 0]``
+Run: ``python benchmarks/bench_stage_write.py [--threads 2] [--blocks 16] [--between-samples 0]
+[--stage-rows 64 128]``
 
 On real Atari stacks with next observations (the rows ``profile_calls.py`` uses), a
 ``TensorDictReplayBuffer`` over ``TieredStorage`` is written with ``rb.extend`` of 16 rows and
@@ -9,7 +10,8 @@ On real Atari stacks with next observations (the rows ``profile_calls.py`` uses)
 block to block (the machine's drift hits each alike), ``LazyTensorStorage`` in the same rotation.
 Settings (``tiered.engine.write.ENCODE_SPLIT_BYTES``): ``encode-1`` (4 MiB, the default: a
 flush's ~0.5 MB encode on the calling thread) or ``encode-split`` (0: split over ``--threads``
-pool threads, as before).
+pool threads, as before); with ``--stage-rows K ...``, also a ``TieredStorage`` per stage size
+``K`` (``stage_rows=K``, encode-1), written with the same rows.
 
 ``--between-samples N``: ``rb.sample()`` of 256 rows N times after each write (a training loop's
 reads between writes); only the writes are timed. Prints the median over blocks of wall and
@@ -40,6 +42,8 @@ def main(argv=None) -> int:
     p.add_argument("--blocks", type=int, default=16, help="timed blocks per setting (2 more warm up)")
     p.add_argument("--between-samples", type=int, default=0)
     p.add_argument("--ops", nargs="+", default=["rb.extend16", "rb.add1"])
+    p.add_argument("--stage-rows", nargs="*", type=int, default=[],
+                   help="also a TieredStorage(N, stage_rows=K) per K (encode-1), in the same rotation")
     args = p.parse_args(argv)
     import torch
     torch.set_num_threads(args.threads)
@@ -52,10 +56,24 @@ def main(argv=None) -> int:
     store, ts, lts, rbs = P.build(n, data)
     table, state = P.ops(store, ts, lts, rbs, data, n)
     runs = {**{k: ("tiered", v) for k, v in SETTINGS.items()}, "LazyTensorStorage": ("lts", None)}
+    from torchrl.data import RandomSampler, TensorDictReplayBuffer
+
+    from tiered.store import DEFAULT_STAGE_ROWS
+    from tiered.torchrl import TieredStorage
+
+    add_rows = [data[i] for i in range(512)]
+    ext_rows = [data[i:i + 16] for i in range(0, 4096 - 15, 16)]
+    for k in args.stage_rows:  # one more storage per stage size, its writes on the same rows
+        rb = TensorDictReplayBuffer(storage=TieredStorage(n, stage_rows=k), sampler=RandomSampler(), batch_size=256)
+        rb.extend(data)
+        table["rb.extend16"][f"stage-{k}"] = lambda rb=rb: rb.extend(ext_rows[state["row"] % len(ext_rows)])
+        table["rb.add1"][f"stage-{k}"] = lambda rb=rb: rb.add(add_rows[state["row"] % len(add_rows)])
+        table["rb.sample256"][f"stage-{k}"] = rb.sample
+        runs[f"stage-{k} (encode-1)"] = (f"stage-{k}", SETTINGS["encode-1"])
     for op in args.ops:
         rows = 16 if "extend" in op else 1
-        calls = 4 * 64 // rows  # four whole stage cycles
-        samplers = {k: table["rb.sample256"][k] for k in ("tiered", "lts")}
+        calls = 4 * max([DEFAULT_STAGE_ROWS, *args.stage_rows]) // rows  # four whole stage cycles
+        samplers = {who: table["rb.sample256"][who] for who, _ in runs.values()}
         wall: dict[str, list[float]] = {k: [] for k in runs}
         cpu: dict[str, list[float]] = {k: [] for k in runs}
         for b in range(args.blocks + 2):

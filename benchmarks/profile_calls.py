@@ -126,6 +126,23 @@ STAGES = [
     ("tiered.engine.write", "WritePath.validate_values"),
     ("tiered.schema", "Schema.match"),
     ("tiered.engine.placement", "Placement.rows_staged"),
+    # the stage flush, step by step
+    ("tiered.engine.stage", "WriteStage.batch"),
+    ("tiered.engine.frames", "FrameFamily._dedup"),
+    ("tiered.engine.frames", "FrameFamily.neighbour_hits"),
+    ("tiered.engine.frames", "FrameColumns.take"),
+    ("tiered.engine.frames", "frame_hashes"),
+    ("tiered.engine.frames", "FrameFamily._resolve"),
+    ("tiered.engine.frames", "FrameFamily._closed_chunks"),
+    ("tiered.engine.frames", "FrameFamily._next_tail"),
+    ("tiered.engine.frames", "FrameFamily.commit"),
+    ("tiered.engine.row_tables", "ShiftedRowTable.put"),
+    ("tiered.engine.row_tables", "NextRowTable.put"),
+    ("tiered.engine.row_tables", "NextRowTable.hold"),
+    ("tiered.engine.blob_index", "BlobIndex.incref"),
+    ("tiered.engine.blob_index", "BlobIndex.decref"),
+    ("tiered.engine.placement", "Placement.rows_written"),
+    ("tiered.engine.placement", "Placement.free_in_tiers"),
 ]
 
 

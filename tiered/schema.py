@@ -439,8 +439,8 @@ def row_number_mismatch(values: torch.Tensor, rows: Any) -> bool:
     n = len(rows)
     if n == 0 or values.numel() == 0:
         return False
-    if values.numel() == 1:  # one row (rb.add): a Python compare
-        return values.reshape(()).item() != int(rows[0])
+    if values.numel() == 1:  # one row (rb.add): a Python compare (item() of any shape: no reshape)
+        return values.item() != int(rows[0])
     if values.device.type == "cpu" and values.dtype in _NUMPY_COMPARABLE:  # numpy: no torch dispatch
         return not np.logical_and.reduce((values.numpy().reshape(n, -1) == np.asarray(rows).reshape(n, 1)), axis=None)
     at = torch.from_numpy(rows).to(values.device).view(n, 1)

@@ -19,6 +19,7 @@ import tiered
 from tiered import TieredStore
 from tiered.engine.gpu_read import GpuDecoder
 from tiered.errors import IndexOutOfRangeError, SchemaMismatchError, StorageFullError
+from tiered.store import DEFAULT_STAGE_ROWS
 from tiered.testing import faults, parts
 
 
@@ -123,20 +124,21 @@ def test_one_row_writes_are_staged_until_the_stage_fills(atari_pong):
 
 def test_a_small_collector_batch_is_staged(atari_mixed):
     """A write of 16 rows (a collector of 16 vectorized envs) waits in the default stage (writes
-    of up to stage_rows // 4 rows do); 17 rows go through; reads are exact either way."""
-    data = atari_mixed[1900:2100]  # Pong's end, MsPacman's start: trajectories end and begin
+    of up to stage_rows // 4 rows do: 32 by default); 33 rows go through; reads are exact either way."""
+    data = atari_mixed[1900:2200]  # Pong's end, MsPacman's start: trajectories end and begin
     store = TieredStore(500)
+    assert DEFAULT_STAGE_ROWS == 128
     store.extend(data[:16])  # the first write fixes the schema and goes through
     assert store.stats()["staged_rows"] == 0
     store.extend(data[16:32])
     assert store.stats()["staged_rows"] == 16
     assert_td_equal(store.get(torch.arange(8, 24)), data[8:24])  # stored and staged rows in one read
-    store.extend(data[32:49])  # 17 rows: the stage goes first, then the write goes through
+    store.extend(data[32:65])  # 33 rows: the stage goes first, then the write goes through
     assert store.stats()["staged_rows"] == 0
-    for lo in range(49, 49 + 16 * 5, 16):  # the fifth 16-row write finds the stage full
+    for lo in range(65, 65 + 16 * 9, 16):  # the ninth 16-row write finds the stage full
         store.extend(data[lo:lo + 16])
     assert store.stats()["staged_rows"] == 16
-    assert_td_equal(store.get(slice(None)), data[:129])
+    assert_td_equal(store.get(slice(None)), data[:209])
     check_refcounts(store)
 
 

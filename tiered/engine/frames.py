@@ -55,7 +55,7 @@ def auto_chunk_frames(frame_nbytes: int, most: int) -> int:
     return max(1, min(int(most), CHUNK_TARGET_BYTES // max(int(frame_nbytes), 1)))
 
 #: The largest temporary a family keeps for reuse (:meth:`FrameFamily.scratch`); the write
-#: stage's flushes need far less (64 rows of 2 x 4-frame Atari stacks: ~170 kB).
+#: stage's flushes need far less (128 rows of 2 x 4-frame Atari stacks: ~340 kB).
 SCRATCH_MAX_BYTES = 8 << 20
 
 _HASH_SEED = 0x9E3779B97F4A7C15
@@ -270,7 +270,7 @@ class FrameFamily:
     # ------------------------------------------------------------------------------------
     def plan(self, frames: FrameColumns, frame_traj: np.ndarray, ended_traj: np.ndarray,
              tail_mask: np.ndarray, index: BlobIndex, close_all: bool = False,
-             rules: np.ndarray | None = None) -> FramePlan:
+             rules: np.ndarray | None = None, hits: np.ndarray | None = None) -> FramePlan:
         """Plan the storage of ``frames`` (``n_rows`` rows of ``per_row`` frames, in write order).
 
         Dedup, then chunk assignment of the new unique frames, then where every incoming frame
@@ -287,9 +287,11 @@ class FrameFamily:
             rules: ``[per_row, 2]`` int array: frame column ``p`` of a row is expected to equal
                 column ``rules[p, 1]`` of the previous row of its trajectory (``rules[p, 0] == 1``)
                 or of its own row (``0``); ``-1``: no expectation. See :func:`layout_rules`.
+            hits: what :meth:`neighbour_hits` gave for these ``frames`` and ``rules`` (the write
+                stage compares its rows as they arrive); None: compared here.
         """
         n_tail = self.tail_frames.shape[0]
-        representative, roots, root_frames = self._dedup(frames, frame_traj, rules)
+        representative, roots, root_frames = self._dedup(frames, frame_traj, rules, hits)
         rep_new = representative[n_tail:]  # of each incoming frame, a position in [tail; frames]
         unique_pos = (rep_new == np.arange(n_tail, n_tail + frames.n_frames)).ravel().nonzero()[0]
         chunks = self._assign_chunks(frame_traj[unique_pos], ended_traj, close_all, index)
@@ -463,8 +465,8 @@ class FrameFamily:
         open blobs ``ids``."""
         return ranges(index.open_slot[ids] * self.chunk_frames, fill)
 
-    def _dedup(self, frames: FrameColumns, frame_traj: np.ndarray,
-               rules: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _dedup(self, frames: FrameColumns, frame_traj: np.ndarray, rules: np.ndarray | None,
+               hits: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Representatives in the space ``[tail; frames]`` (equal bytes, exact), the dedup roots
         (positions of frames equal to nothing earlier) and the roots' bytes."""
         n_tail, n_frames, frame_nbytes = self.tail_frames.shape[0], frames.n_frames, self.frame_nbytes
@@ -473,7 +475,7 @@ class FrameFamily:
             roots = np.arange(n_frames)
             return representative, roots, frames.take(roots)
         if rules is not None and n_frames:
-            representative = self._dedup_neighbours(frames, frame_traj, rules, representative)
+            representative = self._dedup_neighbours(frames, frame_traj, rules, representative, hits)
         roots = (representative[n_tail:] == np.arange(n_tail, n_tail + n_frames)).ravel().nonzero()[0]
         root_frames = frames.take(roots)
         # 2. Everything still unmatched (new frames, the first row of each trajectory, static
@@ -498,44 +500,69 @@ class FrameFamily:
         representative[n_tail + roots] = position[root_rep[n_tail:]]
         return representative[representative], roots, root_frames
 
-    def _dedup_neighbours(self, frames: FrameColumns, frame_traj: np.ndarray, rules: np.ndarray,
-                          representative: np.ndarray) -> np.ndarray:
-        """1. The layout's own neighbours, compared in place as strided views (no gathers).
-
-        A stacked frame equals the next frame of the previous row's stack, and a next
-        observation's frames equal the observation's. The rules come in runs (see
-        :func:`rule_runs`): one comparison of 8-byte words per run (a 4-frame stack with its next
-        observation: 3 comparisons, not 7), never a loop over rows. Bit-exact equality is the
-        criterion: every word of both frames is compared. Returns ``representative`` with the
-        matches applied.
-        """
-        n_tail, frame_nbytes = self.tail_frames.shape[0], self.frame_nbytes
-        per_row, n_rows = frames.per_row, frames.n_rows
-        key = (rules.tobytes(), tuple(frames.offsets.tolist()))
+    def _rule_runs(self, rules: np.ndarray, offsets: np.ndarray) -> list[tuple[int, ...]]:
+        """:func:`rule_runs` of a layout, worked out once per (rules, field offsets)."""
+        key = (rules.tobytes(), tuple(offsets.tolist()))
         runs = self._runs.get(key)
         if runs is None:
-            runs = self._runs[key] = rule_runs(rules, frames.offsets)
-        row_traj = frame_traj[::per_row]
-        same_prev = row_traj[1:] == row_traj[:-1]  # row r + 1 continues row r's trajectory
-        base = n_tail + np.arange(n_rows, dtype=np.int64) * per_row
-        words = frame_nbytes % 8 == 0
-        width = frame_nbytes // 8 if words else frame_nbytes
-        eq = self.scratch("rule_eq", (n_rows, max(r[5] for r in runs), width), bool)
+            runs = self._runs[key] = rule_runs(rules, offsets)
+        return runs
+
+    def neighbour_hits(self, frames: FrameColumns, rules: np.ndarray, lo: int, out: np.ndarray) -> None:
+        """Compare the frames of rows ``lo ..`` of ``frames`` with their layout neighbours, in place
+        as strided views (no gathers): ``out[r, p]`` is whether frame column ``p`` of row ``r``
+        equals its rule partner (``rules[p]``: in row ``r`` or ``r - 1``) bit for bit, whatever the
+        trajectories (:meth:`plan` cuts those); False where there is no partner (rule ``-1``, or
+        row 0 for a previous-row rule). ``out``: bool ``[n_rows, per_row]``, rows before ``lo``
+        left as they are, so the rows of a batch can be compared a few at a time as they arrive
+        (the write stage compares each write's rows while they are in cache).
+
+        The rules come in runs (see :func:`rule_runs`): one comparison of 8-byte words per run (a
+        4-frame stack with its next observation: 3 comparisons, not 7), never a loop over rows.
+
+        Example:
+            >>> frames = np.arange(5, dtype=np.uint8).repeat(8).reshape(5, 8)   # a rollout's frames 0..4
+            >>> stacks = np.stack([frames[t:t + 2] for t in range(4)])          # 4 rows, stacks of 2
+            >>> fam = FrameFamily(0, 8, chunk_frames=4)
+            >>> hits = np.zeros((4, 2), bool)
+            >>> fam.neighbour_hits(FrameColumns([stacks]), layout_rules([(("obs",), 2, True)]), 0, hits)
+            >>> hits.tolist()   # frame 0 of each row after the first is frame 1 of the row before
+            [[False, False], [True, False], [True, False], [True, False]]
+        """
+        hi = frames.n_rows
+        runs = self._rule_runs(rules, frames.offsets)
+        words = self.frame_nbytes % 8 == 0
+        width = self.frame_nbytes // 8 if words else self.frame_nbytes
+        eq = self.scratch("rule_eq", (max(hi - lo, 0), max(r[5] for r in runs), width), bool)
+        out[lo:hi] = False
         cells = frames.cells
-        for row_delta, f, c, g, e, length, p, q in runs:
-            x, y = cells[f][:, c:c + length], cells[g][:, e:e + length]
+        for row_delta, f, c, g, e, length, p, _q in runs:
+            a = max(lo, row_delta)  # a previous-row rule starts at row 1
+            x = cells[f][a:hi, c:c + length]
+            y = cells[g][a - row_delta:hi - row_delta, e:e + length]
             if words:
                 x, y = x.view(np.uint64), y.view(np.uint64)
-            if row_delta == 0:
-                hit = np.equal(x, y, out=eq[:, :length]).all(-1)
-                rows, k = hit.nonzero()
-                representative[base[rows] + p + k] = base[rows] + q + k
-            else:
-                hit = np.equal(x[1:], y[:-1], out=eq[:n_rows - 1, :length]).all(-1)
-                hit &= same_prev[:, None]
-                rows, k = hit.nonzero()
-                rows += 1
-                representative[base[rows] + p + k] = base[rows] - per_row + q + k
+            np.equal(x, y, out=eq[:hi - a, :length]).all(-1, out=out[a:hi, p:p + length])
+
+    def _dedup_neighbours(self, frames: FrameColumns, frame_traj: np.ndarray, rules: np.ndarray,
+                          representative: np.ndarray, hits: np.ndarray | None = None) -> np.ndarray:
+        """1. The layout's own neighbours: a stacked frame equals the next frame of the previous
+        row's stack, and a next observation's frames equal the observation's. Bit-exact equality
+        (:meth:`neighbour_hits`, or ``hits`` it gave for these rows already) inside one
+        trajectory is the criterion. Returns ``representative`` with the matches applied.
+        """
+        n_tail = self.tail_frames.shape[0]
+        per_row, n_rows = frames.per_row, frames.n_rows
+        if hits is None:
+            hits = self.scratch("rule_hits", (n_rows, per_row), bool)
+            self.neighbour_hits(frames, rules, 0, hits)
+        delta, partner = rules[:, 0], rules[:, 1]
+        row_traj = frame_traj[::per_row]
+        # a previous-row match counts inside one trajectory only (row r continues row r - 1's)
+        cut = np.concatenate([[True], row_traj[1:] != row_traj[:-1]])
+        rows, p = (hits & ~(cut[:, None] & (delta == 1))).nonzero()
+        base = n_tail + rows * per_row
+        representative[base + p] = base - delta[p] * per_row + partner[p]
         # chains (a frame -> its neighbour -> ...) are at most per_row long: pointer jumping
         for _ in range(int(np.ceil(np.log2(per_row + 1))) + 1):
             representative = representative[representative]

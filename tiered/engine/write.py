@@ -81,7 +81,7 @@ RAW_BELOW_RATIO = 1.5
 LARGE_FRAME_LEVEL = -1
 
 #: An encode of less raw bytes than this runs on the calling thread (a codec twin of one thread):
-#: a write-stage flush (64 Atari rows: ~9 chunks, ~0.5 MB) or a 256-row write (~1.8 MB). Handing
+#: a write-stage flush (128 Atari rows: ~17 chunks, ~1 MB) or a 256-row write (~1.8 MB). Handing
 #: half of it to a pool thread saves at most half of a few hundred microseconds of zstd, and the
 #: handoff (waking the thread, the GIL back and forth) costs about that or more on a 2-core VM:
 #: ``python benchmarks/bench_encode_split.py`` (a loaded 2-core VM, 2026-12-07, noisy), chunks of
@@ -160,7 +160,7 @@ def check_cells_readable(schema: Schema | None, data: Any) -> None:
     for key, v in leaves:
         if not isinstance(v, torch.Tensor):
             continue  # the schema check names it
-        if v.device.type == "meta":
+        if v.is_meta:  # (an attribute: a quarter of v.device's cost, once per field and write)
             bad.append(f"field {key_to_str(key)!r} is a tensor on the meta device")
         elif v.layout != torch.strided or v.is_nested:
             bad.append(f"field {key_to_str(key)!r} is a {'nested' if v.is_nested else v.layout} tensor")
@@ -320,7 +320,9 @@ class WritePath:
         them in."""
         schema = self.layout.schema
         widen = self.widen
-        numbered = [f for f in schema.row_number_fields if row_number_mismatch(data[f.key].detach(), at)]
+        # (detach only what carries autograd history: ~0.4 us a field on every small write)
+        numbered = [f for f in schema.row_number_fields
+                    if row_number_mismatch(_no_grad(data[f.key]), at)]
         held = None
         if numbered:  # a row-number column becomes a column: one compare per column said so
             stage = self.stage
@@ -729,6 +731,11 @@ def one_thread(codec: Codec) -> Codec:
     if type(codec) is ZstdCodec and codec.threads > 1:
         return ZstdCodec(codec.level, threads=1)
     return codec
+
+
+def _no_grad(v: torch.Tensor) -> torch.Tensor:
+    """``v`` without autograd history (detached only when it has some)."""
+    return v.detach() if v.requires_grad else v
 
 
 def _cell_frames(f: Field, value: torch.Tensor, n: int) -> np.ndarray:
