@@ -68,7 +68,7 @@ import numpy as np
 
 from ..errors import CodecUnavailableError, CorruptionError, DeviceFailedError, UnknownCodecError
 from ..util.batch import exclusive_cumsum
-from ..util.buffers import check_bounds
+from ..util.buffers import check_bounds, is_out_of_memory
 from ..util.copy import copy_blobs
 from ..util.hostcopy import copy_host_blobs
 from ..util.units import ALIGNMENT, align  # 16: the largest alignment an nvCOMP format needs (ANS)
@@ -972,8 +972,7 @@ def _find_decode_modes(codec: NvcompCodec) -> dict[str, Any]:
             errors.append(f"{what}: decoded bytes differ")
         except Exception as e:  # a probe records why a mode fails, then tries the next
             errors.append(f"{what}: {type(e).__name__}: {e}")
-            msg = str(e).lower()
-            if "out of memory" in msg or type(e).__name__ in ("OutOfMemoryError", "MemoryError"):
+            if is_out_of_memory(e):
                 result["oom"] = True
             else:
                 # a mode that ends the CUDA context must not pass for "decode on the CPU"

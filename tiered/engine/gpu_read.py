@@ -81,6 +81,7 @@ from ..errors import ChecksumError, CodecUnavailableError, TieredError
 from ..schema import Field, Key
 from ..tiers.arena import cuda_usable, new_buffer
 from ..util.batch import exclusive_cumsum
+from ..util.buffers import is_out_of_memory
 from ..util.copy import copy_blobs
 from ..util.units import align  # the arenas' alignment: the hot gather reads aligned extents
 from .blob_index import COLD, HOT, OPEN, WARM, BlobIndex
@@ -211,10 +212,7 @@ def _stand_in_scratch(out_sizes: np.ndarray) -> int:
 
 
 def _is_oom(e: BaseException) -> bool:
-    if isinstance(e, (torch.OutOfMemoryError, MemoryError)) or getattr(_tls, "oom", False):
-        return True
-    msg = str(e).lower()
-    return "out of memory" in msg or "cudaerrormemoryallocation" in msg or "outofmemory" in msg
+    return getattr(_tls, "oom", False) or is_out_of_memory(e)
 
 
 class _Fallback(Exception):

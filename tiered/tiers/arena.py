@@ -43,7 +43,7 @@ import torch
 
 from ..errors import StorageFullError
 from ..util.batch import exclusive_cumsum
-from ..util.buffers import as_int64, check_bounds
+from ..util.buffers import as_int64, check_bounds, is_out_of_memory
 from ..util.copy import copy_blobs
 from ..util.hostcopy import copy_host_blobs
 from ..util.units import align, format_bytes, parse_bytes
@@ -349,9 +349,7 @@ class ArenaTier(Tier):
             self._grow(need)
         except BaseException as e:
             self._alloc.restore(snapshot)
-            oom = isinstance(e, (torch.OutOfMemoryError, MemoryError)) or (
-                isinstance(e, RuntimeError) and "out of memory" in str(e).lower())
-            if not oom:
+            if not is_out_of_memory(e):
                 raise
             raise StorageFullError(
                 f"the {self.name} arena on {self.device} could not grow from "
