@@ -72,6 +72,7 @@ from ..util.buffers import check_bounds, is_out_of_memory
 from ..util.copy import copy_blobs
 from ..util.hostcopy import copy_host_blobs
 from ..util.units import ALIGNMENT, align  # 16: the largest alignment an nvCOMP format needs (ANS)
+from . import get_codec
 from .base import Codec, EncodedBatch
 from .checksum import segment_checksums
 from .raw import as_batch, check_out
@@ -308,25 +309,15 @@ def _reset_allocator() -> None:
 
 
 def _cpu_compress(fmt: str, raw: bytes) -> bytes:
-    """The CPU encoder of each format, with the parameters tiered persists."""
-    if fmt == "zstd":
-        import zstandard
-
-        cctx = zstandard.ZstdCompressor(level=3, write_content_size=True, write_checksum=False,
-                                        write_dict_id=False)
-        return cctx.compress(raw)
-    if fmt == "lz4":
-        if raw == b"":
-            return b"\x00"
-        import lz4.block
-
-        return lz4.block.compress(raw, store_size=False)
+    """The frame the CPU codec of ``fmt`` writes for ``raw`` (deflate, GPU-only, has none: zlib's
+    raw deflate, as nvCOMP writes it)."""
     if fmt == "deflate":
         import zlib
 
         c = zlib.compressobj(6, zlib.DEFLATED, -15)
         return c.compress(raw) + c.flush()
-    raise UnknownCodecError(f"unknown nvCOMP format {fmt!r}; known: {sorted(_FORMATS)}")
+    enc = get_codec(fmt).encode(np.frombuffer(raw, np.uint8), np.zeros(1, np.int64), np.array([len(raw)]))
+    return enc.data.tobytes()
 
 
 @functools.cache
