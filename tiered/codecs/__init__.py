@@ -106,10 +106,7 @@ _FACTORIES: dict[str, CodecFactory] = {
 
 
 def _known() -> str:
-    names = []
-    for name in _FACTORIES:
-        names.append("zstd[:level] (e.g. 'zstd:9')" if name == "zstd" else name)
-    return ", ".join(names)
+    return ", ".join("zstd[:level] (e.g. 'zstd:9')" if name == "zstd" else name for name in _FACTORIES)
 
 
 def _unknown(spec: object) -> UnknownCodecError:
