@@ -121,7 +121,7 @@ def store_stats(rows: RowSpace, layout: FieldLayout | None, index: BlobIndex, pl
         "rows": rows.length,
         "capacity": rows.capacity,
         "codec": codec_name,
-        "blobs": int(index.live_ids().size),
+        "blobs": int(live.size),
         "resident_bytes": resident_bytes,
         "bytes_per_row": (resident_bytes - resident["tiers"] + blob_bytes) / rows.length if rows.length else 0.0,
         "fields": field_stats(rows, layout, index) if layout is not None else {},
