@@ -473,15 +473,15 @@ def test_checksums_of_a_sampled_batch_as_a_read_lays_it_out(fill: str, rng: np.r
     ]:
         assert segment_checksums(data, offsets, sizes_).tolist() == reference_checksums(data, offsets, sizes_)
     for offsets, sizes_ in [(np.array([0, 3000]), np.array([3000, 2001])), (np.array([-1, 2]), np.array([3, 4]))]:
-        with pytest.raises(ValueError, match="inside the data buffer"):  # past the end, before the start
+        with pytest.raises(ValueError, match="inside the buffer"):  # past the end, before the start
             segment_checksums(data, offsets.astype(np.int64), sizes_.astype(np.int64))
 
 
 def test_segment_checksums_reject_out_of_range_blobs() -> None:
     data = np.zeros(10, np.uint8)
-    with pytest.raises(ValueError, match="inside the data buffer"):
+    with pytest.raises(ValueError, match="inside the buffer"):
         segment_checksums(data, np.array([5]), np.array([6]))
-    with pytest.raises(ValueError, match="inside the data buffer"):
+    with pytest.raises(ValueError, match="inside the buffer"):
         segment_checksums_torch(torch.from_numpy(data), torch.tensor([-1]), torch.tensor([2]))
 
 
@@ -562,7 +562,6 @@ def test_register_codec_and_available_codecs(monkeypatch: pytest.MonkeyPatch) ->
 def test_codec_for_format_id() -> None:
     assert codec_for_format_id(0) == RawCodec()
     assert codec_for_format_id(1) == ZstdCodec(3)
-    assert codec_for_format_id(1, level=9).name == "zstd:9"
     assert codec_for_format_id(2) == Lz4Codec()
     with pytest.raises(UnknownCodecError, match="unknown codec format id 7"):
         codec_for_format_id(7)

@@ -19,8 +19,9 @@ import pytest
 
 from tiered.errors import StorageFullError
 from tiered.testing import faults
-from tiered.tiers import HDF5Tier, MemmapTier, align
+from tiered.tiers import HDF5Tier, MemmapTier
 from tiered.util import fileio
+from tiered.util.units import align
 
 SEG = 64 << 10
 

@@ -48,7 +48,7 @@ from tiered.codecs.nvcomp import (
     take_allocation_failure,
 )
 from tiered.engine.blob_index import COLD, HOT, OPEN, WARM
-from tiered.engine.gpu_read import GpuDecoder, fused_checksums, inject_device_oom, maybe_gpu_decoder
+from tiered.engine.gpu_read import GpuDecoder, fused_checksums, maybe_gpu_decoder
 from tiered.errors import ChecksumError, CodecUnavailableError, UnknownCodecError
 from tiered.testing import decode_blobs, parts, spread_over_tiers, tier_counts
 from tiered.tiers.arena import inject_oom
@@ -270,20 +270,19 @@ def test_batch_oom_splits_and_stays_exact(frames, tmp_path):
     whole = dec.stats()["h2d_bytes"]
     store.get(np.arange(len(store)))
     one_batch = dec.stats()["h2d_bytes"] - whole
-    with inject_device_oom(one_batch // 3, only=("batch", "scratch")):
+    with inject_oom(one_batch // 3, only=("batch", "scratch")):
         got = store.get(np.arange(len(store)))
     assert_td_equal(got, expected)
     st = dec.stats()
     assert st["oom_events"] >= 1 and st["splits"] >= 3 and st["cpu_fallbacks"] == 0
 
 
-@pytest.mark.parametrize("seam", ["decoder", "arena"])
-def test_oom_falls_back_to_the_cpu_path_with_exact_data(frames, tmp_path, seam):
+@pytest.mark.parametrize("only", [("output", "batch", "scratch", "index"), None], ids=["decoder", "all"])
+def test_oom_falls_back_to_the_cpu_path_with_exact_data(frames, tmp_path, only):
     store = tiered_store(frames, tmp_path / "s", hot_device="cpu")
     expected = snapshot(store)
     dec = GpuDecoder("cpu").attach(store)
-    ctx = inject_device_oom(0) if seam == "decoder" else inject_oom()
-    with ctx:
+    with inject_oom(0, only):
         check_gets(store, expected, sizes=(3, 300))
     st = dec.stats()
     assert st["cpu_fallbacks"] == 2 and st["oom_events"] == 2
@@ -296,7 +295,7 @@ def test_oom_below_min_split_falls_back(frames, tmp_path):
     store = tiered_store(frames, tmp_path / "s", hot_device="cpu")
     expected = snapshot(store)
     dec = GpuDecoder("cpu", min_split=16).attach(store)
-    with inject_device_oom(1, only="batch"):
+    with inject_oom(1, only="batch"):
         check_gets(store, expected, sizes=(200,))
     st = dec.stats()
     assert st["cpu_fallbacks"] == 1 and st["fallback_reasons"] == {"out of memory below min_split blobs": 1}
@@ -314,7 +313,7 @@ def test_scratch_oom_inside_the_decode_call_is_raised_after_it_and_splits(frames
     blobs = np.unique(parts(store).layout.tables[("observation",)].blob[rows])
     stored = blobs[idx.state[blobs] != OPEN]
     whole = gpu_mod._stand_in_scratch(idx.raw_nbytes[stored])
-    with inject_device_oom(whole // 3, only="scratch"):
+    with inject_oom(whole // 3, only="scratch"):
         got = store.get(rows)
     assert_td_equal(got, expected)
     st = dec.stats()
@@ -325,7 +324,7 @@ def test_scratch_oom_inside_the_decode_call_is_raised_after_it_and_splits(frames
 def test_a_scratch_failure_is_recorded_then_raised_into_the_codec():
     # nvCOMP gets an exception from its allocator callback, never a null block; the codec raises
     # the recorded error (not what nvCOMP makes of it) after the call
-    with inject_device_oom(0), pytest.raises(torch.OutOfMemoryError, match="injected"):
+    with inject_oom(0), pytest.raises(torch.OutOfMemoryError, match="injected"):
         gpu_mod._scratch(1024, torch.device("cpu"))
     err = take_allocation_failure()
     assert isinstance(err, torch.OutOfMemoryError) and "injected" in str(err)
@@ -342,7 +341,7 @@ def test_a_codec_error_that_is_not_oom_falls_back_to_the_cpu_once_warned(frames,
     store = tiered_store(frames, tmp_path / "s", hot_device="cpu")
     expected = snapshot(store)
     dec = GpuDecoder("cpu").attach(store)
-    with inject_device_oom(0, only="scratch", error="cudaErrorLaunchFailure"):
+    with inject_oom(0, only="scratch", error="cudaErrorLaunchFailure"):
         with pytest.warns(UserWarning, match="cudaErrorLaunchFailure.*decoded on the CPU"):
             check_gets(store, expected, sizes=(40,))
         with warnings.catch_warnings():
@@ -654,7 +653,8 @@ def test_gpu_oom_split_and_fallback_stay_exact(tmp_path):
         from helpers import assert_td_equal
         from test_gpu import FIXTURE, tiered_store, snapshot
         from tiered.atari import load_fixture
-        from tiered.engine.gpu_read import GpuDecoder, inject_device_oom
+        from tiered.engine.gpu_read import GpuDecoder
+        from tiered.tiers.arena import inject_oom
 
         frames = load_fixture(FIXTURE, games=["Breakout", "MsPacman"])
         expected = snapshot(tiered_store(frames, {str(tmp_path / "cpu")!r}, hot_device="cpu"))
@@ -668,7 +668,7 @@ def test_gpu_oom_split_and_fallback_stay_exact(tmp_path):
         block = dec.stats()["h2d_bytes"]
         assert_td_equal(store.get(rows).to("cpu"), expected)
         block = dec.stats()["h2d_bytes"] - block  # the staged part of one whole batch
-        with inject_device_oom(block // 3, only="batch"):  # parts of 8 blobs stay far below it
+        with inject_oom(block // 3, only="batch"):  # parts of 8 blobs stay far below it
             got = store.get(rows)
         assert_td_equal(got.to("cpu"), expected)
         st = dec.stats()
@@ -679,14 +679,14 @@ def test_gpu_oom_split_and_fallback_stay_exact(tmp_path):
         split_at = []
         for shift in range(27, 11, -1):
             before = dec.stats()
-            with inject_device_oom(1 << shift, only="scratch"):
+            with inject_oom(1 << shift, only="scratch"):
                 assert_td_equal(store.get(rows).to("cpu"), expected)
             after = dec.stats()
             d = {{k: after[k] - before[k] for k in ("oom_events", "splits", "cpu_fallbacks")}}
             if d["oom_events"] and d["splits"] and not d["cpu_fallbacks"]:
                 split_at.append(1 << shift)
         assert split_at, "no scratch limit split a batch on the GPU"
-        with inject_device_oom(0):
+        with inject_oom(0, only=("output", "batch", "scratch", "index")):
             assert_td_equal(store.get(rows).to("cpu"), expected)
         assert dec.stats()["cpu_fallbacks"] >= 1
         assert_td_equal(store.get(rows).to("cpu"), expected)  # and the GPU path works afterwards

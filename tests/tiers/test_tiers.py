@@ -28,15 +28,13 @@ from tiered.tiers import (
     MemmapTier,
     SpillTier,
     Tier,
-    align,
-    copy_blobs,
     default_budgets,
-    parse_bytes,
 )
 from tiered.tiers.arena import inject_oom
 from tiered.tiers.memmap import GROW_MIN, GROW_STEP
 from tiered.util.batch import extents_overlap
-from tiered.util.copy import copy_tensor_blobs
+from tiered.util.copy import copy_blobs, copy_tensor_blobs
+from tiered.util.units import align, parse_bytes
 
 # Small segments so that batches cross segment boundaries.
 SEG = 64 << 10

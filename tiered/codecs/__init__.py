@@ -106,10 +106,7 @@ _FACTORIES: dict[str, CodecFactory] = {
 
 
 def _known() -> str:
-    names = []
-    for name in _FACTORIES:
-        names.append("zstd[:level] (e.g. 'zstd:9')" if name == "zstd" else name)
-    return ", ".join(names)
+    return ", ".join("zstd[:level] (e.g. 'zstd:9')" if name == "zstd" else name for name in _FACTORIES)
 
 
 def _unknown(spec: object) -> UnknownCodecError:
@@ -235,12 +232,11 @@ def _load_reserved(name: str, spec: str) -> CodecFactory:
     return factory
 
 
-def codec_for_format_id(format_id: int, level: int | None = None) -> Codec:
+def codec_for_format_id(format_id: int) -> Codec:
     """A codec that decodes blobs of ``format_id`` (as stored in the blob index).
 
     Args:
         format_id: 0 raw, 1 zstd, 2 lz4.
-        level: zstd level to use when this codec also encodes (decoding ignores it).
 
     Raises:
         UnknownCodecError: the id is not a known format (a newer tiered wrote it, or the index
@@ -248,8 +244,8 @@ def codec_for_format_id(format_id: int, level: int | None = None) -> Codec:
 
     Example:
         >>> from tiered.codecs import codec_for_format_id
-        >>> codec_for_format_id(1, level=9).name
-        'zstd:9'
+        >>> codec_for_format_id(1).name
+        'zstd:3'
     """
     name = _FORMAT_IDS.get(int(format_id))
     if name is None:
@@ -258,7 +254,4 @@ def codec_for_format_id(format_id: int, level: int | None = None) -> Codec:
             + ", ".join(f"{i} ({n})" for i, n in sorted(_FORMAT_IDS.items()))
             + "; the store was written by a newer tiered or its index is damaged"
         )
-    if name == "zstd":
-        zstd = __getattr__("ZstdCodec")
-        return zstd() if level is None else zstd(level)
     return get_codec(name)

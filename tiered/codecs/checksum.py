@@ -47,7 +47,7 @@ import numpy as np
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["segment_checksums", "segment_checksums_torch", "verify", "checksum_reference"]
+__all__ = ["segment_checksums", "segment_checksums_torch", "verify", "checksum_reference", "check_layout"]
 
 _MASK32 = 0xFFFFFFFF
 # Bytes per pass. numpy: 4 MiB, so one pass covers any realistic sampled batch of compressed blobs
@@ -89,7 +89,15 @@ def _as_index(a: np.ndarray, name: str) -> np.ndarray:
     return a.astype(np.int64, copy=False)
 
 
-def _check_layout(nbytes: int, offsets: np.ndarray, sizes: np.ndarray) -> None:
+def check_layout(nbytes: int, offsets: np.ndarray, sizes: np.ndarray) -> None:
+    """Raise ValueError unless int64 ``offsets`` and ``sizes`` describe blobs inside ``nbytes`` bytes.
+
+    Example:
+        >>> check_layout(4, np.array([0, 2]), np.array([2, 3]))
+        Traceback (most recent call last):
+        ...
+        ValueError: blob (offset, size) pairs must lie inside the buffer of 4 bytes with ...
+    """
     if offsets.shape != sizes.shape:
         raise ValueError(
             f"offsets and sizes must have the same length, got {offsets.shape} and {sizes.shape}"
@@ -100,8 +108,9 @@ def _check_layout(nbytes: int, offsets: np.ndarray, sizes: np.ndarray) -> None:
         or int(np.maximum.reduce(offsets + sizes)) > nbytes
     ):
         raise ValueError(
-            f"blob (offset, size) pairs must lie inside the data buffer of {nbytes} bytes "
-            "with non-negative sizes; the blob index is inconsistent with the data"
+            f"blob (offset, size) pairs must lie inside the buffer of {nbytes} bytes "
+            "with non-negative sizes; the offsets/sizes do not describe this buffer (read from a store: "
+            "its blob index is inconsistent with the data, run `tiered verify`)"
         )
 
 
@@ -140,7 +149,7 @@ def segment_checksums(data: np.ndarray, offsets: np.ndarray, sizes: np.ndarray) 
             return small
     offsets = _as_index(offsets, "offsets")
     sizes = _as_index(sizes, "sizes")
-    _check_layout(data.size, offsets, sizes)
+    check_layout(data.size, offsets, sizes)
     n = sizes.size
     if n == 0:
         return np.zeros(0, dtype=np.int64)
@@ -380,7 +389,7 @@ def segment_checksums_torch(
         bad = (offsets < 0) | (sizes < 0) | (ends > nbytes)
         if bool(bad.any()):
             raise ValueError(
-                f"blob (offset, size) pairs must lie inside the data buffer of {nbytes} bytes "
+                f"blob (offset, size) pairs must lie inside the buffer of {nbytes} bytes "
                 "with non-negative sizes; the blob index is inconsistent with the data"
             )
     # Full prefix arrays with a leading 0, masked to 32 bits, built chunk by chunk so int64

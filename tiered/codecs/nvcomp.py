@@ -68,10 +68,11 @@ import numpy as np
 
 from ..errors import CodecUnavailableError, CorruptionError, DeviceFailedError, UnknownCodecError
 from ..util.batch import exclusive_cumsum
-from ..util.buffers import check_bounds
+from ..util.buffers import check_bounds, is_out_of_memory
 from ..util.copy import copy_blobs
 from ..util.hostcopy import copy_host_blobs
 from ..util.units import ALIGNMENT, align  # 16: the largest alignment an nvCOMP format needs (ANS)
+from . import get_codec
 from .base import Codec, EncodedBatch
 from .checksum import segment_checksums
 from .raw import as_batch, check_out
@@ -308,25 +309,15 @@ def _reset_allocator() -> None:
 
 
 def _cpu_compress(fmt: str, raw: bytes) -> bytes:
-    """The CPU encoder of each format, with the parameters tiered persists."""
-    if fmt == "zstd":
-        import zstandard
-
-        cctx = zstandard.ZstdCompressor(level=3, write_content_size=True, write_checksum=False,
-                                        write_dict_id=False)
-        return cctx.compress(raw)
-    if fmt == "lz4":
-        if raw == b"":
-            return b"\x00"
-        import lz4.block
-
-        return lz4.block.compress(raw, store_size=False)
+    """The frame the CPU codec of ``fmt`` writes for ``raw`` (deflate, GPU-only, has none: zlib's
+    raw deflate, as nvCOMP writes it)."""
     if fmt == "deflate":
         import zlib
 
         c = zlib.compressobj(6, zlib.DEFLATED, -15)
         return c.compress(raw) + c.flush()
-    raise UnknownCodecError(f"unknown nvCOMP format {fmt!r}; known: {sorted(_FORMATS)}")
+    enc = get_codec(fmt).encode(np.frombuffer(raw, np.uint8), np.zeros(1, np.int64), np.array([len(raw)]))
+    return enc.data.tobytes()
 
 
 @functools.cache
@@ -972,8 +963,7 @@ def _find_decode_modes(codec: NvcompCodec) -> dict[str, Any]:
             errors.append(f"{what}: decoded bytes differ")
         except Exception as e:  # a probe records why a mode fails, then tries the next
             errors.append(f"{what}: {type(e).__name__}: {e}")
-            msg = str(e).lower()
-            if "out of memory" in msg or type(e).__name__ in ("OutOfMemoryError", "MemoryError"):
+            if is_out_of_memory(e):
                 result["oom"] = True
             else:
                 # a mode that ends the CUDA context must not pass for "decode on the CPU"

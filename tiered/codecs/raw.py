@@ -27,7 +27,7 @@ import numpy as np
 from ..errors import CorruptionError
 from ..util.hostcopy import copy_host_blobs, pack_blobs
 from .base import Codec, EncodedBatch
-from .checksum import segment_checksums
+from .checksum import check_layout, segment_checksums
 
 __all__ = ["RawCodec", "as_batch", "check_out"]
 
@@ -58,15 +58,7 @@ def as_batch(
             and type(sizes) is np.ndarray and sizes.dtype == np.int64 and sizes.shape == offsets.shape):
         # anything but the arrays a store's read path builds (those skip the ~14 calls of this)
         data, offsets, sizes = _normalized(data, offsets, sizes)
-    if sizes.size and (
-        # ufunc reductions, not .min()/.max(): those add Python-level wrapper calls per batch
-        int(np.minimum.reduce(sizes)) < 0 or int(np.minimum.reduce(offsets)) < 0
-        or int(np.maximum.reduce(offsets + sizes)) > data.size
-    ):
-        raise ValueError(
-            f"every blob must lie inside the buffer of {data.size} bytes with a non-negative size; "
-            "the offsets/sizes do not describe this buffer"
-        )
+    check_layout(data.size, offsets, sizes)
     return data, offsets, sizes
 
 

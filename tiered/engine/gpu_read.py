@@ -33,9 +33,9 @@ bit-exact, otherwise exact sizes are used.
 
 Out of GPU memory never gives wrong data: the batch is split in halves and retried, and below
 ``min_split`` blobs the decoder falls back to the CPU pipeline (:class:`~tiered.engine.read.CpuReadPipeline`); each event
-is counted in :meth:`GpuDecoder.stats`. :func:`inject_device_oom` is the allocation-failure
-seam for tests (GPU out-of-memory cannot be produced on demand); ``tiered.tiers.arena.inject_oom`` also reaches every
-allocation of the decoder.
+is counted in :meth:`GpuDecoder.stats`. Every allocation of the decoder goes through the arenas'
+``new_buffer``, so tests make them fail with :func:`tiered.tiers.arena.inject_oom` (GPU
+out-of-memory cannot be produced on demand).
 
 The decoder also runs with ``device="cpu"`` and the CPU codecs standing in for nvCOMP: every
 step above but the nvCOMP call and the CUDA streams is then exercised on CPU-only CI.
@@ -81,6 +81,7 @@ from ..errors import ChecksumError, CodecUnavailableError, TieredError
 from ..schema import Field, Key
 from ..tiers.arena import cuda_usable, new_buffer
 from ..util.batch import exclusive_cumsum
+from ..util.buffers import is_out_of_memory
 from ..util.copy import copy_blobs
 from ..util.units import align  # the arenas' alignment: the hot gather reads aligned extents
 from .blob_index import COLD, HOT, OPEN, WARM, BlobIndex
@@ -92,8 +93,8 @@ from .read import CpuReadPipeline, ReadPipeline, blob_frames
 if TYPE_CHECKING:
     from ..store import TieredStore
 
-__all__ = ["GpuDecoder", "GpuReadPipeline", "maybe_gpu_decoder", "inject_device_oom", "fused_checksums",
-           "ALLOCATION_KINDS", "bucket_size", "describe_choice"]
+__all__ = ["GpuDecoder", "GpuReadPipeline", "maybe_gpu_decoder", "fused_checksums", "bucket_size",
+           "describe_choice"]
 
 _OPEN_KIND = 3  # kinds 0, 1, 2 are the tier constants HOT, WARM, COLD
 _FORMAT_NAMES = {1: "zstd", 2: "lz4", 3: "deflate"}
@@ -123,64 +124,15 @@ def bucket_size(n: int) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
-# Allocation seam: out-of-memory is injected here in tests, never by replacing a component
+# Allocation: through the arenas' new_buffer, where tests inject out-of-memory (inject_oom)
 # ---------------------------------------------------------------------------------------------
 
-_limits: list[tuple[int, frozenset[str] | None]] = []
 _tls = threading.local()
-#: What the decoder allocates on the device: the decoded batch, the per-attempt block (tables and
-#: compressed bytes), nvCOMP's scratch, the frame indices re-uploaded after a split.
-ALLOCATION_KINDS = ("output", "batch", "scratch", "index")
-
-
-@contextlib.contextmanager
-def inject_device_oom(max_bytes: int = 0, only: str | tuple[str, ...] | None = None, *,
-                      error: str | None = None) -> Iterator[None]:
-    """Make GPU-decoder allocations larger than ``max_bytes`` raise ``torch.OutOfMemoryError`` (tests).
-
-    Covers the decoder's own buffers and nvCOMP's scratch (routed through PyTorch's allocator).
-    ``max_bytes=0`` fails every allocation (forcing the CPU fallback); restricting ``only`` to
-    ``"batch"``/``"scratch"`` with a size between a whole batch and its halves forces a split.
-    With ``error``, the allocation raises ``RuntimeError(error)`` instead: with
-    ``only="scratch"`` that is a failure inside nvCOMP's call that is not a lack of memory (a
-    CUDA runtime error, say), which the decoder answers by decoding the batch on the CPU.
-
-    Args:
-        max_bytes: allocations above this size fail.
-        only: fail only these kinds (see :data:`ALLOCATION_KINDS`); default all.
-        error: raise ``RuntimeError(error)`` rather than out-of-memory.
-
-    Example:
-        >>> with inject_device_oom(0):
-        ...     try:
-        ...         _device_empty(16, torch.device("cpu"))
-        ...     except torch.OutOfMemoryError:
-        ...         print("injected")
-        injected
-    """
-    kinds = None if only is None else frozenset([only] if isinstance(only, str) else only)
-    if kinds is not None and not kinds <= set(ALLOCATION_KINDS):
-        raise ValueError(f"only must name kinds among {ALLOCATION_KINDS}, got {only!r}")
-    _limits.append((int(max_bytes), kinds, error))
-    try:
-        yield
-    finally:
-        _limits.pop()
 
 
 def _device_empty(nbytes: int, device: torch.device, kind: str = "batch") -> torch.Tensor:
-    if _limits:
-        limit, kinds, error = _limits[-1]
-        if nbytes > limit and (kinds is None or kind in kinds):
-            if error is not None:
-                raise RuntimeError(f"injected: {error} ({kind}, {nbytes} bytes on {device})")
-            _tls.oom = True
-            raise torch.OutOfMemoryError(
-                f"injected: the GPU decoder cannot allocate {nbytes} bytes ({kind}) on {device} "
-                f"(limit {limit})")
     try:
-        # the arenas' seam too: tiered.tiers.arena.inject_oom fails these allocations as well
-        return new_buffer(int(nbytes), device, False)
+        return new_buffer(int(nbytes), device, False, kind)
     except torch.OutOfMemoryError:
         _tls.oom = True
         raise
@@ -211,10 +163,7 @@ def _stand_in_scratch(out_sizes: np.ndarray) -> int:
 
 
 def _is_oom(e: BaseException) -> bool:
-    if isinstance(e, (torch.OutOfMemoryError, MemoryError)) or getattr(_tls, "oom", False):
-        return True
-    msg = str(e).lower()
-    return "out of memory" in msg or "cudaerrormemoryallocation" in msg or "outofmemory" in msg
+    return getattr(_tls, "oom", False) or is_out_of_memory(e)
 
 
 class _Fallback(Exception):

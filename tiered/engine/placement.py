@@ -42,11 +42,11 @@ import torch
 
 from ..errors import StorageFullError
 from ..policy import Policy, TierState
-from ..tiers import DeviceTier, HostTier, Tier, default_budgets, parse_bytes
+from ..tiers import DeviceTier, HostTier, Tier, default_budgets
 from ..tiers.arena import cuda_usable
 from ..tiers.spill import SpillTier
 from ..util.batch import exclusive_cumsum, isin
-from ..util.units import align
+from ..util.units import align, parse_bytes
 from .blob_index import COLD, HOT, WARM, BlobIndex
 from .layout import FieldLayout
 from .priorities import RowPriorities

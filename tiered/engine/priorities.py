@@ -244,7 +244,8 @@ class RowPriorities:
             mass = np.bincount(pos[hit], weights=share[hit], minlength=blobs.size)
         else:
             mass = np.zeros(blobs.size, dtype=np.float64)
-        self._store_blob(blobs, maxima)
+        self._blob = self._grown(self._blob, blobs, self.default)
+        self._blob[blobs] = maxima
         self._mass = self._grown(self._mass, blobs, 0.0)
         self._mass[blobs] = mass
         return blobs, maxima
@@ -276,10 +277,6 @@ class RowPriorities:
         self._recent[:] = False
         self._n_recent = 0
 
-    def _store_blob(self, blobs: np.ndarray, maxima: np.ndarray) -> None:
-        self._blob = self._grown(self._blob, blobs, self.default)
-        self._blob[blobs] = maxima
-
     @staticmethod
     def _grown(column: np.ndarray, blobs: np.ndarray, fill: float) -> np.ndarray:
         """``column`` long enough for the sorted ids ``blobs``."""
@@ -289,15 +286,20 @@ class RowPriorities:
             return grown
         return column
 
+    @staticmethod
+    def _looked_up(column: np.ndarray, ids: np.ndarray, fill: float) -> np.ndarray:
+        """``column[ids]``, ``fill`` for the ids past its end (never recounted)."""
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        out = np.full(ids.shape, fill, dtype=np.float64)
+        known = ids < column.shape[0]
+        out[known] = column[ids[known]]
+        return out
+
     def blob_mass(self, ids: np.ndarray) -> np.ndarray:
         """Each blob's sampling weight: the sum over the table entries that name it of their
         row's ``priority ** alpha`` split over the row's entries (as :meth:`tier_mass` splits
         it; not normalized), as of the last recount of the blob; 0 for blobs never recounted."""
-        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
-        out = np.zeros(ids.shape, dtype=np.float64)
-        known = ids < self._mass.shape[0]
-        out[known] = self._mass[ids[known]]
-        return out
+        return self._looked_up(self._mass, ids, 0.0)
 
     def recount_all(self, layout: FieldLayout | None, stage: WriteStage | None) -> tuple[np.ndarray, np.ndarray]:
         """Recount every live blob (after an open: the saved row priorities decide)."""
@@ -306,11 +308,7 @@ class RowPriorities:
 
     def blob_priorities(self, ids: np.ndarray) -> np.ndarray:
         """The current max of each blob of ``ids`` (live blobs; others read as ``default``)."""
-        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
-        out = np.full(ids.shape, self.default, dtype=np.float64)
-        known = ids < self._blob.shape[0]
-        out[known] = self._blob[ids[known]]
-        return out
+        return self._looked_up(self._blob, ids, self.default)
 
     # -- the share of the sampling mass each tier serves ----------------------------------------
     def tier_mass(self, layout: FieldLayout | None, written: np.ndarray, stage: WriteStage | None,
@@ -326,8 +324,7 @@ class RowPriorities:
         rows = np.flatnonzero(written)
         if layout is None or not layout.tables or rows.size == 0:
             return shares
-        weight = (self._row[rows] if self._row is not None
-                  else np.full(rows.shape, self.default, dtype=np.float64)) ** self.alpha
+        weight = self.of(rows) ** self.alpha
         total = float(weight.sum())
         if total <= 0:
             return shares

@@ -17,10 +17,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..schema import dtype_to_str, key_to_str
 from ..util.resident import resident_nbytes
 from .blob_index import STORED, BlobIndex
-from .figures import FieldFacts, field_figures
+from .figures import field_facts, field_figures
 from .layout import FieldLayout
 from .placement import Placement
 from .rows import RowSpace
@@ -33,12 +32,9 @@ MEMORY_TIER_NAMES = ("hot", "warm")
 
 
 def field_stats(rows: RowSpace, layout: FieldLayout, index: BlobIndex) -> dict[str, dict[str, Any]]:
-    """Per field: logical and stored bytes, ratio; blob fields add dedup and compression factors."""
-    facts = [FieldFacts(key=key_to_str(f.key), kind=f.kind, cell_nbytes=f.cell_nbytes, column_nbytes=f.column_nbytes,
-                        family=f.family if f.kind == "blob" else "",
-                        stored_dtype=None if f.stored_dtype is None else dtype_to_str(f.stored_dtype),
-                        flag_bit=f.flag_bit, row_number=f.row_number)
-             for f in layout.schema.values()]
+    """Per field: logical and stored bytes, ratio; blob fields add dedup and compression factors
+    (from the fields' manifest entries, as ``tiered info`` computes them)."""
+    facts = [field_facts(f.to_json()) for f in layout.schema.values()]
     return field_figures(facts, [fam.frame_nbytes for fam in layout.families], rows.length, rows.capacity, index)
 
 
@@ -125,7 +121,7 @@ def store_stats(rows: RowSpace, layout: FieldLayout | None, index: BlobIndex, pl
         "rows": rows.length,
         "capacity": rows.capacity,
         "codec": codec_name,
-        "blobs": int(index.live_ids().size),
+        "blobs": int(live.size),
         "resident_bytes": resident_bytes,
         "bytes_per_row": (resident_bytes - resident["tiers"] + blob_bytes) / rows.length if rows.length else 0.0,
         "fields": field_stats(rows, layout, index) if layout is not None else {},

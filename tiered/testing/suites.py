@@ -47,7 +47,8 @@ from ..codecs import Codec, EncodedBatch, codec_for_format_id, get_codec, segmen
 from ..codecs.checksum import checksum_reference, segment_checksums_torch, verify
 from ..errors import CorruptionError, InvalidPriorityError, StorageFullError, TieredError, UnknownCodecError
 from ..policy import Policy, TierState
-from ..tiers import ALIGNMENT, Tier, align
+from ..tiers import Tier
+from ..util.units import ALIGNMENT, align
 
 __all__ = ["CodecTests", "TierTests", "PolicyTests", "BlobHistory", "recounted_blob_priorities"]
 

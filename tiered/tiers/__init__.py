@@ -5,16 +5,14 @@ conformance suite in ``tests/tiers/test_tiers.py``.
 
 Example:
     >>> import numpy as np
-    >>> from tiered.tiers import HostTier, parse_bytes
-    >>> t = HostTier(parse_bytes("1MiB"))
+    >>> from tiered.tiers import HostTier
+    >>> t = HostTier("1MiB")
     >>> t.allocate(np.array([100, 3]))
     array([  0, 112])
 """
 
 from __future__ import annotations
 
-from ..util.copy import copy_blobs
-from ..util.units import ALIGNMENT, align, format_bytes, parse_bytes
 from .arena import ArenaTier, DeviceTier, HostTier, default_budgets
 from .base import Tier
 from .extents import ExtentAllocator
@@ -24,8 +22,6 @@ from .spill import SpillTier
 
 __all__ = [
     "Tier",
-    "ALIGNMENT",
-    "align",
     "ArenaTier",
     "HostTier",
     "DeviceTier",
@@ -33,8 +29,5 @@ __all__ = [
     "HDF5Tier",
     "SpillTier",
     "ExtentAllocator",
-    "parse_bytes",
-    "format_bytes",
     "default_budgets",
-    "copy_blobs",
 ]

@@ -43,7 +43,7 @@ import torch
 
 from ..errors import StorageFullError
 from ..util.batch import exclusive_cumsum
-from ..util.buffers import as_int64, check_bounds
+from ..util.buffers import as_int64, check_bounds, is_out_of_memory
 from ..util.copy import copy_blobs
 from ..util.hostcopy import copy_host_blobs
 from ..util.units import align, format_bytes, parse_bytes
@@ -51,7 +51,7 @@ from .base import Tier
 from .extents import ExtentAllocator
 
 __all__ = ["ArenaTier", "HostTier", "DeviceTier", "default_budgets", "inject_oom", "new_buffer", "cuda_usable",
-           "StreamOrder"]
+           "StreamOrder", "ALLOCATION_KINDS"]
 
 # Smallest arena buffer: growing 64 KiB -> budget takes ~log2(budget / 64 KiB) copies.
 _MIN_ARENA = 1 << 16
@@ -103,16 +103,33 @@ def default_budgets(hot: bool = True) -> dict[str, int]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Allocation, and its failure seam for tests: every arena growth (and every GPU decoder buffer)
+# Allocation, and its failure seam for tests: every arena growth and every GPU decoder buffer
 # is allocated by new_buffer, so inject_oom can make any of them fail
 # ---------------------------------------------------------------------------------------------
 
-_oom_after: list[int] = []  # [growths still allowed], set by inject_oom
+#: What new_buffer allocates: arena growth; the GPU decoder's decoded batch, its per-attempt block
+#: (tables and compressed bytes), nvCOMP's scratch, the frame indices re-uploaded after a split.
+ALLOCATION_KINDS = ("arena", "output", "batch", "scratch", "index")
+_limits: list[tuple[int, frozenset[str] | None, str | None]] = []  # set by inject_oom
 
 
 @contextlib.contextmanager
-def inject_oom(after: int = 0) -> Iterator[None]:
-    """Make arena growth raise ``torch.OutOfMemoryError`` after ``after`` more growths (tests).
+def inject_oom(max_bytes: int = 0, only: str | tuple[str, ...] | None = None, *,
+               error: str | None = None) -> Iterator[None]:
+    """Make allocations larger than ``max_bytes`` raise ``torch.OutOfMemoryError`` (tests).
+
+    Covers arena growth, the GPU decoder's own buffers and nvCOMP's scratch (routed through
+    PyTorch's allocator): GPU out-of-memory cannot be produced on demand. ``max_bytes=0`` fails
+    every allocation (a full arena; the decoder's CPU fallback); restricting ``only`` to
+    ``"batch"``/``"scratch"`` with a size between a whole batch and its halves forces the decoder
+    to split it. With ``error``, the allocation raises ``RuntimeError(error)`` instead: with
+    ``only="scratch"`` that is a failure inside nvCOMP's call that is not a lack of memory (a
+    CUDA runtime error, say), which the decoder answers by decoding the batch on the CPU.
+
+    Args:
+        max_bytes: allocations above this size fail.
+        only: fail only these kinds (see :data:`ALLOCATION_KINDS`); default all.
+        error: raise ``RuntimeError(error)`` rather than out-of-memory.
 
     Example:
         >>> t = HostTier(1 << 20)
@@ -123,14 +140,17 @@ def inject_oom(after: int = 0) -> Iterator[None]:
         ...         print("full")
         full
     """
-    _oom_after.append(after)
+    kinds = None if only is None else frozenset([only] if isinstance(only, str) else only)
+    if kinds is not None and not kinds <= set(ALLOCATION_KINDS):
+        raise ValueError(f"only must name kinds among {ALLOCATION_KINDS}, got {only!r}")
+    _limits.append((int(max_bytes), kinds, error))
     try:
         yield
     finally:
-        _oom_after.pop()
+        _limits.pop()
 
 
-def new_buffer(nbytes: int, device: str | torch.device, pinned: bool = False) -> torch.Tensor:
+def new_buffer(nbytes: int, device: str | torch.device, pinned: bool = False, kind: str = "arena") -> torch.Tensor:
     """An uninitialized uint8 tensor of ``nbytes`` on ``device`` (page-locked host memory if ``pinned``).
 
     Plain host memory of 64 KiB or more is an anonymous memory map of its own, so
@@ -139,17 +159,20 @@ def new_buffer(nbytes: int, device: str | torch.device, pinned: bool = False) ->
     Pinned memory is such a map too, page-locked with ``cudaHostRegister`` and unregistered
     when the tensor goes (PyTorch's caching host allocator would round it up to a power of two
     and keep it after it is freed); where registration fails it comes from that allocator.
-    Inside :func:`inject_oom` it raises ``torch.OutOfMemoryError`` once the allowed growths are
-    used up, as a real allocation would.
+    Inside :func:`inject_oom` it raises ``torch.OutOfMemoryError`` for allocations of ``kind``
+    (one of :data:`ALLOCATION_KINDS`) above the limit, as a real allocation would.
 
     Example:
         >>> new_buffer(64, "cpu").shape
         torch.Size([64])
     """
-    if _oom_after:
-        if _oom_after[-1] <= 0:
-            raise torch.OutOfMemoryError(f"injected: cannot allocate {nbytes} bytes on {device}")
-        _oom_after[-1] -= 1
+    if _limits:
+        limit, kinds, error = _limits[-1]
+        if nbytes > limit and (kinds is None or kind in kinds):
+            if error is not None:
+                raise RuntimeError(f"injected: {error} ({kind}, {nbytes} bytes on {device})")
+            raise torch.OutOfMemoryError(
+                f"injected: cannot allocate {nbytes} bytes ({kind}) on {device} (limit {limit})")
     if pinned:
         return _registered(nbytes)
     if _ANON_PRIVATE and nbytes >= _MIN_ARENA and torch.device(device).type == "cpu":
@@ -349,9 +372,7 @@ class ArenaTier(Tier):
             self._grow(need)
         except BaseException as e:
             self._alloc.restore(snapshot)
-            oom = isinstance(e, (torch.OutOfMemoryError, MemoryError)) or (
-                isinstance(e, RuntimeError) and "out of memory" in str(e).lower())
-            if not oom:
+            if not is_out_of_memory(e):
                 raise
             raise StorageFullError(
                 f"the {self.name} arena on {self.device} could not grow from "

@@ -148,12 +148,7 @@ def remove_abandoned(root: str | os.PathLike[str] | None = None) -> list[str]:
         names = [n for n in os.listdir(root) if n.startswith(SPILL_PREFIX)]
     except OSError:
         return []
-    removed = []
-    for name in names:
-        path = os.path.join(root, name)
-        if _try_remove(path):
-            removed.append(path)
-    return removed
+    return [path for path in (os.path.join(root, name) for name in names) if _try_remove(path)]
 
 
 def is_spill_dir(path: str | os.PathLike[str]) -> bool:

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["Buffer", "as_int64", "as_tensor", "check_bounds", "check_buffer", "host_view"]
+__all__ = ["Buffer", "as_int64", "as_tensor", "check_bounds", "check_buffer", "host_view", "is_out_of_memory"]
 
 #: A contiguous 1-D uint8 numpy array or torch tensor (any device).
 Buffer = np.ndarray | torch.Tensor
@@ -113,3 +113,17 @@ def check_bounds(offsets: np.ndarray, sizes: np.ndarray, length: int, what: str)
             f"{what} ranges [{int(offsets.min())}, {int((offsets + sizes).max())}) fall outside "
             f"its {length} bytes"
         )
+
+
+def is_out_of_memory(e: BaseException) -> bool:
+    """Whether ``e`` says an allocation failed: torch's or Python's out-of-memory error, or an
+    error whose message does (CUDA and nvCOMP report it in a RuntimeError's text).
+
+    Example:
+        >>> is_out_of_memory(torch.OutOfMemoryError("injected")), is_out_of_memory(ValueError("bad"))
+        (True, False)
+    """
+    if isinstance(e, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    msg = str(e).lower()
+    return "out of memory" in msg or "cudaerrormemoryallocation" in msg or "outofmemory" in msg
