@@ -50,7 +50,7 @@ from ..errors import (
     SchemaMismatchError,
     TieredError,
 )
-from ..schema import Key
+from ..schema import Key, normalize_key
 from ..store import TieredStore, as_row_array
 from .checkpoint import TieredStorageCheckpointer, dumps_with, loads_with
 from .columns import SideColumns
@@ -464,7 +464,7 @@ class TieredStorage(TensorStorage):
         blob_keys = [f.key for f in schema.blob_fields]
         loader = None
         if blob_keys:
-            loader = BlobLoader(lambda: {_as_key(k): v for k, v in store.get(rows, keys=blob_keys).items(True, True)},
+            loader = BlobLoader(lambda: {normalize_key(k): v for k, v in store.get(rows, keys=blob_keys).items(True, True)},
                                 tuple(shape))
         view = RowsView(batch_size=[*shape, *form.row_batch], device=dense.device)
         for f in schema.values():  # the schema's key order, as a decoded get has
@@ -522,7 +522,7 @@ class TieredStorage(TensorStorage):
             rows = self._grid[tuple(c.cpu() for c in coords)].reshape(-1).numpy()
         else:
             rows = index.reshape(-1).cpu().numpy()
-        self.write_fields(rows, {_as_key(k): v.reshape(rows.size, *v.shape[1:]) for k, v in patch.items()})
+        self.write_fields(rows, {normalize_key(k): v.reshape(rows.size, *v.shape[1:]) for k, v in patch.items()})
 
     # -- writing ---------------------------------------------------------------------------------
     @torch.compiler.disable  # decoding and encoding compressed rows cannot be traced: run eagerly
