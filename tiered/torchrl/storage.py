@@ -55,7 +55,7 @@ from ..store import TieredStore, as_row_array
 from .checkpoint import TieredStorageCheckpointer, dumps_with, loads_with
 from .columns import SideColumns
 from .forms import TENSOR_KEY, DataForm, flip_list, is_key
-from .views import BlobLoader, LazyColumn, RowsView
+from .views import BlobLoader, LazyColumn, RowsView, as_torch_index
 
 __all__ = ["TieredStorage"]
 
@@ -367,7 +367,7 @@ class TieredStorage(TensorStorage):
         store = self._store
         if self._grid is not None:
             grid = self._grid[: self._len_along_dim0]
-            cells = grid[_torch_index(index)]
+            cells = grid[as_torch_index(index)]
             rows = cells.reshape(-1).numpy()
             store.rows_of(rows)  # checks that every row was written
             return rows, cells.shape
@@ -591,7 +591,7 @@ class TieredStorage(TensorStorage):
     def _write_rows(self, cursor: Any) -> tuple[np.ndarray, torch.Size]:
         """The stored rows a write at ``cursor`` names, and the index's shape."""
         if self._grid is not None:
-            cells = self._grid[_torch_index(cursor)]
+            cells = self._grid[as_torch_index(cursor)]
             return cells.reshape(-1).numpy(), cells.shape
         if isinstance(cursor, slice):
             rows = np.arange(*cursor.indices(self.max_size), dtype=np.int64)
@@ -808,19 +808,6 @@ def _is_scalar_index(cursor: Any) -> bool:
     if isinstance(cursor, (int, np.integer)) and not isinstance(cursor, bool):
         return True
     return isinstance(cursor, (torch.Tensor, np.ndarray)) and cursor.ndim == 0
-
-
-def _torch_index(index: Any) -> Any:
-    """An index of the ndim>1 grid, with tensors on the CPU (where the grid is)."""
-    if isinstance(index, torch.Tensor):
-        return index.cpu()
-    if isinstance(index, np.ndarray):
-        return torch.from_numpy(index)
-    if isinstance(index, tuple):
-        return tuple(_torch_index(i) for i in index)
-    if isinstance(index, (list, range)):
-        return torch.as_tensor(list(index), dtype=torch.int64)
-    return index
 
 
 def _whole(rows: Any, index: Any) -> Any:
