@@ -400,11 +400,12 @@ class TieredStorage(TensorStorage):
         """
         form = self._form
         if (type(index) is torch.Tensor and index.ndim == 1 and index.dtype not in _MASK_DTYPES and self._grid is None
-                and form is not None and form.kind == "tensordict" and not form.row_batch and not len(self._side)
-                and not self._store.shared and self.initialized):
-            # a sampler's 1-D index into TensorDict rows (rb.sample): the store resolves and checks
-            # it (as rows_of would) in the same call, and the result is already in its form
-            return self._store.get(index)
+                and form is not None and not len(self._side) and not self._store.shared and self.initialized):
+            # a sampler's 1-D index (rb.sample): the store resolves and checks it (as rows_of would)
+            # in the same call, and its batch is the index's; TensorDict rows are already in their form
+            td = self._store.get(index)
+            return td if form.kind == "tensordict" and not form.row_batch else form.from_rows(
+                _unfold_row_batch(td, form.row_batch))
         with self._one_call():
             self._check_initialized()
             if is_key(index):
@@ -415,12 +416,6 @@ class TieredStorage(TensorStorage):
                 return _whole(self.get(torch.arange(self._len_along_dim0)), index)
             if isinstance(index, torch.Tensor) and index.dtype == torch.uint8:
                 index = as_mask(index)
-            if (self._grid is None and not len(self._side) and isinstance(index, torch.Tensor)
-                    and index.ndim == 1 and index.dtype != torch.bool):
-                # a sampler's 1-D index: the store resolves and checks it (as rows_of would) in
-                # the same call, and its batch is the index's
-                td = self._store.get(index)
-                return self._form.from_rows(_unfold_row_batch(td, self._form.row_batch))
             rows, shape = self._read_rows(index)
             td = self._store.get(int(rows[0]) if len(shape) == 0 else rows)
         if len(self._side):
