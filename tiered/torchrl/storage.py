@@ -321,10 +321,6 @@ class TieredStorage(TensorStorage):
         pass
 
     @property
-    def _tensor_mode(self) -> bool:
-        return self._form is not None and self._form.kind == "tensor"
-
-    @property
     def _total_shape(self) -> torch.Size | None:
         if not self.initialized:
             return None
