@@ -302,12 +302,9 @@ def copy_from_lazy(storage: TieredStorage, lazy: LazyTensorStorage) -> None:
     """Replace ``storage``'s rows with those of a loaded TorchRL storage."""
     n = int(lazy._len)
     if n and lazy.initialized:
-        if storage.ndim == 1:
-            data = lazy.get(slice(0, n))
-            storage.set(range(n), data, set_cursor=False)
-        else:
-            data = lazy.get(tuple(slice(None) for _ in range(storage.ndim)))
-            storage.set(range(lazy._len_along_dim0), data, set_cursor=False)
+        # every written row (grid row, for ndim>1), as LazyTensorStorage.get reads a slice per dim
+        data = lazy.get(tuple(slice(None) for _ in range(storage.ndim)))
+        storage.set(range(lazy._len_along_dim0), data, set_cursor=False)
     _set_length(storage, n, n)
 
 

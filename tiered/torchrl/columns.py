@@ -33,14 +33,8 @@ class SideColumns:
         self.capacity = int(capacity)
         self.columns: dict[Key, torch.Tensor] = {}
 
-    def __contains__(self, key: Key) -> bool:
-        return key in self.columns
-
     def __len__(self) -> int:
         return len(self.columns)
-
-    def keys(self) -> list[Key]:
-        return list(self.columns)
 
     def check(self, values: dict[Key, torch.Tensor]) -> None:
         """Refuse, before anything is written (the store's fields included), cells that :meth:`write`

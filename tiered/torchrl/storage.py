@@ -50,12 +50,12 @@ from ..errors import (
     SchemaMismatchError,
     TieredError,
 )
-from ..schema import Key
+from ..schema import Key, normalize_key
 from ..store import TieredStore, as_row_array
 from .checkpoint import TieredStorageCheckpointer, dumps_with, loads_with
 from .columns import SideColumns
 from .forms import TENSOR_KEY, DataForm, flip_list, is_key
-from .views import BlobLoader, LazyColumn, RowsView
+from .views import BlobLoader, LazyColumn, RowsView, as_torch_index
 
 __all__ = ["TieredStorage"]
 
@@ -321,10 +321,6 @@ class TieredStorage(TensorStorage):
         pass
 
     @property
-    def _tensor_mode(self) -> bool:
-        return self._form is not None and self._form.kind == "tensor"
-
-    @property
     def _total_shape(self) -> torch.Size | None:
         if not self.initialized:
             return None
@@ -367,7 +363,7 @@ class TieredStorage(TensorStorage):
         store = self._store
         if self._grid is not None:
             grid = self._grid[: self._len_along_dim0]
-            cells = grid[_torch_index(index)]
+            cells = grid[as_torch_index(index)]
             rows = cells.reshape(-1).numpy()
             store.rows_of(rows)  # checks that every row was written
             return rows, cells.shape
@@ -400,11 +396,12 @@ class TieredStorage(TensorStorage):
         """
         form = self._form
         if (type(index) is torch.Tensor and index.ndim == 1 and index.dtype not in _MASK_DTYPES and self._grid is None
-                and form is not None and form.kind == "tensordict" and not form.row_batch and not len(self._side)
-                and not self._store.shared and self.initialized):
-            # a sampler's 1-D index into TensorDict rows (rb.sample): the store resolves and checks
-            # it (as rows_of would) in the same call, and the result is already in its form
-            return self._store.get(index)
+                and form is not None and not len(self._side) and not self._store.shared and self.initialized):
+            # a sampler's 1-D index (rb.sample): the store resolves and checks it (as rows_of would)
+            # in the same call, and its batch is the index's; TensorDict rows are already in their form
+            td = self._store.get(index)
+            return td if form.kind == "tensordict" and not form.row_batch else form.from_rows(
+                _unfold_row_batch(td, form.row_batch))
         with self._one_call():
             self._check_initialized()
             if is_key(index):
@@ -415,12 +412,6 @@ class TieredStorage(TensorStorage):
                 return _whole(self.get(torch.arange(self._len_along_dim0)), index)
             if isinstance(index, torch.Tensor) and index.dtype == torch.uint8:
                 index = as_mask(index)
-            if (self._grid is None and not len(self._side) and isinstance(index, torch.Tensor)
-                    and index.ndim == 1 and index.dtype != torch.bool):
-                # a sampler's 1-D index: the store resolves and checks it (as rows_of would) in
-                # the same call, and its batch is the index's
-                td = self._store.get(index)
-                return self._form.from_rows(_unfold_row_batch(td, self._form.row_batch))
             rows, shape = self._read_rows(index)
             td = self._store.get(int(rows[0]) if len(shape) == 0 else rows)
         if len(self._side):
@@ -464,7 +455,7 @@ class TieredStorage(TensorStorage):
         blob_keys = [f.key for f in schema.blob_fields]
         loader = None
         if blob_keys:
-            loader = BlobLoader(lambda: {_as_key(k): v for k, v in store.get(rows, keys=blob_keys).items(True, True)},
+            loader = BlobLoader(lambda: {normalize_key(k): v for k, v in store.get(rows, keys=blob_keys).items(True, True)},
                                 tuple(shape))
         view = RowsView(batch_size=[*shape, *form.row_batch], device=dense.device)
         for f in schema.values():  # the schema's key order, as a decoded get has
@@ -522,7 +513,7 @@ class TieredStorage(TensorStorage):
             rows = self._grid[tuple(c.cpu() for c in coords)].reshape(-1).numpy()
         else:
             rows = index.reshape(-1).cpu().numpy()
-        self.write_fields(rows, {_as_key(k): v.reshape(rows.size, *v.shape[1:]) for k, v in patch.items()})
+        self.write_fields(rows, {normalize_key(k): v.reshape(rows.size, *v.shape[1:]) for k, v in patch.items()})
 
     # -- writing ---------------------------------------------------------------------------------
     @torch.compiler.disable  # decoding and encoding compressed rows cannot be traced: run eagerly
@@ -591,7 +582,7 @@ class TieredStorage(TensorStorage):
     def _write_rows(self, cursor: Any) -> tuple[np.ndarray, torch.Size]:
         """The stored rows a write at ``cursor`` names, and the index's shape."""
         if self._grid is not None:
-            cells = self._grid[_torch_index(cursor)]
+            cells = self._grid[as_torch_index(cursor)]
             return cells.reshape(-1).numpy(), cells.shape
         if isinstance(cursor, slice):
             rows = np.arange(*cursor.indices(self.max_size), dtype=np.int64)
@@ -808,19 +799,6 @@ def _is_scalar_index(cursor: Any) -> bool:
     if isinstance(cursor, (int, np.integer)) and not isinstance(cursor, bool):
         return True
     return isinstance(cursor, (torch.Tensor, np.ndarray)) and cursor.ndim == 0
-
-
-def _torch_index(index: Any) -> Any:
-    """An index of the ndim>1 grid, with tensors on the CPU (where the grid is)."""
-    if isinstance(index, torch.Tensor):
-        return index.cpu()
-    if isinstance(index, np.ndarray):
-        return torch.from_numpy(index)
-    if isinstance(index, tuple):
-        return tuple(_torch_index(i) for i in index)
-    if isinstance(index, (list, range)):
-        return torch.as_tensor(list(index), dtype=torch.int64)
-    return index
 
 
 def _whole(rows: Any, index: Any) -> Any:

@@ -33,7 +33,7 @@ from torch.utils._pytree import tree_map
 
 from ..schema import Key, normalize_key
 
-__all__ = ["BlobLoader", "LazyColumn", "RowsView"]
+__all__ = ["BlobLoader", "LazyColumn", "RowsView", "as_torch_index"]
 
 
 class BlobLoader:
@@ -163,7 +163,7 @@ class RowsView(TensorDict):
         if getattr(self, "_tiered_write", None) is None or isinstance(index, str) or (
                 isinstance(index, tuple) and index and all(isinstance(i, str) for i in index)):
             return super().__setitem__(index, value)
-        sub_shape = torch.empty(0).new_zeros(self.batch_size, dtype=torch.bool)[_as_torch_index(index)].shape
+        sub_shape = torch.empty(0).new_zeros(self.batch_size, dtype=torch.bool)[as_torch_index(index)].shape
         if not isinstance(value, TensorDictBase):
             value = TensorDict(value, batch_size=[])
         nd = value.batch_dims
@@ -183,7 +183,7 @@ class RowsView(TensorDict):
         cell = self.get(key)
         value = torch.as_tensor(value, dtype=cell.dtype)
         sub = torch.empty(0).new_zeros(self.batch_size, dtype=torch.bool)
-        sub_shape = sub[_as_torch_index(index)].shape
+        sub_shape = sub[as_torch_index(index)].shape
         self._write_through(index, {normalize_key(key): value.expand(*sub_shape, *cell.shape[self.batch_dims:])})
         return self._replace_column(key, cell, index, value)
 
@@ -215,7 +215,7 @@ class RowsView(TensorDict):
         if index is None:
             new.copy_(value)
         else:
-            new[_as_torch_index(index)] = value
+            new[as_torch_index(index)] = value
         if new is not cell:
             TensorDict.set(self, key, new)
         return self
@@ -229,9 +229,21 @@ def _as_np_index(index: Any) -> Any:
     return index
 
 
-def _as_torch_index(index: Any) -> Any:
+def as_torch_index(index: Any) -> Any:
+    """``index`` with its arrays, lists and ranges as tensors on the CPU (where row numbers and
+    the ``ndim>1`` grid are); a list of bools stays a mask, as torch reads it.
+
+    Example:
+        >>> as_torch_index((np.array([2, 0]), [True, False], range(2)))
+        (tensor([2, 0]), tensor([ True, False]), tensor([0, 1]))
+    """
+    if isinstance(index, torch.Tensor):
+        return index.cpu()
     if isinstance(index, np.ndarray):
         return torch.from_numpy(index)
     if isinstance(index, tuple):
-        return tuple(_as_torch_index(i) for i in index)
+        return tuple(as_torch_index(i) for i in index)
+    if isinstance(index, (list, range)):
+        array = np.asarray(index)
+        return torch.from_numpy(array if array.dtype == bool else array.astype(np.int64))
     return index
