@@ -25,10 +25,10 @@ only mapped, :func:`map_checked`), and copied private and checked again at first
 Example:
     >>> import os, tempfile
     >>> import numpy as np
-    >>> from tiered.durable.manifest import write_array
+    >>> from tiered.durable.array_files import write_new
     >>> p = os.path.join(tempfile.mkdtemp(), "a.npy")
-    >>> f = write_array(p, np.arange(1_000_000, dtype=np.int64))
-    >>> arr, pages = map_checked(p, f.size, f.pages)
+    >>> f = write_new(p, np.arange(1_000_000, dtype=np.int64), 1)
+    >>> arr, pages = map_checked(p, f.size, f.crcs)
     >>> int(pages.checked.sum())  # none so far
     0
     >>> check = RowCheck([pages], arr.shape[0])
@@ -217,10 +217,10 @@ class IdCheck:
     Example:
         >>> import os, tempfile
         >>> import numpy as np
-        >>> from tiered.durable.manifest import write_array
+        >>> from tiered.durable.array_files import write_new
         >>> p = os.path.join(tempfile.mkdtemp(), "ids.npy")
-        >>> f = write_array(p, np.arange(300_000, dtype=np.int64))
-        >>> arr, pages = map_verified(p, f.size, f.pages, rebuild=lambda lo, hi, crc: None)
+        >>> f = write_new(p, np.arange(300_000, dtype=np.int64), 1)
+        >>> arr, pages = map_verified(p, f.size, f.crcs, rebuild=lambda lo, hi, crc: None)
         >>> check = IdCheck(); check.add(pages)
         >>> check.ids(np.array([7, 299_999])); int(pages.checked.sum()), int(arr[7])
         (2, 7)
@@ -387,10 +387,10 @@ def forget_memory_tiers(loc: np.ndarray, pages: PageChecks, columns: slice, lo: 
 
     Example:
         >>> import os, tempfile
-        >>> from tiered.durable.manifest import write_array
+        >>> from tiered.durable.array_files import write_new
         >>> p = os.path.join(tempfile.mkdtemp(), "loc.npy")
-        >>> f = write_array(p, np.full((100_000, 3), 7, dtype=np.int64))
-        >>> loc, pages = map_verified(p, f.size, f.pages, rebuild=lambda lo, hi, crc: None)
+        >>> f = write_new(p, np.full((100_000, 3), 7, dtype=np.int64), 1)
+        >>> loc, pages = map_verified(p, f.size, f.crcs, rebuild=lambda lo, hi, crc: None)
         >>> pages.on_own = lambda lo, hi: forget_memory_tiers(loc, pages, slice(0, 2), lo, hi)
         >>> pages.check(np.array([0]))
         >>> loc[0].tolist(), loc[50_000].tolist()  # page 0's entries forgotten; page 1's still the file's
