@@ -546,6 +546,7 @@ class StoreFiles:
         written: dict[str, FileState] = {}
         # files fsynced together (sync_files), then renamed where they wait for it
         pending: Pending = []
+        in_place = False
         try:
             # before the intent: files no commit names yet (a crash leaves them to remove)
             for name, arr in arrays.items():
@@ -554,12 +555,9 @@ class StoreFiles:
                                               pending)
             undo_bytes = write_undo(self.path, g, images, pending)
             sync_files(pending)  # the before-images complete and durable, then renamed into place
-        finally:
-            for fd, _ in pending:  # left by an error before sync_files
-                fileio.close(fd)
-        fileio.fsync_dir(adir)
-        write_intent(self.path, g)  # from here on, the array files change in place
-        try:
+            fileio.fsync_dir(adir)
+            write_intent(self.path, g)  # from here on, the array files change in place
+            in_place = True
             for name, arr in arrays.items():
                 runs = plans[name]
                 if runs is not None:
@@ -570,7 +568,8 @@ class StoreFiles:
         except BaseException:
             for fd, _ in pending:  # left by an error before sync_files
                 fileio.close(fd)
-            self.undo_failed(arrays)
+            if in_place:
+                self.undo_failed(arrays)
             raise
         try:
             write_manifest(self.path, {
