@@ -11,32 +11,12 @@ Design note:
   or changed dtype, and a small array whose changes are not tracked by block that differs from
   its file, is written whole to a new file ``<name>.<g>.npy``; the old file is never written
   again.
-* **What commit g writes, in order.** (1) The before-image file ``arrays/undo.<g>``: for each
-  byte range the commit will change in place, the bytes the file holds now (commit ``g - 1``'s)
-  and the file's size, checked by a CRC-32 per :data:`PAGE_BYTES` page, written under a temp
-  name; the new files of resized arrays; all of them fsynced together (:func:`sync_files`),
-  then the before-images renamed into place and the directory fsynced. (2) ``commit.intent`` =
-  ``g``, fsynced. (3) The changed ranges, in place, the files fsynced together; each page's
-  CRC-32 patched from its old one and the bytes that changed. (4) The manifest. Then the before-images of commit
-  ``g - KEEP`` and files replaced ``KEEP`` commits ago are deleted.
-* **What a crash leaves.** Before (2): the arrays as commit ``g - 1`` left them (a stray
-  before-image or new file is removed at the next writer open). Between (2) and (4): arrays partly
-  written; the next writer open (or the writer itself, after an error) sees an intent newer than
-  the manifest and writes the before-images of ``g`` back, cutting grown files to their old
-  size (:func:`roll_back`), bit-exact, then sets the intent back. After (4): commit ``g``. A before-image is complete and fsynced before the
-  intent names its commit, so a power loss at any point leaves one of these.
-* **What readers see.** A read-only open of commit ``g`` maps the files; each page is copied
-  private and checked against commit ``g``'s CRC-32 at its first use
-  (:class:`~tiered.durable.checked_maps.PageChecks`), so the writer's later writes never reach a page once
-  checked. What it reads whole at open (blob index, policy state, written mask) it checks
-  through the maps, leaving the pages the file's until first used
-  (:func:`~tiered.durable.checked_maps.map_verified`). A page the writer changed since fails its check; its bytes as of ``g`` are rebuilt from
-  the before-images of commits ``g + 1`` to the intent (the oldest image of a byte wins) and
-  checked again (:meth:`UndoChain.rebuild`); a file grown since is mapped to its commit's size,
-  with the header rebuilt the same way. The before-images of the last :data:`KEEP` commits
-  are kept: a reader up to ``KEEP`` commits behind reads its commit; further behind, a page it
-  cannot rebuild raises ``StaleReadError``. A process forked from the writer has private arrays
-  (the fork hook of :mod:`tiered.durable.store_files`).
+* **Before-images.** What a commit writes in place, the file ``arrays/undo.<g>`` holds first as
+  the file held it, with the file's size and a CRC-32 per :data:`PAGE_BYTES` page: a crash
+  between the intent and the manifest is undone from it (:func:`roll_back`), and a reader of an
+  older commit rebuilds its pages from the images of the commits after it
+  (:meth:`UndoChain.rebuild`). The order of a commit's writes, what a crash leaves and what
+  readers see: the design note of :mod:`tiered.durable`.
 
 Example:
     >>> import os, tempfile

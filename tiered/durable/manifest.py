@@ -7,7 +7,7 @@ directory) after every array file it names is written and fsynced, so a reader a
 either the old commit or the new one, never a mix. :func:`read_manifest` refuses anything that
 is not a tiered manifest of :data:`FORMAT_VERSION`.
 
-Every array file (``arrays/<name>.<copy>.npy``, :mod:`tiered.durable.array_files`) is a ``.npy`` file
+Every array file (``arrays/<name>.<f>.npy``, :mod:`tiered.durable.array_files`) is a ``.npy`` file
 whose size and the CRC-32 of each 1 MiB page (:func:`page_checksums`) the manifest records;
 opening one (:func:`map_npy`, :func:`load_npy`) takes regular files only, parses and bounds its
 header without running code (:func:`read_npy_header`: it must account for exactly the file's

@@ -1,19 +1,14 @@
-"""The durable store: the cold tier's files, commits, opening, consistency checks, the writer lock.
+"""A store's directory: creating and opening it, its commits, the consistency checks of an open,
+readers' staleness checks.
 
 A store with a path is a directory (docs/format.md): ``manifest.json`` (schema, options, format
 version, generation, each array's file with its size and page checksums), one ``.npy`` file per
 array under ``arrays/`` (blob index columns, row tables, dense columns, the written mask, the
 cold tier's allocator state, the policy's state) with the before-images of the last two commits,
-and the cold segments under ``cold/``.
-
-A commit writes the blob bytes first (the cold tier's ``flush``), then the arrays: the old bytes
-of what it changes in place to a before-image file, its intent, the changes in place, each file
-fsynced (the order and what a crash leaves: :mod:`tiered.durable.array_files`), then the manifest
-through a temp file, fsync, rename and fsync of the directory (:mod:`tiered.durable.manifest`).
-Only then are the before-images no reader needs removed and the cold space freed by overwritten
-rows made reusable. A writer's open first undoes a commit that died after its intent; opening
-picks the last complete commit and checks that its arrays agree with the manifest before
-anything is trusted.
+and the cold segments under ``cold/``. What a commit writes, in what order, what a crash leaves
+and what readers see: the design note of :mod:`tiered.durable`. A writer's open first undoes a
+commit that died after its intent; opening picks the last complete commit and checks that its
+arrays agree with the manifest before anything is trusted.
 
 Example:
     >>> import tempfile, torch
@@ -502,7 +497,7 @@ class StoreFiles:
     # -- committing ---------------------------------------------------------------------------
     def commit(self, cold: Tier, arrays: dict[str, np.ndarray], body: dict[str, Any],
                dirty: tuple[np.ndarray, np.ndarray], keep_anonymous: frozenset[str] = frozenset()) -> None:
-        """Durably publish a new generation (the order of writes: :mod:`tiered.durable.array_files`);
+        """Durably publish a new generation (the order of writes: :mod:`tiered.durable`);
         then map the pages it wrote of the per-row arrays back from their files (:meth:`map_back`).
 
         Args:
