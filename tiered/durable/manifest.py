@@ -40,7 +40,7 @@ from ..util.pool import run_parallel
 from ..version import __version__
 
 __all__ = ["FORMAT_NAME", "FORMAT_VERSION", "MANIFEST", "PAGE_BYTES", "NpyHeader",
-           "load_npy", "read_npy_header", "page_checksums", "check_pages", "arrays_verified",
+           "load_npy", "npy_array", "read_npy_header", "page_checksums", "check_pages", "arrays_verified",
            "already_verified", "map_npy",
            "write_manifest", "read_manifest"]
 
@@ -231,13 +231,17 @@ def load_npy(path: str, expected_size: int | None = None, mmap: bool = True,
     whole, st, head = map_npy(path, expected_size)
     if pages is not None and not already_verified(st):
         check_pages(path, memoryview(whole), pages)
+    arr = npy_array(whole, head)
+    return arr if mmap else arr.copy()
+
+
+def npy_array(buf: Any, head: NpyHeader) -> np.ndarray:
+    """The array of the ``.npy`` file whose bytes ``buf`` are (``head``: its checked header)."""
     count = math.prod(head.shape)
     order = "F" if head.fortran_order else "C"
     if count == 0:
         return np.empty(head.shape, head.dtype, order=order)
-    arr = np.frombuffer(whole, dtype=head.dtype, count=count, offset=head.offset)
-    arr = arr.reshape(head.shape, order=order)
-    return arr if mmap else arr.copy()
+    return np.frombuffer(buf, dtype=head.dtype, count=count, offset=head.offset).reshape(head.shape, order=order)
 
 
 def check_pages(path: str, view: memoryview, pages: list[int]) -> None:
