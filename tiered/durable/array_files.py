@@ -299,17 +299,15 @@ def write_new(path: str, arr: np.ndarray, file: int, before: Callable[[int, int]
 Pending = list[tuple[int, Callable[[], None] | None]]
 
 
-def _sync_or_defer(fd: int, pending: Pending | None, then: Callable[[], None] | None = None) -> None:
-    """fsync and close ``fd`` then run ``then``, or leave all that to :func:`sync_files`."""
+def _sync_or_defer(fd: int, pending: Pending | None) -> None:
+    """fsync and close ``fd``, or leave that to :func:`sync_files`."""
     if pending is not None:
-        pending.append((fd, then))
+        pending.append((fd, None))
         return
     try:
         fileio.fsync(fd)
     finally:
         fileio.close(fd)
-    if then is not None:
-        then()
 
 
 def sync_files(pending: Pending) -> None:
@@ -512,12 +510,12 @@ def _splice_pages(fd: int, source: _Source, runs: np.ndarray, base: FileState, c
 
 
 def write_undo(store: str, generation: int, images: list[tuple[str, int, int, np.ndarray, np.ndarray]],
-               pending: Pending | None = None) -> int:
+               pending: Pending) -> int:
     """Durably write the before-images of commit ``generation``: per array ``(name, file, size,
     runs, old)``, the byte ``runs`` of its file ``file`` (``size`` bytes now) about to be
     rewritten, within ``size``, and their ``old`` bytes.
-    The file is written under a temp name, fsynced and renamed (with ``pending``: both left to
-    :func:`sync_files`); the caller fsyncs the directory before the intent names the commit.
+    The file is written under a temp name, left in ``pending`` to be fsynced and renamed
+    (:func:`sync_files`); the caller fsyncs the directory before the intent names the commit.
     Returns the bytes written.
 
     Layout: :data:`_UNDO_HEAD`, a JSON table (``arrays``: ``[name, file, runs, offset, size]`` each,
@@ -547,7 +545,7 @@ def write_undo(store: str, generation: int, images: list[tuple[str, int, int, np
     except BaseException:
         fileio.close(fd)
         raise
-    _sync_or_defer(fd, pending, lambda: fileio.replace(tmp, path))  # renamed once complete and durable
+    pending.append((fd, lambda: fileio.replace(tmp, path)))  # renamed once complete and durable
     return pos
 
 
