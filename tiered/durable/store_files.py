@@ -93,7 +93,6 @@ from .commit_arrays import (
     EXCEPTION_SUFFIXES,
     array_path,
     derived_tables,
-    expand_derived,
     page_checksums_of,
     shifted_tables,
     table_file,
@@ -103,10 +102,8 @@ from .manifest import MANIFEST, PAGE_BYTES, load_npy, read_manifest, read_npy_he
 
 T = TypeVar("T")
 
-__all__ = ["StoreFiles", "BACKENDS", "CHECKSUMS", "array_path", "read_fresh", "open_commit", "restore_commit", "commit_parts",
-           "snapshot_arrays", "check_consistency", "check_bounds", "derived_tables", "shifted_tables",
-           "table_file", "schema_of", "options_of",
-           "expand_derived", "check_table_rows", "unpin", "page_checksums_of"]
+__all__ = ["StoreFiles", "BACKENDS", "read_fresh", "open_commit", "restore_commit", "commit_parts", "snapshot_arrays",
+           "check_consistency", "check_bounds", "schema_of", "options_of", "check_table_rows", "unpin"]
 
 #: Called with ``(files, arrays, written, generation)`` once a commit's manifest is in place, before
 #: the writer's state moves on: the tests' check that every array file written equals memory
@@ -394,10 +391,6 @@ class StoreFiles:
         if self.read_only and self.map_whole and read_intent_token(self.path) != self.opened_intent:
             raise OpenRaced(f"{self.path}: a writer started a commit while the store was being opened")
 
-    def stale_error(self, intent: int) -> StaleReadError:
-        """The error of a read-only open whose writer moved too far ahead (to ``intent``)."""
-        return stale_error(self.path, self.generation, intent)
-
     def stamp_files(self) -> None:
         """Note what each array file known to a writer is now (:func:`~tiered.durable.array_files.stamp_of`),
         so that a commit can tell a file another program changed since (:meth:`check_untouched`)."""
@@ -479,7 +472,7 @@ class StoreFiles:
                     "it overwrote. Nothing that may be another commit's rows is returned: open the store in "
                     "this process (tiered.open(path), read-only) to read the latest commit, or share it "
                     "before forking (store.share()).")
-            raise self.stale_error(intent)
+            raise stale_error(self.path, self.generation, intent)
 
     def blob_index(self, body: dict[str, Any]) -> BlobIndex:
         """The blob index the commit ``body`` saved (its ``index.*`` arrays)."""
