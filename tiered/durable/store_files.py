@@ -799,10 +799,8 @@ def restore_commit(files: StoreFiles, body: dict[str, Any], mode: str, rows: Row
     """
     try:
         _restore(files, body, mode, rows, write, placement)
-    except Exception as e:
-        if files.read_only and files.map_whole and read_intent_token(files.path) != files.opened_intent:
-            # what failed may have read bytes the writer was changing: not damage, a race
-            raise OpenRaced(f"{files.path}: a writer started a commit while the store was being opened") from e
+    except Exception:
+        files.check_unmoved()  # what failed may have read bytes the writer was changing: a race, not damage
         raise
     files.check_unmoved()
 
