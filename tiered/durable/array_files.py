@@ -53,12 +53,12 @@ from ..util import fileio
 from ..util.crc import crc32_patch
 from ..util.dirty import BLOCK_SHIFT
 from ..util.filemap import npy_header
-from .manifest import PAGE_BYTES, NpyHeader, page_checksums, read_npy_header
+from .manifest import PAGE_BYTES, page_checksums, read_npy_header
 
 __all__ = ["KEEP", "ARRAYS_DIR", "INTENT", "WRITE_UNIT", "FileState", "UndoImage", "UndoChain", "array_file",
            "undo_file", "stale_error", "kind_of", "plan_in_place", "read_runs", "write_in_place", "write_new", "write_undo",
            "Pending", "sync_files",
-           "roll_back", "remove_obsolete", "write_intent", "read_intent", "read_intent_token", "stamp_of", "header_of"]
+           "roll_back", "remove_obsolete", "write_intent", "read_intent", "read_intent_token", "stamp_of"]
 
 #: Commits whose before-images are kept: a read-only open reads its commit until the writer's
 #: ``KEEP + 1``-th commit after it starts.
@@ -710,21 +710,6 @@ def stale_error(store: str, generation: int, intent: int) -> StaleReadError:
         f"committed up to generation {intent} and reused the files of older commits. The files are "
         "most likely not damaged: reopen the store (tiered.open(path)) to read the latest commit, and "
         "run `tiered verify` if the error stays after that.")
-
-
-def header_of(raw: bytes, path: str, size: int) -> NpyHeader:
-    """The ``.npy`` header at the start of ``raw`` (a file's first bytes, as a commit left them),
-    checked as :func:`~tiered.durable.manifest.read_npy_header` checks a file of ``size`` bytes.
-
-    Raises:
-        CorruptionError: naming ``path``.
-    """
-    fd = os.memfd_create("tiered-npy-header", getattr(os, "MFD_CLOEXEC", 0))
-    try:
-        os.write(fd, raw)
-        return read_npy_header(fd, path, size)
-    finally:
-        os.close(fd)
 
 
 def roll_back(store: str, published: int) -> bool:

@@ -51,8 +51,15 @@ import numpy as np
 from ..errors import ChecksumError, CorruptionError
 from ..util import fileio
 from ..util.filemap import make_private
-from .array_files import header_of
-from .manifest import PAGE_BYTES, NpyHeader, already_verified, map_npy, npy_array, page_checksums
+from .manifest import (
+    PAGE_BYTES,
+    NpyHeader,
+    already_verified,
+    map_npy,
+    npy_array,
+    page_checksums,
+    read_npy_header,
+)
 
 __all__ = ["PageChecks", "RowCheck", "IdCheck", "map_checked", "map_verified", "map_commit", "load_checked",
            "forget_memory_tiers"]
@@ -284,7 +291,7 @@ def map_commit(path: str, expected_size: int, crcs: list[int] | None,
             raw = rebuild(0, min(PAGE_BYTES, expected_size), crcs[0]) if st.st_size > expected_size else None
             if raw is None:
                 raise
-            head = header_of(raw.tobytes(), path, expected_size)
+            head = read_npy_header(raw.tobytes(), path, expected_size)
             whole = mmap.mmap(fd, expected_size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             fileio.close(fd)

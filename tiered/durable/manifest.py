@@ -123,8 +123,10 @@ def _bad(path: str, why: str) -> CorruptionError:
     return CorruptionError(f"{path}: not a valid .npy file of a tiered store ({why}); the store is damaged")
 
 
-def read_npy_header(fd: int, path: str, size: int) -> NpyHeader:
-    """Parse and bound the header of the ``.npy`` file open at ``fd`` (``size`` bytes long).
+def read_npy_header(source: int | bytes, path: str, size: int) -> NpyHeader:
+    """Parse and bound the header of the ``.npy`` file (``size`` bytes long) open at the fd
+    ``source``, or whose first bytes ``source`` holds (as a commit left them, rebuilt from
+    before-images where a writer grew the file since).
 
     The header's shape times the item size must account for exactly the rest of the file, so
     no size written in the file can make a reader allocate more than the file holds.
@@ -135,7 +137,8 @@ def read_npy_header(fd: int, path: str, size: int) -> NpyHeader:
             dtype, shape, or a size lie).
     """
     # numpy's parser reads from a bounded prefix: no length written in the file makes us read more
-    f = io.BytesIO(os.pread(fd, min(size, _NPY_PREFIX + _MAX_HEADER), 0))
+    n = min(size, _NPY_PREFIX + _MAX_HEADER)
+    f = io.BytesIO(source[:n] if isinstance(source, bytes) else os.pread(source, n, 0))
     try:
         # numpy's own reader: the header dict is a literal (ast.literal_eval, no code runs); any
         # failure (bad magic, version, length, dict, dtype; a header longer than _MAX_HEADER or than

@@ -62,7 +62,6 @@ from .array_files import (
     Pending,
     UndoChain,
     array_file,
-    header_of,
     kind_of,
     plan_in_place,
     read_intent,
@@ -1197,7 +1196,7 @@ def _header(store: str, body: dict[str, Any], name: str, files: dict[str, Any]) 
                 name, body["array_files"].get(name), 0, min(PAGE_BYTES, files[name]),
                 page_checksums_of(body).get(name, [None])[0])
             if raw is not None:
-                return header_of(raw.tobytes(), path, files[name])
+                return read_npy_header(raw.tobytes(), path, files[name])
         if size != files[name]:
             raise CorruptionError(f"{path}: expected {files[name]} bytes, found {size} (truncated or overwritten)")
         return read_npy_header(fd, path, size)
