@@ -233,7 +233,7 @@ class StoreFiles:
             self.release_lock()
             raise
 
-    def cold_tier(self, state: dict[str, Any] | None = None, mode: str = "w") -> Tier:
+    def cold_tier(self, state: dict[str, Any] | None = None, mode: str = "w") -> MemmapTier:
         """A new cold tier (``state=None``) or the one a commit describes, opened in ``mode``."""
         cls = BACKENDS[self.backend]
         directory = os.path.join(self.path, "cold")
@@ -877,7 +877,7 @@ def _restore(files: StoreFiles, body: dict[str, Any], mode: str, rows: RowSpace,
             if name.startswith("policy.") and (pages.size - pages.offset) // pages.row_bytes < index.size:
                 pages.check(np.arange(pages.checked.size))  # a use of an id past its end copies it whole
         dead = live[index.refcount[live] == 0]
-    placement.tiers[COLD] = files.cold_tier(files.cold_state(body, load), mode)
+    cold = placement.tiers[COLD] = files.cold_tier(files.cold_state(body, load), mode)
     if dead.size and mode == "r+":
         write.release_blobs(dead)
     elif files.read_only and "index.state" in files.whole_pages:
@@ -889,7 +889,7 @@ def _restore(files: StoreFiles, body: dict[str, Any], mode: str, rows: RowSpace,
         index.release(dead)
     load_priorities(placement, body, load, write, files.path)
     files.read_only = mode == "r"
-    check_consistency(files.path, rows, write.layout, index, placement.cold, extents=mode == "r+")
+    check_consistency(files.path, rows, write.layout, index, cold, extents=mode == "r+")
 
 
 def options_of(body: dict[str, Any]) -> WriteOptions:
@@ -1130,7 +1130,7 @@ def _check_row_entries(path: str, key: Any, rows: RowSpace, layout: FieldLayout,
 
 
 def check_consistency(path: str, rows: RowSpace, layout: FieldLayout | None, index: BlobIndex,
-                      cold: Tier | None, *, extents: bool = True) -> None:
+                      cold: MemmapTier, *, extents: bool = True) -> None:
     """Cheap, vectorized checks that a commit's arrays agree with its manifest.
 
     Args:
@@ -1162,10 +1162,9 @@ def check_consistency(path: str, rows: RowSpace, layout: FieldLayout | None, ind
                 problems.append(f"dense column {key_to_str(key)!r} has shape {tuple(col.shape)}")
         if layout.schema.flag_fields and (rows.flags is None or tuple(rows.flags.shape) != (cap,)):
             problems.append(f"the flags column has shape {None if rows.flags is None else tuple(rows.flags.shape)}")
-    if cold is not None:
-        problems += _check_cold_bounds(cold, index)
-        if extents and not problems and hasattr(cold, "allocator"):
-            problems += _check_cold_extents(cold, index)
+    problems += _check_cold_bounds(cold, index)
+    if extents and not problems:
+        problems += _check_cold_extents(cold, index)
     if problems:
         raise CorruptionError(f"{path}: the store is damaged: " + "; ".join(problems[:5])
                               + f". Run `tiered verify {path}` for details.")
@@ -1344,7 +1343,7 @@ def check_index(index: BlobIndex, families: list[tuple[int, int]]) -> list[str]:
     return problems
 
 
-def _check_cold_bounds(cold: Any, index: BlobIndex) -> list[str]:
+def _check_cold_bounds(cold: MemmapTier, index: BlobIndex) -> list[str]:
     """Every live blob has a plausible raw size and lies inside one cold segment's reserved bytes
     and below the allocator's high water: a few passes over whole columns, no gathers."""
     n = index.size
@@ -1366,9 +1365,8 @@ def _check_cold_bounds(cold: Any, index: BlobIndex) -> list[str]:
         loc[dead] = 0
         end[dead] = 0
     bad = bool(int(loc.min()) < 0 or (end < loc).any())  # a negative offset or size
-    alloc = getattr(cold, "allocator", None)
-    if alloc is not None and not bad:
-        state = cold.state()
+    if not bad:
+        alloc, state = cold.allocator, cold.state()
         seg_bytes = int(state["segment_bytes"])
         sizes = [int(x) for x in state["segment_sizes"]]
         if int(end.max()) > min(int(alloc.high_water), (len(sizes) - 1) * seg_bytes + (sizes[-1] if sizes else 0)):
@@ -1386,7 +1384,7 @@ def _check_cold_bounds(cold: Any, index: BlobIndex) -> list[str]:
     return problems
 
 
-def _check_cold_extents(cold: Any, index: BlobIndex) -> list[str]:
+def _check_cold_extents(cold: MemmapTier, index: BlobIndex) -> list[str]:
     """No free or deferred extent of the cold allocator overlaps a stored blob or another extent,
     and no two stored blobs overlap (a write would overwrite live bytes)."""
     live = index.live_ids()
