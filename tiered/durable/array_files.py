@@ -160,8 +160,8 @@ def _pages_of(runs: np.ndarray, n_pages: int) -> np.ndarray:
 
 def _reusable(fd: int, path: str, base: FileState | None, hlen: int, arr: np.ndarray) -> bool:
     """Whether the file on disk is the one ``base`` describes, with a header of ``hlen`` bytes and
-    the dtype and row shape of ``arr`` (an array whose dtype changed, as row tables did in format
-    3, has every page moved: it is rewritten whole)."""
+    the dtype and row shape of ``arr`` (an array whose dtype changed, as a narrowed dense column
+    widened by a write, has every page moved: it is rewritten whole)."""
     if base is None:
         return False
     size = os.fstat(fd).st_size
@@ -818,8 +818,8 @@ def read_intent(store: str) -> int | None:
 
 
 def read_intent_token(store: str) -> tuple[int, int] | None:
-    """``(generation, count)`` of the last :func:`write_intent` (count 0: an intent written without
-    one); None as for :func:`read_intent`. Another token means the writer wrote an intent since."""
+    """``(generation, count)`` of the last :func:`write_intent`; None as for :func:`read_intent`.
+    Another token means the writer wrote an intent since."""
     try:
         fd = fileio.open_for_read(os.path.join(store, INTENT))
     except (FileNotFoundError, CorruptionError):
@@ -830,9 +830,7 @@ def read_intent_token(store: str) -> tuple[int, int] | None:
         return None
     finally:
         os.close(fd)
-    if len(raw) < 16:
+    if len(raw) != 24:
         return None
-    g, check = struct.unpack("<qq", raw[:16])
-    if check != g ^ _INTENT_MAGIC:
-        return None
-    return g, (struct.unpack("<q", raw[16:24])[0] if len(raw) == 24 else 0)
+    g, check, count = struct.unpack("<qqq", raw)
+    return (g, count) if check == g ^ _INTENT_MAGIC else None
