@@ -83,18 +83,15 @@ def page_checksums(parts: list[memoryview], page_bytes: int = PAGE_BYTES, thread
     n_pages = -(-total // page_bytes)
     out = [0] * n_pages
 
-    def one(k: int) -> None:
-        lo, hi = k * page_bytes, min(total, (k + 1) * page_bytes)
-        crc = 0
-        for i, part in enumerate(parts):  # a page may straddle two parts: its CRC runs on over both
-            a, b = max(lo, int(bounds[i])), min(hi, int(bounds[i + 1]))
-            if a < b:
-                crc = zlib.crc32(part[a - int(bounds[i]):b - int(bounds[i])], crc)
-        out[k] = crc
-
     def chunk(ks: range) -> None:
         for k in ks:  # one call per MiB page: the unit of work here
-            one(k)
+            lo, hi = k * page_bytes, min(total, (k + 1) * page_bytes)
+            crc = 0
+            for i, part in enumerate(parts):  # a page may straddle two parts: its CRC runs on over both
+                a, b = max(lo, int(bounds[i])), min(hi, int(bounds[i + 1]))
+                if a < b:
+                    crc = zlib.crc32(part[a - int(bounds[i]):b - int(bounds[i])], crc)
+            out[k] = crc
 
     if n_pages < _THREADED_PAGES or threads <= 1:
         chunk(range(n_pages))
