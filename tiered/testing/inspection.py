@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..durable.sharing import SharedWriting
 from ..durable.store_files import StoreFiles
 from ..engine.blob_index import COLD, HOT, OPEN, WARM, BlobIndex
 from ..engine.layout import FieldLayout
@@ -49,6 +50,8 @@ class EngineParts:
     reader: ReadPipeline
     cpu_reader: CpuReadPipeline
     files: StoreFiles | None
+    #: the lock of a store several processes write (None until :meth:`~tiered.TieredStore.share`)
+    sharing: SharedWriting | None = None
 
     @property
     def layout(self) -> FieldLayout | None:
@@ -64,7 +67,7 @@ class EngineParts:
 def parts(store: TieredStore) -> EngineParts:
     """The engine parts of ``store`` (live objects: changing them changes the store)."""
     return EngineParts(store._rows, store._index, store._placement, store._write, store._reader,
-                       store._cpu_reader, store._files)
+                       store._cpu_reader, store._files, store._sharing)
 
 
 def decode_blobs(store: TieredStore, family_id: int, ids: np.ndarray, *, gpu: bool = False) -> np.ndarray:
