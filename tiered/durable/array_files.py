@@ -186,8 +186,8 @@ def _source(arr: np.ndarray, before: Callable[[int, int], None] | None = None) -
 def plan_in_place(path: str, arr: np.ndarray, blocks: np.ndarray | None, base: FileState | None) -> np.ndarray | None:
     """The byte runs ``[lo, hi)`` (an ``(n, 2)`` int64 array) of the file ``path``, which holds
     ``base``, that a commit rewrites in place to make it ``arr``'s ``.npy`` file: those of the
-    dirty id ``blocks``, widened to whole :data:`WRITE_UNIT` units, or with ``blocks`` None, the
-    units whose bytes differ from the file's.
+    dirty id ``blocks``, widened to whole :data:`WRITE_UNIT` units; with ``blocks`` None (an array
+    whose changes no block tracks), none where the file holds its bytes already.
 
     An array that grew (a blob-indexed array gets longer as blob ids are added) is written in
     place too: its header and its new tail with the dirty blocks; the file only gets longer
@@ -196,7 +196,8 @@ def plan_in_place(path: str, arr: np.ndarray, blocks: np.ndarray | None, base: F
     Returns:
         None where the array cannot be written in place: no ``base``, a file that is not the one
         ``base`` describes, an array that shrank or whose dtype or row shape changed, or one not
-        tracked by block that grew: the array then goes to a new file (:func:`write_new`).
+        tracked by block that differs from its file: the array then goes to a new file
+        (:func:`write_new`).
     """
     source, size = _source(arr)
     if base is None or size < base.size or (size > base.size and blocks is None):
@@ -212,7 +213,11 @@ def plan_in_place(path: str, arr: np.ndarray, blocks: np.ndarray | None, base: F
         if size == base.size:
             if os.pread(fd, hlen, 0) != source.head:
                 return None
-            return _dirty_runs(arr, hlen, size, blocks) if blocks is not None else _differing_runs(fd, source, size)
+            if blocks is None:
+                # a small array that changes goes to a new file: what an open checks before it
+                # reads any page (index.meta's count) is never half a commit's
+                return np.empty((0, 2), dtype=np.int64) if _holds(fd, source, size) else None
+            return _dirty_runs(arr, hlen, size, blocks)
         # grown (more blob ids): the header and the tail too, in place; the file only gets longer
         runs = _dirty_runs(arr, hlen, size, blocks)
         tail = base.size // WRITE_UNIT * WRITE_UNIT
@@ -362,20 +367,12 @@ class _Source:
         return out
 
 
-def _differing_runs(fd: int, source: _Source, size: int) -> np.ndarray | None:
-    """The :data:`WRITE_UNIT` runs of the file (``size`` bytes, as the array's) whose bytes differ
-    from ``source``'s (None: the file is shorter than it should be)."""
+def _holds(fd: int, source: _Source, size: int) -> bool:
+    """Whether the file (``size`` bytes, as the array's) holds ``source``'s bytes."""
     disk = np.empty(size, dtype=np.uint8)
     if fileio.read_into(fd, memoryview(disk), 0) != size:
-        return None
-    mem = np.concatenate([np.frombuffer(part, dtype=np.uint8) for part in source.parts(0, size)])
-    full, unit = size // WRITE_UNIT, WRITE_UNIT
-    differ = np.zeros(-(-size // unit), dtype=bool)
-    differ[:full] = (disk[:full * unit].reshape(full, unit) != mem[:full * unit].reshape(full, unit)).any(axis=1)
-    if full < differ.size:
-        differ[full] = not np.array_equal(disk[full * unit:], mem[full * unit:])
-    edges = np.flatnonzero(np.diff(np.concatenate([[0], differ.astype(np.int8), [0]]))).reshape(-1, 2)
-    return np.minimum(edges.astype(np.int64) * unit, size)
+        return False
+    return bool(np.array_equal(disk, np.concatenate([np.frombuffer(p, dtype=np.uint8) for p in source.parts(0, size)])))
 
 
 #: Most bytes of pages read at once while a commit rewrites parts of them.

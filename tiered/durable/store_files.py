@@ -521,10 +521,6 @@ class StoreFiles:
                 continue
             path = array_file(self.path, name, base.file)
             plans[name] = runs = plan_in_place(path, arr, None if kind == "whole" else dirty[1 if kind == "blobs" else 0], base)
-            if kind == "whole" and runs is not None and runs.size:
-                # small arrays that change go to a new file: what an open checks before it reads
-                # any page (index.meta's count) is never half a commit's
-                plans[name] = runs = None
             if runs is not None and runs.size:
                 # the old bytes: those of the file as it is (a grown array's tail has none)
                 old = np.minimum(runs, base.size)
