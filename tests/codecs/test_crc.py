@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tiered.util.crc import crc32_combine, crc32_patch
+from tiered.util.crc import crc32_patch
 
 
 @settings(max_examples=200, deadline=None)
@@ -21,13 +21,12 @@ def test_a_patched_crc_is_the_crc_of_the_patched_page(page, data):
     assert crc32_patch(zlib.crc32(page), len(page), at, page[at:at + len(new)], new) == zlib.crc32(patched)
 
 
-def test_a_patch_in_a_mib_page_and_combine():
+def test_a_patch_in_a_mib_page():
     page = bytearray(range(256)) * 4096  # 1 MiB
     before = zlib.crc32(page)
     old = bytes(page[700_000:704_096])
     page[700_000:704_096] = b"\x07" * 4096
     assert crc32_patch(before, len(page), 700_000, old, b"\x07" * 4096) == zlib.crc32(page)
-    assert crc32_combine(zlib.crc32(page[:5]), zlib.crc32(page[5:]), len(page) - 5) == zlib.crc32(page)
 
 
 def test_a_patch_that_does_not_fit_is_refused():

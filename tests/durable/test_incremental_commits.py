@@ -165,17 +165,19 @@ def test_a_copy_keeps_its_own_bytes_outside_the_dirty_blocks(tmp_path):
 
 
 def test_an_untracked_array_is_compared_with_its_copy(tmp_path):
-    """An array whose changes no id block tracks (a row table's exception list) writes only the
-    memory pages where it differs from its copy, and the copy is whole afterwards."""
-    path = tmp_path / "next.3.rows.0.npy"
+    """An array whose changes no id block tracks (a row table's exception list) writes nothing
+    while it equals its copy, and goes whole to a new file once it differs (an open never reads
+    half a commit's)."""
+    path = tmp_path / "next.3.rows.1.npy"
     arr = np.arange(PAGE_BYTES // 4, dtype=np.int64)  # 2 MiB: every byte differs from zeros
     first = write_copy(str(path), arr, None, None, 1)
-    arr[100_000] = -3
-    again = write_copy(str(path), arr, None, first, 2, compare=True)
-    assert again.written == WRITE_UNIT
-    assert _copy_matches(path, arr, again)
-    same = write_copy(str(path), arr, None, again, 3, compare=True)
+    same = write_copy(str(path), arr, None, first, 1, compare=True)
     assert same.written == 0 and _copy_matches(path, arr, same)
+    arr[100_000] = -3
+    assert plan_in_place(str(path), arr, None, same) is None
+    again = write_copy(str(tmp_path / "next.3.rows.2.npy"), arr, None, same, 2, compare=True)
+    assert again.file == 2 and again.written == again.size
+    assert _copy_matches(tmp_path / "next.3.rows.2.npy", arr, again)
 
 
 def test_a_small_commit_after_a_large_one_writes_only_its_own_rows(tmp_path):

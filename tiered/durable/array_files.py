@@ -11,32 +11,12 @@ Design note:
   or changed dtype, and a small array whose changes are not tracked by block that differs from
   its file, is written whole to a new file ``<name>.<g>.npy``; the old file is never written
   again.
-* **What commit g writes, in order.** (1) The before-image file ``arrays/undo.<g>``: for each
-  byte range the commit will change in place, the bytes the file holds now (commit ``g - 1``'s)
-  and the file's size, checked by a CRC-32 per :data:`PAGE_BYTES` page, written under a temp
-  name; the new files of resized arrays; all of them fsynced together (:func:`sync_files`),
-  then the before-images renamed into place and the directory fsynced. (2) ``commit.intent`` =
-  ``g``, fsynced. (3) The changed ranges, in place, the files fsynced together; each page's
-  CRC-32 patched from its old one and the bytes that changed. (4) The manifest. Then the before-images of commit
-  ``g - KEEP`` and files replaced ``KEEP`` commits ago are deleted.
-* **What a crash leaves.** Before (2): the arrays as commit ``g - 1`` left them (a stray
-  before-image or new file is removed at the next writer open). Between (2) and (4): arrays partly
-  written; the next writer open (or the writer itself, after an error) sees an intent newer than
-  the manifest and writes the before-images of ``g`` back, cutting grown files to their old
-  size (:func:`roll_back`), bit-exact, then sets the intent back. After (4): commit ``g``. A before-image is complete and fsynced before the
-  intent names its commit, so a power loss at any point leaves one of these.
-* **What readers see.** A read-only open of commit ``g`` maps the files; each page is copied
-  private and checked against commit ``g``'s CRC-32 at its first use
-  (:class:`~tiered.durable.checked_maps.PageChecks`), so the writer's later writes never reach a page once
-  checked. What it reads whole at open (blob index, policy state, written mask) it checks
-  through the maps, leaving the pages the file's until first used
-  (:func:`~tiered.durable.checked_maps.map_verified`). A page the writer changed since fails its check; its bytes as of ``g`` are rebuilt from
-  the before-images of commits ``g + 1`` to the intent (the oldest image of a byte wins) and
-  checked again (:meth:`UndoChain.rebuild`); a file grown since is mapped to its commit's size,
-  with the header rebuilt the same way. The before-images of the last :data:`KEEP` commits
-  are kept: a reader up to ``KEEP`` commits behind reads its commit; further behind, a page it
-  cannot rebuild raises ``StaleReadError``. A process forked from the writer has private arrays
-  (the fork hook of :mod:`tiered.durable.store_files`).
+* **Before-images.** What a commit writes in place, the file ``arrays/undo.<g>`` holds first as
+  the file held it, with the file's size and a CRC-32 per :data:`PAGE_BYTES` page: a crash
+  between the intent and the manifest is undone from it (:func:`roll_back`), and a reader of an
+  older commit rebuilds its pages from the images of the commits after it
+  (:meth:`UndoChain.rebuild`). The order of a commit's writes, what a crash leaves and what
+  readers see: the design note of :mod:`tiered.durable`.
 
 Example:
     >>> import os, tempfile
@@ -73,12 +53,12 @@ from ..util import fileio
 from ..util.crc import crc32_patch
 from ..util.dirty import BLOCK_SHIFT
 from ..util.filemap import npy_header
-from .manifest import PAGE_BYTES, NpyHeader, page_checksums, read_npy_header
+from .manifest import PAGE_BYTES, page_checksums, read_npy_header
 
 __all__ = ["KEEP", "ARRAYS_DIR", "INTENT", "WRITE_UNIT", "FileState", "UndoImage", "UndoChain", "array_file",
            "undo_file", "stale_error", "kind_of", "plan_in_place", "read_runs", "write_in_place", "write_new", "write_undo",
            "Pending", "sync_files",
-           "roll_back", "remove_obsolete", "write_intent", "read_intent", "read_intent_token", "stamp_of", "header_of"]
+           "roll_back", "remove_obsolete", "write_intent", "read_intent", "read_intent_token", "stamp_of"]
 
 #: Commits whose before-images are kept: a read-only open reads its commit until the writer's
 #: ``KEEP + 1``-th commit after it starts.
@@ -180,8 +160,8 @@ def _pages_of(runs: np.ndarray, n_pages: int) -> np.ndarray:
 
 def _reusable(fd: int, path: str, base: FileState | None, hlen: int, arr: np.ndarray) -> bool:
     """Whether the file on disk is the one ``base`` describes, with a header of ``hlen`` bytes and
-    the dtype and row shape of ``arr`` (an array whose dtype changed, as row tables did in format
-    3, has every page moved: it is rewritten whole)."""
+    the dtype and row shape of ``arr`` (an array whose dtype changed, as a narrowed dense column
+    widened by a write, has every page moved: it is rewritten whole)."""
     if base is None:
         return False
     size = os.fstat(fd).st_size
@@ -206,8 +186,8 @@ def _source(arr: np.ndarray, before: Callable[[int, int], None] | None = None) -
 def plan_in_place(path: str, arr: np.ndarray, blocks: np.ndarray | None, base: FileState | None) -> np.ndarray | None:
     """The byte runs ``[lo, hi)`` (an ``(n, 2)`` int64 array) of the file ``path``, which holds
     ``base``, that a commit rewrites in place to make it ``arr``'s ``.npy`` file: those of the
-    dirty id ``blocks``, widened to whole :data:`WRITE_UNIT` units, or with ``blocks`` None, the
-    units whose bytes differ from the file's.
+    dirty id ``blocks``, widened to whole :data:`WRITE_UNIT` units; with ``blocks`` None (an array
+    whose changes no block tracks), none where the file holds its bytes already.
 
     An array that grew (a blob-indexed array gets longer as blob ids are added) is written in
     place too: its header and its new tail with the dirty blocks; the file only gets longer
@@ -216,7 +196,8 @@ def plan_in_place(path: str, arr: np.ndarray, blocks: np.ndarray | None, base: F
     Returns:
         None where the array cannot be written in place: no ``base``, a file that is not the one
         ``base`` describes, an array that shrank or whose dtype or row shape changed, or one not
-        tracked by block that grew: the array then goes to a new file (:func:`write_new`).
+        tracked by block that differs from its file: the array then goes to a new file
+        (:func:`write_new`).
     """
     source, size = _source(arr)
     if base is None or size < base.size or (size > base.size and blocks is None):
@@ -232,7 +213,11 @@ def plan_in_place(path: str, arr: np.ndarray, blocks: np.ndarray | None, base: F
         if size == base.size:
             if os.pread(fd, hlen, 0) != source.head:
                 return None
-            return _dirty_runs(arr, hlen, size, blocks) if blocks is not None else _differing_runs(fd, source, size)
+            if blocks is None:
+                # a small array that changes goes to a new file: what an open checks before it
+                # reads any page (index.meta's count) is never half a commit's
+                return np.empty((0, 2), dtype=np.int64) if _holds(fd, source, size) else None
+            return _dirty_runs(arr, hlen, size, blocks)
         # grown (more blob ids): the header and the tail too, in place; the file only gets longer
         runs = _dirty_runs(arr, hlen, size, blocks)
         tail = base.size // WRITE_UNIT * WRITE_UNIT
@@ -319,17 +304,15 @@ def write_new(path: str, arr: np.ndarray, file: int, before: Callable[[int, int]
 Pending = list[tuple[int, Callable[[], None] | None]]
 
 
-def _sync_or_defer(fd: int, pending: Pending | None, then: Callable[[], None] | None = None) -> None:
-    """fsync and close ``fd`` then run ``then``, or leave all that to :func:`sync_files`."""
+def _sync_or_defer(fd: int, pending: Pending | None) -> None:
+    """fsync and close ``fd``, or leave that to :func:`sync_files`."""
     if pending is not None:
-        pending.append((fd, then))
+        pending.append((fd, None))
         return
     try:
         fileio.fsync(fd)
     finally:
         fileio.close(fd)
-    if then is not None:
-        then()
 
 
 def sync_files(pending: Pending) -> None:
@@ -384,20 +367,12 @@ class _Source:
         return out
 
 
-def _differing_runs(fd: int, source: _Source, size: int) -> np.ndarray | None:
-    """The :data:`WRITE_UNIT` runs of the file (``size`` bytes, as the array's) whose bytes differ
-    from ``source``'s (None: the file is shorter than it should be)."""
+def _holds(fd: int, source: _Source, size: int) -> bool:
+    """Whether the file (``size`` bytes, as the array's) holds ``source``'s bytes."""
     disk = np.empty(size, dtype=np.uint8)
     if fileio.read_into(fd, memoryview(disk), 0) != size:
-        return None
-    mem = np.concatenate([np.frombuffer(part, dtype=np.uint8) for part in source.parts(0, size)])
-    full, unit = size // WRITE_UNIT, WRITE_UNIT
-    differ = np.zeros(-(-size // unit), dtype=bool)
-    differ[:full] = (disk[:full * unit].reshape(full, unit) != mem[:full * unit].reshape(full, unit)).any(axis=1)
-    if full < differ.size:
-        differ[full] = not np.array_equal(disk[full * unit:], mem[full * unit:])
-    edges = np.flatnonzero(np.diff(np.concatenate([[0], differ.astype(np.int8), [0]]))).reshape(-1, 2)
-    return np.minimum(edges.astype(np.int64) * unit, size)
+        return False
+    return bool(np.array_equal(disk, np.concatenate([np.frombuffer(p, dtype=np.uint8) for p in source.parts(0, size)])))
 
 
 #: Most bytes of pages read at once while a commit rewrites parts of them.
@@ -532,12 +507,12 @@ def _splice_pages(fd: int, source: _Source, runs: np.ndarray, base: FileState, c
 
 
 def write_undo(store: str, generation: int, images: list[tuple[str, int, int, np.ndarray, np.ndarray]],
-               pending: Pending | None = None) -> int:
+               pending: Pending) -> int:
     """Durably write the before-images of commit ``generation``: per array ``(name, file, size,
     runs, old)``, the byte ``runs`` of its file ``file`` (``size`` bytes now) about to be
     rewritten, within ``size``, and their ``old`` bytes.
-    The file is written under a temp name, fsynced and renamed (with ``pending``: both left to
-    :func:`sync_files`); the caller fsyncs the directory before the intent names the commit.
+    The file is written under a temp name, left in ``pending`` to be fsynced and renamed
+    (:func:`sync_files`); the caller fsyncs the directory before the intent names the commit.
     Returns the bytes written.
 
     Layout: :data:`_UNDO_HEAD`, a JSON table (``arrays``: ``[name, file, runs, offset, size]`` each,
@@ -567,7 +542,7 @@ def write_undo(store: str, generation: int, images: list[tuple[str, int, int, np
     except BaseException:
         fileio.close(fd)
         raise
-    _sync_or_defer(fd, pending, lambda: fileio.replace(tmp, path))  # renamed once complete and durable
+    pending.append((fd, lambda: fileio.replace(tmp, path)))  # renamed once complete and durable
     return pos
 
 
@@ -734,21 +709,6 @@ def stale_error(store: str, generation: int, intent: int) -> StaleReadError:
         "run `tiered verify` if the error stays after that.")
 
 
-def header_of(raw: bytes, path: str, size: int) -> NpyHeader:
-    """The ``.npy`` header at the start of ``raw`` (a file's first bytes, as a commit left them),
-    checked as :func:`~tiered.durable.manifest.read_npy_header` checks a file of ``size`` bytes.
-
-    Raises:
-        CorruptionError: naming ``path``.
-    """
-    fd = os.memfd_create("tiered-npy-header", getattr(os, "MFD_CLOEXEC", 0))
-    try:
-        os.write(fd, raw)
-        return read_npy_header(fd, path, size)
-    finally:
-        os.close(fd)
-
-
 def roll_back(store: str, published: int) -> bool:
     """Undo what a commit that died after its intent wrote in place (the writer's open of a store,
     or a writer whose commit failed): write the before-images of the commit the intent names back,
@@ -855,8 +815,8 @@ def read_intent(store: str) -> int | None:
 
 
 def read_intent_token(store: str) -> tuple[int, int] | None:
-    """``(generation, count)`` of the last :func:`write_intent` (count 0: an intent written without
-    one); None as for :func:`read_intent`. Another token means the writer wrote an intent since."""
+    """``(generation, count)`` of the last :func:`write_intent`; None as for :func:`read_intent`.
+    Another token means the writer wrote an intent since."""
     try:
         fd = fileio.open_for_read(os.path.join(store, INTENT))
     except (FileNotFoundError, CorruptionError):
@@ -867,9 +827,7 @@ def read_intent_token(store: str) -> tuple[int, int] | None:
         return None
     finally:
         os.close(fd)
-    if len(raw) < 16:
+    if len(raw) != 24:
         return None
-    g, check = struct.unpack("<qq", raw[:16])
-    if check != g ^ _INTENT_MAGIC:
-        return None
-    return g, (struct.unpack("<q", raw[16:24])[0] if len(raw) == 24 else 0)
+    g, check, count = struct.unpack("<qqq", raw)
+    return (g, count) if check == g ^ _INTENT_MAGIC else None

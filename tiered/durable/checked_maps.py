@@ -25,10 +25,10 @@ only mapped, :func:`map_checked`), and copied private and checked again at first
 Example:
     >>> import os, tempfile
     >>> import numpy as np
-    >>> from tiered.durable.manifest import write_array
+    >>> from tiered.durable.array_files import write_new
     >>> p = os.path.join(tempfile.mkdtemp(), "a.npy")
-    >>> f = write_array(p, np.arange(1_000_000, dtype=np.int64))
-    >>> arr, pages = map_checked(p, f.size, f.pages)
+    >>> f = write_new(p, np.arange(1_000_000, dtype=np.int64), 1)
+    >>> arr, pages = map_checked(p, f.size, f.crcs)
     >>> int(pages.checked.sum())  # none so far
     0
     >>> check = RowCheck([pages], arr.shape[0])
@@ -51,8 +51,15 @@ import numpy as np
 from ..errors import ChecksumError, CorruptionError
 from ..util import fileio
 from ..util.filemap import make_private
-from .array_files import header_of
-from .manifest import PAGE_BYTES, NpyHeader, already_verified, map_npy, page_checksums
+from .manifest import (
+    PAGE_BYTES,
+    NpyHeader,
+    already_verified,
+    map_npy,
+    npy_array,
+    page_checksums,
+    read_npy_header,
+)
 
 __all__ = ["PageChecks", "RowCheck", "IdCheck", "map_checked", "map_verified", "map_commit", "load_checked",
            "forget_memory_tiers"]
@@ -217,10 +224,10 @@ class IdCheck:
     Example:
         >>> import os, tempfile
         >>> import numpy as np
-        >>> from tiered.durable.manifest import write_array
+        >>> from tiered.durable.array_files import write_new
         >>> p = os.path.join(tempfile.mkdtemp(), "ids.npy")
-        >>> f = write_array(p, np.arange(300_000, dtype=np.int64))
-        >>> arr, pages = map_verified(p, f.size, f.pages, rebuild=lambda lo, hi, crc: None)
+        >>> f = write_new(p, np.arange(300_000, dtype=np.int64), 1)
+        >>> arr, pages = map_verified(p, f.size, f.crcs, rebuild=lambda lo, hi, crc: None)
         >>> check = IdCheck(); check.add(pages)
         >>> check.ids(np.array([7, 299_999])); int(pages.checked.sum()), int(arr[7])
         (2, 7)
@@ -269,11 +276,12 @@ def map_commit(path: str, expected_size: int, crcs: list[int] | None,
     writer's before-images); its first page is rebuilt like any other when first checked.
 
     Raises:
-        CorruptionError: naming the file.
+        CorruptionError (its subclass ChecksumError where ``crcs`` are not one per page): naming
+            the file.
     """
     try:
         whole, st, head = map_npy(path, expected_size)
-        return whole, st, head, st.st_size
+        size = st.st_size
     except CorruptionError:
         if rebuild is None or not crcs:
             raise
@@ -283,11 +291,15 @@ def map_commit(path: str, expected_size: int, crcs: list[int] | None,
             raw = rebuild(0, min(PAGE_BYTES, expected_size), crcs[0]) if st.st_size > expected_size else None
             if raw is None:
                 raise
-            head = header_of(raw.tobytes(), path, expected_size)
+            head = read_npy_header(raw.tobytes(), path, expected_size)
             whole = mmap.mmap(fd, expected_size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             fileio.close(fd)
-        return whole, st, head, expected_size
+        size = expected_size
+    if crcs is not None and len(crcs) != -(-size // PAGE_BYTES):
+        raise ChecksumError(f"{path}: the commit records {len(crcs)} checksummed pages, the file has "
+                            f"{-(-size // PAGE_BYTES)}; the store is damaged. Run `tiered verify` for details.")
+    return whole, st, head, size
 
 
 def map_checked(path: str, expected_size: int, crcs: list[int] | None,
@@ -308,13 +320,9 @@ def map_checked(path: str, expected_size: int, crcs: list[int] | None,
     if not head.shape or head.fortran_order:
         raise CorruptionError(f"{path}: not a row array of a tiered store (shape {head.shape}); "
                               "the store is damaged")
-    n_pages = -(-size // PAGE_BYTES)
-    if crcs is not None and len(crcs) != n_pages:
-        raise ChecksumError(f"{path}: the commit records {len(crcs)} checksummed pages, the file has "
-                            f"{n_pages}; the store is damaged. Run `tiered verify` for details.")
     rows = head.shape[0]
     row_bytes = math.prod(head.shape[1:]) * head.dtype.itemsize
-    pages = PageChecks(path, memoryview(whole), list(crcs) if crcs is not None else [0] * n_pages,
+    pages = PageChecks(path, memoryview(whole), list(crcs) if crcs is not None else [0] * -(-size // PAGE_BYTES),
                        head.offset, row_bytes, stale, rebuild)
     if crcs is None or already_verified(st):
         pages.checked[:] = True
@@ -359,20 +367,12 @@ def load_checked(path: str, expected_size: int, crcs: list[int] | None, rebuild:
     """
     whole, st, head, size = map_commit(path, expected_size, crcs, rebuild)
     if crcs is not None and not already_verified(st):
-        n_pages = -(-size // PAGE_BYTES)
-        if len(crcs) != n_pages:
-            raise ChecksumError(f"{path}: the commit records {len(crcs)} checksummed pages, the file has "
-                                f"{n_pages}; the store is damaged. Run `tiered verify` for details.")
         view = memoryview(whole)
         make_private(view, 0, size)  # all at once, then hashed on several threads
         bad = np.flatnonzero(np.array(page_checksums([view]), dtype=np.int64) != np.array(crcs, dtype=np.int64))
         if bad.size:  # pages a writer changed since (or damaged): rebuilt, or raised
             PageChecks(path, view, list(crcs), head.offset, 1, rebuild=rebuild).check(bad)
-    count = math.prod(head.shape)
-    order = "F" if head.fortran_order else "C"
-    if count == 0:
-        return np.empty(head.shape, head.dtype, order=order)
-    return np.frombuffer(whole, dtype=head.dtype, count=count, offset=head.offset).reshape(head.shape, order=order)
+    return npy_array(whole, head)
 
 
 def forget_memory_tiers(loc: np.ndarray, pages: PageChecks, columns: slice, lo: int, hi: int) -> None:
@@ -387,10 +387,10 @@ def forget_memory_tiers(loc: np.ndarray, pages: PageChecks, columns: slice, lo: 
 
     Example:
         >>> import os, tempfile
-        >>> from tiered.durable.manifest import write_array
+        >>> from tiered.durable.array_files import write_new
         >>> p = os.path.join(tempfile.mkdtemp(), "loc.npy")
-        >>> f = write_array(p, np.full((100_000, 3), 7, dtype=np.int64))
-        >>> loc, pages = map_verified(p, f.size, f.pages, rebuild=lambda lo, hi, crc: None)
+        >>> f = write_new(p, np.full((100_000, 3), 7, dtype=np.int64), 1)
+        >>> loc, pages = map_verified(p, f.size, f.crcs, rebuild=lambda lo, hi, crc: None)
         >>> pages.on_own = lambda lo, hi: forget_memory_tiers(loc, pages, slice(0, 2), lo, hi)
         >>> pages.check(np.array([0]))
         >>> loc[0].tolist(), loc[50_000].tolist()  # page 0's entries forgotten; page 1's still the file's

@@ -212,13 +212,11 @@ class SharedWriterLock:
     two would share, so neither would exclude the other). A process killed while holding the
     lock loses it with its descriptors, as for the one-writer lock.
 
-    Why not a :class:`filelock.UnixFileLock` here: it opens and closes the lock file on every
-    hold, and a shared store takes this lock on every call, reads included.
-    ``benchmarks/bench_lock.py`` on a 2-core VM (noisy): 186 us per acquire and release against
-    4.2 us on a kept descriptor, and ``rb.sample(32)`` on a shared ``TieredStorage`` 1.01 ms
-    against 0.51 ms. So the descriptor is kept open, and filelock's descriptor primitives
-    (:func:`filelock.lock_descriptor`, :func:`filelock.unlock_descriptor`) take and give back
-    the ``flock``; the wait, with its deadline and the holder named, is written here.
+    Not a :class:`filelock.UnixFileLock`: it opens and closes the lock file on every hold, and a
+    shared store takes this lock on every call, reads included (a sample of a shared
+    ``TieredStorage`` took twice as long: ``benchmarks/bench_lock.py``). So the descriptor is
+    kept open, :func:`filelock.lock_descriptor` and :func:`filelock.unlock_descriptor` take and
+    give back the ``flock``, and the wait, with its deadline and the holder named, is written here.
 
     Args:
         directory: the store directory.

@@ -7,11 +7,11 @@ directory) after every array file it names is written and fsynced, so a reader a
 either the old commit or the new one, never a mix. :func:`read_manifest` refuses anything that
 is not a tiered manifest of :data:`FORMAT_VERSION`.
 
-Every array file (``arrays/<name>.<copy>.npy``, :mod:`tiered.durable.array_files`) is a ``.npy`` file
-whose size and the CRC-32 of each 1 MiB page the manifest records (:func:`write_array`,
-:func:`page_checksums`); opening one (:func:`map_npy`, :func:`load_npy`) takes regular files
-only, parses and bounds its header without running code (:func:`read_npy_header`: it must
-account for exactly the file's size) and checks its pages before the bytes are trusted.
+Every array file (``arrays/<name>.<f>.npy``, :mod:`tiered.durable.array_files`) is a ``.npy`` file
+whose size and the CRC-32 of each 1 MiB page (:func:`page_checksums`) the manifest records;
+opening one (:func:`map_npy`, :func:`load_npy`) takes regular files only, parses and bounds its
+header without running code (:func:`read_npy_header`: it must account for exactly the file's
+size) and checks its pages before the bytes are trusted.
 
 All file writes go through :mod:`tiered.util.fileio`.
 """
@@ -39,8 +39,8 @@ from ..util.filemap import parse_npy_header
 from ..util.pool import run_parallel
 from ..version import __version__
 
-__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "MANIFEST", "PAGE_BYTES", "ArrayFile", "NpyHeader",
-           "write_array", "load_npy", "read_npy_header", "page_checksums", "check_pages", "arrays_verified",
+__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "MANIFEST", "PAGE_BYTES", "NpyHeader",
+           "load_npy", "npy_array", "read_npy_header", "page_checksums", "check_pages", "arrays_verified",
            "already_verified", "map_npy",
            "write_manifest", "read_manifest"]
 
@@ -67,20 +67,6 @@ _verified: contextvars.ContextVar[frozenset[tuple[int, ...]] | None] = contextva
     "tiered_verified_arrays", default=None)
 
 
-@dataclass(frozen=True)
-class ArrayFile:
-    """What a commit records about one array file: its size and the CRC-32 of each page.
-
-    Attributes:
-        size: bytes of the ``.npy`` file.
-        pages: CRC-32 (``zlib.crc32``) of each :data:`PAGE_BYTES` page of the file, header
-            included, in file order.
-    """
-
-    size: int
-    pages: list[int]
-
-
 def page_checksums(parts: list[memoryview], page_bytes: int = PAGE_BYTES, threads: int = 8) -> list[int]:
     """CRC-32 of each ``page_bytes`` page of the concatenation of ``parts`` (the bytes of a file).
 
@@ -97,18 +83,15 @@ def page_checksums(parts: list[memoryview], page_bytes: int = PAGE_BYTES, thread
     n_pages = -(-total // page_bytes)
     out = [0] * n_pages
 
-    def one(k: int) -> None:
-        lo, hi = k * page_bytes, min(total, (k + 1) * page_bytes)
-        crc = 0
-        for i, part in enumerate(parts):  # a page may straddle two parts: its CRC runs on over both
-            a, b = max(lo, int(bounds[i])), min(hi, int(bounds[i + 1]))
-            if a < b:
-                crc = zlib.crc32(part[a - int(bounds[i]):b - int(bounds[i])], crc)
-        out[k] = crc
-
     def chunk(ks: range) -> None:
         for k in ks:  # one call per MiB page: the unit of work here
-            one(k)
+            lo, hi = k * page_bytes, min(total, (k + 1) * page_bytes)
+            crc = 0
+            for i, part in enumerate(parts):  # a page may straddle two parts: its CRC runs on over both
+                a, b = max(lo, int(bounds[i])), min(hi, int(bounds[i + 1]))
+                if a < b:
+                    crc = zlib.crc32(part[a - int(bounds[i]):b - int(bounds[i])], crc)
+            out[k] = crc
 
     if n_pages < _THREADED_PAGES or threads <= 1:
         chunk(range(n_pages))
@@ -116,25 +99,6 @@ def page_checksums(parts: list[memoryview], page_bytes: int = PAGE_BYTES, thread
         step = -(-n_pages // threads)
         run_parallel(chunk, [(range(a, min(n_pages, a + step)),) for a in range(0, n_pages, step)], threads)
     return out
-
-
-def write_array(path: str, arr: np.ndarray) -> ArrayFile:
-    """Write ``arr`` as a ``.npy`` file through :mod:`tiered.util.fileio`, fsync it, and return its
-    size and page checksums (computed from the bytes written, not read back)."""
-    arr = np.require(arr, requirements="C")  # keeps 0-d arrays 0-d (ascontiguousarray makes them 1-d)
-    header = io.BytesIO()
-    np.lib.format.write_array_header_1_0(header, np.lib.format.header_data_from_array_1_0(arr))
-    head = header.getvalue()
-    data = memoryview(arr.reshape(-1).view(np.uint8)) if arr.nbytes else memoryview(b"")
-    fd = fileio.open_for_write(path)
-    try:
-        fileio.pwrite(fd, head, 0)
-        if arr.nbytes:
-            fileio.pwrite(fd, data, len(head))
-        fileio.fsync(fd)
-    finally:
-        fileio.close(fd)
-    return ArrayFile(len(head) + arr.nbytes, page_checksums([memoryview(head), data]))
 
 
 @dataclass(frozen=True)
@@ -156,18 +120,22 @@ def _bad(path: str, why: str) -> CorruptionError:
     return CorruptionError(f"{path}: not a valid .npy file of a tiered store ({why}); the store is damaged")
 
 
-def read_npy_header(fd: int, path: str, size: int) -> NpyHeader:
-    """Parse and bound the header of the ``.npy`` file open at ``fd`` (``size`` bytes long).
+def read_npy_header(source: int | bytes, path: str, size: int) -> NpyHeader:
+    """Parse and bound the header of the ``.npy`` file (``size`` bytes long) open at the fd
+    ``source``, or whose first bytes ``source`` holds (as a commit left them, rebuilt from
+    before-images where a writer grew the file since).
 
     The header's shape times the item size must account for exactly the rest of the file, so
     no size written in the file can make a reader allocate more than the file holds.
 
     Raises:
-        CorruptionError: naming the file, for any header that is not what :func:`write_array`
-            writes (bad magic, version, length, dict, dtype, shape, or a size lie).
+        CorruptionError: naming the file, for any header that is not what
+            :func:`~tiered.durable.array_files.write_new` writes (bad magic, version, length, dict,
+            dtype, shape, or a size lie).
     """
     # numpy's parser reads from a bounded prefix: no length written in the file makes us read more
-    f = io.BytesIO(os.pread(fd, min(size, _NPY_PREFIX + _MAX_HEADER), 0))
+    n = min(size, _NPY_PREFIX + _MAX_HEADER)
+    f = io.BytesIO(source[:n] if isinstance(source, bytes) else os.pread(source, n, 0))
     try:
         # numpy's own reader: the header dict is a literal (ast.literal_eval, no code runs); any
         # failure (bad magic, version, length, dict, dtype; a header longer than _MAX_HEADER or than
@@ -218,7 +186,8 @@ def already_verified(st: os.stat_result) -> bool:
 
 
 def map_npy(path: str, expected_size: int | None = None) -> tuple[mmap_module.mmap, os.stat_result, NpyHeader]:
-    """Open and memory-map (copy-on-write) a ``.npy`` file written by :func:`write_array`:
+    """Open and memory-map (copy-on-write) a ``.npy`` file written by
+    :func:`~tiered.durable.array_files.write_new`:
     ``(map, stat, header)``, after checking, before anything is allocated, that it is a regular
     file of ``expected_size`` bytes whose header is valid and accounts for the file's size.
 
@@ -249,7 +218,8 @@ def map_npy(path: str, expected_size: int | None = None) -> tuple[mmap_module.mm
 
 def load_npy(path: str, expected_size: int | None = None, mmap: bool = True,
              pages: list[int] | None = None) -> np.ndarray:
-    """Memory-map (copy-on-write) a ``.npy`` file written by :func:`write_array`, checking it.
+    """Memory-map (copy-on-write) a ``.npy`` file written by
+    :func:`~tiered.durable.array_files.write_new`, checking it.
 
     Checks, before anything is allocated: the file is a regular file of ``expected_size`` bytes,
     its header is valid and accounts for the file's size exactly, and (with ``pages``, the
@@ -261,13 +231,17 @@ def load_npy(path: str, expected_size: int | None = None, mmap: bool = True,
     whole, st, head = map_npy(path, expected_size)
     if pages is not None and not already_verified(st):
         check_pages(path, memoryview(whole), pages)
+    arr = npy_array(whole, head)
+    return arr if mmap else arr.copy()
+
+
+def npy_array(buf: Any, head: NpyHeader) -> np.ndarray:
+    """The array of the ``.npy`` file whose bytes ``buf`` are (``head``: its checked header)."""
     count = math.prod(head.shape)
     order = "F" if head.fortran_order else "C"
     if count == 0:
         return np.empty(head.shape, head.dtype, order=order)
-    arr = np.frombuffer(whole, dtype=head.dtype, count=count, offset=head.offset)
-    arr = arr.reshape(head.shape, order=order)
-    return arr if mmap else arr.copy()
+    return np.frombuffer(buf, dtype=head.dtype, count=count, offset=head.offset).reshape(head.shape, order=order)
 
 
 def check_pages(path: str, view: memoryview, pages: list[int]) -> None:

@@ -76,12 +76,9 @@ class SharedWriting:
         if self.depth == 1 and not self.closed:
             try:
                 self.lock.acquire()
-                try:
-                    self._catch_up()
-                except BaseException:
-                    self.lock.release()
-                    raise
+                self._catch_up()
             except BaseException:
+                self.lock.release()  # a no-op where it was not taken
                 self.depth -= 1
                 self.rlock.release()
                 raise

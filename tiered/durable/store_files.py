@@ -1,19 +1,14 @@
-"""The durable store: the cold tier's files, commits, opening, consistency checks, the writer lock.
+"""A store's directory: creating and opening it, its commits, the consistency checks of an open,
+readers' staleness checks.
 
 A store with a path is a directory (docs/format.md): ``manifest.json`` (schema, options, format
 version, generation, each array's file with its size and page checksums), one ``.npy`` file per
 array under ``arrays/`` (blob index columns, row tables, dense columns, the written mask, the
 cold tier's allocator state, the policy's state) with the before-images of the last two commits,
-and the cold segments under ``cold/``.
-
-A commit writes the blob bytes first (the cold tier's ``flush``), then the arrays: the old bytes
-of what it changes in place to a before-image file, its intent, the changes in place, each file
-fsynced (the order and what a crash leaves: :mod:`tiered.durable.array_files`), then the manifest
-through a temp file, fsync, rename and fsync of the directory (:mod:`tiered.durable.manifest`).
-Only then are the before-images no reader needs removed and the cold space freed by overwritten
-rows made reusable. A writer's open first undoes a commit that died after its intent; opening
-picks the last complete commit and checks that its arrays agree with the manifest before
-anything is trusted.
+and the cold segments under ``cold/``. What a commit writes, in what order, what a crash leaves
+and what readers see: the design note of :mod:`tiered.durable`. A writer's open first undoes a
+commit that died after its intent; opening picks the last complete commit and checks that its
+arrays agree with the manifest before anything is trusted.
 
 Example:
     >>> import tempfile, torch
@@ -67,7 +62,6 @@ from .array_files import (
     Pending,
     UndoChain,
     array_file,
-    header_of,
     kind_of,
     plan_in_place,
     read_intent,
@@ -98,7 +92,6 @@ from .commit_arrays import (
     EXCEPTION_SUFFIXES,
     array_path,
     derived_tables,
-    expand_derived,
     page_checksums_of,
     shifted_tables,
     table_file,
@@ -108,10 +101,8 @@ from .manifest import MANIFEST, PAGE_BYTES, load_npy, read_manifest, read_npy_he
 
 T = TypeVar("T")
 
-__all__ = ["StoreFiles", "BACKENDS", "CHECKSUMS", "array_path", "read_fresh", "open_commit", "restore_commit", "commit_parts",
-           "snapshot_arrays", "check_consistency", "check_bounds", "derived_tables", "shifted_tables",
-           "table_file", "schema_of", "options_of",
-           "expand_derived", "check_table_rows", "unpin", "page_checksums_of"]
+__all__ = ["StoreFiles", "BACKENDS", "read_fresh", "open_commit", "restore_commit", "commit_parts", "snapshot_arrays",
+           "check_consistency", "check_bounds", "schema_of", "options_of", "check_table_rows", "unpin"]
 
 #: Called with ``(files, arrays, written, generation)`` once a commit's manifest is in place, before
 #: the writer's state moves on: the tests' check that every array file written equals memory
@@ -242,7 +233,7 @@ class StoreFiles:
             self.release_lock()
             raise
 
-    def cold_tier(self, state: dict[str, Any] | None = None, mode: str = "w") -> Tier:
+    def cold_tier(self, state: dict[str, Any] | None = None, mode: str = "w") -> MemmapTier:
         """A new cold tier (``state=None``) or the one a commit describes, opened in ``mode``."""
         cls = BACKENDS[self.backend]
         directory = os.path.join(self.path, "cold")
@@ -399,10 +390,6 @@ class StoreFiles:
         if self.read_only and self.map_whole and read_intent_token(self.path) != self.opened_intent:
             raise OpenRaced(f"{self.path}: a writer started a commit while the store was being opened")
 
-    def stale_error(self, intent: int) -> StaleReadError:
-        """The error of a read-only open whose writer moved too far ahead (to ``intent``)."""
-        return stale_error(self.path, self.generation, intent)
-
     def stamp_files(self) -> None:
         """Note what each array file known to a writer is now (:func:`~tiered.durable.array_files.stamp_of`),
         so that a commit can tell a file another program changed since (:meth:`check_untouched`)."""
@@ -484,7 +471,7 @@ class StoreFiles:
                     "it overwrote. Nothing that may be another commit's rows is returned: open the store in "
                     "this process (tiered.open(path), read-only) to read the latest commit, or share it "
                     "before forking (store.share()).")
-            raise self.stale_error(intent)
+            raise stale_error(self.path, self.generation, intent)
 
     def blob_index(self, body: dict[str, Any]) -> BlobIndex:
         """The blob index the commit ``body`` saved (its ``index.*`` arrays)."""
@@ -502,7 +489,7 @@ class StoreFiles:
     # -- committing ---------------------------------------------------------------------------
     def commit(self, cold: Tier, arrays: dict[str, np.ndarray], body: dict[str, Any],
                dirty: tuple[np.ndarray, np.ndarray], keep_anonymous: frozenset[str] = frozenset()) -> None:
-        """Durably publish a new generation (the order of writes: :mod:`tiered.durable.array_files`);
+        """Durably publish a new generation (the order of writes: :mod:`tiered.durable`);
         then map the pages it wrote of the per-row arrays back from their files (:meth:`map_back`).
 
         Args:
@@ -534,10 +521,6 @@ class StoreFiles:
                 continue
             path = array_file(self.path, name, base.file)
             plans[name] = runs = plan_in_place(path, arr, None if kind == "whole" else dirty[1 if kind == "blobs" else 0], base)
-            if kind == "whole" and runs is not None and runs.size:
-                # small arrays that change go to a new file: what an open checks before it reads
-                # any page (index.meta's count) is never half a commit's
-                plans[name] = runs = None
             if runs is not None and runs.size:
                 # the old bytes: those of the file as it is (a grown array's tail has none)
                 old = np.minimum(runs, base.size)
@@ -546,6 +529,7 @@ class StoreFiles:
         written: dict[str, FileState] = {}
         # files fsynced together (sync_files), then renamed where they wait for it
         pending: Pending = []
+        in_place = False
         try:
             # before the intent: files no commit names yet (a crash leaves them to remove)
             for name, arr in arrays.items():
@@ -554,12 +538,9 @@ class StoreFiles:
                                               pending)
             undo_bytes = write_undo(self.path, g, images, pending)
             sync_files(pending)  # the before-images complete and durable, then renamed into place
-        finally:
-            for fd, _ in pending:  # left by an error before sync_files
-                fileio.close(fd)
-        fileio.fsync_dir(adir)
-        write_intent(self.path, g)  # from here on, the array files change in place
-        try:
+            fileio.fsync_dir(adir)
+            write_intent(self.path, g)  # from here on, the array files change in place
+            in_place = True
             for name, arr in arrays.items():
                 runs = plans[name]
                 if runs is not None:
@@ -570,7 +551,8 @@ class StoreFiles:
         except BaseException:
             for fd, _ in pending:  # left by an error before sync_files
                 fileio.close(fd)
-            self.undo_failed(arrays)
+            if in_place:
+                self.undo_failed(arrays)
             raise
         try:
             write_manifest(self.path, {
@@ -812,10 +794,8 @@ def restore_commit(files: StoreFiles, body: dict[str, Any], mode: str, rows: Row
     """
     try:
         _restore(files, body, mode, rows, write, placement)
-    except Exception as e:
-        if files.read_only and files.map_whole and read_intent_token(files.path) != files.opened_intent:
-            # what failed may have read bytes the writer was changing: not damage, a race
-            raise OpenRaced(f"{files.path}: a writer started a commit while the store was being opened") from e
+    except Exception:
+        files.check_unmoved()  # what failed may have read bytes the writer was changing: a race, not damage
         raise
     files.check_unmoved()
 
@@ -893,7 +873,7 @@ def _restore(files: StoreFiles, body: dict[str, Any], mode: str, rows: RowSpace,
             if name.startswith("policy.") and (pages.size - pages.offset) // pages.row_bytes < index.size:
                 pages.check(np.arange(pages.checked.size))  # a use of an id past its end copies it whole
         dead = live[index.refcount[live] == 0]
-    placement.tiers[COLD] = files.cold_tier(files.cold_state(body, load), mode)
+    cold = placement.tiers[COLD] = files.cold_tier(files.cold_state(body, load), mode)
     if dead.size and mode == "r+":
         write.release_blobs(dead)
     elif files.read_only and "index.state" in files.whole_pages:
@@ -905,7 +885,7 @@ def _restore(files: StoreFiles, body: dict[str, Any], mode: str, rows: RowSpace,
         index.release(dead)
     load_priorities(placement, body, load, write, files.path)
     files.read_only = mode == "r"
-    check_consistency(files.path, rows, write.layout, index, placement.cold, extents=mode == "r+")
+    check_consistency(files.path, rows, write.layout, index, cold, extents=mode == "r+")
 
 
 def options_of(body: dict[str, Any]) -> WriteOptions:
@@ -1146,7 +1126,7 @@ def _check_row_entries(path: str, key: Any, rows: RowSpace, layout: FieldLayout,
 
 
 def check_consistency(path: str, rows: RowSpace, layout: FieldLayout | None, index: BlobIndex,
-                      cold: Tier | None, *, extents: bool = True) -> None:
+                      cold: MemmapTier, *, extents: bool = True) -> None:
     """Cheap, vectorized checks that a commit's arrays agree with its manifest.
 
     Args:
@@ -1178,10 +1158,9 @@ def check_consistency(path: str, rows: RowSpace, layout: FieldLayout | None, ind
                 problems.append(f"dense column {key_to_str(key)!r} has shape {tuple(col.shape)}")
         if layout.schema.flag_fields and (rows.flags is None or tuple(rows.flags.shape) != (cap,)):
             problems.append(f"the flags column has shape {None if rows.flags is None else tuple(rows.flags.shape)}")
-    if cold is not None:
-        problems += _check_cold_bounds(cold, index)
-        if extents and not problems and hasattr(cold, "allocator"):
-            problems += _check_cold_extents(cold, index)
+    problems += _check_cold_bounds(cold, index)
+    if extents and not problems:
+        problems += _check_cold_extents(cold, index)
     if problems:
         raise CorruptionError(f"{path}: the store is damaged: " + "; ".join(problems[:5])
                               + f". Run `tiered verify {path}` for details.")
@@ -1212,7 +1191,7 @@ def _header(store: str, body: dict[str, Any], name: str, files: dict[str, Any]) 
                 name, body["array_files"].get(name), 0, min(PAGE_BYTES, files[name]),
                 page_checksums_of(body).get(name, [None])[0])
             if raw is not None:
-                return header_of(raw.tobytes(), path, files[name])
+                return read_npy_header(raw.tobytes(), path, files[name])
         if size != files[name]:
             raise CorruptionError(f"{path}: expected {files[name]} bytes, found {size} (truncated or overwritten)")
         return read_npy_header(fd, path, size)
@@ -1360,7 +1339,7 @@ def check_index(index: BlobIndex, families: list[tuple[int, int]]) -> list[str]:
     return problems
 
 
-def _check_cold_bounds(cold: Any, index: BlobIndex) -> list[str]:
+def _check_cold_bounds(cold: MemmapTier, index: BlobIndex) -> list[str]:
     """Every live blob has a plausible raw size and lies inside one cold segment's reserved bytes
     and below the allocator's high water: a few passes over whole columns, no gathers."""
     n = index.size
@@ -1382,9 +1361,8 @@ def _check_cold_bounds(cold: Any, index: BlobIndex) -> list[str]:
         loc[dead] = 0
         end[dead] = 0
     bad = bool(int(loc.min()) < 0 or (end < loc).any())  # a negative offset or size
-    alloc = getattr(cold, "allocator", None)
-    if alloc is not None and not bad:
-        state = cold.state()
+    if not bad:
+        alloc, state = cold.allocator, cold.state()
         seg_bytes = int(state["segment_bytes"])
         sizes = [int(x) for x in state["segment_sizes"]]
         if int(end.max()) > min(int(alloc.high_water), (len(sizes) - 1) * seg_bytes + (sizes[-1] if sizes else 0)):
@@ -1402,7 +1380,7 @@ def _check_cold_bounds(cold: Any, index: BlobIndex) -> list[str]:
     return problems
 
 
-def _check_cold_extents(cold: Any, index: BlobIndex) -> list[str]:
+def _check_cold_extents(cold: MemmapTier, index: BlobIndex) -> list[str]:
     """No free or deferred extent of the cold allocator overlaps a stored blob or another extent,
     and no two stored blobs overlap (a write would overwrite live bytes)."""
     live = index.live_ids()

@@ -24,7 +24,7 @@ import zlib
 
 import numpy as np
 
-__all__ = ["crc32_patch", "crc32_combine"]
+__all__ = ["crc32_patch"]
 
 _POLY = 0xEDB88320  # CRC-32's polynomial, bit-reversed (as zlib computes it)
 
@@ -62,17 +62,6 @@ def _x2nmodp(n: int, k: int) -> int:
         n >>= 1
         k += 1
     return p
-
-
-def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
-    """The CRC-32 of ``a + b`` from ``crc1 = crc32(a)``, ``crc2 = crc32(b)`` and ``len(b)``.
-
-    Example:
-        >>> import zlib
-        >>> crc32_combine(zlib.crc32(b"ab"), zlib.crc32(b"cde"), 3) == zlib.crc32(b"abcde")
-        True
-    """
-    return _multmodp(_x2nmodp(len2, 3), crc1) ^ crc2
 
 
 def crc32_patch(crc: int, length: int, at: int, old: bytes | memoryview, new: bytes | memoryview) -> int:

@@ -5,18 +5,8 @@ Tiers, the index and the manifest never call ``os.write``, ``os.fsync``, ``os.re
 seam where faults a CI machine cannot produce for real (a full disk, an I/O error, a power
 cut) are injected in tests, without replacing any component under test.
 
-Functions:
-
-* :func:`open_for_write`, :func:`close`: raw file descriptors (``O_RDWR | O_CREAT``);
-  :func:`open_for_read`: read-only, regular files only (never blocks on a FIFO).
-* :func:`pwrite`: positional write that loops on short writes.
-* :func:`fallocate`: reserve blocks (``posix_fallocate``) so that a full disk raises
-  :class:`~tiered.errors.StorageFullError` at allocation time, never ``SIGBUS`` later.
-* :func:`truncate`, :func:`fsync`, :func:`fsync_dir`, :func:`makedirs`, :func:`remove`.
-* :func:`write_file_atomic`: temp file, write, fsync, rename, fsync of the directory.
-* :class:`WritableFile`: a small file object (``read/write/seek/tell/truncate/flush``)
-  whose writes go through :func:`pwrite`; h5py writes HDF5 files through it (its
-  ``fileobj`` driver), so HDF5 metadata writes are covered by the seam too.
+h5py writes HDF5 files through :class:`WritableFile` (its ``fileobj`` driver), so HDF5's own
+metadata writes go through the seam too.
 
 Fault injection (tests only): :func:`set_fault_hook` is the seam; :mod:`tiered.testing.faults`
 installs a hook that fails the N-th write with ``ENOSPC`` or ``EIO``, applies a byte quota, kills

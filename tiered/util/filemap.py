@@ -308,16 +308,18 @@ def make_private(view: memoryview, lo: int, hi: int) -> None:
         >>> m[0]  # ...the private page does not
         0
     """
-    if hi <= lo:
-        return
-    view_bytes = np.frombuffer(view, dtype=np.uint8)
-    start = view_bytes.__array_interface__["data"][0] + lo
-    # the kernel copies each page as a write fault would, without a write (no byte read and
-    # written back that a writer may be changing meanwhile); older kernels: a write of each
-    # page's first byte as it is
-    if _madvise is None or _madvise(start, hi - lo, _MADV_POPULATE_WRITE) != 0:
-        part = view_bytes[lo:hi]
-        part[::PAGE] = part[::PAGE].copy()
+    if hi > lo:
+        _copy_pages(np.frombuffer(view, dtype=np.uint8).__array_interface__["data"][0] + lo, hi - lo)
+
+
+def _copy_pages(start: int, n: int) -> None:
+    """Give the pages of the ``n`` bytes at address ``start`` (page-aligned) of a private mapping
+    an anonymous copy of their bytes. The kernel copies each page as a write fault would, without
+    a write: another thread writing them meanwhile loses nothing. Older kernels: a write of each
+    page's first byte as it is, which must not race with a writer thread."""
+    if _madvise is None or _madvise(start, n, _MADV_POPULATE_WRITE) != 0:
+        view = np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(start))
+        view[::PAGE] = view[::PAGE].copy()  # a write to each page copies it (copy-on-write)
 
 
 def discard_private(view: memoryview, lo: int, hi: int) -> bool:
@@ -381,12 +383,7 @@ def privatize_files(directory: str) -> int:
     except OSError:
         return 0
     for lo, hi in spans:  # the mappings of a store's arrays: a few dozen
-        # The kernel copies each page as a write fault would, without a write: another thread
-        # writing the arrays meanwhile loses nothing. Older kernels: a write of each page's first
-        # byte (as it is) does the same, but must not race with a writer thread.
-        if _madvise is None or _madvise(lo, hi - lo, _MADV_POPULATE_WRITE) != 0:
-            view = np.ctypeslib.as_array((ctypes.c_uint8 * (hi - lo)).from_address(lo))
-            view[::PAGE] = view[::PAGE].copy()  # a write to each page copies it (copy-on-write)
+        _copy_pages(lo, hi - lo)
     for layout in list(_layouts.values()):  # the pages are no longer the files' (a few dozen arrays)
         end = layout.address + layout.length
         for lo, hi in spans:
