@@ -52,6 +52,7 @@ from .durable.array_files import ARRAYS_DIR, UndoChain, read_intent
 from .durable.checked_maps import load_checked
 from .durable.commit_arrays import array_path, expand_derived, page_checksums_of
 from .durable.manifest import MANIFEST, arrays_verified, load_npy, read_manifest
+from .engine.blob_index import free_pool_problem, impossible_raw_sizes
 from .errors import ChecksumError, CorruptionError, FormatVersionError, NotATieredStoreError, TieredError
 from .util import fileio
 from .util.batch import extents_overlap
@@ -554,21 +555,9 @@ class _StoreCheck:
         if not families:
             return
         family = np.asarray(self.arrays["index.family"])[live].astype(np.int64)
-        known = (family >= 0) & (family < len(families))
-        frame_nbytes = np.array([int(f.get("frame_nbytes", 0)) for f in families] + [0], dtype=np.int64)[
-            np.where(known, family, -1)
-        ]
-        chunk_frames = np.array([int(f.get("chunk_frames", 1)) for f in families] + [0], dtype=np.int64)[
-            np.where(known, family, -1)
-        ]
         raw_nbytes = raw_col[live].astype(np.int64)
-        wrong = (
-            ~known
-            | (frame_nbytes <= 0)
-            | (raw_nbytes <= 0)
-            | (raw_nbytes > chunk_frames * frame_nbytes)
-            | (raw_nbytes % np.maximum(frame_nbytes, 1) != 0)
-        )
+        wrong = impossible_raw_sizes(
+            family, raw_nbytes, [(int(f.get("frame_nbytes", 0)), int(f.get("chunk_frames", 1))) for f in families])
         for b in live[wrong].tolist()[:1000]:
             self.bad_ids.setdefault(b, ("index", "", None))
         if wrong.any():
@@ -587,10 +576,10 @@ class _StoreCheck:
         file = self.file_of("index.free_ids")
         free = np.asarray(a["index.free_ids"])
         is_free = self.state == 0
-        if free.ndim != 1 or (free.size and (int(free.min()) < 0 or int(free.max()) >= n)):
+        pool = free_pool_problem(free, is_free)
+        if pool == "range":
             report.add("index", f"index.free_ids holds ids outside [0, {n})", file=file)
-        elif (np.unique(free).size != free.size or not is_free[free].all()
-              or int(is_free.sum()) != free.size):
+        elif pool is not None:
             report.add("index", f"index.free_ids lists {free.size} ids, the index has {int(is_free.sum())} "
                        "free ids (an id listed twice, a stored id listed, or a free id missing)", file=file)
         names = ["cold.free_offsets", "cold.free_sizes", "cold.pending_offsets", "cold.pending_sizes"]

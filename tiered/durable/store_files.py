@@ -35,7 +35,18 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from ..engine.blob_index import BLOB_DTYPE, COLD, FREE, HOT, SLOT_DTYPE, STORED, WARM, BlobIndex
+from ..engine.blob_index import (
+    BLOB_DTYPE,
+    COLD,
+    FREE,
+    HOT,
+    SLOT_DTYPE,
+    STORED,
+    WARM,
+    BlobIndex,
+    free_pool_problem,
+    impossible_raw_sizes,
+)
 from ..engine.layout import FieldLayout
 from ..engine.placement import Placement
 from ..engine.row_tables import NextRowTable, RowTable, ShiftedRowTable
@@ -1303,30 +1314,21 @@ def check_index(index: BlobIndex, families: list[tuple[int, int]]) -> list[str]:
     n = index.size
     state = index.state[:n]
     stored = state == STORED
-    n_stored, n_free = int(np.count_nonzero(stored)), int(np.count_nonzero(state == FREE))
+    is_free = state == FREE
+    n_stored, n_free = int(np.count_nonzero(stored)), int(np.count_nonzero(is_free))
     if n_stored + n_free != n:
         problems.append("index.state holds values other than free (0) and stored (2)")
     free = index.free_ids
-    if free.size and (int(free.min()) < 0 or int(free.max()) >= n):
+    pool = free_pool_problem(free, is_free)
+    if pool == "range":
         problems.append(f"index.free_ids holds ids outside [0, {n})")
-    elif free.size and (np.unique(free).size != free.size or (state[free] != FREE).any()):
+    elif pool == "listing":
         problems.append("index.free_ids lists an id twice or an id that is not free")
-    elif n_free != free.size:
+    elif pool == "count":
         problems.append(f"index.free_ids lists {free.size} ids but {n_free} are free")
     if not n_stored:
         return problems
-    fam, raw = index.family[:n], index.raw_nbytes[:n]
-    if len(families) == 1:  # the usual case: scalar bounds
-        frame_nbytes, chunk = max(int(families[0][0]), 1), int(families[0][1])
-        bad = fam != 0
-    else:
-        table = np.array([*families, (1, 0)], dtype=np.int64)
-        pick = np.where((fam >= 0) & (fam < len(families)), fam, -1)
-        frame_nbytes, chunk = np.maximum(table[pick, 0], 1), table[pick, 1]
-        bad = chunk == 0
-    bad |= raw <= 0
-    bad |= raw > frame_nbytes * chunk
-    bad |= raw % frame_nbytes != 0
+    bad = impossible_raw_sizes(index.family[:n], index.raw_nbytes[:n], families)
     bad |= index.nbytes[:n] < 0
     bad |= index.codec[:n].view(np.uint8) > 2  # codec ids 0, 1, 2 (a negative int8 reads as > 127)
     if n_free:

@@ -30,8 +30,9 @@ from typing import Any
 import numpy as np
 
 from ..engine.blob_index import COLD, STORED, BlobIndex
-from ..engine.figures import field_facts, field_figures
+from ..engine.figures import bytes_per_row, field_facts, field_figures
 from ..errors import TieredError
+from ..util.units import fragmentation
 from .array_files import kind_of
 from .commit_arrays import array_path, page_checksums_of
 from .manifest import load_npy
@@ -73,8 +74,6 @@ def _summary(path: str, body: dict[str, Any]) -> dict[str, Any] | None:
         if not cold_blobs:
             return None
         mass = 1.0  # every stored blob is in the cold tier: it serves all the sampling mass
-    free = np.asarray(load("cold.free_sizes"), dtype=np.int64)
-    free_total = int(free.sum())
     schema = []
     for e in entries:
         doc = {"key": "/".join(e["key"]), "dtype": e["dtype"], "shape": [int(s) for s in e["shape"]],
@@ -85,7 +84,6 @@ def _summary(path: str, body: dict[str, Any]) -> dict[str, Any] | None:
     frame_nbytes = [int(f["frame_nbytes"]) for f in body.get("families") or []]
     # as TieredStore.stats() counts it, from the files: each stored blob once, the per-row arrays'
     # share of the written rows and the blob index (what a process holds is only known once open)
-    blob_bytes = int(index.nbytes[live].sum())
     per_row = sum(int(size) for name, size in files.items() if kind_of(name) == "rows")
     table_bytes = per_row * length / capacity if capacity else 0.0
     return {
@@ -93,14 +91,14 @@ def _summary(path: str, body: dict[str, Any]) -> dict[str, Any] | None:
         "capacity": capacity,
         "blobs": int(live.size),
         "resident_bytes": None,
-        "bytes_per_row": (blob_bytes + table_bytes + index.nbytes_held) / length if length else 0.0,
+        "bytes_per_row": bytes_per_row(index, table_bytes + index.nbytes_held, length),
         "schema": schema,
         "fields": field_figures(facts, frame_nbytes, length, capacity, index) if entries else {},
         "tiers": {"cold": {
             "bytes_used": int(cold["bytes_used"]),
             "budget": None if cold.get("budget") is None else int(cold["budget"]),
             "blobs": cold_blobs,
-            "fragmentation": 0.0 if free_total == 0 else 1.0 - int(free.max()) / free_total,
+            "fragmentation": fragmentation(load("cold.free_sizes")),
             "hits": 0, "promotions": 0, "demotions": 0,
             "probability_mass": mass,
         }},

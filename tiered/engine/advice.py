@@ -134,7 +134,7 @@ def measured_ratio(field: Field, x: torch.Tensor, y: torch.Tensor | None, codec:
     """
     cells = [x] if y is None else [x, y]
     fb = field.frame_nbytes
-    frames = np.concatenate([_frame_bytes(field, c).reshape(-1, fb) for c in cells])
+    frames = np.concatenate([field.frames_of_cells(c, c.shape[0]).reshape(-1, fb) for c in cells])
     logical = sum(c.shape[0] for c in cells) * field.cell_nbytes
     if dedup:  # first occurrences in write order, as the store keeps them
         _, first = np.unique(frames.view(np.dtype((np.void, fb))).reshape(-1), return_index=True)
@@ -145,17 +145,6 @@ def measured_ratio(field: Field, x: torch.Tensor, y: torch.Tensor | None, codec:
     enc = codec.encode(raw, exclusive_cumsum(sizes), sizes)
     stored = int(np.asarray(enc.sizes).sum())
     return logical / stored if stored else math.inf
-
-
-def _frame_bytes(field: Field, cells: torch.Tensor) -> np.ndarray:
-    """``[n, frames per row, frame bytes]`` uint8 of a blob field's cells (as the store splits them)."""
-    v = cells
-    if field.frame_dim is not None and field.frame_dim != 0:
-        v = v.movedim(field.frame_dim + 1, 1)
-    v = v.contiguous().reshape(cells.shape[0], -1)
-    if v.dtype != torch.uint8:
-        v = v.view(torch.uint8)
-    return v.numpy().reshape(cells.shape[0], field.frames_per_row, field.frame_nbytes)
 
 
 def _could_stack(field: Field) -> bool:

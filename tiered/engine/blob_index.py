@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 import mmap
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -43,7 +43,7 @@ from ..errors import StorageFullError
 from ..util.dirty import DirtyBlocks
 
 __all__ = ["BlobIndex", "FREE", "OPEN", "STORED", "HOT", "WARM", "COLD", "MAX_BLOB_IDS", "BLOB_DTYPE", "SLOT_DTYPE",
-           "check_blob_ids"]
+           "check_blob_ids", "free_pool_problem", "impossible_raw_sizes"]
 
 #: dtype of the blob ids in row tables (-1: no blob)
 BLOB_DTYPE = np.dtype(np.int32)
@@ -89,6 +89,52 @@ def check_blob_ids(size: int, more: int) -> None:
             f"this write needs {more:,} new blob ids but the store already holds {size:,}; a store holds at "
             f"most {MAX_BLOB_IDS:,} blobs (its row tables name them with 32-bit ids). Raise chunk_frames "
             "(fewer, larger blobs), lower the capacity, or split the data over several stores; nothing was written")
+
+
+def free_pool_problem(free: np.ndarray, is_free: np.ndarray) -> str | None:
+    """How the free-id pool ``free`` fails to list exactly the ids that ``is_free`` (one bool per
+    id) marks free: ``"range"`` (not a list of ids in ``[0, n)``), ``"listing"`` (an id listed twice
+    or an id that is not free), ``"count"`` (a free id missing); ``None`` when it lists exactly them.
+    The open check and ``tiered verify`` each word the answer for their reader.
+
+    Example:
+        >>> is_free = np.array([True, False, True])
+        >>> [free_pool_problem(np.array(f), is_free) for f in ([0, 2], [0, 3], [0, 0], [2])]
+        [None, 'range', 'listing', 'count']
+    """
+    n = is_free.shape[0]
+    if free.ndim != 1 or (free.size and (int(free.min()) < 0 or int(free.max()) >= n)):
+        return "range"
+    if free.size and (np.unique(free).size != free.size or not is_free[free].all()):
+        return "listing"
+    if int(np.count_nonzero(is_free)) != free.size:
+        return "count"
+    return None
+
+
+def impossible_raw_sizes(family: np.ndarray, raw_nbytes: np.ndarray, families: Sequence[tuple[int, int]]) -> np.ndarray:
+    """Per blob (its ``family`` and ``raw_nbytes`` entries), whether its family is unknown or its raw
+    size is not 1..chunk_frames whole frames of that family: a size lie would make a decoder
+    allocate or write past its output. ``families`` gives ``(frame_nbytes, chunk_frames)`` per family.
+
+    Example:
+        >>> impossible_raw_sizes(np.array([0, 0, 0, 1]), np.array([64, 80, 512, 64]), [(32, 4)]).tolist()
+        [False, True, True, True]
+    """
+    if len(families) == 1:  # the usual case: scalar bounds
+        frame_nbytes, chunk = int(families[0][0]), int(families[0][1])
+        bad = (family != 0) | (frame_nbytes <= 0)
+        frame = max(frame_nbytes, 1)
+    else:
+        table = np.array([*families, (0, 0)], dtype=np.int64).reshape(-1, 2)
+        pick = np.where((family >= 0) & (family < len(families)), family, -1)
+        frame_nbytes, chunk = table[pick, 0], table[pick, 1]
+        bad = (pick < 0) | (frame_nbytes <= 0)
+        frame = np.maximum(frame_nbytes, 1)
+    bad |= raw_nbytes <= 0
+    bad |= raw_nbytes > frame * chunk
+    bad |= raw_nbytes % frame != 0
+    return bad
 
 
 def _unused_ids(shape: tuple[int, ...], dtype: Any) -> np.ndarray:

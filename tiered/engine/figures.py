@@ -19,7 +19,7 @@ from typing import Any
 
 from .blob_index import OPEN, STORED, BlobIndex
 
-__all__ = ["DTYPE_NBYTES", "FieldFacts", "field_facts", "field_figures"]
+__all__ = ["DTYPE_NBYTES", "FieldFacts", "field_facts", "field_figures", "stored_blob_bytes", "bytes_per_row"]
 
 #: Bytes per element of every dtype a schema names (the names of ``tiered.schema``).
 DTYPE_NBYTES: dict[str, int] = {
@@ -127,3 +127,26 @@ def field_figures(fields: Sequence[FieldFacts], frame_nbytes: Sequence[int], len
                 "compression_factor": unique_bytes / stored if stored else 1.0,
             }
     return {f.key: out[f.key] for f in fields}
+
+
+def stored_blob_bytes(index: BlobIndex) -> int:
+    """Encoded bytes of the live stored blobs, each counted once whichever tiers hold it (a store
+    with a path caches cold blobs in memory).
+
+    Example:
+        >>> stored_blob_bytes(BlobIndex())
+        0
+    """
+    live = index.live_ids()
+    return int(index.nbytes[live[index.state[live] == STORED]].sum())
+
+
+def bytes_per_row(index: BlobIndex, other_bytes: float, length: int) -> float:
+    """What one row costs at ``length`` rows: the stored blobs (:func:`stored_blob_bytes`) plus
+    ``other_bytes`` (dense columns and metadata), over the rows; 0.0 for an empty store.
+
+    Example:
+        >>> bytes_per_row(BlobIndex(), 400, 4), bytes_per_row(BlobIndex(), 400, 0)
+        (100.0, 0.0)
+    """
+    return (stored_blob_bytes(index) + other_bytes) / length if length else 0.0

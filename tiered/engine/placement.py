@@ -46,6 +46,7 @@ from ..tiers import DeviceTier, HostTier, Tier, default_budgets
 from ..tiers.arena import cuda_usable
 from ..tiers.spill import SpillTier
 from ..util.batch import exclusive_cumsum, isin
+from ..util.buffers import is_out_of_memory
 from ..util.units import align, parse_bytes
 from .blob_index import COLD, HOT, WARM, BlobIndex
 from .layout import FieldLayout
@@ -354,7 +355,9 @@ class Placement:
                 loc = tier.allocate_fitting(sizes)
         except (StorageFullError, ValueError):
             return np.zeros(np.shape(ids), dtype=bool)
-        except torch.cuda.OutOfMemoryError:
+        except Exception as e:
+            if not is_out_of_memory(e):
+                raise
             self.oom_skipped_promotions += 1
             return np.zeros(np.shape(ids), dtype=bool)
         ok = loc >= 0
@@ -486,7 +489,9 @@ class Placement:
                 loc = self.allocate_in(t, sizes[cand], protect=moved)
             except (StorageFullError, ValueError):
                 continue
-            except torch.cuda.OutOfMemoryError:
+            except Exception as e:
+                if not is_out_of_memory(e):
+                    raise
                 self.oom_skipped_promotions += 1
                 continue
             tier.write(loc, comp, src_off[cand], sizes[cand])

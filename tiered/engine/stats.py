@@ -18,8 +18,8 @@ from __future__ import annotations
 from typing import Any
 
 from ..util.resident import resident_nbytes
-from .blob_index import STORED, BlobIndex
-from .figures import field_facts, field_figures
+from .blob_index import BlobIndex
+from .figures import bytes_per_row, field_facts, field_figures
 from .layout import FieldLayout
 from .placement import Placement
 from .rows import RowSpace
@@ -115,15 +115,14 @@ def store_stats(rows: RowSpace, layout: FieldLayout | None, index: BlobIndex, pl
     resident = resident_figures(rows, layout, placement, index, tiers, memory)
     resident_bytes = sum(resident.values())
     live = index.live_ids()
-    # each blob once, whichever tiers hold it (a store with a path caches cold blobs in memory)
-    blob_bytes = int(index.nbytes[live[index.state[live] == STORED]].sum())
     return {
         "rows": rows.length,
         "capacity": rows.capacity,
         "codec": codec_name,
         "blobs": int(live.size),
         "resident_bytes": resident_bytes,
-        "bytes_per_row": (resident_bytes - resident["tiers"] + blob_bytes) / rows.length if rows.length else 0.0,
+        # the memory tiers' blobs are counted once, with the cold ones, as stored blobs
+        "bytes_per_row": bytes_per_row(index, resident_bytes - resident["tiers"], rows.length),
         "fields": field_stats(rows, layout, index) if layout is not None else {},
         "tiers": tiers,
         "priority": priority,

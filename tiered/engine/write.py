@@ -533,7 +533,7 @@ class WritePath:
             for fid, fields in enumerate(layout.fields_of):
                 fam = layout.families[fid]
                 # frames row-major (row, field, frame) so a trajectory's frames come in time order
-                frames = FrameColumns([_cell_frames(f, data.get(f.key), n) for f in fields])
+                frames = FrameColumns([f.frames_of_cells(data.get(f.key), n) for f in fields])
                 per_row = frames.per_row
                 tail_mask = np.zeros(n * per_row, dtype=bool)
                 tail_mask[max(0, n - TAIL_ROWS) * per_row:] = True
@@ -736,15 +736,3 @@ def one_thread(codec: Codec) -> Codec:
 def _no_grad(v: torch.Tensor) -> torch.Tensor:
     """``v`` without autograd history (detached only when it has some)."""
     return v.detach() if v.requires_grad else v
-
-
-def _cell_frames(f: Field, value: torch.Tensor, n: int) -> np.ndarray:
-    """``[n, F, frame_nbytes]`` uint8 view/copy of a blob field's cells (numpy: its row gathers and
-    concatenations run at memcpy speed, several times torch's uint8 kernels)."""
-    v = value.detach()  # stored values never carry autograd history
-    if f.frame_dim is not None and f.frame_dim != 0:
-        v = v.movedim(f.frame_dim + 1, 1)
-    v = v.contiguous()
-    if v.dtype != torch.uint8:
-        v = v.view(torch.uint8) if v.dim() else v.reshape(1).view(torch.uint8)
-    return v.numpy().reshape(n, f.frames_per_row, f.frame_nbytes)

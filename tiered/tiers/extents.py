@@ -30,7 +30,7 @@ import numpy as np
 
 from ..errors import StorageFullError
 from ..util.batch import exclusive_cumsum
-from ..util.units import ALIGNMENT, align
+from ..util.units import ALIGNMENT, align, fragmentation
 
 __all__ = ["ExtentAllocator"]
 
@@ -97,10 +97,7 @@ class ExtentAllocator:
     @property
     def fragmentation(self) -> float:
         """``1 - largest free extent / free bytes`` below ``high_water``; 0 with no free bytes."""
-        total = self.free_bytes
-        if total == 0:
-            return 0.0
-        return 1.0 - int(self._free_len.max()) / total
+        return fragmentation(self._free_len)
 
     @property
     def extents(self) -> tuple[np.ndarray, np.ndarray]:

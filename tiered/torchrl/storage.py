@@ -621,7 +621,7 @@ class TieredStorage(TensorStorage):
             if schema is None or cells is not None:
                 store.set(int(rows[0]) if scalar else rows, td, length=new_len, cells=cells)
             else:
-                present = [_as_key(k) for k in td.keys(include_nested=True, leaves_only=True)]
+                present = [normalize_key(k) for k in td.keys(include_nested=True, leaves_only=True)]
                 side = {k: td.get(k) for k in present if k not in schema}
                 side = {k: v.reshape(rows.size, *v.shape[0 if scalar else 1:]) if v.layout == torch.strided
                         and v.device.type != "meta" and not v.is_nested else v for k, v in side.items()}
@@ -789,10 +789,6 @@ class TieredStorage(TensorStorage):
 # ----------------------------------------------------------------------------------------
 #: index dtypes that are masks (uint8: deprecated, as in torch), not row numbers
 _MASK_DTYPES = (torch.bool, torch.uint8)
-
-
-def _as_key(key: Any) -> Key:
-    return (key,) if isinstance(key, str) else tuple(key)
 
 
 def _is_scalar_index(cursor: Any) -> bool:

@@ -1,4 +1,5 @@
-"""Byte units and alignment: parsing budgets such as ``"2GiB"``, printing sizes, aligning offsets.
+"""Byte units and alignment: parsing budgets such as ``"2GiB"``, printing sizes, aligning offsets,
+and the fragmentation figure of a byte space's free extents.
 
 Example:
     >>> from tiered.util.units import align, format_bytes, parse_bytes
@@ -13,7 +14,7 @@ from numbers import Integral
 
 import numpy as np
 
-__all__ = ["ALIGNMENT", "align", "parse_bytes", "format_bytes"]
+__all__ = ["ALIGNMENT", "align", "parse_bytes", "format_bytes", "fragmentation"]
 
 #: Blob start offsets are multiples of this (nvCOMP's Zstd needs 8, ANS 16).
 ALIGNMENT = 16
@@ -82,3 +83,17 @@ def format_bytes(n: float | None, *, si: bool = False, none: str = "unbounded") 
         if abs(n) < base:
             return f"{n:.2f} {unit}"
     return f"{n / base:.2f} {units[-1]}"
+
+
+def fragmentation(free_sizes: np.ndarray) -> float:
+    """``1 - largest free extent / free bytes`` of the free extents' lengths ``free_sizes``; 0.0
+    with no free bytes. One definition for the live tiers and ``tiered info``, which reads the
+    lengths from a committed store's files (numpy only: it runs without torch).
+
+    Example:
+        >>> fragmentation(np.array([48, 16])), fragmentation(np.array([], dtype=np.int64))
+        (0.25, 0.0)
+    """
+    free = np.asarray(free_sizes, dtype=np.int64)
+    total = int(free.sum())
+    return 0.0 if total == 0 else 1.0 - int(free.max()) / total
