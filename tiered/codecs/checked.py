@@ -15,9 +15,14 @@ about what it takes on one thread instead of waiting for it.
 A batch with less decoded output than :data:`MIN_SPLIT_BYTES` runs on the calling thread: there a
 handoff costs about what it saves.
 
-:func:`decode_checked` does the same for batches of many small blobs decoded to their own places
-(time chunks of Atari frames, K=8: ~1 kB compressed, ~56 kB decoded each), from
-:data:`MIN_CHUNK_SPLIT_BYTES` decoded (a B=256 sample of stacks with next observations: ~10 MB).
+:func:`decode_checked` splits batches of many small blobs decoded to their own places (time chunks
+of Atari frames, K=8: ~1 kB compressed, ~56 kB decoded each), from :data:`MIN_CHUNK_SPLIT_BYTES`
+decoded, another way: the calling thread checks the pool thread's slice and prepares its decode
+(:meth:`tiered.codecs.base.Codec.sliced_decode`: for zstd, one C call that decodes whole runs of
+frames and takes the GIL back once per run), hands it off, then checks and decodes its own slice
+while the pool thread wakes. Python work on two threads at once takes turns on the GIL (and a
+thread that waits for it sleeps, then wakes tens of microseconds late on a VM); this way the pool
+thread runs none.
 
 Example:
     >>> import numpy as np
@@ -35,11 +40,13 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from ..util.batch import split_balanced
 from ..util.pool import run_parallel
-from .base import Codec
+from .base import Codec, SlicedDecode
 from .checksum import segment_checksums
 
 __all__ = ["decode_cells_checked", "decode_checked", "MIN_SPLIT_BYTES", "MIN_CHUNK_SPLIT_BYTES"]
@@ -130,8 +137,11 @@ def decode_checked(codec: Codec, data: np.ndarray, offsets: np.ndarray, sizes: n
     ``i``, each blob checked against ``checksums`` first, on up to ``threads`` threads.
 
     A batch of at least :data:`MIN_CHUNK_SPLIT_BYTES` decoded is cut into one slice of blobs per
-    thread (by the work each blob costs); each thread checks its slice, then decodes it, so a
-    blob is always checked before it is decoded and the checks run in parallel with the decodes.
+    thread (by the work each blob costs). The calling thread checks the other threads' slices and
+    prepares their decodes (:meth:`~tiered.codecs.base.Codec.sliced_decode`), hands them off, then
+    checks and decodes its own: a blob is always checked before it is decoded, and a pool thread
+    runs only its decode. A slice no pool thread has started when the calling thread is done with
+    its own is decoded by the calling thread (``run_parallel(claim=True)``).
 
     Args:
         codec: decodes the blobs.
@@ -170,11 +180,44 @@ def decode_checked(codec: Codec, data: np.ndarray, offsets: np.ndarray, sizes: n
         return wrong
     parts = min(int(threads), n)
     bounds = split_balanced(out_sizes + sizes * _CHECK_WEIGHT, parts).tolist()
-    bad: list[np.ndarray] = [np.empty(0, np.int64)] * parts
-    tasks = [(codec, data, offsets, sizes, checksums, out, out_offsets, out_sizes, a, b, bad, j)
-             for j, (a, b) in enumerate(zip(bounds[:-1], bounds[1:], strict=True))]
-    run_parallel(_check_and_decode_slice, tasks, parts, claim=True)
-    return np.concatenate(bad)
+    sliced = codec.sliced_decode(data, offsets, sizes, out, out_offsets, out_sizes, bounds)
+    # The pool threads' slices (1, 2, ...) are checked and their jobs prepared here, before the
+    # handoff: a pool thread then runs only its decode (one C call for zstd, holding the GIL only
+    # between frames), where Python work on two threads at once would take turns on the GIL. The
+    # calling thread checks and prepares its own slice (0) after the handoff, while they wake.
+    own: list[np.ndarray | None] = [None]  # the calling thread's slice's damaged blobs, if any
+    jobs: list[tuple] = [(_check_and_run, (sliced, data, offsets[:bounds[1]], sizes[:bounds[1]],
+                                           None if checksums is None else checksums[:bounds[1]], own))]
+    for j in range(1, parts):
+        a, b = bounds[j], bounds[j + 1]
+        if checksums is not None and _check_slice(data, offsets[a:b], sizes[a:b], checksums[a:b]) is not None:
+            # damage: nothing is decoded, every damaged blob of the batch is reported
+            return _check_slice(data, offsets, sizes, checksums)  # type: ignore[return-value]
+        jobs.append(sliced.job(j))
+    try:
+        run_parallel(_run_job, jobs, parts, claim=True)
+    except Exception as e:  # noqa: BLE001 - the codec words it (naming the blob) and raises it
+        sliced.finish(e)
+    if own[0] is not None:
+        return own[0]
+    sliced.finish(None)
+    return np.empty(0, np.int64)
+
+
+def _run_job(fn: Callable[..., object], args: tuple) -> None:
+    fn(*args)
+
+
+def _check_and_run(sliced: SlicedDecode, data: np.ndarray, offsets: np.ndarray, sizes: np.ndarray,
+                   checksums: np.ndarray | None, own: list[np.ndarray | None]) -> None:
+    """Slice 0 of a split :func:`decode_checked` (the calling thread's, unless a pool thread
+    claimed it first): checked, then prepared and decoded; its damaged blobs go to ``own[0]``."""
+    wrong = _check_slice(data, offsets, sizes, checksums)
+    if wrong is not None:
+        own[0] = wrong
+        return
+    fn, args = sliced.job(0)
+    fn(*args)
 
 
 def _check_slice(data: np.ndarray, offsets: np.ndarray, sizes: np.ndarray,
