@@ -4,25 +4,23 @@ Cells too large to share frames with their neighbours (TorchRL's VecNorm'd float
 stacks: 113 kB each) are stored one blob per cell, and a sampled batch of them decodes megabytes
 (7.2 MB for 32 transitions and their next observations). :func:`decode_cells_checked` cuts such a
 batch into one slice of blobs per thread, by the work each blob costs (its decoded bytes and its
-checksummed bytes), and each thread checks its blobs' checksums and then decodes them: the
-checksums are split across the threads with the decode, for one handoff per batch, and every blob
-is checked by the thread that decodes it, before it decodes it. numpy's reductions and zstandard's
-decoder release the GIL, so the slices run in parallel. A slice no pool thread has started when the
+checksummed bytes). :func:`decode_checked` does the same for batches of many small blobs decoded to
+their own places (time chunks of Atari frames, K=8: ~1 kB compressed, ~56 kB decoded each).
+
+Both split the same way: the calling thread checks the pool thread's slice and prepares its decode
+(:meth:`tiered.codecs.base.Codec.sliced_decode`: for zstd, one C call that decodes whole runs of
+frames and takes the GIL back once per run), hands it off, then checks and decodes its own slice
+while the pool thread wakes. Every blob is checked before it is decoded, and the pool thread runs
+no Python work: Python work on two threads at once takes turns on the GIL, and a thread that waits
+for the GIL sleeps and wakes tens of microseconds late on a VM, which cost the split its gain when
+each thread checked and prepared its own slice. A slice no pool thread has started when the
 calling thread is done with its own is done by the calling thread too (``run_parallel(claim=True)``):
 on a loaded machine, where the pool thread may wait milliseconds for a core, a batch then takes
 about what it takes on one thread instead of waiting for it.
 
-A batch with less decoded output than :data:`MIN_SPLIT_BYTES` runs on the calling thread: there a
-handoff costs about what it saves.
-
-:func:`decode_checked` splits batches of many small blobs decoded to their own places (time chunks
-of Atari frames, K=8: ~1 kB compressed, ~56 kB decoded each), from :data:`MIN_CHUNK_SPLIT_BYTES`
-decoded, another way: the calling thread checks the pool thread's slice and prepares its decode
-(:meth:`tiered.codecs.base.Codec.sliced_decode`: for zstd, one C call that decodes whole runs of
-frames and takes the GIL back once per run), hands it off, then checks and decodes its own slice
-while the pool thread wakes. Python work on two threads at once takes turns on the GIL (and a
-thread that waits for it sleeps, then wakes tens of microseconds late on a VM); this way the pool
-thread runs none.
+A batch with less decoded output than :data:`MIN_SPLIT_BYTES` (one-blob cells) or
+:data:`MIN_CHUNK_SPLIT_BYTES` (time chunks) runs on the calling thread: there a handoff costs about
+what it saves.
 
 Example:
     >>> import numpy as np
@@ -103,31 +101,21 @@ def decode_cells_checked(codec: Codec, data: np.ndarray, offsets: np.ndarray, si
     n = sizes.size
     parts = max(1, min(int(threads), n)) if which.size * cell_nbytes >= MIN_SPLIT_BYTES else 1
     if parts == 1:
-        bounds = [0, n]
-    else:
-        work = np.bincount(which, minlength=n) * cell_nbytes + sizes * _CHECK_WEIGHT
-        bounds = split_balanced(work, parts).tolist()
-    bad: list[np.ndarray] = [np.empty(0, np.int64)] * (len(bounds) - 1)
-    tasks = [(codec, data, offsets, sizes, checksums, which, out, cell_nbytes, a, b, bad, j)
-             for j, (a, b) in enumerate(zip(bounds[:-1], bounds[1:], strict=True))]
-    run_parallel(_check_and_decode, tasks, parts, claim=True)
-    return np.concatenate(bad)
-
-
-def _check_and_decode(codec: Codec, data: np.ndarray, offsets: np.ndarray, sizes: np.ndarray,
-                      checksums: np.ndarray | None, which: np.ndarray, out: np.ndarray, cell_nbytes: int,
-                      a: int, b: int, bad: list[np.ndarray], j: int) -> None:
-    """One thread's slice: blobs ``[a, b)``, checked, then decoded into every cell that uses them."""
-    if a == b:
-        return
-    wrong = _check_slice(data, offsets[a:b], sizes[a:b], None if checksums is None else checksums[a:b])
-    if wrong is not None:
-        bad[j] = wrong + a
-        return
-    cells = ((which >= a) & (which < b)).nonzero()[0]
+        wrong = _check_slice(data, offsets, sizes, checksums)
+        if wrong is not None:
+            return wrong
+        codec.decode(data, offsets[which], sizes[which], out, np.arange(which.size, dtype=np.int64) * cell_nbytes,
+                     np.full(which.size, cell_nbytes, dtype=np.int64))
+        return np.empty(0, np.int64)
+    work = np.bincount(which, minlength=n) * cell_nbytes + sizes * _CHECK_WEIGHT
+    bounds = split_balanced(work, parts).tolist()
+    # the cells by blob: slice j decodes the cells of blobs bounds[j]:bounds[j + 1]
+    cells = which.argsort(kind="stable")
     blobs = which[cells]
-    codec.decode(data, offsets[blobs], sizes[blobs], out, cells * cell_nbytes,
-                 np.full(cells.size, cell_nbytes, dtype=np.int64))
+    cell_bounds = blobs.searchsorted(bounds).tolist()
+    sliced = codec.sliced_decode(data, offsets[blobs], sizes[blobs], out, cells * cell_nbytes,
+                                 np.full(cells.size, cell_nbytes, dtype=np.int64), cell_bounds)
+    return _run_split(sliced, data, offsets, sizes, checksums, bounds)
 
 
 def decode_checked(codec: Codec, data: np.ndarray, offsets: np.ndarray, sizes: np.ndarray,
@@ -181,10 +169,19 @@ def decode_checked(codec: Codec, data: np.ndarray, offsets: np.ndarray, sizes: n
     parts = min(int(threads), n)
     bounds = split_balanced(out_sizes + sizes * _CHECK_WEIGHT, parts).tolist()
     sliced = codec.sliced_decode(data, offsets, sizes, out, out_offsets, out_sizes, bounds)
+    return _run_split(sliced, data, offsets, sizes, checksums, bounds)
+
+
+def _run_split(sliced: SlicedDecode, data: np.ndarray, offsets: np.ndarray, sizes: np.ndarray,
+               checksums: np.ndarray | None, bounds: list[int]) -> np.ndarray:
+    """Check blobs ``bounds[j]:bounds[j + 1]`` and run ``sliced``'s job ``j`` for every slice ``j``,
+    each slice's blobs checked before its job runs; returns the damaged blobs' positions (then
+    ``out`` holds no meaningful bytes) or an empty array."""
     # The pool threads' slices (1, 2, ...) are checked and their jobs prepared here, before the
     # handoff: a pool thread then runs only its decode (one C call for zstd, holding the GIL only
-    # between frames), where Python work on two threads at once would take turns on the GIL. The
-    # calling thread checks and prepares its own slice (0) after the handoff, while they wake.
+    # between runs of frames), where Python work on two threads at once would take turns on the
+    # GIL. The calling thread checks and prepares its own slice (0) after the handoff, while they wake.
+    parts = len(bounds) - 1
     own: list[np.ndarray | None] = [None]  # the calling thread's slice's damaged blobs, if any
     jobs: list[tuple] = [(_check_and_run, (sliced, data, offsets[:bounds[1]], sizes[:bounds[1]],
                                            None if checksums is None else checksums[:bounds[1]], own))]
@@ -229,14 +226,3 @@ def _check_slice(data: np.ndarray, offsets: np.ndarray, sizes: np.ndarray,
     return wrong if wrong.size else None
 
 
-def _check_and_decode_slice(codec: Codec, data: np.ndarray, offsets: np.ndarray, sizes: np.ndarray,
-                            checksums: np.ndarray | None, out: np.ndarray, out_offsets: np.ndarray,
-                            out_sizes: np.ndarray, a: int, b: int, bad: list[np.ndarray], j: int) -> None:
-    """One thread's slice of :func:`decode_checked`: blobs ``[a, b)``, checked, then decoded."""
-    if a == b:
-        return
-    wrong = _check_slice(data, offsets[a:b], sizes[a:b], None if checksums is None else checksums[a:b])
-    if wrong is not None:
-        bad[j] = wrong + a
-        return
-    codec.decode(data, offsets[a:b], sizes[a:b], out, out_offsets[a:b], out_sizes[a:b])
