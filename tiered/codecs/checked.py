@@ -57,16 +57,16 @@ __all__ = ["decode_cells_checked", "decode_checked", "MIN_SPLIT_BYTES", "MIN_CHU
 #: handoff, the other core's caches). Even at about 5 MB.
 MIN_SPLIT_BYTES = 5 << 20
 #: Decoded bytes from which :func:`decode_checked` splits a batch of many small blobs (time chunks
-#: of Atari frames: ~56 kB decoded from ~1 kB each) across threads. Each thread checks and decodes
-#: its slice, so the checksums are split too, and the calling thread claims any slice no pool thread
-#: has started (``run_parallel(claim=True)``): a pool thread that wakes late costs the batch little
-#: more than the one-thread decode. Below it one thread does all of it: on a quiet 2-core VM
-#: (``python benchmarks/bench_handoff.py``, 2026-12-07) the split took 0.96x the one-thread wall
-#: time at 45 chunks (2.5 MB, a batch-32 sample), 1.08x at 90 (5.1 MB) and 0.99-1.29x at 180
-#: (10 MB), for 30-40% more CPU in all; through ``rb.sample()`` (``bench_storages.py --quick
-#: --threads 2``) a B=64 sample was slower split (26.1k against 32.2k transitions/s) and B=256
-#: a little faster (51.2k against 48.7k). The two vCPUs gain little on zstd's compute.
-MIN_CHUNK_SPLIT_BYTES = 8 << 20
+#: of Atari frames: ~56 kB decoded from ~1 kB each) across threads: a batch-32 sample of stacks with
+#: next observations (~45 chunks, 2.5 MB) splits, a batch-8 one (~15 chunks, 0.85 MB) does not.
+#: Below it a handoff (the pool thread wakes ~35 us after it is given work, the calling thread ~30
+#: us after the pool thread is done, on a 2-core VM) costs about what the second core saves. With
+#: the pool thread's slice prepared by the caller and decoded a run of frames per reader, 45
+#: chunks took 327 us split against 441 us on one thread (1.35x; in quiet bursts on a shared
+#: 2-core VM, 2026-12-07, alternating); with each thread checking and preparing its own slice and
+#: one reader per frame, the split paid only from ~10 MB (0.71-0.85x at 45 chunks, 1.19-1.23x at
+#: 180). ``python benchmarks/bench_handoff.py --quiet-only`` measures the break-even.
+MIN_CHUNK_SPLIT_BYTES = 2 << 20
 # Work weight of a checksummed (compressed) byte against a decoded byte: checking ~0.86 MB of
 # zstd frames cost ~0.5 ms of thread CPU and decoding their 7.2 MB ~1.8 ms on a 2-core VM, so a
 # checked byte costs about 2.5 decoded bytes.
