@@ -355,6 +355,10 @@ def test_an_undecodable_chunk_is_named_in_either_slice(atari_pong, which, monkey
     with pytest.raises(CorruptionError, match=f"zstd blob {b} of this batch"):
         _split_decode(codec, data, enc, np.arange(n, dtype=np.int64) * cb, np.full(n, cb, dtype=np.int64), out,
                       checksums=None)
+    # the decompressors that met the damage decode the next batch whole
+    assert _split_decode(codec, enc.data, enc, np.arange(n, dtype=np.int64) * cb, np.full(n, cb, dtype=np.int64),
+                         out).tolist() == []
+    assert np.array_equal(out.reshape(n, cb), frames)
 
 
 def test_a_truncated_chunk_is_named_in_the_pool_threads_slice(atari_pong, monkeypatch):
@@ -429,3 +433,22 @@ def test_the_pool_threads_job_is_one_c_call(atari_pong):
     fn0(*args0)
     sliced.finish(None)
     assert np.array_equal(out.reshape(n, cb), frames)
+
+
+def test_blobs_with_bytes_past_their_frame_decode_as_each_alone_does(atari_pong, monkeypatch):
+    # a run of frames read as one stream would take a blob's trailing bytes for the next frame;
+    # each frame decodes whole alone, so the split decode must give the frames (one thread too)
+    monkeypatch.setattr(checked, "MIN_CHUNK_SPLIT_BYTES", 0)
+    codec = ZstdCodec(3, threads=2)
+    frames, enc = encoded_chunks(atari_pong, codec, n=12)
+    cb, n = frames.shape[1], enc.sizes.size
+    pad = 5
+    data = np.concatenate([np.concatenate([enc.data[o:o + s], np.full(pad, 0x11, np.uint8)])
+                           for o, s in zip(enc.offsets.tolist(), enc.sizes.tolist(), strict=True)])
+    sizes = enc.sizes + pad
+    offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+    for threads in (1, 2):
+        out = np.empty(n * cb, np.uint8)
+        bad = checked.decode_checked(codec, data, offsets, sizes, None, out, np.arange(n, dtype=np.int64) * cb,
+                                     np.full(n, cb, dtype=np.int64), threads=threads)
+        assert bad.tolist() == [] and np.array_equal(out.reshape(n, cb), frames)

@@ -445,11 +445,37 @@ class ZstdCodec(Codec):
         got = array("q")
         try:
             got.extend(_run_readers(dctx, in_mv, out_mv, runs))
+        except zstandard.ZstdError:
+            pass  # decoded again below, frame by frame
+        if len(got) < runs[0].size or np.logical_or.reduce(np.frombuffer(got, np.int64) != runs[4] - runs[3]):
+            self._decompress_each(dctx, data, offsets, sizes, in_mv, out_mv, out_offsets, out_sizes, first)
+
+    def _decompress_each(
+        self,
+        dctx: zstandard.ZstdDecompressor,
+        data: np.ndarray,
+        offsets: np.ndarray,
+        sizes: np.ndarray,
+        in_mv: memoryview,
+        out_mv: memoryview,
+        out_offsets: np.ndarray,
+        out_sizes: np.ndarray,
+        first: int,
+    ) -> None:
+        """Decode each frame with its own reader: after a run of frames failed (it raises for the
+        frame that fails, or decodes them all where each frame alone is whole, e.g. a blob with
+        bytes past its frame's end, which a run would read as the next frame)."""
+        sources = map(operator.getitem, repeat(in_mv), map(slice, offsets.tolist(), (offsets + sizes).tolist()))
+        targets = map(operator.getitem, repeat(out_mv),
+                      map(slice, out_offsets.tolist(), (out_offsets + out_sizes).tolist()))
+        try:
+            got = np.fromiter(map(_READINTO, map(dctx.stream_reader, sources), targets), np.int64, count=sizes.size)
         except zstandard.ZstdError as e:
-            raise _SliceError(first + _failed_frame(got, runs, data, offsets, sizes, out_sizes), e) from e
-        if np.logical_or.reduce(np.frombuffer(got, np.int64) != runs[4] - runs[3]):  # a frame ends early
-            k = _failed_frame(got, runs, data, offsets, sizes, out_sizes)
-            raise _SliceError(first + k, ValueError("its run of frames decoded to fewer bytes"))
+            raise _SliceError(first + self._find_bad_frame(e, data, offsets, sizes, out_sizes), e) from e
+        short = (got != out_sizes).nonzero()[0]
+        if short.size:  # a frame that ends early (truncated or damaged)
+            k = int(short[0])
+            raise _SliceError(first + k, ValueError(f"it decoded to {int(got[k])} bytes"))
 
     def _find_bad_frame(
         self,
@@ -511,19 +537,6 @@ def _run_readers(dctx: zstandard.ZstdDecompressor, in_mv: memoryview, out_mv: me
     return map(_READINTO, map(dctx.stream_reader, sources, repeat(_READ_SIZE), repeat(True)), targets)
 
 
-def _failed_frame(got: array, runs: tuple, data: np.ndarray, offsets: np.ndarray, sizes: np.ndarray,
-                  out_sizes: np.ndarray) -> int:
-    """Index of the frame that failed, given the bytes each run decoded to before one failed or
-    came out short (error path only)."""
-    first, _, _, oa, ob = runs
-    r = len(got)
-    if r == first.size:  # every run ran: the first short one
-        r = int((np.frombuffer(got, np.int64) != ob - oa).nonzero()[0][0])
-    a = int(first[r])
-    b = int(first[r + 1]) if r + 1 < first.size else sizes.size
-    return a + _first_undecodable(data, offsets[a:b], sizes[a:b], out_sizes[a:b])
-
-
 def _undecodable(i: int, k: int, offsets: np.ndarray, sizes: np.ndarray, out_sizes: np.ndarray,
                  cause: BaseException) -> CorruptionError:
     """The error for blob ``i`` of a batch (at position ``k`` of ``offsets``, ``sizes``, ``out_sizes``)."""
@@ -566,18 +579,25 @@ class _ZstdSlices(SlicedDecode):
         return got.extend, (_run_readers(codec._slot_dctx(j), self.in_mv, self.out_mv, runs),)
 
     def finish(self, error: BaseException | None) -> None:
-        data, offsets, sizes, _, _, out_sizes = self.batch
+        data, offsets, sizes, _, out_offsets, out_sizes = self.batch
         if isinstance(error, _SliceError):
             raise _undecodable(error.index, error.index, offsets, sizes, out_sizes, error.cause) from error.cause
+        # a job's runs that raised ended it early (each job's error is lost but the first one)
+        failed = isinstance(error, zstandard.ZstdError)
         for j, (got, runs) in self.done.items():
             if len(got) == runs[0].size and np.logical_and.reduce(np.frombuffer(got, np.int64) == runs[4] - runs[3]):
                 continue
-            if len(got) < runs[0].size and error is None:  # (a job that never ran: nothing failed in it)
-                continue
+            if len(got) < runs[0].size and not failed:
+                continue  # (the job did not run, or stopped for another reason: raised below)
+            # a run failed: this slice again, frame by frame (names the frame, or decodes them all)
             a, b = self.bounds[j], self.bounds[j + 1]
-            k = a + _failed_frame(got, runs, data, offsets[a:b], sizes[a:b], out_sizes[a:b])
-            raise _undecodable(k, k, offsets, sizes, out_sizes,
-                               error or ValueError("its run of frames decoded to fewer bytes")) from error
+            codec: ZstdCodec = self.codec  # type: ignore[assignment]
+            try:
+                codec._decompress_each(zstandard.ZstdDecompressor(), data, offsets[a:b], sizes[a:b], self.in_mv,
+                                       self.out_mv, out_offsets[a:b], out_sizes[a:b], a)
+            except _SliceError as e:
+                raise _undecodable(e.index, e.index, offsets, sizes, out_sizes, e.cause) from e.cause
+            error = None if failed else error  # (a run's error: its frames decode one by one)
         if error is not None:
             raise error
 
