@@ -562,7 +562,7 @@ class _ZstdSlices(SlicedDecode):
         self.in_mv, self.out_mv = memoryview(data), memoryview(out)
         # the same choice of path as ZstdCodec.decode's (a property of the data, not of the cut)
         self.large = int(np.add.reduce(out_sizes)) >= _MIN_FRAME_BYTES_FOR_DIRECT * sizes.size
-        self.done: dict[int, tuple[array, tuple]] = {}
+        self.done: dict[int, tuple[array, array]] = {}
 
     def job(self, j: int) -> tuple[Callable[..., object], tuple]:
         data, offsets, sizes, _, out_offsets, out_sizes = self.batch
@@ -572,10 +572,10 @@ class _ZstdSlices(SlicedDecode):
         if a == b or not (self.large and _sizes_declared(self.in_mv, offs, szs, osz)):
             return codec._decompress_slice, (data, offs, szs, self.out_mv, oo, osz, a)
         runs = _runs(offs, szs, oo, osz)
-        # the bytes each run decoded to, appended as it goes: after a failure, its length is the
-        # failed run's position in the slice
+        # the bytes each run decoded to, appended as it goes (a failed run ends it early), and the
+        # bytes each run must decode to: one comparison of the two tells a whole slice
         got = array("q")
-        self.done[j] = (got, runs)
+        self.done[j] = (got, array("q", (runs[4] - runs[3]).tolist()))
         return got.extend, (_run_readers(codec._slot_dctx(j), self.in_mv, self.out_mv, runs),)
 
     def finish(self, error: BaseException | None) -> None:
@@ -584,10 +584,10 @@ class _ZstdSlices(SlicedDecode):
             raise _undecodable(error.index, error.index, offsets, sizes, out_sizes, error.cause) from error.cause
         # a job's runs that raised ended it early (each job's error is lost but the first one)
         failed = isinstance(error, zstandard.ZstdError)
-        for j, (got, runs) in self.done.items():
-            if len(got) == runs[0].size and np.logical_and.reduce(np.frombuffer(got, np.int64) == runs[4] - runs[3]):
+        for j, (got, want) in self.done.items():
+            if got == want:
                 continue
-            if len(got) < runs[0].size and not failed:
+            if len(got) < len(want) and not failed:
                 continue  # (the job did not run, or stopped for another reason: raised below)
             # a run failed: this slice again, frame by frame (names the frame, or decodes them all)
             a, b = self.bounds[j], self.bounds[j + 1]
