@@ -61,11 +61,14 @@ MIN_SPLIT_BYTES = 5 << 20
 #: next observations (~45 chunks, 2.5 MB) splits, a batch-8 one (~15 chunks, 0.85 MB) does not.
 #: Below it a handoff (the pool thread wakes ~35 us after it is given work, the calling thread ~30
 #: us after the pool thread is done, on a 2-core VM) costs about what the second core saves. With
-#: the pool thread's slice prepared by the caller and decoded a run of frames per reader, 45
-#: chunks took 327 us split against 441 us on one thread (1.35x; in quiet bursts on a shared
-#: 2-core VM, 2026-12-07, alternating); with each thread checking and preparing its own slice and
-#: one reader per frame, the split paid only from ~10 MB (0.71-0.85x at 45 chunks, 1.19-1.23x at
-#: 180). ``python benchmarks/bench_handoff.py --quiet-only`` measures the break-even.
+#: the pool thread's slice prepared by the caller and a run of frames decoded per reader, the
+#: readinto split of 45 chunks took 327 us against 441 us on one thread (1.35x), and a whole split
+#: decode_checked of 180 chunks 1,941 us against 3,000 us for the one-thread decode_checked before
+#: this change (both in quiet bursts on a shared 2-core VM, 2026-12-07, alternating on the same
+#: chunks as ``bench_handoff.py``; few quiet bursts: noisy). Before it, with each thread checking and
+#: preparing its own slice and one reader per frame, the split paid only from ~10 MB (0.71-0.85x at
+#: 45 chunks, 1.19-1.23x at 180). ``python benchmarks/bench_handoff.py --quiet-only`` measures the
+#: break-even; 2 MiB (between 15 and 45 chunks) awaits its quiet run at 20 and 30 chunks.
 MIN_CHUNK_SPLIT_BYTES = 2 << 20
 # Work weight of a checksummed (compressed) byte against a decoded byte: checking ~0.86 MB of
 # zstd frames cost ~0.5 ms of thread CPU and decoding their 7.2 MB ~1.8 ms on a 2-core VM, so a
