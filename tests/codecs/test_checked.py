@@ -251,12 +251,12 @@ def test_a_damaged_chunk_is_caught_in_either_slice(atari_pong, where, monkeypatc
     assert np.array_equal(out.reshape(-1, cb), frames)
 
 
-def test_a_b32_sample_of_atari_stacks_is_split(atari_pong, monkeypatch):
-    """The decoded bytes of a batch-32 sample of stacks with next observations (~45 chunks of 8
-    frames, ~2.5 MB) are past the split point, and a batch-256 sample's (~180 chunks); a batch-8
-    sample's (~15 chunks) and a batch-1 sample's (a few) are not."""
+def test_a_b256_sample_of_atari_stacks_is_split(atari_pong, monkeypatch):
+    """The decoded bytes of a batch-256 sample of stacks with next observations (~180 chunks of 8
+    frames, ~10 MB) are past the split point; a batch-64 sample's (~90 chunks) and a batch-1
+    sample's (a few) are not."""
     frame = 84 * 84
-    assert 15 * K * frame < checked.MIN_CHUNK_SPLIT_BYTES <= 45 * K * frame
+    assert 90 * K * frame < checked.MIN_CHUNK_SPLIT_BYTES <= 180 * K * frame
     codec = RawCodec()
     calls: list[str] = []
     original = codec.decode
@@ -269,7 +269,7 @@ def test_a_b32_sample_of_atari_stacks_is_split(atari_pong, monkeypatch):
     frames, enc = encoded_chunks(atari_pong, codec, n=180)
     cb = frames.shape[1]
     out = np.empty(frames.size, np.uint8)
-    for n, slices in ((4, 1), (15, 1), (45, 2), (180, 2)):
+    for n, slices in ((4, 1), (90, 1), (180, 2)):
         calls.clear()
         bad = checked.decode_checked(codec, enc.data, enc.offsets[:n], enc.sizes[:n], enc.checksums[:n], out,
                                      np.arange(n, dtype=np.int64) * cb, np.full(n, cb, dtype=np.int64), threads=2)

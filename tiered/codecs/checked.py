@@ -57,19 +57,20 @@ __all__ = ["decode_cells_checked", "decode_checked", "MIN_SPLIT_BYTES", "MIN_CHU
 #: handoff, the other core's caches). Even at about 5 MB.
 MIN_SPLIT_BYTES = 5 << 20
 #: Decoded bytes from which :func:`decode_checked` splits a batch of many small blobs (time chunks
-#: of Atari frames: ~56 kB decoded from ~1 kB each) across threads: a batch-32 sample of stacks with
-#: next observations (~45 chunks, 2.5 MB) splits, a batch-8 one (~15 chunks, 0.85 MB) does not.
-#: Below it a handoff (the pool thread wakes ~35 us after it is given work, the calling thread ~30
-#: us after the pool thread is done, on a 2-core VM) costs about what the second core saves. With
-#: the pool thread's slice prepared by the caller and a run of frames decoded per reader, the
-#: readinto split of 45 chunks took 327 us against 441 us on one thread (1.35x), and a whole split
-#: decode_checked of 180 chunks 1,941 us against 3,000 us for the one-thread decode_checked before
-#: this change (both in quiet bursts on a shared 2-core VM, 2026-12-07, alternating on the same
-#: chunks as ``bench_handoff.py``; few quiet bursts: noisy). Before it, with each thread checking and
-#: preparing its own slice and one reader per frame, the split paid only from ~10 MB (0.71-0.85x at
-#: 45 chunks, 1.19-1.23x at 180). ``python benchmarks/bench_handoff.py --quiet-only`` measures the
-#: break-even; 2 MiB (between 15 and 45 chunks) awaits its quiet run at 20 and 30 chunks.
-MIN_CHUNK_SPLIT_BYTES = 2 << 20
+#: of Atari frames: ~56 kB decoded from ~1 kB each) across threads: a batch-256 sample of stacks
+#: with next observations (~180 chunks, 10 MB) splits, a batch-64 one (~90 chunks, 5 MB) does not.
+#: In isolation the split pays from fewer chunks: with the pool thread's slice prepared by the
+#: caller and a run of frames decoded per reader, the readinto split of 45 chunks took 327 us
+#: against 441 us on one thread (1.35x), and a whole split decode_checked of 180 chunks 1,941 us
+#: against 3,000 us for the one-thread decode_checked before this change (quiet bursts on a shared
+#: 2-core VM, 2026-12-07, alternating on ``bench_handoff.py``'s chunks; few bursts: noisy). But
+#: through a store's get on that VM (``profile_calls.py --threads 2 --only storage.get32
+#: rb.sample32`` with this at 2 MiB against 8 MiB, alternating, the machine not quiet) a B=32
+#: sample was slower split (storage.get32 1.4-1.8 ms against 1.2-1.5 ms), also with
+#: OMP_WAIT_POLICY=PASSIVE: the pool thread wakes ~35 us after it is given work and the caller
+#: ~30 us after it is done, and on a VM a busy second vCPU delays both. Lower it only on a quiet
+#: run of both benchmarks (``bench_handoff.py --quiet-only`` for the break-even).
+MIN_CHUNK_SPLIT_BYTES = 8 << 20
 # Work weight of a checksummed (compressed) byte against a decoded byte: checking ~0.86 MB of
 # zstd frames cost ~0.5 ms of thread CPU and decoding their 7.2 MB ~1.8 ms on a 2-core VM, so a
 # checked byte costs about 2.5 decoded bytes.
