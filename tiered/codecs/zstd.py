@@ -221,20 +221,6 @@ class ZstdCodec(Codec):
             self._local.dctx = dctx
         return dctx
 
-    def _slot_dctx(self, j: int) -> zstandard.ZstdDecompressor:
-        """The calling thread's decompressor for slice ``j`` of a sliced decode: the job of slice
-        ``j`` may run on another thread, and while it does the calling thread waits for it, so no
-        two threads ever use one of them at once (slice 0's is the thread's own)."""
-        if j == 0:
-            return self._dctx()
-        slots = getattr(self._local, "slots", None)
-        if slots is None:
-            slots = self._local.slots = {}
-        dctx = slots.get(j)
-        if dctx is None:
-            dctx = slots[j] = zstandard.ZstdDecompressor()
-        return dctx
-
     def sliced_decode(self, data: np.ndarray, offsets: np.ndarray, sizes: np.ndarray, out: np.ndarray,
                       out_offsets: np.ndarray, out_sizes: np.ndarray, bounds: list[int]) -> SlicedDecode:
         """:meth:`decode` cut at ``bounds`` into jobs for other threads; a slice of large frames
@@ -560,23 +546,34 @@ class _ZstdSlices(SlicedDecode):
                  out: np.ndarray, out_offsets: np.ndarray, out_sizes: np.ndarray, bounds: list[int]) -> None:
         super().__init__(codec, data, offsets, sizes, out, out_offsets, out_sizes, bounds)
         self.in_mv, self.out_mv = memoryview(data), memoryview(out)
-        # the same choice of path as ZstdCodec.decode's (a property of the data, not of the cut)
-        self.large = int(np.add.reduce(out_sizes)) >= _MIN_FRAME_BYTES_FOR_DIRECT * sizes.size
+        # the same choice of path as ZstdCodec.decode's (a property of the data, not of the cut),
+        # made once for the whole batch
+        self.direct = (int(np.add.reduce(out_sizes)) >= _MIN_FRAME_BYTES_FOR_DIRECT * sizes.size
+                       and _sizes_declared(self.in_mv, offsets, sizes, out_sizes))
         self.done: dict[int, tuple[array, array]] = {}
+        # the calling thread's decompressors for slices 1, 2, ... (it waits for their jobs, so no
+        # two threads use one at once; slice 0 uses the thread's own)
+        slots = getattr(codec._local, "slots", None)
+        if slots is None:
+            slots = codec._local.slots = {}
+        self.slots: dict[int, zstandard.ZstdDecompressor] = slots
 
     def job(self, j: int) -> tuple[Callable[..., object], tuple]:
         data, offsets, sizes, _, out_offsets, out_sizes = self.batch
         a, b = self.bounds[j], self.bounds[j + 1]
         offs, szs, oo, osz = offsets[a:b], sizes[a:b], out_offsets[a:b], out_sizes[a:b]
         codec: ZstdCodec = self.codec  # type: ignore[assignment]
-        if a == b or not (self.large and _sizes_declared(self.in_mv, offs, szs, osz)):
+        if a == b or not self.direct:
             return codec._decompress_slice, (data, offs, szs, self.out_mv, oo, osz, a)
         runs = _runs(offs, szs, oo, osz)
         # the bytes each run decoded to, appended as it goes (a failed run ends it early), and the
         # bytes each run must decode to: one comparison of the two tells a whole slice
         got = array("q")
         self.done[j] = (got, array("q", (runs[4] - runs[3]).tolist()))
-        return got.extend, (_run_readers(codec._slot_dctx(j), self.in_mv, self.out_mv, runs),)
+        dctx = codec._dctx() if j == 0 else self.slots.get(j)
+        if dctx is None:
+            dctx = self.slots[j] = zstandard.ZstdDecompressor()
+        return got.extend, (_run_readers(dctx, self.in_mv, self.out_mv, runs),)
 
     def finish(self, error: BaseException | None) -> None:
         data, offsets, sizes, _, out_offsets, out_sizes = self.batch
