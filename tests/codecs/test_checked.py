@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import threading
 import time
+from functools import partial
 
 import numpy as np
 import pytest
@@ -29,8 +30,9 @@ from tiered import TieredStore
 from tiered.codecs import RawCodec, ZstdCodec, checked
 from tiered.codecs import zstd as zstd_module
 from tiered.codecs.checked import decode_cells_checked
-from tiered.errors import ChecksumError
+from tiered.errors import ChecksumError, CorruptionError
 from tiered.testing import parts
+from tiered.testing.calls import run_profiled
 from tiered.util.pool import run_parallel
 
 CELL = 4 * 84 * 84 * 4
@@ -309,3 +311,144 @@ def test_no_pool_thread_uses_cpu_once_its_batch_is_done(atari_pong, monkeypatch)
     before = _pool_cpu_seconds()
     time.sleep(1.0)
     assert _pool_cpu_seconds() - before < 0.05
+
+
+# -- the split decode's jobs: prepared by the calling thread, one C call on the pool's ------------
+
+
+def _split_decode(codec, data, enc, out_offsets, out_sizes, out, checksums="stored"):
+    sums = enc.checksums if checksums == "stored" else checksums
+    return checked.decode_checked(codec, data, enc.offsets, enc.sizes, sums, out, out_offsets, out_sizes, threads=2)
+
+
+@pytest.mark.parametrize("n", [2, 3, 5, 40])
+def test_a_split_of_a_small_batch_decodes_exactly(atari_pong, n, monkeypatch):
+    # two chunks and up, into places with gaps (an open time chunk's place between stored ones)
+    # and out of order: runs of frames back to back in both buffers, and frames alone
+    monkeypatch.setattr(checked, "MIN_CHUNK_SPLIT_BYTES", 0)
+    codec = ZstdCodec(3, threads=2)
+    frames, enc = encoded_chunks(atari_pong, codec, n=n)
+    cb = frames.shape[1]
+    place = np.arange(n, dtype=np.int64)
+    place[n // 2:] += 1  # a gap in the middle
+    if n > 3:
+        place[[0, 1]] = place[[1, 0]]  # two swapped
+    out = np.full((n + 1) * cb, 0xAB, np.uint8)
+    bad = _split_decode(codec, enc.data, enc, place * cb, np.full(n, cb, dtype=np.int64), out)
+    assert bad.tolist() == []
+    assert np.array_equal(out.reshape(-1, cb)[place], frames)
+    assert (out.reshape(-1, cb)[n // 2] == 0xAB).all()  # the gap: left alone
+
+
+@pytest.mark.parametrize("which", ["first", "last"])
+def test_an_undecodable_chunk_is_named_in_either_slice(atari_pong, which, monkeypatch):
+    # damage that the checksums do not see (none given): the codec names the blob, whichever
+    # thread's slice (the calling thread's: the first; the pool thread's: the last) decoded it
+    monkeypatch.setattr(checked, "MIN_CHUNK_SPLIT_BYTES", 0)
+    codec = ZstdCodec(3, threads=2)
+    frames, enc = encoded_chunks(atari_pong, codec, n=20)
+    cb, n = frames.shape[1], enc.sizes.size
+    b = 0 if which == "first" else n - 1
+    data = enc.data.copy()
+    data[enc.offsets[b] + 6: enc.offsets[b] + enc.sizes[b]] = 0xFF  # the header kept, the blocks garbage
+    out = np.empty(n * cb, np.uint8)
+    with pytest.raises(CorruptionError, match=f"zstd blob {b} of this batch"):
+        _split_decode(codec, data, enc, np.arange(n, dtype=np.int64) * cb, np.full(n, cb, dtype=np.int64), out,
+                      checksums=None)
+    # the decompressors that met the damage decode the next batch whole
+    assert _split_decode(codec, enc.data, enc, np.arange(n, dtype=np.int64) * cb, np.full(n, cb, dtype=np.int64),
+                         out).tolist() == []
+    assert np.array_equal(out.reshape(n, cb), frames)
+
+
+def test_a_truncated_chunk_is_named_in_the_pool_threads_slice(atari_pong, monkeypatch):
+    # a frame cut short at the end of the batch decodes to fewer bytes than its header declares
+    monkeypatch.setattr(checked, "MIN_CHUNK_SPLIT_BYTES", 0)
+    codec = ZstdCodec(3, threads=2)
+    frames, enc = encoded_chunks(atari_pong, codec, n=20)
+    cb, n = frames.shape[1], enc.sizes.size
+    sizes = enc.sizes.copy()
+    sizes[-1] -= 20
+    out = np.empty(n * cb, np.uint8)
+    with pytest.raises(CorruptionError, match=f"zstd blob {n - 1} of this batch"):
+        checked.decode_checked(codec, enc.data, enc.offsets, sizes, None, out, np.arange(n, dtype=np.int64) * cb,
+                               np.full(n, cb, dtype=np.int64), threads=2)
+
+
+def test_a_damaged_chunk_in_the_pool_threads_slice_decodes_nothing(atari_pong, monkeypatch):
+    # the pool thread's slice is checked before the handoff: damage there starts no decode at all
+    monkeypatch.setattr(checked, "MIN_CHUNK_SPLIT_BYTES", 0)
+    codec = ZstdCodec(3, threads=2)
+    frames, enc = encoded_chunks(atari_pong, codec, n=20)
+    cb, n = frames.shape[1], enc.sizes.size
+    data = enc.data.copy()
+    data[enc.offsets[n - 2] + enc.sizes[n - 2] // 2] ^= 0x01
+    out = np.full(n * cb, 0xAB, np.uint8)
+    bad = _split_decode(codec, data, enc, np.arange(n, dtype=np.int64) * cb, np.full(n, cb, dtype=np.int64), out)
+    assert bad.tolist() == [n - 2]
+    assert (out == 0xAB).all()
+
+
+def test_split_decodes_from_several_threads_at_once(atari_pong, monkeypatch):
+    # each calling thread's slices use its own decompressors: concurrent callers of one codec
+    monkeypatch.setattr(checked, "MIN_CHUNK_SPLIT_BYTES", 0)
+    codec = ZstdCodec(3, threads=2)
+    frames, enc = encoded_chunks(atari_pong, codec, n=30)
+    cb, n = frames.shape[1], enc.sizes.size
+    errors: list[BaseException] = []
+
+    def reader(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        out = np.empty(n * cb, np.uint8)
+        try:
+            for _ in range(30):
+                place = rng.permutation(n)
+                bad = _split_decode(codec, enc.data, enc, place * cb, np.full(n, cb, dtype=np.int64), out)
+                assert bad.tolist() == [] and np.array_equal(out.reshape(-1, cb)[place], frames)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=reader, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors[0]
+
+
+def test_the_pool_threads_job_is_one_c_call(atari_pong):
+    # what the handoff gives a pool thread: a C callable over C iterators, so a thread that runs
+    # it takes the GIL only between runs of frames (none of the slice's Python work is left in it)
+    codec = ZstdCodec(3, threads=2)
+    frames, enc = encoded_chunks(atari_pong, codec, n=10)
+    cb, n = frames.shape[1], enc.sizes.size
+    out = np.empty(n * cb, np.uint8)
+    sliced = codec.sliced_decode(enc.data, enc.offsets, enc.sizes, out, np.arange(n, dtype=np.int64) * cb,
+                                 np.full(n, cb, dtype=np.int64), [0, 4, n])
+    fn, args = sliced.job(1)
+    seen: list[str] = []
+    run_profiled(partial(fn, *args), lambda frame, event, arg: seen.append(event) if event == "call" else None)
+    assert seen == []  # no Python frame ran
+    fn0, args0 = sliced.job(0)
+    fn0(*args0)
+    sliced.finish(None)
+    assert np.array_equal(out.reshape(n, cb), frames)
+
+
+def test_blobs_with_bytes_past_their_frame_decode_as_each_alone_does(atari_pong, monkeypatch):
+    # a run of frames read as one stream would take a blob's trailing bytes for the next frame;
+    # each frame decodes whole alone, so the split decode must give the frames (one thread too)
+    monkeypatch.setattr(checked, "MIN_CHUNK_SPLIT_BYTES", 0)
+    codec = ZstdCodec(3, threads=2)
+    frames, enc = encoded_chunks(atari_pong, codec, n=12)
+    cb, n = frames.shape[1], enc.sizes.size
+    pad = 5
+    data = np.concatenate([np.concatenate([enc.data[o:o + s], np.full(pad, 0x11, np.uint8)])
+                           for o, s in zip(enc.offsets.tolist(), enc.sizes.tolist(), strict=True)])
+    sizes = enc.sizes + pad
+    offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+    for threads in (1, 2):
+        out = np.empty(n * cb, np.uint8)
+        bad = checked.decode_checked(codec, data, offsets, sizes, None, out, np.arange(n, dtype=np.int64) * cb,
+                                     np.full(n, cb, dtype=np.int64), threads=threads)
+        assert bad.tolist() == [] and np.array_equal(out.reshape(n, cb), frames)

@@ -4,20 +4,23 @@ Cells too large to share frames with their neighbours (TorchRL's VecNorm'd float
 stacks: 113 kB each) are stored one blob per cell, and a sampled batch of them decodes megabytes
 (7.2 MB for 32 transitions and their next observations). :func:`decode_cells_checked` cuts such a
 batch into one slice of blobs per thread, by the work each blob costs (its decoded bytes and its
-checksummed bytes), and each thread checks its blobs' checksums and then decodes them: the
-checksums are split across the threads with the decode, for one handoff per batch, and every blob
-is checked by the thread that decodes it, before it decodes it. numpy's reductions and zstandard's
-decoder release the GIL, so the slices run in parallel. A slice no pool thread has started when the
+checksummed bytes). :func:`decode_checked` does the same for batches of many small blobs decoded to
+their own places (time chunks of Atari frames, K=8: ~1 kB compressed, ~56 kB decoded each).
+
+Both split the same way: the calling thread checks the pool thread's slice and prepares its decode
+(:meth:`tiered.codecs.base.Codec.sliced_decode`: for zstd, one C call that decodes whole runs of
+frames and takes the GIL back once per run), hands it off, then checks and decodes its own slice
+while the pool thread wakes. Every blob is checked before it is decoded, and the pool thread runs
+no Python work: Python work on two threads at once takes turns on the GIL, and a thread that waits
+for the GIL sleeps and wakes tens of microseconds late on a VM, which cost the split its gain when
+each thread checked and prepared its own slice. A slice no pool thread has started when the
 calling thread is done with its own is done by the calling thread too (``run_parallel(claim=True)``):
 on a loaded machine, where the pool thread may wait milliseconds for a core, a batch then takes
 about what it takes on one thread instead of waiting for it.
 
-A batch with less decoded output than :data:`MIN_SPLIT_BYTES` runs on the calling thread: there a
-handoff costs about what it saves.
-
-:func:`decode_checked` does the same for batches of many small blobs decoded to their own places
-(time chunks of Atari frames, K=8: ~1 kB compressed, ~56 kB decoded each), from
-:data:`MIN_CHUNK_SPLIT_BYTES` decoded (a B=256 sample of stacks with next observations: ~10 MB).
+A batch with less decoded output than :data:`MIN_SPLIT_BYTES` (one-blob cells) or
+:data:`MIN_CHUNK_SPLIT_BYTES` (time chunks) runs on the calling thread: there a handoff costs about
+what it saves.
 
 Example:
     >>> import numpy as np
@@ -35,11 +38,13 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from ..util.batch import split_balanced
 from ..util.pool import run_parallel
-from .base import Codec
+from .base import Codec, SlicedDecode
 from .checksum import segment_checksums
 
 __all__ = ["decode_cells_checked", "decode_checked", "MIN_SPLIT_BYTES", "MIN_CHUNK_SPLIT_BYTES"]
@@ -52,15 +57,19 @@ __all__ = ["decode_cells_checked", "decode_checked", "MIN_SPLIT_BYTES", "MIN_CHU
 #: handoff, the other core's caches). Even at about 5 MB.
 MIN_SPLIT_BYTES = 5 << 20
 #: Decoded bytes from which :func:`decode_checked` splits a batch of many small blobs (time chunks
-#: of Atari frames: ~56 kB decoded from ~1 kB each) across threads. Each thread checks and decodes
-#: its slice, so the checksums are split too, and the calling thread claims any slice no pool thread
-#: has started (``run_parallel(claim=True)``): a pool thread that wakes late costs the batch little
-#: more than the one-thread decode. Below it one thread does all of it: on a quiet 2-core VM
-#: (``python benchmarks/bench_handoff.py``, 2026-12-07) the split took 0.96x the one-thread wall
-#: time at 45 chunks (2.5 MB, a batch-32 sample), 1.08x at 90 (5.1 MB) and 0.99-1.29x at 180
-#: (10 MB), for 30-40% more CPU in all; through ``rb.sample()`` (``bench_storages.py --quick
-#: --threads 2``) a B=64 sample was slower split (26.1k against 32.2k transitions/s) and B=256
-#: a little faster (51.2k against 48.7k). The two vCPUs gain little on zstd's compute.
+#: of Atari frames: ~56 kB decoded from ~1 kB each) across threads: a batch-256 sample of stacks
+#: with next observations (~180 chunks, 10 MB) splits, a batch-64 one (~90 chunks, 5 MB) does not.
+#: In isolation the split pays from fewer chunks: with the pool thread's slice prepared by the
+#: caller and a run of frames decoded per reader, the readinto split of 45 chunks took 327 us
+#: against 441 us on one thread (1.35x), and a whole split decode_checked of 180 chunks 1,941 us
+#: against 3,000 us for the one-thread decode_checked before this change (quiet bursts on a shared
+#: 2-core VM, 2026-12-07, alternating on ``bench_handoff.py``'s chunks; few bursts: noisy). But
+#: through a store's get on that VM (``profile_calls.py --threads 2 --only storage.get32
+#: rb.sample32`` with this at 2 MiB against 8 MiB, alternating, the machine not quiet) a B=32
+#: sample was slower split (storage.get32 1.4-1.8 ms against 1.2-1.5 ms), also with
+#: OMP_WAIT_POLICY=PASSIVE: the pool thread wakes ~35 us after it is given work and the caller
+#: ~30 us after it is done, and on a VM a busy second vCPU delays both. Lower it only on a quiet
+#: run of both benchmarks (``bench_handoff.py --quiet-only`` for the break-even).
 MIN_CHUNK_SPLIT_BYTES = 8 << 20
 # Work weight of a checksummed (compressed) byte against a decoded byte: checking ~0.86 MB of
 # zstd frames cost ~0.5 ms of thread CPU and decoding their 7.2 MB ~1.8 ms on a 2-core VM, so a
@@ -96,31 +105,21 @@ def decode_cells_checked(codec: Codec, data: np.ndarray, offsets: np.ndarray, si
     n = sizes.size
     parts = max(1, min(int(threads), n)) if which.size * cell_nbytes >= MIN_SPLIT_BYTES else 1
     if parts == 1:
-        bounds = [0, n]
-    else:
-        work = np.bincount(which, minlength=n) * cell_nbytes + sizes * _CHECK_WEIGHT
-        bounds = split_balanced(work, parts).tolist()
-    bad: list[np.ndarray] = [np.empty(0, np.int64)] * (len(bounds) - 1)
-    tasks = [(codec, data, offsets, sizes, checksums, which, out, cell_nbytes, a, b, bad, j)
-             for j, (a, b) in enumerate(zip(bounds[:-1], bounds[1:], strict=True))]
-    run_parallel(_check_and_decode, tasks, parts, claim=True)
-    return np.concatenate(bad)
-
-
-def _check_and_decode(codec: Codec, data: np.ndarray, offsets: np.ndarray, sizes: np.ndarray,
-                      checksums: np.ndarray | None, which: np.ndarray, out: np.ndarray, cell_nbytes: int,
-                      a: int, b: int, bad: list[np.ndarray], j: int) -> None:
-    """One thread's slice: blobs ``[a, b)``, checked, then decoded into every cell that uses them."""
-    if a == b:
-        return
-    wrong = _check_slice(data, offsets[a:b], sizes[a:b], None if checksums is None else checksums[a:b])
-    if wrong is not None:
-        bad[j] = wrong + a
-        return
-    cells = ((which >= a) & (which < b)).nonzero()[0]
+        wrong = _check_slice(data, offsets, sizes, checksums)
+        if wrong is not None:
+            return wrong
+        codec.decode(data, offsets[which], sizes[which], out, np.arange(which.size, dtype=np.int64) * cell_nbytes,
+                     np.full(which.size, cell_nbytes, dtype=np.int64))
+        return np.empty(0, np.int64)
+    work = np.bincount(which, minlength=n) * cell_nbytes + sizes * _CHECK_WEIGHT
+    bounds = split_balanced(work, parts).tolist()
+    # the cells by blob: slice j decodes the cells of blobs bounds[j]:bounds[j + 1]
+    cells = which.argsort(kind="stable")
     blobs = which[cells]
-    codec.decode(data, offsets[blobs], sizes[blobs], out, cells * cell_nbytes,
-                 np.full(cells.size, cell_nbytes, dtype=np.int64))
+    cell_bounds = blobs.searchsorted(bounds).tolist()
+    sliced = codec.sliced_decode(data, offsets[blobs], sizes[blobs], out, cells * cell_nbytes,
+                                 np.full(cells.size, cell_nbytes, dtype=np.int64), cell_bounds)
+    return _run_split(sliced, data, offsets, sizes, checksums, bounds)
 
 
 def decode_checked(codec: Codec, data: np.ndarray, offsets: np.ndarray, sizes: np.ndarray,
@@ -130,8 +129,11 @@ def decode_checked(codec: Codec, data: np.ndarray, offsets: np.ndarray, sizes: n
     ``i``, each blob checked against ``checksums`` first, on up to ``threads`` threads.
 
     A batch of at least :data:`MIN_CHUNK_SPLIT_BYTES` decoded is cut into one slice of blobs per
-    thread (by the work each blob costs); each thread checks its slice, then decodes it, so a
-    blob is always checked before it is decoded and the checks run in parallel with the decodes.
+    thread (by the work each blob costs). The calling thread checks the other threads' slices and
+    prepares their decodes (:meth:`~tiered.codecs.base.Codec.sliced_decode`), hands them off, then
+    checks and decodes its own: a blob is always checked before it is decoded, and a pool thread
+    runs only its decode. A slice no pool thread has started when the calling thread is done with
+    its own is decoded by the calling thread (``run_parallel(claim=True)``).
 
     Args:
         codec: decodes the blobs.
@@ -170,11 +172,53 @@ def decode_checked(codec: Codec, data: np.ndarray, offsets: np.ndarray, sizes: n
         return wrong
     parts = min(int(threads), n)
     bounds = split_balanced(out_sizes + sizes * _CHECK_WEIGHT, parts).tolist()
-    bad: list[np.ndarray] = [np.empty(0, np.int64)] * parts
-    tasks = [(codec, data, offsets, sizes, checksums, out, out_offsets, out_sizes, a, b, bad, j)
-             for j, (a, b) in enumerate(zip(bounds[:-1], bounds[1:], strict=True))]
-    run_parallel(_check_and_decode_slice, tasks, parts, claim=True)
-    return np.concatenate(bad)
+    sliced = codec.sliced_decode(data, offsets, sizes, out, out_offsets, out_sizes, bounds)
+    return _run_split(sliced, data, offsets, sizes, checksums, bounds)
+
+
+def _run_split(sliced: SlicedDecode, data: np.ndarray, offsets: np.ndarray, sizes: np.ndarray,
+               checksums: np.ndarray | None, bounds: list[int]) -> np.ndarray:
+    """Check blobs ``bounds[j]:bounds[j + 1]`` and run ``sliced``'s job ``j`` for every slice ``j``,
+    each slice's blobs checked before its job runs; returns the damaged blobs' positions (then
+    ``out`` holds no meaningful bytes) or an empty array."""
+    # The pool threads' slices (1, 2, ...) are checked and their jobs prepared here, before the
+    # handoff: a pool thread then runs only its decode (one C call for zstd, holding the GIL only
+    # between runs of frames), where Python work on two threads at once would take turns on the
+    # GIL. The calling thread checks and prepares its own slice (0) after the handoff, while they wake.
+    parts = len(bounds) - 1
+    own: list[np.ndarray | None] = [None]  # the calling thread's slice's damaged blobs, if any
+    jobs: list[tuple] = [(_check_and_run, (sliced, data, offsets[:bounds[1]], sizes[:bounds[1]],
+                                           None if checksums is None else checksums[:bounds[1]], own))]
+    for j in range(1, parts):
+        a, b = bounds[j], bounds[j + 1]
+        if checksums is not None and _check_slice(data, offsets[a:b], sizes[a:b], checksums[a:b]) is not None:
+            # damage: nothing is decoded, every damaged blob of the batch is reported
+            return _check_slice(data, offsets, sizes, checksums)  # type: ignore[return-value]
+        jobs.append(sliced.job(j))
+    try:
+        run_parallel(_run_job, jobs, parts, claim=True)
+    except Exception as e:  # noqa: BLE001 - the codec words it (naming the blob) and raises it
+        sliced.finish(e)
+    if own[0] is not None:
+        return own[0]
+    sliced.finish(None)
+    return np.empty(0, np.int64)
+
+
+def _run_job(fn: Callable[..., object], args: tuple) -> None:
+    fn(*args)
+
+
+def _check_and_run(sliced: SlicedDecode, data: np.ndarray, offsets: np.ndarray, sizes: np.ndarray,
+                   checksums: np.ndarray | None, own: list[np.ndarray | None]) -> None:
+    """Slice 0 of a split :func:`decode_checked` (the calling thread's, unless a pool thread
+    claimed it first): checked, then prepared and decoded; its damaged blobs go to ``own[0]``."""
+    wrong = _check_slice(data, offsets, sizes, checksums)
+    if wrong is not None:
+        own[0] = wrong
+        return
+    fn, args = sliced.job(0)
+    fn(*args)
 
 
 def _check_slice(data: np.ndarray, offsets: np.ndarray, sizes: np.ndarray,
@@ -186,14 +230,3 @@ def _check_slice(data: np.ndarray, offsets: np.ndarray, sizes: np.ndarray,
     return wrong if wrong.size else None
 
 
-def _check_and_decode_slice(codec: Codec, data: np.ndarray, offsets: np.ndarray, sizes: np.ndarray,
-                            checksums: np.ndarray | None, out: np.ndarray, out_offsets: np.ndarray,
-                            out_sizes: np.ndarray, a: int, b: int, bad: list[np.ndarray], j: int) -> None:
-    """One thread's slice of :func:`decode_checked`: blobs ``[a, b)``, checked, then decoded."""
-    if a == b:
-        return
-    wrong = _check_slice(data, offsets[a:b], sizes[a:b], None if checksums is None else checksums[a:b])
-    if wrong is not None:
-        bad[j] = wrong + a
-        return
-    codec.decode(data, offsets[a:b], sizes[a:b], out, out_offsets[a:b], out_sizes[a:b])

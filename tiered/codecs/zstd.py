@@ -18,12 +18,16 @@ blob against ~3-13 us to decode it). The number of Python-level calls is the sam
 and for 1024 (tests/codecs/test_codecs.py counts them).
 
 Decodes of large frames (16 KiB of output or more each) skip that memcpy and zstandard's fresh
-output buffer: when every frame's header declares exactly the expected size, each is decoded by
-a ``ZstdDecompressionReader.readinto`` straight into its slice of ``out`` (libzstd decodes a
-whole frame of known size in one pass into a buffer that holds it), again through ``map`` (C
-iteration, no Python frame per blob). 64 float32 4x84x84 stacks (7.2 MB): 1.71 ms against
-2.08 ms of thread CPU on a 2-core VM. Frames that declare no size (a GPU encoder may leave it
-out) take the batch path.
+output buffer: when every frame's header declares exactly the expected size, the frames are
+decoded straight into ``out`` by ``ZstdDecompressionReader.readinto``, one reader per run of frames
+that lie back to back both in the input and in ``out`` (``read_across_frames``: libzstd goes from
+frame to frame in C and checks each frame's decoded size against its header), again through
+``map`` (C iteration, no Python frame per blob). A read's blobs are gathered back to back and
+decode into consecutive places, so a batch is one run or a few, and a thread takes the GIL back
+once per run, not once per frame (what two threads decoding at once wait on each other for).
+64 float32 4x84x84 stacks (7.2 MB): 1.71 ms against 2.08 ms of thread CPU on a 2-core VM (one
+reader per frame). Frames that declare no size (a GPU encoder may leave it out) take the batch
+path. :meth:`ZstdCodec.sliced_decode` prepares the same decode as jobs for other threads.
 
 Threads: a batch is cut into ``threads`` slices of similar byte size; each slice runs
 ``multi_*_to_buffer(threads=1)`` (which releases the GIL) on a small persistent thread pool, the
@@ -49,7 +53,9 @@ from __future__ import annotations
 import operator
 import re
 import threading
+from array import array
 from collections import deque
+from collections.abc import Callable, Iterator
 from itertools import chain, repeat
 
 import numpy as np
@@ -58,7 +64,7 @@ import zstandard
 from ..errors import CorruptionError, UnknownCodecError
 from ..util.batch import exclusive_cumsum, split_balanced
 from ..util.pool import run_parallel
-from .base import Codec, EncodedBatch, thread_count
+from .base import Codec, EncodedBatch, SlicedDecode, thread_count
 from .checksum import segment_checksums
 from .raw import as_batch, check_out
 
@@ -92,6 +98,8 @@ _MIN_BYTES_FOR_THREADS = 8 << 20
 # 4x84x84 stacks (113 kB each, 7.2 MB) 1.71 against 2.08 ms.
 _MIN_FRAME_BYTES_FOR_DIRECT = 16 << 10
 _READINTO = zstandard.ZstdDecompressionReader.readinto
+_READ_SIZE = zstandard.DECOMPRESSION_RECOMMENDED_INPUT_SIZE  # (unused for a buffer: read whole)
+_FIRST = np.zeros(1, dtype=np.int64)
 _ZSTD_MAGIC = 0xFD2FB528
 _ITEM_RE = re.compile(r"item (\d+)")
 
@@ -212,6 +220,35 @@ class ZstdCodec(Codec):
             dctx = zstandard.ZstdDecompressor()
             self._local.dctx = dctx
         return dctx
+
+    def sliced_decode(self, data: np.ndarray, offsets: np.ndarray, sizes: np.ndarray, out: np.ndarray,
+                      out_offsets: np.ndarray, out_sizes: np.ndarray, bounds: list[int]) -> SlicedDecode:
+        """:meth:`decode` cut at ``bounds`` into jobs for other threads; a slice of large frames
+        whose headers declare their expected sizes is one C call (``array.extend`` over a ``map``
+        of ``readinto``: the thread that runs it holds the GIL only between frames).
+
+        Raises:
+            ValueError: the batch's layout is inconsistent (as :meth:`decode`).
+
+        Example:
+            >>> codec = ZstdCodec(threads=2)
+            >>> enc = codec.encode(np.arange(3 << 14, dtype=np.uint8), np.array([0, 1 << 14, 2 << 14]),
+            ...                    np.full(3, 1 << 14))
+            >>> out = np.empty(3 << 14, np.uint8)
+            >>> sd = codec.sliced_decode(enc.data, enc.offsets, enc.sizes, out, np.array([0, 1 << 14, 2 << 14]),
+            ...                          np.full(3, 1 << 14), [0, 1, 3])
+            >>> jobs = [sd.job(1), sd.job(0)]
+            >>> for fn, args in jobs:
+            ...     _ = fn(*args)
+            >>> sd.finish(None)
+            >>> bool((out == np.arange(3 << 14, dtype=np.uint8)).all())
+            True
+        """
+        data, offsets, sizes = as_batch(data, offsets, sizes)
+        out, out_offsets, out_sizes = check_out(out, out_offsets, out_sizes, sizes.size)
+        if not np.logical_and.reduce(out_sizes > 0):  # frames of 0 bytes: decode's own handling
+            return SlicedDecode(self, data, offsets, sizes, out, out_offsets, out_sizes, bounds)
+        return _ZstdSlices(self, data, offsets, sizes, out, out_offsets, out_sizes, bounds)
 
     def _parts(self, n: int, out_bytes: int | None = None) -> int:
         # As many slices as threads whenever there are 2+ blobs (and, for a decode, enough output
@@ -339,13 +376,7 @@ class ZstdCodec(Codec):
         try:
             run_parallel(self._decompress_slice, tasks, self.threads)
         except _SliceError as e:
-            i = int(keep[e.index])
-            raise CorruptionError(
-                f"zstd blob {i} of this batch ({int(sizes[e.index])} bytes at offset "
-                f"{int(offsets[e.index])}) could not be decoded into {int(out_sizes[e.index])} bytes "
-                f"({e.cause}); its compressed bytes or the blob index are damaged: run `tiered verify` "
-                "to find every damaged blob and restore the store from a copy"
-            ) from e.cause
+            raise _undecodable(int(keep[e.index]), e.index, offsets, sizes, out_sizes, e.cause) from e.cause
 
     def _decompress_slice(
         self,
@@ -393,8 +424,33 @@ class ZstdCodec(Codec):
         out_sizes: np.ndarray,
         first: int,
     ) -> None:
-        """Decode each frame straight into its slice of ``out`` (headers already checked to
-        declare ``out_sizes``); one reader per frame, created and used inside C iteration."""
+        """Decode the frames straight into their places in ``out`` (headers already checked to
+        declare ``out_sizes``): one reader per run of frames (:func:`_runs`), created and used
+        inside C iteration."""
+        runs = _runs(offsets, sizes, out_offsets, out_sizes)
+        got = array("q")
+        try:
+            got.extend(_run_readers(dctx, in_mv, out_mv, runs))
+        except zstandard.ZstdError:
+            pass  # decoded again below, frame by frame
+        if len(got) < runs[0].size or np.logical_or.reduce(np.frombuffer(got, np.int64) != runs[4] - runs[3]):
+            self._decompress_each(dctx, data, offsets, sizes, in_mv, out_mv, out_offsets, out_sizes, first)
+
+    def _decompress_each(
+        self,
+        dctx: zstandard.ZstdDecompressor,
+        data: np.ndarray,
+        offsets: np.ndarray,
+        sizes: np.ndarray,
+        in_mv: memoryview,
+        out_mv: memoryview,
+        out_offsets: np.ndarray,
+        out_sizes: np.ndarray,
+        first: int,
+    ) -> None:
+        """Decode each frame with its own reader: after a run of frames failed (it raises for the
+        frame that fails, or decodes them all where each frame alone is whole, e.g. a blob with
+        bytes past its frame's end, which a run would read as the next frame)."""
         sources = map(operator.getitem, repeat(in_mv), map(slice, offsets.tolist(), (offsets + sizes).tolist()))
         targets = map(operator.getitem, repeat(out_mv),
                       map(slice, out_offsets.tolist(), (out_offsets + out_sizes).tolist()))
@@ -419,15 +475,128 @@ class ZstdCodec(Codec):
         m = _ITEM_RE.search(str(error))
         if m is not None and int(m.group(1)) < sizes.size:
             return int(m.group(1))
-        dctx = zstandard.ZstdDecompressor()
-        for k in range(sizes.size):
-            o, s, want = int(offsets[k]), int(sizes[k]), int(out_sizes[k])
-            try:
-                if len(dctx.decompress(data[o : o + s].tobytes(), max_output_size=want)) != want:
-                    return k
-            except zstandard.ZstdError:
+        return _first_undecodable(data, offsets, sizes, out_sizes)
+
+
+def _first_undecodable(data: np.ndarray, offsets: np.ndarray, sizes: np.ndarray, out_sizes: np.ndarray) -> int:
+    """Index of the first frame that does not decode to its expected size alone (0 when each
+    does); error path only, so a loop is fine."""
+    dctx = zstandard.ZstdDecompressor()
+    for k in range(sizes.size):
+        o, s, want = int(offsets[k]), int(sizes[k]), int(out_sizes[k])
+        try:
+            if len(dctx.decompress(data[o : o + s].tobytes(), max_output_size=want)) != want:
                 return k
-        return 0
+        except zstandard.ZstdError:
+            return k
+    return 0
+
+
+def _runs(offsets: np.ndarray, sizes: np.ndarray, out_offsets: np.ndarray,
+          out_sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The frames cut into runs that lie back to back both in the input and in ``out`` (a read's
+    blobs are gathered back to back and decode into consecutive places, but for its open time
+    chunks): ``(first frame, input start, input end, output start, output end)`` per run.
+
+    One reader decodes a whole run into its span of ``out`` (``read_across_frames``: libzstd
+    goes on to the next frame in C, and checks each frame's decoded size against its header):
+    a thread takes the GIL back once per run rather than once per frame, which is what two
+    threads decoding at once otherwise wait on each other for.
+
+    Example:
+        >>> _runs(np.array([0, 5, 9]), np.array([5, 4, 3]), np.array([0, 8, 20]), np.array([8, 8, 8]))[0].tolist()
+        [0, 2]
+    """
+    ends = offsets + sizes
+    out_ends = out_offsets + out_sizes
+    cut = ((offsets[1:] != ends[:-1]) | (out_offsets[1:] != out_ends[:-1])).nonzero()[0] + 1
+    first = np.concatenate((_FIRST, cut))
+    last = np.concatenate((cut, (sizes.size,))) - 1
+    return first, offsets[first], ends[last], out_offsets[first], out_ends[last]
+
+
+def _run_readers(dctx: zstandard.ZstdDecompressor, in_mv: memoryview, out_mv: memoryview, runs: tuple) -> Iterator[int]:
+    """The bytes each run decodes to, as it goes: a ``map`` of ``readinto`` (C iteration)."""
+    _, a, b, oa, ob = runs
+    sources = map(operator.getitem, repeat(in_mv), map(slice, a.tolist(), b.tolist()))
+    targets = map(operator.getitem, repeat(out_mv), map(slice, oa.tolist(), ob.tolist()))
+    return map(_READINTO, map(dctx.stream_reader, sources, repeat(_READ_SIZE), repeat(True)), targets)
+
+
+def _undecodable(i: int, k: int, offsets: np.ndarray, sizes: np.ndarray, out_sizes: np.ndarray,
+                 cause: BaseException) -> CorruptionError:
+    """The error for blob ``i`` of a batch (at position ``k`` of ``offsets``, ``sizes``, ``out_sizes``)."""
+    return CorruptionError(
+        f"zstd blob {i} of this batch ({int(sizes[k])} bytes at offset {int(offsets[k])}) could not be "
+        f"decoded into {int(out_sizes[k])} bytes ({cause}); its compressed bytes or the blob index are "
+        "damaged: run `tiered verify` to find every damaged blob and restore the store from a copy"
+    )
+
+
+class _ZstdSlices(SlicedDecode):
+    """:meth:`ZstdCodec.sliced_decode`'s jobs (every frame of the batch has a positive size).
+
+    ``job(j)`` does on the calling thread all of slice ``j``'s Python work: the check that every
+    frame header declares its expected size (then the frames are decoded straight into ``out``)
+    and the iterators; the job itself is one C call. A slice of small frames, or of frames that
+    declare no size, gets the batch decoder's job (:meth:`ZstdCodec._decompress_slice`).
+    """
+
+    def __init__(self, codec: ZstdCodec, data: np.ndarray, offsets: np.ndarray, sizes: np.ndarray,
+                 out: np.ndarray, out_offsets: np.ndarray, out_sizes: np.ndarray, bounds: list[int]) -> None:
+        super().__init__(codec, data, offsets, sizes, out, out_offsets, out_sizes, bounds)
+        self.in_mv, self.out_mv = memoryview(data), memoryview(out)
+        # the same choice of path as ZstdCodec.decode's (a property of the data, not of the cut),
+        # made once for the whole batch
+        self.direct = (int(np.add.reduce(out_sizes)) >= _MIN_FRAME_BYTES_FOR_DIRECT * sizes.size
+                       and _sizes_declared(self.in_mv, offsets, sizes, out_sizes))
+        self.done: dict[int, tuple[array, array]] = {}
+        # the calling thread's decompressors for slices 1, 2, ... (it waits for their jobs, so no
+        # two threads use one at once; slice 0 uses the thread's own)
+        slots = getattr(codec._local, "slots", None)
+        if slots is None:
+            slots = codec._local.slots = {}
+        self.slots: dict[int, zstandard.ZstdDecompressor] = slots
+
+    def job(self, j: int) -> tuple[Callable[..., object], tuple]:
+        data, offsets, sizes, _, out_offsets, out_sizes = self.batch
+        a, b = self.bounds[j], self.bounds[j + 1]
+        offs, szs, oo, osz = offsets[a:b], sizes[a:b], out_offsets[a:b], out_sizes[a:b]
+        codec: ZstdCodec = self.codec  # type: ignore[assignment]
+        if a == b or not self.direct:
+            return codec._decompress_slice, (data, offs, szs, self.out_mv, oo, osz, a)
+        runs = _runs(offs, szs, oo, osz)
+        # the bytes each run decoded to, appended as it goes (a failed run ends it early), and the
+        # bytes each run must decode to: one comparison of the two tells a whole slice
+        got = array("q")
+        self.done[j] = (got, array("q", (runs[4] - runs[3]).tolist()))
+        dctx = codec._dctx() if j == 0 else self.slots.get(j)
+        if dctx is None:
+            dctx = self.slots[j] = zstandard.ZstdDecompressor()
+        return got.extend, (_run_readers(dctx, self.in_mv, self.out_mv, runs),)
+
+    def finish(self, error: BaseException | None) -> None:
+        data, offsets, sizes, _, out_offsets, out_sizes = self.batch
+        if isinstance(error, _SliceError):
+            raise _undecodable(error.index, error.index, offsets, sizes, out_sizes, error.cause) from error.cause
+        # a job's runs that raised ended it early (each job's error is lost but the first one)
+        failed = isinstance(error, zstandard.ZstdError)
+        for j, (got, want) in self.done.items():
+            if got == want:
+                continue
+            if len(got) < len(want) and not failed:
+                continue  # (the job did not run, or stopped for another reason: raised below)
+            # a run failed: this slice again, frame by frame (names the frame, or decodes them all)
+            a, b = self.bounds[j], self.bounds[j + 1]
+            codec: ZstdCodec = self.codec  # type: ignore[assignment]
+            try:
+                codec._decompress_each(zstandard.ZstdDecompressor(), data, offsets[a:b], sizes[a:b], self.in_mv,
+                                       self.out_mv, out_offsets[a:b], out_sizes[a:b], a)
+            except _SliceError as e:
+                raise _undecodable(e.index, e.index, offsets, sizes, out_sizes, e.cause) from e.cause
+            error = None if failed else error  # (a run's error: its frames decode one by one)
+        if error is not None:
+            raise error
 
 
 def _sizes_declared(in_mv: memoryview, offsets: np.ndarray, sizes: np.ndarray, out_sizes: np.ndarray) -> bool:

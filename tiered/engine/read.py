@@ -337,8 +337,9 @@ def assemble_cells(fields: list[Field], flat: np.ndarray, frame_idx: np.ndarray,
     """Rebuild ``n`` rows' cells of ``fields`` from decoded frames ``flat`` ``[frames, frame_nbytes]``,
     on up to ``threads`` threads when the gather is large (:data:`MIN_GATHER_SPLIT_BYTES`);
     ``cuts``: :func:`cell_cuts` of ``fields`` when the caller keeps them."""
+    cuts = cell_cuts(fields) if cuts is None else cuts
     if threads < 2 or frame_idx.size * flat.shape[1] < MIN_GATHER_SPLIT_BYTES:
-        for f, key, a, b, shape in cell_cuts(fields) if cuts is None else cuts:
+        for f, key, a, b, shape in cuts:
             # numpy row gathers run at memcpy speed (torch's uint8 index_select is ~8x slower here)
             cells = torch.from_numpy(flat[frame_idx[:, a:b].reshape(-1)])
             out[key] = cells.reshape(n, *shape) if shape is not None else f.cells_from_frames(cells, n)
@@ -349,19 +350,18 @@ def assemble_cells(fields: list[Field], flat: np.ndarray, frame_idx: np.ndarray,
     # indices are bounded here once, so clipping never changes one
     if int(np.minimum.reduce(frame_idx, axis=None)) < 0 or int(np.maximum.reduce(frame_idx, axis=None)) >= flat.shape[0]:
         raise AssertionError("a frame index past the decoded frames: the row tables are inconsistent")
-    widths = [f.frames_per_row for f in fields]
     # field by field, each one's frames row-major: the order the one-thread gather gives each field
-    order = frame_idx.T.reshape(-1) if max(widths) == 1 else np.concatenate(
-        [frame_idx[:, c - w:c].reshape(-1) for c, w in zip(np.cumsum(widths).tolist(), widths, strict=True)])
+    order = frame_idx.T.reshape(-1) if frame_idx.shape[1] == len(cuts) else np.concatenate(
+        [frame_idx[:, a:b].reshape(-1) for _, _, a, b, _ in cuts])
     dst = np.empty((order.size, flat.shape[1]), np.uint8)
-    cuts = ((np.arange(threads + 1) * order.size) // threads).tolist()
-    run_parallel(_take_rows, [(flat, order[a:b], dst[a:b]) for a, b in zip(cuts[:-1], cuts[1:], strict=True)],
+    rows = order.size
+    run_parallel(_take_rows, [(flat, order[rows * k // threads:rows * (k + 1) // threads],
+                               dst[rows * k // threads:rows * (k + 1) // threads]) for k in range(threads)],
                  threads, claim=True)
     frames = torch.from_numpy(dst)
-    row = 0
-    for f, w in zip(fields, widths, strict=True):
-        out[f.key] = f.cells_from_frames(frames[row:row + n * w], n)
-        row += n * w
+    for f, key, a, b, shape in cuts:
+        cells = frames[n * a:n * b]  # (field by field: a field's frames start at n times its first column)
+        out[key] = cells.reshape(n, *shape) if shape is not None else f.cells_from_frames(cells, n)
 
 
 def _take_rows(src: np.ndarray, idx: np.ndarray, dst: np.ndarray) -> None:
