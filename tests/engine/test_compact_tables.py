@@ -78,8 +78,9 @@ def test_a_write_needing_more_blob_ids_than_32_bits_hold_is_refused(atari_pong):
     with pytest.raises(StorageFullError, match="32-bit"):
         index.allocate(2)
     assert index.size == MAX_BLOB_IDS - 1 and index.capacity == 1024  # nothing grown
-    # through a store: the write is refused before anything changes
-    with TieredStore(64, chunk_frames=4) as s:
+    # through a store: the write is refused before anything changes (no write stage: a 20-row
+    # write would otherwise wait in it and take its ids only at the flush)
+    with TieredStore(64, chunk_frames=4, stage_rows=0) as s:
         s.extend(atari_pong[:20])
         before = s.get(torch.arange(20))
         idx = parts(s).index

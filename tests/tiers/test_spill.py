@@ -277,8 +277,8 @@ FORKER = """
     pid = os.fork()
     if pid == 0:  # the child reads, may not write, and exits normally (atexit runs here too)
         ok = bool((store.get(torch.arange(30))["x"] == x).all())
-        try:
-            store.extend(TensorDict({"x": torch.randn(30, 4, 84, 84)}, [30]))
+        try:  # 40 rows: more than the write stage takes, so the write goes to the tiers at once
+            store.extend(TensorDict({"x": torch.randn(40, 4, 84, 84)}, [40]))
             refused = False
         except NotSharedError:
             refused = True
