@@ -69,7 +69,10 @@ MIN_SPLIT_BYTES = 5 << 20
 #: sample was slower split (storage.get32 1.4-1.8 ms against 1.2-1.5 ms), also with
 #: OMP_WAIT_POLICY=PASSIVE: the pool thread wakes ~35 us after it is given work and the caller
 #: ~30 us after it is done, and on a VM a busy second vCPU delays both. Lower it only on a quiet
-#: run of both benchmarks (``bench_handoff.py --quiet-only`` for the break-even).
+#: run of both benchmarks (``bench_handoff.py --quiet-only`` for the break-even). Quiet, later the
+#: same day: ``bench_handoff.py`` gave the split 1.07x at 45 chunks, 1.30x at 90 and 1.48x at 180,
+#: but ``python benchmarks/bench_split_point.py`` (rb.sample at 2 against 8 MiB, alternating)
+#: swung both ways from run to run at B=32-128 (LazyTensorStorage's own B=32 moved 0.72-1.45 ms).
 MIN_CHUNK_SPLIT_BYTES = 8 << 20
 # Work weight of a checksummed (compressed) byte against a decoded byte: checking ~0.86 MB of
 # zstd frames cost ~0.5 ms of thread CPU and decoding their 7.2 MB ~1.8 ms on a 2-core VM, so a
