@@ -282,7 +282,12 @@ FORKER = """
             refused = False
         except NotSharedError:
             refused = True
-        sys.exit(0 if ok and refused else 3)
+        try:  # one row waits in the write stage: refused at once too, not at a later flush
+            store.extend(TensorDict({"x": torch.randn(1, 4, 84, 84)}, [1]))
+            staged_refused = False
+        except NotSharedError:
+            staged_refused = True
+        sys.exit(0 if ok and refused and staged_refused and len(store) == 30 else 3)
     _, status = os.waitpid(pid, 0)
     print(os.waitstatus_to_exitcode(status), os.path.isdir(d), flush=True)
     print(bool((store.get(torch.arange(30))["x"] == x).all()), flush=True)

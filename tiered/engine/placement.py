@@ -448,6 +448,15 @@ class Placement:
         counts["cold"]["hits"] += cold
         self.policy.on_access(ids)
 
+    def check_writable(self) -> None:
+        """Refuse a write in a forked copy of a store whose spill files its parent owns.
+
+        Checked when a write starts, whatever it would touch: a staged write touches no tier
+        until some later call's flush, and one that fits the memory tiers may touch none.
+        """
+        if isinstance(self.cold, SpillTier):
+            self.cold.check_writable()
+
     def promote(self, ids: np.ndarray, from_tier: np.ndarray, comp: Any, src_off: np.ndarray,
                 sizes: np.ndarray) -> None:
         """Copy blobs just read up into faster tiers, as the policy decides (copy up, then switch).

@@ -318,7 +318,8 @@ class MemmapTier(Tier):
             fileio.truncate(fd, 0)
         return fd, 0
 
-    def _writable(self) -> None:
+    def check_writable(self) -> None:
+        """Refuse a write to a tier opened read-only (:class:`ReadOnlyStoreError`)."""
         if self.mode == "r":
             raise ReadOnlyStoreError(
                 f"the cold tier in {self.directory} was opened read-only; reopen it with mode='r+' to write"
@@ -376,7 +377,7 @@ class MemmapTier(Tier):
             StorageFullError: over the budget, or the disk is full; nothing changes.
             ReadOnlyStoreError: the tier was opened with ``mode="r"``.
         """
-        self._writable()
+        self.check_writable()
         sizes = as_int64(sizes)
         snapshot = self._alloc.snapshot()
         reserved = list(self._sizes)
@@ -400,7 +401,7 @@ class MemmapTier(Tier):
 
     def write(self, offsets: np.ndarray, data: np.ndarray | torch.Tensor, src_offsets: np.ndarray,
               sizes: np.ndarray) -> None:
-        self._writable()
+        self.check_writable()
         o, so, n = as_int64(offsets), as_int64(src_offsets), as_int64(sizes)
         check_buffer(data, "data")
         keep = n > 0
@@ -461,7 +462,7 @@ class MemmapTier(Tier):
             defer: ``False`` only for space that no durable commit references (e.g. a batch
                 whose write failed).
         """
-        self._writable()
+        self.check_writable()
         self._alloc.free(offsets, sizes, defer=defer)
 
     def release_deferred(self, *, hold_last: bool = False) -> int:

@@ -320,7 +320,9 @@ class SpillTier(MemmapTier):
         """Whether this process may write the tier: it made it (not a forked copy) and it is open."""
         return os.getpid() == self.spill_dir.owner and not self.spill_dir.removed
 
-    def _writable(self) -> None:
+    def check_writable(self) -> None:
+        """Refuse a write from a forked copy (:class:`NotSharedError`) or after close
+        (:class:`StoreClosedError`)."""
         if os.getpid() != self.spill_dir.owner:
             raise NotSharedError(
                 f"this store's spill directory {self.directory} belongs to process {self.spill_dir.owner}; "
@@ -331,7 +333,7 @@ class SpillTier(MemmapTier):
 
     def free(self, offsets: np.ndarray, sizes: np.ndarray, *, defer: bool = False) -> None:
         """Release blobs; the space is reusable at once (``defer`` is ignored: nothing is durable)."""
-        self._writable()
+        self.check_writable()
         # counted before the space can be reused: a forked copy that reads after this sees it
         self.frees += 1
         struct.pack_into("<q", self._shared_frees, 0, self.frees)
