@@ -321,6 +321,15 @@ def _split_decode(codec, data, enc, out_offsets, out_sizes, out, checksums="stor
     return checked.decode_checked(codec, data, enc.offsets, enc.sizes, sums, out, out_offsets, out_sizes, threads=2)
 
 
+def split_chunks(atari: TensorDict, monkeypatch, n: int):
+    """A two-thread zstd codec that splits every batch, ``n`` real time chunks encoded by it, and
+    the chunks' decoded size and count: ``(codec, frames, enc, cb, n)``."""
+    monkeypatch.setattr(checked, "MIN_CHUNK_SPLIT_BYTES", 0)
+    codec = ZstdCodec(3, threads=2)
+    frames, enc = encoded_chunks(atari, codec, n=n)
+    return codec, frames, enc, frames.shape[1], enc.sizes.size
+
+
 @pytest.mark.parametrize("n", [2, 3, 5, 40])
 def test_a_split_of_a_small_batch_decodes_exactly(atari_pong, n, monkeypatch):
     # two chunks and up, into places with gaps (an open time chunk's place between stored ones)
@@ -344,10 +353,7 @@ def test_a_split_of_a_small_batch_decodes_exactly(atari_pong, n, monkeypatch):
 def test_an_undecodable_chunk_is_named_in_either_slice(atari_pong, which, monkeypatch):
     # damage that the checksums do not see (none given): the codec names the blob, whichever
     # thread's slice (the calling thread's: the first; the pool thread's: the last) decoded it
-    monkeypatch.setattr(checked, "MIN_CHUNK_SPLIT_BYTES", 0)
-    codec = ZstdCodec(3, threads=2)
-    frames, enc = encoded_chunks(atari_pong, codec, n=20)
-    cb, n = frames.shape[1], enc.sizes.size
+    codec, frames, enc, cb, n = split_chunks(atari_pong, monkeypatch, 20)
     b = 0 if which == "first" else n - 1
     data = enc.data.copy()
     data[enc.offsets[b] + 6: enc.offsets[b] + enc.sizes[b]] = 0xFF  # the header kept, the blocks garbage
@@ -363,10 +369,7 @@ def test_an_undecodable_chunk_is_named_in_either_slice(atari_pong, which, monkey
 
 def test_a_truncated_chunk_is_named_in_the_pool_threads_slice(atari_pong, monkeypatch):
     # a frame cut short at the end of the batch decodes to fewer bytes than its header declares
-    monkeypatch.setattr(checked, "MIN_CHUNK_SPLIT_BYTES", 0)
-    codec = ZstdCodec(3, threads=2)
-    frames, enc = encoded_chunks(atari_pong, codec, n=20)
-    cb, n = frames.shape[1], enc.sizes.size
+    codec, frames, enc, cb, n = split_chunks(atari_pong, monkeypatch, 20)
     sizes = enc.sizes.copy()
     sizes[-1] -= 20
     out = np.empty(n * cb, np.uint8)
@@ -377,10 +380,7 @@ def test_a_truncated_chunk_is_named_in_the_pool_threads_slice(atari_pong, monkey
 
 def test_a_damaged_chunk_in_the_pool_threads_slice_decodes_nothing(atari_pong, monkeypatch):
     # the pool thread's slice is checked before the handoff: damage there starts no decode at all
-    monkeypatch.setattr(checked, "MIN_CHUNK_SPLIT_BYTES", 0)
-    codec = ZstdCodec(3, threads=2)
-    frames, enc = encoded_chunks(atari_pong, codec, n=20)
-    cb, n = frames.shape[1], enc.sizes.size
+    codec, frames, enc, cb, n = split_chunks(atari_pong, monkeypatch, 20)
     data = enc.data.copy()
     data[enc.offsets[n - 2] + enc.sizes[n - 2] // 2] ^= 0x01
     out = np.full(n * cb, 0xAB, np.uint8)
@@ -391,10 +391,7 @@ def test_a_damaged_chunk_in_the_pool_threads_slice_decodes_nothing(atari_pong, m
 
 def test_split_decodes_from_several_threads_at_once(atari_pong, monkeypatch):
     # each calling thread's slices use its own decompressors: concurrent callers of one codec
-    monkeypatch.setattr(checked, "MIN_CHUNK_SPLIT_BYTES", 0)
-    codec = ZstdCodec(3, threads=2)
-    frames, enc = encoded_chunks(atari_pong, codec, n=30)
-    cb, n = frames.shape[1], enc.sizes.size
+    codec, frames, enc, cb, n = split_chunks(atari_pong, monkeypatch, 30)
     errors: list[BaseException] = []
 
     def reader(seed: int) -> None:
@@ -438,10 +435,7 @@ def test_the_pool_threads_job_is_one_c_call(atari_pong):
 def test_blobs_with_bytes_past_their_frame_decode_as_each_alone_does(atari_pong, monkeypatch):
     # a run of frames read as one stream would take a blob's trailing bytes for the next frame;
     # each frame decodes whole alone, so the split decode must give the frames (one thread too)
-    monkeypatch.setattr(checked, "MIN_CHUNK_SPLIT_BYTES", 0)
-    codec = ZstdCodec(3, threads=2)
-    frames, enc = encoded_chunks(atari_pong, codec, n=12)
-    cb, n = frames.shape[1], enc.sizes.size
+    codec, frames, enc, cb, n = split_chunks(atari_pong, monkeypatch, 12)
     pad = 5
     data = np.concatenate([np.concatenate([enc.data[o:o + s], np.full(pad, 0x11, np.uint8)])
                            for o, s in zip(enc.offsets.tolist(), enc.sizes.tolist(), strict=True)])
