@@ -201,7 +201,8 @@ def _run_split(sliced: SlicedDecode, data: np.ndarray, offsets: np.ndarray, size
     try:
         run_parallel(_run_job, jobs, parts, claim=True)
     except Exception as e:  # noqa: BLE001 - the codec words it (naming the blob) and raises it
-        sliced.finish(e)
+        sliced.finish(e)  # raises, or has decoded every failed slice again frame by frame
+        return own[0] if own[0] is not None else np.empty(0, np.int64)
     if own[0] is not None:
         return own[0]
     sliced.finish(None)
