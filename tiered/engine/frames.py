@@ -270,7 +270,7 @@ class FrameFamily:
     # ------------------------------------------------------------------------------------
     def plan(self, frames: FrameColumns, frame_traj: np.ndarray, ended_traj: np.ndarray,
              tail_mask: np.ndarray, index: BlobIndex, close_all: bool = False,
-             rules: np.ndarray | None = None, hits: np.ndarray | None = None) -> FramePlan:
+             rules: np.ndarray | None = None) -> FramePlan:
         """Plan the storage of ``frames`` (``n_rows`` rows of ``per_row`` frames, in write order).
 
         Dedup, then chunk assignment of the new unique frames, then where every incoming frame
@@ -287,11 +287,9 @@ class FrameFamily:
             rules: ``[per_row, 2]`` int array: frame column ``p`` of a row is expected to equal
                 column ``rules[p, 1]`` of the previous row of its trajectory (``rules[p, 0] == 1``)
                 or of its own row (``0``); ``-1``: no expectation. See :func:`layout_rules`.
-            hits: what :meth:`neighbour_hits` gave for these ``frames`` and ``rules`` (the write
-                stage compares its rows as they arrive); None: compared here.
         """
         n_tail = self.tail_frames.shape[0]
-        representative, roots, root_frames = self._dedup(frames, frame_traj, rules, hits)
+        representative, roots, root_frames = self._dedup(frames, frame_traj, rules)
         rep_new = representative[n_tail:]  # of each incoming frame, a position in [tail; frames]
         unique_pos = (rep_new == np.arange(n_tail, n_tail + frames.n_frames)).ravel().nonzero()[0]
         chunks = self._assign_chunks(frame_traj[unique_pos], ended_traj, close_all, index)
@@ -465,8 +463,8 @@ class FrameFamily:
         open blobs ``ids``."""
         return ranges(index.open_slot[ids] * self.chunk_frames, fill)
 
-    def _dedup(self, frames: FrameColumns, frame_traj: np.ndarray, rules: np.ndarray | None,
-               hits: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _dedup(self, frames: FrameColumns, frame_traj: np.ndarray,
+               rules: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Representatives in the space ``[tail; frames]`` (equal bytes, exact), the dedup roots
         (positions of frames equal to nothing earlier) and the roots' bytes."""
         n_tail, n_frames, frame_nbytes = self.tail_frames.shape[0], frames.n_frames, self.frame_nbytes
@@ -475,7 +473,7 @@ class FrameFamily:
             roots = np.arange(n_frames)
             return representative, roots, frames.take(roots)
         if rules is not None and n_frames:
-            representative = self._dedup_neighbours(frames, frame_traj, rules, representative, hits)
+            representative = self._dedup_neighbours(frames, frame_traj, rules, representative)
         roots = (representative[n_tail:] == np.arange(n_tail, n_tail + n_frames)).ravel().nonzero()[0]
         root_frames = frames.take(roots)
         # 2. Everything still unmatched (new frames, the first row of each trajectory, static
@@ -514,8 +512,7 @@ class FrameFamily:
         equals its rule partner (``rules[p]``: in row ``r`` or ``r - 1``) bit for bit, whatever the
         trajectories (:meth:`plan` cuts those); False where there is no partner (rule ``-1``, or
         row 0 for a previous-row rule). ``out``: bool ``[n_rows, per_row]``, rows before ``lo``
-        left as they are, so the rows of a batch can be compared a few at a time as they arrive
-        (the write stage compares each write's rows while they are in cache).
+        left as they are, so the rows of a batch can be compared a few at a time.
 
         The rules come in runs (see :func:`rule_runs`): one comparison of 8-byte words per run (a
         4-frame stack with its next observation: 3 comparisons, not 7), never a loop over rows.
@@ -545,17 +542,15 @@ class FrameFamily:
             np.equal(x, y, out=eq[:hi - a, :length]).all(-1, out=out[a:hi, p:p + length])
 
     def _dedup_neighbours(self, frames: FrameColumns, frame_traj: np.ndarray, rules: np.ndarray,
-                          representative: np.ndarray, hits: np.ndarray | None = None) -> np.ndarray:
+                          representative: np.ndarray) -> np.ndarray:
         """1. The layout's own neighbours: a stacked frame equals the next frame of the previous
         row's stack, and a next observation's frames equal the observation's. Bit-exact equality
-        (:meth:`neighbour_hits`, or ``hits`` it gave for these rows already) inside one
-        trajectory is the criterion. Returns ``representative`` with the matches applied.
+        (:meth:`neighbour_hits`) inside one trajectory is the criterion. Returns ``representative`` with the matches applied.
         """
         n_tail = self.tail_frames.shape[0]
         per_row, n_rows = frames.per_row, frames.n_rows
-        if hits is None:
-            hits = self.scratch("rule_hits", (n_rows, per_row), bool)
-            self.neighbour_hits(frames, rules, 0, hits)
+        hits = self.scratch("rule_hits", (n_rows, per_row), bool)
+        self.neighbour_hits(frames, rules, 0, hits)
         delta, partner = rules[:, 0], rules[:, 1]
         row_traj = frame_traj[::per_row]
         # a previous-row match counts inside one trajectory only (row r continues row r - 1's)
