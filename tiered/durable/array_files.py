@@ -372,7 +372,13 @@ def _holds(fd: int, source: _Source, size: int) -> bool:
     disk = np.empty(size, dtype=np.uint8)
     if fileio.read_into(fd, memoryview(disk), 0) != size:
         return False
-    return bool(np.array_equal(disk, np.concatenate([np.frombuffer(p, dtype=np.uint8) for p in source.parts(0, size)])))
+    pos = 0
+    for part in source.parts(0, size):  # header, then the array: compared where they lie, no joined copy
+        mem = np.frombuffer(part, dtype=np.uint8)
+        if not np.array_equal(disk[pos:pos + mem.size], mem):
+            return False
+        pos += mem.size
+    return True
 
 
 #: Most bytes of pages read at once while a commit rewrites parts of them.
