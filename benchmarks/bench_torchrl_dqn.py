@@ -430,6 +430,8 @@ def main(argv: list[str] | None = None) -> int:
     baseline_rows = args.baseline_rows or min(args.rows, 20_000)
     # TorchRL's deprecation notices (VecNorm, the collector's InitTracker) and INFO lines are not results
     warnings.filterwarnings("ignore", category=FutureWarning)
+    import torchrl  # noqa: F401  (importing it sets its logger's level: ours must come after)
+
     logging.getLogger("torchrl").setLevel(logging.WARNING)
     ex = load_example()
     facts = H.machine_facts(argv)
