@@ -56,7 +56,7 @@ import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -331,7 +331,7 @@ def _replay_ms(r: dict[str, float]) -> float:
     return r["extend_ms"] / UPDATES_PER_BATCH + r["sample_ms"]
 
 
-def _by_round(a: dict[str, Any], b: dict[str, Any], measure: Any) -> list[float]:
+def _by_round(a: dict[str, Any], b: dict[str, Any], measure: Callable[[dict[str, float]], float]) -> list[float]:
     """``measure(a) / measure(b)`` in each round: the rounds ran side by side, so their spread is
     how far one round's conditions moved the ratio."""
     return [measure(ra) / measure(rb) for ra, rb in zip(a["rounds"], b["rounds"], strict=True)]
@@ -427,6 +427,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown storages {unknown}; choose from {list(STORAGES)}")
     if not keys:
         p.error(f"--storages names no storage; choose from {list(STORAGES)}")
+    if args.rounds < 1:
+        p.error(f"--rounds must be at least 1 (the times come from the rounds), got {args.rounds}")
     baseline_rows = args.baseline_rows or min(args.rows, 20_000)
     # TorchRL's deprecation notices (VecNorm, the collector's InitTracker) and INFO lines are not results
     warnings.filterwarnings("ignore", category=FutureWarning)
