@@ -1,9 +1,11 @@
-"""HDF5 sources holding links: refused before a byte is written, never walked forever.
+"""HDF5 sources holding links, or datasets kept in other files: refused, never walked forever,
+nothing left behind.
 
 Real D4RL files (a CartPole rollout) and real minari datasets (written by minari's own
 DataCollector), copied and given one link with h5py: a soft link back to its own group or to the
-root (a loop), an external link to a file the user never named, a hard link from a group to its
-ancestor (a cycle). Each goes through the real readers, the ``import_dataset`` API and the CLI.
+root (a loop), an external link to a file the user never named, a hard link from a group to itself
+(a cycle). Each goes through the real readers, the ``import_dataset`` API and the CLI. Virtual
+datasets and datasets with external raw storage read other files too: refused as well.
 """
 
 from __future__ import annotations
@@ -164,3 +166,51 @@ def test_hdf5_datasets_refuses_links_in_a_file_opened_without_the_check(tmp_path
         assert next(walk)[0] == ("a", "data")  # name order: the dataset before the link
         with pytest.raises(UnsupportedFormatError, match="/a/loop is a soft link to /a"):
             next(walk)
+
+
+def _foreign(f: h5py.File, where: str, kind: str, tmp_path, like: np.ndarray) -> str:
+    """Put at ``where`` of ``f`` a dataset of ``like``'s shape and dtype whose values are in another
+    file: a virtual dataset over it, or external raw storage. Returns that file's name."""
+    if kind == "virtual":
+        other = str(tmp_path / "elsewhere.h5")
+        with h5py.File(other, "w") as o:
+            o["values"] = like
+        layout = h5py.VirtualLayout(shape=like.shape, dtype=like.dtype)
+        layout[...] = h5py.VirtualSource(other, "values", shape=like.shape)
+        f.create_virtual_dataset(where, layout)
+        return other
+    other = str(tmp_path / "elsewhere.bin")
+    with open(other, "wb") as o:
+        o.write(np.ascontiguousarray(like).tobytes())
+    f.create_dataset(where, shape=like.shape, dtype=like.dtype, external=[(other, 0, like.nbytes)])
+    return other
+
+
+@pytest.mark.parametrize("kind", ["virtual", "external-storage"])
+def test_a_d4rl_dataset_stored_in_another_file_is_refused(kind, d4rl_src, tmp_path, capsys):
+    src = tmp_path / "foreign.hdf5"
+    shutil.copyfile(d4rl_src, src)
+    with h5py.File(src, "r+") as f:
+        other = _foreign(f, "infos/leak", kind, tmp_path, np.full(f["observations"].shape[0], 7.0, np.float32))
+    assert h5py.File(src, "r")["infos/leak"][0] == 7.0  # h5py itself reads the other file
+    with pytest.raises(UnsupportedFormatError, match=f"/infos/leak keeps its values in other files \\({other}\\)"):
+        import_dataset("d4rl", src, tmp_path / "store")
+    assert main(["import", str(src), str(tmp_path / "store"), "--format", "d4rl", "-q"]) == 2
+    assert "/infos/leak keeps its values in other files" in capsys.readouterr().err
+    _nothing_left(tmp_path)
+
+
+@pytest.mark.parametrize("kind", ["virtual", "external-storage"])
+def test_a_minari_episode_stored_in_another_file_is_refused(kind, minari_src, tmp_path):
+    # the last episode's rewards: read only when the import reaches it, after the first rows were
+    # written into the new store, which then goes
+    src = tmp_path / "foreign-minari"
+    shutil.copytree(minari_src, src)
+    with h5py.File(src / "data" / "main_data.hdf5", "r+") as f:
+        last = max(int(n.split("_")[1]) for n in f if n.startswith("episode_"))
+        rewards = f[f"episode_{last}/rewards"][()]
+        del f[f"episode_{last}/rewards"]
+        _foreign(f, f"episode_{last}/rewards", kind, tmp_path, rewards)
+    with pytest.raises(UnsupportedFormatError, match=f"/episode_{last}/rewards keeps its values in other files"):
+        import_dataset("minari", src, tmp_path / "store", chunk_rows=16)
+    _nothing_left(tmp_path)

@@ -40,6 +40,7 @@ __all__ = [
     "open_hdf5",
     "hdf5_datasets",
     "refuse_hdf5_links",
+    "refuse_foreign_storage",
     "NPY_MAX_HEADER",
     "DEFAULT_CHUNK_BYTES",
     "DEFAULT_CHUNK_ROWS",
@@ -159,6 +160,36 @@ def refuse_hdf5_links(f: Any) -> None:
         raise _link_refusal(f.file.filename, f"{f.name.rstrip('/')}/{name}", f.get(name, getlink=True))
 
 
+def refuse_foreign_storage(d: Any, where: str) -> None:
+    """Refuse the HDF5 dataset ``d`` (at path ``where``) if its values are read from other files: a
+    virtual dataset mapping another file's datasets, or one with external raw storage. As for links
+    (:func:`refuse_hdf5_links`), an import reads only the files the user names.
+
+    Raises:
+        UnsupportedFormatError: naming the dataset, the files it reads, and what to do.
+
+    Example:
+        >>> import h5py, io
+        >>> f = h5py.File(io.BytesIO(), "w")
+        >>> d = f.create_dataset("x", shape=(4,), dtype="f4", external=[("raw.bin", 0, 16)])
+        >>> refuse_foreign_storage(d, "/x")
+        Traceback (most recent call last):
+        ...
+        tiered.errors.UnsupportedFormatError: ...: /x keeps its values in other files (raw.bin), as a ...
+    """
+    files: list[str] = []
+    if d.is_virtual:  # a source file "." is this file itself
+        files = sorted({s.file_name for s in d.virtual_sources()} - {"."})
+    elif d.external:
+        files = sorted({str(name) for name, _offset, _size in d.external})
+    if files:
+        raise UnsupportedFormatError(
+            f"{d.file.filename}: {where} keeps its values in other files ({', '.join(files)}), as a "
+            f"{'virtual dataset' if d.is_virtual else 'dataset with external storage'}; an import reads only "
+            f"the files you name: in a copy of the file, store the values in it (h5py: a = f[{where!r}][()]; "
+            f"del f[{where!r}]; f[{where!r}] = a) and import that copy. Nothing was imported")
+
+
 def hdf5_datasets(obj: Any, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Any]]:
     """``(path, dataset)`` of every dataset at or under the HDF5 group or dataset ``obj``, depth first
     in name order.
@@ -168,11 +199,13 @@ def hdf5_datasets(obj: Any, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[
 
     Raises:
         UnsupportedFormatError: a soft or external link under ``obj`` (its path and target named),
-            or a group reached a second time (a hard-link cycle, or one group under two names).
+            a group reached a second time (a hard-link cycle, or one group under two names), or a
+            dataset whose values are in other files (:func:`refuse_foreign_storage`).
     """
     import h5py
 
     if isinstance(obj, h5py.Dataset):
+        refuse_foreign_storage(obj, obj.name)
         yield path, obj
         return
     # h5py's object ids compare and hash by (file, object address): one key per group, whatever
@@ -191,6 +224,7 @@ def hdf5_datasets(obj: Any, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[
             raise _link_refusal(group.file.filename, where, link)
         child = group[name]
         if isinstance(child, h5py.Dataset):
+            refuse_foreign_storage(child, where)
             yield (*gpath, name), child
         elif isinstance(child, h5py.Group):
             if child.id in seen:
