@@ -25,7 +25,7 @@ from tensordict import TensorDict
 
 import tiered
 from tiered import TieredStore
-from tiered.durable.array_files import KEEP, read_intent
+from tiered.durable.array_files import ARRAYS_DIR, KEEP, read_intent, read_intent_token
 from tiered.durable.commit_arrays import array_path
 from tiered.errors import CorruptionError, StaleReadError
 from tiered.testing import faults, parts
@@ -190,6 +190,70 @@ def test_a_committed_store_holds_one_file_per_array_and_two_commits_of_before_im
         w.extend(batch(10, 99))
     assert len([f for f in os.listdir(path / "arrays") if f.startswith("undo.")]) == KEEP
     assert verify_store(path, progress=False).ok
+
+
+def _store_with_a_pending_overwrite(tmp_path) -> tuple[TieredStore, TensorDict, TensorDict]:
+    """A committed store, what its commit holds, and what it holds in memory after an overwrite of
+    rows on every page of every array (its next commit changes them in place)."""
+    store = TieredStore(CAP, tmp_path / "s", frames={"observation": 0}, chunk_frames=4, warm_bytes=0,
+                        hot_bytes=0)
+    store.extend(batch(CAP, 0))
+    store.flush()
+    before = store.get(torch.arange(CAP))
+    store.set(torch.as_tensor(ROWS), batch(ROWS.size, 77))
+    return store, before, store.get(torch.arange(CAP))
+
+
+def _failed_commit_left_the_last_one(store: TieredStore, before: TensorDict, after: TensorDict,
+                                     files: dict[str, bytes], g: int) -> None:
+    """After a commit that failed: every array file the manifest names holds the bytes of the last
+    commit (now, not at the next commit or open), a reader reads that commit, the writer still holds
+    its rows in memory, and its next commit lands."""
+    path = Path(store.path)
+    assert manifest_body(path)["generation"] == store.generation == g
+    assert array_bytes(path) == files
+    assert not parts(store).files.rollback_pending
+    with tiered.open(path) as ro:
+        assert same(ro.get(torch.arange(CAP)), before)
+    assert same(store.get(torch.arange(CAP)), after)
+    store.flush()
+    assert manifest_body(path)["generation"] == store.generation == g + 1
+    store.close()
+    with tiered.open(path) as ro:
+        assert same(ro.get(torch.arange(CAP)), after)
+    assert verify_store(path, progress=False).ok
+
+
+def test_a_commit_failing_before_its_intent_changed_nothing_in_place(tmp_path):
+    store, before, after = _store_with_a_pending_overwrite(tmp_path)
+    path, g = tmp_path / "s", store.generation
+    files, token = array_bytes(path), read_intent_token(str(path))
+    with faults.inject_faults(eio_on=1), pytest.raises(OSError) as e:  # the commit's first write
+        store.flush()
+    assert os.path.dirname(e.value.filename) == str(path / ARRAYS_DIR)  # a new array file or a before-image
+    assert read_intent_token(str(path)) == token  # no intent written: no file changed in place, none undone
+    _failed_commit_left_the_last_one(store, before, after, files, g)
+
+
+def test_a_commit_failing_while_it_changes_arrays_in_place_is_undone_at_once(tmp_path):
+    store, before, after = _store_with_a_pending_overwrite(tmp_path)
+    path, g = tmp_path / "s", store.generation
+    files, token = array_bytes(path), read_intent_token(str(path))
+    body = manifest_body(path)
+    named = {array_path(str(path), body, name) for name in body["files"]}
+    # fail the commit's 1st write, 2nd, ...: those before its intent change nothing in place (the
+    # test above); the first that changes the intent's token is the first write after the intent
+    for at in range(1, 200):
+        with faults.inject_faults(eio_on=at), pytest.raises(OSError) as e:
+            store.flush()
+        if read_intent_token(str(path)) != token:
+            break
+        assert array_bytes(path) == files
+    # the intent of commit g + 1, then the roll-back's for g: the files were written in place and
+    # put back before flush raised
+    assert read_intent_token(str(path)) == (g, token[1] + 2)
+    assert e.value.filename in named, (e.value.filename, sorted(named))  # an array file, in place
+    _failed_commit_left_the_last_one(store, before, after, files, g)
 
 
 def _died_after_intent(tmp_path) -> tuple[Path, TensorDict]:

@@ -304,6 +304,53 @@ def test_a_forked_copy_reads_never_writes_and_never_removes_the_parents_director
     assert spill_dirs(tmp_path) == []  # the parent's own exit removed it
 
 
+FORK_OVERWRITER = """
+    import os, sys, torch
+    torch.set_num_threads(1)  # torch's OpenMP pool does not survive a fork
+    from tensordict import TensorDict
+    from tiered.errors import NotSharedError
+    from tiered.torchrl import TieredStorage
+    storage = TieredStorage(100, warm_bytes="1MiB", spill_dir=sys.argv[1])
+    store = storage.store
+    x = torch.randn(30, 4, 84, 84)
+    store.extend(TensorDict({"x": x}, [30]))
+    assert store.stats()["tiers"]["spill"]["bytes_used"] > 0  # spilled: the child shares its files
+    pid = os.fork()
+    if pid == 0:  # the child overwrites rows it already holds: each write is refused at once
+        refused = []
+        for write in (  # 40 rows go to the tiers at once; one row would wait in the write stage
+            lambda: store.set(torch.arange(40) % 30, TensorDict({"x": torch.randn(40, 4, 84, 84)}, [40])),
+            lambda: store.set(5, TensorDict({"x": torch.randn(4, 84, 84)}, [])),
+            lambda: storage.set(torch.arange(3, 13), TensorDict({"x": torch.zeros(10, 4, 84, 84)}, [10]),
+                                set_cursor=False),
+            lambda: storage.set(7, TensorDict({"x": torch.zeros(4, 84, 84)}, []), set_cursor=False),
+        ):
+            try:
+                write()
+                refused.append(False)
+            except NotSharedError:
+                refused.append(True)
+        same = bool(torch.equal(store.get(torch.arange(30))["x"], x))
+        os._exit(0 if all(refused) and same and len(store) == 30 else 3)
+    _, status = os.waitpid(pid, 0)
+    print(os.waitstatus_to_exitcode(status), flush=True)
+    print(bool(torch.equal(store.get(torch.arange(30))["x"], x)), flush=True)
+    store.set(5, TensorDict({"x": x[6]}, []))  # the parent still writes
+    print(bool(torch.equal(store.get(5)["x"], x[6])), flush=True)
+"""
+
+
+def test_a_forked_copy_may_not_overwrite_rows(tmp_path):
+    pytest.importorskip("torchrl")
+    child = _child(FORK_OVERWRITER, str(tmp_path))
+    out, err = child.communicate(timeout=120)
+    assert child.returncode == 0, err
+    # the child's overwrites (store.set and TieredStorage.set, to the tiers and to the write
+    # stage) were all refused, and the parent reads its rows back bit for bit
+    assert out.split("\n")[:3] == ["0", "True", "True"], (out, err)
+    assert spill_dirs(tmp_path) == []
+
+
 def test_a_pickled_copy_spills_to_a_directory_of_its_own(tmp_path):
     data = noise_rows(60)
     store = TieredStore(100, warm_bytes="1MiB", spill_dir=tmp_path)

@@ -313,6 +313,25 @@ def test_hdf5_wrong_file_is_corruption(tmp_path):
     r.close()
 
 
+def test_hdf5_segment_whose_blobs_are_a_link_is_corruption(tmp_path):
+    # a segment whose "blobs" is an external link to a copy of the real segment: the dataset it
+    # names starts at the recorded offset, but blob bytes are read from the segment file itself
+    d = str(tmp_path / "c")
+    t, off, sizes, _ = _filled(HDF5Tier, d, n=5)
+    state = t.state()
+    t.close()
+    seg = t.segment_path(0)
+    size = os.path.getsize(seg)
+    os.rename(seg, tmp_path / "elsewhere.h5")
+    with h5py.File(seg, "w") as f:
+        f["blobs"] = h5py.ExternalLink(str(tmp_path / "elsewhere.h5"), "/blobs")
+    os.truncate(seg, size)
+    r = HDF5Tier.open(d, state, "r")
+    with pytest.raises(CorruptionError, match=r"seg-000000.h5 holds 'blobs' as a link \(ExternalLink\)"):
+        read_back(r, off, sizes)
+    r.close()
+
+
 def test_memmap_files_grow_in_steps_without_holes(tmp_path):
     d = str(tmp_path / "c")
     t = MemmapTier(d, segment_bytes=64 << 20)

@@ -231,6 +231,38 @@ def test_ndim2_slice_sampler_stays_in_trajectories(pong):
     assert flat.shape[0] == 160
 
 
+def test_ndim2_list_of_bools_is_a_mask(pong):
+    """A list of bools indexing an ndim=2 storage selects as a bool tensor would (torch's reading),
+    not rows 0 and 1: along the first dimension, along the second, and as a grid-shaped mask."""
+    data = pong[:40].reshape(4, 10)
+    rbs = [TensorDictReplayBuffer(storage=s) for s in (TieredStorage(60, ndim=2, **OPTS), LazyTensorStorage(60, ndim=2))]
+    for rb in rbs:
+        rb.extend(data)
+    got, want = (rb.storage for rb in rbs)
+    rows, envs = want.shape
+    first = [i % 3 == 0 for i in range(rows)]
+    masks = {
+        "along dim 0": first,
+        "none along dim 0": [False] * rows,
+        "every one along dim 0": [True] * rows,
+        "a 1-tuple": (first,),
+        "along dim 1": (slice(None), [j % 2 == 1 for j in range(envs)]),
+        "the grid's shape": [[(i + j) % 3 == 0 for j in range(envs)] for i in range(rows)],
+    }
+    for what, mask in masks.items():
+        for read in (lambda s, m: s[m], lambda s, m: s.get(m)):
+            ours, oracle = read(got, mask), read(want, mask)
+            assert_same(ours, oracle, what)
+    assert got[first].batch_size == (sum(first), envs)  # a mask: not rows 1 and 0 of the grid
+    assert torch.equal(got[first]["observation"], want[:]["observation"][torch.tensor(first)])
+    env_mask = [j % 2 == 0 for j in range(envs)]  # rb[index] reads storage[:, index] (its data is env-major)
+    assert_same(rbs[0][env_mask], rbs[1][env_mask], "rb[mask]")
+    for bad in ([True, False], [[True] * envs] * (rows - 1)):  # a mask of another shape: refused by both
+        for s in (got, want):
+            with pytest.raises(IndexError):
+                s[bad]
+
+
 def test_ndim2_item_assignment_writes_through(pong):
     data = pong[:60].reshape(2, 30)
     rbs = [ReplayBuffer(storage=s) for s in (TieredStorage(62, ndim=2, **OPTS), LazyTensorStorage(62, ndim=2))]

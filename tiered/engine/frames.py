@@ -506,13 +506,12 @@ class FrameFamily:
             runs = self._runs[key] = rule_runs(rules, offsets)
         return runs
 
-    def neighbour_hits(self, frames: FrameColumns, rules: np.ndarray, lo: int, out: np.ndarray) -> None:
-        """Compare the frames of rows ``lo ..`` of ``frames`` with their layout neighbours, in place
+    def neighbour_hits(self, frames: FrameColumns, rules: np.ndarray, out: np.ndarray) -> None:
+        """Compare the frames of every row of ``frames`` with their layout neighbours, in place
         as strided views (no gathers): ``out[r, p]`` is whether frame column ``p`` of row ``r``
         equals its rule partner (``rules[p]``: in row ``r`` or ``r - 1``) bit for bit, whatever the
         trajectories (:meth:`plan` cuts those); False where there is no partner (rule ``-1``, or
-        row 0 for a previous-row rule). ``out``: bool ``[n_rows, per_row]``, rows before ``lo``
-        left as they are, so the rows of a batch can be compared a few at a time.
+        row 0 for a previous-row rule). ``out``: bool ``[n_rows, per_row]``.
 
         The rules come in runs (see :func:`rule_runs`): one comparison of 8-byte words per run (a
         4-frame stack with its next observation: 3 comparisons, not 7), never a loop over rows.
@@ -522,7 +521,7 @@ class FrameFamily:
             >>> stacks = np.stack([frames[t:t + 2] for t in range(4)])          # 4 rows, stacks of 2
             >>> fam = FrameFamily(0, 8, chunk_frames=4)
             >>> hits = np.zeros((4, 2), bool)
-            >>> fam.neighbour_hits(FrameColumns([stacks]), layout_rules([(("obs",), 2, True)]), 0, hits)
+            >>> fam.neighbour_hits(FrameColumns([stacks]), layout_rules([(("obs",), 2, True)]), hits)
             >>> hits.tolist()   # frame 0 of each row after the first is frame 1 of the row before
             [[False, False], [True, False], [True, False], [True, False]]
         """
@@ -530,16 +529,16 @@ class FrameFamily:
         runs = self._rule_runs(rules, frames.offsets)
         words = self.frame_nbytes % 8 == 0
         width = self.frame_nbytes // 8 if words else self.frame_nbytes
-        eq = self.scratch("rule_eq", (max(hi - lo, 0), max(r[5] for r in runs), width), bool)
-        out[lo:hi] = False
+        eq = self.scratch("rule_eq", (hi, max(r[5] for r in runs), width), bool)
+        out[:hi] = False
         cells = frames.cells
         for row_delta, f, c, g, e, length, p, _q in runs:
-            a = max(lo, row_delta)  # a previous-row rule starts at row 1
-            x = cells[f][a:hi, c:c + length]
-            y = cells[g][a - row_delta:hi - row_delta, e:e + length]
+            # a previous-row rule (row_delta 1) starts at row 1, comparing with the row before
+            x = cells[f][row_delta:hi, c:c + length]
+            y = cells[g][:hi - row_delta, e:e + length]
             if words:
                 x, y = x.view(np.uint64), y.view(np.uint64)
-            np.equal(x, y, out=eq[:hi - a, :length]).all(-1, out=out[a:hi, p:p + length])
+            np.equal(x, y, out=eq[:hi - row_delta, :length]).all(-1, out=out[row_delta:hi, p:p + length])
 
     def _dedup_neighbours(self, frames: FrameColumns, frame_traj: np.ndarray, rules: np.ndarray,
                           representative: np.ndarray) -> np.ndarray:
@@ -550,7 +549,7 @@ class FrameFamily:
         n_tail = self.tail_frames.shape[0]
         per_row, n_rows = frames.per_row, frames.n_rows
         hits = self.scratch("rule_hits", (n_rows, per_row), bool)
-        self.neighbour_hits(frames, rules, 0, hits)
+        self.neighbour_hits(frames, rules, hits)
         delta, partner = rules[:, 0], rules[:, 1]
         row_traj = frame_traj[::per_row]
         # a previous-row match counts inside one trajectory only (row r continues row r - 1's)

@@ -39,6 +39,8 @@ __all__ = [
     "read_npy_header",
     "open_hdf5",
     "hdf5_datasets",
+    "refuse_hdf5_links",
+    "refuse_foreign_storage",
     "NPY_MAX_HEADER",
     "DEFAULT_CHUNK_BYTES",
     "DEFAULT_CHUNK_ROWS",
@@ -88,24 +90,151 @@ def read_npy_header(f: BinaryIO, where: str) -> tuple[tuple[int, ...], bool, np.
 
 
 def open_hdf5(path: str) -> Any:
-    """``h5py.File(path, "r")``; a file h5py cannot open is refused as not HDF5, naming h5py's reason."""
+    """``h5py.File(path, "r")``, once the file is known to hold no soft or external link.
+
+    A file h5py cannot open is refused as not HDF5, naming h5py's reason. Links are refused
+    before anything reads through them (see :func:`refuse_hdf5_links`).
+
+    Raises:
+        UnsupportedFormatError: not an HDF5 file, or it holds a soft or external link.
+    """
     import h5py  # here, not at the top: the npz and torchrl formats read no HDF5
 
     try:
-        return h5py.File(path, "r")
+        f = h5py.File(path, "r")
     except OSError as e:
         raise UnsupportedFormatError(f"{path} is not an HDF5 file ({e})") from None
+    try:
+        refuse_hdf5_links(f)
+    except BaseException:
+        f.close()
+        raise
+    return f
+
+
+def _link_refusal(filename: str, where: str, link: Any) -> UnsupportedFormatError:
+    """The error for the link at path ``where`` of the file: its target, and what to do."""
+    import h5py
+
+    if isinstance(link, h5py.SoftLink):
+        what = f"a soft link to {link.path}"
+    elif isinstance(link, h5py.ExternalLink):
+        what = f"an external link to {link.path} in the file {link.filename}"
+    else:
+        what = f"a link of another kind ({type(link).__name__})"
+    return UnsupportedFormatError(
+        f"{filename}: {where} is {what}. tiered does not follow HDF5 links (a soft link can "
+        "loop back on its own group, an external one reads a file you did not name): in a copy of the "
+        f"file, delete the link or replace it by a copy of the data it names (h5py: del f[{where!r}], "
+        f"then f.copy(source, {where!r})), and import that copy. Nothing was imported")
+
+
+def refuse_hdf5_links(f: Any) -> None:
+    """Refuse an HDF5 file holding any soft, external or user-defined link, anywhere in it.
+
+    HDF5's own link walk (``H5Lvisit``) does the work: it visits every link once without following
+    soft or external ones, and does not loop on hard-link cycles.
+
+    Args:
+        f: an open ``h5py.File`` (or group: then only the links under it).
+
+    Raises:
+        UnsupportedFormatError: naming the first such link, its target, and what to do.
+
+    Example:
+        >>> import h5py, io
+        >>> f = h5py.File(io.BytesIO(), "w"); f["x"] = [1, 2]; f["y"] = h5py.SoftLink("/x")
+        >>> refuse_hdf5_links(f)
+        Traceback (most recent call last):
+        ...
+        tiered.errors.UnsupportedFormatError: ...: /y is a soft link to /x. tiered does not follow ...
+    """
+    from h5py import h5l
+
+    def not_hard(name: bytes, info: Any) -> bytes | None:
+        return name if info.type != h5l.TYPE_HARD else None  # a value stops the walk
+
+    found = f.id.links.visit(not_hard, info=True)
+    if found is not None:
+        name = found.decode("utf-8", "surrogateescape")
+        raise _link_refusal(f.file.filename, f"{f.name.rstrip('/')}/{name}", f.get(name, getlink=True))
+
+
+def refuse_foreign_storage(d: Any, where: str) -> None:
+    """Refuse the HDF5 dataset ``d`` (at path ``where``) if its values are read from other files: a
+    virtual dataset mapping another file's datasets, or one with external raw storage. As for links
+    (:func:`refuse_hdf5_links`), an import reads only the files the user names.
+
+    Raises:
+        UnsupportedFormatError: naming the dataset, the files it reads, and what to do.
+
+    Example:
+        >>> import h5py, io
+        >>> f = h5py.File(io.BytesIO(), "w")
+        >>> d = f.create_dataset("x", shape=(4,), dtype="f4", external=[("raw.bin", 0, 16)])
+        >>> refuse_foreign_storage(d, "/x")
+        Traceback (most recent call last):
+        ...
+        tiered.errors.UnsupportedFormatError: ...: /x keeps its values in other files (raw.bin), as a ...
+    """
+    files: list[str] = []
+    if d.is_virtual:  # a source file "." is this file itself
+        files = sorted({s.file_name for s in d.virtual_sources()} - {"."})
+    elif d.external:
+        files = sorted({str(name) for name, _offset, _size in d.external})
+    if files:
+        raise UnsupportedFormatError(
+            f"{d.file.filename}: {where} keeps its values in other files ({', '.join(files)}), as a "
+            f"{'virtual dataset' if d.is_virtual else 'dataset with external storage'}; an import reads only "
+            f"the files you name: in a copy of the file, store the values in it (h5py: a = f[{where!r}][()]; "
+            f"del f[{where!r}]; f[{where!r}] = a) and import that copy. Nothing was imported")
 
 
 def hdf5_datasets(obj: Any, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Any]]:
-    """``(path, dataset)`` of every dataset at or under the HDF5 group or dataset ``obj``."""
+    """``(path, dataset)`` of every dataset at or under the HDF5 group or dataset ``obj``, depth first
+    in name order.
+
+    Links are never followed, and each group is walked once: a file crafted with a link loop or a
+    hard-link cycle is refused, never walked forever.
+
+    Raises:
+        UnsupportedFormatError: a soft or external link under ``obj`` (its path and target named),
+            a group reached a second time (a hard-link cycle, or one group under two names), or a
+            dataset whose values are in other files (:func:`refuse_foreign_storage`).
+    """
     import h5py
 
     if isinstance(obj, h5py.Dataset):
+        refuse_foreign_storage(obj, obj.name)
         yield path, obj
-    elif isinstance(obj, h5py.Group):
-        for name, child in obj.items():
-            yield from hdf5_datasets(child, (*path, name))
+        return
+    # h5py's object ids compare and hash by (file, object address): one key per group, whatever
+    # the link it was reached by
+    seen = {obj.id: obj.name}
+    stack = [(path, obj.name.rstrip("/"), obj, iter(list(obj)))]
+    while stack:
+        gpath, gname, group, names = stack[-1]
+        name = next(names, None)
+        if name is None:
+            stack.pop()
+            continue
+        where = f"{gname}/{name}"  # the path walked, whatever name HDF5 keeps for the object
+        link = group.get(name, getlink=True)
+        if not isinstance(link, h5py.HardLink):
+            raise _link_refusal(group.file.filename, where, link)
+        child = group[name]
+        if isinstance(child, h5py.Dataset):
+            refuse_foreign_storage(child, where)
+            yield (*gpath, name), child
+        elif isinstance(child, h5py.Group):
+            if child.id in seen:
+                raise UnsupportedFormatError(
+                    f"{group.file.filename}: {where} is a hard link to the group {seen[child.id]}, which "
+                    "is already part of the walk (a link cycle, or one group under two names); tiered reads "
+                    "each group once: copy the data into a file where every group has one name (h5py: "
+                    f"del f[{where!r}] in a copy) and import that copy. Nothing was imported")
+            seen[child.id] = where
+            stack.append(((*gpath, name), where, child, iter(list(child))))
 
 
 def write_source(store_path: str | os.PathLike[str], info: dict[str, Any]) -> None:

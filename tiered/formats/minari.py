@@ -55,6 +55,7 @@ from .common import (
     np_to_torch,
     numpy_dtype,
     open_hdf5,
+    refuse_foreign_storage,
     row_nbytes,
     to_numpy,
     writing,
@@ -319,6 +320,7 @@ class MinariSource:
             d = g["/".join(lf.path)]
         except KeyError:
             raise UnsupportedFormatError(f"{self.main}: {g.name} lacks {'/'.join(lf.path)}") from None
+        refuse_foreign_storage(d, f"{g.name}/{'/'.join(lf.path)}")  # any episode's, not only the first's
         a = _decode_jpeg(d[lo:hi]) if lf.jpeg else np.asarray(d[lo:hi])
         if a.shape[1:] != lf.shape and not (a.ndim == 1 and lf.shape == (1,)):
             raise UnsupportedFormatError(

@@ -56,6 +56,9 @@ def hdf5_segment_problem(path: str, data_offset: int, segment_bytes: int) -> str
         with h5py.File(path, "r", locking=False) as h:
             if DATASET not in h:
                 return f"holds no {DATASET!r} dataset"
+            link = h.get(DATASET, getlink=True)
+            if not isinstance(link, h5py.HardLink):  # tiered writes the dataset itself, never a link
+                return f"holds {DATASET!r} as a link ({type(link).__name__}), not as the dataset itself"
             d = h[DATASET]
             problems = []
             if d.shape != (segment_bytes,) or d.dtype != "u1":
