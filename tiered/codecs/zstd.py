@@ -331,11 +331,12 @@ class ZstdCodec(Codec):
         n = sizes.size
         if n == 0:
             return
-        empty = out_sizes == 0
-        keep = (~empty).nonzero()[0]
-        if keep.size < n:
+        keep = None
+        if not int(np.minimum.reduce(out_sizes)):  # (one reduction where no frame is empty: every read's)
             # zstandard's batch decoder refuses frames of 0 output bytes, and there is nothing to
             # write for them; still check (vectorized) that each one is a frame of 0 bytes.
+            empty = out_sizes == 0
+            keep = (~empty).nonzero()[0]
             idx = np.flatnonzero(empty)
             declared = declared_content_sizes(data, offsets[idx], sizes[idx])
             bad = np.flatnonzero((declared == -2) | (declared > 0))
@@ -359,24 +360,29 @@ class ZstdCodec(Codec):
                 out_offsets[keep],
                 out_sizes[keep],
             )
+        m = sizes.size
         total = int(np.add.reduce(out_sizes))
         in_mv = memoryview(data)
-        direct = total >= _MIN_FRAME_BYTES_FOR_DIRECT * keep.size and _sizes_declared(in_mv, offsets, sizes, out_sizes)
-        parts = self._parts(keep.size, total)
+        direct = total >= _MIN_FRAME_BYTES_FOR_DIRECT * m and _sizes_declared(in_mv, offsets, sizes, out_sizes)
+        parts = self._parts(m, total)
         out_mv = memoryview(out)
-        in_mv = in_mv if direct else None
-        if parts == 1:  # every small batch: one slice on this thread, no cut points nor pool
-            tasks = [(data, offsets, sizes, out_mv, out_offsets, out_sizes, 0, in_mv)]
-        else:
-            bounds = split_balanced(sizes, parts).tolist()
-            tasks = [
-                (data, offsets[a:b], sizes[a:b], out_mv, out_offsets[a:b], out_sizes[a:b], a, in_mv)
-                for a, b in zip(bounds[:-1], bounds[1:], strict=True)
-            ]
         try:
+            if parts == 1 and direct:  # every small batch of time chunks: straight into out, here
+                self._decompress_into(self._dctx(), data, offsets, sizes, in_mv, out_mv, out_offsets, out_sizes, 0)
+                return
+            in_mv = in_mv if direct else None
+            if parts == 1:  # one slice on this thread, no cut points nor pool
+                tasks = [(data, offsets, sizes, out_mv, out_offsets, out_sizes, 0, in_mv)]
+            else:
+                bounds = split_balanced(sizes, parts).tolist()
+                tasks = [
+                    (data, offsets[a:b], sizes[a:b], out_mv, out_offsets[a:b], out_sizes[a:b], a, in_mv)
+                    for a, b in zip(bounds[:-1], bounds[1:], strict=True)
+                ]
             run_parallel(self._decompress_slice, tasks, self.threads)
         except _SliceError as e:
-            raise _undecodable(int(keep[e.index]), e.index, offsets, sizes, out_sizes, e.cause) from e.cause
+            i = e.index if keep is None else int(keep[e.index])
+            raise _undecodable(i, e.index, offsets, sizes, out_sizes, e.cause) from e.cause
 
     def _decompress_slice(
         self,
@@ -509,7 +515,10 @@ def _runs(offsets: np.ndarray, sizes: np.ndarray, out_offsets: np.ndarray,
     """
     ends = offsets + sizes
     out_ends = out_offsets + out_sizes
-    cut = ((offsets[1:] != ends[:-1]) | (out_offsets[1:] != out_ends[:-1])).nonzero()[0] + 1
+    cut = ((offsets[1:] != ends[:-1]) | (out_offsets[1:] != out_ends[:-1])).nonzero()[0]
+    if not cut.size:  # one run (a read without open time chunks): its ends are slices, no gathers
+        return _FIRST, offsets[:1], ends[-1:], out_offsets[:1], out_ends[-1:]
+    cut += 1
     first = np.concatenate((_FIRST, cut))
     last = np.concatenate((cut, (sizes.size,))) - 1
     return first, offsets[first], ends[last], out_offsets[first], out_ends[last]
