@@ -570,8 +570,9 @@ class CpuReadPipeline(ReadPipeline):
         pos = (~is_open).nonzero()[0]
         ids = uniq[pos]
         sizes = idx.nbytes[ids]
-        src_off = sizes.cumsum() - sizes  # back to back from 0 (exclusive_cumsum's calls less)
-        comp = self._scratch.get("comp", int(np.add.reduce(sizes)))
+        ends = sizes.cumsum()
+        src_off = ends - sizes  # back to back from 0 (exclusive_cumsum's calls less)
+        comp = self._scratch.get("comp", int(ends[-1]) if ends.size else 0)
         from_tier = self.placement.locate_and_read(ids, sizes, comp, src_off)
         return GatheredBlobs(
             n_blobs=uniq.size, chunk_frames=fam.chunk_frames, frame_nbytes=fam.frame_nbytes,
