@@ -434,12 +434,21 @@ class ZstdCodec(Codec):
         declare ``out_sizes``): one reader per run of frames (:func:`_runs`), created and used
         inside C iteration."""
         runs = _runs(offsets, sizes, out_offsets, out_sizes)
-        got = array("q")
-        try:
-            got.extend(_run_readers(dctx, in_mv, out_mv, runs))
-        except zstandard.ZstdError:
-            pass  # decoded again below, frame by frame
-        if len(got) < runs[0].size or np.logical_or.reduce(np.frombuffer(got, np.int64) != runs[4] - runs[3]):
+        if runs[0].size == 1:  # one run (a read without open time chunks): one reader, no iterators
+            a, b, oa, ob = int(runs[1][0]), int(runs[2][0]), int(runs[3][0]), int(runs[4][0])
+            try:
+                whole = _READINTO(dctx.stream_reader(in_mv[a:b], _READ_SIZE, True), out_mv[oa:ob]) == ob - oa
+            except zstandard.ZstdError:
+                whole = False  # decoded again below, frame by frame
+        else:
+            got = array("q")
+            try:
+                got.extend(_run_readers(dctx, in_mv, out_mv, runs))
+            except zstandard.ZstdError:
+                pass  # decoded again below, frame by frame
+            whole = len(got) == runs[0].size and not np.logical_or.reduce(
+                np.frombuffer(got, np.int64) != runs[4] - runs[3])
+        if not whole:
             self._decompress_each(dctx, data, offsets, sizes, in_mv, out_mv, out_offsets, out_sizes, first)
 
     def _decompress_each(
