@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import cProfile
 import io
 import pstats
@@ -146,27 +147,29 @@ STAGES = [
 ]
 
 
-def time_stages(fn, calls: int, before=None, *, median: bool = True, cpu: bool = False) -> dict[str, tuple[float, float]]:
-    """``{stage: (us per call of fn, calls of the stage per call of fn)}`` over ``calls`` calls of
-    ``fn`` (``before()`` runs untimed ahead of each), every function of STAGES wrapped in a timer.
-
-    ``median``: each stage's median over the calls (a read: robust to other processes' bursts on a
-    shared machine); else its mean (a write: the mean counts the stage compressions that only some
-    calls make, as the table's write rates do). ``cpu``: the calling thread's CPU time
-    (``time.thread_time_ns``), not wall time."""
-    clock = time.thread_time_ns if cpu else time.perf_counter_ns
+@contextlib.contextmanager
+def stage_timers(clock, package: str = "tiered"):
+    """Every function of STAGES wrapped in a timer while the block runs; yields ``acc``
+    ``[len(STAGES) + 1, 2]``: per stage, the ns and calls counted since the caller last zeroed it
+    (the last row is the caller's). ``package``: the name the tiered package was imported under
+    (``ab_get.py``'s other version is ``tiered_base``; a stage it does not have is left out)."""
     import functools
     import importlib
 
     import numpy as np
 
-    acc = np.zeros((len(STAGES) + 1, 2))  # per stage of the current call: ns, calls
+    acc = np.zeros((len(STAGES) + 1, 2))
     undo = []
     for i, (mod_name, qual) in enumerate(STAGES):
-        mod = importlib.import_module(mod_name)
         owner, _, attr = qual.rpartition(".")
-        holder = getattr(mod, owner) if owner else mod
-        orig = holder.__dict__[attr] if owner else getattr(mod, attr)
+        try:
+            mod = importlib.import_module(package + mod_name[len("tiered"):])
+            holder = getattr(mod, owner) if owner else mod
+            orig = holder.__dict__[attr] if owner else getattr(mod, attr)
+        except (ImportError, AttributeError, KeyError):
+            if package == "tiered":
+                raise
+            continue  # a stage the other version does not have
 
         def wrapped(*a, _orig=orig, _row=acc[i], **k):
             t0 = clock()
@@ -181,11 +184,29 @@ def time_stages(fn, calls: int, before=None, *, median: bool = True, cpu: bool =
         undo.append((holder, attr, orig))
         if not owner:  # module-level functions are also called through the modules importing them
             for other in list(sys.modules.values()):
-                if getattr(other, "__name__", "").startswith("tiered") and other.__dict__.get(attr) is orig:
+                if getattr(other, "__name__", "").startswith(package) and other.__dict__.get(attr) is orig:
                     setattr(other, attr, wrapped)
                     undo.append((other, attr, orig))
-    per_call = np.zeros((calls, len(STAGES) + 1, 2))
     try:
+        yield acc
+    finally:
+        for holder, attr, orig in reversed(undo):
+            setattr(holder, attr, orig)
+
+
+def time_stages(fn, calls: int, before=None, *, median: bool = True, cpu: bool = False) -> dict[str, tuple[float, float]]:
+    """``{stage: (us per call of fn, calls of the stage per call of fn)}`` over ``calls`` calls of
+    ``fn`` (``before()`` runs untimed ahead of each), every function of STAGES wrapped in a timer.
+
+    ``median``: each stage's median over the calls (a read: robust to other processes' bursts on a
+    shared machine); else its mean (a write: the mean counts the stage compressions that only some
+    calls make, as the table's write rates do). ``cpu``: the calling thread's CPU time
+    (``time.thread_time_ns``), not wall time."""
+    import numpy as np
+
+    clock = time.thread_time_ns if cpu else time.perf_counter_ns
+    per_call = np.zeros((calls, len(STAGES) + 1, 2))
+    with stage_timers(clock) as acc:
         for c in range(calls):
             if before is not None:
                 before()
@@ -194,9 +215,6 @@ def time_stages(fn, calls: int, before=None, *, median: bool = True, cpu: bool =
             fn()
             acc[-1] = clock() - t0, 1
             per_call[c] = acc
-    finally:
-        for holder, attr, orig in reversed(undo):
-            setattr(holder, attr, orig)
     us = (np.median(per_call[:, :, 0], axis=0) if median else per_call[:, :, 0].mean(axis=0)) / 1e3
     count = per_call[:, :, 1].mean(axis=0)
     out = {"(whole call)": (float(us[-1]), 1.0)}

@@ -14,7 +14,7 @@ from helpers import assert_td_equal, check_refcounts
 
 import tiered
 from tiered import TieredStore
-from tiered.engine.blob_index import COLD, HOT, WARM
+from tiered.engine.blob_index import COLD, HOT, STORED, WARM
 from tiered.errors import FormatVersionError, NotATieredStoreError, ReadOnlyStoreError, StorageFullError
 from tiered.testing import parts
 from tiered.testing.faults import inject_faults
@@ -57,6 +57,26 @@ def test_exclusive_tiers_demote_and_promote_bit_exact(atari_mixed):
     st = store.stats()["tiers"]
     assert st["hot"]["demotions"] > 0 and st["hot"]["promotions"] > 0
     check_refcounts(store)
+
+
+def test_a_one_tier_store_reads_what_a_two_tier_store_reads_and_refuses_a_blob_with_no_location(atari_pong):
+    """A store of the warm tier alone reads each blob from it (its own short path), the same bits
+    and tier counts as a store with a hot tier too; a blob the index locates nowhere is refused."""
+    data = atari_pong[:600]
+    one = TieredStore(600, frames={"observation": 0})
+    two = TieredStore(600, frames={"observation": 0}, hot_device="cpu", hot_bytes="64MiB")
+    assert [t is None for t in parts(one).placement.tiers] == [True, False, True]
+    for store in (one, two):
+        store.extend(data)
+    idx = torch.randint(0, 600, (64,), generator=torch.Generator().manual_seed(0))
+    assert_td_equal(one.get(idx), data[idx])
+    assert_td_equal(two.get(idx), data[idx])
+    assert one.stats()["tiers"]["warm"]["hits"] > 0
+    ids, _ = parts(one).layout.blob_refs(parts(one).layout.fields_of[0], idx.numpy())
+    stored = ids[parts(one).index.state[ids] == STORED]
+    parts(one).index.loc[stored[0], WARM] = -1  # (an index that lost a location)
+    with pytest.raises(AssertionError, match="1 blobs have no location"):
+        one.get(idx)
 
 
 def test_storage_full_names_budgets_and_writes_nothing(atari_pong):

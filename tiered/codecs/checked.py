@@ -74,6 +74,9 @@ MIN_SPLIT_BYTES = 5 << 20
 #: but ``python benchmarks/bench_split_point.py`` (rb.sample at 2 against 8 MiB, alternating)
 #: swung both ways from run to run at B=32-128 (LazyTensorStorage's own B=32 moved 0.72-1.45 ms).
 MIN_CHUNK_SPLIT_BYTES = 8 << 20
+# What a check and decode returns when every blob passed (read-only: shared by every call)
+_NONE = np.empty(0, np.int64)
+_NONE.flags.writeable = False
 # Work weight of a checksummed (compressed) byte against a decoded byte: checking ~0.86 MB of
 # zstd frames cost ~0.5 ms of thread CPU and decoding their 7.2 MB ~1.8 ms on a 2-core VM, so a
 # checked byte costs about 2.5 decoded bytes.
@@ -113,7 +116,7 @@ def decode_cells_checked(codec: Codec, data: np.ndarray, offsets: np.ndarray, si
             return wrong
         codec.decode(data, offsets[which], sizes[which], out, np.arange(which.size, dtype=np.int64) * cell_nbytes,
                      np.full(which.size, cell_nbytes, dtype=np.int64))
-        return np.empty(0, np.int64)
+        return _NONE
     work = np.bincount(which, minlength=n) * cell_nbytes + sizes * _CHECK_WEIGHT
     bounds = split_balanced(work, parts).tolist()
     # the cells by blob: slice j decodes the cells of blobs bounds[j]:bounds[j + 1]
@@ -171,7 +174,7 @@ def decode_checked(codec: Codec, data: np.ndarray, offsets: np.ndarray, sizes: n
         wrong = _check_slice(data, offsets, sizes, checksums)
         if wrong is None:
             codec.decode(data, offsets, sizes, out, out_offsets, out_sizes)
-            return np.empty(0, np.int64)
+            return _NONE
         return wrong
     parts = min(int(threads), n)
     bounds = split_balanced(out_sizes + sizes * _CHECK_WEIGHT, parts).tolist()
@@ -202,11 +205,11 @@ def _run_split(sliced: SlicedDecode, data: np.ndarray, offsets: np.ndarray, size
         run_parallel(_run_job, jobs, parts, claim=True)
     except Exception as e:  # noqa: BLE001 - the codec words it (naming the blob) and raises it
         sliced.finish(e)  # raises, or has decoded every failed slice again frame by frame
-        return own[0] if own[0] is not None else np.empty(0, np.int64)
+        return own[0] if own[0] is not None else _NONE
     if own[0] is not None:
         return own[0]
     sliced.finish(None)
-    return np.empty(0, np.int64)
+    return _NONE
 
 
 def _run_job(fn: Callable[..., object], args: tuple) -> None:

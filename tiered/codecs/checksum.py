@@ -40,6 +40,7 @@ Example:
 
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -59,6 +60,8 @@ _MASK32 = 0xFFFFFFFF
 _NP_CHUNK = 1 << 22
 _TRUE = np.ones(1, dtype=bool)
 _SHIFT32 = np.uint64(32)
+# the small path writes each checksum's two 32-bit halves in place, which is byte-order dependent
+_LITTLE_ENDIAN = sys.byteorder == "little"
 # Blobs of at least this many bytes on average are summed by blocks (:func:`_block_prefix`):
 # block reductions beat numpy's casting reduceat there; smaller blobs (hundreds of bytes: Atari
 # frames) have too many block edges for it to pay.
@@ -209,10 +212,20 @@ def _small_packed_checksums(data: np.ndarray, offsets: np.ndarray, sizes: np.nda
         return None
     span = data[lo:hi]
     local = offsets - lo
-    s1 = np.add.reduceat(span, local, dtype=np.uint32)
-    s2 = np.add.reduceat(np.multiply(span, _arange32(hi - lo)[:hi - lo], dtype=np.uint32), local)
-    s2 -= (local - 1).astype(np.uint32) * s1  # (uint32 arrays wrap silently: exact mod 2**32)
-    return ((s2.astype(np.uint64) << _SHIFT32) | s1).view(np.int64)
+    if not _LITTLE_ENDIAN:
+        s1 = np.add.reduceat(span, local, dtype=np.uint32)
+        s2 = np.add.reduceat(np.multiply(span, _arange32(hi - lo)[:hi - lo], dtype=np.uint32), local)
+        s2 -= (local - 1).astype(np.uint32) * s1  # (uint32 arrays wrap silently: exact mod 2**32)
+        return ((s2.astype(np.uint64) << _SHIFT32) | s1).view(np.int64)
+    # s1 and s2 summed straight into the low and high halves of each little-endian int64
+    # checksum: no shift, no or, no uint64 temporaries (4 numpy calls fewer on every read)
+    pair = np.empty((sizes.size, 2), np.uint32)
+    s1 = np.add.reduceat(span, local, dtype=np.uint32, out=pair[:, 0])
+    s2 = np.add.reduceat(np.multiply(span, _arange32(hi - lo)[:hi - lo], dtype=np.uint32), local, out=pair[:, 1])
+    start = np.subtract(local, 1, dtype=np.uint32, casting="unsafe")  # (wraps: exact mod 2**32)
+    start *= s1
+    s2 -= start
+    return pair.view(np.int64).reshape(-1)
 
 
 def _packed_checksums(data: np.ndarray, offsets: np.ndarray, sizes: np.ndarray) -> np.ndarray | None:

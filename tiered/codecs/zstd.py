@@ -331,11 +331,12 @@ class ZstdCodec(Codec):
         n = sizes.size
         if n == 0:
             return
-        empty = out_sizes == 0
-        keep = (~empty).nonzero()[0]
-        if keep.size < n:
+        keep = None
+        if not int(np.minimum.reduce(out_sizes)):  # (one reduction where no frame is empty: every read's)
             # zstandard's batch decoder refuses frames of 0 output bytes, and there is nothing to
             # write for them; still check (vectorized) that each one is a frame of 0 bytes.
+            empty = out_sizes == 0
+            keep = (~empty).nonzero()[0]
             idx = np.flatnonzero(empty)
             declared = declared_content_sizes(data, offsets[idx], sizes[idx])
             bad = np.flatnonzero((declared == -2) | (declared > 0))
@@ -359,24 +360,29 @@ class ZstdCodec(Codec):
                 out_offsets[keep],
                 out_sizes[keep],
             )
+        m = sizes.size
         total = int(np.add.reduce(out_sizes))
         in_mv = memoryview(data)
-        direct = total >= _MIN_FRAME_BYTES_FOR_DIRECT * keep.size and _sizes_declared(in_mv, offsets, sizes, out_sizes)
-        parts = self._parts(keep.size, total)
+        direct = total >= _MIN_FRAME_BYTES_FOR_DIRECT * m and _sizes_declared(in_mv, offsets, sizes, out_sizes)
+        parts = self._parts(m, total)
         out_mv = memoryview(out)
-        in_mv = in_mv if direct else None
-        if parts == 1:  # every small batch: one slice on this thread, no cut points nor pool
-            tasks = [(data, offsets, sizes, out_mv, out_offsets, out_sizes, 0, in_mv)]
-        else:
-            bounds = split_balanced(sizes, parts).tolist()
-            tasks = [
-                (data, offsets[a:b], sizes[a:b], out_mv, out_offsets[a:b], out_sizes[a:b], a, in_mv)
-                for a, b in zip(bounds[:-1], bounds[1:], strict=True)
-            ]
         try:
+            if parts == 1 and direct:  # every small batch of time chunks: straight into out, here
+                self._decompress_into(self._dctx(), data, offsets, sizes, in_mv, out_mv, out_offsets, out_sizes, 0)
+                return
+            in_mv = in_mv if direct else None
+            if parts == 1:  # one slice on this thread, no cut points nor pool
+                tasks = [(data, offsets, sizes, out_mv, out_offsets, out_sizes, 0, in_mv)]
+            else:
+                bounds = split_balanced(sizes, parts).tolist()
+                tasks = [
+                    (data, offsets[a:b], sizes[a:b], out_mv, out_offsets[a:b], out_sizes[a:b], a, in_mv)
+                    for a, b in zip(bounds[:-1], bounds[1:], strict=True)
+                ]
             run_parallel(self._decompress_slice, tasks, self.threads)
         except _SliceError as e:
-            raise _undecodable(int(keep[e.index]), e.index, offsets, sizes, out_sizes, e.cause) from e.cause
+            i = e.index if keep is None else int(keep[e.index])
+            raise _undecodable(i, e.index, offsets, sizes, out_sizes, e.cause) from e.cause
 
     def _decompress_slice(
         self,
@@ -428,12 +434,21 @@ class ZstdCodec(Codec):
         declare ``out_sizes``): one reader per run of frames (:func:`_runs`), created and used
         inside C iteration."""
         runs = _runs(offsets, sizes, out_offsets, out_sizes)
-        got = array("q")
-        try:
-            got.extend(_run_readers(dctx, in_mv, out_mv, runs))
-        except zstandard.ZstdError:
-            pass  # decoded again below, frame by frame
-        if len(got) < runs[0].size or np.logical_or.reduce(np.frombuffer(got, np.int64) != runs[4] - runs[3]):
+        if runs[0].size == 1:  # one run (a read without open time chunks): one reader, no iterators
+            a, b, oa, ob = int(runs[1][0]), int(runs[2][0]), int(runs[3][0]), int(runs[4][0])
+            try:
+                whole = _READINTO(dctx.stream_reader(in_mv[a:b], _READ_SIZE, True), out_mv[oa:ob]) == ob - oa
+            except zstandard.ZstdError:
+                whole = False  # decoded again below, frame by frame
+        else:
+            got = array("q")
+            try:
+                got.extend(_run_readers(dctx, in_mv, out_mv, runs))
+            except zstandard.ZstdError:
+                pass  # decoded again below, frame by frame
+            whole = len(got) == runs[0].size and not np.logical_or.reduce(
+                np.frombuffer(got, np.int64) != runs[4] - runs[3])
+        if not whole:
             self._decompress_each(dctx, data, offsets, sizes, in_mv, out_mv, out_offsets, out_sizes, first)
 
     def _decompress_each(
@@ -509,7 +524,10 @@ def _runs(offsets: np.ndarray, sizes: np.ndarray, out_offsets: np.ndarray,
     """
     ends = offsets + sizes
     out_ends = out_offsets + out_sizes
-    cut = ((offsets[1:] != ends[:-1]) | (out_offsets[1:] != out_ends[:-1])).nonzero()[0] + 1
+    cut = ((offsets[1:] != ends[:-1]) | (out_offsets[1:] != out_ends[:-1])).nonzero()[0]
+    if not cut.size:  # one run (a read without open time chunks): its ends are slices, no gathers
+        return _FIRST, offsets[:1], ends[-1:], out_offsets[:1], out_ends[-1:]
+    cut += 1
     first = np.concatenate((_FIRST, cut))
     last = np.concatenate((cut, (sizes.size,))) - 1
     return first, offsets[first], ends[last], out_offsets[first], out_ends[last]
@@ -604,11 +622,10 @@ def _sizes_declared(in_mv: memoryview, offsets: np.ndarray, sizes: np.ndarray, o
     direct decode trust it (a longer frame would fill its slice and stop there). A frame without a
     size or with a broken header says no; the batch decoder then decodes or names it."""
     sources = map(operator.getitem, repeat(in_mv), map(slice, offsets.tolist(), (offsets + sizes).tolist()))
-    try:
-        declared = np.fromiter(map(zstandard.frame_content_size, sources), np.int64, count=sizes.size)
+    try:  # (two lists of Python ints compared in C: no array, comparison and reduction calls)
+        return list(map(zstandard.frame_content_size, sources)) == out_sizes.tolist()
     except zstandard.ZstdError:
         return False
-    return bool(np.logical_and.reduce(declared == out_sizes))
 
 
 class _SliceError(Exception):

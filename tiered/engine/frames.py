@@ -632,6 +632,8 @@ class FrameFamily:
 
     def open_raw(self, ids: np.ndarray, index: BlobIndex) -> np.ndarray:
         """Raw frames ``[len(ids), chunk_frames, frame_nbytes]`` of open blobs."""
+        if not ids.size:  # (most sampled batches read stored chunks only: no gathers)
+            return self.open_frames[:0]
         return self.open_frames[index.open_slot[ids]]
 
     def release_tail(self, index: BlobIndex) -> np.ndarray:

@@ -278,9 +278,9 @@ def decode_gathered(g: GatheredBlobs, dst: np.ndarray, codec: codecs.Codec, *, v
     use = codec_for(codec, g.formats)
     # each decode thread checks the blobs it then decodes (one handoff for both)
     bad = decode_checked(use, g.comp, offsets, sizes, g.checksums if verify else None, dst,
-                         g.pos.astype(np.int64) * row_bytes, g.raw_nbytes.astype(np.int64, copy=False),
+                         np.multiply(g.pos, row_bytes, dtype=np.int64), g.raw_nbytes.astype(np.int64, copy=False),
                          threads=getattr(use, "threads", 1))
-    if bad.size == 0:
+    if bad.size == 0 and g.open_pos.size:  # (a read of stored chunks only skips the copy's calls)
         dst[: g.n_blobs * row_bytes].reshape(g.n_blobs, g.chunk_frames, g.frame_nbytes)[g.open_pos] = g.open_raw
     return bad
 
@@ -570,8 +570,9 @@ class CpuReadPipeline(ReadPipeline):
         pos = (~is_open).nonzero()[0]
         ids = uniq[pos]
         sizes = idx.nbytes[ids]
-        src_off = sizes.cumsum() - sizes  # back to back from 0 (exclusive_cumsum's calls less)
-        comp = self._scratch.get("comp", int(np.add.reduce(sizes)))
+        ends = sizes.cumsum()
+        src_off = ends - sizes  # back to back from 0 (exclusive_cumsum's calls less)
+        comp = self._scratch.get("comp", int(ends[-1]) if ends.size else 0)
         from_tier = self.placement.locate_and_read(ids, sizes, comp, src_off)
         return GatheredBlobs(
             n_blobs=uniq.size, chunk_frames=fam.chunk_frames, frame_nbytes=fam.frame_nbytes,

@@ -350,8 +350,10 @@ class ShiftedRowTable(_ExceptionTable):
             return blob, slot
         pos = self.exc_rows.searchsorted(rows, side="right") - 1  # -1: the last one, a lap before
         d = (rows - self.exc_rows[pos]) % cap  # (a lap before: negative, hence the modulo)
-        near = (d < f - 1).nonzero()[0]  # rows within F - 1 of their exception (no branch on it:
-        col = cols + d[near, None]  # the same calls for every batch)
+        near = (d < f - 1).nonzero()[0]  # rows within F - 1 of their exception
+        if not near.size:  # (most sampled batches: exceptions are episode starts)
+            return blob, slot
+        col = cols + d[near, None]
         i, j = (col < f - 1).nonzero()  # [m, F]: the exception's column of frame j + step, where it has one
         at, p, c = near[i], pos[near][i], col[i, j]
         blob[at, j], slot[at, j] = self.exc_blob[p, c], self.exc_slot[p, c]
@@ -497,13 +499,14 @@ class NextRowTable(_ExceptionTable):
         f = self._frames
         rows = _row_ids(rows).astype(np.int64)
         wide_b, wide_s = self.base.window(rows, f + 1)
-        blob = np.empty((rows.size, 2 * f), np.int64)
-        slot = np.empty((rows.size, 2 * f), np.int64)
-        blob[:, :f], blob[:, f:] = wide_b[:, :f], wide_b[:, 1:]
-        slot[:, :f], slot[:, f:] = wide_s[:, :f], wide_s[:, 1:]
+        blob = np.concatenate((wide_b[:, :f], wide_b[:, 1:]), axis=1, dtype=np.int64)
+        slot = np.concatenate((wide_s[:, :f], wide_s[:, 1:]), axis=1, dtype=np.int64)
         pos, hit = self._exceptions(rows)
-        nb, ns = blob[:, f:], slot[:, f:]  # views: the exceptions land in blob and slot
-        nb[hit], ns[hit] = self.exc_blob[pos[hit]], self.exc_slot[pos[hit]]
+        if np.logical_or.reduce(hit):  # (few sampled batches hold a row of this table's exceptions)
+            hit = hit.nonzero()[0]
+            at = pos[hit]
+            nb, ns = blob[:, f:], slot[:, f:]  # views: the exceptions land in blob and slot
+            nb[hit], ns[hit] = self.exc_blob[at], self.exc_slot[at]
         return blob, slot
 
     def _before(self, rows: np.ndarray) -> np.ndarray:

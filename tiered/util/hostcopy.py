@@ -27,9 +27,10 @@ one of these ways, in this order (:data:`HOST_COPY_PATHS`):
 
   A memoryview assignment costs about a microsecond whatever its size, a 128-byte row 50-80 ns
   and a gathered byte a few ns, so each size goes where it is cheapest; the classes cost about
-  40 numpy calls per copy in all (timed with ``benchmarks/bench_copy.py``). Up to 64 runs
-  (a small sampled batch), every run is one memcpy instead: those 40 calls would cost more than
-  the copies (a constant number of calls on each side of the cut).
+  40 numpy calls per copy in all (timed with ``benchmarks/bench_copy.py``). Up to 64 blobs
+  (a small sampled batch), every blob is one memcpy instead, unmerged; up to 64 runs, every run:
+  those 40 calls would cost more than the copies (a constant number of calls on each side of
+  each cut).
 
 Destination ranges must not overlap each other (sources may).
 
@@ -104,7 +105,7 @@ def merge_runs(src_offsets: np.ndarray, dst_offsets: np.ndarray,
 
 def _uniform_stride(offsets: np.ndarray, sizes: np.ndarray) -> int | None:
     """The constant stride between blobs of one size, or None when the layout is irregular."""
-    if offsets.size < 2 or not (sizes == sizes[0]).all():
+    if offsets.size < 2 or not np.logical_and.reduce(sizes == sizes[0]):  # (no .all() wrapper calls)
         return None
     steps = np.diff(offsets)
     stride = int(steps[0])
@@ -197,7 +198,8 @@ def copy_host_blobs(src: np.ndarray, src_offsets: np.ndarray, dst: np.ndarray, d
     total = int(np.add.reduce(sizes))
     if total == 0:
         return
-    follows = _follows(src_offsets, dst_offsets, sizes)
+    src_ends, dst_ends = src_offsets + sizes, dst_offsets + sizes  # (for the test and the memcpys)
+    follows = (src_offsets[1:] == src_ends[:-1]) & (dst_offsets[1:] == dst_ends[:-1])
     if np.logical_and.reduce(follows):  # packed back to back in both buffers
         a, b = int(src_offsets[0]), int(dst_offsets[0])
         dst[b:b + total] = src[a:a + total]
@@ -207,6 +209,12 @@ def copy_host_blobs(src: np.ndarray, src_offsets: np.ndarray, dst: np.ndarray, d
         count, size = sizes.size, int(sizes[0])
         np.copyto(_strided(dst, int(dst_offsets[0]), count, strides[1], size),
                   _strided(src, int(src_offsets[0]), count, strides[0], size))
+        return
+    if sizes.size <= _FEW_RUNS:
+        # a sampled batch (a B=32 sample reads ~45 blobs, of which about one follows another in
+        # both buffers): a memcpy per blob, without merging runs first (~7 numpy calls to save
+        # about one memcpy of ~0.5 us)
+        _memcpy(src, src_offsets.tolist(), src_ends.tolist(), dst, dst_offsets.tolist(), dst_ends.tolist())
         return
     # (0-byte blobs stay: they cost nothing in the byte class, and filtering them costs calls)
     s, d, n = _runs(src_offsets, dst_offsets, sizes, follows)
@@ -221,10 +229,16 @@ def copy_host_blobs(src: np.ndarray, src_offsets: np.ndarray, dst: np.ndarray, d
 
 
 def _memcpy_runs(src: np.ndarray, s: np.ndarray, dst: np.ndarray, d: np.ndarray, n: np.ndarray) -> None:
-    """One memcpy per run, looped in C (a ``map`` of memoryview slice assignments)."""
-    parts = map(operator.getitem, repeat(memoryview(src)), map(slice, s.tolist(), (s + n).tolist()))
-    deque(map(operator.setitem, repeat(memoryview(dst)), map(slice, d.tolist(), (d + n).tolist()), parts),
-          maxlen=0)
+    """One memcpy per run."""
+    _memcpy(src, s.tolist(), (s + n).tolist(), dst, d.tolist(), (d + n).tolist())
+
+
+def _memcpy(src: np.ndarray, starts: list[int], ends: list[int], dst: np.ndarray, dst_starts: list[int],
+            dst_ends: list[int]) -> None:
+    """``dst[dst_starts[i]:dst_ends[i]] = src[starts[i]:ends[i]]`` for every ``i``, looped in C (a
+    ``map`` of memoryview slice assignments)."""
+    parts = map(operator.getitem, repeat(memoryview(src)), map(slice, starts, ends))
+    deque(map(operator.setitem, repeat(memoryview(dst)), map(slice, dst_starts, dst_ends), parts), maxlen=0)
 
 
 def pack_blobs(data: np.ndarray, offsets: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
