@@ -113,7 +113,8 @@ def open_hdf5(path: str) -> Any:
 
 
 def _link_refusal(filename: str, where: str, link: Any) -> UnsupportedFormatError:
-    """The error for the link at path ``where`` of the file: its target, and what to do."""
+    """The error for the link at path ``where`` of the file: its target, and what to do
+    (``link``: the h5py link object, or the link class number of a user-defined link)."""
     import h5py
 
     if isinstance(link, h5py.SoftLink):
@@ -121,7 +122,7 @@ def _link_refusal(filename: str, where: str, link: Any) -> UnsupportedFormatErro
     elif isinstance(link, h5py.ExternalLink):
         what = f"an external link to {link.path} in the file {link.filename}"
     else:
-        what = f"a link of another kind ({type(link).__name__})"
+        what = f"a user-defined link (HDF5 link class {link})"
     return UnsupportedFormatError(
         f"{filename}: {where} is {what}. tiered does not follow HDF5 links (a soft link can "
         "loop back on its own group, an external one reads a file you did not name): in a copy of the "
@@ -151,13 +152,15 @@ def refuse_hdf5_links(f: Any) -> None:
     """
     from h5py import h5l
 
-    def not_hard(name: bytes, info: Any) -> bytes | None:
-        return name if info.type != h5l.TYPE_HARD else None  # a value stops the walk
+    def not_hard(name: bytes, info: Any) -> tuple[bytes, int] | None:
+        return (name, info.type) if info.type != h5l.TYPE_HARD else None  # a value stops the walk
 
     found = f.id.links.visit(not_hard, info=True)
     if found is not None:
-        name = found.decode("utf-8", "surrogateescape")
-        raise _link_refusal(f.file.filename, f"{f.name.rstrip('/')}/{name}", f.get(name, getlink=True))
+        name = found[0].decode("utf-8", "surrogateescape")
+        # h5py's getlink raises TypeError for a user-defined link: only soft and external ones are asked
+        link = f.get(name, getlink=True) if found[1] in (h5l.TYPE_SOFT, h5l.TYPE_EXTERNAL) else found[1]
+        raise _link_refusal(f.file.filename, f"{f.name.rstrip('/')}/{name}", link)
 
 
 def refuse_foreign_storage(d: Any, where: str) -> None:
