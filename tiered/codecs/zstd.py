@@ -100,6 +100,7 @@ _MIN_FRAME_BYTES_FOR_DIRECT = 16 << 10
 _READINTO = zstandard.ZstdDecompressionReader.readinto
 _READ_SIZE = zstandard.DECOMPRESSION_RECOMMENDED_INPUT_SIZE  # (unused for a buffer: read whole)
 _FIRST = np.zeros(1, dtype=np.int64)
+_FIRST.flags.writeable = False  # _runs hands this array itself to callers (one run)
 _ZSTD_MAGIC = 0xFD2FB528
 _ITEM_RE = re.compile(r"item (\d+)")
 
@@ -432,7 +433,7 @@ class ZstdCodec(Codec):
     ) -> None:
         """Decode the frames straight into their places in ``out`` (headers already checked to
         declare ``out_sizes``): one reader per run of frames (:func:`_runs`), created and used
-        inside C iteration."""
+        inside C iteration; a slice that is one run gets one reader, called here."""
         runs = _runs(offsets, sizes, out_offsets, out_sizes)
         if runs[0].size == 1:  # one run (a read without open time chunks): one reader, no iterators
             a, b, oa, ob = int(runs[1][0]), int(runs[2][0]), int(runs[3][0]), int(runs[4][0])

@@ -32,7 +32,7 @@ one of these ways, in this order (:data:`HOST_COPY_PATHS`):
   those 40 calls would cost more than the copies (a constant number of calls on each side of
   each cut).
 
-Destination ranges must not overlap each other (sources may).
+Destination ranges must not overlap each other (sources may), nor the sources when both are one buffer.
 
 Example:
     >>> import numpy as np
