@@ -35,7 +35,7 @@ def _median_us(fn, calls: int = 150) -> float:
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2] * 1e6
+    return H.median(times) * 1e6
 
 
 def main(argv: list[str] | None = None) -> int:
