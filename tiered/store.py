@@ -241,6 +241,9 @@ class TieredStore:
         if self.read_only:
             raise ReadOnlyStoreError(
                 f"store {self.path!r} was opened read-only (mode='r'); reopen with mode='r+' to write")
+        # every write's one gate (extend, set, clear, flush, share): a forked copy of a store that
+        # spilled is refused here, before any of them changes a row
+        self._placement.check_writable()
 
     # -- Several writer processes ------------------------------------------------------------------
     def share(self) -> TieredStore:

@@ -324,6 +324,7 @@ FORK_OVERWRITER = """
             lambda: storage.set(torch.arange(3, 13), TensorDict({"x": torch.zeros(10, 4, 84, 84)}, [10]),
                                 set_cursor=False),
             lambda: storage.set(7, TensorDict({"x": torch.zeros(4, 84, 84)}, []), set_cursor=False),
+            store.clear,  # refused before it forgets a row
         ):
             try:
                 write()

@@ -380,7 +380,6 @@ class WritePath:
     # -- appends and overwrites ----------------------------------------------------------------
     def append(self, data: Any) -> np.ndarray:
         """Write ``data`` at the cursor (wrapping around); return the rows written."""
-        self.placement.check_writable()
         rows_space = self.rows
         small = self.small_write(data, 1)
         if small is not None:
@@ -405,7 +404,6 @@ class WritePath:
         An integer index of several dimensions takes data of that batch shape. ``cells``: what
         ``schema.match(data, batch_dims)`` returned for ``data``, when the caller has it (the
         data is not walked again)."""
-        self.placement.check_writable()
         shape = index_shape(index)
         if shape is not None and isinstance(data, TensorDictBase):
             if tuple(data.batch_size[:len(shape)]) != shape:
