@@ -308,8 +308,11 @@ def make_private(view: memoryview, lo: int, hi: int) -> None:
         >>> m[0]  # ...the private page does not
         0
     """
-    if hi > lo:
-        _copy_pages(np.frombuffer(view, dtype=np.uint8).__array_interface__["data"][0] + lo, hi - lo)
+    part = np.frombuffer(view, dtype=np.uint8)[lo:hi]  # (bounded by the view, as a write would be)
+    if not part.flags.writeable:  # the copy below writes through the address: refuse as a write would
+        raise ValueError("make_private needs a writable view of a private mapping; this one is read-only")
+    if part.size:
+        _copy_pages(part.__array_interface__["data"][0], part.size)
 
 
 def _copy_pages(start: int, n: int) -> None:

@@ -174,10 +174,7 @@ def _copy_runs(src: np.ndarray, s: np.ndarray, dst: np.ndarray, d: np.ndarray, n
                       (nn - _ROW).repeat(rows))
     _windows(dst, _ROW)[dd.repeat(rows) + step] = _windows(src, _ROW)[ss.repeat(rows) + step]
     # Large runs: one memcpy each, from C.
-    ss, dd, nn = s[memcpy_from:], d[memcpy_from:], n[memcpy_from:]
-    parts = map(operator.getitem, repeat(memoryview(src)), map(slice, ss.tolist(), (ss + nn).tolist()))
-    deque(map(operator.setitem, repeat(memoryview(dst)), map(slice, dd.tolist(), (dd + nn).tolist()), parts),
-          maxlen=0)
+    _memcpy_runs(src, s[memcpy_from:], dst, d[memcpy_from:], n[memcpy_from:])
 
 
 def copy_host_blobs(src: np.ndarray, src_offsets: np.ndarray, dst: np.ndarray, dst_offsets: np.ndarray,
