@@ -164,7 +164,7 @@ def verify_store(
     """
     t0 = time.perf_counter()
     path = os.path.abspath(os.fspath(path))
-    for _attempt in range(3):
+    for _attempt in range(8):  # a writer committing in a loop can move on under a few checks in a row
         report = Report(path)
         try:
             _StoreCheck(path, report, progress, decode, open_check).run()

@@ -27,6 +27,7 @@ import tiered
 from tiered import TieredStore
 from tiered.durable.array_files import ARRAYS_DIR, KEEP, read_intent, read_intent_token
 from tiered.durable.commit_arrays import array_path
+from tiered.durable.manifest import read_npy_header
 from tiered.errors import CorruptionError, StaleReadError
 from tiered.testing import faults, parts
 from tiered.verify import verify_store
@@ -44,7 +45,8 @@ def batch(n: int, seed: int, *, blobs: bool = True) -> TensorDict:
 
 
 def same(a: TensorDict, b: TensorDict) -> bool:
-    return set(a.keys()) == set(b.keys()) and all(torch.equal(a[k], b[k]) for k in a.keys())
+    keys = set(a.keys(True, True))
+    return keys == set(b.keys(True, True)) and all(torch.equal(a[k], b[k]) for k in keys)
 
 
 def array_bytes(path: Path) -> dict[str, bytes]:
@@ -167,6 +169,81 @@ def test_a_read_only_open_reads_its_commit_across_the_writers_next_two_commits(t
     with tiered.open(path) as again:
         assert same(again.get(torch.arange(CAP)), writer.get(torch.arange(CAP)))
     writer.close()
+
+
+def _header_ahead_of_size(path: Path) -> bool:
+    """Whether an array file still of its committed size holds a newer commit's header (a
+    writer growing it in place writes the header before the new tail)."""
+    body = manifest_body(path)
+    for name, size in body["files"].items():
+        f = array_path(str(path), body, name)
+        if os.path.getsize(f) == size:
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                read_npy_header(fd, f, size)
+            except CorruptionError:
+                return True
+            finally:
+                os.close(fd)
+    return False
+
+
+def test_a_reader_opened_while_a_commit_grows_arrays_in_place_reads_the_last_commit(atari_pong, tmp_path):
+    """A writer killed at every file event of a commit that adds blobs (its blob-id arrays grow in
+    place): a read-only open and verify made there, as a reader would meanwhile, read the last
+    commit, also where a file's header is already the next commit's and its tail not yet written."""
+    path0 = tmp_path / "base"
+    with TieredStore(200, path0, frames={"observation": 0}, chunk_frames=4) as s:
+        s.extend(atari_pong[:60])
+        s.flush()
+        before, g = s.get(torch.arange(60)), s.generation
+    more = atari_pong[60:120]
+
+    def commit(path: Path, **injected) -> tuple[str, int]:
+        def child():
+            with faults.inject_faults(**injected):
+                w = tiered.open(path, mode="r+")
+                w.extend(more)
+                w.flush()
+            os._exit(0)
+
+        return wait_child(fork_child(child))
+
+    counted = tmp_path / "counted"
+    shutil.copytree(path0, counted)
+    with faults.inject_faults() as counting:  # the events of the same commit, counted here
+        w = tiered.open(counted, mode="r+")
+        w.extend(more)
+        w.flush()
+    w.close()
+
+    def killed_at(kill_on: int) -> Path:
+        path = tmp_path / f"k{kill_on}"
+        if not path.exists():
+            shutil.copytree(path0, path)
+            assert commit(path, kill_on=kill_on) == ("killed", signal.SIGKILL)
+        return path
+
+    def first(started) -> int:
+        """The first kill point where ``started`` holds (it holds at every one after)."""
+        lo, hi = 1, counting.events
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if started(killed_at(mid)) else (mid + 1, hi)
+        return lo
+
+    # every kill point between the intent and the manifest: the writer died changing arrays in place
+    intent_at = first(lambda p: (read_intent(str(p)) or 0) > g)
+    published_at = first(lambda p: manifest_body(p)["generation"] > g)
+    mid_commit, header_ahead = published_at - intent_at, 0
+    for kill_on in range(intent_at, published_at):
+        path = killed_at(kill_on)
+        assert manifest_body(path)["generation"] == g and read_intent(str(path)) == g + 1
+        header_ahead += _header_ahead_of_size(path)
+        with tiered.open(path) as ro:
+            assert ro.generation == g and same(ro.get(torch.arange(60)), before), f"kill at event {kill_on}"
+        assert verify_store(path, progress=False).ok, f"kill at event {kill_on}"
+    assert mid_commit > 0 and header_ahead > 0, (mid_commit, header_ahead)
 
 
 def test_a_committed_store_holds_one_file_per_array_and_two_commits_of_before_images(tmp_path):

@@ -273,7 +273,9 @@ def map_commit(path: str, expected_size: int, crcs: list[int] | None,
     """:func:`~tiered.durable.manifest.map_npy` of the commit's bytes of a file: ``(map, stat,
     header, size)``. For a reader (``rebuild`` given), a file that a writer has since grown in
     place is mapped to the commit's size, with the header the commit wrote (rebuilt from the
-    writer's before-images); its first page is rebuilt like any other when first checked.
+    writer's before-images); its first page is rebuilt like any other when first checked. A
+    writer rewrites the header before it writes the new tail, so a file still of the commit's
+    size may already hold the next commit's header: it is rebuilt the same way.
 
     Raises:
         CorruptionError (its subclass ChecksumError where ``crcs`` are not one per page): naming
@@ -288,7 +290,8 @@ def map_commit(path: str, expected_size: int, crcs: list[int] | None,
         fd = fileio.open_for_read(path)
         try:
             st = os.fstat(fd)
-            raw = rebuild(0, min(PAGE_BYTES, expected_size), crcs[0]) if st.st_size > expected_size else None
+            # None where no commit after this one was started: then the header is damaged
+            raw = rebuild(0, min(PAGE_BYTES, expected_size), crcs[0]) if st.st_size >= expected_size else None
             if raw is None:
                 raise
             head = read_npy_header(raw.tobytes(), path, expected_size)
