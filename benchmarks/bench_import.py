@@ -343,7 +343,7 @@ def main() -> None:
     out_path.write_text(json.dumps({"facts": facts, "args": vars(args), "results": results,
                                     "load_before": load_before, "load_after": load_after}, default=str))
     print(f"raw results: {out_path}")
-    plots.plot_import(out_path)
+    plots.plot_import(out_path, plots.plot_dir(args.write_docs))
     machine = (
         f"{facts['cpu_model']}, {facts['logical_cores']} logical cores, {fmt_bytes(facts['ram_bytes'])} RAM, "
         f"{facts['os']}"

@@ -1088,7 +1088,7 @@ def main(argv: list[str] | None = None) -> int:
     out_path = H.OUT_DIR / ("bench_storages_quick.json" if args.quick else "bench_storages.json")
     out_path.write_text(json.dumps(summary, indent=1, default=str))
     print(f"raw results: {out_path}")
-    plots.plot_storages(out_path)
+    plots.plot_storages(out_path, plots.plot_dir(args.write_docs))
 
     notes = method_notes(args, args.rounds, args.one_steps, block, why)
     body = doc_body(facts, args, n, rb_bytes, thr_note, tables, loads, meters, proj_text, notes)

@@ -922,7 +922,7 @@ def main(argv: list[str] | None = None) -> int:
     }, indent=1, default=str))
     print(f"wrote {out_path.relative_to(H.REPO)}")
     print(f"wrote {H.write_output(out_path.with_suffix('.md').name, report).relative_to(H.REPO)}")
-    plots.plot_tiers(out_path)
+    plots.plot_tiers(out_path, plots.plot_dir(args.write_docs))
     if H.wants_docs(args):
         write_doc_section_atomic(report)
         print(f"wrote {H.DOC_PATH.relative_to(H.REPO)} (section {BEGIN})")

@@ -40,8 +40,8 @@ What it does:
    their bytes scaled by row, exactly: their size is capacity x row bytes.
 
 Output: a table, the targets of issue 30 checked, ``benchmarks/out/bench_torchrl_dqn.json``,
-the plot ``docs/plots/torchrl_dqn.png`` (``benchmarks/plots.py``), and with ``--write-docs`` the
-section between ``<!-- bench_torchrl_dqn:begin -->`` / ``<!-- bench_torchrl_dqn:end -->`` of
+the plot ``benchmarks/out/plots/torchrl_dqn.png`` (``benchmarks/plots.py``), and with ``--write-docs``
+the plot in ``docs/plots/`` and the section between ``<!-- bench_torchrl_dqn:begin -->`` / ``<!-- bench_torchrl_dqn:end -->`` of
 docs/benchmarks.md. Needs ``pip install 'tiered[pipelines]'`` (TorchRL, ale-py, torchvision).
 """
 
@@ -491,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     out = H.write_output("bench_torchrl_dqn.json", json.dumps(data, indent=1, default=str))
     print(f"\nwrote {out.relative_to(H.REPO)}")
-    plots.plot_torchrl_dqn(out)
+    plots.plot_torchrl_dqn(out, plots.plot_dir(args.write_docs))
     if H.wants_docs(args):
         body = ("## CPU: TorchRL's DQN Atari pipeline, four storages (bench_torchrl_dqn.py)\n\n"
                 "Written by `benchmarks/bench_torchrl_dqn.py`; rerun it to refresh this section. The recipe and "

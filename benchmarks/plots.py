@@ -10,8 +10,10 @@ Each benchmark script calls its function here right after writing its raw result
 - ``bench_import.py`` -> :func:`plot_import`: the importer's memory over time, per format.
 
 ``python benchmarks/plots.py`` redraws every plot from the JSON already in ``benchmarks/out/``
-(a full run's file is preferred over a ``--quick`` one). The figures go to ``docs/plots/`` as PNG
-and SVG; a plot drawn from a ``--quick`` run says so in its title.
+(a full run's file is preferred over a ``--quick`` one). The figures go to ``benchmarks/out/plots/``
+as PNG and SVG, and to ``docs/plots/`` (which the docs show) only when asked: a script's
+``--write-docs``, or ``python benchmarks/plots.py --docs``. A plot drawn from a ``--quick`` run says
+so in its title.
 
 Needs matplotlib (``pip install -e ".[docs]"``); without it the scripts print one line and go on.
 """
@@ -29,6 +31,11 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 OUT_DIR = REPO / "benchmarks" / "out"
 PLOT_DIR = REPO / "docs" / "plots"
+
+
+def plot_dir(to_docs: bool) -> Path:
+    """Where a run's plots go: the docs' folder when asked (``--write-docs``), else beside the JSON."""
+    return PLOT_DIR if to_docs else OUT_DIR / "plots"
 
 # the storages in a fixed order and colour, so every plot reads the same way
 STORE_STYLE = {
@@ -68,14 +75,14 @@ def _run_note(data: dict[str, Any]) -> str:
     return ("QUICK RUN (small data): indicative only. " if quick else "") + "; ".join(parts)
 
 
-def _save(fig: Any, name: str, plt: Any) -> list[Path]:
-    PLOT_DIR.mkdir(parents=True, exist_ok=True)
-    paths = [PLOT_DIR / f"{name}.png", PLOT_DIR / f"{name}.svg"]
+def _save(fig: Any, name: str, plt: Any, where: Path) -> list[Path]:
+    where.mkdir(parents=True, exist_ok=True)
+    paths = [where / f"{name}.png", where / f"{name}.svg"]
     fig.savefig(paths[0], dpi=110, bbox_inches="tight", metadata={"Software": None})
     fig.savefig(paths[1], bbox_inches="tight", metadata={"Date": None, "Creator": None})
     plt.close(fig)
     for p in paths:
-        print(f"plot: {p.relative_to(REPO)}")
+        print(f"plot: {p.relative_to(REPO) if p.is_relative_to(REPO) else p}")
     return paths
 
 
@@ -92,11 +99,12 @@ def _chunk_frames(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def plot_storages(json_path: Path | str) -> list[Path]:
+def plot_storages(json_path: Path | str, where: Path = OUT_DIR / "plots") -> list[Path]:
     """Bytes per transition vs sample rate per storage, and the K trade-off, from bench_storages.
 
     Args:
         json_path: ``benchmarks/out/bench_storages.json`` (or ``_quick.json``).
+        where: the folder the PNG and SVG go to (:func:`plot_dir`).
 
     Returns:
         The files written (none without matplotlib or memory figures).
@@ -145,7 +153,7 @@ def plot_storages(json_path: Path | str) -> list[Path]:
                 va="bottom", fontsize=8, color="#555555")
         n = data.get("transitions")
         _title(ax, f"Memory vs sample rate, {n:,} Atari transitions" if n else "Memory vs sample rate", data)
-        written += _save(fig, "storages_bytes_vs_rate", plt)
+        written += _save(fig, "storages_bytes_vs_rate", plt, where)
     else:
         plt.close(fig)
 
@@ -177,7 +185,7 @@ def plot_storages(json_path: Path | str) -> list[Path]:
             ax.grid(True, which="both", alpha=0.3)
             ax.legend(fontsize=7, loc="lower right")
             _title(ax, "Sample rate vs batch size", data)
-            written += _save(fig, "storages_rate_vs_batch", plt)
+            written += _save(fig, "storages_rate_vs_batch", plt, where)
         else:
             plt.close(fig)
 
@@ -209,15 +217,16 @@ def plot_storages(json_path: Path | str) -> list[Path]:
         ax.legend(handles, [h.get_label() for h in handles], fontsize=8, loc="upper center")
         ax.grid(True, alpha=0.3)
         _title(ax, "Chunk size K: bytes vs decode work", data)
-        written += _save(fig, "storages_k_tradeoff", plt)
+        written += _save(fig, "storages_k_tradeoff", plt, where)
     return written
 
 
-def plot_tiers(json_path: Path | str) -> list[Path]:
+def plot_tiers(json_path: Path | str, where: Path = OUT_DIR / "plots") -> list[Path]:
     """Sample rate warm vs cold vs LazyMemmapStorage, and disk bytes per batch, from bench_tiers.
 
     Args:
         json_path: ``benchmarks/out/bench_tiers.json`` (or ``_quick.json``).
+        where: the folder the PNG and SVG go to (:func:`plot_dir`).
 
     Returns:
         The files written.
@@ -258,14 +267,15 @@ def plot_tiers(json_path: Path | str) -> list[Path]:
     else:
         ax2.axis("off")
     fig.tight_layout()
-    return _save(fig, "tiers_warm_cold", plt)
+    return _save(fig, "tiers_warm_cold", plt, where)
 
 
-def plot_import(json_path: Path | str) -> list[Path]:
+def plot_import(json_path: Path | str, where: Path = OUT_DIR / "plots") -> list[Path]:
     """The importer's memory growth over time, one line per format, from bench_import.
 
     Args:
         json_path: ``benchmarks/out/bench_import.json``.
+        where: the folder the PNG and SVG go to (:func:`plot_dir`).
 
     Returns:
         The files written.
@@ -293,14 +303,15 @@ def plot_import(json_path: Path | str) -> list[Path]:
     if size is not None and size < 1:
         data = {**data, "args": {**data["args"], "quick": True}}
     _title(ax, title, data)
-    return _save(fig, "import_memory", plt)
+    return _save(fig, "import_memory", plt, where)
 
 
-def plot_torchrl_dqn(json_path: Path | str) -> list[Path]:
+def plot_torchrl_dqn(json_path: Path | str, where: Path = OUT_DIR / "plots") -> list[Path]:
     """Bytes per transition and replay time per update per storage, from bench_torchrl_dqn.
 
     Args:
         json_path: ``benchmarks/out/bench_torchrl_dqn.json``.
+        where: the folder the PNG and SVG go to (:func:`plot_dir`).
 
     Returns:
         The files written.
@@ -338,7 +349,7 @@ def plot_torchrl_dqn(json_path: Path | str) -> list[Path]:
     ax2.grid(True, axis="x", alpha=0.3)
     ax2.set_title("Replay time per update (extend / 100 + sample)", fontsize=11)
     fig.tight_layout()
-    return _save(fig, "torchrl_dqn", plt)
+    return _save(fig, "torchrl_dqn", plt, where)
 
 
 PLOTTERS = {
@@ -349,14 +360,15 @@ PLOTTERS = {
 }
 
 
-def replot(out_dir: Path = OUT_DIR) -> list[Path]:
-    """Redraw every plot from the JSON in ``out_dir``: a full run's file, else a ``--quick`` one."""
+def replot(out_dir: Path = OUT_DIR, to_docs: bool = False) -> list[Path]:
+    """Redraw every plot from the JSON in ``out_dir``: a full run's file, else a ``--quick`` one
+    (into ``docs/plots/`` with ``to_docs``, else ``benchmarks/out/plots/``)."""
     written: list[Path] = []
     for stem, plot in PLOTTERS.items():
         for candidate in (out_dir / f"{stem}.json", out_dir / f"{stem}_quick.json"):
             if candidate.exists():
                 print(f"{candidate.relative_to(REPO) if candidate.is_relative_to(REPO) else candidate}:")
-                written += plot(candidate)
+                written += plot(candidate, plot_dir(to_docs))
                 break
         else:
             print(f"{stem}: no JSON in {out_dir}; run benchmarks/{stem}.py first")
@@ -364,10 +376,11 @@ def replot(out_dir: Path = OUT_DIR) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="Redraw the benchmark plots in docs/plots/ from benchmarks/out/*.json")
+    p = argparse.ArgumentParser(description="Redraw the benchmark plots from benchmarks/out/*.json")
     p.add_argument("--out-dir", type=Path, default=OUT_DIR, help="where the benchmark JSON is")
+    p.add_argument("--docs", action="store_true", help="into docs/plots/ (what the docs show), not benchmarks/out/plots/")
     args = p.parse_args(argv)
-    return 0 if replot(args.out_dir) else 1
+    return 0 if replot(args.out_dir, args.docs) else 1
 
 
 if __name__ == "__main__":
