@@ -21,10 +21,12 @@ Design note (docs/format.md has the bytes):
 * **What a commit writes, in order.** Commit ``g`` (1) appends the blobs of closed time chunks to
   the cold segments and fsyncs them; (2) writes to ``arrays/undo.<g>`` the current bytes of every
   range of an array file it will change in place (the dirty row and blob-id blocks, in 4 KiB
-  pages), with a CRC-32 per 1 MiB page, and writes arrays whose header changed (or small
-  untracked ones that changed) whole to new files ``<name>.<g>.npy``, fsyncs them together and
+  pages; for an array that grew, its header too), with a CRC-32 per 1 MiB page, and writes
+  arrays that shrank or changed dtype (or small untracked ones that changed) whole to new
+  files ``<name>.<g>.npy``, fsyncs them together and
   renames the before-images into place; (3) writes ``commit.intent`` = ``g``, fsynced; (4)
-  writes the changed ranges in place and fsyncs the files together; (5) writes the manifest to
+  writes the changed ranges in place (a grown array's header before its new tail) and fsyncs
+  the files together; (5) writes the manifest to
   a temp file, fsyncs, renames it over the old one and fsyncs the directory; (6) removes the before-images and replaced files no reader of the
   last two commits needs, and makes reusable the cold space freed before the previous commit.
 * **What a crash leaves.** Before (3): the arrays as commit ``g - 1`` left them (stray files are
@@ -38,7 +40,8 @@ Design note (docs/format.md has the bytes):
   checked page by page through the maps at open and stays the file's pages until first used
   (then copied and checked again); an open that a commit overlapped opens again with private
   copies. A page the writer changed since fails its check and is rebuilt from the
-  before-images of the writer's later commits (the last two are kept); a reader further behind
+  before-images of the writer's later commits (the last two are kept), and so is the header of
+  a file grown in place since, even before its new tail is written; a reader further behind
   gets :class:`~tiered.errors.StaleReadError`. Blob bytes are checked against their checksums at
   every read, and cold space is reused only two commits after it was freed. A process forked from
   the writer keeps private copies of the mapped pages.
