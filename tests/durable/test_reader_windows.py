@@ -32,7 +32,7 @@ from tensordict import TensorDict
 
 import tiered
 from tiered import TieredStore
-from tiered.durable.array_files import INTENT, KEEP, read_intent
+from tiered.durable.array_files import ARRAYS_DIR, INTENT, KEEP, read_intent
 from tiered.durable.commit_arrays import array_path
 from tiered.durable.manifest import MANIFEST, read_npy_header
 from tiered.testing import faults
@@ -443,3 +443,57 @@ def test_many_blobs_on_many_pages_ids_reused(tmp_path, n, every):
     new = _small_blobs(len(range(0, n, 5)), 2)
     seen = check_window(tmp_path, path0, lambda w: w.set(torch.arange(0, n, 5), new), every=every)
     assert "in place" in seen["kinds"], seen
+
+
+@pytest.mark.parametrize("then", [0, 1, KEEP], ids=["rolled-back", "then-one-commit", "then-two-commits"])
+def test_a_reader_rebuilding_a_page_while_the_next_writer_rolls_a_dead_commit_back(atari_pong, tmp_path, then):
+    """A writer died after its in-place writes (its intent names commit ``g + 1``); a reader of
+    ``g`` copies a page it changed, and before the reader rebuilds it from the dead commit's
+    before-images, the next writer's open rolls that commit back (the files hold ``g`` again,
+    the intent says ``g``, the before-images are removed), and may commit again (``then``
+    commits, at most :data:`KEEP`): the reader still reads commit ``g``'s rows."""
+    path = _store(tmp_path / "s", [atari_pong[:60]], **BLOBS)
+    with tiered.open(path) as ro:
+        g, before = ro.generation, ro.get(torch.arange(60))
+
+    def write(w):
+        w.extend(atari_pong[60:120])
+        w.set(torch.arange(0, 60, 3), atari_pong[700:720])
+
+    marks = _WindowMarks()
+    counted = tmp_path / "counted"
+    _copy(path, counted)
+    fileio.set_fault_hook(marks)
+    try:
+        with tiered.open(counted, mode="r+") as w:
+            write(w)
+    finally:
+        fileio.set_fault_hook(None)
+    # killed before its manifest's rename: every in-place write done
+    assert _commit_in_child(path, write, {}, kill_on=marks.manifest) == ("killed", signal.SIGKILL)
+    assert read_intent(str(path)) == g + 1 and manifest_body(path)["generation"] == g
+
+    def next_writer():
+        with tiered.open(path, mode="r+") as w:  # rolls the dead commit back
+            for k in range(then):
+                w.set(torch.arange(k, 60, 4), atari_pong[800 + 20 * k:815 + 20 * k])
+                w.flush()
+
+    real_open, ran = fileio.open_for_read, []
+
+    def open_for_read(p):
+        # the reader's first rebuild opens the array file after it copied the page: the writer moves first
+        if not ran and os.path.basename(os.path.dirname(p)) == ARRAYS_DIR and not os.path.basename(p).startswith("undo"):
+            ran.append(p)
+            assert wait_child(fork_child(next_writer)) == ("exited", 0)
+        return real_open(p)
+
+    reader = tiered.open(path)
+    fileio.open_for_read = open_for_read
+    try:
+        got = reader.get(torch.arange(60))
+    finally:
+        fileio.open_for_read = real_open
+        reader.close()
+    assert ran and manifest_body(path)["generation"] == g + then
+    assert same(got, before)
