@@ -497,3 +497,55 @@ def test_a_reader_rebuilding_a_page_while_the_next_writer_rolls_a_dead_commit_ba
         reader.close()
     assert ran and manifest_body(path)["generation"] == g + then
     assert same(got, before)
+
+
+@EVERY
+def test_readers_while_the_next_writer_rolls_a_dead_commit_back_and_dies_too(atari_pong, tmp_path, every):
+    """A writer died after its in-place writes; the next writer's open, which writes the
+    before-images back, cuts grown files back and sets the intent back, is killed at each of its
+    file events (every ``every``-th). There a fresh read-only open, and one opened before that writer started, read
+    commit ``g``'s rows and verify passes; the open after that rolls back and reads ``g`` too."""
+    path0 = _store(tmp_path / "base", [atari_pong[:60]], **BLOBS)
+    with tiered.open(path0) as ro:
+        g, before = ro.generation, ro.get(torch.arange(60))
+
+    def write(w):
+        w.extend(atari_pong[60:120])
+        w.set(torch.arange(0, 60, 3), atari_pong[700:720])
+
+    marks = _WindowMarks()
+    counted = tmp_path / "counted"
+    _copy(path0, counted)
+    fileio.set_fault_hook(marks)
+    try:
+        with tiered.open(counted, mode="r+") as w:
+            write(w)
+    finally:
+        fileio.set_fault_hook(None)
+    dead = tmp_path / "dead"
+    _copy(path0, dead)
+    assert _commit_in_child(dead, write, {}, kill_on=marks.manifest) == ("killed", signal.SIGKILL)
+    rolled = tmp_path / "rolled"
+    _copy(dead, rolled)
+    with faults.inject_faults() as counting:
+        tiered.open(rolled, mode="r+").close()
+    assert counting.events > 0 and read_intent(str(rolled)) == g
+
+    def nothing(w):
+        pass
+
+    for kill_on in sorted({*range(1, counting.events + 1, every), counting.events}):
+        path = tmp_path / f"r{kill_on}"
+        _copy(dead, path)
+        reader = tiered.open(path)
+        assert _commit_in_child(path, nothing, {}, kill_on=kill_on) == ("killed", signal.SIGKILL)
+        try:
+            assert same(reader.get(torch.arange(60)), before), f"already open, kill at event {kill_on}"
+        finally:
+            reader.close()
+        with tiered.open(path) as ro:
+            assert ro.generation == g and same(ro.get(torch.arange(60)), before), f"kill at event {kill_on}"
+        assert verify_store(path, progress=False).ok, f"kill at event {kill_on}"
+        with tiered.open(path, mode="r+") as w:
+            assert same(w.get(torch.arange(60)), before), f"kill at event {kill_on}"
+        shutil.rmtree(path)
