@@ -14,6 +14,8 @@ commit a writer makes (tiered/durable/array_files.py: arrays changed in place wi
   (``share()``), and many small blobs whose index spans several checksum pages, with ids reused.
 * Interleaved: a writer run one file event at a time while readers open and read, the writer
   moving on at their file opens: their opens and reads straddle every point of two commits.
+* A dead commit rolled back by the next writer's open: killed at each of that open's events, and
+  run between a reader's copy of a page the dead commit changed and its rebuild of that page.
 """
 
 from __future__ import annotations
