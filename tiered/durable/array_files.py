@@ -644,20 +644,25 @@ class UndoImage:
 
 class UndoChain:
     """The before-images a read-only open of commit ``generation`` rebuilds its pages from: those
-    of the commits after it (each read once, then kept)."""
+    of the commits after it (each read once, then kept while the writer's intent token stays the
+    one they were read under)."""
 
     def __init__(self, store: str, generation: int) -> None:
         self.store, self.generation = store, generation
         self.images: dict[int, UndoImage] = {}
+        #: the intent token (:func:`read_intent_token`) :attr:`images` were read under
+        self.token: tuple[int, int] | None = None
 
     def rebuild(self, name: str, file: int, lo: int, hi: int, crc: int) -> tuple[np.ndarray | None, int | None]:
         """The bytes ``[lo, hi)`` of array ``name``'s file ``file`` as commit :attr:`generation`
         left them, and the intent they were rebuilt under: the file's bytes now, then over them
         the before-images of commits ``generation + 1`` to the intent (read *after* the file's
         bytes, so no commit after it wrote any of them), newest first, so that a byte changed by
-        several commits is the oldest image's. The bytes are None where they fail ``crc``, or
-        where the intent names no commit after :attr:`generation` (nothing to rebuild from) or
-        one more than :data:`KEEP` after it (its images may be gone).
+        several commits is the oldest image's. Where the intent names no commit after
+        :attr:`generation` (none was started, or the one that was died and the next writer's open
+        rolled it back since the caller read the page), the file's bytes are the commit's own. The
+        bytes are None where they fail ``crc``, where there is no intent, or where it names a
+        commit more than :data:`KEEP` after :attr:`generation` (its images may be gone).
 
         Raises:
             FileNotFoundError: an image (or the file) is gone: the writer moved on meanwhile.
@@ -668,9 +673,13 @@ class UndoChain:
             got = fileio.read_into(fd, memoryview(buf), lo)
         finally:
             fileio.close(fd)
-        intent = read_intent(self.store)
-        if got != buf.size or intent is None or not self.generation < intent <= self.generation + KEEP:
+        token = read_intent_token(self.store)
+        intent = token[0] if token is not None else None
+        if got != buf.size or intent is None or intent > self.generation + KEEP:
             return None, intent
+        if token != self.token:  # images read under another intent may be another commit's since
+            self.images.clear()
+            self.token = token
         for g in range(intent, self.generation, -1):  # newest first: the oldest image of a byte wins
             image = self.images.get(g)
             if image is None:
@@ -678,30 +687,36 @@ class UndoChain:
             image.overlay(name, file, lo, buf)
         return (buf if zlib.crc32(memoryview(buf)) == crc else None), intent
 
-
     def page(self, name: str, file: int, lo: int, hi: int, crc: int) -> np.ndarray | None:
         """:meth:`rebuild`, again while a commit starts or is rolled back meanwhile (a few times);
         None: the bytes are damaged (no commit after :attr:`generation` was started, or they
         cannot be made to match ``crc``).
+
+        A rebuild that fails while the writer's intent token moves (a dead commit rolled back,
+        its images removed, or a commit started) is tried again: what failed may be another
+        commit's bytes or images, not damage.
 
         Raises:
             StaleReadError: the writer is more than :data:`KEEP` commits ahead: the before-images
                 of the commits after :attr:`generation` are gone (:func:`stale_error`).
         """
         for _attempt in range(3):  # a few: each retry follows a commit that started meanwhile
+            token = read_intent_token(self.store)
             try:
                 got, intent = self.rebuild(name, file, lo, hi, crc)
             except (FileNotFoundError, CorruptionError) as e:
+                if read_intent_token(self.store) != token:
+                    continue  # the writer moved meanwhile: its images, and the file, are another commit's
                 intent = read_intent(self.store)
                 if intent is not None and intent > self.generation:
                     raise stale_error(self.store, self.generation, intent) from e
                 raise
             if got is not None:
                 return got
-            if intent is None or intent <= self.generation:
-                return None  # no commit after this one was started: the bytes are damaged
-            if intent > self.generation + KEEP:
+            if intent is not None and intent > self.generation + KEEP:
                 raise stale_error(self.store, self.generation, intent)
+            if read_intent_token(self.store) == token and (intent is None or intent <= self.generation):
+                return None  # no commit after this one under way, and none moved meanwhile: damaged
             self.images.clear()  # a commit rolled back and made again rewrites its images
         return None
 
