@@ -368,7 +368,6 @@ def check_interleaved(tmp_path: Path, path0: Path, writes: list[Callable[[tiered
             write(w)
             w.flush()
             expect[w.generation] = w.get(torch.arange(len(w)))
-    real_open = fileio.open_for_read
     readers = 0
     for stride in strides:
         path = tmp_path / f"stride{stride}"
@@ -376,41 +375,39 @@ def check_interleaved(tmp_path: Path, path0: Path, writes: list[Callable[[tiered
         writer = _SteppedWriter(path, writes, open_kw)
         stepping = {"on": True, "opens": 0}
 
-        def stepped_open(p, writer=writer, stepping=stepping, stride=stride):
+        def step_on_open(_path: str, writer=writer, stepping=stepping, stride=stride) -> None:
             stepping["opens"] += 1
             if stepping["on"] and stepping["opens"] % stride == 0:
                 writer.step(1)
-            return real_open(p)
 
-        fileio.open_for_read = stepped_open
         opened: list[tuple[tiered.TieredStore, int]] = []
-        try:
-            while not writer.done:
-                at = writer.events
-                ro = tiered.open(path)
-                rows = expect[ro.generation]
-                n = rows.batch_size[0]
-                for k in range(0, n, max(1, n // 4)):  # a few reads, the writer moving on between them
-                    idx = torch.arange(k, min(n, k + max(1, n // 4)))
-                    assert same(ro.get(idx), rows[idx]), (stride, at, writer.events, ro.generation)
-                for other, og in opened:  # readers already open: rows of their commit still
-                    idx = torch.arange(0, len(other), 7)
-                    assert same(other.get(idx), expect[og][idx]), (stride, writer.events, og)
-                opened.append((ro, ro.generation))
-                readers += 1
-                if len(opened) > 4:  # the oldest, once more at the writer's point now, then closed
-                    other, og = opened.pop(0)
-                    assert same(other.get(torch.arange(len(other))), expect[og]), (stride, writer.events, og)
+        with faults.inject_faults(on_open_read=step_on_open):  # the readers' opens step the writer
+            try:
+                while not writer.done:
+                    at = writer.events
+                    ro = tiered.open(path)
+                    rows = expect[ro.generation]
+                    n = rows.batch_size[0]
+                    for k in range(0, n, max(1, n // 4)):  # a few reads, the writer moving on between them
+                        idx = torch.arange(k, min(n, k + max(1, n // 4)))
+                        assert same(ro.get(idx), rows[idx]), (stride, at, writer.events, ro.generation)
+                    for other, og in opened:  # readers already open: rows of their commit still
+                        idx = torch.arange(0, len(other), 7)
+                        assert same(other.get(idx), expect[og][idx]), (stride, writer.events, og)
+                    opened.append((ro, ro.generation))
+                    readers += 1
+                    if len(opened) > 4:  # the oldest, once more at the writer's point now, then closed
+                        other, og = opened.pop(0)
+                        assert same(other.get(torch.arange(len(other))), expect[og]), (stride, writer.events, og)
+                        other.close()
+                stepping["on"] = False
+                for other, og in opened:
+                    assert same(other.get(torch.arange(len(other))), expect[og])
                     other.close()
-            stepping["on"] = False
-            for other, og in opened:
-                assert same(other.get(torch.arange(len(other))), expect[og])
-                other.close()
-        finally:
-            fileio.open_for_read = real_open
-            if not writer.done:
-                os.kill(writer.pid, signal.SIGKILL)
-                os.waitpid(writer.pid, 0)
+            finally:
+                if not writer.done:
+                    os.kill(writer.pid, signal.SIGKILL)
+                    os.waitpid(writer.pid, 0)
         assert verify_store(path, progress=False).ok
     return readers
 
@@ -451,6 +448,26 @@ def test_many_blobs_on_many_pages_ids_reused(tmp_path, n, every):
     assert "in place" in seen["kinds"], seen
 
 
+def _dead_commit(atari_pong: TensorDict, path0: Path, tmp_path: Path) -> tuple[Callable[[tiered.TieredStore], None], _WindowMarks]:
+    """The commit the roll-back tests kill (rows added, rows overwritten: arrays grown and changed
+    in place) and its window, marked on a copy of ``path0``."""
+
+    def write(w: tiered.TieredStore) -> None:
+        w.extend(atari_pong[60:120])
+        w.set(torch.arange(0, 60, 3), atari_pong[700:720])
+
+    marks = _WindowMarks()
+    counted = tmp_path / "counted"
+    _copy(path0, counted)
+    fileio.set_fault_hook(marks)
+    try:
+        with tiered.open(counted, mode="r+") as w:
+            write(w)
+    finally:
+        fileio.set_fault_hook(None)
+    return write, marks
+
+
 @pytest.mark.parametrize("then", [0, 1, KEEP], ids=["rolled-back", "then-one-commit", "then-two-commits"])
 def test_a_reader_rebuilding_a_page_while_the_next_writer_rolls_a_dead_commit_back(atari_pong, tmp_path, then):
     """A writer died after its in-place writes (its intent names commit ``g + 1``); a reader of
@@ -462,19 +479,7 @@ def test_a_reader_rebuilding_a_page_while_the_next_writer_rolls_a_dead_commit_ba
     with tiered.open(path) as ro:
         g, before = ro.generation, ro.get(torch.arange(60))
 
-    def write(w):
-        w.extend(atari_pong[60:120])
-        w.set(torch.arange(0, 60, 3), atari_pong[700:720])
-
-    marks = _WindowMarks()
-    counted = tmp_path / "counted"
-    _copy(path, counted)
-    fileio.set_fault_hook(marks)
-    try:
-        with tiered.open(counted, mode="r+") as w:
-            write(w)
-    finally:
-        fileio.set_fault_hook(None)
+    write, marks = _dead_commit(atari_pong, path, tmp_path)
     # killed before its manifest's rename: every in-place write done
     assert _commit_in_child(path, write, {}, kill_on=marks.manifest) == ("killed", signal.SIGKILL)
     assert read_intent(str(path)) == g + 1 and manifest_body(path)["generation"] == g
@@ -485,21 +490,19 @@ def test_a_reader_rebuilding_a_page_while_the_next_writer_rolls_a_dead_commit_ba
                 w.set(torch.arange(k, 60, 4), atari_pong[800 + 20 * k:815 + 20 * k])
                 w.flush()
 
-    real_open, ran = fileio.open_for_read, []
+    ran = []
 
-    def open_for_read(p):
+    def writer_moves_first(p: str) -> None:
         # the reader's first rebuild opens the array file after it copied the page: the writer moves first
         if not ran and os.path.basename(os.path.dirname(p)) == ARRAYS_DIR and not os.path.basename(p).startswith("undo"):
             ran.append(p)
             assert wait_child(fork_child(next_writer)) == ("exited", 0)
-        return real_open(p)
 
     reader = tiered.open(path)
-    fileio.open_for_read = open_for_read
     try:
-        got = reader.get(torch.arange(60))
+        with faults.inject_faults(on_open_read=writer_moves_first):
+            got = reader.get(torch.arange(60))
     finally:
-        fileio.open_for_read = real_open
         reader.close()
     assert ran and manifest_body(path)["generation"] == g + then
     assert same(got, before)
@@ -515,19 +518,7 @@ def test_readers_while_the_next_writer_rolls_a_dead_commit_back_and_dies_too(ata
     with tiered.open(path0) as ro:
         g, before = ro.generation, ro.get(torch.arange(60))
 
-    def write(w):
-        w.extend(atari_pong[60:120])
-        w.set(torch.arange(0, 60, 3), atari_pong[700:720])
-
-    marks = _WindowMarks()
-    counted = tmp_path / "counted"
-    _copy(path0, counted)
-    fileio.set_fault_hook(marks)
-    try:
-        with tiered.open(counted, mode="r+") as w:
-            write(w)
-    finally:
-        fileio.set_fault_hook(None)
+    write, marks = _dead_commit(atari_pong, path0, tmp_path)
     dead = tmp_path / "dead"
     _copy(path0, dead)
     assert _commit_in_child(dead, write, {}, kill_on=marks.manifest) == ("killed", signal.SIGKILL)

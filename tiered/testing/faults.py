@@ -53,6 +53,9 @@ class FaultInjector:
         on_replace: called with the destination path before each rename of a temp file over it
             takes effect (a reader run at that point of a commit: its manifest's rename is the
             last step before the commit is published).
+        on_open_read: called with the path before each open of a file to read
+            (:func:`~tiered.util.fileio.open_for_read`; not a file event): a writer in another
+            process moved on at that point of a read (its opens, a page's rebuild).
 
     Attributes:
         writes: ``pwrite`` calls seen. ``ops``: write-like calls seen. ``bytes``: bytes counted
@@ -80,9 +83,11 @@ class FaultInjector:
         undo_log: str | os.PathLike[str] | None = None,
         kill_on: int | None = None,
         on_replace: Callable[[str], None] | None = None,
+        on_open_read: Callable[[str], None] | None = None,
     ) -> None:
         self.kill_on = kill_on
         self.on_replace = on_replace
+        self.on_open_read = on_open_read
         self.events = 0
         self.enospc_on = enospc_on
         self.quota_bytes = quota_bytes
@@ -177,6 +182,10 @@ class FaultInjector:
         with self._lock:
             self._event()
             self._log(b"C", path, 0, 0)
+
+    def before_open_read(self, path: str) -> None:
+        if self.on_open_read is not None:
+            self.on_open_read(path)
 
     def before_replace(self, src: str, dst: str) -> None:
         if self.on_replace is not None:

@@ -141,6 +141,9 @@ def open_for_read(path: str | os.PathLike[str]) -> int:
         True
     """
     path = os.fspath(path)
+    inj = _injector
+    if inj is not None:
+        inj.before_open_read(path)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except OSError as e:
@@ -496,7 +499,8 @@ class WritableFile:
 
 
 class FaultHook(Protocol):
-    """What the file functions above call before (or after) each change, when a hook is set."""
+    """What the file functions above call before (or after) each change, and before each open
+    of a file to read (where a test runs another process's step), when a hook is set."""
 
     def before_write(self, fd: int, view: memoryview, offset: int) -> None: ...
     def before_fallocate(self, fd: int, offset: int, length: int) -> None: ...
@@ -505,6 +509,7 @@ class FaultHook(Protocol):
     def after_fsync_dir(self, path: str) -> None: ...
     def before_create(self, path: str) -> None: ...
     def before_replace(self, src: str, dst: str) -> None: ...
+    def before_open_read(self, path: str) -> None: ...
 
 
 _injector: FaultHook | None = None
