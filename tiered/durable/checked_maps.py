@@ -62,7 +62,7 @@ from .manifest import (
 )
 
 __all__ = ["PageChecks", "RowCheck", "IdCheck", "map_checked", "map_verified", "map_commit", "load_checked",
-           "forget_memory_tiers"]
+           "forget_memory_tiers", "rebuilt_header"]
 
 #: ``rebuild(lo, hi, crc)``: the bytes ``[lo, hi)`` of a file as the reader's commit left them
 #: (None: they cannot be rebuilt, so they are damaged)
@@ -268,6 +268,20 @@ class IdCheck:
         self.done = all(p.done for group in self.groups.values() for p in group)
 
 
+def rebuilt_header(size: int, path: str, expected_size: int,
+                   first_page: Callable[[], np.ndarray | None] | None) -> NpyHeader | None:
+    """The header of a ``.npy`` file (``size`` bytes now) as its commit wrote it
+    (``expected_size`` bytes), rebuilt by ``first_page`` (the file's first page as the commit
+    left it: :meth:`~tiered.durable.array_files.UndoChain.page`) for a file a writer has grown in
+    place since. A writer rewrites a grown file's header before it writes the new tail, so the
+    file may still be the commit's size. None where the file is shorter than the commit or its
+    first page cannot be rebuilt (no commit after it under way: the header is damaged)."""
+    if first_page is None or size < expected_size:
+        return None
+    raw = first_page()
+    return None if raw is None else read_npy_header(raw.tobytes(), path, expected_size)
+
+
 def map_commit(path: str, expected_size: int, crcs: list[int] | None,
                rebuild: Rebuild | None) -> tuple[mmap.mmap, os.stat_result, NpyHeader, int]:
     """:func:`~tiered.durable.manifest.map_npy` of the commit's bytes of a file: ``(map, stat,
@@ -290,11 +304,10 @@ def map_commit(path: str, expected_size: int, crcs: list[int] | None,
         fd = fileio.open_for_read(path)
         try:
             st = os.fstat(fd)
-            # None where no commit after this one was started: then the header is damaged
-            raw = rebuild(0, min(PAGE_BYTES, expected_size), crcs[0]) if st.st_size >= expected_size else None
-            if raw is None:
+            head = rebuilt_header(st.st_size, path, expected_size,
+                                  lambda: rebuild(0, min(PAGE_BYTES, expected_size), crcs[0]))
+            if head is None:
                 raise
-            head = read_npy_header(raw.tobytes(), path, expected_size)
             whole = mmap.mmap(fd, expected_size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             fileio.close(fd)

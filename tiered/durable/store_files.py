@@ -97,6 +97,7 @@ from .checked_maps import (
     load_checked,
     map_checked,
     map_verified,
+    rebuilt_header,
 )
 from .commit_arrays import (
     CHECKSUMS,
@@ -1196,31 +1197,24 @@ def _header(store: str, body: dict[str, Any], name: str, files: dict[str, Any]) 
         raise CorruptionError(f"{path}: file named by the manifest is missing; the store is damaged") from None
     try:
         size = os.fstat(fd).st_size
+        first_page = None
+        if isinstance(body.get("array_files"), dict):
+            def first_page() -> Any:  # the commit's first page, asked for only when the header disagrees
+                return UndoChain(store, int(body["generation"])).page(
+                    name, body["array_files"].get(name), 0, min(PAGE_BYTES, files[name]),
+                    page_checksums_of(body).get(name, [None])[0])
         if size == files[name]:
             try:
                 return read_npy_header(fd, path, size)
             except CorruptionError:
-                # a writer growing the file in place rewrites its header before its new tail
-                if (head := _header_as_committed(store, body, name, files, path)) is None:
+                if (head := rebuilt_header(size, path, files[name], first_page)) is None:
                     raise
                 return head
-        if size > files[name] and (head := _header_as_committed(store, body, name, files, path)) is not None:
+        if (head := rebuilt_header(size, path, files[name], first_page)) is not None:
             return head  # grown in place by a newer commit since
         raise CorruptionError(f"{path}: expected {files[name]} bytes, found {size} (truncated or overwritten)")
     finally:
         os.close(fd)
-
-
-def _header_as_committed(store: str, body: dict[str, Any], name: str, files: dict[str, Any],
-                         path: str) -> Any:
-    """The header of array ``name`` as this commit wrote it, rebuilt from the before-images of
-    the commits after it; None where none was started (the file's header is then its own)."""
-    if not isinstance(body.get("array_files"), dict):
-        return None
-    raw = UndoChain(store, int(body["generation"])).page(
-        name, body["array_files"].get(name), 0, min(PAGE_BYTES, files[name]),
-        page_checksums_of(body).get(name, [None])[0])
-    return None if raw is None else read_npy_header(raw.tobytes(), path, files[name])
 
 
 def check_bounds(path: str, body: dict[str, Any]) -> None:
