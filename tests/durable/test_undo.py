@@ -8,6 +8,8 @@
   page it has not read yet (rebuilt from their before-images); at the third, what it already read
   stays its commit's and what it had not read says to reopen.
 * A committed store holds one file per array and the before-images of its last two commits.
+* A dead commit whose ``commit.intent`` is then damaged or lost is still rolled back from its
+  before-images (they are not removed as strays); damaged images with it are refused.
 """
 
 from __future__ import annotations
@@ -380,3 +382,84 @@ def test_a_commit_that_failed_with_its_roll_back_is_rolled_back_at_the_next_open
         assert same(w.get(torch.arange(CAP)), before)
     assert read_intent(str(path)) == manifest_body(path)["generation"]
     assert verify_store(path, progress=False).ok
+
+
+def _damage_intent(path: Path, how: str) -> None:
+    intent = path / "commit.intent"
+    if how == "missing":
+        intent.unlink()
+    elif how == "torn":
+        intent.write_bytes(intent.read_bytes()[:10])
+    else:  # a flipped bit in the check word
+        raw = bytearray(intent.read_bytes())
+        raw[9] ^= 0x10
+        intent.write_bytes(bytes(raw))
+
+
+@pytest.fixture(scope="module")
+def killed_in_place(base, tmp_path_factory) -> Path:
+    """``base`` with a commit killed after it changed the arrays in place, before its manifest."""
+    path0 = base[0]
+    g, files0 = manifest_body(path0)["generation"], array_bytes(path0)
+    tmp = tmp_path_factory.mktemp("killed")
+    with faults.inject_faults() as counting:  # the events of the commit, counted here
+        shutil.copytree(path0, tmp / "counted")
+        store = tiered.open(tmp / "counted", mode="r+", warm_bytes=0, hot_bytes=0)
+        store.set(torch.as_tensor(ROWS), batch(ROWS.size, 77))
+        store.flush()
+    store.close()
+    for kill_on in range(counting.events, 0, -1):  # from the last event back to the manifest's
+        path = tmp / f"k{kill_on}"
+        shutil.copytree(path0, path)
+        assert _commit_in_child(path, kill_on=kill_on) == ("killed", signal.SIGKILL)
+        if manifest_body(path)["generation"] == g and array_bytes(path) != files0:
+            return path
+    raise AssertionError("no kill point left the arrays changed in place before the manifest")
+
+
+@pytest.mark.parametrize("how", ["flipped", "torn", "missing"])
+def test_a_dead_commit_is_rolled_back_from_its_images_when_its_intent_is_damaged(base, killed_in_place, tmp_path,
+                                                                                    how):
+    """Without a readable intent, the before-images of a commit after the manifest's are the dead
+    commit's: the next writer writes them back instead of removing them as strays."""
+    path0, before, _ = base
+    path = tmp_path / "s"
+    shutil.copytree(killed_in_place, path)
+    g = manifest_body(path)["generation"]
+    assert read_intent(str(path)) == g + 1 and (path / ARRAYS_DIR / f"undo.{g + 1}").exists()
+    _damage_intent(path, how)
+    assert read_intent(str(path)) is None
+    with tiered.open(path, mode="r+") as w:
+        assert w.generation == g and same(w.get(torch.arange(CAP)), before)
+    assert array_bytes(path) == array_bytes(path0)  # bit-exact
+    assert read_intent(str(path)) == g and not (path / ARRAYS_DIR / f"undo.{g + 1}").exists()
+    assert verify_store(path, progress=False).ok
+    with tiered.open(path) as ro:
+        assert same(ro.get(torch.arange(CAP)), before)
+
+
+def test_a_damaged_intent_with_no_commit_under_way_is_harmless_and_written_again(tmp_path):
+    path = tmp_path / "s"
+    with TieredStore(CAP, path, warm_bytes=0, hot_bytes=0) as s:
+        s.extend(batch(CAP, 0))
+        s.set(torch.as_tensor(ROWS), batch(ROWS.size, 1))
+        s.flush()
+        expect = s.get(torch.arange(CAP))
+        g = s.generation
+    _damage_intent(path, "flipped")
+    with tiered.open(path, mode="r+") as w:
+        assert same(w.get(torch.arange(CAP)), expect)
+    assert read_intent(str(path)) == g
+    assert verify_store(path, progress=False).ok
+
+
+def test_a_damaged_intent_and_damaged_images_of_a_dead_commit_are_refused(killed_in_place, tmp_path):
+    path = tmp_path / "s"
+    shutil.copytree(killed_in_place, path)
+    g = manifest_body(path)["generation"]
+    image = path / ARRAYS_DIR / f"undo.{g + 1}"
+    image.write_bytes(image.read_bytes()[:40])  # cut inside its table
+    _damage_intent(path, "flipped")
+    with pytest.raises(CorruptionError, match=r"commit\.intent is missing or damaged.*before-image"):
+        tiered.open(path, mode="r+")
+    assert image.exists()  # kept: the only copy of what the commit overwrote

@@ -736,14 +736,29 @@ def roll_back(store: str, published: int) -> bool:
     fsync, set the intent back to ``published`` (the manifest's generation), then remove the
     images. Idempotent: a crash here is rolled back again by the next open.
 
+    An intent file that is missing or damaged (its check word wrong: a torn write or a bad sector)
+    names no commit; then the before-images of a commit after ``published``, if any, are the dead
+    commit's: they are complete before its intent is written, so writing them back is right
+    whether or not it got to change the arrays (left alone, the next writer's clean-up would
+    remove them, and with them the only copy of the bytes the commit overwrote). A damaged intent
+    with nothing to roll back is written again.
+
     Returns:
         Whether there was anything to roll back.
 
     Raises:
-        CorruptionError: the intent names a commit whose before-images are missing or damaged.
+        CorruptionError: the intent names a commit whose before-images are missing or damaged, or
+            names none and the before-images of a commit after ``published`` are damaged.
     """
     intent = read_intent(store)
-    if intent is None or intent <= published:
+    guessed = intent is None
+    if guessed:
+        intent = _dead_commit_images(store, published)
+        if intent is None:
+            if os.path.lexists(os.path.join(store, INTENT)):
+                write_intent(store, published)  # damaged, with no commit under way: harmless, made whole
+            return False
+    if intent <= published:
         return False
     path = undo_file(store, intent)
     try:
@@ -751,6 +766,12 @@ def roll_back(store: str, published: int) -> bool:
     except FileNotFoundError:
         raise CorruptionError(f"{path}: missing, though {os.path.join(store, INTENT)} says commit {intent} was "
                               "being written; the store is damaged. Run `tiered verify` for details.") from None
+    except CorruptionError as e:
+        if not guessed:
+            raise
+        raise CorruptionError(f"{os.path.join(store, INTENT)} is missing or damaged, so whether commit {intent} "
+                              f"changed the arrays in place is not known, and its before-images cannot be "
+                              f"read back: {e}") from None
     body = image.body(0, image.size)
     for name, file in image.arrays:  # the arrays the dead commit changed
         runs, where = image.runs(name, file)
@@ -774,6 +795,17 @@ def roll_back(store: str, published: int) -> bool:
     write_intent(store, published)
     fileio.remove(path)
     return True
+
+
+def _dead_commit_images(store: str, published: int) -> int | None:
+    """The newest commit after ``published`` whose before-images are in place, else None."""
+    try:
+        names = os.listdir(os.path.join(store, ARRAYS_DIR))
+    except FileNotFoundError:
+        return None
+    dead = [int(m.group(1)) for m in map(_UNDO_FILE.match, names) if m is not None]  # a few files
+    newest = max(dead, default=published)
+    return newest if newest > published else None
 
 
 def remove_obsolete(store: str, published: int, current: dict[str, int]) -> None:
