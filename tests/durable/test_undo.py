@@ -9,7 +9,8 @@
   stays its commit's and what it had not read says to reopen.
 * A committed store holds one file per array and the before-images of its last two commits.
 * A dead commit whose ``commit.intent`` is then damaged or lost is still rolled back from its
-  before-images (they are not removed as strays); damaged images with it are refused.
+  before-images (they are not removed as strays), and readers meanwhile rebuild from them;
+  damaged images with it are refused.
 """
 
 from __future__ import annotations
@@ -429,6 +430,9 @@ def test_a_dead_commit_is_rolled_back_from_its_images_when_its_intent_is_damaged
     assert read_intent(str(path)) == g + 1 and (path / ARRAYS_DIR / f"undo.{g + 1}").exists()
     _damage_intent(path, how)
     assert read_intent(str(path)) is None
+    with tiered.open(path) as ro:  # a reader first: the pages the commit changed, rebuilt from its images
+        assert ro.generation == g and same(ro.get(torch.arange(CAP)), before)
+    assert verify_store(path, progress=False).ok
     with tiered.open(path, mode="r+") as w:
         assert w.generation == g and same(w.get(torch.arange(CAP)), before)
     assert array_bytes(path) == array_bytes(path0)  # bit-exact

@@ -33,7 +33,9 @@ Design note (docs/format.md has the bytes):
   removed by the next writer). Between (3) and (5): the next writer's open (or the writer itself,
   after an error) finds the intent newer than the manifest and writes the before-images back,
   bit-exact. After (5): commit ``g``. A before-image is complete and fsynced before the intent
-  names its commit, so a power cut at any point leaves one of the two commits.
+  names its commit, so a power cut at any point leaves one of the two commits. An intent that
+  is garbled or lost counts as none, and the newest before-images in place stand for it (readers
+  rebuild from them, the next writer rolls a dead commit back from them).
 * **What readers see.** A read-only open maps the array files; each page is copied private and
   checked against its commit's CRC-32 at first use, so the writer's later in-place writes never
   reach a checked page. What an open reads whole (blob index, policy state, written mask) is

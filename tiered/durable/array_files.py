@@ -674,7 +674,7 @@ class UndoChain:
         finally:
             fileio.close(fd)
         token = read_intent_token(self.store)
-        intent = token[0] if token is not None else None
+        intent = token[0] if token is not None else _dead_commit_images(self.store, self.generation)
         if got != buf.size or intent is None or intent > self.generation + KEEP:
             return None, intent
         if token != self.token:  # images read under another intent may be another commit's since
@@ -707,7 +707,7 @@ class UndoChain:
             except (FileNotFoundError, CorruptionError) as e:
                 if read_intent_token(self.store) != token:
                     continue  # the writer moved meanwhile: its images, and the file, are another commit's
-                intent = read_intent(self.store)
+                intent = _intent_or_images(self.store, self.generation)
                 if intent is not None and intent > self.generation:
                     raise stale_error(self.store, self.generation, intent) from e
                 raise
@@ -795,6 +795,13 @@ def roll_back(store: str, published: int) -> bool:
     write_intent(store, published)
     fileio.remove(path)
     return True
+
+
+def _intent_or_images(store: str, generation: int) -> int | None:
+    """The commit the intent names; where it is missing or garbled, the newest commit after
+    ``generation`` whose before-images are in place (they are, before an intent names it)."""
+    intent = read_intent(store)
+    return intent if intent is not None else _dead_commit_images(store, generation)
 
 
 def _dead_commit_images(store: str, published: int) -> int | None:
