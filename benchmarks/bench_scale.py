@@ -37,7 +37,9 @@ Bytes on disk per transition are counted over all files, and over one generation
 and the array files of the last commit: the file of each array, without the before-images
 of the last two commits and the files they replaced); "arrays"
 is the part of one generation that is metadata (row tables, dense columns, blob index), "dense"
-the dense columns alone.
+the dense columns alone. All files are counted twice: right after the build (whose last flushes,
+of ``--flush-every`` rows each, leave before-images of that size) and after the commit rounds
+(what ``du`` sees in steady use).
 Side by side on the same frames: the Dopamine checkpoint layout (``np.save`` of the per-step
 frames, action int32, reward float32 and terminal uint8, each gzipped the way Dopamine's
 ``circular_replay_buffer`` writes them: ``gzip.GzipFile``'s default level 9), measured on the
@@ -243,7 +245,9 @@ def disk_bytes(path: Path) -> dict[str, int]:
             "one_generation_arrays": sum(p.stat().st_size for p in files if p in arrays and p not in older),
             "one_generation_dense": sum(p.stat().st_size for p in files
                                         if p in arrays and p not in older and p.name.startswith(("dense.", "flags."))),
-            "blocks": sum(p.stat().st_blocks * 512 for p in files)}
+            "blocks": sum(p.stat().st_blocks * 512 for p in files),
+            # what du counts beyond one generation, file by file
+            "older_files": {p.name: p.stat().st_size for p in sorted(older)}}
 
 
 # -- steps, each run in its own process -------------------------------------------------------
@@ -467,6 +471,11 @@ def measure(rows: int, workdir: Path, args: argparse.Namespace) -> dict[str, Any
                         codec=args.codec, flush_every=args.flush_every, dense_dtypes=parse_dense(args.dense_dtypes)))
     res.update({f"disk_{k}": v for k, v in disk_bytes(path).items()})
     res.update(run_step("commit", path=path, rows=rows, new_rows=args.commit_rows, rounds=args.commit_rounds))
+    # again after the small commits: the build's last flushes (a million rows each) leave large
+    # before-images that the next two commits remove; this is what du sees in steady use
+    after = disk_bytes(path)
+    res.update({"disk_after_commits_all": after["all"], "disk_after_commits_one_generation": after["one_generation"],
+                "disk_after_commits_older_files": after["older_files"]})
     res.update(run_step("reopen", path=path))
     res.update(run_step("sample", path=path, rows=rows, batches=args.batches, batch=256, warmup=args.warmup_batches))
     if not args.keep:
@@ -531,6 +540,18 @@ def report(results: list[dict[str, Any]], dop: dict[str, Any], facts: dict[str, 
             lines += [f"stats() of a read-only open at {r['rows']:,} rows: {r['stats_s']:.3f} s, anonymous memory "
                       f"held after it {r['stats_anon_held'] / 2**20:,.1f} MiB (peak {r['stats_anon_peak'] / 2**20:,.1f} MiB).", ""]
     for r in results:
+        older = r.get("disk_older_files")
+        if older:
+            lines += [f"Files beside one generation at {r['rows']:,} rows right after the build (before-images, "
+                      "files replaced by the last two commits): " + ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in older.items())
+                      + f" ({sum(older.values()) / r['rows']:.2f} B/transition).", ""]
+        if "disk_after_commits_all" in r:
+            n = r["rows"]
+            lines += [f"All files at {n:,} rows after the {args.commit_rounds} commits of {args.commit_rows:,} rows: "
+                      f"**{r['disk_after_commits_all'] / n:.2f} B/transition** (one generation "
+                      f"{r['disk_after_commits_one_generation'] / n:.2f}, files beside it "
+                      f"{sum(r['disk_after_commits_older_files'].values()) / n:.2f}; Dopamine's files "
+                      f"{dop['dopamine_bytes_per_transition']:.2f}).", ""]
         parts = r.get("disk_one_generation_parts")
         if parts:
             lines += [f"One generation at {r['rows']:,} rows, bytes per transition: "
@@ -585,6 +606,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--step", choices=STEPS, help=argparse.SUPPRESS)
     p.add_argument("--step-args", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.dopamine_rows < 1:  # the report compares every figure with Dopamine's files
+        p.error(f"--dopamine-rows must be at least 1, got {args.dopamine_rows}")
     if args.step:
         kw = json.loads(args.step_args)
         kw = {k: Path(v) if k == "path" else v for k, v in kw.items()}
