@@ -28,7 +28,7 @@ from tensordict import TensorDict
 
 import tiered
 from tiered import TieredStore
-from tiered.durable.array_files import ARRAYS_DIR, KEEP, read_intent, read_intent_token
+from tiered.durable.array_files import ARRAYS_DIR, KEEP, UndoImage, read_intent, read_intent_token
 from tiered.durable.commit_arrays import array_path
 from tiered.durable.manifest import read_npy_header
 from tiered.errors import CorruptionError, StaleReadError
@@ -467,3 +467,63 @@ def test_a_damaged_intent_and_damaged_images_of_a_dead_commit_are_refused(killed
     with pytest.raises(CorruptionError, match=r"commit\.intent is missing or damaged.*before-image"):
         tiered.open(path, mode="r+")
     assert image.exists()  # kept: the only copy of what the commit overwrote
+
+
+def test_before_images_keep_no_bytes_of_rows_never_written(tmp_path):
+    """A commit into rows never written (a buffer's first fill, an import) keeps no old bytes for
+    them, only their ranges; a reader of the last commit and the roll-back of a dead one still get
+    its bytes back (the zeros included), bit for bit."""
+    path0 = tmp_path / "s"
+    with TieredStore(CAP, path0, frames={"observation": 0}, chunk_frames=4, warm_bytes=0, hot_bytes=0) as s:
+        s.extend(batch(CAP // 4, 0))
+        s.flush()
+        before = s.get(torch.arange(CAP // 4))
+        s.extend(batch(CAP // 2, 1))
+        s.flush()
+        g = s.generation
+    # the commit rewrote whole blocks of rows (rows 0 to CAP here), three quarters of them never
+    # written: the images keep the old bytes of the rest only
+    image = UndoImage(str(path0 / ARRAYS_DIR / f"undo.{g}"), g)
+    kept = zero = 0
+    for name, file in image.arrays:
+        runs, where = image.runs(name, file)
+        lengths = runs[:, 1] - runs[:, 0]
+        kept, zero = kept + int(lengths[where >= 0].sum()), zero + int(lengths[where < 0].sum())
+    assert zero > 2 * kept and image.size < kept + (64 << 10), (kept, zero, image.size)
+    files0 = array_bytes(path0)
+
+    def extend_in_child(path: Path, **injected) -> tuple[str, int]:
+        def child():
+            with faults.inject_faults(**injected):
+                w = tiered.open(path, mode="r+", warm_bytes=0, hot_bytes=0)
+                w.extend(batch(CAP // 8, 2))
+                w.flush()
+            os._exit(0)
+
+        return wait_child(fork_child(child))
+
+    with faults.inject_faults() as counting:  # the events of the commit, counted here
+        shutil.copytree(path0, tmp_path / "counted")
+        w = tiered.open(tmp_path / "counted", mode="r+", warm_bytes=0, hot_bytes=0)
+        w.extend(batch(CAP // 8, 2))
+        w.flush()
+    w.close()
+    checked = 0
+    for kill_on in range(counting.events, 0, -1):  # back from the last event, past the manifest's
+        path = tmp_path / f"k{kill_on}"
+        shutil.copytree(path0, path)
+        assert extend_in_child(path, kill_on=kill_on) == ("killed", signal.SIGKILL)
+        if manifest_body(path)["generation"] != g or array_bytes(path) == files0:
+            shutil.rmtree(path)
+            continue  # published, or killed before it changed the arrays in place
+        with tiered.open(path) as ro:  # its pages rebuilt from before-images with zero runs
+            assert ro.generation == g and len(ro) == 3 * CAP // 4
+            assert same(ro.get(torch.arange(CAP // 4)), before)
+        with tiered.open(path, mode="r+") as w:  # rolled back
+            assert w.generation == g
+        assert array_bytes(path) == files0, f"kill at event {kill_on}"
+        assert verify_store(path, progress=False).ok
+        checked += 1
+        if checked == 3:
+            break
+    assert checked == 3

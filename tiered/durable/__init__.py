@@ -21,7 +21,8 @@ Design note (docs/format.md has the bytes):
 * **What a commit writes, in order.** Commit ``g`` (1) appends the blobs of closed time chunks to
   the cold segments and fsyncs them; (2) writes to ``arrays/undo.<g>`` the current bytes of every
   range of an array file it will change in place (the dirty row and blob-id blocks, in 4 KiB
-  pages; for an array that grew, its header too), with a CRC-32 per 1 MiB page, and writes
+  pages; for an array that grew, its header too; pages that held only zeros, rows never
+  written, as ranges without bytes), with a CRC-32 per 1 MiB page, and writes
   arrays that shrank or changed dtype (or small untracked ones that changed) whole to new
   files ``<name>.<g>.npy``, fsyncs them together and
   renames the before-images into place; (3) writes ``commit.intent`` = ``g``, fsynced; (4)
@@ -48,5 +49,5 @@ Design note (docs/format.md has the bytes):
   every read, and cold space is reused only two commits after it was freed. A process forked from
   the writer keeps private copies of the mapped pages.
 * **What ``du`` sees.** One generation plus the before-images of the last two commits (what they
-  changed) and the cold segments' reserved tail.
+  overwrote of what earlier commits wrote) and the cold segments' reserved tail.
 """

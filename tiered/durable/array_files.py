@@ -12,7 +12,8 @@ Design note:
   its file, is written whole to a new file ``<name>.<g>.npy``; the old file is never written
   again.
 * **Before-images.** What a commit writes in place, the file ``arrays/undo.<g>`` holds first as
-  the file held it, with the file's size and a CRC-32 per :data:`PAGE_BYTES` page: a crash
+  the file held it (pages that were all zero, rows never written, as ranges alone), with the
+  file's size and a CRC-32 per :data:`PAGE_BYTES` page: a crash
   between the intent and the manifest is undone from it (:func:`roll_back`), and a reader of an
   older commit rebuilds its pages from the images of the commits after it
   (:meth:`UndoChain.rebuild`). The order of a commit's writes, what a crash leaves and what
@@ -521,17 +522,24 @@ def write_undo(store: str, generation: int, images: list[tuple[str, int, int, np
     (:func:`sync_files`); the caller fsyncs the directory before the intent names the commit.
     Returns the bytes written.
 
-    Layout: :data:`_UNDO_HEAD`, a JSON table (``arrays``: ``[name, file, runs, offset, size]`` each,
-    ``body``: bytes of the body, ``crcs``: CRC-32 of each :data:`PAGE_BYTES` page of the body),
-    then the body: per array its runs as ``(n, 2)`` little-endian int64, then their old bytes.
+    Layout: :data:`_UNDO_HEAD`, a JSON table (``arrays``: ``[name, file, runs, offset, size,
+    zero_runs]`` each, ``body``: bytes of the body, ``crcs``: CRC-32 of each :data:`PAGE_BYTES`
+    page of the body), then the body: per array its runs as ``(n, 2)`` little-endian int64, its
+    zero runs likewise, then the old bytes of its runs. A run whose old bytes are all zero (rows
+    or blob ids never written: a buffer's first fill, an import) is a zero run and keeps no bytes.
     """
     parts: list[memoryview] = []
     table, at = [], 0
     for name, file, size, runs, old in images:  # the arrays the commit changes in place (a few dozen)
-        spans = np.ascontiguousarray(runs, dtype="<i8")
-        table.append([name, int(file), int(spans.shape[0]), at, int(size)])
-        parts += [memoryview(spans).cast("B"), memoryview(np.ascontiguousarray(old, dtype=np.uint8))]
-        at += spans.nbytes + old.nbytes
+        runs, kept, lengths = _zero_pages(runs, old)
+        if not kept.all():
+            old = old[np.repeat(kept, lengths)]
+        spans = np.ascontiguousarray(runs[kept], dtype="<i8")
+        zeros = np.ascontiguousarray(runs[~kept], dtype="<i8")
+        table.append([name, int(file), int(spans.shape[0]), at, int(size), int(zeros.shape[0])])
+        parts += [memoryview(spans.reshape(-1).view(np.uint8)), memoryview(zeros.reshape(-1).view(np.uint8)),
+                  memoryview(np.ascontiguousarray(old, dtype=np.uint8))]
+        at += spans.nbytes + zeros.nbytes + old.nbytes
     meta = json.dumps({"generation": generation, "arrays": table, "body": at,
                        "crcs": page_checksums(parts)}).encode()
     path = undo_file(store, generation)
@@ -541,7 +549,7 @@ def write_undo(store: str, generation: int, images: list[tuple[str, int, int, np
     try:
         fileio.pwrite(fd, _UNDO_HEAD.pack(_UNDO_MAGIC, generation, len(meta), zlib.crc32(meta)) + meta, 0)
         pos = _UNDO_HEAD.size + len(meta)
-        for part in parts:  # two per array
+        for part in parts:  # three per array
             if part.nbytes:
                 fileio.pwrite(fd, part, pos)
                 pos += part.nbytes
@@ -550,6 +558,32 @@ def write_undo(store: str, generation: int, images: list[tuple[str, int, int, np
         raise
     pending.append((fd, lambda: fileio.replace(tmp, path)))  # renamed once complete and durable
     return pos
+
+
+def _zero_pages(runs: np.ndarray, old: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``runs`` (whose bytes are ``old``, one run after the other) cut at the file's
+    :data:`WRITE_UNIT` pages where their old bytes turn all-zero or back: ``(runs, kept, lengths)``,
+    ``kept`` False for the runs whose old bytes are all zero. A commit's runs are whole blocks of
+    rows, and a block a buffer is still filling holds rows never written (zeros) beside others."""
+    if not runs.size:
+        return runs, np.ones(0, dtype=bool), np.zeros(0, dtype=np.int64)
+    unit = WRITE_UNIT
+    first, last = runs[:, 0] // unit, (runs[:, 1] - 1) // unit
+    counts = last - first + 1
+    starts = np.cumsum(counts) - counts
+    run_of = np.repeat(np.arange(counts.size), counts)
+    page = first[run_of] + np.arange(int(counts.sum())) - starts[run_of]
+    lo = np.maximum(page * unit, runs[run_of, 0])
+    hi = np.minimum((page + 1) * unit, runs[run_of, 1])
+    sizes = hi - lo
+    nonzero = np.logical_or.reduceat(old != 0, np.cumsum(sizes) - sizes)
+    # one run per stretch of pieces that touch and agree
+    cut = np.ones(nonzero.size, dtype=bool)
+    cut[1:] = (lo[1:] != hi[:-1]) | (nonzero[1:] != nonzero[:-1])
+    begin = cut.nonzero()[0]
+    end = np.append(begin[1:], nonzero.size) - 1
+    merged = np.stack([lo[begin], hi[end]], axis=1)
+    return merged, nonzero[begin], merged[:, 1] - merged[:, 0]
 
 
 class UndoImage:
@@ -581,14 +615,20 @@ class UndoImage:
             doc = json.loads(meta)
             self.start, self.size = _UNDO_HEAD.size + n, int(doc["body"])
             self.crcs = [int(c) for c in doc["crcs"]]
-            self.arrays: dict[tuple[str, int], tuple[int, int]] = {
-                (str(name), int(file)): (int(k), int(at)) for name, file, k, at, _ in doc["arrays"]}
+            #: per array file: its runs, where they start in the body, its zero runs
+            self.arrays: dict[tuple[str, int], tuple[int, int, int]] = {}
             #: bytes of each file before the commit (a file that grew is cut back to them)
-            self.sizes = {(str(name), int(file)): int(size) for name, file, _, _, size in doc["arrays"]}
+            self.sizes: dict[tuple[str, int], int] = {}
+            for entry in doc["arrays"]:  # (files written before zero runs have five items)
+                name, file, k, at, before, *zero = entry
+                if len(zero) > 1:
+                    raise ValueError(f"an entry of {len(entry)} items")
+                self.arrays[(str(name), int(file))] = (int(k), int(at), int(zero[0]) if zero else 0)
+                self.sizes[(str(name), int(file))] = int(before)
         except (ValueError, TypeError, KeyError) as e:
             raise self.bad(f"its table cannot be read ({e})") from None
         if self.start + self.size != size or len(self.crcs) != -(-self.size // PAGE_BYTES) or any(
-                k < 0 or at < 0 or at + 16 * k > self.size for k, at in self.arrays.values()) or any(
+                k < 0 or z < 0 or at < 0 or at + 16 * (k + z) > self.size for k, at, z in self.arrays.values()) or any(
                 n < 0 for n in self.sizes.values()):
             raise self.bad("its table does not fit the file")
 
@@ -616,13 +656,18 @@ class UndoImage:
 
     def runs(self, name: str, file: int) -> tuple[np.ndarray, np.ndarray]:
         """The byte runs of array ``name``'s file ``file`` this commit changed (``(n, 2)``) and
-        where each run's old bytes start in the body."""
-        k, at = self.arrays.get((name, file), (0, 0))
-        runs = self.body(at, at + 16 * k).view("<i8").reshape(k, 2).astype(np.int64)
+        where each run's old bytes start in the body: -1 for a zero run (its old bytes were all
+        zero), which come after the others."""
+        k, at, z = self.arrays.get((name, file), (0, 0, 0))
+        runs = self.body(at, at + 16 * (k + z)).view("<i8").reshape(k + z, 2).astype(np.int64)
         lengths = runs[:, 1] - runs[:, 0]
-        if k and (int(runs[:, 0].min()) < 0 or int(lengths.min()) <= 0 or at + 16 * k + int(lengths.sum()) > self.size):
+        kept = lengths[:k]
+        if k + z and (int(runs[:, 0].min()) < 0 or int(lengths.min()) <= 0
+                      or at + 16 * (k + z) + int(kept.sum()) > self.size):
             raise self.bad(f"the runs of {name} are impossible")
-        return runs, at + 16 * k + np.cumsum(lengths) - lengths
+        where = np.full(k + z, -1, dtype=np.int64)
+        where[:k] = at + 16 * (k + z) + np.cumsum(kept) - kept
+        return runs, where
 
     def overlay(self, name: str, file: int, lo: int, buf: np.ndarray) -> None:
         """Write this commit's before-images of ``name``'s file ``file`` over ``buf``, which holds
@@ -632,14 +677,19 @@ class UndoImage:
         pick = np.flatnonzero((runs[:, 0] < hi) & (runs[:, 1] > lo))
         if not pick.size:
             return
-        # the old bytes of these runs lie together in the body: read (and checked) at once
-        b0 = int(where[pick[0]])
-        old = self.body(b0, int(where[pick[-1]] + runs[pick[-1], 1] - runs[pick[-1], 0]))
+        # the old bytes of these runs (zero runs keep none) lie together in the body, in the
+        # runs' order: read (and checked) at once
+        kept = pick[where[pick] >= 0]
+        b0 = int(where[kept[0]]) if kept.size else 0
+        old = self.body(b0, int(where[kept[-1]] + runs[kept[-1], 1] - runs[kept[-1], 0])) if kept.size else None
         for r in pick.tolist():  # the runs of one checksum page
             r0, r1 = int(runs[r, 0]), int(runs[r, 1])
             a, b = max(r0, lo), min(r1, hi)
-            src = int(where[r]) + a - r0 - b0
-            buf[a - lo:b - lo] = old[src:src + b - a]
+            if where[r] < 0:
+                buf[a - lo:b - lo] = 0
+            else:
+                src = int(where[r]) + a - r0 - b0
+                buf[a - lo:b - lo] = old[src:src + b - a]
 
 
 class UndoChain:
@@ -786,7 +836,7 @@ def roll_back(store: str, published: int) -> bool:
             if int(runs[:, 1].max(initial=0)) > old_size or os.fstat(fd).st_size < old_size:
                 raise image.bad(f"its runs of {name} lie past the end of {target}")
             for (lo, hi), src in zip(runs.tolist(), where.tolist(), strict=True):  # the dead commit's runs
-                fileio.pwrite(fd, body[src:src + hi - lo], lo)
+                fileio.pwrite(fd, body[src:src + hi - lo] if src >= 0 else bytes(hi - lo), lo)
             if os.fstat(fd).st_size > old_size:  # grown by the dead commit: cut back
                 fileio.truncate(fd, old_size)
             fileio.fsync(fd)
