@@ -72,6 +72,31 @@ def test_incompressible_large_field_warns_with_its_ratio():
     assert 0.9 < ratio < ADVICE_MIN_RATIO
 
 
+def test_network_features_stored_beside_the_frames_are_advised_to_be_left_out(atari_pong):
+    """TorchRL's PPO Atari example stores what its collector's actor-critic wrote: besides the
+    frames, the shared trunk's ReLU features ("common_features", float32 [512]), which
+    ClipPPOLoss recomputes from the pixels. They compress about 2x: the warning names the remedy
+    that fits a float vector (leave it out of what is stored), not the pixel or noise advice."""
+    from torchrl.modules import MLP, ConvNet
+
+    torch.manual_seed(0)
+    td = atari_pong[:ROWS]
+    trunk = torch.nn.Sequential(
+        ConvNet(activation_class=torch.nn.ReLU, num_cells=[32, 64, 64], kernel_sizes=[8, 4, 3], strides=[4, 2, 1]),
+        MLP(in_features=3136, out_features=512, num_cells=[], activation_class=torch.nn.ReLU, activate_last_layer=True))
+    with torch.no_grad():
+        td["common_features"] = trunk(td["observation"].float() / 255)
+    rb = TensorDictReplayBuffer(storage=TieredStorage(2 * ROWS), batch_size=32)
+    caught = _caught(lambda: rb.extend(td))
+    assert [w.category for w in caught] == [LowCompressionWarning]
+    message = str(caught[0].message)
+    assert "'common_features'" in message and "2,048 bytes per row" in message
+    assert "Pixels:" not in message  # not pixels: uint8 frames scaled in the network do not apply
+    assert "exclude('common_features')" in message  # what to do: leave it out if nothing reads it
+    assert caught[0].filename == __file__
+    assert torch.equal(rb[:]["common_features"], td["common_features"])
+
+
 def test_uint8_atari_stacks_do_not_warn(atari_pong):
     assert _caught(lambda: TieredStore(ROWS).extend(atari_pong[:ROWS])) == []
 

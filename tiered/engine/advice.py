@@ -176,8 +176,23 @@ def _message(field: Field, nxt: Field | None, ratio: float, rows: int, unstacked
                "bit, so no frame stack was found and whole float stacks are stored (frames normalized after "
                "stacking, as TorchRL's VecNorm after CatFrames does). Store the frames as uint8 and scale them "
                "in the network")
+    elif field.dtype.is_floating_point and not _image_like(field):
+        key = field.key[0] if len(field.key) == 1 else field.key
+        why = (f", less than {ADVICE_MIN_RATIO:.0f}x. A float vector, not frames: values a network computed "
+               "(features, logits, Q-values) keep little redundancy. If nothing reads it back from the buffer "
+               "(a loss that recomputes it from the observations, as TorchRL's ClipPPOLoss does the "
+               "actor-critic's 'common_features'), leave it out of what is stored: "
+               f"rb.extend(data.exclude({key!r})); noise: stored raw without being asked once it compresses "
+               "under 1.5x (codec='raw' also skips the trial compression)")
     else:
         why = (f", less than {ADVICE_MIN_RATIO:.0f}x. Pixels: store them as uint8 and normalize in the network; "
                "noise or already-compressed bytes: stored raw without being asked once they compress under "
                "1.5x (codec='raw' also skips the trial compression)")
     return f"{head}{why}. See {DOCS_PAGE}."
+
+
+def _image_like(field: Field) -> bool:
+    """Whether a cell has two dimensions that could be an image's height and width (8 or more
+    each): frames get the pixel advice, float vectors (a network's features) the advice to leave
+    them out."""
+    return sum(s >= 8 for s in field.shape) >= 2
