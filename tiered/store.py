@@ -465,6 +465,45 @@ class TieredStore:
             self._changed = True
             self._write.overwrite(index, data, length, None if cells is None else dict(cells))
 
+    def set_columns(self, index: IndexLike, data: TensorDictBase) -> bool:
+        """Overwrite some dense fields of rows already written, in their columns: the blob fields
+        (frames) are not read, decoded or compressed again, so this costs what the columns hold
+        (an advantage or a relabeled reward written back, ``rb.set_at_``). The length, the cursor
+        and every other field stay as they are.
+
+        Args:
+            index: rows already written (ints, slices, lists, arrays or tensors; no repeats).
+            data: a TensorDict of batch size ``[len(rows)]`` holding only dense fields of the
+                schema that have a column of their own: not a frame field, a bool flag (``done``
+                and the like share a byte), a field that cuts trajectories (done keys, the
+                trajectory key) or a field stored as its row numbers.
+
+        Returns:
+            True when the columns were written; False when the write is not one this method takes
+            (the cases above, a row never written, repeated rows, cells of other shapes), and
+            nothing changed: write whole rows with :meth:`set` then.
+
+        Raises:
+            LossyValueError: a value a ``dense_dtypes`` column cannot hold (nothing is written).
+            IndexOutOfRangeError: an index outside ``[-capacity, capacity)`` (nothing is written).
+
+        Example:
+            >>> from tensordict import TensorDict
+            >>> s = TieredStore(8, frames={"obs": 0})
+            >>> _ = s.extend(TensorDict(obs=torch.zeros(4, 2, 16, 16, dtype=torch.uint8),
+            ...                         adv=torch.zeros(4), batch_size=[4]))
+            >>> s.set_columns([1, 3], TensorDict(adv=torch.tensor([0.5, -1.0]), batch_size=[2]))
+            True
+            >>> s.get(torch.arange(4))["adv"].tolist()
+            [0.0, 0.5, 0.0, -1.0]
+        """
+        with self._lock:
+            self._check_writable()
+            rows = self._rows.resolve_write(index, int(data.batch_size[0]) if data.batch_size else 1)
+            done = self._write.set_columns(rows, data)
+            self._changed = self._changed or done
+            return done
+
     def clear(self) -> None:
         """Forget every row and release every blob (length and cursor go back to 0)."""
         with self._lock:

@@ -622,8 +622,10 @@ class RowSpace:
             cached = self._flag_tables = (bits, table.astype(bool))
         return cached[1]
 
-    def write_dense_cells(self, schema: Schema, rows: np.ndarray, cells: dict[Key, torch.Tensor]) -> None:
-        """Write the dense cells of a small write (one row: cells without a batch dimension)."""
+    def write_dense_cells(self, schema: Schema, rows: np.ndarray, cells: dict[Key, torch.Tensor], *,
+                          flags: bool = True) -> None:
+        """Write the dense cells of a small write (one row: cells without a batch dimension), or of
+        the columns of ``schema`` alone with ``flags=False`` (the flags byte left as it is)."""
         self.check_dense(rows)
         n = rows.size
         one = n == 1
@@ -658,7 +660,7 @@ class RowSpace:
                 else:
                     as_bits(dst).index_copy_(0, torch.from_numpy(rows),
                                              as_bits(v.reshape(n, *f.shape).cpu().to(dst.dtype)))
-        if self.flags is not None:
+        if self.flags is not None and flags:
             if one:  # one row (rb.add): its byte as a Python int, each flag's value one item() (~0.3 us)
                 keep, _, bits = scatter[2]
                 flags = self.flags.numpy()  # (a torch element get and set cost ~2 us each, numpy's ~0.1)

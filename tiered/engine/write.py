@@ -322,7 +322,7 @@ class WritePath:
         widen = self.widen
         # (detach only what carries autograd history: ~0.4 us a field on every small write)
         numbered = [f for f in schema.row_number_fields
-                    if row_number_mismatch(_no_grad(data[f.key]), at)]
+                    if f.key in data and row_number_mismatch(_no_grad(data[f.key]), at)]
         held = None
         if numbered:  # a row-number column becomes a column: one compare per column said so
             stage = self.stage
@@ -432,6 +432,46 @@ class WritePath:
             data = data[torch.from_numpy(keep)]
         self.write_rows(rows, data)
         self.rows.length_after(rows, length)
+
+    def set_columns(self, rows: np.ndarray, data: TensorDictBase) -> bool:
+        """Overwrite the dense fields ``data`` holds (batch ``[len(rows)]``, no other field) of
+        written ``rows`` in their columns: no blob field is read, decoded or encoded again.
+
+        Returns False, having changed nothing, where a column write cannot stand for the write: a
+        field that is not a column of its own (a blob field, a flag bit, a row-number field), one
+        that cuts trajectories (done keys, the trajectory key: the frame layout was planned with
+        them), an unknown key, cells not of the fields' shapes, repeated rows or a row never
+        written. The caller then writes whole rows.
+
+        Raises:
+            LossyValueError: a value that a ``dense_dtypes`` column cannot hold (nothing written).
+            ChecksumError, CorruptionError: a page of the rows' columns is damaged (nothing written).
+        """
+        layout = self.layout
+        if layout is None or not isinstance(data, TensorDictBase) or rows.size == 0:
+            return False
+        schema = layout.schema
+        cuts = {*DONE_KEYS, self.options.traj_key or ("collector", "traj_ids")}
+        columns = {f.key for f in schema.column_fields} - cuts
+        keys = [normalize_key(k) for k in data.keys(include_nested=True, leaves_only=True)]
+        if not keys or not set(keys) <= columns or len(set(keys)) != len(keys):
+            return False
+        sub = Schema([schema[k] for k in keys])
+        cells = sub.match(data, 1)
+        if cells is None or np.unique(rows).size != rows.size:
+            return False
+        written = self.rows.written[rows]
+        if not written.all():  # rows in the write stage have their dense cells in the columns too
+            staged = self.staged_slots(rows)
+            if staged is None or not (written | (staged >= 0)).all():
+                return False
+        check_cells_readable(sub, cells)
+        self.validate_values(sub, cells)
+        self.rows.check_dense(rows)  # the pages these rows overwrite, before anything changes
+        self.install_widening(self.prepare_widening(rows, cells))
+        # the fields as the store now keeps them (a widening just made a new schema)
+        self.rows.write_dense_cells(Schema([self.layout.schema[k] for k in keys]), rows, cells, flags=False)
+        return True
 
     # -- the write stage ----------------------------------------------------------------------
     def small_write(self, data: Any, batch_dims: int,

@@ -629,9 +629,12 @@ class TieredStorage(TensorStorage):
                 if len(side) < len(present):
                     cells = td.exclude(*side) if side else td
                     missing = [f.key for f in schema.values() if f.key not in set(present)]
-                    if missing:
-                        cells = self._fill_missing(rows, cells, missing, old_len, scalar)
-                    store.set(int(rows[0]) if scalar else rows, cells, length=new_len)
+                    # some dense fields of rows already written (rb.set_at_ of an advantage): their
+                    # columns alone, without decoding and compressing the rows' frames again
+                    if not (missing and not scalar and new_len == old_len and store.set_columns(rows, cells)):
+                        if missing:
+                            cells = self._fill_missing(rows, cells, missing, old_len, scalar)
+                        store.set(int(rows[0]) if scalar else rows, cells, length=new_len)
                 else:
                     store.set_length(new_len)
                 if side:
