@@ -181,6 +181,14 @@ class FrameColumns:
     def take(self, q: np.ndarray) -> np.ndarray:
         """Frames at positions ``q`` (a copy, ``[len(q), frame_nbytes]``); one gather per field."""
         out = np.empty((q.size, self.frame_nbytes), dtype=np.uint8)
+        c = self.cells[0]
+        if len(self.cells) == 1 and c.strides[1] == c.shape[2] and c.strides[0] == c.shape[1] * c.strides[1]:
+            # one field whose frames lie back to back (a contiguous tensor): positions are its
+            # frame rows, gathered straight into ``out`` (a fancy gather copies twice: into a
+            # temporary, then into ``out``); positions are in range by construction, so clip
+            # never changes one
+            np.take(c.reshape(-1, self.frame_nbytes), q, axis=0, out=out, mode="clip")
+            return out
         row, column = np.divmod(q, self.per_row)
         for f, c in enumerate(self.cells):  # each field holds the frame columns of its own range
             sel = ((column >= self.offsets[f]) & (column < self.offsets[f + 1])).ravel().nonzero()[0]
@@ -442,10 +450,16 @@ class FrameFamily:
             order = np.empty(total, dtype=np.int64)
             order[dst] = np.arange(total)
             return closed_ids, closed_nframes, root_frames[src[order]], reopened_ids
+        # the new frames gathered straight into chunk order (a gather and a scatter would copy
+        # each twice), the slots of frames already in reopened chunks pointing at frame 0 for
+        # now; those few are then copied from the open chunks over it
+        pick = np.zeros(total, dtype=np.int64)
+        pick[dst] = src
         closed_raw = np.empty((total, frame_nbytes), dtype=np.uint8)
+        if total and root_frames.shape[0]:
+            np.take(root_frames, pick, axis=0, out=closed_raw, mode="clip")  # (src is in range)
         closed_raw[ranges(start[closed.searchsorted(reopened)], old_fill)] = \
             self.open_frames.reshape(-1, frame_nbytes)[self._open_rows(reopened_ids, old_fill, index)]
-        closed_raw[dst] = root_frames[src]
         return closed_ids, closed_nframes, closed_raw, reopened_ids
 
     def _open_after(self, chunks: _Chunks, untouched: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
