@@ -499,7 +499,9 @@ class TieredStore:
         """
         with self._lock:
             self._check_writable()
-            rows = self._rows.resolve_write(index, int(data.batch_size[0]) if data.batch_size else 1)
+            if not isinstance(data, TensorDictBase) or len(data.batch_size) != 1:
+                return False  # (one batch dimension, as the docstring asks: anything else is set's)
+            rows = self._rows.resolve_write(index, int(data.batch_size[0]))
             done = self._write.set_columns(rows, data)
             self._changed = self._changed or done
             return done

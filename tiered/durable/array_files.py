@@ -58,7 +58,7 @@ from .manifest import PAGE_BYTES, page_checksums, read_npy_header
 
 __all__ = ["KEEP", "ARRAYS_DIR", "INTENT", "WRITE_UNIT", "FileState", "UndoImage", "UndoChain", "array_file",
            "undo_file", "stale_error", "kind_of", "plan_in_place", "read_runs", "write_in_place", "write_new", "write_undo",
-           "Pending", "sync_files",
+           "Pending", "sync_files", "standing_intent",
            "roll_back", "remove_obsolete", "write_intent", "read_intent", "read_intent_token", "stamp_of"]
 
 #: Commits whose before-images are kept: a read-only open reads its commit until the writer's
@@ -724,7 +724,7 @@ class UndoChain:
         finally:
             fileio.close(fd)
         token = read_intent_token(self.store)
-        intent = token[0] if token is not None else _dead_commit_images(self.store, self.generation)
+        intent = standing_intent(self.store, token, self.generation)
         if got != buf.size or intent is None or intent > self.generation + KEEP:
             return None, intent
         if token != self.token:  # images read under another intent may be another commit's since
@@ -757,7 +757,7 @@ class UndoChain:
             except (FileNotFoundError, CorruptionError) as e:
                 if read_intent_token(self.store) != token:
                     continue  # the writer moved meanwhile: its images, and the file, are another commit's
-                intent = _intent_or_images(self.store, self.generation)
+                intent = standing_intent(self.store, read_intent_token(self.store), self.generation)
                 if intent is not None and intent > self.generation:
                     raise stale_error(self.store, self.generation, intent) from e
                 raise
@@ -800,14 +800,13 @@ def roll_back(store: str, published: int) -> bool:
         CorruptionError: the intent names a commit whose before-images are missing or damaged, or
             names none and the before-images of a commit after ``published`` are damaged.
     """
-    intent = read_intent(store)
-    guessed = intent is None
-    if guessed:
-        intent = _dead_commit_images(store, published)
-        if intent is None:
-            if os.path.lexists(os.path.join(store, INTENT)):
-                write_intent(store, published)  # damaged, with no commit under way: harmless, made whole
-            return False
+    token = read_intent_token(store)
+    guessed = token is None
+    intent = standing_intent(store, token, published)
+    if intent is None:
+        if guessed and os.path.lexists(os.path.join(store, INTENT)):
+            write_intent(store, published)  # damaged, with no commit under way: harmless, made whole
+        return False
     if intent <= published:
         return False
     path = undo_file(store, intent)
@@ -847,22 +846,21 @@ def roll_back(store: str, published: int) -> bool:
     return True
 
 
-def _intent_or_images(store: str, generation: int) -> int | None:
-    """The commit the intent names; where it is missing or garbled, the newest commit after
-    ``generation`` whose before-images are in place (they are, before an intent names it)."""
-    intent = read_intent(store)
-    return intent if intent is not None else _dead_commit_images(store, generation)
-
-
-def _dead_commit_images(store: str, published: int) -> int | None:
-    """The newest commit after ``published`` whose before-images are in place, else None."""
+def standing_intent(store: str, token: tuple[int, int] | None, after: int) -> int | None:
+    """The commit an intent ``token`` (:func:`read_intent_token`) names; where the intent file is
+    missing or garbled (``token`` None), the newest commit after ``after`` whose before-images are
+    in place, which stand for it (they are complete before an intent names their commit), else None.
+    The one place readers (:class:`UndoChain`) and the writer's roll-back (:func:`roll_back`) decide
+    which commit was under way."""
+    if token is not None:
+        return token[0]
     try:
         names = os.listdir(os.path.join(store, ARRAYS_DIR))
     except FileNotFoundError:
         return None
-    dead = [int(m.group(1)) for m in map(_UNDO_FILE.match, names) if m is not None]  # a few files
-    newest = max(dead, default=published)
-    return newest if newest > published else None
+    made = [int(m.group(1)) for m in map(_UNDO_FILE.match, names) if m is not None]  # a few files
+    newest = max(made, default=after)
+    return newest if newest > after else None
 
 
 def remove_obsolete(store: str, published: int, current: dict[str, int]) -> None:

@@ -182,7 +182,7 @@ class FrameColumns:
         """Frames at positions ``q`` (a copy, ``[len(q), frame_nbytes]``); one gather per field."""
         out = np.empty((q.size, self.frame_nbytes), dtype=np.uint8)
         c = self.cells[0]
-        if len(self.cells) == 1 and c.strides[1] == c.shape[2] and c.strides[0] == c.shape[1] * c.strides[1]:
+        if len(self.cells) == 1 and c.flags.c_contiguous:
             # one field whose frames lie back to back (a contiguous tensor): positions are its
             # frame rows, gathered straight into ``out`` (a fancy gather copies twice: into a
             # temporary, then into ``out``); positions are in range by construction, so clip
